@@ -1,0 +1,87 @@
+"""phantom: finetune large Llama models by streaming their blocks through a small device.
+
+    model = phantom.load("tiny", device="cpu", offload="disk", lora=phantom.LoraConfig(rank=8))
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from phantom.config import PRESETS, ModelConfig, preset
+from phantom.lora import LoraConfig
+from phantom.model import PhantomModel
+from phantom.store import BlockStore, StoreError, parse_dtype
+
+__all__ = ["load", "resolve_model", "weights_dir", "LoraConfig", "ModelConfig", "PhantomModel", "BlockStore",
+           "StoreError", "PRESETS", "preset"]
+__version__ = "0.1.0"
+
+
+def weights_dir() -> Path:
+    """Where presets are prepared: $PHANTOM_WEIGHTS, else the checkout's weights/, else ./weights."""
+    if env := os.environ.get("PHANTOM_WEIGHTS"):
+        return Path(env)
+    repo = Path(__file__).resolve().parent.parent / "weights"
+    return repo if repo.is_dir() else Path.cwd() / "weights"
+
+
+def resolve_model(model: str | Path) -> Path:
+    """A store path from a path or a preset name; generates `tiny` on first use."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    name = str(model)
+    if name in PRESETS:
+        path = weights_dir() / name
+        if name == "tiny":
+            from phantom.convert import ensure_tiny
+            return ensure_tiny(path)
+        if not (path / "manifest.json").is_file():
+            raise FileNotFoundError(
+                f"model {name} is not prepared at {path}; run python scripts/prepare_model.py --src "
+                f"CHECKPOINT_DIR --out {path} (or --synthetic --preset {name} for random weights)")
+        return path
+    if os.sep in name or name.startswith("."):
+        raise FileNotFoundError(f"no phantom store at {name}")
+    raise ValueError(f"unknown model {name!r}: not a folder and not a preset ({', '.join(PRESETS)})")
+
+
+def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "disk", prefetch: int = 2,
+         dtype: str | torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
+         resident: int = 0, verify: str = "fast", trace: bool = False) -> PhantomModel:
+    """Open a prepared model as a PhantomModel.
+
+    Args:
+        model: a preset name (resolved under weights_dir()) or a store folder.
+        device: "cpu", "cuda", "cuda:1", "mps" or "auto" (the best available).
+        offload: "disk", "ram" or "none" (see PhantomModel).
+        prefetch: blocks read ahead of the one computing.
+        dtype: compute dtype, "fp32", "bf16", "fp16" or a torch dtype.
+        lora: the LoRA to train, or None.
+        resident: blocks kept on the device in streamed modes.
+        verify: store integrity checks, "fast", "full" or "none" (see BlockStore).
+        trace: record a Chrome trace of the scheduler's work.
+
+    Raises:
+        FileNotFoundError: the model is not prepared. ValueError: a bad argument. StoreError: a corrupt store.
+    """
+    store = BlockStore(resolve_model(model), verify=verify)
+    return PhantomModel(store, device=resolve_device(device), offload=offload, dtype=parse_dtype(dtype), lora=lora,
+                        prefetch=prefetch, resident=resident, trace=trace)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available; use --device cpu or auto")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps was asked for but MPS is not available; use --device cpu or auto")
+    return device

@@ -1,0 +1,189 @@
+"""The Llama building blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU, the block, LoRA.
+
+Parameter names follow Meta's checkpoints (attention.wq, feed_forward.w1, ...), and q/k rows are in
+Meta's interleaved RoPE layout. Blocks hold no I/O: the model swaps weights in from outside.
+Imports phantom.config only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from phantom.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()  # normalise in fp32 whatever the activation dtype, as Meta's reference does
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE, in Meta's layout: dimensions (2i, 2i+1) of each head form one rotating pair.
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    if s is not None:  # Llama-3.1: slow down low frequencies, keep high ones, blend in between
+        wavelen = 2 * math.pi / freqs
+        low_wavelen = s.original_max_seq_len / s.low_freq_factor
+        high_wavelen = s.original_max_seq_len / s.high_freq_factor
+        smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * freqs / s.factor + smooth * freqs
+        freqs = torch.where(wavelen > low_wavelen, freqs / s.factor,
+                            torch.where(wavelen < high_wavelen, freqs, blended))
+    return freqs
+
+
+def rope_table(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
+    """(seq_len, head_dim/2, 2) table of cos and sin, fp32."""
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), rope_frequencies(cfg))
+    return torch.stack([angles.cos(), angles.sin()], -1).float().to(device)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); rope: (T, D/2, 2) for x's positions."""
+    xp = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+    x0, x1 = xp[..., 0], xp[..., 1]
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2).type_as(x)
+
+
+def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta's interleaved q/k rows -> Hugging Face's half-split rows (its conversion script's permute)."""
+    out_dim = w.shape[0]
+    return w.view(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of permute_for_hf."""
+    out_dim = w.shape[0]
+    return w.view(n_heads, 2, out_dim // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class KVCache:
+    """Keys and values of one block for generation: (B, n_kv_heads, max_len, head_dim)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=None) -> "KVCache":
+        shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+
+
+def linear(in_features: int, out_features: int, device=None, dtype=None) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        kv = cfg.kv_heads * cfg.head_dim
+        self.wq = linear(cfg.dim, cfg.dim, device, dtype)
+        self.wk = linear(cfg.dim, kv, device, dtype)
+        self.wv = linear(cfg.dim, kv, device, dtype)
+        self.wo = linear(cfg.dim, cfg.dim, device, dtype)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                start_pos: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope)  # (B, T, H, D)
+        k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope)  # (B, T, KV, D)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        mask, causal = None, True
+        if cache is not None:
+            cache.k[:B, :, start_pos:start_pos + T] = k
+            cache.v[:B, :, start_pos:start_pos + T] = v
+            k, v = cache.k[:B, :, :start_pos + T], cache.v[:B, :, :start_pos + T]
+            if start_pos > 0:  # queries at start_pos.. see every cached key up to their own position
+                causal = False
+                pos_q = torch.arange(start_pos, start_pos + T, device=x.device)[:, None]
+                mask = torch.arange(start_pos + T, device=x.device)[None, :] <= pos_q
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.w1 = linear(cfg.dim, cfg.hidden_dim, device, dtype)  # gate
+        self.w2 = linear(cfg.hidden_dim, cfg.dim, device, dtype)  # down
+        self.w3 = linear(cfg.dim, cfg.hidden_dim, device, dtype)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
+        self.attention = Attention(cfg, device, dtype)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
+        self.feed_forward = FeedForward(cfg, device, dtype)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                start_pos: int = 0) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA
+
+class LoraLinear(nn.Module):
+    """y = x W^T + scale * dropout(x) A^T B^T, with W frozen; A random (Kaiming, as PEFT), B zero.
+
+    Takes over the base layer's weight Parameter, so the weight keeps its name (`...wq.weight`)
+    and the model can still swap streamed weights in by that name.
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
+                 generator: torch.Generator | None = None):
+        super().__init__()
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        self.rank, self.scale = rank, alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank))
+        bound = 1 / math.sqrt(base.in_features)  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and PEFT
+        with torch.no_grad():
+            self.lora_A.uniform_(-bound, bound, generator=generator)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    @property
+    def in_features(self) -> int:
+        return self.lora_A.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.lora_B.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
+        return F.linear(x, self.weight) + lora
+
+    def delta_weight(self) -> torch.Tensor:
+        return (self.lora_B @ self.lora_A) * self.scale

@@ -1,0 +1,272 @@
+"""`PhantomModel`: a Llama whose blocks are streamed through the scheduler, trained with plain autograd.
+
+Each streamed block is one autograd Function: its forward runs without a graph and keeps only the
+block's input; its backward acquires the block again, recomputes it with the RNG state and autocast
+of the forward, and returns the input and LoRA gradients. The head and loss are one chunked
+Function that never holds the (B, T, vocab) logits. `offload="none"` is the same model resident on
+the device with ordinary autograd: the reference. Imports config, layers, lora, store, scheduler.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from phantom.config import ModelConfig
+from phantom.layers import TransformerBlock, rms_norm, rope_table, KVCache
+from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
+from phantom.scheduler import BlockScheduler
+from phantom.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+OFFLOADS = ("none", "ram", "disk")
+IGNORE_INDEX = -100
+
+
+class RngState:
+    """CPU (and CUDA) RNG state at a block's forward, replayed in its recompute so dropout matches."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def replay(self):
+        devices = [self.device] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+class StreamedBlock(torch.autograd.Function):
+    """One transformer block over a streamed weight slot; recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, x, rope, model: "PhantomModel", i: int, *params):
+        ctx.model, ctx.i, ctx.n_params = model, i, len(params)
+        ctx.rng = RngState(x.device) if model.has_dropout else None
+        ctx.autocast = model.autocast_args()
+        with model.block_weights(i) as weights:
+            out = model.run_block(i, weights, x, rope)
+        ctx.save_for_backward(x, rope, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, rope, *params = ctx.saved_tensors
+        x = x.detach().requires_grad_(ctx.needs_input_grad[0])
+        rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
+        inputs = ([x] if x.requires_grad else []) + [p for p in params if p.requires_grad]
+        # The weights stay acquired until the gradients are computed: autograd reads them.
+        with ctx.model.block_weights(ctx.i) as weights:
+            with torch.enable_grad(), rng, torch.autocast(**ctx.autocast):
+                out = ctx.model.run_block(ctx.i, weights, x, rope)
+            grads = iter(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
+        gx = next(grads) if x.requires_grad else None
+        gparams = [next(grads) if p.requires_grad else None for p in params]
+        return (gx, None, None, None, *gparams)
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """Final norm + output projection + cross-entropy, a chunk of tokens at a time.
+
+    The forward also computes the gradient with respect to the hidden states, chunk by chunk, so no
+    (B, T, vocab) tensor ever exists and the head weight is used once per step. Targets equal to
+    -100 are ignored; the loss is the mean over the rest (0 if every target is ignored).
+    """
+
+    @staticmethod
+    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int):
+        hf, tf = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        n_valid = (tf != IGNORE_INDEX).sum().clamp(min=1)
+        wants = [ctx.needs_input_grad[0], norm_w.requires_grad, out_w.requires_grad]
+        grads = [torch.zeros_like(hf) if wants[0] else None, torch.zeros_like(norm_w) if wants[1] else None,
+                 torch.zeros_like(out_w) if wants[2] else None]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, hf.shape[0], chunk):
+            hc = hf[s:s + chunk].detach().requires_grad_(wants[0])
+            with torch.enable_grad():
+                logits = F.linear(rms_norm(hc, norm_w, eps), out_w).float()  # (chunk, vocab)
+                loss = F.cross_entropy(logits, tf[s:s + chunk], ignore_index=IGNORE_INDEX, reduction="sum")
+            if any(wants):
+                inputs = [t for t, w in zip((hc, norm_w, out_w), wants) if w]
+                gs = iter(torch.autograd.grad(loss, inputs))
+                if wants[0]:
+                    grads[0][s:s + chunk] = next(gs)
+                for k in (1, 2):
+                    if wants[k]:
+                        grads[k] += next(gs)
+            total += loss.detach()
+        ctx.save_for_backward(*(g / n_valid if g is not None else None for g in grads))
+        ctx.h_shape = h.shape
+        return total / n_valid
+
+    @staticmethod
+    def backward(ctx, g):
+        gh, gn, go = ctx.saved_tensors
+        return (gh.view(ctx.h_shape) * g if gh is not None else None, gn * g if gn is not None else None,
+                go * g if go is not None else None, None, None, None)
+
+
+class PhantomModel(nn.Module):
+    """A Llama model whose transformer blocks live in a block store and are streamed to `device`.
+
+    Build it with `phantom.load(...)`. Parameters that train (LoRA A/B) are ordinary nn.Parameters
+    of this module; base weights of streamed blocks are meta placeholders filled per use.
+
+    Args:
+        store: the block store.
+        device: where compute runs.
+        offload: "none" (all weights on the device, plain autograd; the reference), "ram" or "disk"
+            (blocks streamed by a BlockScheduler from host memory or from the files).
+        dtype: compute dtype; fp32 runs exactly, bf16/fp16 run blocks and head under autocast.
+        lora: the LoRA to apply, or None for a frozen model (inference).
+        prefetch: blocks read/copied ahead of the one computing (streamed modes).
+        resident: blocks kept on the device in streamed modes.
+        loss_chunk: tokens per chunk of the fused head + loss (default: ~64 MB of fp32 logits).
+        trace: record a Chrome trace in the scheduler.
+    """
+
+    def __init__(self, store: BlockStore, device: torch.device | str = "cpu", offload: str = "disk",
+                 dtype: torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
+                 prefetch: int = 2, resident: int = 0, loss_chunk: int | None = None, trace: bool = False):
+        super().__init__()
+        if offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, not {offload!r}")
+        self.cfg: ModelConfig = store.cfg
+        self.store, self.device, self.offload, self.dtype, self.lora_cfg = store, torch.device(device), offload, dtype, lora
+        self.amp = dtype != torch.float32
+        # fp32 runs upcast lower-precision stores; AMP runs use the stored weights as they are.
+        self.weight_dtype = torch.float32 if not self.amp else store.dtype
+        self.loss_chunk = loss_chunk or max(16, (64 << 20) // (4 * self.cfg.vocab_size))
+
+        self.layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype)
+                                    for _ in range(self.cfg.n_layers))
+        for p in self.layers.parameters():
+            p.requires_grad_(False)
+        if lora is not None:
+            for i, block in enumerate(self.layers):
+                apply_lora(block, lora, i)
+        self.has_dropout = lora is not None and lora.dropout > 0
+        for name, p in self.layers.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(self.device)  # fp32 master weights on the device
+
+        head = store.load_head()
+        self.norm_weight = nn.Parameter(head["norm.weight"].to(self.device, self.weight_dtype), requires_grad=False)
+        self.output_weight = nn.Parameter(head["output.weight"].to(self.device, self.weight_dtype),
+                                          requires_grad=False)
+        self.register_buffer("rope", rope_table(self.cfg, self.cfg.max_seq_len, self.device), persistent=False)
+
+        self.scheduler: BlockScheduler | None = None
+        if offload == "none":
+            self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, self.weight_dtype)
+            for i, block in enumerate(self.layers):
+                weights = {k: v.to(self.device, self.weight_dtype) for k, v in store.load_block(i).items()}
+                block.load_state_dict(weights, strict=False, assign=True)  # keeps requires_grad=False
+        else:
+            # The embedding is only gathered from: keep it on the host (memory-mapped for disk).
+            embed = store.mmap_embed() if offload == "disk" else store.load_embed()["tok_embeddings.weight"]
+            self.embed_table = embed
+            self.scheduler = BlockScheduler(store, self.device, offload, prefetch, resident, trace)
+        self._param_names = [[n for n, _ in block.named_parameters() if "lora_" not in n] for block in self.layers]
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar)."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
+        B, T = tokens.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
+        h = self.embed(tokens)
+        rope = self.rope[:T]
+        with torch.autocast(**self.autocast_args()):
+            h = self.blocks(h, rope)
+            if targets is None:
+                return F.linear(rms_norm(h, self.norm_weight, self.cfg.norm_eps), self.output_weight).float()
+            if targets.shape != tokens.shape:
+                raise ValueError(f"targets shape {tuple(targets.shape)} differs from tokens {tuple(tokens.shape)}")
+            return ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, targets.to(self.device),
+                                         self.cfg.norm_eps, self.loss_chunk)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def save_adapter(self, out: Path | str, base_model: str = "") -> Path:
+        if self.lora_cfg is None:
+            raise ValueError("this model has no LoRA to save")
+        return save_adapter(self.layers, self.cfg, self.lora_cfg, Path(out), base_model or str(self.store.path))
+
+    def load_adapter(self, path: Path | str) -> None:
+        load_adapter(self.layers, self.cfg, Path(path))
+
+    def close(self) -> None:
+        """Stop the scheduler's threads (and drain its write-back queue)."""
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # -- pieces --------------------------------------------------------------------------------
+
+    def autocast_args(self) -> dict:
+        return dict(device_type=self.device.type, dtype=self.dtype if self.amp else torch.bfloat16,
+                    enabled=self.amp)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.embed_table
+        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        h = F.embedding(tokens.to(table.device), table)  # (B, T, dim)
+        return h.to(self.device, self.weight_dtype, non_blocking=True)
+
+    def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,
+               start_pos: int = 0) -> torch.Tensor:
+        if self.scheduler is None:
+            for i, block in enumerate(self.layers):
+                h = block(h, rope, caches[i] if caches else None, start_pos)
+            return h
+        n = self.cfg.n_layers
+        lora_params = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
+        training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in lora_params for p in ps))
+        self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []))
+        for i in range(n):
+            if training:
+                h = StreamedBlock.apply(h, rope, self, i, *lora_params[i])
+            else:
+                with self.block_weights(i) as weights:
+                    h = self.run_block(i, weights, h, rope, caches[i] if caches else None, start_pos)
+        return h
+
+    @contextlib.contextmanager
+    def block_weights(self, i: int):
+        """Block i's streamed weights on the device, held until the `with` ends."""
+        weights = self.scheduler.acquire(i)
+        try:
+            if weights[self._param_names[i][0]].dtype != self.weight_dtype:
+                weights = {k: v.to(self.weight_dtype) for k, v in weights.items()}
+            yield weights
+        finally:
+            self.scheduler.release(i)
+
+    def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
+                  cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+        """Block i over x with the given base weights and the block's own LoRA parameters."""
+        return functional_call(self.layers[i], weights, (x, rope, cache, start_pos), strict=False)

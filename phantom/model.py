@@ -48,32 +48,47 @@ class RngState:
 
 
 class StreamedBlock(torch.autograd.Function):
-    """One transformer block over a streamed weight slot; recomputed in backward."""
+    """One transformer block over a streamed weight slot; recomputed in backward.
+
+    The batch is run in micro-batches of `model.micro_batch` rows while the block is on the device,
+    forward and backward (layer-major accumulation): each block is loaded once per direction per
+    step however many micro-batches the step has, and the activations inside the block never exceed
+    one micro-batch's.
+    """
 
     @staticmethod
     def forward(ctx, x, rope, model: "PhantomModel", i: int, *params):
-        ctx.model, ctx.i, ctx.n_params = model, i, len(params)
+        ctx.model, ctx.i = model, i
         ctx.rng = RngState(x.device) if model.has_dropout else None
         ctx.autocast = model.autocast_args()
         with model.block_weights(i) as weights:
-            out = model.run_block(i, weights, x, rope)
+            out = torch.cat([model.run_block(i, weights, xc, rope) for xc in model.split_batch(x)])
         ctx.save_for_backward(x, rope, *params)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, rope, *params = ctx.saved_tensors
-        x = x.detach().requires_grad_(ctx.needs_input_grad[0])
+        x_all, rope, *params = ctx.saved_tensors
+        model, needs_x = ctx.model, ctx.needs_input_grad[0]
+        trained = [p for p in params if p.requires_grad]
+        param_grads = [torch.zeros_like(p) for p in trained]
+        x_grads = []
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
-        inputs = ([x] if x.requires_grad else []) + [p for p in params if p.requires_grad]
         # The weights stay acquired until the gradients are computed: autograd reads them.
-        with ctx.model.block_weights(ctx.i) as weights:
-            with torch.enable_grad(), rng, torch.autocast(**ctx.autocast):
-                out = ctx.model.run_block(ctx.i, weights, x, rope)
-            grads = iter(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
-        gx = next(grads) if x.requires_grad else None
-        gparams = [next(grads) if p.requires_grad else None for p in params]
-        return (gx, None, None, None, *gparams)
+        with model.block_weights(ctx.i) as weights, rng:
+            for xc, gc in zip(model.split_batch(x_all), model.split_batch(grad_out)):
+                xc = xc.detach().requires_grad_(needs_x)
+                with torch.enable_grad(), torch.autocast(**ctx.autocast):
+                    out = model.run_block(ctx.i, weights, xc, rope)
+                grads = torch.autograd.grad(out, ([xc] if needs_x else []) + trained, gc, allow_unused=True)
+                if needs_x:
+                    x_grads.append(grads[0])
+                for acc, g in zip(param_grads, grads[1:] if needs_x else grads):
+                    if g is not None:
+                        acc += g
+        it = iter(param_grads)
+        gparams = [next(it) if p.requires_grad else None for p in params]
+        return (torch.cat(x_grads) if needs_x else None, None, None, None, *gparams)
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -132,13 +147,16 @@ class PhantomModel(nn.Module):
         lora: the LoRA to apply, or None for a frozen model (inference).
         prefetch: blocks read/copied ahead of the one computing (streamed modes).
         resident: blocks kept on the device in streamed modes.
+        micro_batch: rows of the batch run through a block at once (None: the whole batch). A batch
+            of K * micro_batch rows is gradient accumulation over K micro-batches, layer-major.
         loss_chunk: tokens per chunk of the fused head + loss (default: ~64 MB of fp32 logits).
         trace: record a Chrome trace in the scheduler.
     """
 
     def __init__(self, store: BlockStore, device: torch.device | str = "cpu", offload: str = "disk",
                  dtype: torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
-                 prefetch: int = 2, resident: int = 0, loss_chunk: int | None = None, trace: bool = False):
+                 prefetch: int = 2, resident: int = 0, micro_batch: int | None = None,
+                 loss_chunk: int | None = None, trace: bool = False):
         super().__init__()
         if offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, not {offload!r}")
@@ -147,6 +165,7 @@ class PhantomModel(nn.Module):
         self.amp = dtype != torch.float32
         # fp32 runs upcast lower-precision stores; AMP runs use the stored weights as they are.
         self.weight_dtype = torch.float32 if not self.amp else store.dtype
+        self.micro_batch = micro_batch
         self.loss_chunk = loss_chunk or max(16, (64 << 20) // (4 * self.cfg.vocab_size))
 
         self.layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype)
@@ -225,6 +244,9 @@ class PhantomModel(nn.Module):
 
     # -- pieces --------------------------------------------------------------------------------
 
+    def split_batch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.split(self.micro_batch) if self.micro_batch else (x,)
+
     def autocast_args(self) -> dict:
         return dict(device_type=self.device.type, dtype=self.dtype if self.amp else torch.bfloat16,
                     enabled=self.amp)
@@ -241,7 +263,8 @@ class PhantomModel(nn.Module):
                start_pos: int = 0) -> torch.Tensor:
         if self.scheduler is None:
             for i, block in enumerate(self.layers):
-                h = block(h, rope, caches[i] if caches else None, start_pos)
+                h = torch.cat([block(hc, rope, caches[i] if caches else None, start_pos)
+                               for hc in self.split_batch(h)]) if caches is None else block(h, rope, caches[i], start_pos)
             return h
         n = self.cfg.n_layers
         lora_params = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -282,11 +283,13 @@ class PhantomModel(nn.Module):
     def block_weights(self, i: int):
         """Block i's streamed weights on the device, held until the `with` ends."""
         weights = self.scheduler.acquire(i)
+        t0 = time.perf_counter()
         try:
             if weights[self._param_names[i][0]].dtype != self.weight_dtype:
                 weights = {k: v.to(self.weight_dtype) for k, v in weights.items()}
             yield weights
         finally:
+            self.scheduler.tracer.span("compute", f"block {i}", t0, time.perf_counter())  # the time it is held
             self.scheduler.release(i)
 
     def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,

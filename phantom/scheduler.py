@@ -129,7 +129,10 @@ class BlockScheduler:
         self._resident_views: dict[int, dict] = {}
         for i in range(self.resident):
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            buf.copy_(self._host_copy_of(i))
+            staging = None if offload == "ram" else (buf if self.device.type == "cpu" else torch.empty_like(buf, device="cpu"))
+            src = self._host_copy_of(i, staging)
+            if src is not buf:
+                buf.copy_(src)
             self._resident_views[i] = store.block_views(buf)
 
         # Streaming slots. On CPU with the RAM tier the host buffer is the device buffer: no copy.
@@ -164,6 +167,9 @@ class BlockScheduler:
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
         """Block's weights on the device, as views; waits if it is not there yet. Pair with release()."""
         if block in self._resident_views:
+            with self._cv:
+                self._advance_plan_to(block)
+                self._pos += 1
             return self._resident_views[block]
         if self._zero_copy:
             return self.store.block_views(self._ram[block])
@@ -238,9 +244,10 @@ class BlockScheduler:
         for p in range(self._pos, len(self._plan)):
             if self._plan[p] == block:
                 self._pos = p
-                return
-        self._plan, self._pos = [block], 0
-        self._cv.notify_all()
+                break
+        else:
+            self._plan, self._pos = [block], 0
+        self._cv.notify_all()  # the prefetch window moved
 
     def _slot_holding(self, block: int) -> Slot | None:
         for s in self.slots:

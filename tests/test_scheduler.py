@@ -1,0 +1,108 @@
+"""The block scheduler: reuse at the forward/backward turn, errors from its threads, the trace."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+import phantom
+from phantom.scheduler import BlockScheduler, WriteBackQueue
+from phantom.store import BlockStore
+from conftest import SMALL, batch
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3, 4])
+def test_blocks_still_on_the_device_are_reused_at_the_turn(small_store, prefetch):
+    model = phantom.load(small_store, offload="disk", prefetch=prefetch)
+    tokens, targets = batch(SMALL)
+    n, slots = SMALL.n_layers, min(prefetch + 1, SMALL.n_layers)
+    # step 1 reuses the last blocks of the forward; later steps also start with the first blocks,
+    # which the previous backward left on the device
+    for expected_loads in (2 * n - slots, 2 * n - 2 * slots, 2 * n - 2 * slots):
+        model.scheduler.take_metrics()
+        model(tokens, targets=targets).backward()
+        m = model.scheduler.take_metrics()
+        assert m["loads"] == expected_loads
+        assert m["bytes_read"] == m["loads"] * model.store.block_nbytes
+    model.close()
+
+
+def test_prefetch_io_error_reaches_the_training_thread_fast(small_store, monkeypatch):
+    store = BlockStore(small_store)
+    real = store.read_block_into
+
+    def failing(i, buf):
+        if i == 2:
+            raise OSError(5, "Input/output error (injected)")
+        return real(i, buf)
+
+    monkeypatch.setattr(store, "read_block_into", failing)
+    with BlockScheduler(store, "cpu", "disk", prefetch=2) as sched:
+        sched.plan([0, 1, 2, 3])
+        for i in (0, 1):
+            sched.acquire(i)
+            sched.release(i)
+        t0 = time.perf_counter()
+        with pytest.raises(OSError, match="injected"):
+            sched.acquire(2)
+        assert time.perf_counter() - t0 < 1.0
+
+
+def test_resident_blocks_are_never_reloaded(small_store):
+    model = phantom.load(small_store, offload="disk", prefetch=1, resident=2)
+    tokens, targets = batch(SMALL)
+    model.scheduler.take_metrics()
+    model(tokens, targets=targets).backward()
+    assert model.scheduler.take_metrics()["loads"] == 2 * 2 - 2  # blocks 2, 3: forward, 3 reused
+    model.close()
+
+
+def test_writeback_queue_reraises_errors_in_the_caller():
+    q = WriteBackQueue(maxsize=2)
+    assert q.submit(lambda: 41 + 1).result(timeout=5) == 42
+
+    def boom():
+        raise OSError(28, "No space left on device (injected)")
+
+    q.submit(boom)
+    with pytest.raises(OSError, match="No space left"):
+        q.flush()
+    q.close()
+
+
+def test_writeback_queue_applies_back_pressure():
+    q = WriteBackQueue(maxsize=1)
+    gate = threading.Event()
+    q.submit(gate.wait)  # the worker is busy with this one
+    q.submit(lambda: None)  # this one waits in the queue
+    blocked = threading.Thread(target=q.submit, args=(lambda: None,))
+    blocked.start()
+    blocked.join(0.2)
+    assert blocked.is_alive()  # a third submit waits for room
+    gate.set()
+    blocked.join(5)
+    assert not blocked.is_alive()
+    q.close()
+
+
+def test_trace_has_a_lane_per_kind_of_work(small_store, tmp_path):
+    model = phantom.load(small_store, offload="disk", prefetch=1, trace=True)
+    tokens, targets = batch(SMALL)
+    model(tokens, targets=targets).backward()
+    model.scheduler.tracer.write(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"compute", "read", "copy", "write-back"} <= lanes
+    reads = [e for e in events if e["ph"] == "X" and e["name"].startswith("read")]
+    assert len(reads) == 2 * SMALL.n_layers - 2
+    model.close()
+
+
+def test_close_stops_the_prefetch_thread(small_store):
+    model = phantom.load(small_store, offload="disk")
+    thread = model.scheduler._thread
+    model.close()
+    assert not thread.is_alive()

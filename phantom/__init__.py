@@ -50,7 +50,7 @@ def resolve_model(model: str | Path) -> Path:
 
 def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "disk", prefetch: int = 2,
          dtype: str | torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
-         resident: int = 0, micro_batch: int | None = None, verify: str = "fast",
+         resident: int = 0, micro_batch: int | None = None, recompute: str = "all", verify: str = "fast",
          trace: bool = False) -> PhantomModel:
     """Open a prepared model as a PhantomModel.
 
@@ -63,6 +63,7 @@ def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "
         lora: the LoRA to train, or None.
         resident: blocks kept on the device in streamed modes.
         micro_batch: rows per block call; a larger batch is accumulated layer-major (see PhantomModel).
+        recompute: "all", "none" or "auto": which blocks rerun their forward in backward.
         verify: store integrity checks, "fast", "full" or "none" (see BlockStore).
         trace: record a Chrome trace of the scheduler's work.
 
@@ -71,7 +72,7 @@ def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "
     """
     store = BlockStore(resolve_model(model), verify=verify)
     return PhantomModel(store, device=resolve_device(device), offload=offload, dtype=parse_dtype(dtype), lora=lora,
-                        prefetch=prefetch, resident=resident, micro_batch=micro_batch, trace=trace)
+                        prefetch=prefetch, resident=resident, micro_batch=micro_batch, recompute=recompute, trace=trace)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

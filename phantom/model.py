@@ -27,6 +27,7 @@ from phantom.store import BlockStore
 log = logging.getLogger(__name__)
 
 OFFLOADS = ("none", "ram", "disk")
+RECOMPUTE = ("all", "none", "auto")
 IGNORE_INDEX = -100
 
 
@@ -48,45 +49,108 @@ class RngState:
             yield
 
 
+class WeightHandles:
+    """saved_tensors_hooks that keep activations but not weights.
+
+    A tensor autograd saves that lives in the block's weight buffer (a weight, or a view of one) is
+    packed as a handle (offset, shape, stride) into that buffer; in backward the block is acquired
+    again and the handle is rebuilt on whatever slot now holds it. Everything else is kept as is.
+    """
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.storage_ptr = next(iter(weights.values())).untyped_storage().data_ptr()
+        self.storage = None
+        self.kept_bytes = 0
+        self.weight_handles = 0
+
+    def bind(self, weights: dict[str, torch.Tensor] | None) -> None:
+        self.storage = next(iter(weights.values())).untyped_storage() if weights else None
+
+    def pack(self, t: torch.Tensor):
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() == self.storage_ptr:
+            self.weight_handles += 1
+            return (WeightHandles, t.dtype, t.storage_offset(), t.shape, t.stride())
+        self.kept_bytes += t.numel() * t.element_size()
+        return t
+
+    def unpack(self, packed):
+        if isinstance(packed, tuple) and packed[0] is WeightHandles:
+            _, dtype, offset, shape, stride = packed
+            assert self.storage is not None, "weight handle used outside the block's backward"
+            return torch.empty(0, dtype=dtype, device=self.storage.device).set_(self.storage, offset, shape, stride)
+        return packed
+
+
 class StreamedBlock(torch.autograd.Function):
-    """One transformer block over a streamed weight slot; recomputed in backward.
+    """One transformer block over a streamed weight slot.
 
     The batch is run in micro-batches of `model.micro_batch` rows while the block is on the device,
     forward and backward (layer-major accumulation): each block is loaded once per direction per
-    step however many micro-batches the step has, and the activations inside the block never exceed
-    one micro-batch's.
+    step however many micro-batches the step has.
+
+    Two policies for what lives between forward and backward (`model.keeps(i)`):
+    - recompute: only the block's input; the backward acquires the block again and reruns its
+      forward with the forward's RNG state and autocast (activation checkpointing).
+    - keep: the autograd graph with its activations, but not the weights (see WeightHandles); the
+      backward acquires the block again and only runs the backward: no forward compute twice.
     """
 
     @staticmethod
     def forward(ctx, x, rope, model: "PhantomModel", i: int, *params):
         ctx.model, ctx.i = model, i
-        ctx.rng = RngState(x.device) if model.has_dropout else None
         ctx.autocast = model.autocast_args()
+        ctx.keep = model.keeps(i)
+        ctx.rng = RngState(x.device) if model.has_dropout and not ctx.keep else None
         with model.block_weights(i) as weights:
-            out = torch.cat([model.run_block(i, weights, xc, rope) for xc in model.split_batch(x)])
-        ctx.save_for_backward(x, rope, *params)
-        return out
+            if not ctx.keep:
+                out = torch.cat([model.run_block(i, weights, xc, rope) for xc in model.split_batch(x)])
+                ctx.save_for_backward(x, rope, *params)
+                return out
+            ctx.hooks, ctx.graphs = WeightHandles(weights), []
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ctx.hooks.pack, ctx.hooks.unpack):
+                for xc in model.split_batch(x):
+                    xc = xc.detach().requires_grad_(x.requires_grad)
+                    ctx.graphs.append((xc, model.run_block(i, weights, xc, rope)))
+        model.kept_bytes += ctx.hooks.kept_bytes
+        model.kept_blocks += 1
+        model.kept_per_block = max(model.kept_per_block, ctx.hooks.kept_bytes)
+        model.weight_handles += ctx.hooks.weight_handles
+        ctx.save_for_backward(*params)
+        return torch.cat([out.detach() for _, out in ctx.graphs])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_all, rope, *params = ctx.saved_tensors
         model, needs_x = ctx.model, ctx.needs_input_grad[0]
+        saved = ctx.saved_tensors
+        params = saved if ctx.keep else saved[2:]
         trained = [p for p in params if p.requires_grad]
         param_grads = [torch.zeros_like(p) for p in trained]
         x_grads = []
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
         # The weights stay acquired until the gradients are computed: autograd reads them.
         with model.block_weights(ctx.i) as weights, rng:
-            for xc, gc in zip(model.split_batch(x_all), model.split_batch(grad_out)):
-                xc = xc.detach().requires_grad_(needs_x)
-                with torch.enable_grad(), torch.autocast(**ctx.autocast):
-                    out = model.run_block(ctx.i, weights, xc, rope)
+            if ctx.keep:
+                ctx.hooks.bind(weights)
+                graphs = ctx.graphs
+            else:
+                x_all, rope = saved[:2]
+                graphs = None
+            for k, gc in enumerate(model.split_batch(grad_out)):
+                if graphs is not None:
+                    xc, out = graphs[k]
+                else:
+                    xc = model.split_batch(x_all)[k].detach().requires_grad_(needs_x)
+                    with torch.enable_grad(), torch.autocast(**ctx.autocast):
+                        out = model.run_block(ctx.i, weights, xc, rope)
                 grads = torch.autograd.grad(out, ([xc] if needs_x else []) + trained, gc, allow_unused=True)
                 if needs_x:
                     x_grads.append(grads[0])
                 for acc, g in zip(param_grads, grads[1:] if needs_x else grads):
                     if g is not None:
                         acc += g
+            if ctx.keep:
+                ctx.hooks.bind(None)
+                ctx.graphs = None
         it = iter(param_grads)
         gparams = [next(it) if p.requires_grad else None for p in params]
         return (torch.cat(x_grads) if needs_x else None, None, None, None, *gparams)
@@ -148,6 +212,11 @@ class PhantomModel(nn.Module):
         lora: the LoRA to apply, or None for a frozen model (inference).
         prefetch: blocks read/copied ahead of the one computing (streamed modes).
         resident: blocks kept on the device in streamed modes.
+        recompute: "all" reruns each block's forward in backward (keeps only block inputs);
+            "none" keeps each block's activations (not its weights) and skips the rerun; "auto"
+            keeps as many blocks as fit `keep_budget` bytes and recomputes the rest.
+        keep_budget: bytes of kept activations allowed under "auto" (default: half the memory
+            available on the device's side: host RAM on CPU, free device memory on CUDA).
         micro_batch: rows of the batch run through a block at once (None: the whole batch). A batch
             of K * micro_batch rows is gradient accumulation over K micro-batches, layer-major.
         loss_chunk: tokens per chunk of the fused head + loss (default: ~64 MB of fp32 logits).
@@ -156,7 +225,8 @@ class PhantomModel(nn.Module):
 
     def __init__(self, store: BlockStore, device: torch.device | str = "cpu", offload: str = "disk",
                  dtype: torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
-                 prefetch: int = 2, resident: int = 0, micro_batch: int | None = None,
+                 prefetch: int = 2, resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
+                 keep_budget: int | None = None,
                  loss_chunk: int | None = None, trace: bool = False):
         super().__init__()
         if offload not in OFFLOADS:
@@ -167,6 +237,14 @@ class PhantomModel(nn.Module):
         # fp32 runs upcast lower-precision stores; AMP runs use the stored weights as they are.
         self.weight_dtype = torch.float32 if not self.amp else store.dtype
         self.micro_batch = micro_batch
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, not {recompute!r}")
+        self.recompute = recompute
+        self.keep_budget = keep_budget if keep_budget is not None else default_keep_budget(self.device)
+        self.kept_bytes = 0  # activations kept by `keep` blocks in the current step
+        self.kept_blocks = 0
+        self.kept_per_block = 0  # the most one block kept (the estimate for "auto")
+        self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
         self.loss_chunk = loss_chunk or max(16, (64 << 20) // (4 * self.cfg.vocab_size))
 
         self.layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype)
@@ -245,6 +323,12 @@ class PhantomModel(nn.Module):
 
     # -- pieces --------------------------------------------------------------------------------
 
+    def keeps(self, i: int) -> bool:
+        """Whether block i keeps its activations this step (else it is recomputed in backward)."""
+        if self.recompute != "auto":
+            return self.recompute == "none"
+        return self.kept_bytes + self.kept_per_block <= self.keep_budget
+
     def split_batch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return x.split(self.micro_batch) if self.micro_batch else (x,)
 
@@ -268,6 +352,7 @@ class PhantomModel(nn.Module):
                                for hc in self.split_batch(h)]) if caches is None else block(h, rope, caches[i], start_pos)
             return h
         n = self.cfg.n_layers
+        self.kept_bytes = self.kept_blocks = 0
         lora_params = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
         training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in lora_params for p in ps))
         self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []))
@@ -296,3 +381,14 @@ class PhantomModel(nn.Module):
                   cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
         """Block i over x with the given base weights and the block's own LoRA parameters."""
         return functional_call(self.layers[i], weights, (x, rope, cache, start_pos), strict=False)
+
+
+def default_keep_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024 // 2
+    except (OSError, KeyError, ValueError):
+        return 4 << 30

@@ -185,8 +185,12 @@ def views(buf: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]
     return {s.name: buf[s.start:s.end].view(s.dtype).view(s.shape) for s in specs}
 
 
-def readinto_exact(path: Path, offset: int, buf: torch.Tensor) -> None:
-    """Read len(buf) bytes at offset into a contiguous CPU uint8 tensor."""
+def readinto_exact(path: Path, offset: int, buf: torch.Tensor, drop_cache: bool = False) -> None:
+    """Read len(buf) bytes at offset into a contiguous CPU uint8 tensor.
+
+    drop_cache asks the kernel to forget the file's pages afterwards, so the next read comes from
+    the disk again (benchmarks of cold reads; also keeps a huge model from churning the page cache).
+    """
     mv = memoryview(buf.numpy()).cast("B")
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
@@ -196,6 +200,8 @@ def readinto_exact(path: Path, offset: int, buf: torch.Tensor) -> None:
             if not n:
                 raise StoreError(f"{path}: truncated while reading ({got} of {len(mv)} bytes)")
             got += n
+        if drop_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def safe_join(root: Path, rel: str) -> Path:
@@ -305,10 +311,12 @@ class BlockStore:
         path: the store folder (holding manifest.json).
         verify: "fast" checks sizes and headers of every file on open and the sha256 of each file
             the first time it is read; "full" hashes every file on open; "none" skips hashes.
+        drop_cache: evict each block file from the page cache after reading it (cold reads).
     """
 
-    def __init__(self, path: Path | str, verify: str = "fast"):
+    def __init__(self, path: Path | str, verify: str = "fast", drop_cache: bool = False):
         self.path = Path(path)
+        self.drop_cache = drop_cache
         if verify not in ("fast", "full", "none"):
             raise ValueError(f"verify must be fast, full or none, not {verify!r}")
         mpath = self.path / MANIFEST
@@ -389,7 +397,7 @@ class BlockStore:
     def read_block_into(self, i: int, buf: torch.Tensor) -> None:
         """Read block i's data section into buf (a CPU uint8 tensor of block_nbytes), verified."""
         e = self.blocks[i]
-        readinto_exact(e.path, e.data_start, buf[: e.nbytes])
+        readinto_exact(e.path, e.data_start, buf[: e.nbytes], self.drop_cache)
         self.verify_file(e, buf[: e.nbytes])
 
     def block_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:

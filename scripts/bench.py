@@ -1,0 +1,164 @@
+"""Benchmark one LoRA training step of the same synthetic model under several placements, side by side.
+
+    python scripts/bench.py --dim 1024 --layers 8 --batch-size 4 --seq-len 256 --cold
+
+Modes: resident (offload=none, plain autograd), ram and disk (phantom streaming with prefetch K),
+naive (disk, prefetch 0: load each block synchronously before use, as slowllama does). Each mode
+runs in its own process so peak memory is its own. The table goes to stdout and to
+notes/bench-<device>.md with the command line and the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import phantom  # noqa: E402
+from phantom.config import ModelConfig  # noqa: E402
+from phantom.convert import write_synthetic  # noqa: E402
+from phantom.store import BlockStore  # noqa: E402
+
+MODES = {  # name -> load arguments
+    "resident": dict(offload="none"),
+    "ram": dict(offload="ram"),
+    "disk": dict(offload="disk"),
+    "naive": dict(offload="disk", prefetch=0),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dim", type=int, default=1024, help="model width")
+    p.add_argument("--layers", type=int, default=8, help="number of blocks")
+    p.add_argument("--heads", type=int, default=16, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); default: heads")
+    p.add_argument("--preset", default=None, help="take the shapes of a preset (e.g. 70B); --layers still cuts depth")
+    p.add_argument("--batch-size", type=int, default=4, help="rows per step")
+    p.add_argument("--micro-batch", default="", help="comma list of micro-batch sizes to sweep (layer-major accumulation)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="store and compute dtype")
+    p.add_argument("--prefetch", type=int, default=2, help="prefetch depth K for ram/disk")
+    p.add_argument("--recompute", default="all", help="comma list of recompute policies to run (all, none, auto)")
+    p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
+    p.add_argument("--cold", action="store_true", help="evict block files from the page cache after each read")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
+    p.add_argument("--store", default=None, help="use this store instead of writing a synthetic one")
+    p.add_argument("--out", default=None, help="notes file to append to (default notes/bench-<device>.md)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def worker(args) -> dict:
+    """One mode in this process: warm-up step, timed steps, metrics."""
+    mode, recompute, micro = args.worker.split(":")
+    kw = dict(MODES[mode])
+    kw.setdefault("prefetch", args.prefetch)
+    store = BlockStore(args.store, drop_cache=args.cold)
+    model = phantom.PhantomModel(store, device=phantom.resolve_device(args.device), dtype=store.dtype,
+                                 lora=phantom.LoraConfig(rank=8), recompute=recompute,
+                                 micro_batch=int(micro) if micro != "-" else None, **kw)
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
+    x, y = tokens[:, :-1].to(model.device), tokens[:, 1:].to(model.device)
+    times, stalls, metrics = [], [], []
+    for step in range(args.steps + 1):
+        if model.scheduler:
+            model.scheduler.take_metrics()
+        t0 = time.perf_counter()
+        model(x, targets=y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        m = model.scheduler.take_metrics() if model.scheduler else {}
+        if step:  # step 0 is warm-up
+            times.append(dt)
+            stalls.append(m.get("stall_s", 0.0) / dt)
+            metrics.append(m)
+    model.close()
+    moved = sum(m.get("bytes_read", 0) + m.get("bytes_h2d", 0) for m in metrics) / len(metrics)
+    read_s = sum(m.get("read_s", 0) for m in metrics)
+    return {"step_s": statistics.median(times), "stall": statistics.mean(stalls),
+            "loads": metrics[-1].get("loads", 0), "bytes_per_step": moved,
+            "read_gbps": sum(m.get("bytes_read", 0) for m in metrics) / read_s / 1e9 if read_s else 0.0,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else 0.0}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        if args.store is None:
+            if args.preset:
+                cfg = phantom.preset(args.preset, n_layers=args.layers)
+            else:
+                cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                                  vocab_size=32000, max_seq_len=max(args.seq_len, 256))
+            args.store = str(write_synthetic(Path(tmp) / "bench", cfg, phantom.store.parse_dtype(args.dtype)))
+        store = BlockStore(args.store)
+        block_mb = store.block_nbytes / 2**20
+        rows = []
+        for recompute in args.recompute.split(","):
+            for micro in (args.micro_batch.split(",") if args.micro_batch else ["-"]):
+                for mode in args.modes.split(","):
+                    if mode == "resident" and (recompute != args.recompute.split(",")[0]):
+                        continue  # resident has no recompute policy: one row is enough
+                    cmd = [sys.executable, __file__, "--worker", f"{mode}:{recompute}:{micro}"] + \
+                          [a for a in (argv if argv is not None else sys.argv[1:]) if a] + ["--store", args.store]
+                    out = subprocess.run(cmd, capture_output=True, text=True)
+                    if out.returncode:
+                        sys.exit(f"error: {mode} failed:\n{out.stderr[-2000:]}")
+                    r = json.loads(out.stdout.strip().splitlines()[-1])
+                    rows.append((mode, recompute if mode != "resident" else "-", micro, r))
+                    print(f"{mode:9s} recompute={recompute:4s} micro={micro:3s} {r['step_s']:.3f} s/step", flush=True)
+    base = next((r["step_s"] for m, _, _, r in rows if m == "resident"), None)
+    cfg = store.cfg
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python scripts/bench.py {' '.join(sys.argv[1:])}`", "",
+             f"- machine: {machine()}; device {args.device}",
+             f"- model: dim {cfg.dim}, {cfg.n_layers} blocks of {block_mb:.1f} MiB ({store.dtype}), "
+             f"batch {args.batch_size} x {args.seq_len}, prefetch {args.prefetch}, "
+             f"{'cold (page cache dropped after each read)' if args.cold else 'warm page cache'}", "",
+             "| mode | recompute | micro-batch | step s | vs resident | stall | block loads | MB moved/step "
+             "| read GB/s | peak RSS GB | peak device GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, rc, micro, r in rows:
+        ratio = f"{r['step_s'] / base:.3f}x" if base else "-"
+        lines.append(f"| {mode} | {rc} | {micro} | {r['step_s']:.3f} | {ratio} | {r['stall']:.1%} | {r['loads']} | "
+                     f"{r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | {r['peak_rss_gb']:.2f} | "
+                     f"{r['peak_dev_gb']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out or Path(__file__).resolve().parent.parent / "notes" / f"bench-{torch.device(args.device).type}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

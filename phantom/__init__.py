@@ -50,8 +50,8 @@ def resolve_model(model: str | Path) -> Path:
 
 def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "disk", prefetch: int = 2,
          dtype: str | torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
-         resident: int = 0, micro_batch: int | None = None, recompute: str = "all", verify: str = "fast",
-         trace: bool = False) -> PhantomModel:
+         resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
+         checkpoint_inner: bool = False, verify: str = "fast", trace: bool = False) -> PhantomModel:
     """Open a prepared model as a PhantomModel.
 
     Args:
@@ -64,6 +64,7 @@ def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "
         resident: blocks kept on the device in streamed modes.
         micro_batch: rows per block call; a larger batch is accumulated layer-major (see PhantomModel).
         recompute: "all", "none" or "auto": which blocks rerun their forward in backward.
+        checkpoint_inner: checkpoint attention and MLP separately inside each block (long sequences).
         verify: store integrity checks, "fast", "full" or "none" (see BlockStore).
         trace: record a Chrome trace of the scheduler's work.
 
@@ -72,7 +73,8 @@ def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "
     """
     store = BlockStore(resolve_model(model), verify=verify)
     return PhantomModel(store, device=resolve_device(device), offload=offload, dtype=parse_dtype(dtype), lora=lora,
-                        prefetch=prefetch, resident=resident, micro_batch=micro_batch, recompute=recompute, trace=trace)
+                        prefetch=prefetch, resident=resident, micro_batch=micro_batch, recompute=recompute, checkpoint_inner=checkpoint_inner,
+                        trace=trace)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from phantom.config import ModelConfig
 
@@ -137,17 +138,30 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm Llama block. With `checkpoint_inner` set, attention and MLP are each checkpointed
+    when a graph is built, so at most one of their activations is alive at a time (long sequences)."""
+
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
         self.attention = Attention(cfg, device, dtype)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
         self.feed_forward = FeedForward(cfg, device, dtype)
+        self.checkpoint_inner = False
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
+        if self.checkpoint_inner and torch.is_grad_enabled() and cache is None:
+            h = x + checkpoint(self._attention, x, rope, use_reentrant=False)
+            return h + checkpoint(self._mlp, h, use_reentrant=False)
         h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def _attention(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        return self.attention(self.attention_norm(x), rope)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(self.ffn_norm(h))
 
 
 # ---------------------------------------------------------------------------------------------

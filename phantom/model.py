@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from phantom.config import ModelConfig
 from phantom.layers import TransformerBlock, rms_norm, rope_table, KVCache
@@ -217,6 +216,8 @@ class PhantomModel(nn.Module):
             keeps as many blocks as fit `keep_budget` bytes and recomputes the rest.
         keep_budget: bytes of kept activations allowed under "auto" (default: half the memory
             available on the device's side: host RAM on CPU, free device memory on CUDA).
+        checkpoint_inner: also checkpoint attention and MLP separately inside each block, so a
+            block's backward holds one of them at a time (long sequences; costs one more forward).
         micro_batch: rows of the batch run through a block at once (None: the whole batch). A batch
             of K * micro_batch rows is gradient accumulation over K micro-batches, layer-major.
         loss_chunk: tokens per chunk of the fused head + loss (default: ~64 MB of fp32 logits).
@@ -226,7 +227,7 @@ class PhantomModel(nn.Module):
     def __init__(self, store: BlockStore, device: torch.device | str = "cpu", offload: str = "disk",
                  dtype: torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
                  prefetch: int = 2, resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
-                 keep_budget: int | None = None,
+                 keep_budget: int | None = None, checkpoint_inner: bool = False,
                  loss_chunk: int | None = None, trace: bool = False):
         super().__init__()
         if offload not in OFFLOADS:
@@ -255,6 +256,8 @@ class PhantomModel(nn.Module):
             for i, block in enumerate(self.layers):
                 apply_lora(block, lora, i)
         self.has_dropout = lora is not None and lora.dropout > 0
+        for block in self.layers:
+            block.checkpoint_inner = checkpoint_inner
         for name, p in self.layers.named_parameters():
             if "lora_" in name:
                 p.data = p.data.to(self.device)  # fp32 master weights on the device
@@ -366,21 +369,42 @@ class PhantomModel(nn.Module):
 
     @contextlib.contextmanager
     def block_weights(self, i: int):
-        """Block i's streamed weights on the device, held until the `with` ends."""
+        """Block i's streamed weights acquired and bound into self.layers[i] until the `with` ends.
+
+        Binding swaps the meta placeholders for the slot's tensor views (no copy, no new module);
+        autograd may read them until the `with` ends, so backward passes run inside it.
+        """
         weights = self.scheduler.acquire(i)
         t0 = time.perf_counter()
         try:
             if weights[self._param_names[i][0]].dtype != self.weight_dtype:
                 weights = {k: v.to(self.weight_dtype) for k, v in weights.items()}
-            yield weights
+            with bind_weights(self.layers[i], weights):
+                yield weights
         finally:
             self.scheduler.tracer.span("compute", f"block {i}", t0, time.perf_counter())  # the time it is held
             self.scheduler.release(i)
 
     def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
                   cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
-        """Block i over x with the given base weights and the block's own LoRA parameters."""
-        return functional_call(self.layers[i], weights, (x, rope, cache, start_pos), strict=False)
+        """Block i over x; its base weights are bound by block_weights(i)."""
+        return self.layers[i](x, rope, cache, start_pos)
+
+
+@contextlib.contextmanager
+def bind_weights(module: nn.Module, weights: dict[str, torch.Tensor]):
+    """Temporarily make module's parameters named in weights be those tensors (views into a slot)."""
+    saved = []
+    try:
+        for name, t in weights.items():
+            owner, _, leaf = name.rpartition(".")
+            sub = module.get_submodule(owner)
+            saved.append((sub, leaf, sub._parameters[leaf]))
+            sub._parameters[leaf] = t
+        yield
+    finally:
+        for sub, leaf, old in reversed(saved):
+            sub._parameters[leaf] = old
 
 
 def default_keep_budget(device: torch.device) -> int:

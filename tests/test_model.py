@@ -176,3 +176,12 @@ def test_auto_policy_keeps_what_fits_the_budget(small_store):
     model(tokens, targets=targets).backward()
     assert model.kept_blocks == 2 and model.kept_bytes <= model.keep_budget
     model.close()
+
+
+@pytest.mark.parametrize("offload,recompute", [("none", "all"), ("disk", "all"), ("disk", "none")])
+def test_inner_checkpointing_matches_reference(small_store, reference, offload, recompute):
+    _, ref_loss, ref_grads = reference
+    _, loss, grads = run(small_store, offload, checkpoint_inner=True, recompute=recompute)
+    assert max_rel_err(loss, ref_loss) <= TOL
+    for n in ref_grads:
+        assert max_rel_err(grads[n], ref_grads[n]) <= TOL, n

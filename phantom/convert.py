@@ -1,21 +1,299 @@
-"""Checkpoints into block stores: synthetic weights, the embedded tiny model, (Meta and HF readers).
+"""Checkpoints into block stores: Meta and Hugging Face readers, synthetic weights, the tiny model.
 
 Every writer streams one block at a time into a `StoreWriter`, so peak memory is about one block.
-Imports config, store, tokenizer.
+Imports config, layers (the HF q/k permutation), store, tokenizer.
 """
 from __future__ import annotations
 
+import ctypes
+import json
 import logging
+import mmap
+import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
-from phantom.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes, preset
-from phantom.store import StoreWriter
+from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_hf_config,
+                            from_meta_params, head_tensor_shapes, preset)
+from phantom.layers import permute_from_hf
+from phantom.store import StoreWriter, read_header, safe_join
 from phantom.tokenizer import train_tiny_tokenizer
 
 log = logging.getLogger(__name__)
+
+# Meta's model-parallel split: the dims along which consolidated.NN.pth shards cut each tensor.
+# Column-parallel weights split their output rows (0), row-parallel ones their input columns (1);
+# norms are replicated (()). Llama-2 cuts the embedding along dim 1, Llama-3 along 0: the shapes tell.
+META_SPLIT_DIMS = {
+    "tok_embeddings.weight": (1, 0), "output.weight": (0,), "norm.weight": (),
+    "attention.wq.weight": (0,), "attention.wk.weight": (0,), "attention.wv.weight": (0,),
+    "attention.wo.weight": (1,), "feed_forward.w1.weight": (0,), "feed_forward.w2.weight": (1,),
+    "feed_forward.w3.weight": (0,), "attention_norm.weight": (), "ffn_norm.weight": (),
+}
+
+# Hugging Face name -> store name ({} is the layer index).
+HF_KEYS = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "attention.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "attention.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "attention.wv.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "attention.wo.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "model.layers.{}.mlp.down_proj.weight": "feed_forward.w2.weight",
+    "model.layers.{}.mlp.up_proj.weight": "feed_forward.w3.weight",
+    "model.layers.{}.input_layernorm.weight": "attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "ffn_norm.weight",
+}
+HF_NAMES = {("{}" in hf, name): hf for hf, name in HF_KEYS.items()}  # (in a block?, store name) -> HF name
+HF_PERMUTED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "kv_heads"}  # rows in HF's RoPE layout
+
+PARTS = ("embed", "head")  # besides the blocks 0..n_layers-1
+
+
+def part_shapes(cfg: ModelConfig, part: str | int) -> dict[str, tuple[int, ...]]:
+    """Store names and shapes of one part of the model: "embed", "head" or block i."""
+    if part == "embed":
+        return embed_tensor_shapes(cfg)
+    if part == "head":
+        return head_tensor_shapes(cfg)
+    return block_tensor_shapes(cfg)
+
+
+def release_pages(tensors) -> None:
+    """Tell Linux it may drop the pages of memory-mapped tensors we are done with.
+
+    Pages of a file mapping count in the process's RSS until unmapped; without this, converting
+    from torch.load(mmap=True) shards would end with the whole checkpoint resident. The mapping is
+    private and never written, so dropped pages are simply read from the file again if touched.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None)
+    for t in tensors:
+        s = t.untyped_storage()
+        start = s.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(s.data_ptr() + s.nbytes() - start), 4)  # DONTNEED
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta: params.json + consolidated.NN.pth (model-parallel shards)
+
+class MetaCheckpoint:
+    """Meta's shards, memory-mapped once; `part()` merges one part's slices on demand."""
+
+    format = "meta"
+
+    def __init__(self, src: Path):
+        params = src / "params.json"
+        if not params.is_file():
+            raise FileNotFoundError(f"{params}: missing; a Meta checkpoint folder holds params.json next to "
+                                    f"its consolidated.NN.pth shards")
+        self.files = sorted(src.glob("consolidated.*.pth"))
+        if not self.files:
+            raise FileNotFoundError(f"{src}: no consolidated.NN.pth shards next to params.json")
+        for k, f in enumerate(self.files):
+            if f.name != f"consolidated.{k:02d}.pth":
+                raise FileNotFoundError(f"{src / f'consolidated.{k:02d}.pth'}: shard missing from the set")
+        self.shards = [self._load(f) for f in self.files]
+        emb = self._get(0, "tok_embeddings.weight")
+        self.cfg = self._config(params, tuple(emb.shape))
+        wq_rows = self._get(0, "layers.0.attention.wq.weight").shape[0]
+        if wq_rows * len(self.files) != self.cfg.dim:
+            n = self.cfg.dim // max(wq_rows, 1)
+            raise FileNotFoundError(f"{src / f'consolidated.{len(self.files):02d}.pth'}: shard missing from the set "
+                                    f"(each shard holds {wq_rows} of wq's {self.cfg.dim} rows: {n} shards expected, "
+                                    f"{len(self.files)} found)")
+        self.dtype = emb.dtype
+        self.tokenizer = next((p for p in (src / "tokenizer.model", src.parent / "tokenizer.model") if p.is_file()),
+                              None)
+
+    def _load(self, f: Path) -> dict:
+        try:
+            return torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # a truncated zip, a pickle with forbidden objects, ...
+            raise ValueError(f"{f}: cannot read this shard ({str(e).splitlines()[0].split('. ')[0]}); "
+                             f"it is truncated or not a PyTorch checkpoint, download it again") from None
+
+    def _get(self, k: int, key: str) -> torch.Tensor:
+        if key not in self.shards[k]:
+            raise ValueError(f"{self.files[k]}: tensor {key} missing; is this a Llama checkpoint?")
+        return self.shards[k][key]
+
+    def _config(self, params: Path, emb_shape: tuple[int, ...]) -> ModelConfig:
+        try:
+            dim = json.loads(params.read_text())["dim"]
+            vocab = emb_shape[0] * (len(self.files) if emb_shape[1] == dim and len(self.files) > 1 else 1)
+            return from_meta_params(params, vocab_size=vocab)
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{params}: not a Llama params.json ({type(e).__name__}: {e})") from None
+
+    def part(self, part: str | int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, shape in part_shapes(self.cfg, part).items():
+            key = name if isinstance(part, str) else f"layers.{part}.{name}"
+            out[name] = self._merge(key, META_SPLIT_DIMS[name], [self._get(k, key) for k in range(len(self.files))],
+                                    shape)
+        return out
+
+    def _merge(self, key: str, dims: tuple[int, ...], parts: list[torch.Tensor], shape: tuple[int, ...]):
+        for k, p in enumerate(parts):
+            if p.shape != parts[0].shape:
+                raise ValueError(f"{self.files[k]}: {key} has shape {tuple(p.shape)}, shard 0 has "
+                                 f"{tuple(parts[0].shape)}; the shards are from different models")
+        if tuple(parts[0].shape) == shape and (not dims or len(parts) == 1):
+            return parts[0]  # replicated, or a single shard
+        for d in dims:
+            cat_shape = list(parts[0].shape)
+            cat_shape[d] *= len(parts)
+            if tuple(cat_shape) == shape:
+                return torch.cat(parts, d)
+        raise ValueError(f"{self.files[0]}: {key} has shape {tuple(parts[0].shape)} in each of {len(parts)} shards, "
+                         f"which does not make {shape} as params.json says; the shards do not match params.json")
+
+    def release(self, part: str | int) -> None:
+        keys = [name if isinstance(part, str) else f"layers.{part}.{name}" for name in part_shapes(self.cfg, part)]
+        release_pages(s[k] for s in self.shards for k in keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face: config.json + model*.safetensors (+ model.safetensors.index.json)
+
+class HFCheckpoint:
+    """A Hugging Face Llama/Mistral folder; `part()` reads one part's tensors with safetensors' lazy loading."""
+
+    format = "hf"
+
+    def __init__(self, src: Path):
+        config = src / "config.json"
+        if not config.is_file():
+            raise FileNotFoundError(f"{config}: missing; a Hugging Face checkpoint folder holds config.json")
+        try:
+            self.cfg = from_hf_config(config)
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{config}: not a Llama config.json ({type(e).__name__}: {e})") from None
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        weight_map = self._weight_map(src)
+        headers = {}
+        for file in sorted(set(weight_map.values())):
+            path = safe_join(src, file)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: shard missing from the set (listed in model.safetensors.index.json)")
+            specs, start = read_header(path)
+            headers[file] = ({s.name: s for s in specs}, start)
+        self.src, self.index = src, {}  # store name or (layer, store name) -> (path, TensorSpec, data start)
+        for part in (*PARTS, *range(self.cfg.n_layers)):
+            for name, shape in part_shapes(self.cfg, part).items():
+                key = HF_NAMES[(isinstance(part, int), name)].format(part)
+                if key not in weight_map:
+                    raise ValueError(f"{src}: tensor {key} is in no shard; the checkpoint is incomplete")
+                specs, start = headers[weight_map[key]]
+                spec, path = specs.get(key), src / weight_map[key]
+                if spec is None:
+                    raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
+                if spec.shape != shape:
+                    raise ValueError(f"{path}: {key} has shape {spec.shape}, config.json implies {shape}")
+                self.index[(part, name)] = (path, spec, start)
+        self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
+        self.tokenizer = next((p for p in (src / "tokenizer.model", src / "tokenizer.json") if p.is_file()), None)
+
+    @staticmethod
+    def _weight_map(src: Path) -> dict[str, str]:
+        index = src / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+                assert isinstance(wm, dict)
+                return wm
+            except (KeyError, AssertionError, json.JSONDecodeError) as e:
+                raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        single = src / "model.safetensors"
+        if single.is_file():
+            return {s.name: single.name for s in read_header(single)[0]}
+        raise FileNotFoundError(f"{src}: config.json but no model.safetensors or model.safetensors.index.json "
+                                f"(only safetensors checkpoints are read; save with safe_serialization=True)")
+
+    def part(self, part: str | int) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for name in part_shapes(self.cfg, part):
+            path, spec, _ = self.index[(part, name)]
+            by_file.setdefault(path, []).append((name, spec.name))
+        out = {}
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt") as f:  # opened per part: its mapping is dropped on close
+                for name, key in names:
+                    out[name] = f.get_tensor(key)
+        for name, heads in HF_PERMUTED.items():
+            if name in out:
+                out[name] = permute_from_hf(out[name], getattr(self.cfg, heads))
+        return out
+
+    def release(self, part) -> None:
+        pass  # each part's files were closed, and their mappings dropped, in part()
+
+
+def open_checkpoint(src: Path | str) -> MetaCheckpoint | HFCheckpoint:
+    """Detect the checkpoint format of a folder and open it (nothing is read beyond headers)."""
+    src = Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: no such checkpoint folder")
+    if (src / "params.json").is_file() or any(src.glob("consolidated.*.pth")):
+        return MetaCheckpoint(src)
+    if (src / "config.json").is_file() or any(src.glob("*.safetensors")):
+        return HFCheckpoint(src)
+    raise ValueError(f"{src}: unknown checkpoint format (expected Meta's params.json + consolidated.NN.pth or "
+                     f"Hugging Face's config.json + *.safetensors)")
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes a folder takes on disk (allocated blocks; linked source files are not in it)."""
+    return sum(p.lstat().st_blocks * 512 for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _write_part(w: StoreWriter, part: str | int, tensors: dict[str, torch.Tensor]) -> None:
+    if part == "embed":
+        w.write_embed(tensors)
+    elif part == "head":
+        w.write_head(tensors)
+    else:
+        w.write_block(part, tensors)
+
+
+def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | None = None, link: bool = False,
+                       overwrite: bool = False, progress: bool = True) -> dict:
+    """Convert a Meta or Hugging Face checkpoint folder into a block store, one block at a time.
+
+    Args:
+        src: the checkpoint folder.
+        out: the store folder to create (written to a temporary folder, renamed when complete).
+        dtype: the store's dtype (default: the checkpoint's).
+        overwrite: replace an existing store at out.
+        progress: a tqdm bar over the blocks.
+
+    Returns:
+        {"out", "format", "config", "dtype", "disk_bytes"}.
+
+    Raises:
+        FileNotFoundError: a missing file. ValueError (StoreError): a corrupt or unsupported checkpoint.
+    """
+    ckpt = open_checkpoint(src)
+    dtype = dtype or ckpt.dtype
+    cfg = ckpt.cfg
+    with StoreWriter(out, cfg, dtype, overwrite=overwrite) as w:
+        for part in tqdm(["embed", *range(cfg.n_layers), "head"], desc="converting", unit="part",
+                         disable=not progress or None):
+            _write_part(w, part, ckpt.part(part))
+            ckpt.release(part)
+        if ckpt.tokenizer is not None:
+            w.add_tokenizer(ckpt.tokenizer)
+        path = w.finish({"source": ckpt.format})
+    return {"out": path, "format": ckpt.format, "config": cfg, "dtype": dtype, "disk_bytes": disk_usage(path),
+            "linked_bytes": 0}
 
 
 def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std: float,

@@ -1,0 +1,177 @@
+"""Stores out to checkpoints: base weights plus a LoRA adapter merged, written in Hugging Face's or Meta's format.
+
+Streamed: one part (embed, each block, head) is in memory at a time, whichever the format.
+Imports config, layers, lora, store, convert.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from phantom.config import ModelConfig
+from phantom.convert import HF_NAMES, HF_PERMUTED, part_shapes, release_pages
+from phantom.layers import TransformerBlock, permute_for_hf
+from phantom.lora import TARGETS, apply_lora, load_adapter, lora_modules, read_adapter_config
+from phantom.store import BlockStore, fsync_dir, write_safetensors
+
+FORMATS = ("hf", "meta")
+HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def adapter_deltas(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """{layer: {store weight name: scale * B @ A}} in Meta's layout, fp32, from a PEFT adapter folder."""
+    lora_cfg = read_adapter_config(adapter)
+    layers = nn.ModuleList(TransformerBlock(cfg, device="meta") for _ in range(cfg.n_layers))
+    for i, block in enumerate(layers):
+        apply_lora(block, lora_cfg, i)
+    load_adapter(layers, cfg, adapter)  # checks names and shapes; un-permutes q/k's lora_B
+    deltas: dict[int, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for (i, t), m in lora_modules(layers).items():
+            deltas.setdefault(i, {})[f"{TARGETS[t][0]}.weight"] = m.delta_weight().float()
+    return deltas
+
+
+def merged_parts(store: BlockStore, adapter: Path | None, dtype: torch.dtype,
+                 progress: bool = True) -> Iterator[tuple[str | int, dict[str, torch.Tensor]]]:
+    """("embed" | block index | "head", Meta-named tensors in dtype), base + adapter, one part at a time."""
+    deltas = adapter_deltas(store.cfg, Path(adapter)) if adapter else {}
+    yield "embed", {k: v.to(dtype) for k, v in store.load_embed().items()}
+    for i in tqdm(range(store.n_blocks), desc="merging", unit="block", disable=not progress or None):
+        block = store.load_block(i)
+        for name, delta in deltas.get(i, {}).items():
+            block[name] = block[name].float() + delta
+        yield i, {k: v.to(dtype) for k, v in block.items()}
+    yield "head", {k: v.to(dtype) for k, v in store.load_head().items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face: config.json + one safetensors shard per part + model.safetensors.index.json
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    c = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
+         "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.n_layers,
+         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "vocab_size": cfg.vocab_size,
+         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len,
+         "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+         "torch_dtype": HF_DTYPES[dtype]}
+    if (s := cfg.rope_scaling) is not None:
+        c["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                             "high_freq_factor": s.high_freq_factor,
+                             "original_max_position_embeddings": s.original_max_seq_len}
+    return c
+
+
+def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Meta names and q/k layout -> Hugging Face's (the permutation of its conversion script)."""
+    out = {}
+    for name, t in tensors.items():
+        if name in HF_PERMUTED:
+            t = permute_for_hf(t, getattr(cfg, HF_PERMUTED[name]))
+        out[HF_NAMES[(isinstance(part, int), name)].format(part)] = t.contiguous()
+    return out
+
+
+def write_hf(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
+    n = cfg.n_layers + 2
+    weight_map, total = {}, 0
+    for k, (part, tensors) in enumerate(parts, start=1):
+        name = f"model-{k:05d}-of-{n:05d}.safetensors"
+        hf = to_hf(cfg, part, tensors)
+        write_safetensors(tmp / name, hf, metadata={"format": "pt"})
+        weight_map.update({key: name for key in hf})
+        total += sum(t.numel() * t.element_size() for t in hf.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta: params.json + consolidated.00.pth (one shard: model parallelism of 1)
+
+def meta_params(cfg: ModelConfig) -> dict:
+    """params.json; an explicit FFN width (HF configs) is expressed through Meta's ffn_dim_multiplier."""
+    p = {"dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads,
+         "vocab_size": cfg.vocab_size, "multiple_of": cfg.multiple_of, "ffn_dim_multiplier": cfg.ffn_dim_multiplier,
+         "norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta}
+    if cfg.intermediate_size:
+        base = int(2 * (4 * cfg.dim) / 3)
+        p.update(multiple_of=1, ffn_dim_multiplier=(cfg.intermediate_size + 0.5) / base)
+        assert int(p["ffn_dim_multiplier"] * base) == cfg.intermediate_size
+    if cfg.rope_scaling is not None:
+        p.update(use_scaled_rope=True, rope_scaling_factor=cfg.rope_scaling.factor)
+    return p
+
+
+def write_meta(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
+    """torch.save's file, streamed: the skeleton is saved without data, then filled through a shared mapping."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # shapes without memory, as skip_data expects
+
+    def key(part, name):
+        return name if isinstance(part, str) else f"layers.{part}.{name}"
+
+    all_parts = ["embed", *range(cfg.n_layers), "head"]
+    with FakeTensorMode():
+        skeleton = {key(p, n): torch.empty(s, dtype=dtype) for p in all_parts for n, s in part_shapes(cfg, p).items()}
+    path = tmp / "consolidated.00.pth"
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(skeleton, path)
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        ckpt = torch.load(path, mmap=True, weights_only=True)
+    for part, tensors in parts:
+        for name, t in tensors.items():
+            ckpt[key(part, name)].copy_(t)
+        release_pages(ckpt[key(part, name)] for name in tensors)  # written back by the kernel; not kept resident
+    del ckpt
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    (tmp / "params.json").write_text(json.dumps(meta_params(cfg), indent=2) + "\n")
+
+
+def export(model: Path | str, out: Path | str, adapter: Path | str | None = None, fmt: str = "hf",
+           dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = True) -> Path:
+    """Write a store (plus a LoRA adapter, merged) as a full checkpoint in Hugging Face's or Meta's format.
+
+    Args:
+        model: the store folder.
+        out: the checkpoint folder to create (written to a temporary folder, renamed when complete).
+        adapter: a PEFT-layout LoRA adapter folder (as PhantomModel.save_adapter writes), or None.
+        fmt: "hf" (config.json + safetensors shards + index) or "meta" (params.json + consolidated.00.pth).
+        dtype: the checkpoint's dtype (default: the store's).
+        overwrite: replace an existing folder at out.
+        progress: a tqdm bar over the blocks.
+
+    Raises:
+        FileNotFoundError, ValueError, StoreError: a missing or mismatched store or adapter, a bad argument.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose hf or meta")
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; remove it or choose another --out")
+    store = BlockStore(model)
+    dtype = dtype or store.dtype
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        parts = merged_parts(store, Path(adapter) if adapter else None, dtype, progress)
+        (write_hf if fmt == "hf" else write_meta)(tmp, store.cfg, parts, dtype)
+        if store.tokenizer_path is not None:
+            shutil.copyfile(store.tokenizer_path, tmp / store.tokenizer_path.name)
+        fsync_dir(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

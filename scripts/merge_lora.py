@@ -1,0 +1,53 @@
+"""Merge a LoRA adapter into its base model and write a full checkpoint (Hugging Face or Meta format).
+
+    python scripts/merge_lora.py --model weights/7B --adapter out/adapter --out merged/7B-tuned --format hf
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from phantom import resolve_model  # noqa: E402
+from phantom.convert import disk_usage  # noqa: E402
+from phantom.export import export  # noqa: E402
+from phantom.store import parse_dtype  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="base model: a preset name (weights/NAME) or a store folder")
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="LoRA adapter folder (PEFT layout, e.g. OUT/adapter from finetune.py); "
+                        "without it the base model is exported as it is")
+    p.add_argument("--out", type=Path, required=True, help="checkpoint folder to create")
+    p.add_argument("--format", choices=["hf", "meta"], default="hf",
+                   help="hf: config.json + safetensors shards (transformers, vLLM, llama.cpp's converter); "
+                        "meta: params.json + consolidated.00.pth (Meta's reference code)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of the written weights (default: the store's)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        out = export(resolve_model(args.model), args.out, args.adapter, args.format,
+                     parse_dtype(args.dtype) if args.dtype else None, args.overwrite, progress=not args.quiet)
+    except (OSError, ValueError) as e:  # FileNotFoundError, FileExistsError, StoreError, ...
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    what = "base + adapter" if args.adapter else "base model"
+    print(f"wrote {out} ({args.format} format, {what}) in {time.perf_counter() - t0:.1f} s, "
+          f"{disk_usage(out) / 1e9:.2f} GB on disk")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Write a block store from a downloaded Llama (Meta or Hugging Face format), or random weights.
+
+    python scripts/prepare_model.py --src ~/Llama-2-70b --out weights/70B --dtype bf16
+    python scripts/prepare_model.py --synthetic --preset 70B --layers 4 --out weights/x --dtype bf16
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from phantom.config import PRESETS, preset  # noqa: E402
+from phantom.convert import convert_checkpoint, disk_usage, write_synthetic  # noqa: E402
+from phantom.store import parse_dtype  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--src", type=Path, help="checkpoint folder: Meta (params.json + consolidated.NN.pth) or "
+                                            "Hugging Face (config.json + *.safetensors); the format is detected")
+    p.add_argument("--out", type=Path, required=True, help="store folder to create, e.g. weights/70B")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="store dtype (default: the checkpoint's; bf16 for --synthetic)")
+    p.add_argument("--link", action="store_true",
+                   help="Hugging Face safetensors only: point the store at the tensors inside the original files "
+                        "instead of copying them (they must stay in place, unchanged)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
+    p.add_argument("--synthetic", action="store_true", help="random weights with --preset's shapes instead of --src")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="shapes for --synthetic")
+    p.add_argument("--layers", type=int, default=None, help="with --synthetic: cut the model to N blocks")
+    p.add_argument("--seed", type=int, default=0, help="with --synthetic: the random seed")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.synthetic == (args.src is not None):
+        p.error("give either --src DIR or --synthetic")
+    if args.layers is not None and (not args.synthetic or args.layers < 1):
+        p.error("--layers N (N >= 1) goes with --synthetic")
+    return args
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        if args.synthetic:
+            overrides = {"n_layers": args.layers} if args.layers else {}
+            cfg = preset(args.preset, **overrides)
+            dtype = parse_dtype(args.dtype or "bf16")
+            out = write_synthetic(args.out, cfg, dtype, seed=args.seed, overwrite=args.overwrite,
+                                  progress=not args.quiet)
+            info = {"out": out, "format": f"synthetic {args.preset}", "config": cfg, "dtype": dtype,
+                    "disk_bytes": disk_usage(out), "linked_bytes": 0}
+        else:
+            info = convert_checkpoint(args.src, args.out, parse_dtype(args.dtype) if args.dtype else None,
+                                      link=args.link, overwrite=args.overwrite, progress=not args.quiet)
+    except (OSError, ValueError) as e:  # FileNotFoundError, FileExistsError, StoreError, ...
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = info["config"]
+    print(f"wrote {info['out']} from {info['format']} in {time.perf_counter() - t0:.1f} s: {cfg.n_layers} blocks, "
+          f"{cfg.n_params() / 1e9:.2f} B parameters, {str(info['dtype']).removeprefix('torch.')}")
+    linked = info.get("linked_bytes", 0)
+    print(f"disk: the store takes {gb(info['disk_bytes'])}"
+          + (f"; {gb(linked)} more are read in place from the checkpoint's files (--link)" if linked else ""))
+    if args.link and not linked:
+        print("note: nothing was linked (Meta shards must be merged, or the dtype differs): the store is a copy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Export: a store plus a LoRA adapter merged into Hugging Face and Meta checkpoints, which convert back to
+the logits of base + adapter; the base exported as it is matches HF's own layout tensor for tensor.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import phantom
+from phantom.convert import convert_checkpoint
+from phantom.export import export
+from test_convert import LLAMA3, TOKENS, hf_state_dict, load_script, random_model, store_logits, write_hf
+
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A store converted from an HF checkpoint (explicit FFN width, GQA, Llama-3.1 RoPE scaling)."""
+    root = tmp_path_factory.mktemp("export")
+    sd = random_model(LLAMA3, seed=3)
+    store = convert_checkpoint(write_hf(root / "hf", LLAMA3, sd), root / "store", progress=False)["out"]
+    return store, sd
+
+
+@pytest.fixture(scope="module")
+def adapter(base, tmp_path_factory):
+    """A trained-looking adapter on every target (B nonzero), and the logits of base + adapter."""
+    out = tmp_path_factory.mktemp("adapter") / "adapter"
+    lora = phantom.LoraConfig(rank=4, alpha=8, targets=ALL_TARGETS)
+    with phantom.load(base[0], offload="none", lora=lora) as model, torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in model.trainable_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        expected = model(TOKENS)
+        model.save_adapter(out)
+    with torch.no_grad():
+        assert (expected - store_logits(base[0], TOKENS)).abs().max() > 1e-2  # the adapter changes the output
+    return out, expected
+
+
+@pytest.mark.parametrize("fmt", ["hf", "meta"])
+def test_merged_checkpoint_gives_base_plus_adapter_logits(tmp_path, base, adapter, fmt):
+    out = export(base[0], tmp_path / "merged", adapter[0], fmt, progress=False)
+    assert (out / ("config.json" if fmt == "hf" else "params.json")).is_file()
+    back = convert_checkpoint(out, tmp_path / "back", progress=False)
+    assert back["format"] == fmt and back["config"].hidden_dim == LLAMA3.hidden_dim
+    assert back["config"].rope_scaling == LLAMA3.rope_scaling
+    torch.testing.assert_close(store_logits(back["out"], TOKENS), adapter[1], rtol=0, atol=1e-5)
+
+
+def test_base_export_is_hf_layout_exactly(tmp_path, base):
+    out = export(base[0], tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    got = {}
+    for name in sorted(set(index.values())):
+        got.update(load_file(out / name))
+    expected = hf_state_dict(LLAMA3, base[1])
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_merge_lora_cli(tmp_path, capsys, base, adapter):
+    merge = load_script("merge_lora").main
+    assert merge(["--model", str(base[0]), "--adapter", str(adapter[0]), "--out", str(tmp_path / "m"),
+                  "--dtype", "bf16", "--quiet"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert phantom.BlockStore(convert_checkpoint(tmp_path / "m", tmp_path / "s", progress=False)["out"]).dtype \
+        == torch.bfloat16
+    assert merge(["--model", str(base[0]), "--adapter", str(tmp_path / "nope"), "--out", str(tmp_path / "m2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "adapter_config.json" in err[0] and not (tmp_path / "m2").exists()
+
+
+def test_transformers_loads_the_export(tmp_path, base, adapter):
+    """Nice to have: transformers' own Llama gives the same logits from the merged HF export."""
+    transformers = pytest.importorskip("transformers")
+    out = export(base[0], tmp_path / "hf", adapter[0], "hf", progress=False)
+    model = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    torch.testing.assert_close(logits, adapter[1], rtol=0, atol=1e-4)

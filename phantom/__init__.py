@@ -12,9 +12,10 @@ import torch
 from phantom.config import PRESETS, ModelConfig, preset
 from phantom.lora import LoraConfig
 from phantom.model import PhantomModel
-from phantom.store import BlockStore, StoreError, parse_dtype
+from phantom.optim import AdamWConfig
+from phantom.store import BlockStore, StoreError, clone_store, parse_dtype
 
-__all__ = ["load", "resolve_model", "weights_dir", "LoraConfig", "ModelConfig", "PhantomModel", "BlockStore",
+__all__ = ["load", "resolve_model", "weights_dir", "LoraConfig", "AdamWConfig", "ModelConfig", "PhantomModel", "BlockStore",
            "StoreError", "PRESETS", "preset"]
 __version__ = "0.1.0"
 
@@ -51,7 +52,8 @@ def resolve_model(model: str | Path) -> Path:
 def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "disk", prefetch: int = 2,
          dtype: str | torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
          resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
-         checkpoint_inner: bool = False, verify: str = "fast", trace: bool = False) -> PhantomModel:
+         checkpoint_inner: bool = False, verify: str = "fast", trace: bool = False, mode: str = "lora",
+         optim: AdamWConfig | None = None, work_dir: str | Path | None = None) -> PhantomModel:
     """Open a prepared model as a PhantomModel.
 
     Args:
@@ -67,12 +69,29 @@ def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "
         checkpoint_inner: checkpoint attention and MLP separately inside each block (long sequences).
         verify: store integrity checks, "fast", "full" or "none" (see BlockStore).
         trace: record a Chrome trace of the scheduler's work.
+        mode: "lora" (lora is trained) or "full" (every weight; lora is ignored).
+        optim: the block optimizer for streamed full finetuning (lr, betas, weight decay, clipping).
+        work_dir: streamed full finetuning writes updated blocks and optimizer state here: the
+            store is cloned into work_dir/store on first use (hard links, so no second copy until
+            a block changes) and reopened from there to resume; the original is never modified.
 
     Raises:
         FileNotFoundError: the model is not prepared. ValueError: a bad argument. StoreError: a corrupt store.
     """
-    store = BlockStore(resolve_model(model), verify=verify)
-    return PhantomModel(store, device=resolve_device(device), offload=offload, dtype=parse_dtype(dtype), lora=lora,
+    path = resolve_model(model)
+    optim_dir = None
+    if mode == "full":
+        lora = None
+        if offload != "none":
+            if work_dir is None:
+                raise ValueError("streamed full finetuning rewrites the weights: pass work_dir (--out)")
+            work_dir = Path(work_dir)
+            work_dir.mkdir(parents=True, exist_ok=True)
+            if not (work_dir / "store" / "manifest.json").is_file():
+                clone_store(path, work_dir / "store")
+            path, optim_dir = work_dir / "store", work_dir / "optim"
+    store = BlockStore(path, verify=verify)
+    return PhantomModel(store, mode=mode, optim=optim, optim_dir=optim_dir, device=resolve_device(device), offload=offload, dtype=parse_dtype(dtype), lora=lora,
                         prefetch=prefetch, resident=resident, micro_batch=micro_batch, recompute=recompute, checkpoint_inner=checkpoint_inner,
                         trace=trace)
 

@@ -20,12 +20,14 @@ import torch.nn.functional as F
 from phantom.config import ModelConfig
 from phantom.layers import TransformerBlock, rms_norm, rope_table, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
+from phantom.optim import AdamWConfig, BlockAdamW, clip_coefficient
 from phantom.scheduler import BlockScheduler
 from phantom.store import BlockStore
 
 log = logging.getLogger(__name__)
 
 OFFLOADS = ("none", "ram", "disk")
+MODES = ("lora", "full")
 RECOMPUTE = ("all", "none", "auto")
 IGNORE_INDEX = -100
 
@@ -127,7 +129,10 @@ class StreamedBlock(torch.autograd.Function):
         x_grads = []
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
         # The weights stay acquired until the gradients are computed: autograd reads them.
-        with model.block_weights(ctx.i) as weights, rng:
+        with model.block_weights(ctx.i, trainable=model.full) as weights, rng:
+            weight_grads = {k: torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                            for k, w in weights.items()} if model.full else {}
+            trained_all = trained + list(weights.values()) if model.full else trained
             if ctx.keep:
                 ctx.hooks.bind(weights)
                 graphs = ctx.graphs
@@ -141,15 +146,17 @@ class StreamedBlock(torch.autograd.Function):
                     xc = model.split_batch(x_all)[k].detach().requires_grad_(needs_x)
                     with torch.enable_grad(), torch.autocast(**ctx.autocast):
                         out = model.run_block(ctx.i, weights, xc, rope)
-                grads = torch.autograd.grad(out, ([xc] if needs_x else []) + trained, gc, allow_unused=True)
+                grads = torch.autograd.grad(out, ([xc] if needs_x else []) + trained_all, gc, allow_unused=True)
                 if needs_x:
                     x_grads.append(grads[0])
-                for acc, g in zip(param_grads, grads[1:] if needs_x else grads):
+                for acc, g in zip(param_grads + list(weight_grads.values()), grads[1:] if needs_x else grads):
                     if g is not None:
                         acc += g
             if ctx.keep:
                 ctx.hooks.bind(None)
                 ctx.graphs = None
+        if model.full:  # the block's AdamW step runs on the write-back thread while backward goes on
+            model.scheduler.writeback.submit(model.update_block, ctx.i, weight_grads, name=f"update {ctx.i}")
         it = iter(param_grads)
         gparams = [next(it) if p.requires_grad else None for p in params]
         return (torch.cat(x_grads) if needs_x else None, None, None, None, *gparams)
@@ -222,18 +229,33 @@ class PhantomModel(nn.Module):
             of K * micro_batch rows is gradient accumulation over K micro-batches, layer-major.
         loss_chunk: tokens per chunk of the fused head + loss (default: ~64 MB of fp32 logits).
         trace: record a Chrome trace in the scheduler.
+        mode: "lora" trains the LoRA parameters only; "full" trains every weight. In streamed full
+            mode each block's AdamW step runs as soon as its backward is done (BlockAdamW, on the
+            write-back thread) and the updated block is written back to the store (the disk tier)
+            or to host RAM; head and embedding are ordinary parameters for the caller's optimizer.
+            The store is modified: open a working copy (phantom.load(..., work_dir=...) does).
+        optim: the block optimizer's hyper-parameters (full mode, streamed).
+        optim_dir: where the block optimizer's state lives for the disk tier (offload="disk").
     """
 
     def __init__(self, store: BlockStore, device: torch.device | str = "cpu", offload: str = "disk",
                  dtype: torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
                  prefetch: int = 2, resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
                  keep_budget: int | None = None, checkpoint_inner: bool = False,
-                 loss_chunk: int | None = None, trace: bool = False):
+                 loss_chunk: int | None = None, trace: bool = False, mode: str = "lora",
+                 optim: AdamWConfig | None = None, optim_dir: Path | None = None):
         super().__init__()
         if offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, not {offload!r}")
         self.cfg: ModelConfig = store.cfg
         self.store, self.device, self.offload, self.dtype, self.lora_cfg = store, torch.device(device), offload, dtype, lora
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.full = mode == "full"
+        if self.full and lora is not None:
+            raise ValueError("full finetuning trains every weight: pass lora=None with mode='full'")
+        if self.full and recompute != "all":
+            raise ValueError("full finetuning needs recompute='all' (kept graphs would hold the old weights)")
         self.amp = dtype != torch.float32
         # fp32 runs upcast lower-precision stores; AMP runs use the stored weights as they are.
         self.weight_dtype = torch.float32 if not self.amp else store.dtype
@@ -263,22 +285,34 @@ class PhantomModel(nn.Module):
                 p.data = p.data.to(self.device)  # fp32 master weights on the device
 
         head = store.load_head()
-        self.norm_weight = nn.Parameter(head["norm.weight"].to(self.device, self.weight_dtype), requires_grad=False)
-        self.output_weight = nn.Parameter(head["output.weight"].to(self.device, self.weight_dtype),
-                                          requires_grad=False)
+        head_dtype = torch.float32 if self.full else self.weight_dtype  # trained ones keep fp32 masters
+        self.norm_weight = nn.Parameter(head["norm.weight"].to(self.device, head_dtype), requires_grad=self.full)
+        self.output_weight = nn.Parameter(head["output.weight"].to(self.device, head_dtype),
+                                          requires_grad=self.full)
         self.register_buffer("rope", rope_table(self.cfg, self.cfg.max_seq_len, self.device), persistent=False)
 
         self.scheduler: BlockScheduler | None = None
+        self.block_optimizer: BlockAdamW | None = None
         if offload == "none":
-            self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, self.weight_dtype)
+            self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
             for i, block in enumerate(self.layers):
                 weights = {k: v.to(self.device, self.weight_dtype) for k, v in store.load_block(i).items()}
                 block.load_state_dict(weights, strict=False, assign=True)  # keeps requires_grad=False
+                for name, p in block.named_parameters():
+                    p.requires_grad_(self.full or "lora_" in name)
         else:
             # The embedding is only gathered from: keep it on the host (memory-mapped for disk).
-            embed = store.mmap_embed() if offload == "disk" else store.load_embed()["tok_embeddings.weight"]
-            self.embed_table = embed
+            if offload == "disk" and not self.full:
+                self.embed_table = store.mmap_embed()
+            else:
+                self.embed_table = store.load_embed()["tok_embeddings.weight"].to(head_dtype)
             self.scheduler = BlockScheduler(store, self.device, offload, prefetch, resident, trace)
+            if self.full:
+                share = {i: self.cfg.block_params() / self.cfg.n_params() for i in range(self.cfg.n_layers)}
+                tier = "disk" if offload == "disk" else "ram"
+                self.block_optimizer = BlockAdamW(optim or AdamWConfig(), share, tier, optim_dir)
+        if self.full:
+            self.embed_table = nn.Parameter(self.embed_table)
         self._param_names = [[n for n, _ in block.named_parameters() if "lora_" not in n] for block in self.layers]
 
     # -- public API ----------------------------------------------------------------------------
@@ -290,6 +324,8 @@ class PhantomModel(nn.Module):
         B, T = tokens.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
+        if self.full and self.scheduler is not None:
+            self.finish_step()  # the previous step's block updates must land before blocks are read
         h = self.embed(tokens)
         rope = self.rope[:T]
         with torch.autocast(**self.autocast_args()):
@@ -302,7 +338,54 @@ class PhantomModel(nn.Module):
                                          self.cfg.norm_eps, self.loss_chunk)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
+        """What the caller's optimizer updates: LoRA parameters, or in full mode everything that is
+        not a streamed block (those are updated inside backward by `block_optimizer`)."""
         return [p for p in self.parameters() if p.requires_grad]
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        """Clip gradients: globally for LoRA; in full mode per block with the documented rule
+        (phantom.optim: each group to max_norm * sqrt(its share of the parameters))."""
+        if not self.full:
+            torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
+            return
+        n = self.cfg.n_params()
+        groups = [[self.embed_table, self.norm_weight, self.output_weight]]
+        if self.scheduler is None:  # resident reference: the blocks' groups are clipped here too
+            groups += [list(block.parameters()) for block in self.layers]
+        for group in groups:
+            share = sum(p.numel() for p in group) / n
+            coef = clip_coefficient([p.grad for p in group if p.grad is not None], max_norm, share)
+            for p in group:
+                if p.grad is not None and coef < 1.0:
+                    p.grad.mul_(coef)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the block optimizer (full mode) for the next backward."""
+        if self.block_optimizer is not None:
+            self.block_optimizer.lr = lr
+
+    def finish_step(self) -> None:
+        """Wait for this step's block updates (full mode) and re-raise any error they hit."""
+        if self.scheduler is not None:
+            self.scheduler.writeback.flush()
+
+    def update_block(self, i: int, grads: dict[str, torch.Tensor]) -> None:
+        """Block i's optimizer step (write-back thread): new weights to host RAM, or to the store."""
+        new = self.block_optimizer.step_block(i, lambda: self.scheduler.host_weights(i), grads)
+        self.scheduler.update_block(i, new)
+        if self.offload == "disk":
+            self.store.write_block(i, new)
+
+    def save_full(self) -> None:
+        """Make the store hold the trained model (full mode): head, embedding, and RAM-tier blocks."""
+        if not self.full or self.scheduler is None:
+            raise ValueError("save_full is for streamed full finetuning")
+        self.finish_step()
+        self.store.write_head({"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach()})
+        self.store.write_embed({"tok_embeddings.weight": self.embed_table.detach()})
+        if self.offload == "ram":
+            for i in range(self.cfg.n_layers):
+                self.store.write_block(i, self.scheduler.host_weights(i))
 
     def save_adapter(self, out: Path | str, base_model: str = "") -> Path:
         if self.lora_cfg is None:
@@ -368,7 +451,7 @@ class PhantomModel(nn.Module):
         return h
 
     @contextlib.contextmanager
-    def block_weights(self, i: int):
+    def block_weights(self, i: int, trainable: bool = False):
         """Block i's streamed weights acquired and bound into self.layers[i] until the `with` ends.
 
         Binding swaps the meta placeholders for the slot's tensor views (no copy, no new module);
@@ -379,6 +462,8 @@ class PhantomModel(nn.Module):
         try:
             if weights[self._param_names[i][0]].dtype != self.weight_dtype:
                 weights = {k: v.to(self.weight_dtype) for k, v in weights.items()}
+            if trainable:  # leaves whose gradients the backward asks for (full finetuning)
+                weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
             with bind_weights(self.layers[i], weights):
                 yield weights
         finally:

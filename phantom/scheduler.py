@@ -207,6 +207,26 @@ class BlockScheduler:
                 slot.free_event.record(torch.cuda.current_stream(self.device))
             self._cv.notify_all()
 
+    def host_weights(self, block: int) -> dict[str, torch.Tensor]:
+        """Block's weights in host memory: the RAM tier's views, or read from the store."""
+        if self._ram[block] is not None:
+            return self.store.block_views(self._ram[block])
+        return self.store.load_block(block)
+
+    def update_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
+        """New values of a block (full finetuning): into the RAM tier and resident copies; any slot
+        still holding the old version is dropped so the next acquire loads the new one."""
+        for views in ([self.store.block_views(self._ram[block])] if self._ram[block] is not None else []) + \
+                ([self._resident_views[block]] if block in self._resident_views else []):
+            for k, v in views.items():
+                v.copy_(tensors[k])
+        with self._cv:
+            for s in self.slots:
+                if s.block == block and s.state in ("ready", "failed"):
+                    assert s.users == 0, f"block {block} updated while in use"
+                    s.block, s.state, s.views = None, "empty", None
+            self._cv.notify_all()
+
     def take_metrics(self) -> dict:
         """This step's counters (and achieved GB/s); resets them."""
         with self._cv:

@@ -13,6 +13,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -339,6 +340,7 @@ class BlockStore:
             raise StoreError(f"{mpath}: bad config or dtype ({e})") from None
         self.verify = verify
         self._verified: set[str] = set()
+        self._manifest_lock = threading.Lock()
         self.embed = self._entry("embed.safetensors", embed_tensor_shapes(self.cfg))
         self.head = self._entry("head.safetensors", head_tensor_shapes(self.cfg))
         shapes = block_tensor_shapes(self.cfg)
@@ -426,3 +428,66 @@ class BlockStore:
                                                  nbytes=self.embed.data_start + self.embed.nbytes)
         raw = torch.empty(0, dtype=torch.uint8).set_(storage)
         return raw[self.embed.data_start + spec.start: self.embed.data_start + spec.end].view(spec.dtype).view(spec.shape)
+
+    # -- writing into an open store (full finetuning) -------------------------------------------
+
+    def _rewrite(self, rel: str, tensors: dict[str, torch.Tensor]) -> FileEntry:
+        """Replace one file atomically with new values of the same tensors; update the manifest."""
+        old = next(e for e in [self.embed, self.head, *self.blocks] if e.path == safe_join(self.path, rel))
+        got = {k: tuple(v.shape) for k, v in tensors.items()}
+        if got != {s.name: s.shape for s in old.specs}:
+            raise ValueError(f"{rel}: new tensors {got} do not match the file's layout")
+        tmp = old.path.with_name(f".{old.path.name}.tmp")
+        info = write_safetensors(tmp, {k: v.to(self.dtype) for k, v in tensors.items()})
+        os.replace(tmp, old.path)
+        fsync_dir(old.path.parent)
+        with self._manifest_lock:
+            self.manifest["files"][rel] = info
+            atomic_write_json(self.path / MANIFEST, self.manifest)
+            self._verified.add(str(old.path))
+        return FileEntry(old.path, old.specs, old.data_start, old.nbytes, info["sha256"])
+
+    def write_block(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.blocks[i] = self._rewrite(block_file(i), tensors)
+
+    def write_head(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.head = self._rewrite("head.safetensors", tensors)
+
+    def write_embed(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.embed = self._rewrite("embed.safetensors", tensors)
+
+    def set_fields(self, **fields) -> None:
+        """Record fields (e.g. the training step) in the manifest, atomically."""
+        with self._manifest_lock:
+            self.manifest.update(fields)
+            atomic_write_json(self.path / MANIFEST, self.manifest)
+
+
+def clone_store(src: Path, dst: Path) -> Path:
+    """A working copy of a store for full finetuning: hard links where possible, else copies.
+
+    Safe because files in a store are only ever replaced by rename, never modified in place, so a
+    rewrite in the copy never touches the original's data.
+    """
+    src, dst = Path(src), Path(dst)
+    BlockStore(src, verify="none")  # refuse to clone something that is not a store
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp"))
+    try:
+        for f in sorted(src.rglob("*")):
+            if f.is_symlink():
+                raise StoreError(f"{f}: symbolic links are not allowed in a store")
+            target = tmp / f.relative_to(src)
+            if f.is_dir():
+                target.mkdir(exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, target)
+            except OSError:
+                shutil.copyfile(f, target)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(dst.parent)
+    return dst

@@ -1,0 +1,85 @@
+"""Sampling text from a PhantomModel with a KV cache: the prompt is run once, then one token per step.
+
+In streamed modes every block is read once per step (the cache keeps keys and values, not weights),
+so this is for checking a finetune by eye, not for serving. Imports layers, model, tokenizer.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from phantom.layers import KVCache, rms_norm
+from phantom.model import PhantomModel
+from phantom.tokenizer import Tokenizer
+
+
+def next_logits(model: PhantomModel, tokens: torch.Tensor, caches: list[KVCache], pos: int) -> torch.Tensor:
+    """Logits (B, vocab) after tokens (B, T) at positions pos.., appending their keys/values to caches."""
+    h = model.embed(tokens)  # (B, T, dim)
+    rope = model.rope[pos:pos + tokens.shape[1]]
+    with torch.autocast(**model.autocast_args()):
+        h = model.blocks(h, rope, caches=caches, start_pos=pos)
+        return F.linear(rms_norm(h[:, -1], model.norm_weight, model.cfg.norm_eps), model.output_weight).float()
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
+    """(B,) token ids: argmax at temperature 0, else a draw from softmax(logits / T) over the top k."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, -1).cpu(), 1, generator=gen)[:, 0].to(logits.device)
+
+
+def generate(model: PhantomModel, prompt: list[int], max_new_tokens: int = 64, temperature: float = 0.8,
+             top_k: int | None = 200, eos_id: int | None = None, seed: int = 0) -> Iterator[int]:
+    """An iterator of new token ids, one per step, stopping at eos_id or after max_new_tokens.
+
+    Raises:
+        ValueError: an empty prompt, or prompt + max_new_tokens longer than the model's max_seq_len.
+    """
+    cfg = model.cfg
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    total = len(prompt) + max_new_tokens
+    if total > cfg.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"max_seq_len {cfg.max_seq_len}; shorten the prompt or ask for fewer tokens")
+    return _sample_loop(model, prompt, max_new_tokens, temperature, top_k, eos_id, seed)  # checked now, not lazily
+
+
+@torch.no_grad()
+def _sample_loop(model, prompt, max_new_tokens, temperature, top_k, eos_id, seed) -> Iterator[int]:
+    caches = [KVCache.empty(model.cfg, 1, len(prompt) + max_new_tokens, model.device, model.dtype)
+              for _ in range(model.cfg.n_layers)]
+    gen = torch.Generator().manual_seed(seed)
+    tokens, pos = torch.tensor([prompt], device=model.device), 0
+    for _ in range(max_new_tokens):
+        logits = next_logits(model, tokens, caches, pos)
+        pos += tokens.shape[1]
+        tokens = sample(logits, temperature, top_k, gen)[:, None]  # (1, 1)
+        token = int(tokens[0, 0])
+        yield token
+        if token == eos_id:
+            return
+
+
+def generate_text(model: PhantomModel, tokenizer: Tokenizer, prompt: str, **kwargs) -> Iterator[str]:
+    """The completion of prompt as text pieces, yielded as they are sampled (kwargs: see generate)."""
+    ids = tokenizer.encode(prompt, bos=True)
+    return _pieces(tokenizer, ids, generate(model, list(ids), eos_id=tokenizer.eos_id, **kwargs))
+
+
+def _pieces(tokenizer: Tokenizer, ids: list[int], tokens: Iterator[int]) -> Iterator[str]:
+    text = tokenizer.decode(ids)
+    for token in tokens:
+        if token == tokenizer.eos_id:
+            return
+        ids.append(token)
+        new = tokenizer.decode(ids)  # decode prompt + completion: pieces join with the right spacing
+        yield new[len(text):]
+        text = new

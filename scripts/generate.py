@@ -1,0 +1,63 @@
+"""Sample a completion from a prepared model, optionally with a LoRA adapter, to check a finetune by eye.
+
+    python scripts/generate.py --model tiny --adapter out/adapter --prompt "Once upon a time"
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+import phantom  # noqa: E402
+from phantom.generate import generate_text  # noqa: E402
+from phantom.lora import read_adapter_config  # noqa: E402
+from phantom.tokenizer import Tokenizer  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="a preset name (weights/NAME) or a store folder")
+    p.add_argument("--adapter", type=Path, default=None, help="LoRA adapter folder (PEFT layout) to apply")
+    p.add_argument("--prompt", required=True, help="text to complete")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample at most")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 takes the argmax")
+    p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampler")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer.model or tokenizer.json (default: the one in the store)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
+    p.add_argument("--offload", choices=["disk", "ram", "none"], default="disk",
+                   help="where the blocks live: streamed from disk or RAM, or all on the device")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="compute dtype")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        lora = read_adapter_config(args.adapter) if args.adapter else None
+        with phantom.load(args.model, device=args.device, offload=args.offload, dtype=args.dtype, lora=lora) as model:
+            if args.adapter:
+                model.load_adapter(args.adapter)
+            tok_path = args.tokenizer or model.store.tokenizer_path
+            if tok_path is None:
+                raise FileNotFoundError(f"{model.store.path} has no tokenizer; pass --tokenizer FILE")
+            pieces = generate_text(model, Tokenizer(tok_path), args.prompt, max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+            print(args.prompt, end="", flush=True)
+            for piece in pieces:
+                print(piece, end="", flush=True)
+            print()
+    except (OSError, ValueError) as e:  # FileNotFoundError, StoreError, a prompt too long, ...
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -236,6 +236,8 @@ class PhantomModel(nn.Module):
             The store is modified: open a working copy (phantom.load(..., work_dir=...) does).
         optim: the block optimizer's hyper-parameters (full mode, streamed).
         optim_dir: where the block optimizer's state lives for the disk tier (offload="disk").
+        compile: torch.compile the block once for every layer (weights are graph inputs, swapped
+            per use, so one compiled graph serves all blocks); falls back to eager with a warning.
     """
 
     def __init__(self, store: BlockStore, device: torch.device | str = "cpu", offload: str = "disk",
@@ -243,7 +245,7 @@ class PhantomModel(nn.Module):
                  prefetch: int = 2, resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
                  keep_budget: int | None = None, checkpoint_inner: bool = False,
                  loss_chunk: int | None = None, trace: bool = False, mode: str = "lora",
-                 optim: AdamWConfig | None = None, optim_dir: Path | None = None):
+                 optim: AdamWConfig | None = None, optim_dir: Path | None = None, compile: bool = False):
         super().__init__()
         if offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, not {offload!r}")
@@ -280,6 +282,9 @@ class PhantomModel(nn.Module):
         self.has_dropout = lora is not None and lora.dropout > 0
         for block in self.layers:
             block.checkpoint_inner = checkpoint_inner
+            if compile:
+                block.compile()
+        self._compile_checked = not compile
         for name, p in self.layers.named_parameters():
             if "lora_" in name:
                 p.data = p.data.to(self.device)  # fp32 master weights on the device
@@ -473,7 +478,17 @@ class PhantomModel(nn.Module):
     def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
                   cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
         """Block i over x; its base weights are bound by block_weights(i)."""
-        return self.layers[i](x, rope, cache, start_pos)
+        if self._compile_checked:
+            return self.layers[i](x, rope, cache, start_pos)
+        try:  # the first call compiles: fall back to eager if the backend cannot
+            out = self.layers[i](x, rope, cache, start_pos)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly
+            log.warning("torch.compile failed (%s: %s); running blocks eagerly", type(e).__name__, str(e)[:200])
+            for block in self.layers:
+                block._compiled_call_impl = None
+            out = self.layers[i](x, rope, cache, start_pos)
+        self._compile_checked = True
+        return out
 
 
 @contextlib.contextmanager

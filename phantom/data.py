@@ -1,0 +1,410 @@
+"""Training data: plain text and JSONL instruction sets, tokenized once into a memory-mapped cache,
+with prompt tokens masked (-100), cut into windows or packed into rows, served by a DataLoader.
+
+Imports phantom.tokenizer only (never the model).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from phantom.tokenizer import TINY_TEXT, Tokenizer
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+CACHE_VERSION = 1
+CACHE_DIR = ".phantom-cache"
+FORMATS = ("text", "prompt", "alpaca", "chat", "jsonl-text")
+DEFAULT_DATA = TINY_TEXT
+
+# Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py).
+ALPACA = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+          "Write a response that appropriately completes the request.\n\n"
+          "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
+                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+# Chat turns as plain "Role: content" lines; only the assistant's content (and EOS) is trained.
+CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+@dataclass
+class TokenData:
+    """A tokenized data set: one stream of examples, each starting with BOS.
+
+    Attributes:
+        tokens: (N,) token ids.
+        labels: (N,) the token where it is trained as a target, -100 on prompt tokens (and BOS).
+        starts: (E,) offset of each example in the stream; plain text is one example.
+        fmt: the format it was read as (see FORMATS).
+        key: identifies the source file, its format and the tokenizer (the cache key).
+    """
+
+    tokens: np.ndarray
+    labels: np.ndarray
+    starts: np.ndarray
+    fmt: str
+    key: str
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def slice(self, a: int, b: int) -> "TokenData":
+        """Tokens [a, b) as a view; the examples starting inside it are kept."""
+        s = self.starts[(self.starts >= a) & (self.starts < b)] - a
+        if len(s) == 0 or s[0] != 0:
+            s = np.concatenate([[0], s]).astype(np.int64)
+        return TokenData(self.tokens[a:b], self.labels[a:b], s, self.fmt, f"{self.key}[{a}:{b}]")
+
+
+# -- reading and tokenizing ----------------------------------------------------------------------
+
+def read_lines(path: Path):
+    """(line number, line) of a UTF-8 text file, streamed; errors say which line is bad."""
+    n = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                yield n, line
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{n + 1}: not UTF-8 text ({e.reason}); convert the file, e.g. with "
+                         f"iconv -f latin1 -t utf-8") from None
+
+
+def read_records(path: Path):
+    """(line number, record) of a JSONL file, or of a .json file that holds one list."""
+    if path.suffix == ".json":
+        text = "".join(line for _, line in read_lines(path))
+        if text.lstrip().startswith("["):
+            try:
+                yield from enumerate(json.loads(text), 1)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+            return
+    for n, line in read_lines(path):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}); JSONL needs one JSON object per "
+                                 f"line") from None
+
+
+def detect_format(record: dict) -> str:
+    if "messages" in record:
+        return "chat"
+    if "instruction" in record:
+        return "alpaca"
+    if "prompt" in record and "response" in record:
+        return "prompt"
+    if "text" in record:
+        return "jsonl-text"
+    raise ValueError(f"unknown record keys {sorted(record)[:6]}; expected prompt/response, instruction/input/output "
+                     f"(Alpaca), messages (chat) or text")
+
+
+def segments(record, fmt: str) -> list[tuple[str, bool]]:
+    """The example as (text, trained) pieces: prompts are not trained, responses are."""
+    try:
+        if fmt == "prompt":
+            return [(record["prompt"], False), (record["response"], True)]
+        if fmt == "alpaca":
+            template = ALPACA if record.get("input") else ALPACA_NO_INPUT
+            return [(template.format(instruction=record["instruction"], input=record.get("input", "")), False),
+                    (record["output"], True)]
+        if fmt == "jsonl-text":
+            return [(record["text"], True)]
+        out = []
+        for m in record["messages"]:
+            if m.get("role") not in CHAT_ROLES:
+                raise ValueError(f"unknown chat role {m.get('role')!r}; use {', '.join(CHAT_ROLES)}")
+            role = CHAT_ROLES[m["role"]]
+            if m["role"] == "assistant":
+                out += [(f"{role}:", False), (m["content"], True)]
+            else:
+                out.append((f"{role}: {m['content']}", False))
+        if not any(trained for _, trained in out):
+            raise ValueError("a chat needs at least one assistant message to train on")
+        return out
+    except KeyError as e:
+        raise ValueError(f"{fmt} record without {e}") from None
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"bad {fmt} record ({e})") from None
+
+
+def encode_example(tok: Tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """Tokens and labels of one example: BOS, the pieces, EOS after the last trained piece."""
+    tokens, labels = [tok.bos_id], [IGNORE_INDEX]
+    for k, (text, trained) in enumerate(pieces):
+        if not isinstance(text, str):
+            raise ValueError(f"expected a string, got {type(text).__name__}")
+        ids = tok.encode(text, bos=False, eos=trained and k == len(pieces) - 1)
+        tokens += ids
+        labels += ids if trained else [IGNORE_INDEX] * len(ids)
+    return tokens, labels
+
+
+def tokenize(path: Path, tok: Tokenizer) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+    """Format, tokens, labels and example starts of a data file (no cache).
+
+    Plain text is one example: BOS, every non-empty line (sentencepiece turns the line break into a
+    word boundary), EOS. JSONL is one example per record.
+    """
+    tokens, labels, starts = array("i"), array("i"), array("q")
+    if path.suffix not in (".jsonl", ".json"):
+        fmt = "text"
+        starts.append(0)
+        tokens.append(tok.bos_id)
+        for _, line in read_lines(path):
+            if line.strip():
+                tokens.extend(tok.encode(line, bos=False))
+        if len(tokens) == 1:
+            raise ValueError(f"{path} is empty; give a data file with some text in it")
+        tokens.append(tok.eos_id)
+        labels = array("i", [IGNORE_INDEX]) + tokens[1:]
+    else:
+        fmt = None
+        for n, record in read_records(path):
+            try:
+                if not isinstance(record, dict):
+                    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+                fmt = fmt or detect_format(record)
+                t, lab = encode_example(tok, segments(record, fmt))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            starts.append(len(tokens))
+            tokens.extend(t)
+            labels.extend(lab)
+        if fmt is None:
+            raise ValueError(f"{path} is empty; give one JSON object per line")
+    return fmt, np.frombuffer(tokens, np.int32), np.frombuffer(labels, np.int32), np.frombuffer(starts, np.int64)
+
+
+def cache_key(path: Path, tok: Tokenizer) -> str:
+    st = path.stat()
+    ident = f"{CACHE_VERSION}|{tok.fingerprint}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def load(path: Path | str | None, tok: Tokenizer, cache: bool = True) -> TokenData:
+    """Tokenize a data file once and memory-map the result from then on.
+
+    The tokens are cached in `.phantom-cache/` next to the file, keyed by the tokenizer's fingerprint
+    and the file's size and mtime: a new tokenizer or an edited file is tokenized afresh.
+
+    Args:
+        path: plain text (any suffix but .jsonl/.json), or JSONL with {"prompt", "response"},
+            Alpaca's {"instruction", "input", "output"}, chat {"messages": [{"role", "content"}]} or
+            {"text"} records (the first record decides). None: the shipped tiny text.
+        tok: the model's tokenizer.
+        cache: read and write the cache (False: tokenize in memory).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: empty, not UTF-8, or a bad record (with its line).
+    """
+    path = Path(path) if path is not None else DEFAULT_DATA
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} not found; pass --data FILE (plain text or JSONL)")
+    key = cache_key(path, tok)
+    cache = cache and path.resolve() != DEFAULT_DATA.resolve()  # the shipped text is small: never cached
+    folder = path.parent / CACHE_DIR / f"{path.name}.{key}"
+    if cache and (folder / "meta.json").is_file():
+        meta = json.loads((folder / "meta.json").read_text())
+        arrays = [np.load(folder / f"{n}.npy", mmap_mode="r") for n in ("tokens", "labels", "starts")]
+        log.info("using the token cache %s (%d tokens)", folder, len(arrays[0]))
+        return TokenData(*arrays, fmt=meta["format"], key=key)
+    log.info("tokenizing %s", path)
+    fmt, tokens, labels, starts = tokenize(path, tok)
+    tokens = tokens.astype(np.uint16 if tok.vocab_size <= 1 << 16 else np.int32)
+    data = TokenData(tokens, labels, starts, fmt, key)
+    if cache:
+        try:
+            write_cache(folder, data)
+        except OSError as e:
+            log.warning("cannot write the token cache next to %s (%s); tokenizing again next time", path, e)
+    return data
+
+
+def write_cache(folder: Path, data: TokenData) -> None:
+    """All three arrays and meta.json into a temporary folder, renamed into place when complete."""
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name in ("tokens", "labels", "starts"):
+        np.save(tmp / f"{name}.npy", getattr(data, name))
+    (tmp / "meta.json").write_text(json.dumps({"format": data.fmt, "tokens": len(data), "examples": len(data.starts)}))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process wrote it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def split(data: TokenData, fraction: float) -> tuple[TokenData, TokenData | None]:
+    """(train, held-out): the last `fraction` of the tokens (text) or of the examples (JSONL)."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"--val-split must be in [0, 1), got {fraction}")
+    if fraction == 0:
+        return data, None
+    if len(data.starts) > 1:
+        k = len(data.starts) - max(1, round(len(data.starts) * fraction))
+        if k < 1:
+            raise ValueError(f"{len(data.starts)} examples are too few to hold some out; add data or use --val-split 0")
+        cut = int(data.starts[k])
+    else:
+        cut = len(data) - max(1, round(len(data) * fraction))
+    return data.slice(0, cut), data.slice(cut, len(data))
+
+
+# -- rows of seq_len -----------------------------------------------------------------------------
+
+class Windows(Dataset):
+    """Plain text as windows of seq_len + 1 tokens; item i is the window starting at token i.
+
+    Random windows sample any start; sequential ones step by seq_len (see BatchSampler).
+    """
+
+    def __init__(self, data: TokenData, seq_len: int, name: str = "data"):
+        if len(data) < seq_len + 1:
+            raise ValueError(f"the {name} ({len(data)} tokens) is shorter than one sequence of {seq_len} + 1 "
+                             f"tokens; use a smaller --seq-len or more data")
+        self.data, self.seq_len = data, seq_len
+        self.n = len(data) - seq_len  # possible starts
+        self.n_sequential = (len(data) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = np.asarray(self.data.tokens[i:i + self.seq_len + 1], dtype=np.int64)
+        y = np.asarray(self.data.labels[i + 1:i + self.seq_len + 1], dtype=np.int64)
+        return torch.from_numpy(w[:-1]), torch.from_numpy(y)
+
+
+class Packed(Dataset):
+    """Examples packed greedily, in order, into rows of seq_len + 1 tokens, padded with -100 targets.
+
+    An example longer than a row is truncated. Examples that share a row attend to each other (no
+    document mask); their BOS targets are masked, so no loss crosses an example boundary.
+    """
+
+    def __init__(self, data: TokenData, seq_len: int, pad_id: int = 0):
+        self.data, self.seq_len, self.pad_id = data, seq_len, pad_id
+        ends = np.append(data.starts[1:], len(data))
+        self.rows: list[list[tuple[int, int]]] = [[]]
+        used, truncated = 0, 0
+        for s, e in zip(data.starts.tolist(), ends.tolist()):
+            n = min(e - s, seq_len + 1)
+            truncated += n < e - s
+            if used + n > seq_len + 1:
+                self.rows.append([])
+                used = 0
+            self.rows[-1].append((s, n))
+            used += n
+        if truncated:
+            log.warning("%d of %d examples are longer than --seq-len %d + 1 and were truncated",
+                        truncated, len(data.starts), seq_len)
+        self.n = self.n_sequential = len(self.rows)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        toks = np.full(self.seq_len + 1, self.pad_id, np.int64)
+        labs = np.full(self.seq_len + 1, IGNORE_INDEX, np.int64)
+        at = 0
+        for s, n in self.rows[i]:
+            toks[at:at + n] = self.data.tokens[s:s + n]
+            labs[at:at + n] = self.data.labels[s:s + n]
+            at += n
+        return torch.from_numpy(toks[:-1]), torch.from_numpy(labs[1:])
+
+
+def rows(data: TokenData, seq_len: int, pad_id: int = 0, name: str = "data") -> Windows | Packed:
+    """Plain text as windows, instruction data as packed rows (`name` is for error messages)."""
+    if seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {seq_len}")
+    return Windows(data, seq_len, name) if data.fmt == "text" else Packed(data, seq_len, pad_id)
+
+
+# -- batches -------------------------------------------------------------------------------------
+
+class BatchSampler(torch.utils.data.Sampler):
+    """Row indices of each step's batch, a pure function of (seed, step): resuming needs only the step.
+
+    Args:
+        ds: Windows or Packed.
+        batch: rows per batch.
+        seed: seeds a torch.Generator per step (random windows) or per epoch (shuffled rows).
+        shuffle: random windows / a new permutation of rows each epoch; False: in order, cycling.
+        start: the first step to yield (the data position of a resumed run).
+    """
+
+    def __init__(self, ds: Windows | Packed, batch: int, seed: int = 0, shuffle: bool = True, start: int = 0):
+        self.ds, self.batch, self.seed, self.shuffle, self.position = ds, batch, seed, shuffle, start
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def indices(self, step: int) -> list[int]:
+        if self.shuffle and isinstance(self.ds, Windows):
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            return torch.randint(self.ds.n, (self.batch,), generator=g).tolist()
+        n = self.ds.n_sequential
+        out = []
+        for r in range(step * self.batch, (step + 1) * self.batch):
+            epoch, k = divmod(r, n)
+            out.append(self.order(epoch)[k] * (self.ds.seq_len if isinstance(self.ds, Windows) else 1))
+        return out
+
+    def order(self, epoch: int) -> list[int] | range:
+        if not self.shuffle:
+            return range(self.ds.n_sequential)
+        if self._perm is None or self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(self.ds.n_sequential, generator=g).tolist())
+        return self._perm[1]
+
+    def __iter__(self):
+        step = self.position
+        while True:
+            yield self.indices(step)
+            step += 1
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "position": self.position, "shuffle": self.shuffle}
+
+
+def _worker_init(_):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training thread's to handle
+
+
+def loader(ds: Windows | Packed, batch: int, seed: int = 0, shuffle: bool = True, start: int = 0,
+           workers: int = 1, pin_memory: bool = False, prefetch: int = 4) -> DataLoader:
+    """An endless DataLoader of (x, y) batches (batch, seq_len) from step `start` on.
+
+    Args:
+        workers: processes preparing batches ahead (0: in the training thread).
+        pin_memory: page-locked batches for asynchronous host-to-device copies (CUDA).
+        prefetch: batches each worker keeps ready.
+    """
+    sampler = BatchSampler(ds, batch, seed, shuffle, start)
+    return DataLoader(ds, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+                      prefetch_factor=prefetch if workers else None, worker_init_fn=_worker_init if workers else None,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+def render_prompt(prompt: str, fmt: str) -> str:
+    """A raw prompt in the template the data was trained with (for samples)."""
+    if fmt == "alpaca":
+        return ALPACA_NO_INPUT.format(instruction=prompt)
+    if fmt == "chat":
+        return f"User: {prompt} Assistant:"
+    return prompt

@@ -1,0 +1,426 @@
+"""The finetuning loop: AdamW with warmup + cosine decay, clipping, layer-major accumulation, eval,
+samples, metrics.jsonl, atomic checkpoints with bit-exact resume, and a clean stop on Ctrl-C or NaN.
+
+Imports phantom.data, phantom.store (atomic writes) and works on a PhantomModel.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import math
+import random
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from phantom import data as D
+from phantom.store import atomic_write_bytes, atomic_write_json, fsync_dir, write_safetensors
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint"
+# A resumed run must match these, or it could not end where an uninterrupted one would.
+RUN_KEYS = ("model", "lora", "dtype", "mode", "data", "seq_len", "batch_size", "grad_accum", "seed", "shuffle")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train (the model and data are given to `train` separately).
+
+    Args:
+        iters: optimizer steps.
+        batch_size: rows per micro-batch (the model's micro_batch).
+        grad_accum: micro-batches per step; the step's K * B rows go through the model in one call,
+            which runs each block over all of them while it is loaded (layer-major).
+        seq_len: tokens per row.
+        lr, min_lr: peak learning rate and the floor of the cosine decay (None: lr / 10).
+        warmup: steps of linear warmup from 0.
+        weight_decay, betas: AdamW's.
+        grad_clip: max global gradient norm (0: no clipping).
+        eval_every, eval_iters: evaluate the held-out set every N steps (0: only at the end), on at
+            most this many batches.
+        save_every: checkpoint every N steps (0: only at the end or on Ctrl-C).
+        sample_every, prompt, max_new_tokens: a greedy sample from `prompt` every N steps (0: off).
+        seed: seeds the torch/numpy/python RNGs and the batch order.
+        shuffle: random windows / shuffled rows; False: in order.
+        out: the output folder (adapter/, checkpoint/, metrics.jsonl, trace.json).
+        resume: continue from out/checkpoint.
+        mode: "lora" or "full" (what the model trains; recorded in checkpoints).
+        workers: DataLoader worker processes.
+        trace: write the scheduler's Chrome trace to out/trace.json at the end.
+        progress: show a tqdm bar.
+    """
+
+    iters: int = 200
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 128
+    lr: float = 1e-2
+    min_lr: float | None = None
+    warmup: int = 10
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_iters: int = 8
+    save_every: int = 100
+    sample_every: int = 0
+    prompt: str = ""
+    max_new_tokens: int = 32
+    seed: int = 0
+    shuffle: bool = True
+    out: str = "out/finetune"
+    resume: bool = False
+    mode: str = "lora"
+    workers: int = 1
+    trace: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("iters", "batch_size", "grad_accum", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "eval_every", "eval_iters", "save_every", "sample_every", "workers",
+                     "weight_decay", "grad_clip", "max_new_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.mode not in ("lora", "full"):
+            raise ValueError(f"--mode must be lora or full, not {self.mode!r}")
+
+
+# -- optimizer and schedule ---------------------------------------------------------------------
+
+def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (the one place a model-provided optimizer would plug in)."""
+    params = model.trainable_parameters()
+    if not params:
+        raise ValueError("the model has nothing to train; load it with a LoRA (or --mode full)")
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of cfg.lr at 0-based `step`: linear warmup, then cosine down to min_lr."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    floor = (cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10) / cfg.lr
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.iters - cfg.warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
+
+
+# -- steps, eval, samples -----------------------------------------------------------------------
+
+def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) -> tuple[float, float]:
+    """One optimizer step over a (K * B, T) batch; returns (loss, grad norm). Skips the update if
+    either is not finite, leaving the weights as they were."""
+    loss = model(x, targets=y)
+    if not torch.isfinite(loss):
+        return loss.item(), float("nan")
+    loss.backward()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    if torch.isfinite(norm):
+        opt.step()
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item(), norm.item()
+
+
+@torch.no_grad()
+def evaluate(model, ds, rows: int, iters: int) -> dict:
+    """Mean loss (over target tokens) and perplexity on the first `iters` batches of `ds`, in order."""
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    n = min(ds.n_sequential, rows * iters)
+    for i in range(0, n, rows):
+        x, y = (torch.stack(t) for t in zip(*(ds[_seq_index(ds, j)] for j in range(i, min(i + rows, n)))))
+        k = int((y != D.IGNORE_INDEX).sum())
+        if k:
+            total += float(model(x, targets=y)) * k
+            count += k
+    model.train(was_training)
+    loss = total / max(count, 1)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+
+
+def _seq_index(ds, j: int) -> int:
+    return j * ds.seq_len if isinstance(ds, D.Windows) else j
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompt: str, max_new_tokens: int = 32) -> str:
+    """Greedy continuation of `prompt` (a full forward per token, no KV cache: for progress samples)."""
+    was_training = model.training
+    model.eval()
+    ids = tokenizer.encode(prompt, bos=True)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        window = (ids + new)[-model.cfg.max_seq_len:]
+        nxt = int(model(torch.tensor([window]))[0, -1].argmax())
+        if nxt == tokenizer.eos_id:
+            break
+        new.append(nxt)
+    model.train(was_training)
+    return tokenizer.decode(new)
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+def run_identity(model, train_data: D.TokenData, cfg: TrainConfig) -> dict:
+    """What a checkpoint must share with the run that resumes it."""
+    lora = getattr(model, "lora_cfg", None)
+    return json.loads(json.dumps({"model": dataclasses.asdict(model.cfg), "lora": dataclasses.asdict(lora) if lora else None,
+            "dtype": str(model.dtype), "mode": cfg.mode, "data": f"{train_data.key}:{len(train_data)}",
+            **{k: getattr(cfg, k) for k in ("seq_len", "batch_size", "grad_accum", "seed", "shuffle")},
+            "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "progress")}}))
+
+
+def rng_states() -> dict:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+            "python": random.getstate()}
+
+
+def set_rng_states(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    kind, key, *rest = s["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), *rest))
+    random.setstate(s["python"])
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(out: Path, model, opt, sched, step: int, identity: dict, extra: dict) -> Path:
+    """Write out/checkpoint atomically: a complete new folder replaces the old one in one rename.
+
+    Holds the PEFT adapter, the raw fp32 trainable tensors (for an exact resume), the optimizer and
+    LR-scheduler states, the RNG states and the data position (the step).
+    """
+    final, tmp, old = out / CHECKPOINT, out / f"{CHECKPOINT}.tmp", out / f"{CHECKPOINT}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if getattr(model, "lora_cfg", None) is not None:
+        model.save_adapter(tmp / "adapter")
+    write_safetensors(tmp / "trainable.safetensors", trainable_state(model))
+    state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_states(),
+             "data_position": step, "extra": extra}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write_bytes(tmp / "state.pt", buf.getvalue())
+    atomic_write_json(tmp / "meta.json", {"step": step, "time": time.time(), **identity})
+    fsync_dir(tmp)
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)  # kept until the new one is in place
+    tmp.rename(final)
+    fsync_dir(out)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def find_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint (a crash between the two renames leaves checkpoint.old)."""
+    for p in (out / CHECKPOINT, out / f"{CHECKPOINT}.old"):
+        if (p / "meta.json").is_file() and (p / "state.pt").is_file():
+            return p
+    return None
+
+
+def load_checkpoint(path: Path, model, opt, sched, identity: dict) -> dict:
+    """Restore weights, optimizer, schedule and RNGs from `path`; returns its state (step, extra)."""
+    meta = json.loads((path / "meta.json").read_text())
+    diff = [k for k in RUN_KEYS if meta.get(k) != identity[k]]
+    if diff:
+        k = diff[0]
+        raise ValueError(f"--resume: the checkpoint in {path} comes from a different run ({k}: {meta.get(k)} "
+                         f"here {identity[k]}); use the same model, data and batch settings, or another --out")
+    changed = [k for k, v in identity["config"].items() if meta["config"].get(k) != v and k not in RUN_KEYS]
+    if changed:
+        log.warning("resuming with changed settings %s: the run will differ from one that never stopped", changed)
+    tensors = load_file(str(path / "trainable.safetensors"))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(tensors) != set(params):
+        raise ValueError(f"--resume: {path} holds other trainable tensors than the model")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(tensors[n])
+    state = torch.load(path / "state.pt", weights_only=True)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    set_rng_states(state["rng"])
+    return state
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+class StopFlag:
+    """Ctrl-C sets the flag (the step finishes, a checkpoint is saved); a second Ctrl-C aborts."""
+
+    def __init__(self):
+        self.set = False
+
+    def _handle(self, signum, frame):
+        if self.set:
+            raise KeyboardInterrupt
+        self.set = True
+        log.warning("Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)")
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def to_json(rec: dict) -> str:
+    """One metrics.jsonl line; NaN and inf become null (strict JSON)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}) + "\n"
+
+
+def read_metrics(path: Path, upto: int) -> list[dict]:
+    """Records of metrics.jsonl up to step `upto` (what a resumed run keeps)."""
+    if not path.is_file():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in recs if r.get("step", 0) <= upto]
+
+
+def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, cfg: TrainConfig = TrainConfig(),
+          tokenizer=None) -> dict:
+    """Finetune `model` on `train_data`; write adapter/, checkpoint/ and metrics.jsonl into cfg.out.
+
+    Args:
+        model: a PhantomModel with something to train (a LoRA), loaded with micro_batch=cfg.batch_size.
+        train_data, val_data: from phantom.data.load (and split); val_data None: no evaluation.
+        cfg: the run's settings.
+        tokenizer: needed for samples (cfg.sample_every); its pad id pads packed rows.
+
+    Returns:
+        A summary: status ("done", "interrupted" or "nan"), steps, tokens, time_s, final_loss,
+        best_val_loss, adapter (or None), checkpoint (or None), metrics.
+
+    Raises:
+        ValueError: data shorter than one sequence, or --resume from another run's checkpoint.
+        FileNotFoundError: --resume with no checkpoint in cfg.out.
+    """
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.seq_len > model.cfg.max_seq_len:
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    pad = tokenizer.eos_id if tokenizer is not None else 0
+    train_ds = D.rows(train_data, cfg.seq_len, pad, "training data")
+    val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data") if val_data is not None else None
+    rows = cfg.batch_size * cfg.grad_accum
+    if model.micro_batch not in (None, cfg.batch_size) and cfg.grad_accum > 1:
+        log.warning("model micro_batch %s differs from batch_size %d", model.micro_batch, cfg.batch_size)
+    seed_everything(cfg.seed)
+    model.train()
+    opt, identity = make_optimizer(model, cfg), run_identity(model, train_data, cfg)
+    sched = make_scheduler(opt, cfg)
+    start, best_val, history = 0, float("inf"), []
+    if cfg.resume:
+        ckpt = find_checkpoint(out)
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINT}; run without --resume to start")
+        state = load_checkpoint(ckpt, model, opt, sched, identity)
+        start, best_val = state["step"], state["extra"].get("best_val", float("inf"))
+        log.info("resumed from %s at step %d", ckpt, start)
+    elif find_checkpoint(out):
+        log.warning("%s holds a checkpoint that this run will replace; pass --resume to continue it", out)
+    history = read_metrics(out / "metrics.jsonl", start) if cfg.resume else []
+    if val_ds is not None and start == 0:
+        history.append({"step": 0, **evaluate(model, val_ds, rows, cfg.eval_iters)})
+        log.info("step 0: val loss %.4f, ppl %.2f", history[-1]["val_loss"], history[-1]["val_ppl"])
+    (out / "metrics.jsonl").write_text("".join(to_json(r) for r in history))
+
+    batches = iter(D.loader(train_ds, rows, cfg.seed, cfg.shuffle, start, cfg.workers,
+                            pin_memory=model.device.type == "cuda"))
+    sched_metrics = model.scheduler.take_metrics if model.scheduler is not None else dict
+    sched_metrics()
+    status, step, loss, t_start, tokens = "done", start, float("nan"), time.perf_counter(), 0
+    bar = tqdm(total=cfg.iters, initial=start, desc="finetune", unit="step", disable=not cfg.progress or None,
+               dynamic_ncols=True)
+    with StopFlag().installed() as stop, open(out / "metrics.jsonl", "a") as mfile:
+        while step < cfg.iters:
+            t0 = time.perf_counter()
+            x, y = next(batches)
+            t_data = time.perf_counter()
+            x, y = x.to(model.device, non_blocking=True), y.to(model.device, non_blocking=True)
+            lr = opt.param_groups[0]["lr"]
+            loss, norm = train_step(model, opt, sched, x, y, cfg)
+            step, dt = step + 1, time.perf_counter() - t0
+            tokens += x.numel()
+            m = sched_metrics()
+            rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": x.numel(),
+                   "tokens_per_s": x.numel() / dt, "step_s": dt, "data_s": t_data - t0,
+                   "stall_frac": m.get("stall_s", 0.0) / dt, **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                status = "nan"
+                mfile.write(to_json(rec))
+                break
+            last = step == cfg.iters or stop.set
+            if val_ds is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
+                rec.update(evaluate(model, val_ds, rows, cfg.eval_iters))
+                best_val = min(best_val, rec["val_loss"])
+                log.info("step %d: val loss %.4f, ppl %.2f", step, rec["val_loss"], rec["val_ppl"])
+            if cfg.sample_every and tokenizer is not None and cfg.prompt and (step % cfg.sample_every == 0 or last):
+                rec["sample"] = sample(model, tokenizer, cfg.prompt, cfg.max_new_tokens)
+                log.info("step %d sample: %s%s", step, cfg.prompt, rec["sample"])
+            mfile.write(to_json(rec))
+            mfile.flush()
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                            stall=f"{100 * rec['stall_frac']:.0f}%", refresh=False)
+            bar.update(1)
+            if (cfg.save_every and step % cfg.save_every == 0) or last:
+                save_checkpoint(out, model, opt, sched, step, identity, {"best_val": best_val})
+            if stop.set:
+                status = "interrupted"
+                break
+    bar.close()
+    if cfg.trace and model.scheduler is not None:
+        model.scheduler.tracer.write(out / "trace.json")
+    adapter = None
+    if status != "nan" and getattr(model, "lora_cfg", None) is not None:
+        adapter = model.save_adapter(out / "adapter")
+    elif status == "nan":
+        ckpt = find_checkpoint(out)
+        log.error("the loss or gradient became %s at step %d; stopped. The last good checkpoint is %s; lower --lr "
+                  "(or check the data) and --resume", loss, step, ckpt or "none")
+    return {"status": status, "steps": step, "tokens": tokens, "time_s": time.perf_counter() - t_start,
+            "final_loss": loss, "best_val_loss": best_val if math.isfinite(best_val) else None,
+            "adapter": str(adapter) if adapter else None, "checkpoint": str(find_checkpoint(out) or "") or None,
+            "metrics": str(out / "metrics.jsonl"), "out": str(out)}

@@ -380,7 +380,7 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
         rope, dim, amp = model.rope[:seq_len], model.cfg.dim, model.autocast_args()
         gen = torch.Generator().manual_seed(0)
 
-        def point(b: int) -> dict:
+        def point(b: int, with_head: bool) -> dict:
             x = torch.randn(b, seq_len, dim, generator=gen).to(device, model.weight_dtype)
             hooks = WeightHandles(weights)
             hooks.bind(weights)
@@ -413,15 +413,16 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
                 with torch.autocast(**amp):
                     ChunkedHeadLoss.apply(h, model.norm_weight, model.output_weight, tgt, model.cfg.norm_eps,
                                           model.loss_chunk)
-            return dict(fwd=t_fwd, fwd_grad=t_grad, bwd=statistics.median(t_bwd[1:]), head=_timed(head, device, repeats),
+            return dict(fwd=t_fwd, fwd_grad=t_grad, bwd=statistics.median(t_bwd[1:]),
+                        head=_timed(head, device, repeats) / b if with_head else None,
                         keep=hooks.kept_bytes // len(graphs) // b, act=out.element_size() * seq_len * dim)
 
-        points = {1: point(1)}
+        points = {1: point(1, with_head=True)}  # the head's cost is per token: one size is enough
         hi = max(b for b in pow2_upto(max_rows) if max_rows % b == 0)
         while hi > 1 and hi * points[1]["keep"] * (repeats + 2) > free_bytes // 4:
             hi //= 2  # the measurement holds repeats + 1 graphs at once: keep it well inside memory
         if hi > 1:
-            points[hi] = point(hi)
+            points[hi] = point(hi, with_head=False)
         head_bytes = model.output_weight.numel() * model.output_weight.element_size()
         held.__exit__(None, None, None)
     finally:
@@ -434,7 +435,7 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
             row = points[hi][name] / hi
         fit[f"{name}_row_s"] = row
         fit[f"{name}_call_s"] = max(0.0, points[lo][name] - row * lo)
-    return dict(fit, head_row_s=points[hi]["head"] / hi, keep_bytes_per_row=points[hi]["keep"],
+    return dict(fit, head_row_s=points[1]["head"], keep_bytes_per_row=points[hi]["keep"],
                 act_bytes_per_row=points[hi]["act"], head_bytes=head_bytes)
 
 
@@ -452,7 +453,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
         quick: fewer repeats and a smaller read sample (what `auto_placement` runs without a profile).
     """
     device, dtype = torch.device(device), parse_dtype(dtype)
-    repeats = 2 if quick else 5
+    repeats = 2 if quick else 4
     t0 = time.perf_counter()
     warm, cold, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
     h2d, d2h = measure_link(device, store.block_nbytes, repeats)

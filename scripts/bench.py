@@ -6,6 +6,11 @@ Modes: resident (offload=none, plain autograd), ram and disk (phantom streaming 
 naive (disk, prefetch 0: load each block synchronously before use, as slowllama does). Each mode
 runs in its own process so peak memory is its own. The table goes to stdout and to
 notes/bench-<device>.md with the command line and the machine.
+
+    python scripts/bench.py --modes disk --prefetch 0,1,2,4 --micro-batch 1,2 --tuned --cold
+
+sweeps prefetch depth x micro-batch, then runs the tuner's choice (phantom.tune, searching the
+swept tiers and recompute policies with no resident blocks) and prints each row's predicted step.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
+from phantom import tune  # noqa: E402
 from phantom.config import ModelConfig  # noqa: E402
 from phantom.convert import write_synthetic  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
@@ -48,7 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", default="", help="comma list of micro-batch sizes to sweep (layer-major accumulation)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="store and compute dtype")
-    p.add_argument("--prefetch", type=int, default=2, help="prefetch depth K for ram/disk")
+    p.add_argument("--prefetch", default="2", help="comma list of prefetch depths K for ram/disk (a sweep)")
+    p.add_argument("--tuned", action="store_true", help="measure a tuning profile, run the tuner's choice too and "
+                                                         "print each row's predicted step time")
     p.add_argument("--recompute", default="all", help="comma list of recompute policies to run (all, none, auto)")
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
@@ -62,9 +70,9 @@ def parse_args(argv=None):
 
 def worker(args) -> dict:
     """One mode in this process: warm-up step, timed steps, metrics."""
-    mode, recompute, micro = args.worker.split(":")
-    kw = dict(MODES[mode])
-    kw.setdefault("prefetch", args.prefetch)
+    mode, recompute, micro, prefetch = args.worker.split(":")
+    kw = dict(MODES[mode.removeprefix("tuned-")])
+    kw.setdefault("prefetch", int(prefetch) if prefetch != "-" else 0)
     store = BlockStore(args.store, drop_cache=args.cold)
     model = phantom.PhantomModel(store, device=phantom.resolve_device(args.device), dtype=store.dtype,
                                  lora=phantom.LoraConfig(rank=8), recompute=recompute,
@@ -99,6 +107,27 @@ def worker(args) -> dict:
             "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else 0.0}
 
 
+def run_worker(spec: str, argv, args) -> tuple:
+    """One configuration (mode:recompute:micro:prefetch) in its own process; (mode, rc, micro, K, result)."""
+    mode, recompute, micro, k = spec.split(":")
+    cmd = [sys.executable, __file__, "--worker", spec] + \
+          [a for a in (argv if argv is not None else sys.argv[1:]) if a] + ["--store", args.store]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"error: {mode} failed:\n{out.stderr[-2000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{mode:10s} recompute={recompute:4s} micro={micro:3s} prefetch={k:2s} {r['step_s']:.3f} s/step", flush=True)
+    return mode, recompute if mode != "resident" else "-", micro, k, r
+
+
+def predicted(profile: tune.MachineProfile, mode: str, recompute: str, micro: str, k: str, args) -> float:
+    """The cost model's step time for one streamed row of the table."""
+    kw = MODES[mode.removeprefix("tuned-")]
+    b = int(micro) if micro != "-" else args.batch_size
+    return tune.predict(profile, kw["offload"], kw.get("prefetch", int(k) if k != "-" else 0), 0, b,
+                        -(-args.batch_size // b), recompute, args.seq_len, args.cold).step_s
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -123,35 +152,47 @@ def main(argv=None):
             args.store = str(write_synthetic(Path(tmp) / "bench", cfg, phantom.store.parse_dtype(args.dtype)))
         store = BlockStore(args.store)
         block_mb = store.block_nbytes / 2**20
+        policies = args.recompute.split(",")
+        profile = None
+        if args.tuned:  # measured first, so the sweep below runs under the same conditions it saw
+            profile = tune.measure(store, phantom.resolve_device(args.device), store.dtype, args.batch_size,
+                                   args.seq_len)
         rows = []
-        for recompute in args.recompute.split(","):
+        for recompute in policies:
             for micro in (args.micro_batch.split(",") if args.micro_batch else ["-"]):
                 for mode in args.modes.split(","):
-                    if mode == "resident" and (recompute != args.recompute.split(",")[0]):
+                    if mode == "resident" and (recompute != policies[0]):
                         continue  # resident has no recompute policy: one row is enough
-                    cmd = [sys.executable, __file__, "--worker", f"{mode}:{recompute}:{micro}"] + \
-                          [a for a in (argv if argv is not None else sys.argv[1:]) if a] + ["--store", args.store]
-                    out = subprocess.run(cmd, capture_output=True, text=True)
-                    if out.returncode:
-                        sys.exit(f"error: {mode} failed:\n{out.stderr[-2000:]}")
-                    r = json.loads(out.stdout.strip().splitlines()[-1])
-                    rows.append((mode, recompute if mode != "resident" else "-", micro, r))
-                    print(f"{mode:9s} recompute={recompute:4s} micro={micro:3s} {r['step_s']:.3f} s/step", flush=True)
-    base = next((r["step_s"] for m, _, _, r in rows if m == "resident"), None)
+                    for k in (args.prefetch.split(",") if mode in ("ram", "disk") else ["-"]):
+                        rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args))
+        if profile is not None:
+            offloads = tuple(m for m in ("ram", "disk") if m in args.modes.split(","))
+            best = tune.choose(tune.search(profile, args.batch_size, args.seq_len, offloads=offloads,
+                                           recompute=tuple(policies), resident=(0,), cold=args.cold))
+            rows.append(run_worker(f"tuned-{best.offload}:{best.recompute}:{best.micro_batch}:{best.prefetch}",
+                                   argv, args))
+    base = next((r["step_s"] for m, _, _, _, r in rows if m == "resident"), None)
     cfg = store.cfg
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python scripts/bench.py {' '.join(sys.argv[1:])}`", "",
              f"- machine: {machine()}; device {args.device}",
              f"- model: dim {cfg.dim}, {cfg.n_layers} blocks of {block_mb:.1f} MiB ({store.dtype}), "
              f"batch {args.batch_size} x {args.seq_len}, prefetch {args.prefetch}, "
              f"{'cold (page cache dropped after each read)' if args.cold else 'warm page cache'}", "",
-             "| mode | recompute | micro-batch | step s | vs resident | stall | block loads | MB moved/step "
-             "| read GB/s | peak RSS GB | peak device GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for mode, rc, micro, r in rows:
+             "| mode | recompute | micro-batch | prefetch | step s | predicted s | vs resident | stall | block loads "
+             "| MB moved/step | read GB/s | peak RSS GB | peak device GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, rc, micro, k, r in rows:
         ratio = f"{r['step_s'] / base:.3f}x" if base else "-"
-        lines.append(f"| {mode} | {rc} | {micro} | {r['step_s']:.3f} | {ratio} | {r['stall']:.1%} | {r['loads']} | "
-                     f"{r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | {r['peak_rss_gb']:.2f} | "
-                     f"{r['peak_dev_gb']:.2f} |")
+        pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if profile and mode != "resident" else "-"
+        lines.append(f"| {mode} | {rc} | {micro} | {k} | {r['step_s']:.3f} | {pred} | {ratio} | {r['stall']:.1%} | "
+                     f"{r['loads']} | {r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | "
+                     f"{r['peak_rss_gb']:.2f} | {r['peak_dev_gb']:.2f} |")
+    if profile is not None:
+        swept = [x for x in rows if x[0] != "resident" and not x[0].startswith("tuned")]
+        top = min(swept, key=lambda x: x[4]["step_s"])
+        lines += ["", f"- tuned: {best.describe()}, predicted {best.step_s:.3f} s, measured {rows[-1][4]['step_s']:.3f} s "
+                      f"({rows[-1][4]['step_s'] / best.step_s - 1:+.1%}); best swept: {top[0]} micro {top[2]} prefetch "
+                      f"{top[3]}, {top[4]['step_s']:.3f} s; tuned / best swept = {rows[-1][4]['step_s'] / top[4]['step_s']:.3f}"]
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out or Path(__file__).resolve().parent.parent / "notes" / f"bench-{torch.device(args.device).type}.md")

@@ -54,7 +54,7 @@ def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "
          resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
          checkpoint_inner: bool = False, verify: str = "fast", trace: bool = False, mode: str = "lora",
          optim: AdamWConfig | None = None, work_dir: str | Path | None = None,
-         compile: bool = False) -> PhantomModel:
+         compile: bool = False, shared_ram: bool = False) -> PhantomModel:
     """Open a prepared model as a PhantomModel.
 
     Args:
@@ -71,6 +71,8 @@ def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "
         verify: store integrity checks, "fast", "full" or "none" (see BlockStore).
         trace: record a Chrome trace of the scheduler's work.
         compile: torch.compile the block computation once for all blocks (eager fallback).
+        shared_ram: with offload="ram", map the block files instead of copying them, so all local
+            ranks of a torchrun job share one host copy through the page cache (LoRA only).
         mode: "lora" (lora is trained) or "full" (every weight; lora is ignored).
         optim: the block optimizer for streamed full finetuning (lr, betas, weight decay, clipping).
         work_dir: streamed full finetuning writes updated blocks and optimizer state here: the
@@ -93,7 +95,7 @@ def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "
                 clone_store(path, work_dir / "store")
             path, optim_dir = work_dir / "store", work_dir / "optim"
     store = BlockStore(path, verify=verify)
-    return PhantomModel(store, mode=mode, optim=optim, optim_dir=optim_dir, compile=compile, device=resolve_device(device), offload=offload, dtype=parse_dtype(dtype), lora=lora,
+    return PhantomModel(store, mode=mode, optim=optim, optim_dir=optim_dir, compile=compile, shared_ram=shared_ram, device=resolve_device(device), offload=offload, dtype=parse_dtype(dtype), lora=lora,
                         prefetch=prefetch, resident=resident, micro_batch=micro_batch, recompute=recompute, checkpoint_inner=checkpoint_inner,
                         trace=trace)
 

@@ -156,7 +156,8 @@ class StreamedBlock(torch.autograd.Function):
                 ctx.hooks.bind(None)
                 ctx.graphs = None
         if model.full:  # the block's AdamW step runs on the write-back thread while backward goes on
-            model.scheduler.writeback.submit(model.update_block, ctx.i, weight_grads, name=f"update {ctx.i}")
+            synced = model.grad_sync(list(weight_grads.values())) if model.grad_sync else None
+            model.scheduler.writeback.submit(model.update_block, ctx.i, weight_grads, synced, name=f"update {ctx.i}")
         it = iter(param_grads)
         gparams = [next(it) if p.requires_grad else None for p in params]
         return (torch.cat(x_grads) if needs_x else None, None, None, None, *gparams)
@@ -236,6 +237,7 @@ class PhantomModel(nn.Module):
             The store is modified: open a working copy (phantom.load(..., work_dir=...) does).
         optim: the block optimizer's hyper-parameters (full mode, streamed).
         optim_dir: where the block optimizer's state lives for the disk tier (offload="disk").
+        shared_ram: map the RAM tier from the store files, shared by all local processes (LoRA only).
         compile: torch.compile the block once for every layer (weights are graph inputs, swapped
             per use, so one compiled graph serves all blocks); falls back to eager with a warning.
     """
@@ -245,7 +247,8 @@ class PhantomModel(nn.Module):
                  prefetch: int = 2, resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
                  keep_budget: int | None = None, checkpoint_inner: bool = False,
                  loss_chunk: int | None = None, trace: bool = False, mode: str = "lora",
-                 optim: AdamWConfig | None = None, optim_dir: Path | None = None, compile: bool = False):
+                 optim: AdamWConfig | None = None, optim_dir: Path | None = None, compile: bool = False,
+                 shared_ram: bool = False):
         super().__init__()
         if offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, not {offload!r}")
@@ -298,6 +301,8 @@ class PhantomModel(nn.Module):
 
         self.scheduler: BlockScheduler | None = None
         self.block_optimizer: BlockAdamW | None = None
+        # data parallel, full mode: grads -> a function that waits for their average (phantom.dist)
+        self.grad_sync = None
         if offload == "none":
             self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
             for i, block in enumerate(self.layers):
@@ -311,7 +316,9 @@ class PhantomModel(nn.Module):
                 self.embed_table = store.mmap_embed()
             else:
                 self.embed_table = store.load_embed()["tok_embeddings.weight"].to(head_dtype)
-            self.scheduler = BlockScheduler(store, self.device, offload, prefetch, resident, trace)
+            if shared_ram and self.full:
+                raise ValueError("shared_ram is read-only: full finetuning needs private RAM blocks")
+            self.scheduler = BlockScheduler(store, self.device, offload, prefetch, resident, trace, shared_ram)
             if self.full:
                 share = {i: self.cfg.block_params() / self.cfg.n_params() for i in range(self.cfg.n_layers)}
                 tier = "disk" if offload == "disk" else "ram"
@@ -374,8 +381,13 @@ class PhantomModel(nn.Module):
         if self.scheduler is not None:
             self.scheduler.writeback.flush()
 
-    def update_block(self, i: int, grads: dict[str, torch.Tensor]) -> None:
-        """Block i's optimizer step (write-back thread): new weights to host RAM, or to the store."""
+    def update_block(self, i: int, grads: dict[str, torch.Tensor], synced=None) -> None:
+        """Block i's optimizer step (write-back thread): new weights to host RAM, or to the store.
+
+        `synced`, if given, waits for the data-parallel reduction of these gradients started by
+        `grad_sync` in the backward, so the all-reduce of block i overlaps the backward of i-1."""
+        if synced is not None:
+            synced()
         new = self.block_optimizer.step_block(i, lambda: self.scheduler.host_weights(i), grads)
         self.scheduler.update_block(i, new)
         if self.offload == "disk":

@@ -98,10 +98,13 @@ class BlockScheduler:
             streaming slots.
         resident: the first `resident` blocks are copied to the device once and stay there.
         trace: record a Chrome trace of compute, reads, copies and write-back.
+        shared_ram: the RAM tier maps the block files read-only instead of copying them, so every
+            process on the machine (torchrun's local ranks) shares one copy through the page cache.
+            Not with full finetuning, which writes new weights into the RAM tier.
     """
 
     def __init__(self, store: BlockStore, device: torch.device | str = "cpu", offload: str = "ram",
-                 prefetch: int = 2, resident: int = 0, trace: bool = False):
+                 prefetch: int = 2, resident: int = 0, trace: bool = False, shared_ram: bool = False):
         if offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {OFFLOADS}, not {offload!r}")
         if prefetch < 0:
@@ -120,9 +123,12 @@ class BlockScheduler:
         self._ram: list[torch.Tensor | None] = [None] * self.n_blocks
         if offload == "ram":
             for i in tqdm(range(self.n_blocks), desc="loading blocks to RAM", unit="block", disable=None, leave=False):
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-                store.read_block_into(i, buf)
-                self._ram[i] = buf
+                if shared_ram:
+                    self._ram[i] = store.map_block(i)
+                else:
+                    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                    store.read_block_into(i, buf)
+                    self._ram[i] = buf
                 self.metrics.bytes_read += nbytes
 
         # Resident blocks: their own device buffers, loaded once.

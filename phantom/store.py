@@ -9,14 +9,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import struct
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from phantom.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
@@ -239,6 +242,7 @@ class StoreWriter:
         (self.tmp / "blocks").mkdir()
         self.files: dict[str, dict] = {}
         self.tokenizer: str | None = None
+        self.links: dict[str, dict] = {"sources": {}, "files": {}}  # see link_file
 
     def __enter__(self):
         return self
@@ -264,6 +268,39 @@ class StoreWriter:
     def write_head(self, tensors: dict[str, torch.Tensor]) -> None:
         self._write("head.safetensors", tensors, head_tensor_shapes(self.cfg))
 
+    def link_file(self, rel: str, expected: dict[str, tuple[int, ...]], located: dict[str, tuple],
+                  copied: dict[str, torch.Tensor]) -> None:
+        """Record rel as a linked file instead of writing it (see "Linked files" below).
+
+        Args:
+            rel: the store file it stands for, e.g. "blocks/000.safetensors".
+            expected: its tensor names and shapes.
+            located: name -> (safetensors file (absolute Path), byte offset, dtype, shape): tensors read in place.
+            copied: name -> tensor: the rest (e.g. rows that needed a permutation), written into the store
+                as rel's ".local.safetensors" and linked from there.
+        """
+        got = {**{k: tuple(v[3]) for k, v in located.items()}, **{k: tuple(v.shape) for k, v in copied.items()}}
+        if got != expected or len(got) != len(located) + len(copied):
+            raise ValueError(f"{rel}: tensors {got} do not match the config's {expected}")
+        if any(v[2] != self.dtype for v in located.values()):
+            raise ValueError(f"{rel}: linked tensors must be {dtype_name(self.dtype)}, as the store")
+        located = {k: (str(Path(v[0]).resolve()), *v[1:]) for k, v in located.items()}
+        if copied:
+            local = rel.removesuffix(".safetensors") + ".local.safetensors"
+            self.files[local] = write_safetensors(self.tmp / local, {k: v.to(self.dtype) for k, v in copied.items()})
+            specs, start = read_header(self.tmp / local)
+            located.update({t.name: (local, start + t.start, t.dtype, t.shape) for t in specs})
+        for name in {v[0] for v in located.values()} - set(self.links["sources"]):
+            path = Path(name) if os.path.isabs(name) else self.tmp / name
+            self.links["sources"][name] = {"size": path.stat().st_size, "header_sha256": header_digest(path)}
+        order = sorted(located, key=lambda n: (-located[n][2].itemsize, n))  # as write_safetensors orders
+        segments = [(Path(located[n][0]) if os.path.isabs(located[n][0]) else self.tmp / located[n][0],
+                     located[n][1], located[n][2].itemsize * math.prod(located[n][3])) for n in order]
+        self.links["files"][rel] = {
+            "size": sum(n for _, _, n in segments), "sha256": segments_digest(segments),
+            "tensors": [{"name": n, "dtype": DTYPE_CODES[located[n][2]], "shape": list(located[n][3]),
+                         "file": located[n][0], "offset": located[n][1]} for n in order]}
+
     def add_tokenizer(self, src: Path) -> None:
         name = "tokenizer.json" if Path(src).suffix == ".json" else "tokenizer.model"
         shutil.copyfile(src, self.tmp / name)
@@ -273,12 +310,12 @@ class StoreWriter:
 
     def finish(self, extra: dict | None = None) -> Path:
         needed = ["embed.safetensors", "head.safetensors"] + [block_file(i) for i in range(self.cfg.n_layers)]
-        missing = [f for f in needed if f not in self.files]
+        missing = [f for f in needed if f not in self.files and f not in self.links["files"]]
         if missing:
             raise ValueError(f"store incomplete: {missing[:3]} not written")
         manifest = {"format": FORMAT, "version": VERSION, "config": self.cfg.to_dict(),
                     "dtype": dtype_name(self.dtype), "tokenizer": self.tokenizer, "files": self.files,
-                    **(extra or {})}
+                    **({"links": self.links} if self.links["files"] else {}), **(extra or {})}
         atomic_write_json(self.tmp / MANIFEST, manifest)
         fsync_dir(self.tmp / "blocks")
         if self.out.exists():  # overwrite: move the old store aside only once the new one is complete
@@ -303,6 +340,7 @@ class FileEntry:
     data_start: int
     nbytes: int  # length of the data section
     sha256: str
+    segments: tuple = ()  # linked entries (see "Linked files"): (file, offset, nbytes) ranges, in order
 
 
 class BlockStore:
@@ -340,6 +378,7 @@ class BlockStore:
             raise StoreError(f"{mpath}: bad config or dtype ({e})") from None
         self.verify = verify
         self._verified: set[str] = set()
+        self._link_sources: dict[str, Path] = {}
         self._manifest_lock = threading.Lock()
         self.embed = self._entry("embed.safetensors", embed_tensor_shapes(self.cfg))
         self.head = self._entry("head.safetensors", head_tensor_shapes(self.cfg))
@@ -365,6 +404,8 @@ class BlockStore:
 
     def _entry(self, rel: str, expected: dict[str, tuple[int, ...]]) -> FileEntry:
         files = self.manifest.get("files", {})
+        if rel not in files and rel in self.manifest.get("links", {}).get("files", {}):
+            return self._linked_entry(rel, expected)
         if rel not in files:
             raise StoreError(f"{self.path}: manifest lists no {rel}")
         path = safe_join(self.path, rel)
@@ -379,9 +420,66 @@ class BlockStore:
         check_specs(path, specs, expected, self.dtype)
         return FileEntry(path, specs, data_start, size - data_start, info.get("sha256", ""))
 
+    def _linked_entry(self, rel: str, expected: dict[str, tuple[int, ...]]) -> FileEntry:
+        """A file that the manifest's "links" section assembles from byte ranges of (checked) safetensors files."""
+        info, specs, segments, pos = self.manifest["links"]["files"][rel], [], [], 0
+        try:
+            for t in info["tensors"]:
+                dtype, shape = CODE_DTYPES[t["dtype"]], tuple(int(x) for x in t["shape"])
+                n = dtype.itemsize * math.prod(shape)
+                specs.append(TensorSpec(t["name"], dtype, shape, pos, pos + n))
+                path, offset = self._link_source(t["file"]), int(t["offset"])
+                if offset < 0 or offset + n > path.stat().st_size:
+                    raise StoreError(f"{path}: linked tensor {t['name']} lies outside the file")
+                if segments and segments[-1][0] == path and segments[-1][1] + segments[-1][2] == offset:
+                    segments[-1] = (path, segments[-1][1], segments[-1][2] + n)  # adjacent: one read
+                else:
+                    segments.append((path, offset, n))
+                pos += n
+            sha256 = str(info["sha256"])
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(f"{self.path / MANIFEST}: bad links entry for {rel} ({type(e).__name__}: {e})") from None
+        check_specs(self.path / rel, specs, expected, self.dtype)
+        return FileEntry(self.path / rel, specs, 0, pos, sha256, tuple(segments))
+
+    def _link_source(self, name: str) -> Path:
+        """A linked file, checked once: listed in links.sources, absolute or inside the store, same size
+        and header as when the store was made, and a well-formed safetensors file."""
+        if name in self._link_sources:
+            return self._link_sources[name]
+        rec = self.manifest["links"].get("sources", {}).get(name)
+        if not isinstance(rec, dict):
+            raise StoreError(f"{self.path / MANIFEST}: linked file {name!r} is not listed in links.sources")
+        path = Path(name) if os.path.isabs(name) else safe_join(self.path, name)
+        if not path.is_file():
+            raise StoreError(f"{path}: missing; the store {self.path} reads it in place (--link): put it back or "
+                             f"re-create the store")
+        read_header(path)
+        if path.stat().st_size != rec.get("size") or header_digest(path) != rec.get("header_sha256"):
+            raise StoreError(f"{path}: changed since the store {self.path} linked it; re-create the store")
+        self._link_sources[name] = path
+        return path
+
+    def _read_data(self, e: FileEntry, buf: torch.Tensor, drop_cache: bool = False) -> None:
+        """A file's data section into buf: one read, or one per linked range."""
+        pos = 0
+        for path, offset, n in e.segments or ((e.path, e.data_start, e.nbytes),):
+            readinto_exact(path, offset, buf[pos:pos + n], drop_cache)
+            pos += n
+
     def verify_file(self, e: FileEntry, data: torch.Tensor | None = None) -> None:
         """Check a file's sha256 (of the whole file; data, if given, is its data section in memory)."""
         if self.verify == "none" or str(e.path) in self._verified:
+            return
+        if e.segments:  # linked: the hash is of the data section alone
+            raw = memoryview(data.numpy()).cast("B") if data is not None else None
+            if (hashlib.sha256(raw).hexdigest() if raw is not None else segments_digest(e.segments)) != e.sha256:
+                files = sorted({str(p) for p, _, _ in e.segments})
+                raise StoreError(f"{e.path}: checksum mismatch in its linked files {files} (changed since the "
+                                 f"store was made; re-create the store)")
+            self._verified.add(str(e.path))
             return
         h = hashlib.sha256()
         if data is None:
@@ -399,15 +497,26 @@ class BlockStore:
     def read_block_into(self, i: int, buf: torch.Tensor) -> None:
         """Read block i's data section into buf (a CPU uint8 tensor of block_nbytes), verified."""
         e = self.blocks[i]
-        readinto_exact(e.path, e.data_start, buf[: e.nbytes], self.drop_cache)
+        self._read_data(e, buf[: e.nbytes], self.drop_cache)
         self.verify_file(e, buf[: e.nbytes])
+
+    def map_block(self, i: int) -> torch.Tensor:
+        """Block i's data section memory-mapped read-only (verified): pages live in the page cache,
+        shared by every process that maps the same file. Never write through it."""
+        e = self.blocks[i]
+        arr = np.memmap(e.path, dtype=np.uint8, mode="r", offset=e.data_start, shape=(e.nbytes,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": it is read-only on purpose
+            buf = torch.from_numpy(arr)
+        self.verify_file(e, buf)
+        return buf
 
     def block_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         return views(buf, self.block_specs)
 
     def _load(self, e: FileEntry) -> dict[str, torch.Tensor]:
         buf = torch.empty(e.nbytes, dtype=torch.uint8)
-        readinto_exact(e.path, e.data_start, buf)
+        self._read_data(e, buf)
         self.verify_file(e, buf)
         return views(buf, e.specs)
 
@@ -424,10 +533,10 @@ class BlockStore:
         """The embedding table memory-mapped from disk: a lookup touches only the rows it needs."""
         self.verify_file(self.embed)
         spec = self.embed.specs[0]
-        storage = torch.UntypedStorage.from_file(str(self.embed.path), shared=False,
-                                                 nbytes=self.embed.data_start + self.embed.nbytes)
+        path, start = (self.embed.path, self.embed.data_start) if not self.embed.segments else self.embed.segments[0][:2]
+        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=start + self.embed.nbytes)
         raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-        return raw[self.embed.data_start + spec.start: self.embed.data_start + spec.end].view(spec.dtype).view(spec.shape)
+        return raw[start + spec.start: start + spec.end].view(spec.dtype).view(spec.shape)
 
     # -- writing into an open store (full finetuning) -------------------------------------------
 
@@ -443,9 +552,10 @@ class BlockStore:
         fsync_dir(old.path.parent)
         with self._manifest_lock:
             self.manifest["files"][rel] = info
+            self.manifest.get("links", {}).get("files", {}).pop(rel, None)  # was linked, now a file
             atomic_write_json(self.path / MANIFEST, self.manifest)
             self._verified.add(str(old.path))
-        return FileEntry(old.path, old.specs, old.data_start, old.nbytes, info["sha256"])
+        return FileEntry(old.path, old.specs, read_header(old.path)[1], old.nbytes, info["sha256"])
 
     def write_block(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         self.blocks[i] = self._rewrite(block_file(i), tensors)
@@ -491,3 +601,40 @@ def clone_store(src: Path, dst: Path) -> Path:
         raise
     fsync_dir(dst.parent)
     return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Linked files (prepare_model.py --link)
+#
+# A store may leave tensors where they are, inside a checkpoint's safetensors files, instead of
+# copying them. The manifest's "links" section then holds:
+#   "sources": {file: {"size", "header_sha256"}}: every file linked from. A file is an absolute path
+#       (a checkpoint's file, resolved when the store was made) or a path inside the store (safe_join
+#       rules). Absolute paths are allowed here and nowhere else in a manifest.
+#   "files": {store file: {"size", "sha256", "tensors": [{"name", "dtype", "shape", "file", "offset"}]}}:
+#       a store file that is not on disk; its data section is its tensors' byte ranges, in order.
+# On open, each source must be a well-formed safetensors file with the recorded size and header hash
+# (so the recorded offsets still hold); a linked file's sha256 is of its data section, checked as any
+# file's. Sources are only ever read. A name in "files" takes precedence over a link of the same name.
+
+def header_digest(path: Path) -> str:
+    """sha256 of a safetensors file's length prefix and JSON header (what fixes its tensors' offsets)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+        return hashlib.sha256(raw + f.read(min(n, MAX_HEADER_BYTES))).hexdigest()
+
+
+def segments_digest(segments) -> str:
+    """sha256 of the bytes of (file, offset, nbytes) ranges, concatenated, read 16 MB at a time."""
+    h = hashlib.sha256()
+    for path, offset, n in segments:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            while n > 0:
+                chunk = f.read(min(n, 16 << 20))
+                if not chunk:
+                    raise StoreError(f"{path}: truncated while reading")
+                h.update(chunk)
+                n -= len(chunk)
+    return h.hexdigest()

@@ -1,0 +1,72 @@
+"""Data parallelism with torch.distributed (launched by torchrun): setup from the environment and
+gradient averaging weighted by each rank's number of target tokens, so N ranks compute exactly the
+gradient of the global batch. Imports nothing from phantom.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_from_env(device_type: str = "cpu") -> DistInfo:
+    """Join the process group torchrun describes in the environment (NCCL on CUDA, gloo otherwise)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+
+
+def _weighted(tensors: list[torch.Tensor], n_tokens: float):
+    """Start all-reducing sum(n_r * g_r) and sum(n_r); returns a function that waits and divides."""
+    flat = torch.cat([t.reshape(-1).float() for t in tensors] + [torch.zeros(1, device=tensors[0].device)])
+    flat[:-1] *= n_tokens
+    flat[-1] = n_tokens
+    work = dist.all_reduce(flat, async_op=True)
+
+    def wait():
+        work.wait()
+        total = flat[-1].clone()
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_((flat[offset:offset + n] / total).view_as(t))
+            offset += n
+    return wait
+
+
+def average_gradients(params: list[torch.Tensor], n_tokens: float) -> None:
+    """Replace each param's .grad (a per-rank mean over its n_tokens) by the global token mean."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and dist.is_initialized() and dist.get_world_size() > 1:
+        _weighted(grads, n_tokens)()
+
+
+def block_grad_sync(n_tokens_fn):
+    """A `PhantomModel.grad_sync` for full finetuning: starts each block's all-reduce in backward;
+    the block's update waits for it on the write-back thread."""
+    def sync(grads: list[torch.Tensor]):
+        return _weighted(grads, n_tokens_fn())
+    return sync

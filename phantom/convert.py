@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import mmap
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from tqdm import tqdm
 from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_hf_config,
                             from_meta_params, head_tensor_shapes, preset)
 from phantom.layers import permute_from_hf
-from phantom.store import StoreWriter, read_header, safe_join
+from phantom.store import StoreWriter, block_file, read_header, safe_join
 from phantom.tokenizer import train_tiny_tokenizer
 
 log = logging.getLogger(__name__)
@@ -218,9 +219,9 @@ class HFCheckpoint:
         raise FileNotFoundError(f"{src}: config.json but no model.safetensors or model.safetensors.index.json "
                                 f"(only safetensors checkpoints are read; save with safe_serialization=True)")
 
-    def part(self, part: str | int) -> dict[str, torch.Tensor]:
+    def part(self, part: str | int, names=None) -> dict[str, torch.Tensor]:
         by_file: dict[Path, list[tuple[str, str]]] = {}
-        for name in part_shapes(self.cfg, part):
+        for name in names if names is not None else part_shapes(self.cfg, part):
             path, spec, _ = self.index[(part, name)]
             by_file.setdefault(path, []).append((name, spec.name))
         out = {}
@@ -235,6 +236,15 @@ class HFCheckpoint:
 
     def release(self, part) -> None:
         pass  # each part's files were closed, and their mappings dropped, in part()
+
+    def located(self, part: str | int, dtype: torch.dtype) -> dict[str, tuple[Path, int, torch.dtype, tuple]]:
+        """name -> (file, byte offset, dtype, shape) of a part's tensors usable in place: in dtype, not permuted."""
+        out = {}
+        for name in part_shapes(self.cfg, part):
+            path, spec, start = self.index[(part, name)]
+            if name not in HF_PERMUTED and spec.dtype == dtype:
+                out[name] = (path, start + spec.start, spec.dtype, spec.shape)
+        return out
 
 
 def open_checkpoint(src: Path | str) -> MetaCheckpoint | HFCheckpoint:
@@ -255,13 +265,25 @@ def disk_usage(path: Path) -> int:
     return sum(p.lstat().st_blocks * 512 for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _write_part(w: StoreWriter, part: str | int, tensors: dict[str, torch.Tensor]) -> None:
-    if part == "embed":
-        w.write_embed(tensors)
-    elif part == "head":
-        w.write_head(tensors)
-    else:
-        w.write_block(part, tensors)
+def part_file(part: str | int) -> str:
+    return {"embed": "embed.safetensors", "head": "head.safetensors"}.get(part) or block_file(part)
+
+
+def _write_part(w: StoreWriter, ckpt, part: str | int, link: bool) -> int:
+    """Write (or link) one part; returns the bytes linked rather than copied."""
+    if not link:
+        tensors = ckpt.part(part)
+        if part == "embed":
+            w.write_embed(tensors)
+        elif part == "head":
+            w.write_head(tensors)
+        else:
+            w.write_block(part, tensors)
+        return 0
+    located = ckpt.located(part, w.dtype)
+    copied = ckpt.part(part, [n for n in part_shapes(ckpt.cfg, part) if n not in located])
+    w.link_file(part_file(part), part_shapes(ckpt.cfg, part), located, copied)
+    return sum(dtype.itemsize * math.prod(shape) for _, _, dtype, shape in located.values())
 
 
 def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | None = None, link: bool = False,
@@ -272,28 +294,34 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         src: the checkpoint folder.
         out: the store folder to create (written to a temporary folder, renamed when complete).
         dtype: the store's dtype (default: the checkpoint's).
+        link: Hugging Face safetensors only: the store points at the tensors inside the checkpoint's
+            files instead of copying them (they must stay, unchanged; the store checks their size and
+            header when opened and their sha256 when read). Tensors that need converting (q/k rows
+            are permuted; another dtype) are still copied. Meta shards must be merged: always copied.
         overwrite: replace an existing store at out.
         progress: a tqdm bar over the blocks.
 
     Returns:
-        {"out", "format", "config", "dtype", "disk_bytes"}.
+        {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes"}.
 
     Raises:
         FileNotFoundError: a missing file. ValueError (StoreError): a corrupt or unsupported checkpoint.
     """
     ckpt = open_checkpoint(src)
     dtype = dtype or ckpt.dtype
-    cfg = ckpt.cfg
+    if link and ckpt.format == "hf" and dtype != ckpt.dtype:
+        raise ValueError(f"{src}: --link reads the tensors as they are, in {ckpt.dtype}; drop --dtype or drop --link")
+    cfg, linked = ckpt.cfg, 0
     with StoreWriter(out, cfg, dtype, overwrite=overwrite) as w:
         for part in tqdm(["embed", *range(cfg.n_layers), "head"], desc="converting", unit="part",
                          disable=not progress or None):
-            _write_part(w, part, ckpt.part(part))
+            linked += _write_part(w, ckpt, part, link and ckpt.format == "hf")
             ckpt.release(part)
         if ckpt.tokenizer is not None:
             w.add_tokenizer(ckpt.tokenizer)
         path = w.finish({"source": ckpt.format})
     return {"out": path, "format": ckpt.format, "config": cfg, "dtype": dtype, "disk_bytes": disk_usage(path),
-            "linked_bytes": 0}
+            "linked_bytes": linked}
 
 
 def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std: float,

@@ -41,8 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
+def size(n: int) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n} B"
 
 
 def main(argv=None) -> int:
@@ -65,10 +68,10 @@ def main(argv=None) -> int:
         return 2
     cfg = info["config"]
     print(f"wrote {info['out']} from {info['format']} in {time.perf_counter() - t0:.1f} s: {cfg.n_layers} blocks, "
-          f"{cfg.n_params() / 1e9:.2f} B parameters, {str(info['dtype']).removeprefix('torch.')}")
+          f"{cfg.n_params():,} parameters, {str(info['dtype']).removeprefix('torch.')}")
     linked = info.get("linked_bytes", 0)
-    print(f"disk: the store takes {gb(info['disk_bytes'])}"
-          + (f"; {gb(linked)} more are read in place from the checkpoint's files (--link)" if linked else ""))
+    print(f"disk: the store takes {size(info['disk_bytes'])}"
+          + (f"; {size(linked)} more are read in place from the checkpoint's files (--link)" if linked else ""))
     if args.link and not linked:
         print("note: nothing was linked (Meta shards must be merged, or the dtype differs): the store is a copy")
     return 0

@@ -236,3 +236,61 @@ def test_bad_input_from_the_command_line(tmp_path):
     r = prepare("--src", str(src), "--out", str(tmp_path / "x"), "--dtype", "fp32")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and name in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --link: a store that reads the checkpoint's safetensors files in place
+
+def test_linked_store_reads_in_place_and_checks_its_sources(tmp_path):
+    sd = random_model(LLAMA3, seed=2)
+    src = write_hf(tmp_path / "hf", LLAMA3, sd)
+    copy = convert_checkpoint(src, tmp_path / "copy", progress=False)
+    link = convert_checkpoint(src, tmp_path / "link", link=True, progress=False)
+    qk = sum(sd[f"layers.{i}.attention.w{x}.weight"].numel() * 4 for i in range(2) for x in "qk")
+    assert link["linked_bytes"] + qk == sum(t.numel() * 4 for t in sd.values())  # all but q/k stay in place
+    assert link["disk_bytes"] < copy["disk_bytes"] / 2
+    manifest = json.loads((link["out"] / "manifest.json").read_text())
+    assert all(Path(f).is_absolute() for f in manifest["links"]["sources"] if "local" not in f)
+    ref = reference_logits(LLAMA3, sd, TOKENS)
+    for offload in ("none", "disk", "ram"):
+        torch.testing.assert_close(store_logits(link["out"], TOKENS, offload), ref, rtol=0, atol=1e-5)
+    linked = phantom.BlockStore(link["out"])
+    for i in range(2):
+        assert linked.load_block(i).keys() == phantom.BlockStore(copy["out"]).load_block(i).keys()
+        assert all(torch.equal(v, sd[f"layers.{i}.{k}"]) for k, v in linked.load_block(i).items())
+    shard = src / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # flip a byte inside the last tensor: same size and header, different data
+    shard.write_bytes(bytes(data))
+    with pytest.raises(phantom.StoreError, match="checksum mismatch"):
+        phantom.BlockStore(link["out"], verify="full")
+    shard.write_bytes(bytes(data[:-4]))
+    with pytest.raises(phantom.StoreError, match="model-00002-of-00002.safetensors"):
+        phantom.BlockStore(link["out"])
+    shard.unlink()
+    with pytest.raises(phantom.StoreError, match="missing"):
+        phantom.BlockStore(link["out"])
+
+
+def test_link_is_refused_or_copies_where_it_must(tmp_path):
+    sd = random_model(LLAMA2)
+    with pytest.raises(ValueError, match="--link"):
+        convert_checkpoint(write_hf(tmp_path / "hf", LLAMA2, sd), tmp_path / "s", dtype=torch.bfloat16, link=True)
+    meta = convert_checkpoint(write_meta(tmp_path / "meta", LLAMA2, sd), tmp_path / "m", link=True, progress=False)
+    assert meta["linked_bytes"] == 0 and "links" not in json.loads((meta["out"] / "manifest.json").read_text())
+
+
+def test_linked_manifest_may_not_point_anywhere(tmp_path):
+    src = write_hf(tmp_path / "hf", LLAMA2, random_model(LLAMA2))
+    out = convert_checkpoint(src, tmp_path / "link", link=True, progress=False)["out"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["links"]["files"]["blocks/000.safetensors"]
+    entry["tensors"][0]["file"] = "/etc/passwd"  # not in links.sources
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(phantom.StoreError, match="not listed in links.sources"):
+        phantom.BlockStore(out)
+    entry["tensors"][0]["file"] = "../hf/model-00001-of-00002.safetensors"
+    manifest["links"]["sources"][entry["tensors"][0]["file"]] = {"size": 0, "header_sha256": ""}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(phantom.StoreError, match="escapes the store folder"):
+        phantom.BlockStore(out)

@@ -504,6 +504,10 @@ class BlockStore:
         """Block i's data section memory-mapped read-only (verified): pages live in the page cache,
         shared by every process that maps the same file. Never write through it."""
         e = self.blocks[i]
+        if e.segments:  # linked (several byte ranges): a private copy, not a shared mapping
+            buf = torch.empty(e.nbytes, dtype=torch.uint8)
+            self.read_block_into(i, buf)
+            return buf
         arr = np.memmap(e.path, dtype=np.uint8, mode="r", offset=e.data_start, shape=(e.nbytes,))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": it is read-only on purpose

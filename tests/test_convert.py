@@ -258,6 +258,7 @@ def test_linked_store_reads_in_place_and_checks_its_sources(tmp_path):
     for i in range(2):
         assert linked.load_block(i).keys() == phantom.BlockStore(copy["out"]).load_block(i).keys()
         assert all(torch.equal(v, sd[f"layers.{i}.{k}"]) for k, v in linked.load_block(i).items())
+        assert all(torch.equal(v, sd[f"layers.{i}.{k}"]) for k, v in linked.block_views(linked.map_block(i)).items())
     shard = src / "model-00002-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0xFF  # flip a byte inside the last tensor: same size and header, different data

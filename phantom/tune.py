@@ -523,7 +523,8 @@ def load_profile(path: Path) -> MachineProfile | None:
 
 
 def auto_placement(store_path: Path | str, device: torch.device | str, batch_size: int, seq_len: int,
-                   dtype: torch.dtype | str, profile_dir: Path | str | None = None) -> Placement:
+                   dtype: torch.dtype | str, profile_dir: Path | str | None = None,
+                   offloads: tuple[str, ...] = ("ram", "disk")) -> Placement:
     """The placement for `--prefetch auto`: from the saved profile, or a quick one measured (and saved) now.
 
     Free memory is read again at each call (it changes between runs); the rest of the profile is
@@ -537,6 +538,7 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
         seq_len: tokens per row.
         dtype: compute dtype.
         profile_dir: where profiles live (default $PHANTOM_CACHE/profiles or ~/.cache/phantom/profiles).
+        offloads: the tiers it may choose from (("disk",) when the user asked for --offload disk).
 
     Raises:
         ValueError: nothing fits in free memory.
@@ -551,7 +553,7 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
         save_profile(profile, path)
     profile = dataclasses.replace(profile, free_device_bytes=free_device_bytes(device),
                                   free_host_bytes=free_host_bytes())
-    best = choose(search(profile, batch_size, seq_len))
+    best = choose(search(profile, batch_size, seq_len, offloads=offloads))
     log.info("tuned placement: %s; predicted %.3f s/step (%s-bound)", best.describe(), best.step_s, best.bound)
     return best
 

@@ -147,6 +147,7 @@ def test_auto_placement_measures_once_then_reads_the_profile(small_store, tmp_pa
     monkeypatch.setattr(tune, "measure", no_measuring)
     again = tune.auto_placement(small_store, "cpu", batch_size=4, seq_len=32, dtype="fp32", profile_dir=tmp_path)
     assert (again.offload, again.rows) == (first.offload, 4)
+    assert tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path, offloads=("disk",)).offload == "disk"
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
     from phantom.store import BlockStore
     assert tune.profile_path(BlockStore(small_store), "cpu", "fp32").parent == tmp_path / "cache" / "profiles"

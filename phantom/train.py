@@ -1,7 +1,7 @@
 """The finetuning loop: AdamW with warmup + cosine decay, clipping, layer-major accumulation, eval,
 samples, metrics.jsonl, atomic checkpoints with bit-exact resume, and a clean stop on Ctrl-C or NaN.
 
-Imports phantom.data, phantom.store (atomic writes) and works on a PhantomModel.
+Imports phantom.data, phantom.generate (samples), phantom.store (atomic writes); works on a PhantomModel.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from phantom import data as D
+from phantom.generate import generate
 from phantom.store import atomic_write_bytes, atomic_write_json, fsync_dir, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -126,20 +127,33 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
 
 # -- steps, eval, samples -----------------------------------------------------------------------
 
-def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) -> tuple[float, float]:
-    """One optimizer step over a (K * B, T) batch; returns (loss, grad norm). Skips the update if
-    either is not finite, leaving the weights as they were."""
+def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) -> tuple[float, float | None]:
+    """One optimizer step over a (K * B, T) batch; returns (loss, grad norm).
+
+    LoRA: the update is skipped if the loss or the gradient norm is not finite, leaving the weights as
+    they were. Full mode: the model updates each block inside backward (with this step's lr and its
+    per-block clipping) and `opt` updates the rest; the norm is not known (None).
+    """
+    full = getattr(model, "full", False)
+    if full:
+        model.set_lr(opt.param_groups[0]["lr"])
     loss = model(x, targets=y)
     if not torch.isfinite(loss):
-        return loss.item(), float("nan")
+        return loss.item(), None
     loss.backward()
-    params = [p for g in opt.param_groups for p in g["params"]]
-    norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-    if torch.isfinite(norm):
+    if full:
+        model.clip_grad_norm_(cfg.grad_clip or None)
+        norm = None
+    else:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")).item()
+    if norm is None or math.isfinite(norm):
         opt.step()
         sched.step()
     opt.zero_grad(set_to_none=True)
-    return loss.item(), norm.item()
+    if full:
+        model.finish_step()
+    return loss.item(), norm
 
 
 @torch.no_grad()
@@ -166,17 +180,12 @@ def _seq_index(ds, j: int) -> int:
 
 @torch.no_grad()
 def sample(model, tokenizer, prompt: str, max_new_tokens: int = 32) -> str:
-    """Greedy continuation of `prompt` (a full forward per token, no KV cache: for progress samples)."""
+    """Greedy continuation of `prompt` (KV-cached, phantom.generate), for progress samples."""
     was_training = model.training
     model.eval()
-    ids = tokenizer.encode(prompt, bos=True)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        window = (ids + new)[-model.cfg.max_seq_len:]
-        nxt = int(model(torch.tensor([window]))[0, -1].argmax())
-        if nxt == tokenizer.eos_id:
-            break
-        new.append(nxt)
+    ids = tokenizer.encode(prompt, bos=True)[-(model.cfg.max_seq_len - max_new_tokens):]
+    new = [t for t in generate(model, ids, max_new_tokens, temperature=0, eos_id=tokenizer.eos_id)
+           if t != tokenizer.eos_id]
     model.train(was_training)
     return tokenizer.decode(new)
 
@@ -339,33 +348,27 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     """
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    full = getattr(model, "full", False)
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    if full and cfg.resume:
+        raise ValueError("--resume is not yet supported with --mode full; start the run again without it")
     pad = tokenizer.eos_id if tokenizer is not None else 0
     train_ds = D.rows(train_data, cfg.seq_len, pad, "training data")
     val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data") if val_data is not None else None
     rows = cfg.batch_size * cfg.grad_accum
-    if model.micro_batch not in (None, cfg.batch_size) and cfg.grad_accum > 1:
-        log.warning("model micro_batch %s differs from batch_size %d", model.micro_batch, cfg.batch_size)
     seed_everything(cfg.seed)
     model.train()
     opt, identity = make_optimizer(model, cfg), run_identity(model, train_data, cfg)
     sched = make_scheduler(opt, cfg)
-    start, best_val, history = 0, float("inf"), []
-    if cfg.resume:
-        ckpt = find_checkpoint(out)
-        if ckpt is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINT}; run without --resume to start")
-        state = load_checkpoint(ckpt, model, opt, sched, identity)
-        start, best_val = state["step"], state["extra"].get("best_val", float("inf"))
-        log.info("resumed from %s at step %d", ckpt, start)
-    elif find_checkpoint(out):
-        log.warning("%s holds a checkpoint that this run will replace; pass --resume to continue it", out)
+    start, best_val = restore(out, model, opt, sched, identity, cfg)
     history = read_metrics(out / "metrics.jsonl", start) if cfg.resume else []
     if val_ds is not None and start == 0:
         history.append({"step": 0, **evaluate(model, val_ds, rows, cfg.eval_iters)})
         log.info("step 0: val loss %.4f, ppl %.2f", history[-1]["val_loss"], history[-1]["val_ppl"])
     (out / "metrics.jsonl").write_text("".join(to_json(r) for r in history))
+    if full and cfg.save_every:
+        log.warning("--mode full: no checkpoints yet (the trained weights are written to %s at the end)", out)
 
     batches = iter(D.loader(train_ds, rows, cfg.seed, cfg.shuffle, start, cfg.workers,
                             pin_memory=model.device.type == "cuda"))
@@ -388,7 +391,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
             rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": x.numel(),
                    "tokens_per_s": x.numel() / dt, "step_s": dt, "data_s": t_data - t0,
                    "stall_frac": m.get("stall_s", 0.0) / dt, **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
-            if not (math.isfinite(loss) and math.isfinite(norm)):
+            if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 status = "nan"
                 mfile.write(to_json(rec))
                 break
@@ -400,27 +403,50 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
             if cfg.sample_every and tokenizer is not None and cfg.prompt and (step % cfg.sample_every == 0 or last):
                 rec["sample"] = sample(model, tokenizer, cfg.prompt, cfg.max_new_tokens)
                 log.info("step %d sample: %s%s", step, cfg.prompt, rec["sample"])
+            sched_metrics()  # the eval's and sample's block traffic is not the next step's
             mfile.write(to_json(rec))
             mfile.flush()
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             stall=f"{100 * rec['stall_frac']:.0f}%", refresh=False)
             bar.update(1)
-            if (cfg.save_every and step % cfg.save_every == 0) or last:
+            if not full and ((cfg.save_every and step % cfg.save_every == 0) or last):
                 save_checkpoint(out, model, opt, sched, step, identity, {"best_val": best_val})
             if stop.set:
                 status = "interrupted"
                 break
     bar.close()
+    summary = {"status": status, "steps": step, "tokens": tokens, "time_s": time.perf_counter() - t_start,
+               "final_loss": loss, "best_val_loss": best_val if math.isfinite(best_val) else None}
+    return {**summary, **finish(out, model, cfg, status, step, loss)}
+
+
+def restore(out: Path, model, opt, sched, identity: dict, cfg: TrainConfig) -> tuple[int, float]:
+    """(start step, best eval loss) of the run: from out/checkpoint with cfg.resume, else (0, inf)."""
+    if not cfg.resume:
+        if find_checkpoint(out):
+            log.warning("%s holds a checkpoint that this run will replace; pass --resume to continue it", out)
+        return 0, float("inf")
+    ckpt = find_checkpoint(out)
+    if ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINT}; run without --resume to start")
+    state = load_checkpoint(ckpt, model, opt, sched, identity)
+    log.info("resumed from %s at step %d", ckpt, state["step"])
+    return state["step"], state["extra"].get("best_val", float("inf"))
+
+
+def finish(out: Path, model, cfg: TrainConfig, status: str, step: int, loss: float) -> dict:
+    """Write the trace and the trained weights (unless the run went NaN); where things are."""
     if cfg.trace and model.scheduler is not None:
         model.scheduler.tracer.write(out / "trace.json")
-    adapter = None
-    if status != "nan" and getattr(model, "lora_cfg", None) is not None:
-        adapter = model.save_adapter(out / "adapter")
-    elif status == "nan":
-        ckpt = find_checkpoint(out)
+    adapter = weights = None
+    if status == "nan":
         log.error("the loss or gradient became %s at step %d; stopped. The last good checkpoint is %s; lower --lr "
-                  "(or check the data) and --resume", loss, step, ckpt or "none")
-    return {"status": status, "steps": step, "tokens": tokens, "time_s": time.perf_counter() - t_start,
-            "final_loss": loss, "best_val_loss": best_val if math.isfinite(best_val) else None,
-            "adapter": str(adapter) if adapter else None, "checkpoint": str(find_checkpoint(out) or "") or None,
-            "metrics": str(out / "metrics.jsonl"), "out": str(out)}
+                  "(or check the data) and --resume", loss, step, find_checkpoint(out) or "none")
+    elif getattr(model, "lora_cfg", None) is not None:
+        adapter = model.save_adapter(out / "adapter")
+    elif getattr(model, "full", False) and model.scheduler is not None:
+        model.save_full()
+        weights = model.store.path
+    ckpt = find_checkpoint(out)
+    return {"adapter": str(adapter) if adapter else None, "weights": str(weights) if weights else None,
+            "checkpoint": str(ckpt) if ckpt else None, "metrics": str(out / "metrics.jsonl"), "out": str(out)}

@@ -5,7 +5,6 @@ checkpoint/ (for --resume), metrics.jsonl and, with --trace, trace.json into --o
 """
 import argparse
 import dataclasses
-import inspect
 import logging
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from phantom.tokenizer import Tokenizer  # noqa: E402
 from phantom.train import TrainConfig, train  # noqa: E402
 
 D = TrainConfig()
+DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5}  # (mode, tiny)
 
 
 def parse_args(argv=None):
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     a("--batch-size", type=int, default=D.batch_size, help="rows per micro-batch")
     a("--grad-accum", type=int, default=D.grad_accum, help="micro-batches per step (layer-major)")
     a("--seq-len", type=int, default=D.seq_len, help="tokens per row")
-    a("--lr", type=float, default=None, help="peak learning rate (default: 1e-2 for tiny, 2e-4 otherwise)")
+    a("--lr", type=float, default=None, help="peak learning rate (default: LoRA 1e-2 for tiny, 2e-4 otherwise; full 1e-3 / 1e-5)")
     a("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr / 10)")
     a("--warmup", type=int, default=D.warmup, help="linear warmup steps")
     a("--weight-decay", type=float, default=D.weight_decay, help="AdamW weight decay")
@@ -62,25 +62,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_model(args):
-    kw = {}
-    if args.mode == "full":
-        if "mode" not in inspect.signature(phantom.load).parameters:
-            raise ValueError("--mode full is not yet supported by this phantom; use --mode lora")
-        kw["mode"] = "full"
+def load_model(args, lr: float):
     device = phantom.resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     lora = phantom.LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, seed=args.seed,
                               targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+    full = {}
+    if args.mode == "full":  # blocks are updated inside backward; the working copy of the store is --out/store
+        full = dict(mode="full", work_dir=args.out, optim=phantom.AdamWConfig(
+            lr=lr, betas=D.betas, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None))
     return phantom.load(args.model, device=device, offload=args.offload, prefetch=args.prefetch, dtype=dtype,
-                        lora=None if args.mode == "full" else lora, micro_batch=args.batch_size, trace=args.trace,
-                        **kw)
+                        lora=lora, micro_batch=args.batch_size, trace=args.trace, **full)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
-    lr = args.lr if args.lr is not None else (1e-2 if args.model == "tiny" else 2e-4)
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.mode, args.model == "tiny"]
     try:
         cfg = TrainConfig(iters=args.iters, batch_size=args.batch_size, grad_accum=args.grad_accum,
                           seq_len=args.seq_len, lr=lr, min_lr=args.min_lr, warmup=args.warmup,
@@ -89,7 +87,7 @@ def main(argv=None) -> int:
                           prompt=args.prompt, seed=args.seed, shuffle=not args.sequential, out=args.out,
                           resume=args.resume, mode=args.mode, workers=args.workers, trace=args.trace,
                           progress=not args.quiet)
-        model = load_model(args)
+        model = load_model(args, lr)
     except (ValueError, FileNotFoundError, OSError) as e:  # StoreError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -116,8 +114,8 @@ def print_summary(s: dict) -> None:
           f"steps        {s['steps']}\n"
           f"tokens       {s['tokens']:,} in {s['time_s']:.1f} s ({s['tokens'] / max(s['time_s'], 1e-9):,.0f} tok/s)\n"
           f"loss         final {s['final_loss']:.4f}, best eval {best}\n"
-          f"adapter      {s['adapter'] or '(not written)'}\n"
-          f"checkpoint   {s['checkpoint'] or '-'}  (continue with --resume)\n"
+          f"{'weights      ' + s['weights'] if s.get('weights') else 'adapter      ' + (s['adapter'] or '(not written)')}\n"
+          f"checkpoint   {s['checkpoint'] + '  (continue with --resume)' if s['checkpoint'] else '-'}\n"
           f"metrics      {s['metrics']}  (plot: python scripts/plot.py --out {s['out']})")
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-import phantom
+from phantom.store import BlockStore
 
 ROOT = Path(__file__).resolve().parent.parent
 FINETUNE = ROOT / "scripts" / "finetune.py"
@@ -59,11 +58,9 @@ def test_finetune_writes_adapter_metrics_and_summary(tmp_path):
     (["--val-split", "0.05"], "the held-out data (82 tokens) is shorter than one sequence of 128 + 1"),
     (["--lora-targets", "q,x"], "unknown LoRA targets"),
     (["--resume"], "no checkpoint"),
-    (["--mode", "full"], "--mode full is not yet supported"),
+    (["--mode", "full", "--resume"], "--resume is not yet supported with --mode full"),
 ])
 def test_user_errors_are_one_line_exit_2(cli, capsys, tmp_path, args, match):
-    if args == ["--mode", "full"] and "mode" in inspect.signature(phantom.load).parameters:
-        pytest.skip("phantom.load supports full finetuning now")
     code = cli.main([*args, "--out", str(tmp_path), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and match in err, err
@@ -75,6 +72,15 @@ def test_bad_json_line_through_the_cli(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [f"error: {tmp_path / 'd.jsonl'}:2: not valid JSON (Expecting property "
                                              f"name enclosed in double quotes); JSONL needs one JSON object per line"]
+
+
+def test_full_mode_writes_the_trained_store(tmp_path):
+    r = run(*SMALL, "--iters", "3", "--mode", "full", "--offload", "ram", "--lr", "1e-3", "--out", tmp_path, "-q")
+    assert r.returncode == 0, r.stderr
+    assert f"weights      {tmp_path / 'store'}" in r.stdout and not (tmp_path / "adapter").exists()
+    losses = [m["loss"] for m in metrics(tmp_path) if "loss" in m]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    BlockStore(tmp_path / "store", verify="full")  # complete and consistent
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60):

@@ -139,7 +139,8 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm Llama block. With `checkpoint_inner` set, attention and MLP are each checkpointed
-    when a graph is built, so at most one of their activations is alive at a time (long sequences)."""
+    when a graph is built (the MLP per slice of `mlp_chunk` tokens), so the backward holds one of
+    them at a time: long sequences."""
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
@@ -148,12 +149,16 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
         self.feed_forward = FeedForward(cfg, device, dtype)
         self.checkpoint_inner = False
+        self.mlp_chunk = 1024  # tokens per MLP slice under checkpoint_inner
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
         if self.checkpoint_inner and torch.is_grad_enabled() and cache is None:
             h = x + checkpoint(self._attention, x, rope, use_reentrant=False)
-            return h + checkpoint(self._mlp, h, use_reentrant=False)
+            # the MLP is token-wise: checkpoint it in slices of the sequence, so its backward holds
+            # one slice's (B, chunk, hidden) activations at a time
+            return h + torch.cat([checkpoint(self._mlp, hc, use_reentrant=False)
+                                  for hc in h.split(self.mlp_chunk, dim=1)], dim=1)
         h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 

@@ -185,3 +185,21 @@ def test_inner_checkpointing_matches_reference(small_store, reference, offload, 
     assert max_rel_err(loss, ref_loss) <= TOL
     for n in ref_grads:
         assert max_rel_err(grads[n], ref_grads[n]) <= TOL, n
+
+
+def test_inner_checkpointing_with_sequence_slices_of_the_mlp(small_store, reference):
+    _, ref_loss, ref_grads = reference
+    model = phantom.load(small_store, offload="disk", checkpoint_inner=True,
+                         lora=phantom.LoraConfig(rank=4, targets=("q", "k", "v", "o", "gate", "up", "down")))
+    for block in model.layers:
+        block.mlp_chunk = 5  # 24 tokens -> slices of 5, 5, 5, 5, 4
+    randomize_lora(model)
+    tokens, targets = batch(SMALL)
+    torch.manual_seed(123)
+    loss = model(tokens, targets=targets)
+    loss.backward()
+    assert max_rel_err(loss, ref_loss) <= TOL
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert max_rel_err(p.grad, ref_grads[n]) <= TOL, n
+    model.close()

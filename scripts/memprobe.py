@@ -1,0 +1,36 @@
+"""Peak host RSS of one LoRA training step, in a fresh process: for memory claims in notes/.
+
+    python scripts/memprobe.py --store STORE --seq-len 8192 [--checkpoint-inner] [--offload disk]
+"""
+import argparse
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import phantom  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", required=True, help="a store folder or preset")
+    p.add_argument("--offload", default="disk", choices=["disk", "ram", "none"], help="placement")
+    p.add_argument("--batch-size", type=int, default=1, help="rows")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
+    p.add_argument("--checkpoint-inner", action="store_true", help="checkpoint attention and MLP inside blocks")
+    p.add_argument("--recompute", default="all", choices=["all", "none", "auto"], help="recompute policy")
+    args = p.parse_args()
+    model = phantom.load(args.store, offload=args.offload, checkpoint_inner=args.checkpoint_inner,
+                         recompute=args.recompute)
+    x = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    model(x[:, :-1], targets=x[:, 1:]).backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(json.dumps({**vars(args), "rss_before_gb": round(before, 3), "peak_gb": round(peak, 3)}))
+
+
+if __name__ == "__main__":
+    main()

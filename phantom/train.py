@@ -195,10 +195,11 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 32) -> str:
 def run_identity(model, train_data: D.TokenData, cfg: TrainConfig) -> dict:
     """What a checkpoint must share with the run that resumes it."""
     lora = getattr(model, "lora_cfg", None)
-    return json.loads(json.dumps({"model": dataclasses.asdict(model.cfg), "lora": dataclasses.asdict(lora) if lora else None,
-            "dtype": str(model.dtype), "mode": cfg.mode, "data": f"{train_data.key}:{len(train_data)}",
-            **{k: getattr(cfg, k) for k in ("seq_len", "batch_size", "grad_accum", "seed", "shuffle")},
-            "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "progress")}}))
+    ident = {"model": dataclasses.asdict(model.cfg), "lora": dataclasses.asdict(lora) if lora else None,
+             "dtype": str(model.dtype), "mode": cfg.mode, "data": f"{train_data.key}:{len(train_data)}",
+             **{k: getattr(cfg, k) for k in ("seq_len", "batch_size", "grad_accum", "seed", "shuffle")},
+             "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "progress")}}
+    return json.loads(json.dumps(ident))  # as meta.json will read back (tuples become lists)
 
 
 def rng_states() -> dict:
@@ -340,7 +341,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
 
     Returns:
         A summary: status ("done", "interrupted" or "nan"), steps, tokens, time_s, final_loss,
-        best_val_loss, adapter (or None), checkpoint (or None), metrics.
+        best_val_loss, adapter (LoRA) or weights (full mode: the trained store), checkpoint (or None),
+        metrics, out.
 
     Raises:
         ValueError: data shorter than one sequence, or --resume from another run's checkpoint.

@@ -42,7 +42,8 @@ def parse_args(argv=None):
     a("--batch-size", type=int, default=D.batch_size, help="rows per micro-batch")
     a("--grad-accum", type=int, default=D.grad_accum, help="micro-batches per step (layer-major)")
     a("--seq-len", type=int, default=D.seq_len, help="tokens per row")
-    a("--lr", type=float, default=None, help="peak learning rate (default: LoRA 1e-2 for tiny, 2e-4 otherwise; full 1e-3 / 1e-5)")
+    a("--lr", type=float, default=None,
+      help="peak learning rate (default: LoRA 1e-2 for tiny, 2e-4 otherwise; full 1e-3 / 1e-5)")
     a("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr / 10)")
     a("--warmup", type=int, default=D.warmup, help="linear warmup steps")
     a("--weight-decay", type=float, default=D.weight_decay, help="AdamW weight decay")
@@ -114,7 +115,7 @@ def print_summary(s: dict) -> None:
           f"steps        {s['steps']}\n"
           f"tokens       {s['tokens']:,} in {s['time_s']:.1f} s ({s['tokens'] / max(s['time_s'], 1e-9):,.0f} tok/s)\n"
           f"loss         final {s['final_loss']:.4f}, best eval {best}\n"
-          f"{'weights      ' + s['weights'] if s.get('weights') else 'adapter      ' + (s['adapter'] or '(not written)')}\n"
+          f"{'weights' if s['weights'] else 'adapter':<13}{s['weights'] or s['adapter'] or '(not written)'}\n"
           f"checkpoint   {s['checkpoint'] + '  (continue with --resume)' if s['checkpoint'] else '-'}\n"
           f"metrics      {s['metrics']}  (plot: python scripts/plot.py --out {s['out']})")
 

@@ -111,7 +111,8 @@ def test_user_errors(tok, tmp_path):
 class CountingTokenizer:
     def __init__(self, tok):
         self.tok, self.calls = tok, 0
-        self.fingerprint, self.bos_id, self.eos_id, self.vocab_size = tok.fingerprint, tok.bos_id, tok.eos_id, tok.vocab_size
+        self.fingerprint, self.bos_id, self.eos_id = tok.fingerprint, tok.bos_id, tok.eos_id
+        self.vocab_size = tok.vocab_size
 
     def encode(self, *a, **k):
         self.calls += 1
@@ -167,7 +168,8 @@ def test_split_holds_out_the_tail():
     d = D.TokenData(np.arange(100, dtype=np.uint16), np.arange(100, dtype=np.int32), np.zeros(1, np.int64), "text", "k")
     tr, va = D.split(d, 0.1)
     assert tr.tokens.tolist() == list(range(90)) and va.tokens.tolist() == list(range(90, 100))
-    d = D.TokenData(np.arange(100, dtype=np.uint16), np.arange(100, dtype=np.int32), np.arange(0, 100, 10), "prompt", "k")
+    d = D.TokenData(np.arange(100, dtype=np.uint16), np.arange(100, dtype=np.int32), np.arange(0, 100, 10), "prompt",
+                    "k")
     tr, va = D.split(d, 0.2)
     assert len(tr) == 80 and va.starts.tolist() == [0, 10] and D.split(d, 0) == (d, None)
 

@@ -40,6 +40,7 @@ MODES = {  # name -> load arguments
     "ram": dict(offload="ram"),
     "disk": dict(offload="disk"),
     "naive": dict(offload="disk", prefetch=0),
+    "hf-peft": dict(),  # transformers + peft, resident, if installed (issue 10's outside reference)
 }
 
 
@@ -68,9 +69,42 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def hf_peft_model(store: BlockStore):
+    """A resident transformers LlamaForCausalLM with peft's LoRA on q and v, same shapes and dtype."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    c = store.cfg
+    hf = LlamaConfig(hidden_size=c.dim, intermediate_size=c.hidden_dim, num_hidden_layers=c.n_layers,
+                     num_attention_heads=c.n_heads, num_key_value_heads=c.kv_heads, vocab_size=c.vocab_size,
+                     max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
+                     attn_implementation="sdpa")
+    model = LlamaForCausalLM(hf).to(store.dtype)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+
+def hf_worker(args) -> dict:
+    store = BlockStore(args.store)
+    model = hf_peft_model(store)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    tokens = torch.randint(0, store.cfg.vocab_size, (args.batch_size, args.seq_len),
+                           generator=torch.Generator().manual_seed(0))
+    times = []
+    for step in range(args.steps + 1):
+        t0 = time.perf_counter()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step:
+            times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "stall": 0.0, "loads": 0, "bytes_per_step": 0, "read_gbps": 0.0,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "peak_dev_gb": 0.0}
+
+
 def worker(args) -> dict:
     """One mode in this process: warm-up step, timed steps, metrics."""
     mode, recompute, micro, prefetch = args.worker.split(":")
+    if mode == "hf-peft":
+        return hf_worker(args)
     kw = dict(MODES[mode.removeprefix("tuned-")])
     kw.setdefault("prefetch", int(prefetch) if prefetch != "-" else 0)
     store = BlockStore(args.store, drop_cache=args.cold)
@@ -117,7 +151,7 @@ def run_worker(spec: str, argv, args) -> tuple:
         sys.exit(f"error: {mode} failed:\n{out.stderr[-2000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{mode:10s} recompute={recompute:4s} micro={micro:3s} prefetch={k:2s} {r['step_s']:.3f} s/step", flush=True)
-    return mode, recompute if mode != "resident" else "-", micro, k, r
+    return mode, recompute if mode not in ("resident", "hf-peft") else "-", micro, k, r
 
 
 def predicted(profile: tune.MachineProfile, mode: str, recompute: str, micro: str, k: str, args) -> float:
@@ -161,7 +195,13 @@ def main(argv=None):
         for recompute in policies:
             for micro in (args.micro_batch.split(",") if args.micro_batch else ["-"]):
                 for mode in args.modes.split(","):
-                    if mode == "resident" and (recompute != policies[0]):
+                    if mode == "hf-peft":
+                        try:
+                            import peft, transformers  # noqa: F401
+                        except ImportError:
+                            print("hf-peft: transformers/peft not installed, skipped")
+                            continue
+                    if mode in ("resident", "hf-peft") and (recompute != policies[0]):
                         continue  # resident has no recompute policy: one row is enough
                     for k in (args.prefetch.split(",") if mode in ("ram", "disk") else ["-"]):
                         rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args))
@@ -183,12 +223,12 @@ def main(argv=None):
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, rc, micro, k, r in rows:
         ratio = f"{r['step_s'] / base:.3f}x" if base else "-"
-        pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if profile and mode != "resident" else "-"
+        pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if profile and mode not in ("resident", "hf-peft") else "-"
         lines.append(f"| {mode} | {rc} | {micro} | {k} | {r['step_s']:.3f} | {pred} | {ratio} | {r['stall']:.1%} | "
                      f"{r['loads']} | {r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | "
                      f"{r['peak_rss_gb']:.2f} | {r['peak_dev_gb']:.2f} |")
     if profile is not None:
-        swept = [x for x in rows if x[0] != "resident" and not x[0].startswith("tuned")]
+        swept = [x for x in rows if x[0] not in ("resident", "hf-peft") and not x[0].startswith("tuned")]
         top = min(swept, key=lambda x: x[4]["step_s"])
         lines += ["", f"- tuned: {best.describe()}, predicted {best.step_s:.3f} s, measured {rows[-1][4]['step_s']:.3f} s "
                       f"({rows[-1][4]['step_s'] / best.step_s - 1:+.1%}); best swept: {top[0]} micro {top[2]} prefetch "

@@ -359,6 +359,10 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     train_ds = D.rows(train_data, cfg.seq_len, pad, "training data")
     val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data") if val_data is not None else None
     rows = cfg.batch_size * cfg.grad_accum
+    if cfg.grad_accum > 1 and model.micro_batch != cfg.batch_size:
+        log.warning("--grad-accum %d: load the model with micro_batch=%d so each block runs the %d rows of a "
+                    "step in micro-batches (it has micro_batch=%s)", cfg.grad_accum, cfg.batch_size, rows,
+                    model.micro_batch)
     seed_everything(cfg.seed)
     model.train()
     opt, identity = make_optimizer(model, cfg), run_identity(model, train_data, cfg)

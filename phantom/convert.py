@@ -137,8 +137,9 @@ class MetaCheckpoint:
         out = {}
         for name, shape in part_shapes(self.cfg, part).items():
             key = name if isinstance(part, str) else f"layers.{part}.{name}"
-            out[name] = self._merge(key, META_SPLIT_DIMS[name], [self._get(k, key) for k in range(len(self.files))],
-                                    shape)
+            parts = [self._get(k, key) for k in range(len(self.files))]
+            out[name] = self._merge(key, META_SPLIT_DIMS[name], parts, shape)
+            release_pages(parts)  # copied into our own memory: the mapped pages can go
         return out
 
     def _merge(self, key: str, dims: tuple[int, ...], parts: list[torch.Tensor], shape: tuple[int, ...]):
@@ -147,18 +148,18 @@ class MetaCheckpoint:
                 raise ValueError(f"{self.files[k]}: {key} has shape {tuple(p.shape)}, shard 0 has "
                                  f"{tuple(parts[0].shape)}; the shards are from different models")
         if tuple(parts[0].shape) == shape and (not dims or len(parts) == 1):
-            return parts[0]  # replicated, or a single shard
+            return parts[0].clone()  # replicated, or a single shard
         for d in dims:
             cat_shape = list(parts[0].shape)
             cat_shape[d] *= len(parts)
-            if tuple(cat_shape) == shape:
-                return torch.cat(parts, d)
+            if tuple(cat_shape) == shape:  # torch.cat, one shard at a time: only one slice's pages are mapped in
+                out = torch.empty(shape, dtype=parts[0].dtype)
+                for k, p in enumerate(parts):
+                    out.narrow(d, k * p.shape[d], p.shape[d]).copy_(p)
+                    release_pages([p])
+                return out
         raise ValueError(f"{self.files[0]}: {key} has shape {tuple(parts[0].shape)} in each of {len(parts)} shards, "
                          f"which does not make {shape} as params.json says; the shards do not match params.json")
-
-    def release(self, part: str | int) -> None:
-        keys = [name if isinstance(part, str) else f"layers.{part}.{name}" for name in part_shapes(self.cfg, part)]
-        release_pages(s[k] for s in self.shards for k in keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,9 +234,6 @@ class HFCheckpoint:
             if name in out:
                 out[name] = permute_from_hf(out[name], getattr(self.cfg, heads))
         return out
-
-    def release(self, part) -> None:
-        pass  # each part's files were closed, and their mappings dropped, in part()
 
     def located(self, part: str | int, dtype: torch.dtype) -> dict[str, tuple[Path, int, torch.dtype, tuple]]:
         """name -> (file, byte offset, dtype, shape) of a part's tensors usable in place: in dtype, not permuted."""
@@ -316,7 +314,6 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         for part in tqdm(["embed", *range(cfg.n_layers), "head"], desc="converting", unit="part",
                          disable=not progress or None):
             linked += _write_part(w, ckpt, part, link and ckpt.format == "hf")
-            ckpt.release(part)
         if ckpt.tokenizer is not None:
             w.add_tokenizer(ckpt.tokenizer)
         path = w.finish({"source": ckpt.format})

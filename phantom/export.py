@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from phantom.config import ModelConfig
 from phantom.convert import HF_NAMES, HF_PERMUTED, part_shapes, release_pages
-from phantom.layers import TransformerBlock, permute_for_hf
+from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
 from phantom.lora import TARGETS, apply_lora, load_adapter, lora_modules, read_adapter_config
 from phantom.store import BlockStore, fsync_dir, write_safetensors
 
@@ -27,30 +27,31 @@ FORMATS = ("hf", "meta")
 HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def adapter_deltas(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """{layer: {store weight name: scale * B @ A}} in Meta's layout, fp32, from a PEFT adapter folder."""
+def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLinear]]:
+    """{layer: {store weight name: its LoRA (A, B in Meta's layout)}} from a PEFT adapter folder."""
     lora_cfg = read_adapter_config(adapter)
     layers = nn.ModuleList(TransformerBlock(cfg, device="meta") for _ in range(cfg.n_layers))
     for i, block in enumerate(layers):
         apply_lora(block, lora_cfg, i)
     load_adapter(layers, cfg, adapter)  # checks names and shapes; un-permutes q/k's lora_B
-    deltas: dict[int, dict[str, torch.Tensor]] = {}
-    with torch.no_grad():
-        for (i, t), m in lora_modules(layers).items():
-            deltas.setdefault(i, {})[f"{TARGETS[t][0]}.weight"] = m.delta_weight().float()
-    return deltas
+    loras: dict[int, dict[str, LoraLinear]] = {}
+    for (i, t), m in lora_modules(layers).items():
+        loras.setdefault(i, {})[f"{TARGETS[t][0]}.weight"] = m
+    return loras
 
 
 def merged_parts(store: BlockStore, adapter: Path | None, dtype: torch.dtype,
                  progress: bool = True) -> Iterator[tuple[str | int, dict[str, torch.Tensor]]]:
     """("embed" | block index | "head", Meta-named tensors in dtype), base + adapter, one part at a time."""
-    deltas = adapter_deltas(store.cfg, Path(adapter)) if adapter else {}
+    loras = adapter_loras(store.cfg, Path(adapter)) if adapter else {}
     yield "embed", {k: v.to(dtype) for k, v in store.load_embed().items()}
     for i in tqdm(range(store.n_blocks), desc="merging", unit="block", disable=not progress or None):
         block = store.load_block(i)
-        for name, delta in deltas.get(i, {}).items():
-            block[name] = block[name].float() + delta
+        with torch.no_grad():
+            for name, lora in loras.get(i, {}).items():
+                block[name] = block[name].float() + lora.delta_weight()  # W + scale * B @ A
         yield i, {k: v.to(dtype) for k, v in block.items()}
+        del block  # before the next one is read
     yield "head", {k: v.to(dtype) for k, v in store.load_head().items()}
 
 
@@ -90,6 +91,7 @@ def write_hf(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
         write_safetensors(tmp / name, hf, metadata={"format": "pt"})
         weight_map.update({key: name for key in hf})
         total += sum(t.numel() * t.element_size() for t in hf.values())
+        del tensors, hf  # before the next part is made: one part in memory at a time
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
@@ -131,6 +133,7 @@ def write_meta(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
         for name, t in tensors.items():
             ckpt[key(part, name)].copy_(t)
         release_pages(ckpt[key(part, name)] for name in tensors)  # written back by the kernel; not kept resident
+        del tensors  # before the next part is made: one part in memory at a time
     del ckpt
     with open(path, "rb+") as f:
         os.fsync(f.fileno())

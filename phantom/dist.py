@@ -39,6 +39,15 @@ def init_from_env(device_type: str = "cpu") -> DistInfo:
                     local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
 
+def current() -> DistInfo:
+    """The DistInfo of the process group this process is in (single process if none)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistInfo()
+    world = dist.get_world_size()
+    return DistInfo(rank=dist.get_rank(), world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+
+
 def _weighted(tensors: list[torch.Tensor], n_tokens: float):
     """Start all-reducing sum(n_r * g_r) and sum(n_r); returns a function that waits and divides."""
     flat = torch.cat([t.reshape(-1).float() for t in tensors] + [torch.zeros(1, device=tensors[0].device)])

@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import signal
@@ -25,6 +26,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from phantom import data as D
+from phantom import dist as pdist
 from phantom.generate import generate
 from phantom.store import atomic_write_bytes, atomic_write_json, fsync_dir, write_safetensors
 
@@ -127,12 +129,14 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
 
 # -- steps, eval, samples -----------------------------------------------------------------------
 
-def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig) -> tuple[float, float | None]:
+def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+               sync=None) -> tuple[float, float | None]:
     """One optimizer step over a (K * B, T) batch; returns (loss, grad norm).
 
     LoRA: the update is skipped if the loss or the gradient norm is not finite, leaving the weights as
     they were. Full mode: the model updates each block inside backward (with this step's lr and its
-    per-block clipping) and `opt` updates the rest; the norm is not known (None).
+    per-block clipping) and `opt` updates the rest; the norm is not known (None). `sync`, if given,
+    runs after backward (data parallel: averages the gradients over the ranks).
     """
     full = getattr(model, "full", False)
     if full:
@@ -141,6 +145,8 @@ def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainCo
     if not torch.isfinite(loss):
         return loss.item(), None
     loss.backward()
+    if sync is not None:
+        sync()
     if full:
         model.clip_grad_norm_(cfg.grad_clip or None)
         norm = None
@@ -351,6 +357,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     full = getattr(model, "full", False)
+    ddp = pdist.current()  # torchrun: each rank trains on its slice of the global batch; rank 0 writes
+    main = ddp.is_main
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     if full and cfg.resume:
@@ -372,30 +380,41 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     if val_ds is not None and start == 0:
         history.append({"step": 0, **evaluate(model, val_ds, rows, cfg.eval_iters)})
         log.info("step 0: val loss %.4f, ppl %.2f", history[-1]["val_loss"], history[-1]["val_ppl"])
-    (out / "metrics.jsonl").write_text("".join(to_json(r) for r in history))
+    metrics_path = out / "metrics.jsonl" if main else Path(os.devnull)
+    if main:
+        metrics_path.write_text("".join(to_json(r) for r in history))
+    n_tokens, sync = 0.0, None
+    if ddp.enabled:  # gradients averaged by target tokens, so N ranks give the global batch's gradient
+        sync = lambda: pdist.average_gradients(model.trainable_parameters(), n_tokens)  # noqa: E731
+        if full:
+            model.grad_sync = pdist.block_grad_sync(lambda: n_tokens)
     if full and cfg.save_every:
         log.warning("--mode full: no checkpoints yet (the trained weights are written to %s at the end)", out)
 
-    batches = iter(D.loader(train_ds, rows, cfg.seed, cfg.shuffle, start, cfg.workers,
+    batches = iter(D.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
                             pin_memory=model.device.type == "cuda"))
     sched_metrics = model.scheduler.take_metrics if model.scheduler is not None else dict
     sched_metrics()
     status, step, loss, t_start, tokens = "done", start, float("nan"), time.perf_counter(), 0
-    bar = tqdm(total=cfg.iters, initial=start, desc="finetune", unit="step", disable=not cfg.progress or None,
+    bar = tqdm(total=cfg.iters, initial=start, desc="finetune", unit="step",
+               disable=not (cfg.progress and main) or None,
                dynamic_ncols=True)
-    with StopFlag().installed() as stop, open(out / "metrics.jsonl", "a") as mfile:
+    with StopFlag().installed() as stop, open(metrics_path, "a") as mfile:
         while step < cfg.iters:
             t0 = time.perf_counter()
             x, y = next(batches)
+            if ddp.enabled:  # every rank draws the same global batch and keeps its own rows
+                x, y = x[ddp.rank * rows:(ddp.rank + 1) * rows], y[ddp.rank * rows:(ddp.rank + 1) * rows]
+                n_tokens = float((y != D.IGNORE_INDEX).sum())
             t_data = time.perf_counter()
             x, y = x.to(model.device, non_blocking=True), y.to(model.device, non_blocking=True)
             lr = opt.param_groups[0]["lr"]
-            loss, norm = train_step(model, opt, sched, x, y, cfg)
+            loss, norm = train_step(model, opt, sched, x, y, cfg, sync)
             step, dt = step + 1, time.perf_counter() - t0
-            tokens += x.numel()
+            tokens += x.numel() * ddp.world_size
             m = sched_metrics()
-            rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": x.numel(),
-                   "tokens_per_s": x.numel() / dt, "step_s": dt, "data_s": t_data - t0,
+            rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": x.numel() * ddp.world_size,
+                   "tokens_per_s": x.numel() * ddp.world_size / dt, "step_s": dt, "data_s": t_data - t0,
                    "stall_frac": m.get("stall_s", 0.0) / dt, **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 status = "nan"
@@ -415,7 +434,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             stall=f"{100 * rec['stall_frac']:.0f}%", refresh=False)
             bar.update(1)
-            if not full and ((cfg.save_every and step % cfg.save_every == 0) or last):
+            if main and not full and ((cfg.save_every and step % cfg.save_every == 0) or last):
                 save_checkpoint(out, model, opt, sched, step, identity, {"best_val": best_val})
             if stop.set:
                 status = "interrupted"
@@ -423,6 +442,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     bar.close()
     summary = {"status": status, "steps": step, "tokens": tokens, "time_s": time.perf_counter() - t_start,
                "final_loss": loss, "best_val_loss": best_val if math.isfinite(best_val) else None}
+    if not main:
+        return {**summary, "adapter": None, "weights": None, "checkpoint": None, "metrics": None, "out": str(out)}
     return {**summary, **finish(out, model, cfg, status, step, loss)}
 
 

@@ -14,6 +14,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
+import torch  # noqa: E402
+from phantom.dist import init_from_env  # noqa: E402
 from phantom import data  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
 from phantom.train import TrainConfig, train  # noqa: E402
@@ -65,15 +67,20 @@ def parse_args(argv=None):
 
 def load_model(args, lr: float):
     device = phantom.resolve_device(args.device)
+    ddp = init_from_env(device.type)  # under torchrun: one rank per device, one host copy per machine
+    if ddp.enabled and device.type == "cuda":
+        device = torch.device("cuda", ddp.local_rank)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     lora = phantom.LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, seed=args.seed,
                               targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
     full = {}
     if args.mode == "full":  # blocks are updated inside backward; the working copy of the store is --out/store
-        full = dict(mode="full", work_dir=args.out, optim=phantom.AdamWConfig(
+        work_dir = args.out if not ddp.enabled else f"{args.out}/rank{ddp.rank}"  # one working store per rank
+        full = dict(mode="full", work_dir=work_dir, optim=phantom.AdamWConfig(
             lr=lr, betas=D.betas, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None))
     return phantom.load(args.model, device=device, offload=args.offload, prefetch=args.prefetch, dtype=dtype,
-                        lora=lora, micro_batch=args.batch_size, trace=args.trace, **full)
+                        lora=lora, micro_batch=args.batch_size, trace=args.trace,
+                        shared_ram=ddp.local_world_size > 1 and args.offload == "ram" and args.mode == "lora", **full)
 
 
 def main(argv=None) -> int:

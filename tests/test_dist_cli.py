@@ -1,0 +1,41 @@
+"""`torchrun --nproc-per-node 2 scripts/finetune.py`: two gloo ranks on CPU train the tiny model on
+the global batch, rank 0 alone writes, and the adapter matches one process with the same global
+batch (AdamW: to 1e-4 of the largest entry, see test_dist.py for why not 1e-5)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import max_rel_err
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMON = ["--iters", "4", "--seq-len", "32", "--lr", "1e-2", "--val-split", "0", "--save-every", "0", "-q",
+          "--seed", "3", "--offload", "ram"]
+
+
+def run(cmd, tmp_path):
+    env = {**os.environ, "PHANTOM_WEIGHTS": str(tmp_path / "weights"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_torchrun_two_ranks_match_one_process(tmp_path):
+    finetune = str(ROOT / "scripts" / "finetune.py")
+    run([sys.executable, finetune, "--batch-size", "4", "--out", str(tmp_path / "one")] + COMMON, tmp_path)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", finetune,
+         "--batch-size", "2", "--out", str(tmp_path / "two")] + COMMON, tmp_path)
+    one = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "adapter" / "adapter_model.safetensors"))
+    assert one.keys() == two.keys()
+    for k in one:
+        assert max_rel_err(two[k], one[k]) <= 1e-4, k
+    assert any(one[k].abs().max() > 0 for k in one if "lora_B" in k)
+    lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[-1])["tokens"] == 4 * 32  # one writer, global tokens

@@ -16,6 +16,7 @@ import platform
 import re
 import socket
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,8 @@ class MachineProfile:
     head_row_s: float
     free_device_bytes: int
     free_host_bytes: int
+    busy_compute_slowdown: float = 1.0  # block forward time while blocks are read / alone
+    busy_read_slowdown: float = 1.0  # block read time while a block computes / alone
     measured_at: str = ""
 
     def to_dict(self) -> dict:
@@ -147,8 +150,13 @@ def predict(p: MachineProfile, offload: str, prefetch: int, resident: int, micro
 
         pipe(C) = C + (S - 1) * (C + X)                              K = 0: load, then compute
         pipe(C) = S * C                                              K >= 1 and S == w (all fit)
-        pipe(C) = max(S * C, 2 * C + (S - w) * X)                    K >= 1: compute or loads bound
+        pipe(C) = max(w * C + (S - w) * C', 2 * C + (S - w) * X')    K >= 1: compute or loads bound
                   + (S - w) * jitter * min(C, X) / K                 read variance the queue absorbs
+
+    where overlapped work runs slower by the measured contention (a CPU reads and computes with
+    the same cores and memory bus; ~1 on a GPU), for the fraction of the time the two overlap:
+        C' = C * (1 + (busy_compute_slowdown - 1) * min(1, X / C))
+        X' = X + disk_s * (busy_read_slowdown - 1) * min(1, C / X)
         step    = R * (Cf + Cb) + pipe(Cf) + pipe(Cb) + N * head_row
 
     Memory, device side: (K + 1 slots if S > 0) + R blocks, + the saved block inputs
@@ -184,7 +192,9 @@ def predict(p: MachineProfile, offload: str, prefetch: int, resident: int, micro
             return c + (S - 1) * (c + X)
         if S == w:
             return S * c
-        return max(S * c, 2 * c + (S - w) * X) + (S - w) * p.disk_jitter * min(c, X) / K
+        c_busy = c * (1 + (p.busy_compute_slowdown - 1) * min(1.0, X / c))
+        x_busy = X + disk_s * (p.busy_read_slowdown - 1) * min(1.0, c / X)
+        return max(w * c + (S - w) * c_busy, 2 * c + (S - w) * x_busy) + (S - w) * p.disk_jitter * min(c, X) / K
 
     head = N * p.head_row_s * scale
     step = R * (cf + cb) + pipe(cf) + pipe(cb) + head
@@ -364,13 +374,38 @@ def free_device_bytes(device: torch.device) -> int:
     return free_host_bytes()
 
 
+def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool) -> tuple[float, float]:
+    """(median seconds of fn(), GB/s of block reads) while a thread reads block files in a loop."""
+    stop, got = threading.Event(), [0, 0.0]
+    buf = torch.empty(store.block_nbytes, dtype=torch.uint8)
+
+    def reader():
+        t0, i = time.perf_counter(), 0
+        while not stop.is_set():
+            e, i = store.blocks[i % store.n_blocks], i + 1
+            readinto_exact(e.path, e.data_start, buf[: e.nbytes], drop_cache=cold)
+            got[0] += e.nbytes
+        got[1] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=reader, name="phantom-tune-reader", daemon=True)
+    thread.start()
+    try:
+        t = _timed(fn, device, repeats)
+    finally:
+        stop.set()
+        thread.join()
+    return t, got[0] / got[1] / 1e9
+
+
 def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype, seq_len: int, max_rows: int,
-                    free_bytes: int, repeats: int = 3) -> dict:
+                    free_bytes: int, repeats: int = 3, read_gbps: float | None = None, cold: bool = False) -> dict:
     """One block's forward, graph forward and backward per call of b rows, plus the head per row.
 
     Runs the model's own block call (PhantomModel's default LoRA) on block 0, acquired and bound as
     StreamedBlock holds it, at b = 1 and at the largest power of two dividing `max_rows` whose graphs
-    fit well inside `free_bytes`, and fits `call + row * b` through the two points.
+    fit well inside `free_bytes`, and fits `call + row * b` through the two points. With `read_gbps`
+    (block reads alone, cold or not) it also times the largest forward while a thread reads blocks:
+    how much reading and computing slow each other down.
     """
     model = PhantomModel(store, device=device, offload="disk", dtype=dtype, prefetch=0)
     try:
@@ -380,7 +415,7 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
         rope, dim, amp = model.rope[:seq_len], model.cfg.dim, model.autocast_args()
         gen = torch.Generator().manual_seed(0)
 
-        def point(b: int, with_head: bool) -> dict:
+        def point(b: int, with_head: bool, overlap: bool) -> dict:
             x = torch.randn(b, seq_len, dim, generator=gen).to(device, model.weight_dtype)
             hooks = WeightHandles(weights)
             hooks.bind(weights)
@@ -413,16 +448,20 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
                 with torch.autocast(**amp):
                     ChunkedHeadLoss.apply(h, model.norm_weight, model.output_weight, tgt, model.cfg.norm_eps,
                                           model.loss_chunk)
-            return dict(fwd=t_fwd, fwd_grad=t_grad, bwd=statistics.median(t_bwd[1:]),
+            busy = (1.0, 1.0)
+            if overlap and read_gbps:
+                t_busy, gbps_busy = measure_overlap(store, fwd, device, repeats, cold)
+                busy = (max(1.0, t_busy / t_fwd), max(1.0, read_gbps / gbps_busy))
+            return dict(fwd=t_fwd, fwd_grad=t_grad, bwd=statistics.median(t_bwd[1:]), busy=busy,
                         head=_timed(head, device, repeats) / b if with_head else None,
                         keep=hooks.kept_bytes // len(graphs) // b, act=out.element_size() * seq_len * dim)
 
-        points = {1: point(1, with_head=True)}  # the head's cost is per token: one size is enough
+        points = {1: point(1, with_head=True, overlap=True)}  # the head's cost is per token: one size is enough
         hi = max(b for b in pow2_upto(max_rows) if max_rows % b == 0)
         while hi > 1 and hi * points[1]["keep"] * (repeats + 2) > free_bytes // 4:
             hi //= 2  # the measurement holds repeats + 1 graphs at once: keep it well inside memory
         if hi > 1:
-            points[hi] = point(hi, with_head=False)
+            points[hi] = point(hi, with_head=False, overlap=True)
         head_bytes = model.output_weight.numel() * model.output_weight.element_size()
         held.__exit__(None, None, None)
     finally:
@@ -436,6 +475,7 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
         fit[f"{name}_row_s"] = row
         fit[f"{name}_call_s"] = max(0.0, points[lo][name] - row * lo)
     return dict(fit, head_row_s=points[1]["head"], keep_bytes_per_row=points[hi]["keep"],
+                busy_compute_slowdown=points[hi]["busy"][0], busy_read_slowdown=points[hi]["busy"][1],
                 act_bytes_per_row=points[hi]["act"], head_bytes=head_bytes)
 
 
@@ -458,7 +498,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     warm, cold, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
     h2d, d2h = measure_link(device, store.block_nbytes, repeats)
     free_dev, free_host = free_device_bytes(device), free_host_bytes()
-    c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats)
+    c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, cold or warm, cold is not None)
     log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)
     store_bytes = sum(e.path.stat().st_size for e in [store.embed, store.head, *store.blocks])
     return MachineProfile(
@@ -468,7 +508,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
         keep_bytes_per_row=c["keep_bytes_per_row"], disk_warm_gbps=warm, disk_cold_gbps=cold, disk_jitter=jitter,
         h2d_gbps=h2d, d2h_gbps=d2h, zero_copy=device.type == "cpu",
         **{k: c[k] for k in ("fwd_call_s", "fwd_row_s", "fwd_grad_call_s", "fwd_grad_row_s", "bwd_call_s",
-                             "bwd_row_s", "head_row_s")},
+                             "bwd_row_s", "head_row_s", "busy_compute_slowdown", "busy_read_slowdown")},
         free_device_bytes=free_dev, free_host_bytes=free_host, measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 

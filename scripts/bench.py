@@ -162,6 +162,21 @@ def predicted(profile: tune.MachineProfile, mode: str, recompute: str, micro: st
                         -(-args.batch_size // b), recompute, args.seq_len, args.cold).step_s
 
 
+def tuning_lines(pr: tune.MachineProfile, best: tune.Placement, rows: list) -> list[str]:
+    """What the tuner measured, and its choice against the best swept row."""
+    swept = [x for x in rows if x[0] not in ("resident", "hf-peft") and not x[0].startswith("tuned")]
+    top, tuned = min(swept, key=lambda x: x[4]["step_s"]), rows[-1][4]["step_s"]
+    cold = f"{pr.disk_cold_gbps:.2f}" if pr.disk_cold_gbps else "-"
+    return ["", f"- profile: disk {pr.disk_warm_gbps:.2f} GB/s warm, {cold} GB/s cold, jitter {pr.disk_jitter:.0%}; "
+                f"block forward {1e3 * pr.fwd_call_s:.1f} ms/call + {1e3 * pr.fwd_row_s:.1f} ms/row, graph forward "
+                f"{1e3 * pr.fwd_grad_call_s:.1f} + {1e3 * pr.fwd_grad_row_s:.1f}, backward "
+                f"{1e3 * pr.bwd_call_s:.1f} + {1e3 * pr.bwd_row_s:.1f}; head {1e3 * pr.head_row_s:.1f} ms/row; "
+                f"while reading, compute x{pr.busy_compute_slowdown:.2f} and reads x{pr.busy_read_slowdown:.2f}",
+            f"- tuned: {best.describe()}, predicted {best.step_s:.3f} s, measured {tuned:.3f} s "
+            f"({tuned / best.step_s - 1:+.1%}); best swept: {top[0]} micro {top[2]} prefetch {top[3]}, "
+            f"{top[4]['step_s']:.3f} s; tuned / best swept = {tuned / top[4]['step_s']:.3f}"]
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -223,16 +238,13 @@ def main(argv=None):
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, rc, micro, k, r in rows:
         ratio = f"{r['step_s'] / base:.3f}x" if base else "-"
-        pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if profile and mode not in ("resident", "hf-peft") else "-"
+        streamed = profile is not None and mode not in ("resident", "hf-peft")
+        pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if streamed else "-"
         lines.append(f"| {mode} | {rc} | {micro} | {k} | {r['step_s']:.3f} | {pred} | {ratio} | {r['stall']:.1%} | "
                      f"{r['loads']} | {r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | "
                      f"{r['peak_rss_gb']:.2f} | {r['peak_dev_gb']:.2f} |")
     if profile is not None:
-        swept = [x for x in rows if x[0] not in ("resident", "hf-peft") and not x[0].startswith("tuned")]
-        top = min(swept, key=lambda x: x[4]["step_s"])
-        lines += ["", f"- tuned: {best.describe()}, predicted {best.step_s:.3f} s, measured {rows[-1][4]['step_s']:.3f} s "
-                      f"({rows[-1][4]['step_s'] / best.step_s - 1:+.1%}); best swept: {top[0]} micro {top[2]} prefetch "
-                      f"{top[3]}, {top[4]['step_s']:.3f} s; tuned / best swept = {rows[-1][4]['step_s'] / top[4]['step_s']:.3f}"]
+        lines += tuning_lines(profile, best, rows)
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out or Path(__file__).resolve().parent.parent / "notes" / f"bench-{torch.device(args.device).type}.md")

@@ -45,7 +45,10 @@ def describe(p: tune.MachineProfile, c: tune.Placement) -> str:
         f"disk      {cold}{p.disk_warm_gbps:.2f} GB/s warm, block read jitter {p.disk_jitter:.0%}",
         f"link      {link}",
         f"compute   one block at micro-batch {b} x {p.seq_len} tokens: forward {1e3 * fwd:.1f} ms, "
-        f"backward{' with recompute' if c.recompute == 'all' else ''} {1e3 * bwd:.1f} ms; head + loss {1e3 * p.head_row_s * b:.1f} ms",
+        f"backward{' with recompute' if c.recompute == 'all' else ''} {1e3 * bwd:.1f} ms; "
+        f"head + loss {1e3 * p.head_row_s * b:.1f} ms",
+        f"overlap   while blocks are read, compute runs x{p.busy_compute_slowdown:.2f} slower and reads "
+        f"x{p.busy_read_slowdown:.2f}",
         f"memory    free: device {p.free_device_bytes / 2**30:.1f} GiB, host {p.free_host_bytes / 2**30:.1f} GiB"])
 
 

@@ -104,6 +104,14 @@ def test_predict_matches_the_formula_and_the_schedulers_load_count():
         2 * predict(p, "ram", 3, 0, 8, 1).step_s)
 
 
+def test_contention_slows_only_overlapped_work():
+    p = profile(n_blocks=8, disk_jitter=0.0, free_device_bytes=4 * GB)
+    busy = dataclasses.replace(p, busy_compute_slowdown=1.3, busy_read_slowdown=1.5)
+    assert predict(busy, "disk", 0, 0, 8, 1).step_s == predict(p, "disk", 0, 0, 8, 1).step_s  # serial: no overlap
+    assert predict(busy, "disk", 2, 0, 8, 1).step_s > predict(p, "disk", 2, 0, 8, 1).step_s
+    assert predict(busy, "disk", 7, 0, 8, 1).step_s == predict(p, "disk", 7, 0, 8, 1).step_s  # nothing streams
+
+
 def test_recompute_none_is_faster_but_keeps_more():
     p = profile(n_blocks=4)
     rc_all, rc_none = predict(p, "ram", 3, 0, 8, 1, "all"), predict(p, "ram", 3, 0, 8, 1, "none")

@@ -403,6 +403,8 @@ class PhantomModel(nn.Module):
         if self.offload == "ram":
             for i in range(self.cfg.n_layers):
                 self.store.write_block(i, self.scheduler.host_weights(i))
+        if self.block_optimizer.state_dir is not None:
+            self.block_optimizer.save(self.block_optimizer.state_dir)  # the RAM tier's state, to files
 
     def save_adapter(self, out: Path | str, base_model: str = "") -> Path:
         if self.lora_cfg is None:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from phantom.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom import faults
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            faults.point("file.write")  # crash tests: written, not yet renamed
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -119,6 +121,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
             f.write(chunk)
             digest.update(chunk)
+        faults.point("file.write")  # crash tests: a file with its header and no data
         for name in _order(tensors):
             t = tensors[name].detach().contiguous().cpu()
             raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
@@ -554,6 +557,7 @@ class BlockStore:
         info = write_safetensors(tmp, {k: v.to(self.dtype) for k, v in tensors.items()})
         os.replace(tmp, old.path)
         fsync_dir(old.path.parent)
+        faults.point("store.rewrite")  # crash tests: new file in place, manifest not yet updated
         with self._manifest_lock:
             self.manifest["files"][rel] = info
             self.manifest.get("links", {}).get("files", {}).pop(rel, None)  # was linked, now a file
@@ -585,11 +589,24 @@ def clone_store(src: Path, dst: Path) -> Path:
     """
     src, dst = Path(src), Path(dst)
     BlockStore(src, verify="none")  # refuse to clone something that is not a store
+    return link_tree(src, dst)
+
+
+def link_tree(src: Path, dst: Path) -> Path:
+    """Replace dst by a copy of the folder src made of hard links (copies across filesystems).
+
+    A snapshot for free where files are only ever replaced by rename: later rewrites in either tree
+    create new files and leave the other's untouched. Built under a temporary name, then renamed.
+    """
+    src, dst = Path(src), Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp"))
     try:
         for f in sorted(src.rglob("*")):
             if f.is_symlink():
                 raise StoreError(f"{f}: symbolic links are not allowed in a store")
+            if f.name.endswith(".tmp"):
+                continue  # an unfinished write of a crashed run
             target = tmp / f.relative_to(src)
             if f.is_dir():
                 target.mkdir(exist_ok=True)
@@ -599,7 +616,14 @@ def clone_store(src: Path, dst: Path) -> Path:
                 os.link(f, target)
             except OSError:
                 shutil.copyfile(f, target)
-        os.replace(tmp, dst)
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

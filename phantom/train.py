@@ -27,8 +27,9 @@ from tqdm import tqdm
 
 from phantom import data as D
 from phantom import dist as pdist
+from phantom import faults
 from phantom.generate import generate
-from phantom.store import atomic_write_bytes, atomic_write_json, fsync_dir, write_safetensors
+from phantom.store import atomic_write_bytes, atomic_write_json, fsync_dir, link_tree, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainCo
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")).item()
     if norm is None or math.isfinite(norm):
         opt.step()
+        faults.point("optimizer.step")  # crash tests: weights updated in memory only
         sched.step()
     opt.zero_grad(set_to_none=True)
     if full:
@@ -240,6 +242,12 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, identity: dict, ext
     tmp.mkdir(parents=True)
     if getattr(model, "lora_cfg", None) is not None:
         model.save_adapter(tmp / "adapter")
+    if getattr(model, "full", False) and model.scheduler is not None:
+        # streamed full finetuning: the working store and the block optimizer's state, as hard
+        # links (a snapshot that costs no copy: their files are only ever replaced by rename)
+        model.save_full()
+        link_tree(model.store.path, tmp / "store")
+        link_tree(model.block_optimizer.state_dir, tmp / "optim")
     write_safetensors(tmp / "trainable.safetensors", trainable_state(model))
     state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_states(),
              "data_position": step, "extra": extra}
@@ -251,10 +259,22 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, identity: dict, ext
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)  # kept until the new one is in place
+    faults.point("checkpoint.rename")  # crash tests: between the two renames
     tmp.rename(final)
     fsync_dir(out)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def restore_full_snapshot(out: Path, work_dir: Path) -> bool:
+    """Before a streamed full-finetune model is loaded with --resume: put the checkpoint's store and
+    optimizer state back into work_dir, rolling back whatever a crashed step wrote after it."""
+    ckpt = find_checkpoint(Path(out))
+    if ckpt is None or not (ckpt / "store" / "manifest.json").is_file():
+        return False
+    link_tree(ckpt / "store", Path(work_dir) / "store")
+    link_tree(ckpt / "optim", Path(work_dir) / "optim")
+    return True
 
 
 def find_checkpoint(out: Path) -> Path | None:
@@ -361,8 +381,6 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     main = ddp.is_main
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
-    if full and cfg.resume:
-        raise ValueError("--resume is not yet supported with --mode full; start the run again without it")
     pad = tokenizer.eos_id if tokenizer is not None else 0
     train_ds = D.rows(train_data, cfg.seq_len, pad, "training data")
     val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data") if val_data is not None else None
@@ -388,8 +406,6 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         sync = lambda: pdist.average_gradients(model.trainable_parameters(), n_tokens)  # noqa: E731
         if full:
             model.grad_sync = pdist.block_grad_sync(lambda: n_tokens)
-    if full and cfg.save_every:
-        log.warning("--mode full: no checkpoints yet (the trained weights are written to %s at the end)", out)
 
     batches = iter(D.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
                             pin_memory=model.device.type == "cuda"))
@@ -431,10 +447,11 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
             sched_metrics()  # the eval's and sample's block traffic is not the next step's
             mfile.write(to_json(rec))
             mfile.flush()
+            faults.point("metrics.write")  # crash tests: a step logged, its checkpoint not yet written
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             stall=f"{100 * rec['stall_frac']:.0f}%", refresh=False)
             bar.update(1)
-            if main and not full and ((cfg.save_every and step % cfg.save_every == 0) or last):
+            if main and ((cfg.save_every and step % cfg.save_every == 0) or last):
                 save_checkpoint(out, model, opt, sched, step, identity, {"best_val": best_val})
             if stop.set:
                 status = "interrupted"

@@ -6,6 +6,7 @@ checkpoint/ (for --resume), metrics.jsonl and, with --trace, trace.json into --o
 import argparse
 import dataclasses
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
 from phantom import data  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
-from phantom.train import TrainConfig, train  # noqa: E402
+from phantom.train import TrainConfig, restore_full_snapshot, train  # noqa: E402
 
 D = TrainConfig()
 DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5}  # (mode, tiny)
@@ -76,6 +77,8 @@ def load_model(args, lr: float):
     full = {}
     if args.mode == "full":  # blocks are updated inside backward; the working copy of the store is --out/store
         work_dir = args.out if not ddp.enabled else f"{args.out}/rank{ddp.rank}"  # one working store per rank
+        if args.resume and args.offload != "none":
+            restore_full_snapshot(Path(args.out), Path(work_dir))
         full = dict(mode="full", work_dir=work_dir, optim=phantom.AdamWConfig(
             lr=lr, betas=D.betas, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None))
     return phantom.load(args.model, device=device, offload=args.offload, prefetch=args.prefetch, dtype=dtype,
@@ -110,6 +113,7 @@ def main(argv=None) -> int:
             with logging_redirect_tqdm():
                 s = train(model, train_data, val_data, cfg, tok)
         except (ValueError, FileNotFoundError, OSError) as e:
+            shutil.rmtree(Path(args.out) / "checkpoint.tmp", ignore_errors=True)  # one cut short (disk full)
             print(f"error: {e}", file=sys.stderr)
             return 2
     print_summary(s)

@@ -150,7 +150,8 @@ def from_hf_config(path: Path) -> ModelConfig:
     if c.get("tie_word_embeddings"):
         raise ValueError(f"{path}: tied word embeddings are not supported")
     scaling = None
-    rs = c.get("rope_scaling")
+    rope = c.get("rope_parameters") or {}  # transformers >= 5 writes theta and scaling here
+    rs = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if rs:
         kind = rs.get("rope_type", rs.get("type"))
         if kind != "llama3":
@@ -161,7 +162,7 @@ def from_hf_config(path: Path) -> ModelConfig:
     return ModelConfig(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
                        vocab_size=c["vocab_size"], n_kv_heads=c.get("num_key_value_heads"),
                        intermediate_size=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-5),
-                       rope_theta=c.get("rope_theta", 10000.0), rope_scaling=scaling,
+                       rope_theta=c.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
                        max_seq_len=c.get("max_position_embeddings", 4096))
 
 

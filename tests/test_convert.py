@@ -295,3 +295,27 @@ def test_linked_manifest_may_not_point_anywhere(tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(phantom.StoreError, match="escapes the store folder"):
         phantom.BlockStore(out)
+
+
+def test_transformers_checkpoint_converts_to_its_logits(tmp_path):
+    """Nice to have: a tiny LlamaForCausalLM saved by transformers itself converts to the same logits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    c = hf_config(LLAMA3)
+    config = transformers.LlamaConfig(**{k: v for k, v in c.items() if k not in ("architectures", "torch_dtype")})
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    store = convert_checkpoint(tmp_path / "hf", tmp_path / "s", progress=False)["out"]
+    with torch.no_grad():
+        expected = model(TOKENS).logits
+    torch.testing.assert_close(store_logits(store, TOKENS), expected, rtol=0, atol=1e-4)
+
+
+def test_transformers_v5_config_with_rope_parameters(tmp_path):
+    """transformers >= 5 saves rope_theta and the Llama-3.1 scaling under "rope_parameters"."""
+    src = write_hf(tmp_path / "hf", LLAMA3, random_model(LLAMA3))
+    c = json.loads((src / "config.json").read_text())
+    c["rope_parameters"] = {**c.pop("rope_scaling"), "rope_theta": c.pop("rope_theta")}
+    (src / "config.json").write_text(json.dumps(c))
+    cfg = convert_checkpoint(src, tmp_path / "s", progress=False)["config"]
+    assert (cfg.rope_theta, cfg.rope_scaling) == (LLAMA3.rope_theta, LLAMA3.rope_scaling)

@@ -82,3 +82,15 @@ def test_transformers_loads_the_export(tmp_path, base, adapter):
     with torch.no_grad():
         logits = model(TOKENS).logits
     torch.testing.assert_close(logits, adapter[1], rtol=0, atol=1e-4)
+
+
+def test_peft_loads_the_adapter_unchanged(tmp_path, base, adapter):
+    """Nice to have: peft applies phantom's adapter to transformers' Llama and gets phantom's logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    out = export(base[0], tmp_path / "hf", None, "hf", progress=False)
+    model = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(model, adapter[0]).eval()
+    with torch.no_grad():
+        logits = model(TOKENS).logits
+    torch.testing.assert_close(logits, adapter[1], rtol=0, atol=1e-4)

@@ -69,7 +69,7 @@ def release_pages(tensors) -> None:
     """Tell Linux it may drop the pages of memory-mapped tensors we are done with.
 
     Pages of a file mapping count in the process's RSS until unmapped; without this, converting
-    from torch.load(mmap=True) shards would end with the whole checkpoint resident. The mapping is
+    from memory-mapped torch.load shards would end with the whole checkpoint resident. The mapping is
     private and never written, so dropped pages are simply read from the file again if touched.
     """
     if not sys.platform.startswith("linux"):

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from phantom import faults
 from phantom.store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -318,6 +319,7 @@ class BlockScheduler:
                 free_event, slot.free_event = slot.free_event, None
             try:
                 self._load(slot, block, free_event)
+                faults.point("prefetch.load")  # crash tests: a block loaded, not yet handed over
                 state, error = "ready", None
             except BaseException as e:  # surfaced in the training thread by acquire()
                 log.debug("prefetch of block %d failed", block, exc_info=True)
@@ -408,6 +410,7 @@ class WriteBackQueue:
                 self._q.task_done()
                 return
             fn, args, name, fut = item
+            faults.point("writeback.item")  # crash tests: a write-back about to run
             t0 = time.perf_counter()
             try:
                 fut.set_result(fn(*args))

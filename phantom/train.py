@@ -90,6 +90,7 @@ class TrainConfig:
     workers: int = 1
     trace: bool = False
     progress: bool = True
+    check_step: object = None  # f(median step s of steps 2-4) -> warning or None (the tuner's prediction check)
 
     def __post_init__(self):
         for name in ("iters", "batch_size", "grad_accum", "seq_len"):
@@ -206,7 +207,7 @@ def run_identity(model, train_data: D.TokenData, cfg: TrainConfig) -> dict:
     ident = {"model": dataclasses.asdict(model.cfg), "lora": dataclasses.asdict(lora) if lora else None,
              "dtype": str(model.dtype), "mode": cfg.mode, "data": f"{train_data.key}:{len(train_data)}",
              **{k: getattr(cfg, k) for k in ("seq_len", "batch_size", "grad_accum", "seed", "shuffle")},
-             "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "progress")}}
+             "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "progress", "check_step")}}
     return json.loads(json.dumps(ident))  # as meta.json will read back (tuples become lists)
 
 
@@ -412,6 +413,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     sched_metrics = model.scheduler.take_metrics if model.scheduler is not None else dict
     sched_metrics()
     status, step, loss, t_start, tokens = "done", start, float("nan"), time.perf_counter(), 0
+    step_times: list[float] = []
     bar = tqdm(total=cfg.iters, initial=start, desc="finetune", unit="step",
                disable=not (cfg.progress and main) or None,
                dynamic_ncols=True)
@@ -445,6 +447,10 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
                 rec["sample"] = sample(model, tokenizer, cfg.prompt, cfg.max_new_tokens)
                 log.info("step %d sample: %s%s", step, cfg.prompt, rec["sample"])
             sched_metrics()  # the eval's and sample's block traffic is not the next step's
+            step_times.append(dt)
+            if cfg.check_step is not None and step == start + 4:  # steps 2-4: past the warm-up
+                if msg := cfg.check_step(sorted(step_times[1:4])[1]):
+                    log.warning(msg)
             mfile.write(to_json(rec))
             mfile.flush()
             faults.point("metrics.write")  # crash tests: a step logged, its checkpoint not yet written

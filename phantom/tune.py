@@ -564,7 +564,8 @@ def load_profile(path: Path) -> MachineProfile | None:
 
 def auto_placement(store_path: Path | str, device: torch.device | str, batch_size: int, seq_len: int,
                    dtype: torch.dtype | str, profile_dir: Path | str | None = None,
-                   offloads: tuple[str, ...] = ("ram", "disk")) -> Placement:
+                   offloads: tuple[str, ...] = ("ram", "disk"), micro_batch: int | None = None,
+                   recompute: tuple[str, ...] = RECOMPUTE) -> Placement:
     """The placement for `--prefetch auto`: from the saved profile, or a quick one measured (and saved) now.
 
     Free memory is read again at each call (it changes between runs); the rest of the profile is
@@ -579,6 +580,9 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
         dtype: compute dtype.
         profile_dir: where profiles live (default $PHANTOM_CACHE/profiles or ~/.cache/phantom/profiles).
         offloads: the tiers it may choose from (("disk",) when the user asked for --offload disk).
+        micro_batch: keep this micro-batch (the finetune CLI does: it changes the order of sums, so
+            a resumed run could differ in its last bits); None lets the tuner choose.
+        recompute: the recompute policies it may choose from.
 
     Raises:
         ValueError: nothing fits in free memory.
@@ -593,15 +597,22 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
         save_profile(profile, path)
     profile = dataclasses.replace(profile, free_device_bytes=free_device_bytes(device),
                                   free_host_bytes=free_host_bytes())
-    best = choose(search(profile, batch_size, seq_len, offloads=offloads))
+    candidates = [c for c in search(profile, batch_size, seq_len, offloads=offloads, recompute=recompute)
+                  if micro_batch is None or c.micro_batch == micro_batch]
+    best = choose(candidates)
     log.info("tuned placement: %s; predicted %.3f s/step (%s-bound)", best.describe(), best.step_s, best.bound)
     return best
+
+
+MIN_CHECKED_STEP_S = 0.1
 
 
 def check_prediction(placement: Placement, measured_step_s: float, tolerance: float = TOLERANCE) -> str | None:
     """A line for the log when a measured step differs from the prediction by more than `tolerance`, else None."""
     if placement.step_s <= 0 or measured_step_s <= 0:
         return None
+    if max(placement.step_s, measured_step_s) < MIN_CHECKED_STEP_S:
+        return None  # steps of a few ms are Python overhead, which the model does not try to predict
     err = measured_step_s / placement.step_s - 1
     if abs(err) <= tolerance:
         return None

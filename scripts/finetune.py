@@ -5,6 +5,7 @@ checkpoint/ (for --resume), metrics.jsonl and, with --trace, trace.json into --o
 """
 import argparse
 import dataclasses
+import functools
 import logging
 import shutil
 import sys
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import phantom  # noqa: E402
 import torch  # noqa: E402
+from phantom import tune  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
 from phantom import data  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
@@ -32,7 +34,8 @@ def parse_args(argv=None):
     a("--offload", default="disk", choices=["disk", "ram", "none"], help="where blocks wait between uses")
     a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto")
     a("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="compute dtype (auto: bf16 on CUDA)")
-    a("--prefetch", type=int, default=2, help="blocks read ahead of the one computing")
+    a("--prefetch", default="auto", help="blocks read ahead of the one computing, or auto: the tuner's choice of "
+                                          "prefetch and resident blocks (python scripts/tune.py measures; else a quick profile)")
     a("--mode", default="lora", choices=["lora", "full"], help="train a LoRA or all weights")
     a("--lora-rank", type=int, default=8, help="LoRA rank r")
     a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r")
@@ -79,9 +82,22 @@ def load_model(args, lr: float):
         work_dir = args.out if not ddp.enabled else f"{args.out}/rank{ddp.rank}"  # one working store per rank
         if args.resume and args.offload != "none":
             restore_full_snapshot(Path(args.out), Path(work_dir))
+        elif (Path(work_dir) / "store").exists():  # a new run starts from the base model, not the last run's
+            logging.getLogger("finetune").warning("%s holds a previous run's weights; starting again from %s",
+                                                  Path(work_dir) / "store", args.model)
+            for sub in ("store", "optim"):
+                shutil.rmtree(Path(work_dir) / sub, ignore_errors=True)
         full = dict(mode="full", work_dir=work_dir, optim=phantom.AdamWConfig(
             lr=lr, betas=D.betas, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None))
-    return phantom.load(args.model, device=device, offload=args.offload, prefetch=args.prefetch, dtype=dtype,
+    place = dict(prefetch=int(args.prefetch) if args.prefetch != "auto" else 2)
+    if args.prefetch == "auto" and args.offload != "none":
+        # only what cannot change the numbers: the micro-batch and recompute policy stay as given
+        args.placement = tune.auto_placement(phantom.resolve_model(args.model), device,
+                                             args.batch_size * args.grad_accum, args.seq_len, dtype,
+                                             offloads=(args.offload,), micro_batch=args.batch_size,
+                                             recompute=("all",))
+        place = dict(prefetch=args.placement.prefetch, resident=args.placement.resident)
+    return phantom.load(args.model, device=device, offload=args.offload, dtype=dtype, **place,
                         lora=lora, micro_batch=args.batch_size, trace=args.trace,
                         shared_ram=ddp.local_world_size > 1 and args.offload == "ram" and args.mode == "lora", **full)
 
@@ -98,7 +114,12 @@ def main(argv=None) -> int:
                           prompt=args.prompt, seed=args.seed, shuffle=not args.sequential, out=args.out,
                           resume=args.resume, mode=args.mode, workers=args.workers, trace=args.trace,
                           progress=not args.quiet)
+        if args.prefetch != "auto" and not args.prefetch.isdigit():
+            raise ValueError(f"--prefetch must be >= 0 or auto, not {args.prefetch!r}")
+        args.placement = None
         model = load_model(args, lr)
+        if args.placement is not None:
+            cfg = dataclasses.replace(cfg, check_step=functools.partial(tune.check_prediction, args.placement))
     except (ValueError, FileNotFoundError, OSError) as e:  # StoreError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from phantom.train import find_checkpoint
 from test_convert import load_script
 
 REPO = Path(__file__).resolve().parent.parent
-COMMON = ["--iters", "8", "--save-every", "2", "--batch-size", "2", "--seq-len", "32", "-q"]
+COMMON = ["--iters", "8", "--save-every", "2", "--batch-size", "2", "--seq-len", "32", "-q", "--prefetch", "2"]  # fixed placement: fault counts depend on it
 LORA = [*COMMON, "--eval-every", "4", "--eval-iters", "1"]
 FULL = [*COMMON, "--mode", "full", "--offload", "disk", "--lr", "1e-3", "--eval-every", "0", "--val-split", "0"]
 

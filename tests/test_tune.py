@@ -159,3 +159,9 @@ def test_auto_placement_measures_once_then_reads_the_profile(small_store, tmp_pa
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
     from phantom.store import BlockStore
     assert tune.profile_path(BlockStore(small_store), "cpu", "fp32").parent == tmp_path / "cache" / "profiles"
+
+
+def test_check_prediction_ignores_steps_too_short_to_model():
+    c = dataclasses.replace(predict(profile(), "ram", 2, 0, 8, 1), step_s=0.008)
+    assert check_prediction(c, 0.05) is None  # +525%, but both are Python-overhead-sized
+    assert "+" in check_prediction(c, 0.2)

@@ -433,7 +433,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
             m = sched_metrics()
             rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": x.numel() * ddp.world_size,
                    "tokens_per_s": x.numel() * ddp.world_size / dt, "step_s": dt, "data_s": t_data - t0,
-                   "stall_frac": m.get("stall_s", 0.0) / dt, **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
+                   "stall_frac": m.get("stall_s", 0.0) / dt, "kept_bytes": getattr(model, "kept_bytes", 0), **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 status = "nan"
                 mfile.write(to_json(rec))

@@ -203,3 +203,19 @@ def test_inner_checkpointing_with_sequence_slices_of_the_mlp(small_store, refere
         if p.requires_grad:
             assert max_rel_err(p.grad, ref_grads[n]) <= TOL, n
     model.close()
+
+
+def test_accumulation_of_four_micro_batches_equals_one_batch_of_four(small_store):
+    """--grad-accum 4 is one call of 4 rows with micro_batch=1 (layer-major): == the batch of 4 at once."""
+    results = []
+    for micro in (None, 1):
+        model = phantom.load(small_store, offload="disk", micro_batch=micro)
+        randomize_lora(model)
+        tokens, targets = batch(SMALL, b=4)
+        loss = model(tokens, targets=targets)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.trainable_parameters()]))
+        model.close()
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert max_rel_err(loss, ref_loss) <= TOL
+    assert all(max_rel_err(g, r) <= TOL for g, r in zip(grads, ref_grads))

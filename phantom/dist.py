@@ -34,9 +34,7 @@ def init_from_env(device_type: str = "cpu") -> DistInfo:
         return DistInfo()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                    local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    return current()
 
 
 def current() -> DistInfo:

@@ -325,7 +325,6 @@ class PhantomModel(nn.Module):
                 self.block_optimizer = BlockAdamW(optim or AdamWConfig(), share, tier, optim_dir)
         if self.full:
             self.embed_table = nn.Parameter(self.embed_table)
-        self._param_names = [[n for n, _ in block.named_parameters() if "lora_" not in n] for block in self.layers]
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -479,7 +478,7 @@ class PhantomModel(nn.Module):
         weights = self.scheduler.acquire(i)
         t0 = time.perf_counter()
         try:
-            if weights[self._param_names[i][0]].dtype != self.weight_dtype:
+            if next(iter(weights.values())).dtype != self.weight_dtype:
                 weights = {k: v.to(self.weight_dtype) for k, v in weights.items()}
             if trainable:  # leaves whose gradients the backward asks for (full finetuning)
                 weights = {k: v.detach().requires_grad_() for k, v in weights.items()}

@@ -36,6 +36,11 @@ def parse_args(argv=None):
     a("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="compute dtype (auto: bf16 on CUDA)")
     a("--prefetch", default="auto", help="blocks read ahead of the one computing, or auto: the tuner's choice of "
                                           "prefetch and resident blocks (python scripts/tune.py measures; else a quick profile)")
+    a("--recompute", default="all", choices=["all", "none", "auto"],
+      help="rerun each block's forward in backward (all), keep activations without weights (none), or keep "
+           "what fits host memory (auto)")
+    a("--checkpoint-inner", action="store_true", help="also checkpoint attention and MLP inside blocks (long seqs)")
+    a("--compile", action="store_true", help="torch.compile the block once for all layers (eager fallback)")
     a("--mode", default="lora", choices=["lora", "full"], help="train a LoRA or all weights")
     a("--lora-rank", type=int, default=8, help="LoRA rank r")
     a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r")
@@ -95,8 +100,9 @@ def load_model(args, lr: float):
         args.placement = tune.auto_placement(phantom.resolve_model(args.model), device,
                                              args.batch_size * args.grad_accum, args.seq_len, dtype,
                                              offloads=(args.offload,), micro_batch=args.batch_size,
-                                             recompute=("all",))
+                                             recompute=(args.recompute,))
         place = dict(prefetch=args.placement.prefetch, resident=args.placement.resident)
+    place.update(recompute=args.recompute, checkpoint_inner=args.checkpoint_inner, compile=args.compile)
     return phantom.load(args.model, device=device, offload=args.offload, dtype=dtype, **place,
                         lora=lora, micro_batch=args.batch_size, trace=args.trace,
                         shared_ram=ddp.local_world_size > 1 and args.offload == "ram" and args.mode == "lora", **full)

@@ -137,13 +137,13 @@ class StreamedBlock(torch.autograd.Function):
                 ctx.hooks.bind(weights)
                 graphs = ctx.graphs
             else:
-                x_all, rope = saved[:2]
+                x_chunks, rope = model.split_batch(saved[0]), saved[1]
                 graphs = None
             for k, gc in enumerate(model.split_batch(grad_out)):
                 if graphs is not None:
                     xc, out = graphs[k]
                 else:
-                    xc = model.split_batch(x_all)[k].detach().requires_grad_(needs_x)
+                    xc = x_chunks[k].detach().requires_grad_(needs_x)
                     with torch.enable_grad(), torch.autocast(**ctx.autocast):
                         out = model.run_block(ctx.i, weights, xc, rope)
                 grads = torch.autograd.grad(out, ([xc] if needs_x else []) + trained_all, gc, allow_unused=True)

@@ -14,18 +14,27 @@ TOL = 1e-5
 HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def resident_steps(store, steps, max_norm, micro_batch=None):
-    model = phantom.load(store, offload="none", mode="full", micro_batch=micro_batch)
+def train_steps(model, steps, max_norm):
+    """`steps` AdamW steps on one batch (its loss must fall); the losses. The caller's optimizer
+    covers model.trainable_parameters(): everything for the resident model, head and embedding for
+    the streamed one (whose blocks are updated inside backward)."""
     opt = torch.optim.AdamW(model.trainable_parameters(), **HP)
+    tokens, targets = batch(SMALL)
     losses = []
-    for s in range(steps):
-        tokens, targets = batch(SMALL)  # one batch: its loss must fall
+    for _ in range(steps):
         loss = model(tokens, targets=targets)
         loss.backward()
         model.clip_grad_norm_(max_norm)
         opt.step()
         opt.zero_grad()
+        model.finish_step()
         losses.append(loss.item())
+    return losses
+
+
+def resident_steps(store, steps, max_norm, micro_batch=None):
+    model = phantom.load(store, offload="none", mode="full", micro_batch=micro_batch)
+    losses = train_steps(model, steps, max_norm)
     blocks = [{k: v.detach() for k, v in block.state_dict().items()} for block in model.layers]
     return losses, blocks, model
 
@@ -38,17 +47,7 @@ def test_streamed_full_finetune_equals_adamw_on_resident(small_store, tmp_path, 
     ref_losses, ref_blocks, ref = resident_steps(small_store, steps, max_norm, micro_batch)
     model = phantom.load(small_store, offload=offload, prefetch=1, mode="full", micro_batch=micro_batch, work_dir=tmp_path,
                          optim=phantom.AdamWConfig(max_grad_norm=max_norm, **HP))
-    opt = torch.optim.AdamW(model.trainable_parameters(), **HP)  # head and embedding
-    losses = []
-    for s in range(steps):
-        tokens, targets = batch(SMALL)  # one batch: its loss must fall
-        loss = model(tokens, targets=targets)
-        loss.backward()
-        model.clip_grad_norm_(max_norm)
-        opt.step()
-        opt.zero_grad()
-        model.finish_step()
-        losses.append(loss.item())
+    losses = train_steps(model, steps, max_norm)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= TOL
     assert losses[-1] < losses[0]
     model.save_full()

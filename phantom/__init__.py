@@ -13,9 +13,10 @@ from phantom.config import PRESETS, ModelConfig, preset
 from phantom.lora import LoraConfig
 from phantom.model import PhantomModel
 from phantom.optim import AdamWConfig
+from phantom.placement import Activations, Placement, split_knobs
 from phantom.store import BlockStore, StoreError, clone_store, parse_dtype
 
-__all__ = ["load", "resolve_model", "weights_dir", "LoraConfig", "AdamWConfig", "ModelConfig", "PhantomModel", "BlockStore",
+__all__ = ["load", "Placement", "Activations", "resolve_model", "weights_dir", "LoraConfig", "AdamWConfig", "ModelConfig", "PhantomModel", "BlockStore",
            "StoreError", "PRESETS", "preset"]
 __version__ = "0.1.0"
 
@@ -49,44 +50,43 @@ def resolve_model(model: str | Path) -> Path:
     raise ValueError(f"unknown model {name!r}: not a folder and not a preset ({', '.join(PRESETS)})")
 
 
-def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "disk", prefetch: int = 2,
-         dtype: str | torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
-         resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
-         checkpoint_inner: bool = False, verify: str = "fast", trace: bool = False, mode: str = "lora",
-         optim: AdamWConfig | None = None, work_dir: str | Path | None = None,
-         compile: bool = False, shared_ram: bool = False) -> PhantomModel:
+def load(model: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32,
+         placement: Placement = Placement(), activations: Activations = Activations(),
+         lora: LoraConfig | None = LoraConfig(), mode: str = "lora", optim: AdamWConfig | None = None,
+         work_dir: str | Path | None = None, verify: str = "fast", trace: bool = False, **knobs) -> PhantomModel:
     """Open a prepared model as a PhantomModel.
 
     Args:
         model: a preset name (resolved under weights_dir()) or a store folder.
         device: "cpu", "cuda", "cuda:1", "mps" or "auto" (the best available).
-        offload: "disk", "ram" or "none" (see PhantomModel).
-        prefetch: blocks read ahead of the one computing.
         dtype: compute dtype, "fp32", "bf16", "fp16" or a torch dtype.
+        placement: where blocks live and how they stream (phantom.Placement: offload tiers by budget,
+            prefetch depth, resident blocks). The default fills the device, then RAM, then disk.
+        activations: what blocks keep for backward and how they run (phantom.Activations: recompute
+            policy, inner checkpointing, micro-batch, compile).
         lora: the LoRA to train, or None.
-        resident: blocks kept on the device in streamed modes.
-        micro_batch: rows per block call; a larger batch is accumulated layer-major (see PhantomModel).
-        recompute: "all", "none" or "auto": which blocks rerun their forward in backward.
-        checkpoint_inner: checkpoint attention and MLP separately inside each block (long sequences).
-        verify: store integrity checks, "fast", "full" or "none" (see BlockStore).
-        trace: record a Chrome trace of the scheduler's work.
-        compile: torch.compile the block computation once for all blocks (eager fallback).
-        shared_ram: with offload="ram", map the block files instead of copying them, so all local
-            ranks of a torchrun job share one host copy through the page cache (LoRA only).
         mode: "lora" (lora is trained) or "full" (every weight; lora is ignored).
         optim: the block optimizer for streamed full finetuning (lr, betas, weight decay, clipping).
         work_dir: streamed full finetuning writes updated blocks and optimizer state here: the
             store is cloned into work_dir/store on first use (hard links, so no second copy until
             a block changes) and reopened from there to resume; the original is never modified.
+        verify: store integrity checks, "fast", "full" or "none" (see BlockStore).
+        trace: record a Chrome trace of the scheduler's work.
+        **knobs: any field of Placement or Activations by name (`offload="disk", prefetch=1,
+            recompute="none"`), applied over `placement` and `activations`.
 
     Raises:
         FileNotFoundError: the model is not prepared. ValueError: a bad argument. StoreError: a corrupt store.
     """
+    try:
+        placement, activations = split_knobs(knobs, placement, activations)
+    except TypeError as e:
+        raise ValueError(f"phantom.load: {e}") from None
     path = resolve_model(model)
     optim_dir = None
     if mode == "full":
         lora = None
-        if offload != "none":
+        if placement.offload != "none":
             if work_dir is None:
                 raise ValueError("streamed full finetuning rewrites the weights: pass work_dir (--out)")
             work_dir = Path(work_dir)
@@ -95,9 +95,8 @@ def load(model: str | Path, device: str | torch.device = "cpu", offload: str = "
                 clone_store(path, work_dir / "store")
             path, optim_dir = work_dir / "store", work_dir / "optim"
     store = BlockStore(path, verify=verify)
-    return PhantomModel(store, mode=mode, optim=optim, optim_dir=optim_dir, compile=compile, shared_ram=shared_ram, device=resolve_device(device), offload=offload, dtype=parse_dtype(dtype), lora=lora,
-                        prefetch=prefetch, resident=resident, micro_batch=micro_batch, recompute=recompute, checkpoint_inner=checkpoint_inner,
-                        trace=trace)
+    return PhantomModel(store, resolve_device(device), parse_dtype(dtype), placement, activations, lora,
+                        mode=mode, optim=optim, optim_dir=optim_dir, trace=trace)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -32,6 +32,13 @@ def init_from_env(device_type: str = "cpu") -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
+    if device_type == "cuda":  # one device per local rank, set before NCCL or any allocation touches cuda:0
+        local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world > torch.cuda.device_count():
+            raise ValueError(f"torchrun started {local_world} ranks on this machine but it has "
+                             f"{torch.cuda.device_count()} CUDA device(s); use --nproc-per-node "
+                             f"{torch.cuda.device_count()} or --device cpu")
+        torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return current()

@@ -9,6 +9,7 @@ the device with ordinary autograd: the reference. Imports config, layers, lora, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -21,14 +22,13 @@ from phantom.config import ModelConfig
 from phantom.layers import TransformerBlock, rms_norm, rope_table, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, clip_coefficient
+from phantom.placement import Activations, Placement
 from phantom.scheduler import BlockScheduler
 from phantom.store import BlockStore
 
 log = logging.getLogger(__name__)
 
-OFFLOADS = ("none", "ram", "disk")
 MODES = ("lora", "full")
-RECOMPUTE = ("all", "none", "auto")
 IGNORE_INDEX = -100
 
 
@@ -242,38 +242,40 @@ class PhantomModel(nn.Module):
             per use, so one compiled graph serves all blocks); falls back to eager with a warning.
     """
 
-    def __init__(self, store: BlockStore, device: torch.device | str = "cpu", offload: str = "disk",
-                 dtype: torch.dtype = torch.float32, lora: LoraConfig | None = LoraConfig(),
-                 prefetch: int = 2, resident: int = 0, micro_batch: int | None = None, recompute: str = "all",
-                 keep_budget: int | None = None, checkpoint_inner: bool = False,
-                 loss_chunk: int | None = None, trace: bool = False, mode: str = "lora",
-                 optim: AdamWConfig | None = None, optim_dir: Path | None = None, compile: bool = False,
-                 shared_ram: bool = False):
+    def __init__(self, store: BlockStore, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 placement: Placement = Placement(), activations: Activations = Activations(),
+                 lora: LoraConfig | None = LoraConfig(), mode: str = "lora", optim: AdamWConfig | None = None,
+                 optim_dir: Path | None = None, trace: bool = False):
         super().__init__()
-        if offload not in OFFLOADS:
-            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, not {offload!r}")
         self.cfg: ModelConfig = store.cfg
-        self.store, self.device, self.offload, self.dtype, self.lora_cfg = store, torch.device(device), offload, dtype, lora
+        self.store, self.device, self.dtype, self.lora_cfg = store, torch.device(device), dtype, lora
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.full = mode == "full"
         if self.full and lora is not None:
             raise ValueError("full finetuning trains every weight: pass lora=None with mode='full'")
-        if self.full and recompute != "all":
-            raise ValueError("full finetuning needs recompute='all' (kept graphs would hold the old weights)")
+        if self.full and activations.recompute == "none":
+            raise ValueError("full finetuning needs recompute='all' (kept graphs hold no path to the weights)")
+        if self.full and activations.recompute == "auto":
+            activations = dataclasses.replace(activations, recompute="all")
+        if activations.compile is None:  # the largest single speed-up measured on CUDA; slow to build elsewhere
+            activations = dataclasses.replace(activations, compile=self.device.type == "cuda")
+        if placement.shared_ram and self.full:
+            raise ValueError("shared_ram is read-only: full finetuning needs private RAM blocks")
+        self.placement, self.activations = placement, activations
         self.amp = dtype != torch.float32
-        # fp32 runs upcast lower-precision stores; AMP runs use the stored weights as they are.
+        # Slots hold the compute dtype: fp32 runs get lower-precision stores upcast in the prefetch
+        # pipeline (never on the compute thread); AMP runs use the stored weights as they are.
         self.weight_dtype = torch.float32 if not self.amp else store.dtype
-        self.micro_batch = micro_batch
-        if recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, not {recompute!r}")
-        self.recompute = recompute
-        self.keep_budget = keep_budget if keep_budget is not None else default_keep_budget(self.device)
+        self.micro_batch = activations.micro_batch
+        self.recompute = activations.recompute
+        self.keep_budget = activations.keep_budget if activations.keep_budget is not None else \
+            default_keep_budget(self.device)
         self.kept_bytes = 0  # activations kept by `keep` blocks in the current step
         self.kept_blocks = 0
         self.kept_per_block = 0  # the most one block kept (the estimate for "auto")
         self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
-        self.loss_chunk = loss_chunk or max(16, (64 << 20) // (4 * self.cfg.vocab_size))
+        self.loss_chunk = activations.loss_chunk or default_loss_chunk(self.cfg.vocab_size, self.device)
 
         self.layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype)
                                     for _ in range(self.cfg.n_layers))
@@ -284,10 +286,10 @@ class PhantomModel(nn.Module):
                 apply_lora(block, lora, i)
         self.has_dropout = lora is not None and lora.dropout > 0
         for block in self.layers:
-            block.checkpoint_inner = checkpoint_inner
-            if compile:
+            block.checkpoint_inner = activations.checkpoint_inner
+            if activations.compile:
                 block.compile()
-        self._compile_checked = not compile
+        self._compile_checked = not activations.compile
         for name, p in self.layers.named_parameters():
             if "lora_" in name:
                 p.data = p.data.to(self.device)  # fp32 master weights on the device
@@ -303,7 +305,8 @@ class PhantomModel(nn.Module):
         self.block_optimizer: BlockAdamW | None = None
         # data parallel, full mode: grads -> a function that waits for their average (phantom.dist)
         self.grad_sync = None
-        if offload == "none":
+        self.offload = placement.offload
+        if placement.offload == "none":
             self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
             for i, block in enumerate(self.layers):
                 weights = {k: v.to(self.device, self.weight_dtype) for k, v in store.load_block(i).items()}
@@ -311,20 +314,25 @@ class PhantomModel(nn.Module):
                 for name, p in block.named_parameters():
                     p.requires_grad_(self.full or "lora_" in name)
         else:
-            # The embedding is only gathered from: keep it on the host (memory-mapped for disk).
-            if offload == "disk" and not self.full:
-                self.embed_table = store.mmap_embed()
-            else:
-                self.embed_table = store.load_embed()["tok_embeddings.weight"].to(head_dtype)
-            if shared_ram and self.full:
-                raise ValueError("shared_ram is read-only: full finetuning needs private RAM blocks")
-            self.scheduler = BlockScheduler(store, self.device, offload, prefetch, resident, trace, shared_ram)
+            self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype)
+            self.offload = self.scheduler.offload  # what "auto" resolved to
+            self.embed_table = self._place_embed(head_dtype)
             if self.full:
                 share = {i: self.cfg.block_params() / self.cfg.n_params() for i in range(self.cfg.n_layers)}
-                tier = "disk" if offload == "disk" else "ram"
+                tier = "disk" if "disk" in self.scheduler.tiers else "ram"
                 self.block_optimizer = BlockAdamW(optim or AdamWConfig(), share, tier, optim_dir)
         if self.full:
             self.embed_table = nn.Parameter(self.embed_table)
+
+    def _place_embed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The embedding table for a streamed model: on the device when it fits easily (no token
+        round trip through the host), else in host memory (memory-mapped for a disk-tier model)."""
+        nbytes = self.cfg.vocab_size * self.cfg.dim * dtype.itemsize
+        if self.device.type == "cuda" and nbytes < torch.cuda.mem_get_info(self.device)[0] // 8:
+            return self.store.load_embed()["tok_embeddings.weight"].to(self.device, dtype)
+        if self.offload == "disk" and not self.full:
+            return self.store.mmap_embed()
+        return self.store.load_embed()["tok_embeddings.weight"].to(dtype)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -389,7 +397,7 @@ class PhantomModel(nn.Module):
             synced()
         new = self.block_optimizer.step_block(i, lambda: self.scheduler.host_weights(i), grads)
         self.scheduler.update_block(i, new)
-        if self.offload == "disk":
+        if self.scheduler.tiers[i] != "ram":  # RAM-tier blocks are written by save_full
             self.store.write_block(i, new)
 
     def save_full(self) -> None:
@@ -399,8 +407,8 @@ class PhantomModel(nn.Module):
         self.finish_step()
         self.store.write_head({"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach()})
         self.store.write_embed({"tok_embeddings.weight": self.embed_table.detach()})
-        if self.offload == "ram":
-            for i in range(self.cfg.n_layers):
+        for i, tier in enumerate(self.scheduler.tiers):
+            if tier == "ram":
                 self.store.write_block(i, self.scheduler.host_weights(i))
         if self.block_optimizer.state_dir is not None:
             self.block_optimizer.save(self.block_optimizer.state_dir)  # the RAM tier's state, to files
@@ -442,10 +450,11 @@ class PhantomModel(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed_table
-        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got "
-                             f"[{int(tokens.min())}, {int(tokens.max())}]")
-        h = F.embedding(tokens.to(table.device), table)  # (B, T, dim)
+        if tokens.device.type == "cpu":  # checked before the upload: no device sync for it
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got [{lo}, {hi}]")
+        h = F.embedding(tokens.to(table.device, non_blocking=True), table)  # (B, T, dim)
         return h.to(self.device, self.weight_dtype, non_blocking=True)
 
     def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,
@@ -478,8 +487,7 @@ class PhantomModel(nn.Module):
         weights = self.scheduler.acquire(i)
         t0 = time.perf_counter()
         try:
-            if next(iter(weights.values())).dtype != self.weight_dtype:
-                weights = {k: v.to(self.weight_dtype) for k, v in weights.items()}
+            assert next(iter(weights.values())).dtype == self.weight_dtype, "the scheduler converts dtypes"
             if trainable:  # leaves whose gradients the backward asks for (full finetuning)
                 weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
             with bind_weights(self.layers[i], weights):
@@ -518,6 +526,15 @@ def bind_weights(module: nn.Module, weights: dict[str, torch.Tensor]):
     finally:
         for sub, leaf, old in reversed(saved):
             sub._parameters[leaf] = old
+
+
+def default_loss_chunk(vocab_size: int, device: torch.device) -> int:
+    """Tokens per chunk of the fused head + loss: ~64 MB of fp32 logits on a CPU; on CUDA an eighth
+    of free memory (at most 2 GB), so a 128k vocabulary runs a few large matmuls, not hundreds of thin ones."""
+    budget = 64 << 20
+    if device.type == "cuda":
+        budget = max(budget, min(2 << 30, torch.cuda.mem_get_info(device)[0] // 8))
+    return max(16, budget // (4 * vocab_size))
 
 
 def default_keep_budget(device: torch.device) -> int:

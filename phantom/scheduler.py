@@ -1,10 +1,13 @@
-"""The block scheduler: streams blocks from the store into a fixed set of device slots ahead of use.
+"""The block scheduler: streams blocks from their tier into a fixed set of device slots ahead of use.
 
-A background thread reads (disk tier) or takes (RAM tier) the next K blocks of the plan and copies
-them into free slots (a dedicated copy stream and events on CUDA, plain copies elsewhere); the
-training thread only waits when a block is late. Slots are evicted by next use in the known plan,
-which makes the turn from forward to backward reuse what is still on the device (LIFO). A
-write-back queue carries data the other way. Concurrency lives here alone. Imports phantom.store.
+Each block has a tier (phantom.placement.assign_tiers): resident on the device, in host RAM, or in
+the store's files. Loader threads take the next blocks of the known plan that are not on the device
+and fill free slots as a pipeline: read (disk tier: several requests in flight, O_DIRECT) into the
+slot's pinned staging buffer -> copy on a dedicated CUDA stream -> an event the compute stream waits
+on, so neither the host nor the compute waits for a copy it does not need yet. A lower-precision
+store feeding an fp32 run is converted in that pipeline, never on the compute thread. Slots are
+evicted by next use in the plan, so the turn from forward to backward reuses what is still on the
+device (LIFO). A write-back queue carries data the other way. Imports phantom.store, phantom.placement.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,12 +26,10 @@ import torch
 from tqdm import tqdm
 
 from phantom import faults
-from phantom.store import BlockStore
+from phantom.placement import Placement, assign_tiers
+from phantom.store import DATA_ALIGN, BlockStore
 
 log = logging.getLogger(__name__)
-
-OFFLOADS = ("ram", "disk")
-
 
 class Tracer:
     """Chrome trace events (open in Perfetto / chrome://tracing), one lane per kind of work."""
@@ -63,27 +65,78 @@ class Metrics:
     """Counters of one step, reset by `BlockScheduler.take_metrics()`."""
 
     loads: int = 0
-    bytes_read: int = 0  # from disk
+    bytes_read: int = 0  # from disk (the disk tier)
+    bytes_ram: int = 0  # served from the RAM tier
     bytes_h2d: int = 0  # host -> device copies
     bytes_d2h: int = 0  # device -> host (write-back)
     read_s: float = 0.0
-    copy_s: float = 0.0
+    copy_s: float = 0.0  # CUDA: host time to enqueue copies (the copies run beside compute)
     stall_s: float = 0.0  # training thread waiting for a block
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
+def free_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return None
+
+
+class HostBuffer:
+    """A host allocation of exactly `nbytes` (4 KiB aligned), page-locked for CUDA when `pin`.
+
+    `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which rounds each
+    request up to a power of two (pytorch#150517): 80 blocks of 1.71 GB would pin 160 GiB for 137 GB.
+    Here one plain allocation is registered with cudaHostRegister instead, so what is pinned is what
+    is needed, and copies from it run at the link's full speed.
+    """
+
+    def __init__(self, nbytes: int, pin: bool):
+        raw = torch.empty(nbytes + DATA_ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % DATA_ALIGN
+        self.tensor = raw[skip: skip + nbytes]
+        self.pinned = False
+        if pin and nbytes:
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (error {int(err)}): "
+                                   f"lower the RAM budget (--ram-budget)")
+            self.pinned = True
+            ptr = self.tensor.data_ptr()
+            self._unregister = weakref.finalize(self, lambda: torch.cuda.cudart().cudaHostUnregister(ptr))
+        self._raw = raw
+
+    def block(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A tensor over bytes [offset, offset + nbytes) that is not a view: it has a version counter
+        of its own, so autograd does not see block j's update (full finetuning) as a change of block i."""
+        t = torch.empty(0, dtype=torch.uint8)
+        return t.set_(self.tensor.untyped_storage(), self.tensor.storage_offset() + offset, (nbytes,))
+
+
 @dataclass
 class Slot:
-    buf: torch.Tensor  # flat uint8 block buffer on the device
-    staging: torch.Tensor | None = None  # pinned host buffer (CUDA/mps, disk tier)
+    buf: torch.Tensor  # flat uint8 block buffer (store dtype) on the device
+    staging: torch.Tensor | None = None  # host buffer the disk tier reads into (pinned on CUDA)
+    converted: dict | None = None  # compute-dtype tensors when the store's dtype differs
     block: int | None = None
     state: str = "empty"  # empty | loading | ready | failed
     users: int = 0
     error: BaseException | None = None
     views: dict | None = None
     free_event: object = None  # CUDA: compute done with the slot's previous block
+    ready_event: object = None  # CUDA: the copy into the slot is done
+    verify: Future | None = None  # a deferred checksum of the staged bytes
+    host: object = None  # keeps the staging HostBuffer (and its registration) alive
 
 
 class BlockScheduler:
@@ -92,76 +145,103 @@ class BlockScheduler:
     Args:
         store: the block store.
         device: where blocks are computed.
-        offload: "ram" reads every block into host memory once (pinned on CUDA) and copies from
-            there; "disk" reads each block from its file when it is needed.
-        prefetch: K, how many blocks may be read/copied ahead of the one computing. 0 loads each
-            block only when asked for (slowllama's synchronous behaviour). Device memory holds K+1
-            streaming slots.
-        resident: the first `resident` blocks are copied to the device once and stay there.
+        placement: tiers by budget (see phantom.placement): blocks resident on the device, in host
+            RAM (read once here; pinned on CUDA, exactly the bytes needed), or read from their files
+            at each use. `prefetch` K: blocks loaded ahead of the one computing; K + 1 device slots.
         trace: record a Chrome trace of compute, reads, copies and write-back.
-        shared_ram: the RAM tier maps the block files read-only instead of copying them, so every
-            process on the machine (torchrun's local ranks) shares one copy through the page cache.
-            Not with full finetuning, which writes new weights into the RAM tier.
+        dtype: the dtype blocks are computed in (default: the store's); others are converted while
+            loading.
+        zero_copy: on a CPU the RAM tier is used where it lies (no slot copy). False forces the
+            slot path that CUDA takes (tests); None: whenever the dtypes allow it.
     """
 
-    def __init__(self, store: BlockStore, device: torch.device | str = "cpu", offload: str = "ram",
-                 prefetch: int = 2, resident: int = 0, trace: bool = False, shared_ram: bool = False):
-        if offload not in OFFLOADS:
-            raise ValueError(f"offload must be one of {OFFLOADS}, not {offload!r}")
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        self.store, self.device, self.offload, self.prefetch = store, torch.device(device), offload, prefetch
+    def __init__(self, store: BlockStore, device: torch.device | str = "cpu", placement: Placement = Placement(),
+                 trace: bool = False, dtype: torch.dtype | None = None, zero_copy: bool | None = None):
+        self.store, self.device, self.prefetch = store, torch.device(device), placement.prefetch
         self.n_blocks = store.n_blocks
-        self.resident = min(resident, self.n_blocks)
+        self.dtype = dtype or store.dtype
+        cpu = self.device.type == "cpu"
+        self._zero_copy = cpu and self.dtype == store.dtype and zero_copy is not False
+        nbytes = store.block_nbytes
+        self.tiers = assign_tiers(self.n_blocks, nbytes * max(1, self.dtype.itemsize // store.dtype.itemsize),
+                                  placement, free_device_bytes(self.device), free_host_bytes(), zero_copy=cpu)
+        if cpu and not self._zero_copy:  # no device tier on a CPU; RAM blocks go through slots
+            self.tiers = tuple("ram" if t == "device" else t for t in self.tiers)
+        self.offload = placement.offload if placement.offload != "auto" else \
+            ("ram" if "disk" not in self.tiers else "disk" if "ram" not in self.tiers else "mixed")
+        self.resident = self.tiers.count("device")
         self.tracer = Tracer(trace)
         self.metrics = Metrics()
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        pin = self._cuda
-        nbytes = store.block_nbytes
+        self._pin = self._cuda
+        self._stride = -(-nbytes // DATA_ALIGN) * DATA_ALIGN
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="phantom-verify")  # checksums off the read path
 
-        # Host tier: every block in RAM, read once (and verified) here.
+        # RAM tier: one exact-size (pinned) allocation, every block read once (and verified) here.
         self._ram: list[torch.Tensor | None] = [None] * self.n_blocks
-        if offload == "ram":
-            for i in tqdm(range(self.n_blocks), desc="loading blocks to RAM", unit="block", disable=None, leave=False):
-                if shared_ram:
-                    self._ram[i] = store.map_block(i)
-                else:
-                    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-                    store.read_block_into(i, buf)
-                    self._ram[i] = buf
+        ram_blocks = [i for i, t in enumerate(self.tiers) if t == "ram"]
+        if placement.shared_ram:
+            for i in ram_blocks:
+                self._ram[i] = store.map_block(i)
+        elif ram_blocks:
+            self._ram_buffer = HostBuffer(self._stride * len(ram_blocks), self._pin)
+            for k, i in enumerate(tqdm(ram_blocks, desc="loading blocks to RAM", unit="block", disable=None,
+                                       leave=False)):
+                self._ram[i] = self._ram_buffer.block(k * self._stride, nbytes)
+                store.read_block_into(i, self._ram[i])
                 self.metrics.bytes_read += nbytes
-
-        # Resident blocks: their own device buffers, loaded once.
-        self._resident_views: dict[int, dict] = {}
-        for i in range(self.resident):
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            staging = None if offload == "ram" else (buf if self.device.type == "cpu" else torch.empty_like(buf, device="cpu"))
-            src = self._host_copy_of(i, staging)
-            if src is not buf:
-                buf.copy_(src)
-            self._resident_views[i] = store.block_views(buf)
+        self.pinned_bytes = self._stride * len(ram_blocks) if self._pin and not placement.shared_ram else 0
 
         # Streaming slots. On CPU with the RAM tier the host buffer is the device buffer: no copy.
-        self._zero_copy = self.device.type == "cpu" and offload == "ram"
-        n_slots = 0 if self._zero_copy or self.resident == self.n_blocks else prefetch + 1
-        self.slots: list[Slot] = []
-        for _ in range(n_slots):
-            if self.device.type == "cpu":
-                self.slots.append(Slot(buf=torch.empty(nbytes, dtype=torch.uint8)))
-            else:
-                staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) if offload == "disk" else None
-                self.slots.append(Slot(buf=torch.empty(nbytes, dtype=torch.uint8, device=self.device),
-                                       staging=staging))
+        streamed = [i for i, t in enumerate(self.tiers) if t == "disk" or (t == "ram" and not self._zero_copy)]
+        self.slots: list[Slot] = [self._new_slot(any(self.tiers[i] == "disk" for i in streamed))
+                                  for _ in range(placement.prefetch + 1 if streamed else 0)]
+        self.pinned_bytes += sum(s.staging.numel() for s in self.slots if s.staging is not None and self._pin)
+
+        # Device tier: loaded once through a slot's pipeline, then kept in buffers of their own.
+        self._resident_views: dict[int, dict] = {}
+        loader = self._new_slot(True) if "device" in self.tiers else None
+        for i in (i for i, t in enumerate(self.tiers) if t == "device"):
+            self._load(loader, i, None)
+            self._sync_ready(loader)
+            views = loader.views if loader.converted is None else {k: v.clone() for k, v in loader.views.items()}
+            if loader.converted is None:  # the slot's buffer becomes the block's; the slot gets a new one
+                loader.buf = torch.empty_like(loader.buf)
+            self._resident_views[i] = views
+            loader.block, loader.state, loader.views = None, "empty", None
+        self.metrics = Metrics()  # loading at start-up is not a step's traffic
+
         self._plan: list[int] = []
         self._pos = 0  # index into the plan of the next acquire
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = None
-        if self.slots:
-            self._thread = threading.Thread(target=self._prefetch_loop, name="phantom-prefetch", daemon=True)
-            self._thread.start()
+        n_loaders = 0 if not self.slots else min(len(self.slots), 3) if "disk" in self.tiers else 1
+        self._threads = [threading.Thread(target=self._prefetch_loop, name=f"phantom-prefetch-{k}", daemon=True)
+                         for k in range(n_loaders)]
+        for t in self._threads:
+            t.start()
         self.writeback = WriteBackQueue(self.tracer, self.metrics)
+        log.info("placement: %d blocks on the device, %d in RAM (%.1f GiB pinned), %d read from disk; "
+                 "%d slots", self.resident, self.tiers.count("ram"), self.pinned_bytes / 2**30,
+                 self.tiers.count("disk"), len(self.slots))
+
+    def _new_slot(self, needs_staging: bool) -> Slot:
+        nbytes = self.store.block_nbytes
+        cpu = self.device.type == "cpu"
+        host = None
+        if cpu:
+            buf = HostBuffer(self._stride, False).tensor[:nbytes]  # aligned: the disk tier reads straight in
+            staging = None
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            host = HostBuffer(self._stride, self._pin) if needs_staging else None
+            staging = host.tensor[:nbytes] if host is not None else None
+        converted = None
+        if self.dtype != self.store.dtype:
+            converted = {k: torch.empty(v.shape, dtype=self.dtype, device=self.device)
+                         for k, v in self.store.block_views(buf).items()}
+        return Slot(buf=buf, staging=staging, converted=converted, host=host)
 
     # -- the training thread's side ------------------------------------------------------------
 
@@ -172,13 +252,19 @@ class BlockScheduler:
             self._cv.notify_all()
 
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
-        """Block's weights on the device, as views; waits if it is not there yet. Pair with release()."""
+        """Block's weights on the device, as views; waits if it is not there yet. Pair with release().
+
+        On CUDA the current stream is made to wait for the block's copy (an event), not the host."""
         if block in self._resident_views:
             with self._cv:
                 self._advance_plan_to(block)
                 self._pos += 1
             return self._resident_views[block]
-        if self._zero_copy:
+        if self._zero_copy and self.tiers[block] == "ram":
+            with self._cv:
+                self._advance_plan_to(block)
+                self._pos += 1
+            self.metrics.bytes_ram += self.store.block_nbytes
             return self.store.block_views(self._ram[block])
         t0 = time.perf_counter()
         with self._cv:
@@ -195,6 +281,8 @@ class BlockScheduler:
             slot.users += 1
             self._pos += 1
             self._cv.notify_all()
+        if slot.ready_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
         t1 = time.perf_counter()
         if t1 - t0 > 1e-4:
             self.metrics.stall_s += t1 - t0
@@ -202,8 +290,11 @@ class BlockScheduler:
         return slot.views
 
     def release(self, block: int) -> None:
-        """The training thread is done with the block (its kernels may still be queued on CUDA)."""
-        if block in self._resident_views or self._zero_copy:
+        """The training thread is done with the block (its kernels may still be queued on CUDA).
+
+        A deferred checksum of the block's bytes is checked here: a corrupt file stops training in the
+        training thread, and the slot is not reused before its bytes were hashed."""
+        if block in self._resident_views or (self._zero_copy and self.tiers[block] == "ram"):
             return
         with self._cv:
             slot = self._slot_holding(block)
@@ -212,7 +303,12 @@ class BlockScheduler:
             if self._cuda:
                 slot.free_event = torch.cuda.Event()
                 slot.free_event.record(torch.cuda.current_stream(self.device))
+            verify, slot.verify = slot.verify, None
+            if verify is not None and not verify.done():
+                slot.verify = verify  # still hashing: the loader waits for it before reusing the slot
             self._cv.notify_all()
+        if verify is not None and verify.done():
+            verify.result()
 
     def host_weights(self, block: int) -> dict[str, torch.Tensor]:
         """Block's weights in host memory: the RAM tier's views, or read from the store."""
@@ -221,7 +317,7 @@ class BlockScheduler:
         return self.store.load_block(block)
 
     def update_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
-        """New values of a block (full finetuning): into the RAM tier and resident copies; any slot
+        """New values of a block (full finetuning): into the RAM tier and device copies; any slot
         still holding the old version is dropped so the next acquire loads the new one."""
         for views in ([self.store.block_views(self._ram[block])] if self._ram[block] is not None else []) + \
                 ([self._resident_views[block]] if block in self._resident_views else []):
@@ -245,12 +341,15 @@ class BlockScheduler:
         return d
 
     def close(self) -> None:
-        """Stop the prefetch thread and drain the write-back queue (re-raising its errors)."""
+        """Stop the loader threads and drain the write-back queue (re-raising its errors)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        for t in self._threads:
+            t.join()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # no copy may still target a buffer we free
+        self._verifier.shutdown(wait=True)
         self.writeback.close()
 
     def __enter__(self):
@@ -288,11 +387,20 @@ class BlockScheduler:
                 return p
         return float("inf")
 
+    def _streams(self, block: int) -> bool:
+        return block not in self._resident_views and not (self._zero_copy and self.tiers[block] == "ram")
+
     def _next_load(self) -> tuple[Slot, int] | None:
         """The earliest block in the prefetch window that is not in a slot, and a slot to put it in."""
-        window = self._plan[self._pos: self._pos + self.prefetch + 1]
+        window = self._plan[self._pos:]
+        ahead = 0
         for p, block in enumerate(window, start=self._pos):
-            if block in self._resident_views or self._slot_holding(block) is not None:
+            if not self._streams(block):
+                continue
+            ahead += 1
+            if ahead > self.prefetch + 1:
+                return None
+            if self._slot_holding(block) is not None:
                 continue
             # Evict the slot whose block is needed furthest in the future (Belady; known plan).
             best, best_use = None, p
@@ -317,7 +425,10 @@ class BlockScheduler:
                 slot, block = task
                 slot.block, slot.state, slot.error, slot.views = block, "loading", None, None
                 free_event, slot.free_event = slot.free_event, None
+                verify, slot.verify = slot.verify, None
             try:
+                if verify is not None:
+                    verify.result()  # the previous block's bytes were hashed before they are overwritten
                 self._load(slot, block, free_event)
                 faults.point("prefetch.load")  # crash tests: a block loaded, not yet handed over
                 state, error = "ready", None
@@ -328,44 +439,70 @@ class BlockScheduler:
                 slot.state, slot.error = state, error
                 self._cv.notify_all()
 
-    def _host_copy_of(self, block: int, staging: torch.Tensor | None = None) -> torch.Tensor:
-        """Block bytes in host memory: the RAM tier's buffer, or read from disk into staging. No lock."""
-        if self._ram[block] is not None:
-            return self._ram[block]
-        assert staging is not None
+    def _read(self, block: int, into: torch.Tensor, defer_verify: bool):
+        """Block bytes from disk into a host buffer (no lock); returns a deferred checksum or None."""
         t0 = time.perf_counter()
-        self.store.read_block_into(block, staging)
+        check = self.store.read_block_into(block, into, defer_verify=defer_verify)
         t1 = time.perf_counter()
         self.metrics.read_s += t1 - t0
-        self.metrics.bytes_read += staging.numel()
-        self.tracer.span("read", f"read {block}", t0, t1, bytes=staging.numel())
-        return staging
+        self.metrics.bytes_read += into.numel()
+        self.tracer.span("read", f"read {block}", t0, t1, bytes=into.numel())
+        return check
 
     def _load(self, slot: Slot, block: int, free_event) -> None:
-        """Fill slot with block (runs in the prefetch thread, without the lock)."""
-        if self.device.type == "cpu":
-            self._host_copy_of(block, slot.buf)  # disk tier: read straight into the slot
+        """Fill slot with block (a loader thread, without the lock): read -> copy -> convert.
+
+        On CUDA the copy and the conversion are queued on the copy stream after the slot's free
+        event, and `slot.ready_event` marks their end; the host does not wait for them. A disk
+        block's checksum runs on the verify thread beside the copy (see release())."""
+        check = None
+        if self._ram[block] is not None:
+            src = self._ram[block]
+            self.metrics.bytes_ram += src.numel()
+        elif self.device.type == "cpu":
+            src = slot.buf  # disk tier on a CPU: read straight into the slot
+            check = self._read(block, src, defer_verify=True)
         else:
-            src = self._host_copy_of(block, slot.staging)
-            t0 = time.perf_counter()
-            if self._cuda:
-                with torch.cuda.stream(self._copy_stream):
-                    if free_event is not None:
-                        self._copy_stream.wait_event(free_event)
-                    slot.buf.copy_(src, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(self._copy_stream)
-                done.synchronize()
-            else:
+            if slot.ready_event is not None:
+                slot.ready_event.synchronize()  # the staging buffer's last copy is done
+            src = slot.staging
+            check = self._read(block, src, defer_verify=True)
+        if check is not None:
+            slot.verify = self._verifier.submit(check)
+        t0 = time.perf_counter()
+        if self._cuda:
+            with torch.cuda.stream(self._copy_stream):
+                if free_event is not None:
+                    self._copy_stream.wait_event(free_event)
+                slot.buf.copy_(src, non_blocking=True)
+                self._convert(slot)
+                slot.ready_event = torch.cuda.Event()
+                slot.ready_event.record(self._copy_stream)
+        else:
+            if src is not slot.buf:
                 slot.buf.copy_(src)
-                if self.device.type == "mps":
-                    torch.mps.synchronize()
-            t1 = time.perf_counter()
+            self._convert(slot)
+            if self.device.type == "mps":
+                torch.mps.synchronize()
+        t1 = time.perf_counter()
+        if src is not slot.buf:
             self.metrics.copy_s += t1 - t0
             self.metrics.bytes_h2d += slot.buf.numel()
             self.tracer.span("copy", f"copy {block}", t0, t1, bytes=slot.buf.numel())
         self.metrics.loads += 1
-        slot.views = self.store.block_views(slot.buf)
+        slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf)
+
+    def _convert(self, slot: Slot) -> None:
+        if slot.converted is not None:
+            for k, v in self.store.block_views(slot.buf).items():
+                slot.converted[k].copy_(v)
+
+    def _sync_ready(self, slot: Slot) -> None:
+        if slot.ready_event is not None:
+            slot.ready_event.synchronize()
+        if slot.verify is not None:
+            slot.verify.result()
+            slot.verify = None
 
 
 class WriteBackQueue:
@@ -375,11 +512,12 @@ class WriteBackQueue:
     a previous item hit, so a failed write-back stops training in the training thread.
     """
 
-    def __init__(self, tracer: Tracer | None = None, metrics: Metrics | None = None, maxsize: int = 4):
+    def __init__(self, tracer: Tracer | None = None, metrics: Metrics | None = None, maxsize: int = 4,
+                 name: str = "phantom-writeback"):
         self.tracer, self.metrics = tracer or Tracer(False), metrics
         self._q: queue.Queue = queue.Queue(maxsize)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="phantom-writeback", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn, *args, name: str = "write-back") -> Future:

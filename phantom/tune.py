@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from phantom.model import ChunkedHeadLoss, PhantomModel, WeightHandles
+from phantom import placement as P
 from phantom.store import BlockStore, atomic_write_json, dtype_name, parse_dtype, readinto_exact
 
 log = logging.getLogger(__name__)
@@ -407,7 +408,8 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
     (block reads alone, cold or not) it also times the largest forward while a thread reads blocks:
     how much reading and computing slow each other down.
     """
-    model = PhantomModel(store, device=device, offload="disk", dtype=dtype, prefetch=0)
+    model = PhantomModel(store, device, dtype, P.Placement(offload="disk", prefetch=0),
+                         P.Activations(recompute="all", compile=False))
     try:
         held = model.block_weights(0)  # acquired and bound, as StreamedBlock holds it
         weights = held.__enter__()

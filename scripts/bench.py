@@ -33,6 +33,7 @@ import phantom  # noqa: E402
 from phantom import tune  # noqa: E402
 from phantom.config import ModelConfig  # noqa: E402
 from phantom.convert import write_synthetic  # noqa: E402
+from phantom.placement import parse_bytes, split_knobs  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 
 MODES = {  # name -> load arguments
@@ -40,6 +41,8 @@ MODES = {  # name -> load arguments
     "ram": dict(offload="ram"),
     "disk": dict(offload="disk"),
     "naive": dict(offload="disk", prefetch=0),
+    "auto": dict(offload="auto"),  # tiers by budget: --device-budget / --ram-budget
+    "h2d": dict(),  # CUDA: the pinned host-to-device copy peak, one block at a time
     "hf-peft": dict(),  # transformers + peft, resident, if installed (issue 10's outside reference)
 }
 
@@ -65,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
     p.add_argument("--store", default=None, help="use this store instead of writing a synthetic one")
     p.add_argument("--out", default=None, help="notes file to append to (default notes/bench-<device>.md)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile blocks")
+    p.add_argument("--device-budget", default=None, help="bytes for resident blocks in mode auto (e.g. 20G)")
+    p.add_argument("--ram-budget", default=None, help="bytes of RAM tier in mode auto (e.g. 8G)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -100,17 +106,42 @@ def hf_worker(args) -> dict:
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "peak_dev_gb": 0.0}
 
 
+def h2d_worker(args) -> dict:
+    """Pinned host -> device copies of one block (exactly pinned, as the RAM tier is): the link's peak."""
+    from phantom.scheduler import HostBuffer
+    store = BlockStore(args.store)
+    host = HostBuffer(store.block_nbytes, pin=True)
+    dev = torch.empty(store.block_nbytes, dtype=torch.uint8, device=args.device)
+    times = []
+    for _ in range(args.steps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev.copy_(host.tensor, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times[1:])
+    return {"step_s": t, "stall": 0.0, "loads": 1, "bytes_per_step": store.block_nbytes,
+            "read_gbps": store.block_nbytes / t / 1e9, "peak_rss_gb": 0.0, "peak_dev_gb": 0.0}
+
+
 def worker(args) -> dict:
     """One mode in this process: warm-up step, timed steps, metrics."""
     mode, recompute, micro, prefetch = args.worker.split(":")
     if mode == "hf-peft":
         return hf_worker(args)
+    if mode == "h2d":
+        return h2d_worker(args)
     kw = dict(MODES[mode.removeprefix("tuned-")])
+    if mode == "auto":
+        kw.update(device_budget=parse_bytes(args.device_budget) if args.device_budget else None,
+                  ram_budget=parse_bytes(args.ram_budget) if args.ram_budget else None)
     kw.setdefault("prefetch", int(prefetch) if prefetch != "-" else 0)
     store = BlockStore(args.store, drop_cache=args.cold)
-    model = phantom.PhantomModel(store, device=phantom.resolve_device(args.device), dtype=store.dtype,
-                                 lora=phantom.LoraConfig(rank=8), recompute=recompute,
-                                 micro_batch=int(micro) if micro != "-" else None, **kw)
+    placement, activations = split_knobs(
+        dict(kw, recompute=recompute, micro_batch=int(micro) if micro != "-" else None, compile=args.compile),
+        phantom.Placement(), phantom.Activations())
+    model = phantom.PhantomModel(store, phantom.resolve_device(args.device), store.dtype, placement, activations,
+                                 lora=phantom.LoraConfig(rank=8))
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
@@ -151,7 +182,7 @@ def run_worker(spec: str, argv, args) -> tuple:
         sys.exit(f"error: {mode} failed:\n{out.stderr[-2000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{mode:10s} recompute={recompute:4s} micro={micro:3s} prefetch={k:2s} {r['step_s']:.3f} s/step", flush=True)
-    return mode, recompute if mode not in ("resident", "hf-peft") else "-", micro, k, r
+    return mode, recompute if mode not in ("resident", "hf-peft", "h2d") else "-", micro, k, r
 
 
 def predicted(profile: tune.MachineProfile, mode: str, recompute: str, micro: str, k: str, args) -> float:
@@ -216,9 +247,9 @@ def main(argv=None):
                         except ImportError:
                             print("hf-peft: transformers/peft not installed, skipped")
                             continue
-                    if mode in ("resident", "hf-peft") and (recompute != policies[0]):
+                    if mode in ("resident", "hf-peft", "h2d") and (recompute != policies[0]):
                         continue  # resident has no recompute policy: one row is enough
-                    for k in (args.prefetch.split(",") if mode in ("ram", "disk") else ["-"]):
+                    for k in (args.prefetch.split(",") if mode in ("ram", "disk", "auto") else ["-"]):
                         rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args))
         if profile is not None:
             offloads = tuple(m for m in ("ram", "disk") if m in args.modes.split(","))
@@ -238,7 +269,7 @@ def main(argv=None):
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, rc, micro, k, r in rows:
         ratio = f"{r['step_s'] / base:.3f}x" if base else "-"
-        streamed = profile is not None and mode not in ("resident", "hf-peft")
+        streamed = profile is not None and mode not in ("resident", "hf-peft", "h2d", "auto")
         pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if streamed else "-"
         lines.append(f"| {mode} | {rc} | {micro} | {k} | {r['step_s']:.3f} | {pred} | {ratio} | {r['stall']:.1%} | "
                      f"{r['loads']} | {r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | "

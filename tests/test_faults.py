@@ -164,11 +164,11 @@ def test_prefetch_io_error_ends_the_cli_with_one_line(env, tmp_path, capsys, mon
     """The disk fails under the prefetch thread on the 5th block read: exit 2, `error: ...`, no traceback."""
     real, calls = BlockStore.read_block_into, []
 
-    def failing(self, i, buf):
+    def failing(self, i, buf, **kw):
         calls.append(i)
         if len(calls) == 5:
             raise OSError(errno.EIO, "Input/output error (injected)", str(self.blocks[i].path))
-        return real(self, i, buf)
+        return real(self, i, buf, **kw)
 
     monkeypatch.setattr(BlockStore, "read_block_into", failing)
     code = finetune(*LORA, "--out", tmp_path / "out")

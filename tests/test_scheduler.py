@@ -10,6 +10,7 @@ import torch
 
 import phantom
 from phantom.scheduler import BlockScheduler, WriteBackQueue
+from phantom.placement import Placement
 from phantom.store import BlockStore
 from conftest import SMALL, batch
 
@@ -34,13 +35,13 @@ def test_prefetch_io_error_reaches_the_training_thread_fast(small_store, monkeyp
     store = BlockStore(small_store)
     real = store.read_block_into
 
-    def failing(i, buf):
+    def failing(i, buf, **kw):
         if i == 2:
             raise OSError(5, "Input/output error (injected)")
-        return real(i, buf)
+        return real(i, buf, **kw)
 
     monkeypatch.setattr(store, "read_block_into", failing)
-    with BlockScheduler(store, "cpu", "disk", prefetch=2) as sched:
+    with BlockScheduler(store, "cpu", Placement(offload="disk", prefetch=2)) as sched:
         sched.plan([0, 1, 2, 3])
         for i in (0, 1):
             sched.acquire(i)
@@ -101,8 +102,9 @@ def test_trace_has_a_lane_per_kind_of_work(small_store, tmp_path):
     model.close()
 
 
-def test_close_stops_the_prefetch_thread(small_store):
+def test_close_stops_the_prefetch_threads(small_store):
     model = phantom.load(small_store, offload="disk")
-    thread = model.scheduler._thread
+    threads = model.scheduler._threads
+    assert threads
     model.close()
-    assert not thread.is_alive()
+    assert not any(t.is_alive() for t in threads)

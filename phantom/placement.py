@@ -1,0 +1,163 @@
+"""The run's knobs as small frozen configs, and the pure rule that places blocks in tiers by budget.
+
+`Placement` says where the weights live and how they stream; `Activations` says what a block keeps
+between forward and backward and how it runs. These two objects are what the CLI builds (phantom.cli
+turns their fields into flags), what `phantom.load` takes, what the tuner returns and what a
+checkpoint records. Imports nothing from phantom.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+OFFLOADS = ("auto", "none", "ram", "disk")
+RECOMPUTE = ("auto", "all", "none")
+TIERS = ("device", "ram", "disk")
+GiB = 1 << 30
+
+
+def knob(default, help: str, **meta):
+    """A config field with the help text (and choices, type) its CLI flag shows."""
+    return field(default=default, metadata=dict(help=help, **meta))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the base weights live and how they reach the device.
+
+    Tiers, fastest first: resident on the device, host RAM (pinned on CUDA: exactly the bytes
+    needed, see BlockScheduler), the store's files. `offload="auto"` fills the device, then RAM, by
+    budget; the rest is read from disk on each use (`assign_tiers`).
+    """
+
+    offload: str = knob("auto", "where blocks wait between uses: auto fills device then RAM by budget, the rest "
+                                "from disk; none (all on the device), ram (all in RAM) or disk (all read per use)",
+                        choices=OFFLOADS)
+    prefetch: int = knob(2, "blocks read and copied ahead of the one computing (device slots = prefetch + 1)")
+    resident: int | None = knob(None, "blocks kept on the device (default: as many as --device-budget allows "
+                                      "with --offload auto, else 0)")
+    device_budget: int | None = knob(None, "bytes of device memory for resident blocks and slots (default: free "
+                                           "memory less a margin for activations)", type="bytes")
+    ram_budget: int | None = knob(None, "bytes of host RAM for the RAM tier (default: 85%% of available memory "
+                                        "less a margin)", type="bytes")
+    shared_ram: bool = knob(False, "map the RAM tier from the store files so local ranks share one copy (LoRA)")
+
+    def __post_init__(self):
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, not {self.offload!r}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+        for name in ("resident", "device_budget", "ram_budget"):
+            if (v := getattr(self, name)) is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What each block keeps for its backward, and how its computation runs."""
+
+    recompute: str = knob("auto", "rerun each block's forward in backward (all), keep its activations without "
+                                  "its weights (none), or keep as many blocks as --keep-budget allows (auto)",
+                          choices=RECOMPUTE)
+    keep_budget: int | None = knob(None, "bytes of kept activations under recompute auto (default: half the "
+                                         "memory left on the compute side)", type="bytes")
+    checkpoint_inner: bool = knob(False, "also checkpoint attention and MLP inside blocks (long sequences)")
+    micro_batch: int | None = knob(None, "rows per block call; a larger batch is accumulated layer-major")
+    compile: bool | None = knob(None, "torch.compile the block once for all layers (default: on for CUDA)")
+    loss_chunk: int | None = knob(None, "tokens per chunk of the fused head + loss (default: sized from memory)")
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, not {self.recompute!r}")
+        for name in ("micro_batch", "loss_chunk"):
+            if (v := getattr(self, name)) is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+def split_knobs(knobs: dict, *configs):
+    """Route keyword knobs to the config that has a field of that name; returns the new configs.
+
+    So `phantom.load(..., prefetch=1, recompute="none")` and a CLI flag reach the right config without
+    any layer listing them: a field added to a config is a keyword of the API at once.
+    """
+    out, left = [], dict(knobs)
+    for cfg in configs:
+        names = {f.name for f in dataclasses.fields(cfg)}
+        mine = {k: left.pop(k) for k in list(left) if k in names}
+        out.append(dataclasses.replace(cfg, **mine) if mine else cfg)
+    if left:
+        raise TypeError(f"unknown option(s): {', '.join(sorted(left))}")
+    return out
+
+
+def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_device: int | None,
+                 free_host: int | None, zero_copy: bool = False) -> tuple[str, ...]:
+    """Each block's tier ("device", "ram" or "disk"), from the placement and the free memory.
+
+    The device tier takes the first blocks (which ones does not change the bytes moved). The disk
+    tier takes the last blocks: at the turn from forward to backward the last prefetch + 1 blocks are
+    still in device slots and are read once per step, every other streamed block twice, so a RAM
+    set in the middle saves the most reads. On a CPU (`zero_copy`) the device tier is the RAM tier.
+
+    Args:
+        n_blocks, block_bytes: the store's blocks.
+        placement: the requested placement; its budgets override the free-memory defaults.
+        free_device, free_host: measured free bytes (None: unknown, treated as unlimited).
+    """
+    slots = (placement.prefetch + 1) * block_bytes
+    if placement.offload == "none":
+        return ("device",) * n_blocks
+    n_device = placement.resident or 0
+    if placement.offload == "auto" and placement.resident is None and not zero_copy:
+        budget = placement.device_budget if placement.device_budget is not None else device_budget(free_device)
+        n_device = max(0, (budget - slots) // block_bytes) if budget is not None else n_blocks
+    n_device = min(n_device, n_blocks)
+    if placement.offload == "ram":
+        n_ram = n_blocks - n_device
+    elif placement.offload == "disk":
+        n_ram = 0
+    else:
+        budget = placement.ram_budget if placement.ram_budget is not None else ram_budget(free_host)
+        n_ram = min(n_blocks - n_device, budget // block_bytes if budget is not None else n_blocks)
+    if zero_copy:  # a CPU: blocks in RAM are used where they lie; there is no separate device tier
+        n_ram, n_device = min(n_blocks, n_ram + n_device), 0
+    n_disk = n_blocks - n_device - n_ram
+    return ("device",) * n_device + ("ram",) * n_ram + ("disk",) * n_disk
+
+
+def device_budget(free_device: int | None) -> int | None:
+    """Default device budget for blocks: free memory less a quarter (activations, workspace) and 2 GiB."""
+    return None if free_device is None else max(0, int(free_device * 0.75) - 2 * GiB)
+
+
+def ram_budget(free_host: int | None) -> int | None:
+    """Default RAM-tier budget: 85% of available host memory less 4 GiB (the process, page cache)."""
+    return None if free_host is None else max(0, int(free_host * 0.85) - 4 * GiB)
+
+
+def parse_bytes(text: str) -> int:
+    """'64G', '512M', '1.5T', '1000' (bytes) -> int; binary units."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    s = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    unit = s[-1:] if s[-1:] in units and s[-1:] else ""
+    try:
+        value = float(s[:-1] if unit else s)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 64G, 512M or a number of bytes)") from None
+    if value < 0:
+        raise ValueError(f"a size must be >= 0, not {text!r}")
+    return int(value * units[unit])
+
+
+def loads_per_step(tiers: tuple[str, ...], prefetch: int, ram_streams: bool) -> dict[str, int]:
+    """Blocks loaded into device slots per training step, by tier, once the run is in its rhythm.
+
+    The streamed blocks S (disk, and RAM unless the RAM tier is used in place as on a CPU) go
+    forward then backward through prefetch + 1 slots with eviction by next use, so the last
+    m = min(prefetch + 1, |S|) of the forward are reused by the backward, and the first m of the
+    backward by the next forward: the forward loads S[m:], the backward S[:|S| - m].
+    """
+    streamed = [t for t in tiers if t == "disk" or (t == "ram" and ram_streams)]
+    m = min(prefetch + 1, len(streamed))
+    loaded = streamed[m:] + streamed[:len(streamed) - m]
+    return {"disk": loaded.count("disk"), "ram": loaded.count("ram")}

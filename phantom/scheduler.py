@@ -216,6 +216,7 @@ class BlockScheduler:
         self._pos = 0  # index into the plan of the next acquire
         self._cv = threading.Condition()
         self._closed = False
+        self._load_error: BaseException | None = None  # a failed load stops all loading (see acquire)
         n_loaders = 0 if not self.slots else min(len(self.slots), 3) if "disk" in self.tiers else 1
         self._threads = [threading.Thread(target=self._prefetch_loop, name=f"phantom-prefetch-{k}", daemon=True)
                          for k in range(n_loaders)]
@@ -272,11 +273,13 @@ class BlockScheduler:
             while True:
                 self._raise_if_closed()
                 slot = self._slot_holding(block)
+                if slot is not None and slot.state == "ready":
+                    break
                 if slot is not None and slot.state == "failed":
                     err, slot.state, slot.block, slot.error = slot.error, "empty", None, None
                     raise err
-                if slot is not None and slot.state == "ready":
-                    break
+                if slot is None and self._load_error is not None:  # a failed load stopped the loaders
+                    raise self._load_error
                 self._cv.wait(0.1)
             slot.users += 1
             self._pos += 1
@@ -418,7 +421,7 @@ class BlockScheduler:
     def _prefetch_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and (task := self._next_load()) is None:
+                while not self._closed and (self._load_error is not None or (task := self._next_load()) is None):
                     self._cv.wait()
                 if self._closed:
                     return
@@ -437,6 +440,8 @@ class BlockScheduler:
                 state, error = "failed", e
             with self._cv:
                 slot.state, slot.error = state, error
+                if error is not None and self._load_error is None:
+                    self._load_error = error  # no loader starts another read: the step is lost anyway
                 self._cv.notify_all()
 
     def _read(self, block: int, into: torch.Tensor, defer_verify: bool):

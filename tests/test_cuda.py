@@ -1,0 +1,126 @@
+"""The CUDA path on a real GPU: streamed == resident, the copy pipeline's ordering, exact pinning.
+
+Run with `python3 -m pytest -q -m cuda tests` on a machine with a GPU; skipped elsewhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import phantom
+from phantom.convert import write_synthetic
+from phantom.placement import Placement
+from phantom.scheduler import BlockScheduler
+from phantom.store import BlockStore
+from conftest import SMALL, batch, max_rel_err, randomize_lora
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# Wide enough that a block's copy takes measurable time, small enough for any GPU.
+WIDE = dataclasses.replace(SMALL, dim=256, n_heads=8, n_kv_heads=4, multiple_of=64, n_layers=6, vocab_size=211)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda")
+    return {dt: write_synthetic(root / str(dt), WIDE, dt, seed=3, progress=False)
+            for dt in (torch.float32, torch.bfloat16)}
+
+
+def loss_and_grads(model, seed=0):
+    randomize_lora(model, seed)
+    tokens, targets = batch(WIDE, b=4, t=32, seed=seed)
+    loss = model(tokens.cuda(), targets=targets.cuda())
+    loss.backward()
+    torch.cuda.synchronize()
+    return loss.detach().cpu(), [p.grad.detach().cpu() for p in model.trainable_parameters()]
+
+
+def run(store, dtype, **knobs):
+    with phantom.load(store, device="cuda", dtype=dtype, compile=False, **knobs) as model:
+        return loss_and_grads(model)
+
+
+@pytest.mark.parametrize("offload,extra", [("ram", {}), ("disk", {}), ("auto", {"ram_budget": 0}),
+                                           ("auto", {"resident": 2, "ram_budget": 1})])
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 4])
+@pytest.mark.parametrize("recompute", ["all", "none"])
+def test_streamed_equals_resident(stores, offload, extra, prefetch, recompute):
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.0)):
+        store = stores[dtype]
+        if "ram_budget" in extra and extra["ram_budget"]:  # two blocks' worth: a mixed placement
+            extra = dict(extra, ram_budget=2 * BlockStore(store).block_nbytes)
+        ref_loss, ref_grads = run(store, dtype, offload="none", recompute=recompute)
+        loss, grads = run(store, dtype, offload=offload, prefetch=prefetch, recompute=recompute, **extra)
+        assert max_rel_err(loss, ref_loss) <= tol
+        assert all(max_rel_err(g, r) <= tol for g, r in zip(grads, ref_grads)), (dtype, offload)
+
+
+def test_bf16_store_upcast_in_the_pipeline_equals_resident(stores):
+    ref_loss, ref_grads = run(stores[torch.bfloat16], torch.float32, offload="none")
+    loss, grads = run(stores[torch.bfloat16], torch.float32, offload="disk", prefetch=1)
+    assert max_rel_err(loss, ref_loss) <= 1e-5
+    assert all(max_rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref_grads))
+
+
+def test_slot_reuse_waits_for_compute(stores):
+    """One slot, and every block's compute held up on the GPU: a copy that did not wait for the slot's
+    free event would overwrite weights still being read, and the result would differ."""
+    store = BlockStore(stores[torch.float32])
+    sched = BlockScheduler(store, "cuda", Placement(offload="ram", prefetch=0))
+    x = torch.randn(64, WIDE.dim, device="cuda")
+    outs = []
+    sched.plan(list(range(WIDE.n_layers)))
+    for i in range(WIDE.n_layers):
+        w = sched.acquire(i)["attention.wq.weight"]
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time before the weights are read
+        outs.append(x @ w.T)
+        sched.release(i)
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        ref = x @ store.load_block(i)["attention.wq.weight"].cuda().T
+        assert torch.equal(out, ref), f"block {i} was overwritten while in use"
+    sched.close()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_ram_tier_pins_exactly_the_blocks(stores):
+    """The RAM tier costs its blocks' bytes of host memory (within 1%), not the next power of two
+    that the caching host allocator would pin, and none of it goes through that allocator."""
+    big = dataclasses.replace(WIDE, dim=1024, n_heads=8, n_kv_heads=8, multiple_of=256, n_layers=6)
+    store = BlockStore(write_synthetic(stores[torch.float32].parent / "big", big, torch.bfloat16, seed=0,
+                                       progress=False))
+    want = store.n_blocks * store.block_nbytes
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})
+    before_alloc = stats().get("allocated_bytes.all.current", 0)
+    torch.cuda.init()
+    before = rss_bytes()
+    with BlockScheduler(store, "cuda", Placement(offload="ram", prefetch=1)) as sched:
+        grown = rss_bytes() - before
+        assert sched._ram_buffer.pinned
+        assert want <= sched.pinned_bytes <= 1.01 * want
+        assert grown <= 1.01 * want + (64 << 20), (grown, want)  # + the process's own small allocations
+        assert stats().get("allocated_bytes.all.current", 0) == before_alloc
+
+
+def test_no_host_sync_in_a_block_forward(stores):
+    with phantom.load(stores[torch.bfloat16], device="cuda", dtype="bf16", offload="ram", prefetch=2,
+                      compile=False, lora=None) as model, torch.no_grad():
+        tokens = torch.randint(0, WIDE.vocab_size, (2, 32)).cuda()
+        h = model.embed(tokens)
+        rope = model.rope[:32]
+        model.blocks(h, rope)  # warm-up: allocations, cuBLAS handles
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with model.block_weights(0) as weights:
+                model.run_block(0, weights, h, rope)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

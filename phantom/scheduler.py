@@ -70,11 +70,24 @@ class Metrics:
     bytes_h2d: int = 0  # host -> device copies
     bytes_d2h: int = 0  # device -> host (write-back)
     read_s: float = 0.0
-    copy_s: float = 0.0  # CUDA: host time to enqueue copies (the copies run beside compute)
+    copy_s: float = 0.0  # CPU/MPS: copy time; CUDA: the copy stream's time by events (see copy_events)
     stall_s: float = 0.0  # training thread waiting for a block
+    copy_events: list = field(default_factory=list)  # CUDA: (start, end, bytes) of copies not yet counted
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "copy_events"}
+
+    def count_finished_copies(self) -> list:
+        """Adds the finished CUDA copies' device time and bytes (no host sync); returns the unfinished."""
+        pending = []
+        for start, end, nbytes in self.copy_events:
+            if end.query():
+                self.copy_s += start.elapsed_time(end) / 1e3
+                self.bytes_h2d += nbytes
+            else:
+                pending.append((start, end, nbytes))
+        self.copy_events = []
+        return pending
 
 
 def free_host_bytes() -> int | None:
@@ -337,6 +350,7 @@ class BlockScheduler:
         """This step's counters (and achieved GB/s); resets them."""
         with self._cv:
             m, self.metrics = self.metrics, Metrics()
+            self.metrics.copy_events = m.count_finished_copies()  # still in flight: next step's
             self.writeback.metrics = self.metrics
         d = m.as_dict()
         d["read_gbps"] = m.bytes_read / m.read_s / 1e9 if m.read_s > 0 else 0.0
@@ -479,10 +493,17 @@ class BlockScheduler:
             with torch.cuda.stream(self._copy_stream):
                 if free_event is not None:
                     self._copy_stream.wait_event(free_event)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self._copy_stream)
                 slot.buf.copy_(src, non_blocking=True)
                 self._convert(slot)
-                slot.ready_event = torch.cuda.Event()
+                slot.ready_event = torch.cuda.Event(enable_timing=True)
                 slot.ready_event.record(self._copy_stream)
+            with self._cv:
+                m = self.metrics
+                m.copy_events.append((start, slot.ready_event, slot.buf.numel()))
+                if len(m.copy_events) > 1024:  # nobody takes metrics (generation): fold finished ones in
+                    m.copy_events = m.count_finished_copies()
         else:
             if src is not slot.buf:
                 slot.buf.copy_(src)
@@ -491,8 +512,9 @@ class BlockScheduler:
                 torch.mps.synchronize()
         t1 = time.perf_counter()
         if src is not slot.buf:
-            self.metrics.copy_s += t1 - t0
-            self.metrics.bytes_h2d += slot.buf.numel()
+            if not self._cuda:
+                self.metrics.copy_s += t1 - t0
+                self.metrics.bytes_h2d += slot.buf.numel()
             self.tracer.span("copy", f"copy {block}", t0, t1, bytes=slot.buf.numel())
         self.metrics.loads += 1
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf)

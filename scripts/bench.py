@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
 from phantom import tune  # noqa: E402
-from phantom.config import ModelConfig  # noqa: E402
+from phantom.config import ModelConfig, block_tensor_shapes  # noqa: E402
 from phantom.convert import write_synthetic  # noqa: E402
 from phantom.placement import parse_bytes, split_knobs  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
@@ -43,6 +44,7 @@ MODES = {  # name -> load arguments
     "naive": dict(offload="disk", prefetch=0),
     "auto": dict(offload="auto"),  # tiers by budget: --device-budget / --ram-budget
     "h2d": dict(),  # CUDA: the pinned host-to-device copy peak, one block at a time
+    "matmul": dict(),  # the measured matmul rate at the block's shapes (for the FLOP floor)
     "hf-peft": dict(),  # transformers + peft, resident, if installed (issue 10's outside reference)
 }
 
@@ -124,6 +126,36 @@ def h2d_worker(args) -> dict:
             "read_gbps": store.block_nbytes / t / 1e9, "peak_rss_gb": 0.0, "peak_dev_gb": 0.0}
 
 
+def matmul_worker(args) -> dict:
+    """Rate of the block's largest matmul (tokens x dim @ dim x hidden) in the store's dtype: FLOP/s."""
+    store = BlockStore(args.store)
+    c, dev = store.cfg, torch.device(args.device)
+    a = torch.randn(args.batch_size * args.seq_len, c.dim, dtype=store.dtype, device=dev)
+    w = torch.randn(c.dim, c.hidden_dim, dtype=store.dtype, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    reps, times = 10, []
+    for _ in range(args.steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ w
+        sync()
+        times.append((time.perf_counter() - t0) / reps)
+    t = statistics.median(times[1:])
+    return {"step_s": t, "stall": 0.0, "loads": 0, "bytes_per_step": 0, "read_gbps": 0.0,
+            "flops_per_s": 2 * a.shape[0] * c.dim * c.hidden_dim / t, "peak_rss_gb": 0.0, "peak_dev_gb": 0.0}
+
+
+def step_flops(cfg, batch: int, seq: int, recompute: str) -> float:
+    """Matmul FLOPs of one LoRA step: forward 2PT, input gradients 2PT, a recomputed forward 2PT
+    (recompute all); causal attention half of 4 B T^2 dim per pass; the head 2VdT forward + backward."""
+    tokens = batch * seq
+    per_block = sum(math.prod(shape) for shape in block_tensor_shapes(cfg).values())
+    passes = 3 if recompute == "all" else 2
+    attn = 2 * batch * seq * seq * cfg.dim
+    return cfg.n_layers * passes * (2 * per_block * tokens + attn) + 4 * cfg.vocab_size * cfg.dim * tokens
+
+
 def worker(args) -> dict:
     """One mode in this process: warm-up step, timed steps, metrics."""
     mode, recompute, micro, prefetch = args.worker.split(":")
@@ -131,6 +163,8 @@ def worker(args) -> dict:
         return hf_worker(args)
     if mode == "h2d":
         return h2d_worker(args)
+    if mode == "matmul":
+        return matmul_worker(args)
     kw = dict(MODES[mode.removeprefix("tuned-")])
     if mode == "auto":
         kw.update(device_budget=parse_bytes(args.device_budget) if args.device_budget else None,
@@ -165,7 +199,10 @@ def worker(args) -> dict:
     model.close()
     moved = sum(m.get("bytes_read", 0) + m.get("bytes_h2d", 0) for m in metrics) / len(metrics)
     read_s = sum(m.get("read_s", 0) for m in metrics)
+    copy_s = sum(m.get("copy_s", 0) for m in metrics)
     return {"step_s": statistics.median(times), "stall": statistics.mean(stalls),
+            "h2d_per_step": sum(m.get("bytes_h2d", 0) for m in metrics) / len(metrics),
+            "copy_gbps": sum(m.get("bytes_h2d", 0) for m in metrics) / copy_s / 1e9 if copy_s else 0.0,
             "loads": metrics[-1].get("loads", 0), "bytes_per_step": moved,
             "read_gbps": sum(m.get("bytes_read", 0) for m in metrics) / read_s / 1e9 if read_s else 0.0,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -182,7 +219,7 @@ def run_worker(spec: str, argv, args) -> tuple:
         sys.exit(f"error: {mode} failed:\n{out.stderr[-2000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{mode:10s} recompute={recompute:4s} micro={micro:3s} prefetch={k:2s} {r['step_s']:.3f} s/step", flush=True)
-    return mode, recompute if mode not in ("resident", "hf-peft", "h2d") else "-", micro, k, r
+    return mode, recompute if mode not in ("resident", "hf-peft", "h2d", "matmul") else "-", micro, k, r
 
 
 def predicted(profile: tune.MachineProfile, mode: str, recompute: str, micro: str, k: str, args) -> float:
@@ -247,7 +284,7 @@ def main(argv=None):
                         except ImportError:
                             print("hf-peft: transformers/peft not installed, skipped")
                             continue
-                    if mode in ("resident", "hf-peft", "h2d") and (recompute != policies[0]):
+                    if mode in ("resident", "hf-peft", "h2d", "matmul") and (recompute != policies[0]):
                         continue  # resident has no recompute policy: one row is enough
                     for k in (args.prefetch.split(",") if mode in ("ram", "disk", "auto") else ["-"]):
                         rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args))
@@ -265,14 +302,24 @@ def main(argv=None):
              f"batch {args.batch_size} x {args.seq_len}, prefetch {args.prefetch}, "
              f"{'cold (page cache dropped after each read)' if args.cold else 'warm page cache'}", "",
              "| mode | recompute | micro-batch | prefetch | step s | predicted s | vs resident | stall | block loads "
-             "| MB moved/step | read GB/s | peak RSS GB | peak device GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| MB moved/step | read GB/s | copy GB/s | floor s | step / floor | peak RSS GB | peak device GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    peak = next((r["read_gbps"] * 1e9 for m, _, _, _, r in rows if m == "h2d"), None)
+    rate = next((r["flops_per_s"] for m, _, _, _, r in rows if m == "matmul"), None)
     for mode, rc, micro, k, r in rows:
         ratio = f"{r['step_s'] / base:.3f}x" if base else "-"
-        streamed = profile is not None and mode not in ("resident", "hf-peft", "h2d", "auto")
+        streamed = profile is not None and mode not in ("resident", "hf-peft", "h2d", "matmul", "auto")
         pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if streamed else "-"
+        floor = "-"
+        if rate and mode not in ("h2d", "matmul", "hf-peft"):  # max(link time, matmul time): the step's floor
+            f = max(r.get("h2d_per_step", 0) / peak if peak else 0.0,
+                    step_flops(cfg, args.batch_size, args.seq_len, "none" if mode == "resident" else rc) / rate)
+            floor = f"{f:.3f} | {r['step_s'] / f:.2f}x"
+        else:
+            floor = "- | -"
         lines.append(f"| {mode} | {rc} | {micro} | {k} | {r['step_s']:.3f} | {pred} | {ratio} | {r['stall']:.1%} | "
                      f"{r['loads']} | {r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | "
+                     f"{r.get('copy_gbps', 0.0):.2f} | {floor} | "
                      f"{r['peak_rss_gb']:.2f} | {r['peak_dev_gb']:.2f} |")
     if profile is not None:
         lines += tuning_lines(profile, best, rows)

@@ -1,8 +1,10 @@
-"""Tokenizers: a thin wrapper over sentencepiece (Llama-2, CodeLlama, Mistral) and in-process training
-of the tiny model's tokenizer. Imports nothing from phantom.
+"""Tokenizers: one wrapper over sentencepiece (Llama-2, CodeLlama, Mistral), Hugging Face `tokenizers`
+(tokenizer.json) and tiktoken (Llama-3's `tokenizer.model`), and in-process training of the tiny model's
+tokenizer. Imports nothing from phantom.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 from pathlib import Path
@@ -12,39 +14,101 @@ import sentencepiece as spm
 ASSETS = Path(__file__).parent / "assets"
 TINY_TEXT = ASSETS / "tiny.txt"
 
+# Llama-3's split pattern and special tokens, as Meta's llama-models tokenizer.py defines them: 256 special
+# tokens follow the BPE ranks (<|begin_of_text|> is the first, <|end_of_text|> the second).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+LLAMA3_SPECIAL += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(LLAMA3_SPECIAL))]
+
+
+def is_tiktoken_file(path: Path) -> bool:
+    """A tiktoken BPE file is text, one `base64(token) rank` per line; a sentencepiece model is a protobuf."""
+    with open(path, "rb") as f:
+        first = f.readline(4096).split()
+    try:
+        return len(first) == 2 and int(first[1]) >= 0 and base64.b64decode(first[0], validate=True) is not None
+    except ValueError:
+        return False
+
+
+def llama3_encoding(path: Path, name: str = "llama3"):
+    """The tiktoken Encoding of a Llama-3 tokenizer.model (ranks from the file, Llama-3's pattern and specials)."""
+    try:
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+    except ImportError:
+        raise ValueError(f"{path} is a tiktoken (Llama-3) tokenizer; pip install tiktoken to use it") from None
+    ranks = load_tiktoken_bpe(str(path))
+    special = {tok: len(ranks) + i for i, tok in enumerate(LLAMA3_SPECIAL)}
+    return tiktoken.Encoding(name=name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+
 
 class Tokenizer:
-    """Encodes text to ids and back, with BOS/EOS as the model was trained with."""
+    """Encodes text to ids and back, with BOS/EOS as the model was trained with.
+
+    Reads a sentencepiece `tokenizer.model`, a tiktoken (Llama-3) `tokenizer.model` or a Hugging Face
+    `tokenizer.json`; `kind` says which ("sentencepiece", "tiktoken" or "hf").
+    """
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer not found at {self.path}")
         if self.path.suffix == ".json":
-            try:
-                from tokenizers import Tokenizer as HFTokenizer
-            except ImportError:
-                raise ValueError(f"{self.path} is a Hugging Face tokenizer.json; pip install tokenizers "
-                                 f"to use it") from None
-            self._hf = HFTokenizer.from_file(str(self.path))
-            self._sp = None
-            self.vocab_size = self._hf.get_vocab_size()
-            self.bos_id = self._hf.token_to_id("<|begin_of_text|>") or self._hf.token_to_id("<s>") or 0
-            self.eos_id = self._hf.token_to_id("<|end_of_text|>") or self._hf.token_to_id("</s>") or 0
+            self.kind = "hf"
+            self._open_hf()
+        elif is_tiktoken_file(self.path):
+            self.kind = "tiktoken"
+            self._tt = llama3_encoding(self.path)
+            self.vocab_size = self._tt.n_vocab
+            self.bos_id, self.eos_id = self._tt.encode_single_token("<|begin_of_text|>"), \
+                self._tt.encode_single_token("<|end_of_text|>")
+            self.bos_token, self.eos_token = "<|begin_of_text|>", "<|end_of_text|>"
         else:
-            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
-            self._hf = None
+            self.kind = "sentencepiece"
+            try:
+                self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+            except (RuntimeError, OSError) as e:
+                raise ValueError(f"{self.path}: not a sentencepiece, tiktoken or tokenizer.json file ({e})") from None
             self.vocab_size = self._sp.vocab_size()
             self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
+            self.bos_token, self.eos_token = self._sp.id_to_piece(self.bos_id), self._sp.id_to_piece(self.eos_id)
         self.fingerprint = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
 
+    def _open_hf(self) -> None:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise ValueError(f"{self.path} is a Hugging Face tokenizer.json; pip install tokenizers to use it") from None
+        try:
+            self._hf = HFTokenizer.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises its own exception type for a bad file
+            raise ValueError(f"{self.path}: not a readable tokenizer.json ({e})") from None
+        self.vocab_size = self._hf.get_vocab_size()
+        self.bos_token = next((t for t in ("<|begin_of_text|>", "<s>") if self._hf.token_to_id(t) is not None), None)
+        self.eos_token = next((t for t in ("<|end_of_text|>", "</s>") if self._hf.token_to_id(t) is not None), None)
+        self.bos_id = self._hf.token_to_id(self.bos_token) if self.bos_token else 0
+        self.eos_id = self._hf.token_to_id(self.eos_token) if self.eos_token else 0
+
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
-        ids = self._sp.encode(text) if self._sp is not None else self._hf.encode(text, add_special_tokens=False).ids
+        if self.kind == "sentencepiece":
+            ids = self._sp.encode(text)
+        elif self.kind == "tiktoken":
+            ids = self._tt.encode(text, disallowed_special=())  # special-token text in data is plain text
+        else:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def decode(self, ids: list[int]) -> str:
         ids = [i for i in ids if i < self.vocab_size]
-        return self._sp.decode(ids) if self._sp is not None else self._hf.decode(ids)
+        if self.kind == "sentencepiece":
+            return self._sp.decode(ids)
+        if self.kind == "tiktoken":  # special tokens (numbered after the BPE ranks) are dropped, as the others do
+            return self._tt.decode([i for i in ids if i < self._tt.max_token_value - len(LLAMA3_SPECIAL) + 1])
+        return self._hf.decode(ids)
 
 
 def train_tiny_tokenizer(out: Path, vocab_size: int = 512, text: Path = TINY_TEXT) -> Path:

@@ -1,0 +1,113 @@
+"""Independent references for the tokenizers: phantom's Tokenizer encodes as the format's own library does.
+
+- a Hugging Face `tokenizer.json`, built with the `tokenizers` library here, against that library;
+- a Llama-3-style tiktoken `tokenizer.model` (base64 token + rank per line, which sentencepiece cannot read),
+  against tiktoken set up as Meta's llama-models `tokenizer.py` does it and against transformers'
+  `TikTokenConverter` (a separate BPE implementation, with its own copy of Llama-3's split pattern);
+- a sentencepiece `tokenizer.model` against sentencepiece.
+Everything is trained in the test from the shipped text; nothing is downloaded. Under CI=true a missing
+library fails instead of skipping.
+"""
+from __future__ import annotations
+
+import base64
+import importlib
+import os
+
+import pytest
+
+from phantom.tokenizer import TINY_TEXT, Tokenizer, train_tiny_tokenizer
+
+
+def need(module: str):
+    if os.environ.get("CI") == "true":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
+tokenizers = need("tokenizers")
+tiktoken = need("tiktoken")
+transformers = need("transformers")
+
+TEXTS = ["The lighthouse keeper climbed the stairs.", "  two  spaces, tabs\tand\nnew lines\n\n",
+         "Numbers 12345 and 3.14; unicode: café, naïve, 東京 🚀", "it's they'll WE'RE", "<|end_of_text|> as text"]
+
+# Meta's llama-models (models/llama3/tokenizer.py): the split pattern, and special tokens numbered after the
+# BPE ranks in this order, 256 in all. Written out here, not imported from phantom.
+META_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+META_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>",
+                "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+META_SPECIAL += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(META_SPECIAL))]
+
+
+@pytest.fixture(scope="module")
+def tiktoken_file(tmp_path_factory):
+    """A Llama-3-format tokenizer.model: byte-level BPE ranks trained on the shipped text, in tiktoken's file format."""
+    from tiktoken._educational import bpe_train
+    ranks = bpe_train(TINY_TEXT.read_text(), 400, META_PATTERN, visualise=None)
+    path = tmp_path_factory.mktemp("llama3") / "tokenizer.model"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda x: x[1])))
+    return path, ranks
+
+
+def test_tiktoken_model_encodes_as_meta_llama3(tiktoken_file):
+    path, ranks = tiktoken_file
+    tok = Tokenizer(path)
+    meta = tiktoken.Encoding(name="meta", pat_str=META_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={t: len(ranks) + i for i, t in enumerate(META_SPECIAL)})
+    assert tok.kind == "tiktoken" and tok.vocab_size == len(ranks) + 256
+    assert (tok.bos_id, tok.eos_id) == (len(ranks), len(ranks) + 1)  # <|begin_of_text|>, <|end_of_text|>
+    for text in TEXTS:
+        ids = meta.encode(text, disallowed_special=())
+        assert tok.encode(text, bos=True, eos=True) == [len(ranks)] + ids + [len(ranks) + 1]
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_tiktoken_model_encodes_as_transformers_converter(tiktoken_file):
+    """transformers' converter rebuilds the BPE as merges for the `tokenizers` library: another implementation."""
+    path, ranks = tiktoken_file
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    hf = TikTokenConverter(str(path), extra_special_tokens=META_SPECIAL).converted()
+    tok = Tokenizer(path)
+    for text in TEXTS[:-1]:  # the last one spells a special token, which the HF tokenizer would match
+        assert tok.encode(text, bos=False) == hf.encode(text, add_special_tokens=False).ids, text
+
+
+@pytest.mark.parametrize("specials", [("<s>", "</s>"), ("<|begin_of_text|>", "<|end_of_text|>")])
+def test_tokenizer_json_encodes_as_tokenizers(tmp_path, specials):
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+    hf = HF(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", *specials],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    hf.train_from_iterator(TINY_TEXT.read_text().splitlines(), trainer)
+    path = tmp_path / "tokenizer.json"
+    hf.save(str(path))
+    tok = Tokenizer(path)
+    assert tok.kind == "hf" and (tok.bos_id, tok.eos_id) == (1, 2) and tok.vocab_size == hf.get_vocab_size()
+    for text in TEXTS:
+        assert tok.encode(text, bos=True, eos=True) == [1] + hf.encode(text, add_special_tokens=False).ids + [2]
+        assert tok.decode(tok.encode(text, bos=False)) == hf.decode(hf.encode(text).ids)
+
+
+def test_sentencepiece_model_encodes_as_sentencepiece(tmp_path):
+    import sentencepiece as spm
+    path = train_tiny_tokenizer(tmp_path / "tokenizer.model", vocab_size=512)
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    tok = Tokenizer(path)
+    assert tok.kind == "sentencepiece" and (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
+    for text in TEXTS:
+        assert tok.encode(text, bos=True, eos=True) == [sp.bos_id()] + sp.encode(text) + [sp.eos_id()]
+
+
+def test_unreadable_tokenizer_model_is_a_user_error(tmp_path):
+    bad = tmp_path / "tokenizer.model"
+    bad.write_bytes(b"\x00\x01 not a tokenizer at all")
+    with pytest.raises(ValueError, match="not a sentencepiece, tiktoken or tokenizer.json"):
+        Tokenizer(bad)
+    (tmp_path / "tokenizer.json").write_text("{ broken")
+    with pytest.raises(ValueError, match="not a readable tokenizer.json"):
+        Tokenizer(tmp_path / "tokenizer.json")

@@ -182,6 +182,16 @@ def block_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+# Projections that read the same input, run as one matmul (as gpt-fast does) when their weights lie
+# back to back in memory: the store writes each group adjacent and in this order (store.tensor_order),
+# and the block binds one view over the group (layers.fuse_adjacent). Names stay Meta's, one tensor
+# each, so stores, PEFT adapters and LoRA on any single projection are unchanged.
+FUSED_PROJECTIONS = {
+    "attention.wqkv": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
+    "feed_forward.w13": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+}
+
+
 def embed_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim)}
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from phantom.config import ModelConfig
+from phantom.config import FUSED_PROJECTIONS, ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -95,6 +95,29 @@ def linear(in_features: int, out_features: int, device=None, dtype=None) -> nn.L
     return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
 
 
+def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """weights plus, for each group of FUSED_PROJECTIONS whose tensors lie back to back in one
+    storage (as phantom's stores write them), one view over the group ("attention.wqkv", ...): the
+    block then runs the group as one matmul. No copy; a group that is not adjacent stays unfused.
+    Only for frozen weights: a gradient would reach the fused view, not the named tensors."""
+    out = dict(weights)
+    for fused, names in FUSED_PROJECTIONS.items():
+        ts = [weights.get(n) for n in names]
+        if any(t is None or not t.is_contiguous() or t.dim() != 2 for t in ts):
+            continue
+        first = ts[0]
+        same = all(t.dtype == first.dtype and t.device == first.device and t.shape[1] == first.shape[1]
+                   and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in ts)
+        if same and all(b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(ts, ts[1:])):
+            out[fused] = first.as_strided((sum(t.shape[0] for t in ts), first.shape[1]), first.stride())
+    return out
+
+
+def _plus_lora(proj: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y (the base projection of x, computed fused) plus proj's LoRA update, if proj has one."""
+    return y + proj.lora_update(x) if isinstance(proj, LoraLinear) else y
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
@@ -104,13 +127,22 @@ class Attention(nn.Module):
         self.wk = linear(cfg.dim, kv, device, dtype)
         self.wv = linear(cfg.dim, kv, device, dtype)
         self.wo = linear(cfg.dim, cfg.dim, device, dtype)
+        self.register_parameter("wqkv", None)  # a view over wq, wk, wv when bound adjacent (fuse_adjacent)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.wqkv is None:
+            return self.wq(x), self.wk(x), self.wv(x)
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self.wqkv).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+        return _plus_lora(self.wq, x, q), _plus_lora(self.wk, x, k), _plus_lora(self.wv, x, v)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 start_pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
-        q = apply_rope(self.wq(x).view(B, T, self.n_heads, self.head_dim), rope)  # (B, T, H, D)
-        k = apply_rope(self.wk(x).view(B, T, self.n_kv_heads, self.head_dim), rope)  # (B, T, KV, D)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), rope)  # (B, T, H, D)
+        k = apply_rope(k.view(B, T, self.n_kv_heads, self.head_dim), rope)  # (B, T, KV, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         mask, causal = None, True
         if cache is not None:
@@ -132,9 +164,13 @@ class FeedForward(nn.Module):
         self.w1 = linear(cfg.dim, cfg.hidden_dim, device, dtype)  # gate
         self.w2 = linear(cfg.hidden_dim, cfg.dim, device, dtype)  # down
         self.w3 = linear(cfg.dim, cfg.hidden_dim, device, dtype)  # up
+        self.register_parameter("w13", None)  # a view over w1, w3 when bound adjacent (fuse_adjacent)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.w13 is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        return self.w2(F.silu(_plus_lora(self.w1, x, gate)) * _plus_lora(self.w3, x, up))
 
 
 class TransformerBlock(nn.Module):
@@ -200,9 +236,11 @@ class LoraLinear(nn.Module):
     def out_features(self) -> int:
         return self.lora_B.shape[0]
 
+    def lora_update(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
-        return F.linear(x, self.weight) + lora
+        return F.linear(x, self.weight) + self.lora_update(x)
 
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_B @ self.lora_A) * self.scale

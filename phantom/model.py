@@ -19,12 +19,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from phantom.config import ModelConfig
-from phantom.layers import TransformerBlock, rms_norm, rope_table, KVCache
+from phantom.layers import TransformerBlock, fuse_adjacent, rms_norm, rope_table, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, clip_coefficient
 from phantom.placement import Activations, Placement
 from phantom.scheduler import BlockScheduler
-from phantom.store import BlockStore
+from phantom.store import BlockStore, packed_empty
 
 log = logging.getLogger(__name__)
 
@@ -309,10 +309,20 @@ class PhantomModel(nn.Module):
         if placement.offload == "none":
             self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
             for i, block in enumerate(self.layers):
-                weights = {k: v.to(self.device, self.weight_dtype) for k, v in store.load_block(i).items()}
+                stored = store.load_block(i)
+                weights = packed_empty(stored, self.weight_dtype, self.device)  # the file's layout
+                for k, v in stored.items():
+                    weights[k].copy_(v)
+                if self.full:
+                    weights = {k: v.clone() for k, v in weights.items()}  # trained one by one
                 block.load_state_dict(weights, strict=False, assign=True)  # keeps requires_grad=False
                 for name, p in block.named_parameters():
                     p.requires_grad_(self.full or "lora_" in name)
+                if not self.full:  # frozen: the same fused projections as the streamed blocks
+                    for name, view in fuse_adjacent(weights).items():
+                        if name not in weights:
+                            owner, _, leaf = name.rpartition(".")
+                            block.get_submodule(owner)._parameters[leaf] = nn.Parameter(view, requires_grad=False)
         else:
             self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype)
             self.offload = self.scheduler.offload  # what "auto" resolved to
@@ -490,6 +500,8 @@ class PhantomModel(nn.Module):
             assert next(iter(weights.values())).dtype == self.weight_dtype, "the scheduler converts dtypes"
             if trainable:  # leaves whose gradients the backward asks for (full finetuning)
                 weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
+            elif not self.full:
+                weights = fuse_adjacent(weights)
             with bind_weights(self.layers[i], weights):
                 yield weights
         finally:

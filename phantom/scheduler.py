@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from phantom import faults
 from phantom.placement import Placement, assign_tiers
-from phantom.store import DATA_ALIGN, BlockStore
+from phantom.store import DATA_ALIGN, BlockStore, packed_empty
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +253,7 @@ class BlockScheduler:
             staging = host.tensor[:nbytes] if host is not None else None
         converted = None
         if self.dtype != self.store.dtype:
-            converted = {k: torch.empty(v.shape, dtype=self.dtype, device=self.device)
-                         for k, v in self.store.block_views(buf).items()}
+            converted = packed_empty(self.store.block_views(buf), self.dtype, self.device)
         return Slot(buf=buf, staging=staging, converted=converted, host=host)
 
     # -- the training thread's side ------------------------------------------------------------

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from phantom.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.config import (FUSED_PROJECTIONS, ModelConfig, block_tensor_shapes, embed_tensor_shapes,
+                            head_tensor_shapes)
 from phantom import faults
 
 log = logging.getLogger(__name__)
@@ -104,9 +105,20 @@ class TensorSpec:
     end: int
 
 
+_GROUP_RANK = {n: k for k, n in enumerate(n for group in FUSED_PROJECTIONS.values() for n in group)}
+
+
+def tensor_order(itemsize: dict[str, int]) -> list[str]:
+    """The order tensors are laid out in a file written by phantom (name -> element size in bytes).
+
+    Larger elements first keeps every tensor aligned to its element size inside the data section;
+    then each group of FUSED_PROJECTIONS back to back, in its order, so a block reads them as one
+    matrix (older stores, ordered by name alone, still load: unfused)."""
+    return sorted(itemsize, key=lambda n: (-itemsize[n], _GROUP_RANK.get(n, len(_GROUP_RANK)), n))
+
+
 def _order(tensors: dict[str, torch.Tensor]) -> list[str]:
-    # Larger elements first keeps every tensor aligned to its element size inside the data section.
-    return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    return tensor_order({n: t.element_size() for n, t in tensors.items()})
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> dict:
@@ -197,6 +209,17 @@ def check_specs(path: Path, specs: list[TensorSpec], expected: dict[str, tuple[i
 def views(buf: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
     """Tensor views into a flat uint8 buffer holding a file's data section."""
     return {s.name: buf[s.start:s.end].view(s.dtype).view(s.shape) for s in specs}
+
+
+def packed_empty(like: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Uninitialized tensors shaped as `like`, back to back in one buffer in like's order: a block
+    converted to another dtype or device keeps its file layout (and so its fused groups)."""
+    flat = torch.empty(sum(t.numel() for t in like.values()), dtype=dtype, device=device)
+    out, start = {}, 0
+    for name, t in like.items():
+        out[name] = flat[start:start + t.numel()].view(t.shape)
+        start += t.numel()
+    return out
 
 
 _read_pool: ThreadPoolExecutor | None = None
@@ -360,7 +383,7 @@ class StoreWriter:
         for name in {v[0] for v in located.values()} - set(self.links["sources"]):
             path = Path(name) if os.path.isabs(name) else self.tmp / name
             self.links["sources"][name] = {"size": path.stat().st_size, "header_sha256": header_digest(path)}
-        order = sorted(located, key=lambda n: (-located[n][2].itemsize, n))  # as write_safetensors orders
+        order = tensor_order({n: v[2].itemsize for n, v in located.items()})  # as write_safetensors orders
         segments = [(Path(located[n][0]) if os.path.isabs(located[n][0]) else self.tmp / located[n][0],
                      located[n][1], located[n][2].itemsize * math.prod(located[n][3])) for n in order]
         self.links["files"][rel] = {

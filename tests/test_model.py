@@ -215,3 +215,39 @@ def test_accumulation_of_four_micro_batches_equals_one_batch_of_four(small_store
     (ref_loss, ref_grads), (loss, grads) = results
     assert max_rel_err(loss, ref_loss) <= TOL
     assert all(max_rel_err(g, r) <= TOL for g, r in zip(grads, ref_grads))
+
+
+def test_projections_run_fused_and_equal_an_unfused_store(small_store, tmp_path, monkeypatch):
+    """Stores lay q,k,v and gate,up back to back, so each group runs as one matmul over a view of the
+    slot; a store in the older name order (no adjacent groups) runs unfused and gives the same model."""
+    import phantom.store as store_mod
+    from phantom.convert import write_synthetic
+    from phantom.layers import fuse_adjacent
+
+    fused = {"attention.wqkv", "feed_forward.w13"}
+    def block0_views(path):
+        s = phantom.BlockStore(path)
+        buf = torch.empty(s.block_nbytes, dtype=torch.uint8)
+        s.read_block_into(0, buf)
+        return s.block_views(buf)
+
+    assert fused <= fuse_adjacent(block0_views(small_store)).keys()
+    monkeypatch.setattr(store_mod, "_GROUP_RANK", {})  # the order stores were written in before fusion
+    old = write_synthetic(tmp_path / "old", SMALL, torch.float32, seed=1, progress=False)
+    monkeypatch.undo()
+    assert not fused & fuse_adjacent(block0_views(old)).keys()
+
+    calls = []
+    def spy(model):
+        for block in model.layers:
+            block.attention.register_forward_pre_hook(lambda m, a: calls.append(m.wqkv is not None))
+    for offload in ("none", "disk"):
+        calls.clear()
+        logits, loss, grads = run(small_store, offload, prepare=spy)
+        assert calls and all(calls), offload
+        calls.clear()
+        old_logits, old_loss, old_grads = run(old, offload, prepare=spy)
+        assert calls and not any(calls), offload
+        assert max_rel_err(logits, old_logits) <= TOL and max_rel_err(loss, old_loss) <= TOL
+        for name in grads:
+            assert max_rel_err(grads[name], old_grads[name]) <= TOL, name

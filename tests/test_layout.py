@@ -1,0 +1,91 @@
+"""Module boundaries as a rule the suite checks, not prose that drifts.
+
+Data flows one way: checkpoint files -> converter -> block store -> scheduler -> model (executor) ->
+trainer -> adapter/checkpoint files. Each module has a rank; it may import phantom modules of lower
+rank only (so no cycles, and the pure parts never reach for I/O or threads). README's Layout table
+must list every module with exactly the phantom modules it imports.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RANK = {
+    # pure foundations: shapes, knobs, fault points, tokenizers
+    "faults": 0, "config": 0, "placement": 0, "tokenizer": 0,
+    "fileio": 1, "layers": 1, "costmodel": 1,
+    "store": 2,
+    "lora": 3, "optim": 3, "scheduler": 3, "convert": 3, "data": 3, "dist": 3,
+    "model": 4, "export": 4,
+    "generate": 5, "tune": 5,
+    "train": 6, "cli": 6,
+    "__init__": 7,
+}
+
+
+def phantom_imports(source: str) -> set[str]:
+    """The phantom modules a module's source imports (anywhere in it, functions included)."""
+    deps = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "phantom":
+            parts = node.module.split(".")
+            deps |= {a.name for a in node.names} if len(parts) == 1 else {parts[1]}
+        elif isinstance(node, ast.Import):
+            deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("phantom.")}
+    return deps
+
+
+def violations(module: str, source: str) -> list[str]:
+    if module not in RANK:
+        return [f"phantom/{module}.py has no rank in tests/test_layout.py: give it one"]
+    return [f"phantom/{module}.py (rank {RANK[module]}) imports {dep} (rank {RANK.get(dep)})"
+            for dep in sorted(phantom_imports(source)) if dep != module and RANK.get(dep, 99) >= RANK[module]]
+
+
+def modules() -> dict[str, str]:
+    return {p.stem: p.read_text() for p in sorted((ROOT / "phantom").glob("*.py"))}
+
+
+def test_modules_import_only_lower_ranks():
+    bad = [v for name, src in modules().items() for v in violations(name, src)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_rule_catches_a_forbidden_import():
+    """Shown once, kept: the store reaching up into the model is flagged, as is a relative-style alias."""
+    src = modules()["store"]
+    assert violations("store", src) == []
+    assert violations("store", src + "\nfrom phantom.model import PhantomModel\n")
+    assert violations("store", src + "\ndef f():\n    import phantom.scheduler\n")
+    assert violations("layers", "from phantom import store\n")
+
+
+def test_phantom_never_imports_scripts_or_tests():
+    for name, src in modules().items():
+        for node in ast.walk(ast.parse(src)):
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(m.split(".")[0] in ("scripts", "tests", "conftest") for m in mods), name
+
+
+def test_readme_layout_table_matches_the_code():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Layout", 1)[1]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| `phantom/(\w+)\.py` \|[^|]*\| ([^|]*) \|", line)
+        if m:
+            rows[m.group(1)] = {d.strip() for d in m.group(2).split(",") if d.strip() not in ("", "—")}
+    code = {name: phantom_imports(src) - {name} for name, src in modules().items() if name != "__init__"}
+    assert rows.keys() == code.keys(), f"README lists {sorted(rows)}; phantom has {sorted(code)}"
+    wrong = {name: (sorted(rows[name]), sorted(code[name])) for name in code if rows[name] != code[name]}
+    assert not wrong, f"README's imports column differs from the code (README, code): {wrong}"
+
+
+@pytest.mark.parametrize("name", sorted(RANK))
+def test_every_ranked_module_exists(name):
+    assert (ROOT / "phantom" / f"{name}.py").is_file(), f"RANK lists {name}, which is gone: remove it"

@@ -41,7 +41,7 @@ MODES = {  # name -> load arguments
     "resident": dict(offload="none"),
     "ram": dict(offload="ram"),
     "disk": dict(offload="disk"),
-    "naive": dict(offload="disk", prefetch=0),
+    "naive": dict(offload="disk", prefetch=0, recompute="all"),  # slowllama's schedule: sync loads, rerun forward
     "auto": dict(offload="auto"),  # tiers by budget: --device-budget / --ram-budget
     "h2d": dict(),  # CUDA: the pinned host-to-device copy peak, one block at a time
     "matmul": dict(),  # the measured matmul rate at the block's shapes (for the FLOP floor)
@@ -63,7 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--prefetch", default="2", help="comma list of prefetch depths K for ram/disk (a sweep)")
     p.add_argument("--tuned", action="store_true", help="measure a tuning profile, run the tuner's choice too and "
                                                          "print each row's predicted step time")
-    p.add_argument("--recompute", default="all", help="comma list of recompute policies to run (all, none, auto)")
+    p.add_argument("--recompute", default="auto", help="comma list of recompute policies to run (auto, the API's "
+                                                         "default; all; none)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary of the synthetic model")
+    p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (q and v, as PEFT's default targets)")
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--cold", action="store_true", help="evict block files from the page cache after each read")
@@ -77,7 +80,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def hf_peft_model(store: BlockStore):
+def hf_peft_model(store: BlockStore, rank: int = 8):
     """A resident transformers LlamaForCausalLM with peft's LoRA on q and v, same shapes and dtype."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -87,12 +90,12 @@ def hf_peft_model(store: BlockStore):
                      max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
                      attn_implementation="sdpa")
     model = LlamaForCausalLM(hf).to(store.dtype)
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
 
 
 def hf_worker(args) -> dict:
     store = BlockStore(args.store)
-    model = hf_peft_model(store)
+    model = hf_peft_model(store, args.lora_rank)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     tokens = torch.randint(0, store.cfg.vocab_size, (args.batch_size, args.seq_len),
                            generator=torch.Generator().manual_seed(0))
@@ -172,10 +175,10 @@ def worker(args) -> dict:
     kw.setdefault("prefetch", int(prefetch) if prefetch != "-" else 0)
     store = BlockStore(args.store, drop_cache=args.cold)
     placement, activations = split_knobs(
-        dict(kw, recompute=recompute, micro_batch=int(micro) if micro != "-" else None, compile=args.compile),
+        dict({"recompute": recompute, **kw}, micro_batch=int(micro) if micro != "-" else None, compile=args.compile),
         phantom.Placement(), phantom.Activations())
     model = phantom.PhantomModel(store, phantom.resolve_device(args.device), store.dtype, placement, activations,
-                                 lora=phantom.LoraConfig(rank=8))
+                                 lora=phantom.LoraConfig(rank=args.lora_rank))
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
@@ -212,6 +215,7 @@ def worker(args) -> dict:
 def run_worker(spec: str, argv, args) -> tuple:
     """One configuration (mode:recompute:micro:prefetch) in its own process; (mode, rc, micro, K, result)."""
     mode, recompute, micro, k = spec.split(":")
+    recompute = MODES.get(mode, {}).get("recompute", recompute)  # naive always reruns the forward
     cmd = [sys.executable, __file__, "--worker", spec] + \
           [a for a in (argv if argv is not None else sys.argv[1:]) if a] + ["--store", args.store]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -265,7 +269,7 @@ def main(argv=None):
                 cfg = phantom.preset(args.preset, n_layers=args.layers)
             else:
                 cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                                  vocab_size=32000, max_seq_len=max(args.seq_len, 256))
+                                  vocab_size=args.vocab, max_seq_len=max(args.seq_len, 256))
             args.store = str(write_synthetic(Path(tmp) / "bench", cfg, phantom.store.parse_dtype(args.dtype)))
         store = BlockStore(args.store)
         block_mb = store.block_nbytes / 2**20
@@ -284,7 +288,7 @@ def main(argv=None):
                         except ImportError:
                             print("hf-peft: transformers/peft not installed, skipped")
                             continue
-                    if mode in ("resident", "hf-peft", "h2d", "matmul") and (recompute != policies[0]):
+                    if mode in ("resident", "hf-peft", "h2d", "matmul", "naive") and recompute != policies[0]:
                         continue  # resident has no recompute policy: one row is enough
                     for k in (args.prefetch.split(",") if mode in ("ram", "disk", "auto") else ["-"]):
                         rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args))

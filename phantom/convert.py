@@ -6,10 +6,12 @@ Imports config, layers (the HF q/k permutation), store, tokenizer.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import logging
 import math
 import mmap
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from tqdm import tqdm
 from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_hf_config,
                             from_meta_params, head_tensor_shapes, preset)
 from phantom.layers import permute_from_hf
-from phantom.store import StoreWriter, block_file, read_header, safe_join
+from phantom.store import BlockStore, StoreError, StoreWriter, block_file, read_header, safe_join
 from phantom.tokenizer import train_tiny_tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,11 @@ HF_NAMES = {("{}" in hf, name): hf for hf, name in HF_KEYS.items()}  # (in a blo
 HF_PERMUTED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "kv_heads"}  # rows in HF's RoPE layout
 
 PARTS = ("embed", "head")  # besides the blocks 0..n_layers-1
+
+# The tokenizer's files in a Hugging Face folder. The store keeps every one it finds (checksummed in the
+# manifest's "tokenizer_files"), so an export hands the ecosystem the files the model came with.
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
 
 
 def part_shapes(cfg: ModelConfig, part: str | int) -> dict[str, tuple[int, ...]]:
@@ -112,6 +119,7 @@ class MetaCheckpoint:
         self.dtype = emb.dtype
         self.tokenizer = next((p for p in (src / "tokenizer.model", src.parent / "tokenizer.model") if p.is_file()),
                               None)
+        self.tokenizer_files = [self.tokenizer] if self.tokenizer else []
 
     def _load(self, f: Path) -> dict:
         try:
@@ -203,6 +211,7 @@ class HFCheckpoint:
                 self.index[(part, name)] = (path, spec, start)
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
         self.tokenizer = next((p for p in (src / "tokenizer.model", src / "tokenizer.json") if p.is_file()), None)
+        self.tokenizer_files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
 
     @staticmethod
     def _weight_map(src: Path) -> dict[str, str]:
@@ -316,9 +325,54 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
             linked += _write_part(w, ckpt, part, link and ckpt.format == "hf")
         if ckpt.tokenizer is not None:
             w.add_tokenizer(ckpt.tokenizer)
-        path = w.finish({"source": ckpt.format})
+        path = w.finish({"source": ckpt.format, "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files)})
     return {"out": path, "format": ckpt.format, "config": cfg, "dtype": dtype, "disk_bytes": disk_usage(path),
             "linked_bytes": linked}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def keep_tokenizer_files(w: StoreWriter, files: list[Path]) -> dict[str, dict]:
+    """Copy the tokenizer's files into the store being written; {name: {"size", "sha256"}} for its manifest."""
+    kept = {}
+    for src in files:
+        dst = w.tmp / src.name
+        if not dst.exists():  # the main tokenizer file is already there (add_tokenizer)
+            dst.write_bytes(src.read_bytes())
+            with open(dst, "rb") as f:
+                os.fsync(f.fileno())
+        kept[src.name] = {"size": dst.stat().st_size, "sha256": _sha256(dst)}
+    return kept
+
+
+def tokenizer_files(store: BlockStore) -> dict[str, Path]:
+    """{name: path} of the store's tokenizer files, each checked against the manifest's size and sha256.
+
+    Stores written before the manifest listed them give their one tokenizer file, unchecked.
+
+    Raises:
+        StoreError: a listed file that is missing, changed, or not a tokenizer file name (no escaping the folder).
+    """
+    listed = store.manifest.get("tokenizer_files")
+    if listed is None:
+        return {store.tokenizer_path.name: store.tokenizer_path} if store.tokenizer_path else {}
+    out = {}
+    for name, info in listed.items():
+        if name not in TOKENIZER_FILES:
+            raise StoreError(f"{store.path}: manifest lists {name!r} as a tokenizer file; expected one of "
+                             f"{', '.join(TOKENIZER_FILES)}")
+        path = safe_join(store.path, name)
+        if not path.is_file() or path.stat().st_size != info.get("size") or _sha256(path) != info.get("sha256"):
+            raise StoreError(f"{path}: missing or changed since the store was written (checksum differs); "
+                             f"prepare the store again")
+        out[name] = path
+    return out
 
 
 def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std: float,
@@ -353,7 +407,8 @@ def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bflo
         w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, 0.02, dtype))
         if tokenizer is not None:
             w.add_tokenizer(tokenizer)
-        return w.finish({"source": "synthetic", "seed": seed})
+        kept = keep_tokenizer_files(w, [w.tmp / w.tokenizer] if tokenizer is not None else [])
+        return w.finish({"source": "synthetic", "seed": seed, "tokenizer_files": kept})
 
 
 def ensure_tiny(out: Path) -> Path:

@@ -1,11 +1,14 @@
 """Stores out to checkpoints: base weights plus a LoRA adapter merged, written in Hugging Face's or Meta's format.
 
-Streamed: one part (embed, each block, head) is in memory at a time, whichever the format.
-Imports config, layers, lora, store, convert.
+Streamed: one part (embed, each block, head) is in memory at a time, whichever the format. The tokenizer
+travels with the weights: an HF folder gets the store's tokenizer files plus, where the store lacks them, a
+tokenizer_config.json and generation_config.json derived from the tokenizer, so `AutoTokenizer` and
+`pipeline("text-generation")` load it as it is. Imports config, layers, lora, store, convert, tokenizer.
 """
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -18,10 +21,13 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from phantom.config import ModelConfig
-from phantom.convert import HF_NAMES, HF_PERMUTED, part_shapes, release_pages
+from phantom.convert import HF_NAMES, HF_PERMUTED, part_shapes, release_pages, tokenizer_files
 from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
 from phantom.lora import TARGETS, apply_lora, load_adapter, lora_modules, read_adapter_config
-from phantom.store import BlockStore, fsync_dir, write_safetensors
+from phantom.store import BlockStore, atomic_write_bytes, fsync_dir, write_safetensors
+from phantom.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("hf", "meta")
 HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -98,6 +104,52 @@ def write_hf(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The tokenizer, for Hugging Face loaders
+
+def derived_tokenizer_config(tok: Tokenizer, cfg: ModelConfig) -> dict:
+    """tokenizer_config.json for a store that came without one: the class that reads its file, its specials.
+
+    A sentencepiece model is read by transformers' LlamaTokenizer, which assumes Llama's sentencepiece
+    settings (no normalization, whitespace kept, byte fallback); a model trained otherwise (phantom's tiny
+    tokenizer collapses runs of spaces) encodes the same ordinary text, but not every text: logged.
+    """
+    c = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "model_max_length": cfg.max_seq_len,
+         "add_bos_token": True, "add_eos_token": False}
+    if tok.kind == "sentencepiece":
+        probe = "Tabs\tand  two spaces,\nnew lines: é."
+        if tok.decode(tok.encode(probe, bos=False)) != probe:
+            log.warning("%s normalizes text (whitespace or unknown characters); transformers' LlamaTokenizer "
+                        "assumes it does not, so it may encode such text differently", tok.path)
+        return {"tokenizer_class": "LlamaTokenizer", **c, "unk_token": tok.unk_token}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", **c}
+
+
+def hf_tokenizer_files(store: BlockStore) -> dict[str, bytes]:
+    """name -> bytes: the store's tokenizer files (checked), plus the two configs derived where it has none."""
+    files = {name: path.read_bytes() for name, path in tokenizer_files(store).items()}
+    if store.tokenizer_path is None:
+        return files
+    tok = Tokenizer(store.tokenizer_path)
+    if "tokenizer_config.json" not in files:
+        files["tokenizer_config.json"] = json.dumps(derived_tokenizer_config(tok, store.cfg), indent=2).encode()
+    if "generation_config.json" not in files:
+        gen = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+        files["generation_config.json"] = json.dumps(gen, indent=2).encode()
+    return files
+
+
+def write_tokenizer_files(store: BlockStore, folder: Path) -> list[str]:
+    """Write what `hf_tokenizer_files` gives into folder (each file atomically); the names written.
+
+    An adapter folder gets them too, so PeftModel + AutoTokenizer load from one place.
+    """
+    files = hf_tokenizer_files(store)
+    for name, data in files.items():
+        atomic_write_bytes(Path(folder) / name, data)
+    return sorted(files)
+
+
+# ---------------------------------------------------------------------------------------------
 # Meta: params.json + consolidated.00.pth (one shard: model parallelism of 1)
 
 def meta_params(cfg: ModelConfig) -> dict:
@@ -168,8 +220,11 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
     try:
         parts = merged_parts(store, Path(adapter) if adapter else None, dtype, progress)
         (write_hf if fmt == "hf" else write_meta)(tmp, store.cfg, parts, dtype)
-        if store.tokenizer_path is not None:
-            shutil.copyfile(store.tokenizer_path, tmp / store.tokenizer_path.name)
+        if fmt == "hf":
+            write_tokenizer_files(store, tmp)
+        elif store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone
+            main = store.tokenizer_path.name
+            atomic_write_bytes(tmp / main, tokenizer_files(store)[main].read_bytes())
         fsync_dir(tmp)
         if out.exists():
             shutil.rmtree(out)

@@ -76,6 +76,7 @@ class Tokenizer:
             self.vocab_size = self._sp.vocab_size()
             self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
             self.bos_token, self.eos_token = self._sp.id_to_piece(self.bos_id), self._sp.id_to_piece(self.eos_id)
+            self.unk_token = self._sp.id_to_piece(self._sp.unk_id())
         self.fingerprint = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
 
     def _open_hf(self) -> None:

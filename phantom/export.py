@@ -118,7 +118,7 @@ def derived_tokenizer_config(tok: Tokenizer, cfg: ModelConfig) -> dict:
     if tok.kind == "sentencepiece":
         probe = "Tabs\tand  two spaces,\nnew lines: é."
         if tok.decode(tok.encode(probe, bos=False)) != probe:
-            log.warning("%s normalizes text (whitespace or unknown characters); transformers' LlamaTokenizer "
+            log.info("%s normalizes text (whitespace or unknown characters); transformers' LlamaTokenizer "
                         "assumes it does not, so it may encode such text differently", tok.path)
         return {"tokenizer_class": "LlamaTokenizer", **c, "unk_token": tok.unk_token}
     return {"tokenizer_class": "PreTrainedTokenizerFast", **c}

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from phantom import data as D
 from phantom import dist as pdist
 from phantom import faults
+from phantom.export import write_tokenizer_files
 from phantom.generate import generate
 from phantom.store import atomic_write_bytes, atomic_write_json, fsync_dir, link_tree, write_safetensors
 
@@ -494,6 +495,7 @@ def finish(out: Path, model, cfg: TrainConfig, status: str, step: int, loss: flo
                   "(or check the data) and --resume", loss, step, find_checkpoint(out) or "none")
     elif getattr(model, "lora_cfg", None) is not None:
         adapter = model.save_adapter(out / "adapter")
+        write_tokenizer_files(model.store, adapter)  # PeftModel + AutoTokenizer load from this one folder
     elif getattr(model, "full", False) and model.scheduler is not None:
         model.save_full()
         weights = model.store.path

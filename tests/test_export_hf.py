@@ -159,3 +159,21 @@ def test_meta_export_carries_tokenizer_model_and_a_changed_file_is_refused(merge
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "changed" in err[0]
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))  # nothing half-written
+
+
+def test_finetune_adapter_folder_carries_the_tokenizer(merged, tmp_path):
+    """finetune.py's adapter/ holds the tokenizer files, so PeftModel + AutoTokenizer load from that one folder."""
+    peft = need("peft")
+    store, _, _ = merged
+    assert load_script("finetune").main(["--model", str(store), "--data", str(TINY_TEXT), "--iters", "2",
+                                         "--seq-len", "32", "--batch-size", "2", "--out", str(tmp_path / "run"),
+                                         "--device", "cpu", "--quiet"]) == 0
+    adapter = tmp_path / "run" / "adapter"
+    ours = Tokenizer(BlockStore(store).tokenizer_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(adapter)
+    assert [theirs(t)["input_ids"] for t in TEXTS] == [ours.encode(t, bos=True) for t in TEXTS]
+    assert load_script("merge_lora").main(["--model", str(store), "--out", str(tmp_path / "base"), "--quiet"]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(**theirs(PROMPT, return_tensors="pt")).logits).all()

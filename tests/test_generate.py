@@ -61,3 +61,31 @@ def test_generate_cli(tmp_path, capsys):
     assert main(["--model", str(bare), "--prompt", "hi", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "tokenizer" in err[0]
+
+
+def test_temperature_top_k_and_seed_shape_the_samples():
+    """sample() on fixed logits, many draws: the frequencies follow softmax(logits / T) over the top k."""
+    from phantom.generate import sample
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(4000, -1)
+
+    def freqs(temperature, top_k, seed=0):
+        ids = sample(logits, temperature, top_k, torch.Generator().manual_seed(seed))
+        return torch.bincount(ids, minlength=6).float() / len(ids)
+
+    for t in (0.5, 1.0, 2.0):
+        expected = torch.softmax(logits[0] / t, -1)
+        assert (freqs(t, None) - expected).abs().max() < 0.03, t  # 4000 draws: a few sigma of 0.008
+    assert freqs(0.5, None)[0] > freqs(2.0, None)[0] + 0.2  # colder is peakier
+    top3 = freqs(1.0, 3)
+    assert top3[3:].sum() == 0 and (top3[:3] - torch.softmax(logits[0, :3], -1)).abs().max() < 0.03
+    assert freqs(1.0, 1)[0] == 1 and freqs(0, None)[0] == 1  # top-1 and temperature 0 are the argmax
+    a, b = (sample(logits[:50], 1.0, None, torch.Generator().manual_seed(s)) for s in (1, 2))
+    assert not torch.equal(a, b)  # another seed, other draws
+
+
+def test_eos_stops_generation(small_store):
+    with phantom.load(small_store, offload="none", lora=None) as model:
+        greedy = list(generate(model, PROMPT, 8, temperature=0))
+        eos = greedy[2]
+        stopped = list(generate(model, PROMPT, 8, temperature=0, eos_id=eos))
+    assert stopped == greedy[:greedy.index(eos) + 1]  # the EOS token is the last one yielded

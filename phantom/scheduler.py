@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from phantom import faults
 from phantom.placement import Placement, assign_tiers
+from phantom.placement import ram_budget as default_ram_budget
 from phantom.store import DATA_ALIGN, BlockStore, packed_empty
 
 log = logging.getLogger(__name__)
@@ -176,8 +177,14 @@ class BlockScheduler:
         cpu = self.device.type == "cpu"
         self._zero_copy = cpu and self.dtype == store.dtype and zero_copy is not False
         nbytes = store.block_nbytes
-        self.tiers = assign_tiers(self.n_blocks, nbytes * max(1, self.dtype.itemsize // store.dtype.itemsize),
-                                  placement, free_device_bytes(self.device), free_host_bytes(), zero_copy=cpu)
+        tier_bytes, free_host = nbytes * max(1, self.dtype.itemsize // store.dtype.itemsize), free_host_bytes()
+        self.tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device_bytes(self.device), free_host,
+                                  zero_copy=cpu)
+        ram_cap = placement.ram_budget if placement.ram_budget is not None else default_ram_budget(free_host)
+        if placement.offload == "auto" and "disk" in self.tiers and ram_cap is not None and ram_cap < tier_bytes:
+            log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "
+                        "off the device are read from disk at each use; give --ram-budget at least %.0fM for one",
+                        ram_cap / 2**20, tier_bytes / 2**20, self.tiers.count("disk"), -(-tier_bytes // 2**20))
         if cpu and not self._zero_copy:  # no device tier on a CPU; RAM blocks go through slots
             self.tiers = tuple("ram" if t == "device" else t for t in self.tiers)
         self.offload = placement.offload if placement.offload != "auto" else \
@@ -185,6 +192,7 @@ class BlockScheduler:
         self.resident = self.tiers.count("device")
         self.tracer = Tracer(trace)
         self.metrics = Metrics()
+        self._cv = threading.Condition()  # guards slots, the plan and the metrics' counters
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pin = self._cuda
@@ -227,7 +235,6 @@ class BlockScheduler:
 
         self._plan: list[int] = []
         self._pos = 0  # index into the plan of the next acquire
-        self._cv = threading.Condition()
         self._closed = False
         self._load_error: BaseException | None = None  # a failed load stops all loading (see acquire)
         n_loaders = 0 if not self.slots else min(len(self.slots), 3) if "disk" in self.tiers else 1
@@ -462,8 +469,9 @@ class BlockScheduler:
         t0 = time.perf_counter()
         check = self.store.read_block_into(block, into, defer_verify=defer_verify)
         t1 = time.perf_counter()
-        self.metrics.read_s += t1 - t0
-        self.metrics.bytes_read += into.numel()
+        with self._cv:  # several loader threads count into one step's metrics: no lost update
+            self.metrics.read_s += t1 - t0
+            self.metrics.bytes_read += into.numel()
         self.tracer.span("read", f"read {block}", t0, t1, bytes=into.numel())
         return check
 
@@ -476,7 +484,8 @@ class BlockScheduler:
         check = None
         if self._ram[block] is not None:
             src = self._ram[block]
-            self.metrics.bytes_ram += src.numel()
+            with self._cv:
+                self.metrics.bytes_ram += src.numel()
         elif self.device.type == "cpu":
             src = slot.buf  # disk tier on a CPU: read straight into the slot
             check = self._read(block, src, defer_verify=True)
@@ -510,12 +519,13 @@ class BlockScheduler:
             if self.device.type == "mps":
                 torch.mps.synchronize()
         t1 = time.perf_counter()
-        if src is not slot.buf:
-            if not self._cuda:
+        with self._cv:
+            if src is not slot.buf and not self._cuda:
                 self.metrics.copy_s += t1 - t0
                 self.metrics.bytes_h2d += slot.buf.numel()
+            self.metrics.loads += 1
+        if src is not slot.buf:
             self.tracer.span("copy", f"copy {block}", t0, t1, bytes=slot.buf.numel())
-        self.metrics.loads += 1
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf)
 
     def _convert(self, slot: Slot) -> None:

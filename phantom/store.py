@@ -263,6 +263,18 @@ def _pread_exact(fd: int, mv: memoryview, offset: int, path: Path) -> None:
         got += n
 
 
+def _read_jobs(jobs: list[tuple[int, int, int]], mv: memoryview, offset: int, path: Path) -> None:
+    """Run (fd, start, end) reads into mv, in parallel; every read has ended before an error is raised,
+    so a caller may reuse (or re-read into) the buffer at once."""
+    if len(jobs) == 1:
+        fd, a, b = jobs[0]
+        return _pread_exact(fd, mv[a:b], offset + a, path)
+    futures = [_pool().submit(_pread_exact, f, mv[a:b], offset + a, path) for f, a, b in jobs]
+    errors = [fut.exception() for fut in futures]
+    if err := next((e for e in errors if e is not None), None):
+        raise err
+
+
 def readinto_exact(path: Path, offset: int, buf: torch.Tensor, drop_cache: bool = False,
                    direct: bool = True) -> None:
     """Read len(buf) bytes at offset into a contiguous CPU uint8 tensor, several requests in flight.
@@ -284,12 +296,14 @@ def readinto_exact(path: Path, offset: int, buf: torch.Tensor, drop_cache: bool 
     try:
         jobs = [(dfd, a, min(a + READ_CHUNK, aligned)) for a in range(0, aligned, READ_CHUNK)]
         jobs += [(fd, a, min(a + READ_CHUNK, n)) for a in range(aligned, n, READ_CHUNK)]
-        if len(jobs) == 1:
-            _pread_exact(jobs[0][0], mv[jobs[0][1]:jobs[0][2]], offset + jobs[0][1], path)
-        else:
-            futures = [_pool().submit(_pread_exact, f, mv[a:b], offset + a, path) for f, a, b in jobs]
-            for fut in futures:
-                fut.result()
+        try:
+            _read_jobs(jobs, mv, offset, path)
+        except OSError as e:  # open accepted O_DIRECT but reads refuse it (some FUSE, network filesystems)
+            if dfd is None or e.errno != errno.EINVAL:
+                raise
+            log.info("%s: O_DIRECT reads refused (%s); reading through the page cache", path, e)
+            _direct_ok[os.fstat(dfd).st_dev] = False
+            _read_jobs([(fd, a, min(a + READ_CHUNK, n)) for a in range(0, n, READ_CHUNK)], mv, offset, path)
         if drop_cache and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:

@@ -315,9 +315,10 @@ def main(argv=None):
         streamed = profile is not None and mode not in ("resident", "hf-peft", "h2d", "matmul", "auto")
         pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if streamed else "-"
         floor = "-"
-        if rate and mode not in ("h2d", "matmul", "hf-peft"):  # max(link time, matmul time): the step's floor
+        if rate and mode not in ("h2d", "matmul"):  # max(link time, needed matmul time): the step's floor
+            # the FLOPs a LoRA step needs (no recomputed forward: rerunning it is overhead, not floor)
             f = max(r.get("h2d_per_step", 0) / peak if peak else 0.0,
-                    step_flops(cfg, args.batch_size, args.seq_len, "none" if mode == "resident" else rc) / rate)
+                    step_flops(cfg, args.batch_size, args.seq_len, "none") / rate)
             floor = f"{f:.3f} | {r['step_s'] / f:.2f}x"
         else:
             floor = "- | -"

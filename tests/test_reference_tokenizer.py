@@ -30,7 +30,7 @@ tiktoken = need("tiktoken")
 transformers = need("transformers")
 
 TEXTS = ["The lighthouse keeper climbed the stairs.", "  two  spaces, tabs\tand\nnew lines\n\n",
-         "Numbers 12345 and 3.14; unicode: café, naïve, 東京 🚀", "it's they'll WE'RE", "<|end_of_text|> as text"]
+         "Numbers 12345 and 3.14; unicode: café, naïve, 東京 🚀", "it's they'll WE'RE", "3486784401, 1234567 and 59049177147", "<|end_of_text|> as text"]
 
 # Meta's llama-models (models/llama3/tokenizer.py): the split pattern, and special tokens numbered after the
 # BPE ranks in this order, 256 in all. Written out here, not imported from phantom.
@@ -46,7 +46,8 @@ META_SPECIAL += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(
 def tiktoken_file(tmp_path_factory):
     """A Llama-3-format tokenizer.model: byte-level BPE ranks trained on the shipped text, in tiktoken's file format."""
     from tiktoken._educational import bpe_train
-    ranks = bpe_train(TINY_TEXT.read_text(), 400, META_PATTERN, visualise=None)
+    digits = " ".join(str(3 ** k) for k in range(60))  # long numbers, so digit merges exist and the 1-3 split matters
+    ranks = bpe_train(TINY_TEXT.read_text() + digits, 400, META_PATTERN, visualise=None)
     path = tmp_path_factory.mktemp("llama3") / "tokenizer.model"
     path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda x: x[1])))
     return path, ranks

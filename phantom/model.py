@@ -1,17 +1,15 @@
-"""`PhantomModel`: a Llama whose blocks are streamed through the scheduler, trained with plain autograd.
+"""`PhantomModel`: a Llama (embedding, blocks, final norm, head) whose blocks may live off the device.
 
-Each streamed block is one autograd Function: its forward runs without a graph and keeps only the
-block's input; its backward acquires the block again, recomputes it with the RNG state and autocast
-of the forward, and returns the input and LoRA gradients. The head and loss are one chunked
-Function that never holds the (B, T, vocab) logits. `offload="none"` is the same model resident on
-the device with ordinary autograd: the reference. Imports config, layers, lora, store, scheduler.
+With `offload="none"` it is an ordinary resident model trained by plain autograd: the reference.
+Otherwise its blocks hold meta placeholders and a BlockExecutor (phantom.executor) runs them on
+weights streamed by a BlockScheduler; full finetuning hands each block's gradients to the block
+optimizer as soon as the executor has them. The head and loss are one chunked Function that never
+holds the (B, T, vocab) logits.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -19,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from phantom.config import ModelConfig
+from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
 from phantom.layers import TransformerBlock, fuse_adjacent, rms_norm, rope_table, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, clip_coefficient
@@ -30,137 +29,6 @@ log = logging.getLogger(__name__)
 
 MODES = ("lora", "full")
 IGNORE_INDEX = -100
-
-
-class RngState:
-    """CPU (and CUDA) RNG state at a block's forward, replayed in its recompute so dropout matches."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    @contextlib.contextmanager
-    def replay(self):
-        devices = [self.device] if self.cuda is not None else []
-        with torch.random.fork_rng(devices=devices, device_type="cuda"):
-            torch.set_rng_state(self.cpu)
-            if self.cuda is not None:
-                torch.cuda.set_rng_state(self.cuda, self.device)
-            yield
-
-
-class WeightHandles:
-    """saved_tensors_hooks that keep activations but not weights.
-
-    A tensor autograd saves that lives in the block's weight buffer (a weight, or a view of one) is
-    packed as a handle (offset, shape, stride) into that buffer; in backward the block is acquired
-    again and the handle is rebuilt on whatever slot now holds it. Everything else is kept as is.
-    """
-
-    def __init__(self, weights: dict[str, torch.Tensor]):
-        self.storage_ptr = next(iter(weights.values())).untyped_storage().data_ptr()
-        self.storage = None
-        self.kept_bytes = 0
-        self.weight_handles = 0
-
-    def bind(self, weights: dict[str, torch.Tensor] | None) -> None:
-        self.storage = next(iter(weights.values())).untyped_storage() if weights else None
-
-    def pack(self, t: torch.Tensor):
-        if t.device.type != "meta" and t.untyped_storage().data_ptr() == self.storage_ptr:
-            self.weight_handles += 1
-            return (WeightHandles, t.dtype, t.storage_offset(), t.shape, t.stride())
-        self.kept_bytes += t.numel() * t.element_size()
-        return t
-
-    def unpack(self, packed):
-        if isinstance(packed, tuple) and packed[0] is WeightHandles:
-            _, dtype, offset, shape, stride = packed
-            assert self.storage is not None, "weight handle used outside the block's backward"
-            return torch.empty(0, dtype=dtype, device=self.storage.device).set_(self.storage, offset, shape, stride)
-        return packed
-
-
-class StreamedBlock(torch.autograd.Function):
-    """One transformer block over a streamed weight slot.
-
-    The batch is run in micro-batches of `model.micro_batch` rows while the block is on the device,
-    forward and backward (layer-major accumulation): each block is loaded once per direction per
-    step however many micro-batches the step has.
-
-    Two policies for what lives between forward and backward (`model.keeps(i)`):
-    - recompute: only the block's input; the backward acquires the block again and reruns its
-      forward with the forward's RNG state and autocast (activation checkpointing).
-    - keep: the autograd graph with its activations, but not the weights (see WeightHandles); the
-      backward acquires the block again and only runs the backward: no forward compute twice.
-    """
-
-    @staticmethod
-    def forward(ctx, x, rope, model: "PhantomModel", i: int, *params):
-        ctx.model, ctx.i = model, i
-        ctx.autocast = model.autocast_args()
-        ctx.keep = model.keeps(i)
-        ctx.rng = RngState(x.device) if model.has_dropout and not ctx.keep else None
-        with model.block_weights(i) as weights:
-            if not ctx.keep:
-                out = torch.cat([model.run_block(i, weights, xc, rope) for xc in model.split_batch(x)])
-                ctx.save_for_backward(x, rope, *params)
-                return out
-            ctx.hooks, ctx.graphs = WeightHandles(weights), []
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ctx.hooks.pack, ctx.hooks.unpack):
-                for xc in model.split_batch(x):
-                    xc = xc.detach().requires_grad_(x.requires_grad)
-                    ctx.graphs.append((xc, model.run_block(i, weights, xc, rope)))
-        model.kept_bytes += ctx.hooks.kept_bytes
-        model.kept_blocks += 1
-        model.kept_per_block = max(model.kept_per_block, ctx.hooks.kept_bytes)
-        model.weight_handles += ctx.hooks.weight_handles
-        ctx.save_for_backward(*params)
-        return torch.cat([out.detach() for _, out in ctx.graphs])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        model, needs_x = ctx.model, ctx.needs_input_grad[0]
-        saved = ctx.saved_tensors
-        params = saved if ctx.keep else saved[2:]
-        trained = [p for p in params if p.requires_grad]
-        param_grads = [torch.zeros_like(p) for p in trained]
-        x_grads = []
-        rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
-        # The weights stay acquired until the gradients are computed: autograd reads them.
-        with model.block_weights(ctx.i, trainable=model.full) as weights, rng:
-            weight_grads = {k: torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-                            for k, w in weights.items()} if model.full else {}
-            trained_all = trained + list(weights.values()) if model.full else trained
-            if ctx.keep:
-                ctx.hooks.bind(weights)
-                graphs = ctx.graphs
-            else:
-                x_chunks, rope = model.split_batch(saved[0]), saved[1]
-                graphs = None
-            for k, gc in enumerate(model.split_batch(grad_out)):
-                if graphs is not None:
-                    xc, out = graphs[k]
-                else:
-                    xc = x_chunks[k].detach().requires_grad_(needs_x)
-                    with torch.enable_grad(), torch.autocast(**ctx.autocast):
-                        out = model.run_block(ctx.i, weights, xc, rope)
-                grads = torch.autograd.grad(out, ([xc] if needs_x else []) + trained_all, gc, allow_unused=True)
-                if needs_x:
-                    x_grads.append(grads[0])
-                for acc, g in zip(param_grads + list(weight_grads.values()), grads[1:] if needs_x else grads):
-                    if g is not None:
-                        acc += g
-            if ctx.keep:
-                ctx.hooks.bind(None)
-                ctx.graphs = None
-        if model.full:  # the block's AdamW step runs on the write-back thread while backward goes on
-            synced = model.grad_sync(list(weight_grads.values())) if model.grad_sync else None
-            model.scheduler.writeback.submit(model.update_block, ctx.i, weight_grads, synced, name=f"update {ctx.i}")
-        it = iter(param_grads)
-        gparams = [next(it) if p.requires_grad else None for p in params]
-        return (torch.cat(x_grads) if needs_x else None, None, None, None, *gparams)
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -268,31 +136,8 @@ class PhantomModel(nn.Module):
         # pipeline (never on the compute thread); AMP runs use the stored weights as they are.
         self.weight_dtype = torch.float32 if not self.amp else store.dtype
         self.micro_batch = activations.micro_batch
-        self.recompute = activations.recompute
-        self.keep_budget = activations.keep_budget if activations.keep_budget is not None else \
-            default_keep_budget(self.device)
-        self.kept_bytes = 0  # activations kept by `keep` blocks in the current step
-        self.kept_blocks = 0
-        self.kept_per_block = 0  # the most one block kept (the estimate for "auto")
-        self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
         self.loss_chunk = activations.loss_chunk or default_loss_chunk(self.cfg.vocab_size, self.device)
-
-        self.layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype)
-                                    for _ in range(self.cfg.n_layers))
-        for p in self.layers.parameters():
-            p.requires_grad_(False)
-        if lora is not None:
-            for i, block in enumerate(self.layers):
-                apply_lora(block, lora, i)
-        self.has_dropout = lora is not None and lora.dropout > 0
-        for block in self.layers:
-            block.checkpoint_inner = activations.checkpoint_inner
-            if activations.compile:
-                block.compile()
-        self._compile_checked = not activations.compile
-        for name, p in self.layers.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.to(self.device)  # fp32 master weights on the device
+        self.layers = self._build_layers(activations)
 
         head = store.load_head()
         head_dtype = torch.float32 if self.full else self.weight_dtype  # trained ones keep fp32 masters
@@ -302,37 +147,69 @@ class PhantomModel(nn.Module):
         self.register_buffer("rope", rope_table(self.cfg, self.cfg.max_seq_len, self.device), persistent=False)
 
         self.scheduler: BlockScheduler | None = None
+        self.executor: BlockExecutor | None = None
         self.block_optimizer: BlockAdamW | None = None
         # data parallel, full mode: grads -> a function that waits for their average (phantom.dist)
         self.grad_sync = None
         self.offload = placement.offload
         if placement.offload == "none":
             self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
-            for i, block in enumerate(self.layers):
-                stored = store.load_block(i)
-                weights = packed_empty(stored, self.weight_dtype, self.device)  # the file's layout
-                for k, v in stored.items():
-                    weights[k].copy_(v)
-                if self.full:
-                    weights = {k: v.clone() for k, v in weights.items()}  # trained one by one
-                block.load_state_dict(weights, strict=False, assign=True)  # keeps requires_grad=False
-                for name, p in block.named_parameters():
-                    p.requires_grad_(self.full or "lora_" in name)
-                if not self.full:  # frozen: the same fused projections as the streamed blocks
-                    for name, view in fuse_adjacent(weights).items():
-                        if name not in weights:
-                            owner, _, leaf = name.rpartition(".")
-                            block.get_submodule(owner)._parameters[leaf] = nn.Parameter(view, requires_grad=False)
+            self._load_resident_blocks()
         else:
             self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype)
             self.offload = self.scheduler.offload  # what "auto" resolved to
             self.embed_table = self._place_embed(head_dtype)
+            keep_budget = activations.keep_budget if activations.keep_budget is not None else \
+                default_keep_budget(self.device)
+            self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
+                                          activations.micro_batch, self._on_block_grads if self.full else None)
             if self.full:
                 share = {i: self.cfg.block_params() / self.cfg.n_params() for i in range(self.cfg.n_layers)}
                 tier = "disk" if "disk" in self.scheduler.tiers else "ram"
                 self.block_optimizer = BlockAdamW(optim or AdamWConfig(), share, tier, optim_dir)
         if self.full:
             self.embed_table = nn.Parameter(self.embed_table)
+
+    def _build_layers(self, activations: Activations) -> nn.ModuleList:
+        """The blocks, base weights as meta placeholders (frozen unless full), LoRA applied."""
+        layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype)
+                               for _ in range(self.cfg.n_layers))
+        for p in layers.parameters():
+            p.requires_grad_(False)
+        for i, block in enumerate(layers):
+            if self.lora_cfg is not None:
+                apply_lora(block, self.lora_cfg, i)
+            block.checkpoint_inner = activations.checkpoint_inner
+            if activations.compile:
+                block.compile()
+        for name, p in layers.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(self.device)  # fp32 master weights on the device
+        return layers
+
+    def _load_resident_blocks(self) -> None:
+        """offload="none": every block's weights on the device, in the file's layout (so frozen
+        blocks run the same fused projections as streamed ones); separate tensors when trained."""
+        for block_index, block in enumerate(self.layers):
+            stored = self.store.load_block(block_index)
+            weights = packed_empty(stored, self.weight_dtype, self.device)
+            for k, v in stored.items():
+                weights[k].copy_(v)
+            if self.full:
+                weights = {k: v.clone() for k, v in weights.items()}
+            block.load_state_dict(weights, strict=False, assign=True)  # keeps requires_grad=False
+            for name, p in block.named_parameters():
+                p.requires_grad_(self.full or "lora_" in name)
+            if not self.full:
+                for name, view in fuse_adjacent(weights).items():
+                    if name not in weights:
+                        owner, _, leaf = name.rpartition(".")
+                        block.get_submodule(owner).register_parameter(leaf, nn.Parameter(view, requires_grad=False))
+
+    def _on_block_grads(self, i: int, grads: dict[str, torch.Tensor]) -> None:
+        """Full mode: block i's AdamW step runs on the write-back thread while backward goes on."""
+        synced = self.grad_sync(list(grads.values())) if self.grad_sync else None
+        self.scheduler.writeback.submit(self.update_block, i, grads, synced, name=f"update {i}")
 
     def _place_embed(self, dtype: torch.dtype) -> torch.Tensor:
         """The embedding table for a streamed model: on the device when it fits easily (no token
@@ -445,15 +322,6 @@ class PhantomModel(nn.Module):
 
     # -- pieces --------------------------------------------------------------------------------
 
-    def keeps(self, i: int) -> bool:
-        """Whether block i keeps its activations this step (else it is recomputed in backward)."""
-        if self.recompute != "auto":
-            return self.recompute == "none"
-        return self.kept_bytes + self.kept_per_block <= self.keep_budget
-
-    def split_batch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return x.split(self.micro_batch) if self.micro_batch else (x,)
-
     def autocast_args(self) -> dict:
         return dict(device_type=self.device.type, dtype=self.dtype if self.amp else torch.bfloat16,
                     enabled=self.amp)
@@ -469,75 +337,15 @@ class PhantomModel(nn.Module):
 
     def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,
                start_pos: int = 0) -> torch.Tensor:
-        if self.scheduler is None:
-            for i, block in enumerate(self.layers):
-                h = torch.cat([block(hc, rope, caches[i] if caches else None, start_pos)
-                               for hc in self.split_batch(h)]) if caches is None else block(h, rope, caches[i], start_pos)
-            return h
-        n = self.cfg.n_layers
-        self.kept_bytes = self.kept_blocks = 0
-        lora_params = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
-        training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in lora_params for p in ps))
-        self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []))
-        for i in range(n):
-            if training:
-                h = StreamedBlock.apply(h, rope, self, i, *lora_params[i])
+        if self.executor is not None:
+            trained = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
+            return self.executor(h, rope, trained, caches, start_pos)
+        for i, block in enumerate(self.layers):
+            if caches is not None:
+                h = block(h, rope, caches[i], start_pos)
             else:
-                with self.block_weights(i) as weights:
-                    h = self.run_block(i, weights, h, rope, caches[i] if caches else None, start_pos)
+                h = torch.cat([block(hc, rope) for hc in (h.split(self.micro_batch) if self.micro_batch else (h,))])
         return h
-
-    @contextlib.contextmanager
-    def block_weights(self, i: int, trainable: bool = False):
-        """Block i's streamed weights acquired and bound into self.layers[i] until the `with` ends.
-
-        Binding swaps the meta placeholders for the slot's tensor views (no copy, no new module);
-        autograd may read them until the `with` ends, so backward passes run inside it.
-        """
-        weights = self.scheduler.acquire(i)
-        t0 = time.perf_counter()
-        try:
-            assert next(iter(weights.values())).dtype == self.weight_dtype, "the scheduler converts dtypes"
-            if trainable:  # leaves whose gradients the backward asks for (full finetuning)
-                weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
-            elif not self.full:
-                weights = fuse_adjacent(weights)
-            with bind_weights(self.layers[i], weights):
-                yield weights
-        finally:
-            self.scheduler.tracer.span("compute", f"block {i}", t0, time.perf_counter())  # the time it is held
-            self.scheduler.release(i)
-
-    def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
-                  cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
-        """Block i over x; its base weights are bound by block_weights(i)."""
-        if self._compile_checked:
-            return self.layers[i](x, rope, cache, start_pos)
-        try:  # the first call compiles: fall back to eager if the backend cannot
-            out = self.layers[i](x, rope, cache, start_pos)
-        except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly
-            log.warning("torch.compile failed (%s: %s); running blocks eagerly", type(e).__name__, str(e)[:200])
-            for block in self.layers:
-                block._compiled_call_impl = None
-            out = self.layers[i](x, rope, cache, start_pos)
-        self._compile_checked = True
-        return out
-
-
-@contextlib.contextmanager
-def bind_weights(module: nn.Module, weights: dict[str, torch.Tensor]):
-    """Temporarily make module's parameters named in weights be those tensors (views into a slot)."""
-    saved = []
-    try:
-        for name, t in weights.items():
-            owner, _, leaf = name.rpartition(".")
-            sub = module.get_submodule(owner)
-            saved.append((sub, leaf, sub._parameters[leaf]))
-            sub._parameters[leaf] = t
-        yield
-    finally:
-        for sub, leaf, old in reversed(saved):
-            sub._parameters[leaf] = old
 
 
 def default_loss_chunk(vocab_size: int, device: torch.device) -> int:

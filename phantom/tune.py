@@ -411,7 +411,7 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
     model = PhantomModel(store, device, dtype, P.Placement(offload="disk", prefetch=0),
                          P.Activations(recompute="all", compile=False))
     try:
-        held = model.block_weights(0)  # acquired and bound, as StreamedBlock holds it
+        held = model.executor.block_weights(0)  # acquired and bound, as StreamedBlock holds it
         weights = held.__enter__()
         params = [p for name, p in model.layers[0].named_parameters() if "lora_" in name]
         rope, dim, amp = model.rope[:seq_len], model.cfg.dim, model.autocast_args()
@@ -425,13 +425,13 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
 
             def fwd():
                 with torch.no_grad(), torch.autocast(**amp):
-                    return model.run_block(0, weights, x, rope)
+                    return model.executor.run_block(0, weights, x, rope)
 
             def fwd_grad():
                 xg = x.detach().requires_grad_()
                 with torch.enable_grad(), torch.autocast(**amp), \
                         torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                    graphs.append((xg, model.run_block(0, weights, xg, rope)))
+                    graphs.append((xg, model.executor.run_block(0, weights, xg, rope)))
 
             out = fwd()
             g = torch.randn(out.shape, generator=gen).to(device, out.dtype)

@@ -120,7 +120,7 @@ def test_no_host_sync_in_a_block_forward(stores):
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with model.block_weights(0) as weights:
-                model.run_block(0, weights, h, rope)
+            with model.executor.block_weights(0) as weights:
+                model.executor.run_block(0, weights, h, rope)
         finally:
             torch.cuda.set_sync_debug_mode("default")

@@ -20,10 +20,11 @@ RANK = {
     "fileio": 1, "layers": 1, "costmodel": 1,
     "store": 2,
     "lora": 3, "optim": 3, "scheduler": 3, "convert": 3, "data": 3, "dist": 3,
-    "model": 4, "export": 4,
-    "generate": 5, "tune": 5,
-    "train": 6, "cli": 6,
-    "__init__": 7,
+    "executor": 4, "export": 4,
+    "model": 5,
+    "generate": 6, "tune": 6,
+    "train": 7, "cli": 7,
+    "__init__": 8,
 }
 
 

@@ -148,7 +148,7 @@ def test_keep_policy_matches_recompute_and_reference(small_store, reference, off
     randomize_lora(model)
     tokens, targets = batch(SMALL)
     loss = model(tokens, targets=targets)
-    assert model.weight_handles > 0 and model.kept_bytes > 0
+    assert model.executor.weight_handles > 0 and model.executor.kept_bytes > 0
     if model.scheduler.slots:
         assert all(s.users == 0 for s in model.scheduler.slots)  # no block is held between the passes
     loss.backward()
@@ -173,10 +173,10 @@ def test_auto_policy_keeps_what_fits_the_budget(small_store):
     model = phantom.load(small_store, offload="disk", recompute="auto")
     tokens, targets = batch(SMALL)
     model(tokens, targets=targets).backward()
-    per_block = model.kept_per_block
-    model.keep_budget = 2 * per_block  # room for two blocks
+    per_block = model.executor.kept_per_block
+    model.executor.keep_budget = 2 * per_block  # room for two blocks
     model(tokens, targets=targets).backward()
-    assert model.kept_blocks == 2 and model.kept_bytes <= model.keep_budget
+    assert model.executor.kept_blocks == 2 and model.executor.kept_bytes <= model.executor.keep_budget
     model.close()
 
 

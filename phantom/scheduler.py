@@ -177,16 +177,7 @@ class BlockScheduler:
         cpu = self.device.type == "cpu"
         self._zero_copy = cpu and self.dtype == store.dtype and zero_copy is not False
         nbytes = store.block_nbytes
-        tier_bytes, free_host = nbytes * max(1, self.dtype.itemsize // store.dtype.itemsize), free_host_bytes()
-        self.tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device_bytes(self.device), free_host,
-                                  zero_copy=cpu)
-        ram_cap = placement.ram_budget if placement.ram_budget is not None else default_ram_budget(free_host)
-        if placement.offload == "auto" and "disk" in self.tiers and ram_cap is not None and ram_cap < tier_bytes:
-            log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "
-                        "off the device are read from disk at each use; give --ram-budget at least %.0fM for one",
-                        ram_cap / 2**20, tier_bytes / 2**20, self.tiers.count("disk"), -(-tier_bytes // 2**20))
-        if cpu and not self._zero_copy:  # no device tier on a CPU; RAM blocks go through slots
-            self.tiers = tuple("ram" if t == "device" else t for t in self.tiers)
+        self.tiers = self._choose_tiers(placement, cpu)
         self.offload = placement.offload if placement.offload != "auto" else \
             ("ram" if "disk" not in self.tiers else "disk" if "ram" not in self.tiers else "mixed")
         self.resident = self.tiers.count("device")
@@ -197,40 +188,18 @@ class BlockScheduler:
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pin = self._cuda
         self._stride = -(-nbytes // DATA_ALIGN) * DATA_ALIGN
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="phantom-verify")  # checksums off the read path
+        # Checksums off the read path, two blocks at a time: one sha256 thread (~1.7 GB/s a core) is slower
+        # than a fast drive, and on a busy CPU it falls behind even a slow one (notes/bench-tiers.md).
+        self._verifier = ThreadPoolExecutor(2, thread_name_prefix="phantom-verify")
 
-        # RAM tier: one exact-size (pinned) allocation, every block read once (and verified) here.
-        self._ram: list[torch.Tensor | None] = [None] * self.n_blocks
-        ram_blocks = [i for i, t in enumerate(self.tiers) if t == "ram"]
-        if placement.shared_ram:
-            for i in ram_blocks:
-                self._ram[i] = store.map_block(i)
-        elif ram_blocks:
-            self._ram_buffer = HostBuffer(self._stride * len(ram_blocks), self._pin)
-            for k, i in enumerate(tqdm(ram_blocks, desc="loading blocks to RAM", unit="block", disable=None,
-                                       leave=False)):
-                self._ram[i] = self._ram_buffer.block(k * self._stride, nbytes)
-                store.read_block_into(i, self._ram[i])
-                self.metrics.bytes_read += nbytes
-        self.pinned_bytes = self._stride * len(ram_blocks) if self._pin and not placement.shared_ram else 0
-
+        self._fill_ram_tier(placement.shared_ram)
         # Streaming slots. On CPU with the RAM tier the host buffer is the device buffer: no copy.
         streamed = [i for i, t in enumerate(self.tiers) if t == "disk" or (t == "ram" and not self._zero_copy)]
         self.slots: list[Slot] = [self._new_slot(any(self.tiers[i] == "disk" for i in streamed))
                                   for _ in range(placement.prefetch + 1 if streamed else 0)]
         self.pinned_bytes += sum(s.staging.numel() for s in self.slots if s.staging is not None and self._pin)
 
-        # Device tier: loaded once through a slot's pipeline, then kept in buffers of their own.
-        self._resident_views: dict[int, dict] = {}
-        loader = self._new_slot(True) if "device" in self.tiers else None
-        for i in (i for i, t in enumerate(self.tiers) if t == "device"):
-            self._load(loader, i, None)
-            self._sync_ready(loader)
-            views = loader.views if loader.converted is None else {k: v.clone() for k, v in loader.views.items()}
-            if loader.converted is None:  # the slot's buffer becomes the block's; the slot gets a new one
-                loader.buf = torch.empty_like(loader.buf)
-            self._resident_views[i] = views
-            loader.block, loader.state, loader.views = None, "empty", None
+        self._load_device_tier()
         self.metrics = Metrics()  # loading at start-up is not a step's traffic
 
         self._plan: list[int] = []
@@ -246,6 +215,57 @@ class BlockScheduler:
         log.info("placement: %d blocks on the device, %d in RAM (%.1f GiB pinned), %d read from disk; "
                  "%d slots", self.resident, self.tiers.count("ram"), self.pinned_bytes / 2**30,
                  self.tiers.count("disk"), len(self.slots))
+
+    def _choose_tiers(self, placement: Placement, cpu: bool) -> tuple[str, ...]:
+        """Each block's tier by budget (phantom.placement.assign_tiers), from measured free memory."""
+        tier_bytes = self.store.block_nbytes * max(1, self.dtype.itemsize // self.store.dtype.itemsize)
+        free_host = free_host_bytes()
+        tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device_bytes(self.device), free_host,
+                             zero_copy=cpu)
+        ram_cap = placement.ram_budget if placement.ram_budget is not None else default_ram_budget(free_host)
+        if placement.offload == "auto" and "disk" in tiers and ram_cap is not None and ram_cap < tier_bytes:
+            log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "
+                        "off the device are read from disk at each use; give --ram-budget at least %.0fM for one",
+                        ram_cap / 2**20, tier_bytes / 2**20, tiers.count("disk"), -(-tier_bytes // 2**20))
+        if cpu and not self._zero_copy:  # no device tier on a CPU; RAM blocks go through slots
+            tiers = tuple("ram" if t == "device" else t for t in tiers)
+        return tiers
+
+    def _fill_ram_tier(self, shared: bool) -> None:
+        """RAM tier: one exact-size (pinned on CUDA) allocation, every block read once (and verified)
+        here; or, shared, the block files mapped so local ranks hold one copy."""
+        nbytes = self.store.block_nbytes
+        self._ram: list[torch.Tensor | None] = [None] * self.n_blocks
+        ram_blocks = [i for i, t in enumerate(self.tiers) if t == "ram"]
+        if shared:
+            for i in ram_blocks:
+                self._ram[i] = self.store.map_block(i)
+        elif ram_blocks:
+            self._ram_buffer = HostBuffer(self._stride * len(ram_blocks), self._pin)
+            for k, i in enumerate(tqdm(ram_blocks, desc="loading blocks to RAM", unit="block", disable=None,
+                                       leave=False)):
+                self._ram[i] = self._ram_buffer.block(k * self._stride, nbytes)
+                self.store.read_block_into(i, self._ram[i])
+                self.metrics.bytes_read += nbytes
+        self.pinned_bytes = self._stride * len(ram_blocks) if self._pin and not shared else 0
+
+    def _load_device_tier(self) -> None:
+        """Device tier: each block loaded once through a slot's pipeline, then kept in buffers of its
+        own (in the file's layout, so its projections still fuse)."""
+        self._resident_views: dict[int, dict] = {}
+        loader = self._new_slot(True) if "device" in self.tiers else None
+        for i in (i for i, t in enumerate(self.tiers) if t == "device"):
+            self._load(loader, i, None)
+            self._sync_ready(loader)
+            if loader.converted is None:  # the slot's buffer becomes the block's; the slot gets a new one
+                views = loader.views
+                loader.buf = torch.empty_like(loader.buf)
+            else:
+                views = packed_empty(loader.views, self.dtype, self.device)
+                for k, v in loader.views.items():
+                    views[k].copy_(v)
+            self._resident_views[i] = views
+            loader.block, loader.state, loader.views = None, "empty", None
 
     def _new_slot(self, needs_staging: bool) -> Slot:
         nbytes = self.store.block_nbytes

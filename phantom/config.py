@@ -1,6 +1,6 @@
 """Model architecture: a frozen `ModelConfig` for the Llama family and a table of presets.
 
-Also reads Meta's params.json and Hugging Face's config.json. Imports nothing from phantom.
+Also reads Meta's params.json and Hugging Face's config.json.
 """
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 
 Parameter names follow Meta's checkpoints (attention.wq, feed_forward.w1, ...), and q/k rows are in
 Meta's interleaved RoPE layout. Blocks hold no I/O: the model swaps weights in from outside.
-Imports phantom.config only.
 """
 from __future__ import annotations
 

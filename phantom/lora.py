@@ -2,7 +2,7 @@
 
 PEFT's files describe a Hugging Face Llama, whose q/k rows are permuted relative to Meta's layout
 that phantom keeps; lora_B of q and k is permuted on the way out and back on the way in, so the
-adapter is correct for the HF model that `peft` loads it onto. Imports phantom.config, phantom.layers.
+adapter is correct for the HF model that `peft` loads it onto.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 `Placement` says where the weights live and how they stream; `Activations` says what a block keeps
 between forward and backward and how it runs. These two objects are what the CLI builds (phantom.cli
 turns their fields into flags), what `phantom.load` takes, what the tuner returns and what a
-checkpoint records. Imports nothing from phantom.
+checkpoint records.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ slot's pinned staging buffer -> copy on a dedicated CUDA stream -> an event the 
 on, so neither the host nor the compute waits for a copy it does not need yet. A lower-precision
 store feeding an fp32 run is converted in that pipeline, never on the compute thread. Slots are
 evicted by next use in the plan, so the turn from forward to backward reuses what is still on the
-device (LIFO). A write-back queue carries data the other way. Imports phantom.store, phantom.placement.
+device (LIFO). A write-back queue carries data the other way.
 """
 from __future__ import annotations
 
@@ -69,7 +69,6 @@ class Metrics:
     bytes_read: int = 0  # from disk (the disk tier)
     bytes_ram: int = 0  # served from the RAM tier
     bytes_h2d: int = 0  # host -> device copies
-    bytes_d2h: int = 0  # device -> host (write-back)
     read_s: float = 0.0
     copy_s: float = 0.0  # CPU/MPS: copy time; CUDA: the copy stream's time by events (see copy_events)
     stall_s: float = 0.0  # training thread waiting for a block

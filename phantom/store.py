@@ -2,7 +2,7 @@
 
 A store is written into a temporary folder and renamed into place, every file fsynced, so a crash
 leaves no half-written store. It is read back block by block into reusable flat byte buffers:
-one read per block, tensor views by offset. Imports phantom.config only.
+one read per block, tensor views by offset.
 """
 from __future__ import annotations
 

@@ -166,8 +166,11 @@ def direct_reads(monkeypatch):
 
 
 def test_o_direct_is_used_where_the_filesystem_has_it(store, resident, direct_reads):
-    if phantom.store._open_direct(store / "manifest.json") is None:
+    fd = phantom.store._open_direct(store / "manifest.json")
+    if fd is None:
         pytest.skip("this filesystem refuses O_DIRECT")
+    os.close(fd)
+    direct_reads.clear()
     first, _, _, _ = run(store, budgets(phantom.store.BlockStore(store).block_nbytes, 2, n_ram=3), steps=1)
     assert_same(first, resident)
     assert len(direct_reads) > 1  # the blocks were read with O_DIRECT, not through the page cache
@@ -212,7 +215,7 @@ def test_o_direct_refused_at_read_falls_back_to_buffered_reads(store, resident, 
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no tmpfs at /dev/shm")
-def test_store_on_tmpfs_gives_the_same_result(store, resident, direct_reads, tmp_path_factory):
+def test_store_on_tmpfs_gives_the_same_result(store, resident, direct_reads):
     import shutil
     import tempfile
     shm = Path(tempfile.mkdtemp(prefix="phantom-tiers-", dir="/dev/shm"))

@@ -52,8 +52,10 @@ MODES = {  # name -> load arguments
     "h2d": dict(),  # CUDA: the pinned host-to-device copy peak, one block at a time
     "matmul": dict(),  # the measured matmul rate at the block's shapes (for the FLOP floor)
     "hf-peft": dict(),  # transformers + peft, resident, if installed (issue 10's outside reference)
+    "fsdp-offload": dict(),  # transformers + peft under FSDP2 with CPUOffloadPolicy (CUDA; plain FSDP2 on CPU)
     "diskread": dict(),  # issue 16: disk tier vs raw O_DIRECT reads; half the blocks in RAM vs disk (own table)
 }
+PEERS = ("hf-peft", "fsdp-offload")  # other tools' rows: no recompute policy, no streaming metrics
 
 
 def parse_args(argv=None):
@@ -101,21 +103,63 @@ def hf_peft_model(store: BlockStore, rank: int = 8):
 
 
 def hf_worker(args) -> dict:
+    """transformers + peft, everything resident on the device."""
     store = BlockStore(args.store)
-    model = hf_peft_model(store, args.lora_rank)
+    model = hf_peft_model(store, args.lora_rank).to(args.device)
+    return hf_steps(model, store, args)
+
+
+def fsdp_worker(args) -> dict:
+    """What a GPU user picks when the model does not fit: PyTorch FSDP2 with CPUOffloadPolicy in one
+    process (parameters in pinned host memory, copied up layer by layer; the optimizer on the host),
+    the same transformers + peft model. On a CPU there is nowhere to offload to: plain FSDP2 (gloo),
+    which only checks the harness."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    device = torch.device(args.device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        store = BlockStore(args.store)
+        model = hf_peft_model(store, args.lora_rank)  # built on the host; FSDP keeps it there
+        mesh = init_device_mesh(device.type, (1,))
+        offload = CPUOffloadPolicy(pin_memory=True) if device.type == "cuda" else OffloadPolicy()
+        mp = MixedPrecisionPolicy(param_dtype=store.dtype, reduce_dtype=torch.float32)  # LoRA params are fp32
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        return hf_steps(model, store, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_steps(model, store: BlockStore, args) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     tokens = torch.randint(0, store.cfg.vocab_size, (args.batch_size, args.seq_len),
-                           generator=torch.Generator().manual_seed(0))
+                           generator=torch.Generator().manual_seed(0)).to(args.device)
+    cuda = torch.device(args.device).type == "cuda"
     times = []
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
         model(input_ids=tokens, labels=tokens).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         if step:
             times.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times), "stall": 0.0, "loads": 0, "bytes_per_step": 0, "read_gbps": 0.0,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "peak_dev_gb": 0.0}
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
 
 
 def h2d_worker(args) -> dict:
@@ -171,6 +215,8 @@ def worker(args) -> dict:
     mode, recompute, micro, prefetch = args.worker.split(":")
     if mode == "hf-peft":
         return hf_worker(args)
+    if mode == "fsdp-offload":
+        return fsdp_worker(args)
     if mode == "h2d":
         return h2d_worker(args)
     if mode == "matmul":
@@ -230,7 +276,7 @@ def run_worker(spec: str, argv, args) -> tuple:
         sys.exit(f"error: {mode} failed:\n{out.stderr[-2000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{mode:10s} recompute={recompute:4s} micro={micro:3s} prefetch={k:2s} {r['step_s']:.3f} s/step", flush=True)
-    return mode, recompute if mode not in ("resident", "hf-peft", "h2d", "matmul") else "-", micro, k, r
+    return mode, recompute if mode not in ("resident", *PEERS, "h2d", "matmul") else "-", micro, k, r
 
 
 def predicted(profile: tune.MachineProfile, mode: str, recompute: str, micro: str, k: str, args) -> float:
@@ -243,7 +289,7 @@ def predicted(profile: tune.MachineProfile, mode: str, recompute: str, micro: st
 
 def tuning_lines(pr: tune.MachineProfile, best: tune.Placement, rows: list) -> list[str]:
     """What the tuner measured, and its choice against the best swept row."""
-    swept = [x for x in rows if x[0] not in ("resident", "hf-peft") and not x[0].startswith("tuned")]
+    swept = [x for x in rows if x[0] not in ("resident", *PEERS) and not x[0].startswith("tuned")]
     top, tuned = min(swept, key=lambda x: x[4]["step_s"]), rows[-1][4]["step_s"]
     cold = f"{pr.disk_cold_gbps:.2f}" if pr.disk_cold_gbps else "-"
     return ["", f"- profile: disk {pr.disk_warm_gbps:.2f} GB/s warm, {cold} GB/s cold, jitter {pr.disk_jitter:.0%}; "
@@ -462,13 +508,13 @@ def main(argv=None):
         for recompute in policies:
             for micro in (args.micro_batch.split(",") if args.micro_batch else ["-"]):
                 for mode in args.modes.split(","):
-                    if mode == "hf-peft":
+                    if mode in PEERS:
                         try:
                             import peft, transformers  # noqa: F401
                         except ImportError:
-                            print("hf-peft: transformers/peft not installed, skipped")
+                            print(f"{mode}: transformers/peft not installed, skipped")
                             continue
-                    if mode in ("resident", "hf-peft", "h2d", "matmul", "naive") and recompute != policies[0]:
+                    if mode in ("resident", *PEERS, "h2d", "matmul", "naive") and recompute != policies[0]:
                         continue  # resident has no recompute policy: one row is enough
                     for k in (args.prefetch.split(",") if mode in ("ram", "disk", "auto") else ["-"]):
                         rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args))
@@ -492,7 +538,7 @@ def main(argv=None):
     rate = next((r["flops_per_s"] for m, _, _, _, r in rows if m == "matmul"), None)
     for mode, rc, micro, k, r in rows:
         ratio = f"{r['step_s'] / base:.3f}x" if base else "-"
-        streamed = profile is not None and mode not in ("resident", "hf-peft", "h2d", "matmul", "auto")
+        streamed = profile is not None and mode not in ("resident", *PEERS, "h2d", "matmul", "auto")
         pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if streamed else "-"
         floor = "-"
         if rate and mode not in ("h2d", "matmul"):  # max(link time, needed matmul time): the step's floor

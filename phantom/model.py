@@ -20,9 +20,9 @@ from phantom.config import ModelConfig
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
 from phantom.layers import TransformerBlock, fuse_adjacent, rms_norm, rope_table, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
-from phantom.optim import AdamWConfig, BlockAdamW, clip_coefficient
+from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.placement import Activations, Placement
-from phantom.scheduler import BlockScheduler
+from phantom.scheduler import BlockScheduler, HostBuffer, free_device_bytes
 from phantom.store import BlockStore, packed_empty
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ class PhantomModel(nn.Module):
         self.scheduler: BlockScheduler | None = None
         self.executor: BlockExecutor | None = None
         self.block_optimizer: BlockAdamW | None = None
+        self.full_ft: FullFinetune | None = None  # streamed full finetuning: the blocks' updates
         # data parallel, full mode: grads -> a function that waits for their average (phantom.dist)
         self.grad_sync = None
         self.offload = placement.offload
@@ -164,9 +165,8 @@ class PhantomModel(nn.Module):
             self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
                                           activations.micro_batch, self._on_block_grads if self.full else None)
             if self.full:
-                share = {i: self.cfg.block_params() / self.cfg.n_params() for i in range(self.cfg.n_layers)}
-                tier = "disk" if "disk" in self.scheduler.tiers else "ram"
-                self.block_optimizer = BlockAdamW(optim or AdamWConfig(), share, tier, optim_dir)
+                self.full_ft = self._full_finetune(optim or AdamWConfig(), optim_dir)
+                self.block_optimizer = self.full_ft.optimizer
         if self.full:
             self.embed_table = nn.Parameter(self.embed_table)
 
@@ -206,10 +206,21 @@ class PhantomModel(nn.Module):
                         owner, _, leaf = name.rpartition(".")
                         block.get_submodule(owner).register_parameter(leaf, nn.Parameter(view, requires_grad=False))
 
+    def _full_finetune(self, optim: AdamWConfig, optim_dir: Path | None) -> FullFinetune:
+        """The blocks' optimizer (state where optim.state says, phantom.optim.state_tier) and the
+        component that runs their updates beside the backward."""
+        share = {i: self.cfg.block_params() / self.cfg.n_params() for i in range(self.cfg.n_layers)}
+        state_bytes = 12 * self.cfg.block_params() * self.cfg.n_layers
+        tier = state_tier(optim.state, self.scheduler.tiers, self.device, state_bytes, free_device_bytes(self.device))
+        optimizer = BlockAdamW(optim, share, tier, optim_dir, self.device)
+        host_grads = None
+        if self.device.type == "cuda" and tier != "device":  # gradients to pinned host buffers, own stream
+            host_grads = HostGradients(self.device, lambda n: HostBuffer(n, pin=True))
+        return FullFinetune(optimizer, self.scheduler, self.store, host_grads)
+
     def _on_block_grads(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         """Full mode: block i's AdamW step runs on the write-back thread while backward goes on."""
-        synced = self.grad_sync(list(grads.values())) if self.grad_sync else None
-        self.scheduler.writeback.submit(self.update_block, i, grads, synced, name=f"update {i}")
+        self.full_ft.on_block_grads(i, grads, self.grad_sync)
 
     def _place_embed(self, dtype: torch.dtype) -> torch.Tensor:
         """The embedding table for a streamed model: on the device when it fits easily (no token
@@ -275,30 +286,13 @@ class PhantomModel(nn.Module):
         if self.scheduler is not None:
             self.scheduler.writeback.flush()
 
-    def update_block(self, i: int, grads: dict[str, torch.Tensor], synced=None) -> None:
-        """Block i's optimizer step (write-back thread): new weights to host RAM, or to the store.
-
-        `synced`, if given, waits for the data-parallel reduction of these gradients started by
-        `grad_sync` in the backward, so the all-reduce of block i overlaps the backward of i-1."""
-        if synced is not None:
-            synced()
-        new = self.block_optimizer.step_block(i, lambda: self.scheduler.host_weights(i), grads)
-        self.scheduler.update_block(i, new)
-        if self.scheduler.tiers[i] != "ram":  # RAM-tier blocks are written by save_full
-            self.store.write_block(i, new)
-
     def save_full(self) -> None:
         """Make the store hold the trained model (full mode): head, embedding, and RAM-tier blocks."""
         if not self.full or self.scheduler is None:
             raise ValueError("save_full is for streamed full finetuning")
-        self.finish_step()
+        self.full_ft.save()  # blocks and their optimizer state
         self.store.write_head({"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach()})
         self.store.write_embed({"tok_embeddings.weight": self.embed_table.detach()})
-        for i, tier in enumerate(self.scheduler.tiers):
-            if tier == "ram":
-                self.store.write_block(i, self.scheduler.host_weights(i))
-        if self.block_optimizer.state_dir is not None:
-            self.block_optimizer.save(self.block_optimizer.state_dir)  # the RAM tier's state, to files
 
     def save_adapter(self, out: Path | str, base_model: str = "") -> Path:
         if self.lora_cfg is None:

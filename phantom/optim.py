@@ -2,7 +2,15 @@
 
 Full finetuning never holds the whole model's gradients: block i's gradients exist only until its
 update has run. Master weights (fp32, when the store holds bf16/fp16) and both moments live in host
-RAM or in per-block files on disk. Imports phantom.store only.
+RAM, in per-block files on disk, or (CUDA) on the device. `FullFinetune` is the component the
+executor calls with each block's gradients: it queues the block's update on the scheduler's
+write-back thread, so block i's update overlaps the backward of block i-1.
+
+Speed: the update is torch's fused AdamW kernel (one pass over master, gradient and both moments,
+threaded over every core by ATen: on a 2-core box ~7x the per-op AdamW it replaced, which made
+five passes and two temporaries; notes/bench-full.md). On CUDA with host-placed state the gradients
+leave the device on their own stream into pinned buffers (`HostGradients`), never on the compute
+stream; with device-placed state the update runs on the device and nothing is copied but the weights.
 
 Clipping: a global-norm clip needs every gradient before the first update, which is exactly what a
 streamed step does not have. We clip per block instead, with each block's threshold scaled by its
@@ -13,16 +21,20 @@ parameters (head, embedding) form one more group under the same rule.
 from __future__ import annotations
 
 import math
-import threading
+import queue
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file
+from torch.optim.adamw import adamw as adamw_functional
 
+from phantom import faults
 from phantom.store import write_safetensors
 
-TIERS = ("ram", "disk")
+TIERS = ("ram", "disk", "device")  # where a block's master weights and moments live
 
 
 @dataclass(frozen=True)
@@ -34,65 +46,105 @@ class AdamWConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float | None = None  # per-block share of it, see the module docstring
+    state: str = "auto"  # where master weights and moments live: see state_tier
+
+
+def state_tier(wanted: str, block_tiers: tuple[str, ...], device: torch.device, state_bytes: int,
+               free_device: int | None) -> str:
+    """Where the block optimizer's state lives (and so where each update runs) for `wanted`.
+
+    "auto": on a CUDA device when the state (12 bytes per block parameter) takes at most half of
+    what is free there once the blocks are placed: the update then runs at device memory speed and
+    no gradient crosses the link. Otherwise in host RAM, or in files when any block is read from
+    disk (a model too large for RAM has no room for three more copies of it there).
+    """
+    if wanted not in ("auto", *TIERS):
+        raise ValueError(f"optimizer state must be one of auto, {', '.join(TIERS)}, not {wanted!r}")
+    if wanted == "device" and device.type != "cuda":
+        raise ValueError(f"optimizer state 'device' needs a CUDA device, not {device.type}: use auto, ram or disk")
+    if wanted != "auto":
+        return wanted
+    if device.type == "cuda" and free_device is not None and state_bytes <= free_device // 2:
+        return "device"
+    return "disk" if "disk" in block_tiers else "ram"
 
 
 def clip_coefficient(grads: list[torch.Tensor], max_norm: float | None, share: float) -> float:
-    """The factor (<= 1) that clips these gradients to max_norm * sqrt(share)."""
-    if max_norm is None:
+    """The factor (<= 1) that clips these gradients to max_norm * sqrt(share).
+
+    The norm is torch's (per-tensor fp32 norms, then the norm of those): one read of each gradient,
+    no fp64 copy of it."""
+    if max_norm is None or not grads:
         return 1.0
-    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    norm = float(torch.nn.utils.get_total_norm(grads))
     return min(1.0, max_norm * math.sqrt(share) / (norm + 1e-6))
 
 
-def adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
-                 cfg: AdamWConfig, lr: float) -> None:
-    """One AdamW step in place on fp32 tensors, in the order torch.optim.AdamW applies it."""
+def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+               exp_avg_sqs: list[torch.Tensor], step: int, cfg: AdamWConfig, lr: float, coef: float = 1.0) -> None:
+    """Step `step` (1-based) of AdamW in place on fp32 tensors: torch's fused kernel (CPU and CUDA;
+    its for-each form elsewhere), the gradients scaled by `coef` inside the kernel (they are not
+    modified). Equals torch.optim.AdamW on gradients multiplied by coef, to rounding."""
+    fused = params[0].device.type in ("cpu", "cuda")
+    steps = [torch.tensor(float(step - 1), device=params[0].device if fused else "cpu") for _ in params]
+    scale = torch.tensor(1.0 / coef, device=params[0].device) if coef < 1.0 else None
+    if scale is not None and not fused:
+        grads = torch._foreach_mul(grads, coef)
+        scale = None
     b1, b2 = cfg.betas
-    p.mul_(1 - lr * cfg.weight_decay)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(cfg.eps)
-    p.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
+    adamw_functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=fused, foreach=not fused,
+                     grad_scale=scale, amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=cfg.weight_decay,
+                     eps=cfg.eps, maximize=False)
 
 
 class BlockAdamW:
-    """Optimizer state per block (master weights, moments, step), in RAM or in files.
+    """Optimizer state per block (master weights, moments, step) in RAM, in files or on the device.
 
     Args:
         cfg: hyper-parameters.
         share: block index -> P_b / P, for the per-block clipping.
         tier: "ram" keeps the state in host memory; "disk" keeps it in `state_dir/NNN.safetensors`,
-            read and rewritten (atomically) at each update.
-        state_dir: where the disk tier lives, and where `save()` writes the RAM tier.
+            read and rewritten (atomically) at each update; "device" keeps it on `device` (CUDA: the
+            update runs there, only the new weights leave it).
+        state_dir: where the disk tier lives, and where `save()` writes the RAM and device tiers.
+        device: where the "device" tier lives.
+
+    Memory per trained parameter: 12 bytes (master + 2 moments, fp32) in the tier's place, plus the
+    gradient (4 bytes, fp32) of at most the blocks queued for update (phantom.scheduler's write-back
+    queue bounds them).
     """
 
-    def __init__(self, cfg: AdamWConfig, share: dict[int, float], tier: str = "ram", state_dir: Path | None = None):
+    def __init__(self, cfg: AdamWConfig, share: dict[int, float], tier: str = "ram", state_dir: Path | None = None,
+                 device: torch.device | str = "cpu"):
         if tier not in TIERS:
             raise ValueError(f"optimizer state tier must be one of {TIERS}, not {tier!r}")
         if tier == "disk" and state_dir is None:
             raise ValueError("the disk tier of the optimizer state needs a state_dir")
         self.cfg, self.share, self.tier, self.lr = cfg, share, tier, cfg.lr
         self.state_dir = Path(state_dir) if state_dir else None
-        self._ram: dict[int, dict[str, torch.Tensor]] = {}
-        self._lock = threading.Lock()
+        self.device = torch.device(device) if tier == "device" else torch.device("cpu")
+        self._held: dict[int, dict[str, torch.Tensor]] = {}  # the RAM and device tiers' state
+        self.params_updated = 0  # parameters stepped, and the seconds it took (for parameters/s)
+        self.update_s = 0.0
 
     def _path(self, i: int) -> Path:
         return self.state_dir / f"{i:03d}.safetensors"
 
     def load_state(self, i: int, weights) -> dict[str, torch.Tensor]:
         """Block i's state; `weights()` gives the stored weights, read only for a first update."""
-        if self.tier == "ram" and i in self._ram:
-            return self._ram[i]
+        if i in self._held:
+            return self._held[i]
         if self.state_dir is not None and self._path(i).is_file():
-            state = load_file(str(self._path(i)))
+            state = load_file(str(self._path(i)), device=str(self.device))
         else:  # first update: master weights from the stored ones, zero moments
             state = {"step": torch.zeros(1, dtype=torch.int64)}
             for k, w in weights().items():
-                state[f"master.{k}"] = w.detach().to("cpu", torch.float32, copy=True)
-                state[f"exp_avg.{k}"] = torch.zeros(w.shape, dtype=torch.float32)
-                state[f"exp_avg_sq.{k}"] = torch.zeros(w.shape, dtype=torch.float32)
-        if self.tier == "ram":
-            self._ram[i] = state
+                state[f"master.{k}"] = w.detach().to(self.device, torch.float32, copy=True)
+                state[f"exp_avg.{k}"] = torch.zeros(w.shape, dtype=torch.float32, device=self.device)
+                state[f"exp_avg_sq.{k}"] = torch.zeros(w.shape, dtype=torch.float32, device=self.device)
+        state["step"] = state["step"].cpu()
+        if self.tier != "disk":
+            self._held[i] = state
         return state
 
     def _store_state(self, i: int, state: dict[str, torch.Tensor]) -> None:
@@ -104,30 +156,149 @@ class BlockAdamW:
 
     def step_block(self, i: int, weights, grads: dict[str, torch.Tensor],
                    lr: float | None = None) -> dict[str, torch.Tensor]:
-        """Update block i from its gradients; returns the new fp32 master weights (CPU).
+        """Update block i from its gradients; returns the new fp32 master weights (on the tier's device).
 
         `weights` is a callable giving the block's stored weights (needed only at the first update).
+        Gradients must be on the tier's device (FullFinetune moves them).
         """
+        t0 = time.perf_counter()
         lr = self.lr if lr is None else lr
         state = self.load_state(i, weights)
         names = sorted(grads)
-        coef = clip_coefficient([grads[k] for k in names], self.cfg.max_grad_norm, self.share[i])
+        gs = [grads[k].to(self.device, torch.float32) for k in names]
+        coef = clip_coefficient(gs, self.cfg.max_grad_norm, self.share[i])
         step = int(state["step"].item()) + 1
+        adamw_step([state[f"master.{k}"] for k in names], gs, [state[f"exp_avg.{k}"] for k in names],
+                   [state[f"exp_avg_sq.{k}"] for k in names], step, self.cfg, lr, coef)
         state["step"] = torch.tensor([step], dtype=torch.int64)
-        for k in names:
-            g = grads[k].to("cpu", torch.float32)
-            if coef < 1.0:
-                g = g * coef
-            adamw_update(state[f"master.{k}"], g, state[f"exp_avg.{k}"], state[f"exp_avg_sq.{k}"], step,
-                         self.cfg, lr)
+        faults.point("optim.update")  # crash tests: block i's state stepped in memory, nothing written
         self._store_state(i, state)
+        self.params_updated += sum(g.numel() for g in gs)
+        self.update_s += time.perf_counter() - t0
         return {k: state[f"master.{k}"] for k in names}
 
+    def take_rate(self) -> dict:
+        """Parameters updated and seconds spent since the last call (and their ratio); resets them."""
+        n, s = self.params_updated, self.update_s
+        self.params_updated, self.update_s = 0, 0.0
+        return {"optim_params": n, "optim_s": s, "optim_params_per_s": n / s if s > 0 else 0.0}
+
     def save(self, state_dir: Path) -> None:
-        """Write the RAM tier's state to files (for a checkpoint)."""
+        """Write the RAM and device tiers' state to files (for a checkpoint)."""
         state_dir = Path(state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
-        for i, state in self._ram.items():
+        for i, state in self._held.items():
             tmp = state_dir / f".{i:03d}.tmp"
             write_safetensors(tmp, state)
             tmp.replace(state_dir / f"{i:03d}.safetensors")
+
+
+class HostGradients:
+    """CUDA, host-placed optimizer state: a block's gradients to pinned host buffers on a copy stream.
+
+    The copy is ordered after the backward that produced the gradients by the stream wait, and the
+    update waits for the copy's event on the write-back thread: the compute stream never waits for
+    it, and no copy goes through pageable memory. `slots` pinned buffers (each as large as the
+    largest block's gradients) bound what is in flight: when all are in use, `start` waits for the
+    oldest update to finish (back-pressure), so queued gradients never hold more than `slots` blocks
+    of device memory.
+
+    Args:
+        device: the CUDA device the gradients are on.
+        alloc: nbytes -> an owner of exactly that many pinned host bytes, whose `.tensor` is a flat
+            uint8 view (phantom.scheduler.HostBuffer); the owner is kept while the buffer is used.
+        slots: buffers in flight.
+    """
+
+    def __init__(self, device: torch.device, alloc: Callable[[int], object], slots: int = 2):
+        self.device, self.alloc = torch.device(device), alloc
+        self.stream = torch.cuda.Stream(self.device)
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(slots):
+            self._free.put(None)  # allocated on first use, at the size of the block that needs it
+        self.pinned_bytes = 0
+
+    def start(self, grads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object, Callable[[], None]]:
+        """Queue the copy of `grads` (training thread). Returns the host tensors, the copy's event
+        (read them only after `event.synchronize()`) and `release`, to call once they are used."""
+        nbytes = sum(g.numel() * g.element_size() for g in grads.values())
+        owner = self._free.get()  # back-pressure: waits for an update to release its buffer
+        if owner is None or owner.tensor.numel() < nbytes:
+            self.pinned_bytes -= owner.tensor.numel() if owner is not None else 0
+            owner = self.alloc(nbytes)
+            self.pinned_bytes += nbytes
+        host, offset = {}, 0
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for k, g in grads.items():
+                n = g.numel() * g.element_size()
+                host[k] = owner.tensor[offset:offset + n].view(g.dtype).view(g.shape)
+                host[k].copy_(g, non_blocking=True)
+                g.record_stream(self.stream)  # the allocator may not reuse g before the copy is done
+                offset += n
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return host, event, lambda: self._free.put(owner)
+
+
+class FullFinetune:
+    """Full finetuning of streamed blocks: the component the executor calls with each block's gradients.
+
+    `on_block_grads` (training thread, inside backward) starts the gradients' way to the optimizer
+    (data-parallel reduction, copy to pinned host memory on CUDA) and queues the update on the
+    scheduler's write-back thread; `update` (that thread) steps the block's AdamW and puts the new
+    weights where the scheduler reads them: the RAM tier (written to the store by `save`), or the
+    store's file (disk tier). `finish` waits for a step's updates before the next step reads blocks.
+
+    Args:
+        optimizer: the block optimizer (its tier says where the state lives and the update runs).
+        scheduler: the model's BlockScheduler (write-back queue, host weights, tiers).
+        store: the working store that disk-tier blocks are rewritten in.
+        grad_sync: data parallel: grads -> a function that waits for their average (phantom.dist).
+    """
+
+    def __init__(self, optimizer: BlockAdamW, scheduler, store, host_grads: HostGradients | None = None):
+        self.optimizer, self.scheduler, self.store, self.host_grads = optimizer, scheduler, store, host_grads
+
+    def on_block_grads(self, i: int, grads: dict[str, torch.Tensor], grad_sync=None) -> None:
+        """Block i's backward is done (training thread): its update is queued and backward goes on.
+
+        `grad_sync` (data parallel) starts the reduction of these gradients and returns a function
+        that waits for it; the update calls it, so the all-reduce of block i overlaps the backward
+        of block i-1."""
+        synced = grad_sync(list(grads.values())) if grad_sync else None
+        ready = release = None
+        if self.host_grads is not None:
+            if synced is not None:  # copy the reduced values: wait for the reduction first
+                synced()
+                synced = None
+            grads, ready, release = self.host_grads.start(grads)
+        self.scheduler.writeback.submit(self.update, i, grads, synced, ready, release, name=f"update {i}")
+
+    def update(self, i: int, grads: dict[str, torch.Tensor], synced=None, ready=None, release=None) -> None:
+        """Block i's optimizer step (write-back thread): new weights to host RAM, or to the store."""
+        if synced is not None:
+            synced()
+        if ready is not None:
+            ready.synchronize()
+        try:
+            new = self.optimizer.step_block(i, lambda: self.scheduler.host_weights(i), grads)
+        finally:
+            if release is not None:
+                release()
+        self.scheduler.update_block(i, new)
+        if self.scheduler.tiers[i] != "ram":  # RAM-tier blocks are written by save
+            self.store.write_block(i, new)
+
+    def finish(self) -> None:
+        """Wait for the queued block updates and re-raise any error they hit."""
+        self.scheduler.writeback.flush()
+
+    def save(self) -> None:
+        """The RAM-tier blocks to the store, the held optimizer state to its files."""
+        self.finish()
+        for i, tier in enumerate(self.scheduler.tiers):
+            if tier == "ram":
+                self.store.write_block(i, self.scheduler.host_weights(i))
+        if self.optimizer.state_dir is not None:
+            self.optimizer.save(self.optimizer.state_dir)

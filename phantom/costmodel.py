@@ -1,0 +1,481 @@
+"""The cost model: a training step's time, memory and bytes moved for a placement, as pure functions.
+
+Inputs are a `MachineProfile` (rates: measured by phantom.tune, or given by hand) and a `Shape` (what
+a `ModelConfig` says about one block), so a profile measured on a few blocks predicts the whole
+model, and a preset can be planned before its weights exist. No I/O, no torch, no clocks: every
+function here is a function of its arguments. Imports phantom.config and phantom.placement.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from phantom.config import ModelConfig
+from phantom.placement import Activations, Placement, assign_tiers, loads_per_step, ram_budget
+
+ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+ALIGN = 4096  # phantom.store.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
+FIXED_BYTES = 256 << 20  # loss chunks, LoRA and optimizer state, allocator slack
+MARGIN = 0.15  # keep this fraction of free memory unused
+PREFETCH = (0, 1, 2, 3, 4, 6, 8)
+GB = 1e9
+
+
+def pow2_upto(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cost model needs of a model, derived from its config and dtypes (see `shape_of`).
+
+    block_bytes is one block in the store's dtype (what is read, and held in RAM); resident_bytes the
+    same block in the compute dtype (a resident block); slot_bytes one device slot (store bytes plus
+    the converted copy when the dtypes differ); tier_bytes the block size the scheduler budgets
+    tiers with. flops_per_row is one block's forward over one row of seq_len tokens.
+    """
+
+    n_blocks: int
+    block_bytes: int
+    resident_bytes: int
+    slot_bytes: int
+    tier_bytes: int
+    head_bytes: int
+    embed_bytes: int
+    flops_per_row: float
+    head_flops_per_row: float
+    act_bytes_per_row: int
+    keep_bytes_per_row: int
+    seq_len: int
+    converts: bool  # store and compute dtypes differ: the RAM tier cannot be used in place
+    store_bytes: int  # the store's files: blocks, embedding, head (headers of a few KiB left out)
+
+
+def keep_elems_per_token(cfg: ModelConfig) -> float:
+    """Elements autograd saves per token for one block's graph (weights excluded).
+
+    Fitted to the bytes `WeightHandles` counts for LoRA on q, v over five block shapes (dim 64-256,
+    GQA and not, hidden 176-1024, seq 32-256; each within 3%): the norms' and projections' inputs
+    (~8.5 dim), SwiGLU's three hidden-wide tensors, k and v. Attention runs as SDPA (flash): no
+    T x T matrix is kept. A measured profile corrects it by its `keep_scale`.
+    """
+    return 8.5 * cfg.dim + 3 * cfg.hidden_dim + 2 * cfg.kv_heads * cfg.head_dim + 16
+
+
+def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", seq_len: int = 1024) -> Shape:
+    """The cost model's view of a model from its config alone: no store needed."""
+    s, c = ITEMSIZE[store_dtype], ITEMSIZE[dtype]
+    params = cfg.block_params()
+    block = params * s
+    converts = s != c
+    head_params = cfg.vocab_size * cfg.dim + cfg.dim
+    return Shape(
+        n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
+        slot_bytes=block + (params * c if converts else 0),
+        tier_bytes=block * max(1, c // s),  # as BlockScheduler budgets tiers
+        head_bytes=head_params * c, embed_bytes=cfg.vocab_size * cfg.dim * s,
+        flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.dim),  # matmuls + causal attention
+        head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
+        act_bytes_per_row=seq_len * cfg.dim * c,
+        keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),
+        seq_len=seq_len, converts=converts,
+        store_bytes=cfg.n_layers * block + (head_params + cfg.vocab_size * cfg.dim) * s)
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """A machine's rates, independent of the model (seconds, bytes, GB/s = 1e9 bytes/s, FLOP/s).
+
+    Block compute is `call + rows * flops_per_row / rate` for each kind of call: the no-grad
+    forward at `fwd_flops`, the graph-building forward (a kept block, or the recompute) and the
+    backward at `fwd_flops / fwd_grad_ratio` and `fwd_flops / bwd_ratio`. `keep_scale` corrects the
+    config's estimate of kept activation bytes. `compile_speedup` (eager / compiled block time) and
+    `compile_s` are None until measured. Free bytes of None mean: unknown, not a limit.
+    """
+
+    machine: str
+    device: str  # "cuda", "cpu", "mps"
+    dtype: str = "bf16"
+    disk_gbps: float = 2.0  # cold reads (the page cache does not help a store larger than it)
+    disk_warm_gbps: float | None = None
+    h2d_gbps: float = 25.0  # pinned host -> device (on a CPU: a host memcpy)
+    fwd_flops: float = 100e12
+    fwd_grad_ratio: float = 1.0
+    bwd_ratio: float = 1.0  # LoRA: input gradients only, about the forward's FLOPs
+    fwd_call_s: float = 0.0
+    fwd_grad_call_s: float = 0.0
+    bwd_call_s: float = 0.0
+    head_flops: float | None = None  # None: at fwd_flops
+    keep_scale: float = 1.0
+    disk_jitter: float = 0.0  # relative std of one block read
+    busy_compute_slowdown: float = 1.0  # compute while blocks are read / alone
+    busy_read_slowdown: float = 1.0  # reads while a block computes / alone
+    compile_speedup: float | None = None
+    compile_s: float | None = None
+    free_device_bytes: int | None = None
+    free_host_bytes: int | None = None
+    free_disk_bytes: int | None = None
+    quick: bool = False
+    measured_on: str = ""  # the shape the rates were measured on ("" when given by hand)
+    measured_at: str = ""
+
+    @property
+    def host_is_device(self) -> bool:
+        """A CPU: blocks compute in host memory, so device and host are one pool."""
+        return self.device == "cpu"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MachineProfile":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A placement and activation policy, and what the cost model predicts for them.
+
+    tiers: each block's tier. bytes_read: read from the store's files per step (the scheduler's
+    `bytes_read`); bytes_h2d: copied into device slots per step. pinned_bytes: page-locked host
+    memory (RAM tier and staging, each buffer rounded to 4 KiB as HostBuffer allocates it).
+    device_bytes, host_bytes: peak use (on a CPU, host_bytes holds everything). missing: what more
+    the placement needs to fit, as (where, bytes) for each of "disk", "device", "host" that is short;
+    empty when it fits. The store's disk space is the same for every placement, so it comes first.
+    """
+
+    placement: Placement
+    activations: Activations
+    rows: int
+    tiers: tuple[str, ...]
+    step_s: float
+    compute_s: float
+    transfer_s: float
+    bound: str
+    device_bytes: int
+    host_bytes: int
+    pinned_bytes: int
+    bytes_read: int
+    bytes_h2d: int
+    loads: int
+    kept_blocks: int
+    seq_len: int
+    missing: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return not self.missing
+
+    @property
+    def missing_bytes(self) -> int:
+        return sum(b for _, b in self.missing)
+
+    def missing_text(self) -> str:
+        """E.g. '35.2 GiB more disk space and 1.0 GiB more device memory'."""
+        return " and ".join(f"{b / 2**30:.1f} GiB more {where} {'space' if where == 'disk' else 'memory'}"
+                            for where, b in self.missing)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.rows * self.seq_len / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def split(self) -> dict[str, int]:
+        return {t: self.tiers.count(t) for t in ("device", "ram", "disk")}
+
+    # What scripts/finetune.py reads of the tuner's answer.
+    @property
+    def prefetch(self) -> int:
+        return self.placement.prefetch
+
+    @property
+    def resident(self) -> int:
+        return self.split["device"]
+
+    def describe(self) -> str:
+        s, a = self.split, self.activations
+        keep = {"none": "keep all", "all": "recompute all"}.get(a.recompute, f"keep {self.kept_blocks} blocks")
+        return (f"{s['device']} blocks on the device, {s['ram']} in RAM, {s['disk']} on disk; prefetch "
+                f"{self.placement.prefetch}; {keep}; micro-batch {a.micro_batch}; compile "
+                f"{ {True: 'on', False: 'off', None: 'default'}[a.compile] }")
+
+
+def block_tiers(shape: Shape, profile: MachineProfile, placement: Placement) -> tuple[str, ...]:
+    """Each block's tier, exactly as BlockScheduler assigns them from the same placement and memory."""
+    cpu = profile.host_is_device
+    tiers = assign_tiers(shape.n_blocks, shape.tier_bytes, placement, None if cpu else profile.free_device_bytes,
+                         profile.free_host_bytes, zero_copy=cpu)
+    return tuple("ram" if t == "device" else t for t in tiers) if cpu else tiers
+
+
+def kept_blocks(shape: Shape, profile: MachineProfile, activations: Activations, rows: int) -> int:
+    """Blocks whose activations are kept, as PhantomModel.keeps decides (the first ones, in order)."""
+    if activations.recompute != "auto":
+        return shape.n_blocks if activations.recompute == "none" else 0
+    per_block = rows * shape.keep_bytes_per_row * profile.keep_scale
+    budget = activations.keep_budget or 0
+    return min(shape.n_blocks, int(budget // per_block)) if per_block > 0 else shape.n_blocks
+
+
+def predict(profile: MachineProfile, shape: Shape, placement: Placement, activations: Activations, rows: int,
+            tiers: tuple[str, ...] | None = None, margin: float = MARGIN) -> Prediction:
+    """Predicted step time, memory and traffic of one placement for `rows` rows of shape.seq_len tokens.
+
+    Per block and pass, for m calls of b = micro_batch rows (N = rows):
+        Cf = m * call + N * flops_per_row / rate     forward (the graph-building one if kept)
+        Cb = backward, + a graph forward if recomputed
+        X  = block_bytes / disk (disk tier) + block_bytes / h2d (unless it is read into a CPU slot)
+    Streamed blocks S (disk, and RAM unless used in place) pass through K + 1 slots; each pass
+    loads L of them (`loads_per_step`: the blocks still in slots at each turn are reused), so
+        pipe(C) = S * C + sum(X)                                     K = 0: load, then compute
+        pipe(C) = max(S * C + L * (C' - C), 2 * C + sum(X')) + jitter   K >= 1
+    with C', X' slowed by the measured contention for the fraction of time they overlap, and
+        step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
+    Memory: see `device_memory` and `host_memory`.
+    """
+    tiers = tiers or block_tiers(shape, profile, placement)
+    n, b = shape.n_blocks, activations.micro_batch or rows
+    calls = -(-rows // b)
+    in_place = profile.host_is_device and not shape.converts
+    streams = [i for i, t in enumerate(tiers) if t == "disk" or (t == "ram" and not in_place)]
+    slots = placement.prefetch + 1 if streams else 0
+    keep = kept_blocks(shape, profile, activations, rows)
+    speed = profile.compile_speedup if activations.compile and profile.compile_speedup else 1.0
+
+    def secs(call_s: float, ratio: float) -> float:
+        return (calls * call_s + rows * shape.flops_per_row * ratio / profile.fwd_flops) / speed
+    fwd, fwd_grad, bwd = secs(profile.fwd_call_s, 1.0), secs(profile.fwd_grad_call_s, profile.fwd_grad_ratio), \
+        secs(profile.bwd_call_s, profile.bwd_ratio)
+    cf = [fwd_grad if i < keep else fwd for i in range(n)]
+    cb = [bwd if i < keep else fwd_grad + bwd for i in range(n)]
+    head = rows * shape.head_flops_per_row / (profile.head_flops or profile.fwd_flops)
+
+    device, host, pinned = device_memory(shape, profile, tiers, slots, keep, rows, b), \
+        *host_memory(shape, profile, tiers, slots, placement, keep, rows, b)
+    cold = profile.disk_warm_gbps is None or tiers.count("disk") * shape.block_bytes > \
+        (profile.free_host_bytes or 0) * (1 - margin) - host
+    disk_s = shape.block_bytes / ((profile.disk_gbps if cold else profile.disk_warm_gbps) * GB)
+    link_s = shape.block_bytes / (profile.h2d_gbps * GB)
+
+    def x(i: int) -> float:
+        if tiers[i] == "disk":
+            return disk_s + (0.0 if profile.host_is_device else link_s)  # a CPU reads straight into the slot
+        return link_s
+
+    m = min(placement.prefetch + 1, len(streams))
+    fwd_loads, bwd_loads = streams[m:], streams[:len(streams) - m]
+
+    def pipe(c: list[float], loads: list[int]) -> float:
+        if not streams:
+            return 0.0
+        total, c_avg = sum(c[i] for i in streams), sum(c[i] for i in streams) / len(streams)
+        xs = [x(i) for i in loads]
+        if not xs:
+            return total
+        if placement.prefetch == 0:
+            return total + sum(xs)
+        x_avg = sum(xs) / len(xs)
+        c_busy = c_avg * (1 + (profile.busy_compute_slowdown - 1) * min(1.0, x_avg / c_avg)) if c_avg else 0.0
+        reads = sum(disk_s for i in loads if tiers[i] == "disk")
+        x_busy = sum(xs) + reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg)
+        jitter = len(xs) * profile.disk_jitter * min(c_avg, x_avg) / placement.prefetch
+        return max(total + len(xs) * (c_busy - c_avg), 2 * c_avg + x_busy) + jitter
+
+    still = set(range(n)) - set(streams)
+    step = sum(cf[i] + cb[i] for i in still) + pipe(cf, fwd_loads) + pipe(cb, bwd_loads) + head
+    compute = sum(cf) + sum(cb) + head
+    loads = loads_per_step(tiers, placement.prefetch, ram_streams=not in_place)
+    transfer = sum(x(i) for i in fwd_loads + bwd_loads)
+    bound = "compute" if step <= 1.1 * compute or transfer == 0 else \
+        "disk" if loads["disk"] * disk_s >= (loads["disk"] + loads["ram"]) * link_s else "link"
+    missing = shortfall(shape, profile, device, host, margin)
+    return Prediction(
+        placement=placement, activations=activations, rows=rows, tiers=tiers, step_s=step, compute_s=compute,
+        transfer_s=transfer, bound=bound, device_bytes=device, host_bytes=host, pinned_bytes=pinned,
+        bytes_read=loads["disk"] * shape.block_bytes,
+        bytes_h2d=(loads["ram"] + (0 if profile.host_is_device else loads["disk"])) * shape.block_bytes,
+        loads=loads["disk"] + loads["ram"], kept_blocks=keep, seq_len=shape.seq_len,
+        missing=missing)
+
+
+def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, micro_batch: int) -> int:
+    """Saved for backward (kept graphs, or block inputs), one micro-batch's graph, the running output
+    and its gradient."""
+    kept_row = shape.keep_bytes_per_row * profile.keep_scale
+    saved = keep * rows * kept_row + (shape.n_blocks - keep) * rows * shape.act_bytes_per_row
+    return int(saved + micro_batch * kept_row + 2 * rows * shape.act_bytes_per_row)
+
+
+def device_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, keep: int,
+                  rows: int, micro_batch: int) -> int:
+    """Device bytes at the peak: slots, resident blocks, activations, head, fixed slack (0 on a CPU)."""
+    if profile.host_is_device:
+        return 0
+    blocks = slots * shape.slot_bytes + tiers.count("device") * shape.resident_bytes
+    return blocks + activation_bytes(shape, profile, keep, rows, micro_batch) + shape.head_bytes + FIXED_BYTES
+
+
+def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, placement: Placement,
+                keep: int, rows: int, micro_batch: int) -> tuple[int, int]:
+    """(host bytes, of which pinned) as BlockScheduler allocates them.
+
+    The RAM tier is one HostBuffer of 4 KiB-aligned blocks (pinned on CUDA, exactly that size); on
+    CUDA each slot has a pinned staging buffer of one aligned block when any streamed block comes
+    from disk. On a CPU the slots are aligned host buffers and everything else lives there too.
+    """
+    ram = 0 if placement.shared_ram else tiers.count("ram") * align(shape.block_bytes)
+    if profile.host_is_device:
+        rest = slots * align(shape.block_bytes) + (slots * shape.resident_bytes if shape.converts else 0)
+        acts = activation_bytes(shape, profile, keep, rows, micro_batch)
+        return ram + rest + acts + shape.head_bytes + FIXED_BYTES, 0
+    staging = slots * align(shape.block_bytes) if "disk" in tiers else 0
+    pinned = ram + staging if profile.device == "cuda" else 0
+    return ram + staging, pinned
+
+
+def shortfall(shape: Shape, profile: MachineProfile, device: int, host: int,
+              margin: float) -> tuple[tuple[str, int], ...]:
+    """(where, bytes missing) for the store on disk, device and host memory (less `margin`) that are short."""
+    def over(need: int, free: int | None, keep: float) -> int:
+        return 0 if free is None else max(0, need - int(free * (1 - keep)))
+    short = (("disk", over(shape.store_bytes, profile.free_disk_bytes, 0.0)),
+             ("device", over(device, profile.free_device_bytes, margin)),
+             ("host", over(host, profile.free_host_bytes, margin)))
+    return tuple((where, b) for where, b in short if b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The search: every placement the profile allows, ranked
+
+def keep_budget_left(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, rows: int,
+                     micro_batch: int, margin: float) -> int:
+    """Bytes of kept activations that fit beside everything else (on the device, or the host on a CPU)."""
+    if profile.host_is_device:
+        free, used = profile.free_host_bytes, host_memory(shape, profile, tiers, slots, Placement(), 0, rows,
+                                                          micro_batch)[0]
+    else:
+        free, used = profile.free_device_bytes, device_memory(shape, profile, tiers, slots, 0, rows, micro_batch)
+    if free is None:
+        return 1 << 62
+    per_block = rows * shape.keep_bytes_per_row * profile.keep_scale
+    extra = per_block - rows * shape.act_bytes_per_row  # a kept block holds its graph, not just its input
+    n_keep = min(shape.n_blocks, max(0, int((free * (1 - margin) - used) // extra))) if extra > 0 else shape.n_blocks
+    return int(n_keep * per_block)
+
+
+def activation_choices(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, rows: int,
+                       micro_batch: int, recompute: tuple[str, ...], margin: float) -> set[Activations]:
+    """The policies to try: "all", "none", and "auto" with the keep budget that fills the memory left.
+
+    An "auto" that keeps every block is "none", one that keeps none is "all": the plan says so."""
+    out = set()
+    for rc in recompute:
+        budget = None
+        if rc == "auto":
+            budget = keep_budget_left(shape, profile, tiers, slots, rows, micro_batch, margin)
+            keep = kept_blocks(shape, profile, Activations(recompute="auto", keep_budget=budget), rows)
+            rc, budget = ("none", None) if keep == shape.n_blocks else ("all", None) if keep == 0 else (rc, budget)
+        out.add(Activations(recompute=rc, keep_budget=budget, micro_batch=micro_batch))
+    return out
+
+
+def search(profile: MachineProfile, shape: Shape, rows: int, offloads: tuple[str, ...] = ("auto",),
+           recompute: tuple[str, ...] = ("auto", "all", "none"), micro_batches: tuple[int, ...] | None = None,
+           prefetch: tuple[int, ...] = PREFETCH, margin: float = MARGIN) -> list[Prediction]:
+    """Every candidate, fitting ones first, each group by predicted time.
+
+    Candidates: each offload mode; blocks resident on the device 0..n (a CPU has no device tier);
+    the RAM tier filled to the default RAM budget of the free host memory (more RAM, fewer disk
+    reads); prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
+    of two and the rows); the activation policies of `activation_choices`. Compile is decided
+    after the search (`decide_compile`).
+    """
+    micros = micro_batches or tuple(sorted({b for b in pow2_upto(rows) if rows % b == 0} | {rows}))
+    n, out, seen = shape.n_blocks, [], set()
+    ram = ram_budget(profile.free_host_bytes)
+    for offload in offloads:
+        for R in ([0] if profile.host_is_device or offload == "none" else range(n + 1)):
+            for K in prefetch:
+                base = Placement(offload=offload, prefetch=K, resident=R)
+                tiers = block_tiers(shape, profile, dataclasses.replace(base, ram_budget=ram))
+                place = dataclasses.replace(base, ram_budget=tiers.count("ram") * shape.tier_bytes)
+                streamed = sum(t == "disk" or (t == "ram" and (shape.converts or not profile.host_is_device))
+                               for t in tiers)
+                if K > max(0, streamed - 1) and K != min(prefetch):
+                    continue  # deeper than the streamed blocks: the same as a shallower one
+                for b in micros:
+                    for acts in activation_choices(shape, profile, tiers, K + 1 if streamed else 0, rows, b,
+                                                   recompute, margin):
+                        key = (tiers, K, acts)
+                        if key not in seen:
+                            seen.add(key)
+                            out.append(predict(profile, shape, place, acts, rows, tiers, margin))
+    out.sort(key=lambda c: (not c.fits, c.step_s))
+    return out
+
+
+def choose(candidates: list[Prediction], tie: float = 0.01) -> Prediction:
+    """The fastest fitting candidate of `search`.
+
+    Within `tie` of the fastest, it prefers fewer block loads, more resident blocks, a deeper queue
+    (it absorbs read-time variance), a larger micro-batch (fewer calls) and, last, less memory. Its
+    bound becomes "memory" when it is compute-bound only because a faster candidate did not fit.
+
+    Raises:
+        ValueError: nothing fits; the message says how many bytes are missing and where.
+    """
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        least = min(candidates, key=lambda c: c.missing_bytes)
+        raise ValueError(f"no placement fits: even the smallest needs {least.missing_text()} (with a {MARGIN:.0%} "
+                         f"margin on memory); free that much, or use a smaller --batch-size or --seq-len")
+    t_best = min(c.step_s for c in fitting)
+    near = [c for c in fitting if c.step_s <= t_best * (1 + tie)]
+    best = min(near, key=lambda c: (c.loads, -c.resident, -c.placement.prefetch, -c.activations.micro_batch,
+                                    c.device_bytes + c.host_bytes))
+    if best.bound == "compute" and faster_if_more_memory(candidates, best) is not None:
+        best = dataclasses.replace(best, bound="memory")
+    return best
+
+
+def faster_if_more_memory(candidates: list[Prediction], chosen: Prediction, gain: float = 0.05) -> Prediction | None:
+    """The fastest candidate that does not fit, if it beats the chosen one by more than `gain`."""
+    fastest = min(candidates, key=lambda c: c.step_s)
+    return fastest if not fastest.fits and fastest.step_s < (1 - gain) * chosen.step_s else None
+
+
+def decide_compile(profile: MachineProfile, shape: Shape, chosen: Prediction, iters: int | None,
+                   compile: bool | None = None) -> Prediction:
+    """Compile when it was measured faster and the run is long enough to earn back its compile time.
+
+    An explicit `compile` wins. Unmeasured (no `compile_speedup`), the choice stays the model's
+    default (None). iters None means a run long enough for any speed-up to pay.
+    """
+    if compile is None and profile.compile_speedup is not None:
+        on = dataclasses.replace(chosen.activations, compile=True)
+        fast = predict(profile, shape, chosen.placement, on, chosen.rows, chosen.tiers)
+        saved = (chosen.step_s - fast.step_s) * (iters if iters is not None else float("inf"))
+        compile = saved > (profile.compile_s or 0.0)
+    acts = dataclasses.replace(chosen.activations, compile=compile)
+    return dataclasses.replace(predict(profile, shape, chosen.placement, acts, chosen.rows, chosen.tiers),
+                               bound=chosen.bound)
+
+
+def check_prediction(prediction: Prediction, measured_step_s: float, tolerance: float = 0.20,
+                     min_step_s: float = 0.1) -> str | None:
+    """A line for the log when a measured step differs from the prediction by more than `tolerance`.
+
+    Steps under `min_step_s` are Python overhead, which the model does not try to predict."""
+    if prediction.step_s <= 0 or measured_step_s <= 0 or max(prediction.step_s, measured_step_s) < min_step_s:
+        return None
+    err = measured_step_s / prediction.step_s - 1
+    if abs(err) <= tolerance:
+        return None
+    return (f"measured step {measured_step_s:.3f} s is {err:+.0%} off the tuner's prediction "
+            f"{prediction.step_s:.3f} s ({prediction.bound}-bound); if the machine or its load changed, "
+            f"re-measure with python scripts/tune.py")

@@ -1,0 +1,168 @@
+"""The cost model against what the engine does: bytes read, loads and pinned bytes of a mixed placement
+measured on small stores, the shape read from a config against a store's, and the search's choices."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import phantom
+from phantom import costmodel as cm
+from phantom.config import ModelConfig, preset
+from phantom.convert import write_synthetic
+from phantom.placement import Activations, Placement
+from phantom.store import DATA_ALIGN, BlockStore
+
+# 8 blocks, so a placement can have blocks in every tier and streamed blocks both reused and reloaded
+CFG = ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+GiB = 1 << 30
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def store(request, tmp_path_factory):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[request.param]
+    return write_synthetic(tmp_path_factory.mktemp("cm") / request.param, CFG, dtype, seed=3, progress=False)
+
+
+def steady_step_metrics(model, steps: int = 3) -> list[dict]:
+    """Scheduler metrics of each step after the first (which also fills the slots)."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for s in range(steps):
+        tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=gen)
+        model(tokens, targets=tokens).backward()
+        m = model.scheduler.take_metrics()
+        if s:
+            out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("n_device,n_ram", [(0, 3), (2, 3), (0, 0), (2, 6)])
+def test_bytes_read_per_step_equal_the_schedulers(store, device, prefetch, n_device, n_ram):
+    s = BlockStore(store)
+    shape = cm.shape_of(CFG, s.manifest["dtype"], "fp32", seq_len=16)
+    profile = cm.MachineProfile(machine="test", device=device)
+    # budgets as a user gives them: the device's holds the slots and n_device blocks, the RAM's n_ram blocks
+    slots = (prefetch + 1) * shape.tier_bytes
+    place = Placement(offload="auto", prefetch=prefetch, ram_budget=n_ram * shape.tier_bytes,
+                      device_budget=slots + n_device * shape.tier_bytes)
+    pred = cm.predict(profile, shape, place, Activations(recompute="all"), rows=2)
+    with phantom.load(store, device=device, dtype="fp32", placement=place, recompute="all") as model:
+        assert model.scheduler.tiers == pred.tiers
+        for m in steady_step_metrics(model):
+            assert m["bytes_read"] == pred.bytes_read
+            assert m["loads"] == pred.loads
+    if device == "cpu":
+        assert pred.split["device"] == 0  # a CPU has no device tier: those blocks are RAM
+    elif n_device:
+        assert pred.split["device"] == n_device
+    assert pred.split["disk"] == CFG.n_layers - pred.split["device"] - pred.split["ram"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_pinned_bytes_are_the_ram_tier_rounded_to_4k(store):
+    s = BlockStore(store)
+    shape = cm.shape_of(CFG, s.manifest["dtype"], "fp32", seq_len=16)
+    place = Placement(offload="ram", prefetch=1)
+    pred = cm.predict(cm.MachineProfile(machine="t", device="cuda"), shape, place, Activations(), rows=2)
+    with phantom.load(store, device="cuda", dtype="fp32", placement=place) as model:
+        assert model.scheduler.pinned_bytes == pred.pinned_bytes == CFG.n_layers * cm.align(s.block_nbytes)
+
+
+def test_shape_from_the_config_is_the_stores(store):
+    s = BlockStore(store)
+    shape = cm.shape_of(CFG, s.manifest["dtype"], "fp32", seq_len=16)
+    assert shape.block_bytes == s.block_nbytes
+    assert abs(shape.store_bytes - sum(e.nbytes for e in [s.embed, s.head, *s.blocks])) == 0
+    assert cm.ALIGN == DATA_ALIGN
+    assert shape.converts == (s.dtype != torch.float32)
+
+
+@pytest.mark.parametrize("cfg,t", [(CFG, 16), (dataclasses.replace(CFG, dim=128, n_kv_heads=4, n_layers=2), 48)])
+def test_kept_activation_bytes_match_what_autograd_keeps(tmp_path, cfg, t):
+    path = write_synthetic(tmp_path / "s", cfg, torch.float32, seed=0, progress=False)
+    with phantom.load(path, dtype="fp32", offload="disk", recompute="none") as model:
+        tokens = torch.randint(0, cfg.vocab_size, (2, t))
+        model(tokens, targets=tokens).backward()
+        kept = model.executor.kept_per_block / 2  # per row
+    predicted = cm.shape_of(cfg, "fp32", "fp32", seq_len=t).keep_bytes_per_row
+    assert predicted == pytest.approx(kept, rel=0.06)
+
+
+def test_loads_by_tier_and_the_turn():
+    """The last prefetch + 1 streamed blocks of the forward and the first of the backward are reused."""
+    shape = cm.shape_of(CFG, "bf16", "bf16", 16)
+    gpu = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None)
+    tiers = ("device",) * 2 + ("ram",) * 3 + ("disk",) * 3
+    p = cm.predict(gpu, shape, Placement(prefetch=1), Activations(), 4, tiers=tiers)
+    # streamed: 3 RAM + 3 disk; m = 2 reused at each turn: the forward loads 4, the backward 4
+    assert p.loads == 8 and p.bytes_read == (1 + 3) * shape.block_bytes  # disk: last 2 once, first one twice
+    assert p.bytes_h2d == 8 * shape.block_bytes
+    cpu = dataclasses.replace(gpu, device="cpu")  # RAM used in place: only the disk blocks stream
+    p = cm.predict(cpu, shape, Placement(prefetch=1), Activations(), 4, tiers=("ram",) * 5 + ("disk",) * 3)
+    assert p.loads == 2 and p.bytes_read == 2 * shape.block_bytes and p.bytes_h2d == 0
+
+
+def test_pinned_and_host_memory_are_exact_sizes():
+    shape = cm.shape_of(preset("70B"), "bf16", "bf16", 1024)
+    gpu = cm.MachineProfile(machine="t", device="cuda")
+    tiers = ("device",) * 10 + ("ram",) * 30 + ("disk",) * 40
+    p = cm.predict(gpu, shape, Placement(prefetch=2), Activations(), 4, tiers=tiers)
+    stride = -(-shape.block_bytes // 4096) * 4096
+    assert p.pinned_bytes == (30 + 3) * stride  # RAM tier + one staging buffer per slot, no power-of-two rounding
+    assert p.pinned_bytes < 34 * shape.block_bytes
+    no_disk = cm.predict(gpu, shape, Placement(prefetch=2), Activations(), 4, tiers=tiers[:40] + ("ram",) * 40)
+    assert no_disk.pinned_bytes == 70 * stride  # no staging without a disk tier
+
+
+def test_recompute_policy_trades_time_for_memory():
+    shape = cm.shape_of(CFG, "fp32", "fp32", 16)
+    gpu = cm.MachineProfile(machine="t", device="cuda", fwd_flops=1e9)
+    tiers = ("device",) * 8
+    rc_all, rc_none = (cm.predict(gpu, shape, Placement(), Activations(recompute=r), 4, tiers=tiers)
+                       for r in ("all", "none"))
+    assert rc_none.step_s < rc_all.step_s and rc_none.device_bytes > rc_all.device_bytes
+    half = shape.keep_bytes_per_row * 4 * 4  # four blocks' graphs
+    auto = cm.predict(gpu, shape, Placement(), Activations(recompute="auto", keep_budget=half), 4, tiers=tiers)
+    assert auto.kept_blocks == 4 and rc_none.step_s < auto.step_s < rc_all.step_s
+    # the full formula, by hand: 8 resident blocks, forward 1x, backward 1x, recompute 1x more
+    f = 4 * shape.flops_per_row / 1e9
+    head = 4 * shape.head_flops_per_row / 1e9
+    assert rc_all.step_s == pytest.approx(8 * 3 * f + head) and rc_none.step_s == pytest.approx(8 * 2 * f + head)
+
+
+def test_the_search_keeps_what_memory_allows_and_says_what_is_missing():
+    shape = cm.shape_of(preset("70B"), "bf16", "bf16", 1024)
+    big = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=80 * GiB, free_host_bytes=1024 * GiB,
+                            h2d_gbps=55, fwd_flops=500e12, disk_gbps=2)
+    best = cm.choose(cm.search(big, shape, 4))
+    assert best.split["disk"] == 0 and best.split["device"] > 20 and best.fits
+    assert best.device_bytes <= 80 * GiB * (1 - cm.MARGIN)
+    small = dataclasses.replace(big, free_device_bytes=24 * GiB, free_host_bytes=64 * GiB)
+    best = cm.choose(cm.search(small, shape, 4))
+    assert best.split["disk"] > 0 and best.split["ram"] > 0 and best.bound == "disk"
+    assert best.host_bytes <= 64 * GiB * (1 - cm.MARGIN)
+    no_disk = dataclasses.replace(small, free_disk_bytes=100 * 10**9)  # the 70B store is ~138 GB
+    with pytest.raises(ValueError, match=r"needs 3[0-9]\.[0-9] GiB more disk space"):
+        cm.choose(cm.search(no_disk, shape, 4))
+    with pytest.raises(ValueError, match="more device memory"):
+        cm.choose(cm.search(dataclasses.replace(small, free_device_bytes=4 * GiB), shape, 4))
+
+
+def test_compile_is_chosen_when_it_pays_for_itself():
+    shape = cm.shape_of(CFG, "fp32", "fp32", 16)
+    prof = cm.MachineProfile(machine="t", device="cuda", fwd_flops=1e9, compile_speedup=1.5, compile_s=30.0)
+    best = cm.choose(cm.search(prof, shape, 4))
+    saving = best.step_s - cm.predict(prof, shape, best.placement, dataclasses.replace(
+        best.activations, compile=True), 4, best.tiers).step_s
+    assert saving > 0
+    short, long = int(30 / saving) - 1, int(30 / saving) + 2
+    assert cm.decide_compile(prof, shape, best, short).activations.compile is False
+    assert cm.decide_compile(prof, shape, best, long).activations.compile is True
+    assert cm.decide_compile(prof, shape, best, long, compile=False).activations.compile is False  # asked: wins
+    unmeasured = dataclasses.replace(prof, compile_speedup=None)
+    assert cm.decide_compile(unmeasured, shape, best, long).activations.compile is None

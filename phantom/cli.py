@@ -2,16 +2,22 @@
 
 A field added to `Placement` or `Activations` becomes a flag of every script that calls
 `add_config_flags` (its help, choices and type come from the field), and `configs_from_args` builds
-the configs back from the parsed flags. Imports phantom.placement only (and torch).
+the configs back from the parsed flags. `guarded` runs a script's main: bad input becomes one
+`error:` line and exit 2, a bug keeps its traceback. Imports phantom.placement and phantom.fileio.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import sys
+import traceback
 import typing
+from pathlib import Path
 
 import torch
 
+from phantom import fileio
 from phantom.placement import parse_bytes
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -81,3 +87,44 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     if dtype != "auto":
         return dtype
     return "bf16" if device.type == "cuda" else "fp32"
+
+
+PROJECT = Path(__file__).resolve().parent.parent  # phantom/ and scripts/: where user errors are raised
+BUG = "internal error: this is a bug in phantom or a library it uses, not in what you gave; please report it " \
+      "with the traceback below"
+
+
+def user_error(e: BaseException) -> str | None:
+    """The one line to print if `e` is about what the user gave, else None (a bug).
+
+    Files and OS errors a user can fix (missing, permissions, disk full, quota, read-only, EIO) are
+    theirs; a ValueError is theirs when phantom's own code raised it (phantom checks what it is
+    given and says what to do), not when a library raised it (its innermost frame is then a call,
+    not one of phantom's `raise` statements).
+    """
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)):
+        return str(e)
+    if isinstance(e, OSError):
+        return fileio.describe(e, "reading" if e.errno == errno.EIO else "writing") or None
+    if isinstance(e, ValueError):  # raised by a `raise` statement of phantom's, not by a call into a library
+        frames = traceback.extract_tb(e.__traceback__)
+        if not frames:
+            return str(e)
+        last = frames[-1]
+        ours = PROJECT in Path(last.filename).resolve().parents and (last.line or "").lstrip().startswith("raise")
+        return str(e) if ours else None
+    return None
+
+
+def guarded(main, argv=None) -> int:
+    """Run `main(argv)`: a user error prints `error: <one line>` and returns 2; a bug prints a line
+    saying so and re-raises (its traceback is the report)."""
+    try:
+        return main(argv)
+    except Exception as e:  # noqa: BLE001 - classified here; a bug is re-raised with its traceback
+        line = user_error(e)
+        if line is None:
+            print(BUG, file=sys.stderr)
+            raise
+        print(f"error: {' '.join(line.split())}", file=sys.stderr)
+        return 2

@@ -1,10 +1,13 @@
 """Training data: plain text and JSONL instruction sets, tokenized once into a memory-mapped cache,
-with prompt tokens masked (-100), cut into windows or packed into rows, served by a DataLoader.
+with prompt tokens masked (-100), cut into windows or packed into rows, served by a DataLoader; or
+data already tokenized (flat .bin / .npy files of token ids, as nanoGPT and litgpt write them),
+memory-mapped as they are.
 
-Imports phantom.tokenizer only (never the model).
+Imports phantom.tokenizer and phantom.fileio only (never the model).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from phantom import fileio
 from phantom.tokenizer import TINY_TEXT, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -26,7 +30,9 @@ log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 CACHE_VERSION = 1
 CACHE_DIR = ".phantom-cache"
-FORMATS = ("text", "prompt", "alpaca", "chat", "jsonl-text")
+FORMATS = ("text", "prompt", "alpaca", "chat", "jsonl-text", "tokens")
+TOKEN_SUFFIXES = (".bin", ".npy")  # pre-tokenized: a flat array of token ids
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 DEFAULT_DATA = TINY_TEXT
 
 # Stanford Alpaca's prompts (github.com/tatsu-lab/stanford_alpaca, train.py).
@@ -197,25 +203,36 @@ def cache_key(path: Path, tok: Tokenizer) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def load(path: Path | str | None, tok: Tokenizer, cache: bool = True) -> TokenData:
-    """Tokenize a data file once and memory-map the result from then on.
+def load(path: Path | str | None, tok: Tokenizer | None, cache: bool = True, vocab_size: int | None = None,
+         dtype: str | None = None) -> TokenData:
+    """Tokenize a data file once and memory-map the result from then on (token files: map them as they are).
 
     The tokens are cached in `.phantom-cache/` next to the file, keyed by the tokenizer's fingerprint
     and the file's size and mtime: a new tokenizer or an edited file is tokenized afresh.
 
     Args:
-        path: plain text (any suffix but .jsonl/.json), or JSONL with {"prompt", "response"},
+        path: plain text (any suffix but .jsonl/.json/.bin/.npy), or JSONL with {"prompt", "response"},
             Alpaca's {"instruction", "input", "output"}, chat {"messages": [{"role", "content"}]} or
-            {"text"} records (the first record decides). None: the shipped tiny text.
-        tok: the model's tokenizer.
+            {"text"} records (the first record decides), or token ids already tokenized (.bin, .npy;
+            see load_tokens). None: the shipped tiny text.
+        tok: the model's tokenizer (None: only token files can be read).
         cache: read and write the cache (False: tokenize in memory).
+        vocab_size: the model's vocabulary, which token ids are checked against (default: tok's).
+        dtype: element type of a .bin of token ids ("uint16" or "uint32"; see token_dtype).
 
     Raises:
-        FileNotFoundError: no such file. ValueError: empty, not UTF-8, or a bad record (with its line).
+        FileNotFoundError: no such file. ValueError: empty, not UTF-8, a bad record (with its line),
+            an id outside the vocabulary (with its offset), or text with no tokenizer to read it.
     """
     path = Path(path) if path is not None else DEFAULT_DATA
     if not path.is_file():
-        raise FileNotFoundError(f"data file {path} not found; pass --data FILE (plain text or JSONL)")
+        raise FileNotFoundError(f"data file {path} not found; pass --data FILE (plain text, JSONL, or token ids "
+                                f"in a .bin or .npy)")
+    if path.suffix in TOKEN_SUFFIXES:
+        return load_tokens(path, vocab_size or tok.vocab_size, dtype)
+    if tok is None:
+        raise ValueError(f"{path} is text, and the model has no tokenizer to read it: pass token ids already "
+                         f"tokenized (--data FILE.bin or FILE.npy), or prepare the store with a tokenizer")
     key = cache_key(path, tok)
     cache = cache and path.resolve() != DEFAULT_DATA.resolve()  # the shipped text is small: never cached
     folder = path.parent / CACHE_DIR / f"{path.name}.{key}"
@@ -232,21 +249,93 @@ def load(path: Path | str | None, tok: Tokenizer, cache: bool = True) -> TokenDa
         try:
             write_cache(folder, data)
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the run's own outputs would fail next: stop now
+                raise
             log.warning("cannot write the token cache next to %s (%s); tokenizing again next time", path, e)
     return data
 
 
 def write_cache(folder: Path, data: TokenData) -> None:
-    """All three arrays and meta.json into a temporary folder, renamed into place when complete."""
+    """All three arrays and meta.json into a temporary folder, renamed into place when complete.
+
+    A failed write (disk full) removes the temporary folder; the caller tokenizes again next time.
+    """
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    for name in ("tokens", "labels", "starts"):
-        np.save(tmp / f"{name}.npy", getattr(data, name))
-    (tmp / "meta.json").write_text(json.dumps({"format": data.fmt, "tokens": len(data), "examples": len(data.starts)}))
+    try:
+        for name in ("tokens", "labels", "starts"):
+            fileio.atomic_write(tmp / f"{name}.npy", lambda f, a=getattr(data, name): np.save(f, a))
+        fileio.atomic_write_json(tmp / "meta.json", {"format": data.fmt, "tokens": len(data),
+                                                     "examples": len(data.starts)})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(folder)
+        fileio.fsync_dir(folder.parent)
     except OSError:  # another process wrote it first
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- pre-tokenized files ---------------------------------------------------------------------------
+
+def token_dtype(path: Path, vocab_size: int, dtype: str | None = None) -> np.dtype:
+    """The element type of a .bin of token ids: given (--data-dtype), else uint16 when the vocabulary
+    fits (nanoGPT's convention), else uint32."""
+    if dtype is not None:
+        if dtype not in TOKEN_DTYPES:
+            raise ValueError(f"--data-dtype must be one of {', '.join(TOKEN_DTYPES)}, not {dtype!r}")
+        return np.dtype(TOKEN_DTYPES[dtype])
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def load_tokens(path: Path | str, vocab_size: int, dtype: str | None = None) -> TokenData:
+    """A flat file of token ids, memory-mapped (nothing is copied or cached): every token is trained.
+
+    `.npy` records its dtype (any unsigned or signed integer type, 1-D); `.bin` is raw
+    little-endian ids of `dtype` (see token_dtype). Each id is checked against the vocabulary once,
+    in chunks, so a file from another tokenizer fails here and not as an index error mid-run.
+
+    Raises:
+        ValueError: not a flat integer array, a size that is not a whole number of ids, or an id
+            outside [0, vocab_size) (the error names the file and the id's offset).
+    """
+    path = Path(path)
+    if path.suffix == ".npy":
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise ValueError(f"{path}: not a .npy array of token ids ({e})") from None
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
+            raise ValueError(f"{path}: expected a 1-D integer array of token ids, found {tokens.dtype} of shape "
+                             f"{tokens.shape}")
+    else:
+        dt = token_dtype(path, vocab_size, dtype)
+        size = path.stat().st_size
+        if size % dt.itemsize:
+            raise ValueError(f"{path}: {size} bytes is not a whole number of {dt.name} token ids; pass the "
+                             f"--data-dtype it was written with")
+        if size == 0:
+            raise ValueError(f"{path} is empty; give a file of token ids")
+        tokens = np.memmap(path, dtype=dt.newbyteorder("<"), mode="r")
+    check_ids(tokens, vocab_size, path)
+    st = path.stat()
+    ident = f"tokens|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{tokens.dtype.str}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return TokenData(tokens, tokens, np.zeros(1, np.int64), "tokens", key)
+
+
+def check_ids(tokens: np.ndarray, vocab_size: int, path: Path, chunk: int = 1 << 24) -> None:
+    """Raise ValueError naming the first id outside [0, vocab_size) and its offset (in ids)."""
+    for at in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[at:at + chunk])
+        bad = np.flatnonzero((part >= vocab_size) | (part < 0)) if part.dtype.kind == "i" else \
+            np.flatnonzero(part >= vocab_size)
+        if len(bad):
+            i = at + int(bad[0])
+            raise ValueError(f"{path}: token id {int(tokens[i])} at offset {i} (byte {i * tokens.dtype.itemsize}) is "
+                             f"outside the model's vocabulary of {vocab_size}; tokenize the data with this model's "
+                             f"tokenizer, or pass the --data-dtype the file was written with")
 
 
 def split(data: TokenData, fraction: float) -> tuple[TokenData, TokenData | None]:
@@ -333,7 +422,7 @@ def rows(data: TokenData, seq_len: int, pad_id: int = 0, name: str = "data") -> 
     """Plain text as windows, instruction data as packed rows (`name` is for error messages)."""
     if seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {seq_len}")
-    return Windows(data, seq_len, name) if data.fmt == "text" else Packed(data, seq_len, pad_id)
+    return Windows(data, seq_len, name) if data.fmt in ("text", "tokens") else Packed(data, seq_len, pad_id)
 
 
 # -- batches -------------------------------------------------------------------------------------

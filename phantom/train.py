@@ -1,12 +1,15 @@
 """The finetuning loop: AdamW with warmup + cosine decay, clipping, layer-major accumulation, eval,
 samples, metrics.jsonl, atomic checkpoints with bit-exact resume, and a clean stop on Ctrl-C or NaN.
 
-Imports phantom.data, phantom.generate (samples), phantom.store (atomic writes); works on a PhantomModel.
+Every file it writes follows phantom.fileio's rule (whole replacement or whole appended records), so a
+full disk or a crash leaves the last checkpoint intact and `--resume` working. Imports phantom.data,
+phantom.generate (samples), phantom.fileio, phantom.store (checkpoint tensors); works on a PhantomModel.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import logging
@@ -27,16 +30,17 @@ from tqdm import tqdm
 
 from phantom import data as D
 from phantom import dist as pdist
-from phantom import faults
+from phantom import faults, fileio
 from phantom.export import write_tokenizer_files
 from phantom.generate import generate
-from phantom.store import atomic_write_bytes, atomic_write_json, fsync_dir, link_tree, write_safetensors
+from phantom.store import link_tree, write_safetensors
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint"
 # A resumed run must match these, or it could not end where an uninterrupted one would.
 RUN_KEYS = ("model", "lora", "dtype", "mode", "data", "seq_len", "batch_size", "grad_accum", "seed", "shuffle")
+ACTIVATION_KEYS = ("recompute", "compile", "checkpoint_inner")
 
 
 @dataclass(frozen=True)
@@ -208,8 +212,27 @@ def run_identity(model, train_data: D.TokenData, cfg: TrainConfig) -> dict:
     ident = {"model": dataclasses.asdict(model.cfg), "lora": dataclasses.asdict(lora) if lora else None,
              "dtype": str(model.dtype), "mode": cfg.mode, "data": f"{train_data.key}:{len(train_data)}",
              **{k: getattr(cfg, k) for k in ("seq_len", "batch_size", "grad_accum", "seed", "shuffle")},
+             "activations": recorded_activations(model),
              "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "progress", "check_step")}}
     return json.loads(json.dumps(ident))  # as meta.json will read back (tuples become lists)
+
+
+def recorded_activations(model) -> dict | None:
+    """The choices that can change a run's last bits (compile, recompute) as the model resolved them;
+    a checkpoint records them so --resume reuses them unless a flag says otherwise."""
+    acts = getattr(model, "activations", None)
+    return None if acts is None else {k: getattr(acts, k) for k in ACTIVATION_KEYS}
+
+
+def checkpoint_activations(out: Path) -> dict:
+    """What the checkpoint in `out` recorded of recorded_activations ({} if none)."""
+    ckpt = find_checkpoint(Path(out))
+    if ckpt is None:
+        return {}
+    try:
+        return json.loads((ckpt / "meta.json").read_text()).get("activations") or {}
+    except (OSError, ValueError):
+        return {}  # load_checkpoint reports a damaged checkpoint
 
 
 def rng_states() -> dict:
@@ -241,6 +264,22 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, identity: dict, ext
     """
     final, tmp, old = out / CHECKPOINT, out / f"{CHECKPOINT}.tmp", out / f"{CHECKPOINT}.old"
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_checkpoint(tmp, model, opt, sched, step, identity, extra)
+    except OSError as e:  # disk full: the previous checkpoint stays; no half-written folder is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise e if e.filename else OSError(e.errno, e.strerror, str(tmp)) from None
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)  # kept until the new one is in place
+    faults.point("checkpoint.rename")  # crash tests: between the two renames
+    tmp.rename(final)
+    fileio.fsync_dir(out)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint(tmp: Path, model, opt, sched, step: int, identity: dict, extra: dict) -> None:
     tmp.mkdir(parents=True)
     if getattr(model, "lora_cfg", None) is not None:
         model.save_adapter(tmp / "adapter")
@@ -255,17 +294,9 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, identity: dict, ext
              "data_position": step, "extra": extra}
     buf = io.BytesIO()
     torch.save(state, buf)
-    atomic_write_bytes(tmp / "state.pt", buf.getvalue())
-    atomic_write_json(tmp / "meta.json", {"step": step, "time": time.time(), **identity})
-    fsync_dir(tmp)
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)  # kept until the new one is in place
-    faults.point("checkpoint.rename")  # crash tests: between the two renames
-    tmp.rename(final)
-    fsync_dir(out)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+    fileio.atomic_write(tmp / "state.pt", buf.getvalue())
+    fileio.atomic_write_json(tmp / "meta.json", {"step": step, "time": time.time(), **identity})
+    fileio.fsync_dir(tmp)
 
 
 def restore_full_snapshot(out: Path, work_dir: Path) -> bool:
@@ -287,6 +318,31 @@ def find_checkpoint(out: Path) -> Path | None:
     return None
 
 
+def io_error_line(e: OSError, out: Path, store: Path | None = None) -> str | None:
+    """The one line for a failed read or write the user can fix: what failed, on which file (and
+    store), and the way on from the last checkpoint. None: not the user's to fix (a bug).
+
+    'no space left on device writing out/checkpoint.tmp/state.pt; the last checkpoint (step 20) is
+    intact: free space and rerun with --resume'
+    """
+    name = Path(e.filename).resolve() if e.filename else None
+    inside = lambda root: root is not None and name is not None and Path(root).resolve() in name.parents  # noqa: E731
+    writing = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) or inside(out)
+    line = fileio.describe(e, "writing" if writing else "reading")
+    if line is None:
+        return None
+    if inside(store) and not inside(out):
+        line += f" (a file of the store {store})"
+    fix = {errno.ENOSPC: "free space", errno.EDQUOT: "free space or raise the quota",
+           errno.EIO: "check the disk (dmesg) or copy the files elsewhere"}.get(e.errno, "make it writable or "
+                                                                                     "choose another --out")
+    ckpt = find_checkpoint(Path(out))
+    if ckpt is None:
+        return f"{line}; no checkpoint was written yet: {fix} and run again"
+    step = json.loads((ckpt / "meta.json").read_text()).get("step")
+    return f"{line}; the last checkpoint (step {step}) is intact: {fix} and rerun with --resume"
+
+
 def load_checkpoint(path: Path, model, opt, sched, identity: dict) -> dict:
     """Restore weights, optimizer, schedule and RNGs from `path`; returns its state (step, extra)."""
     meta = json.loads((path / "meta.json").read_text())
@@ -296,6 +352,8 @@ def load_checkpoint(path: Path, model, opt, sched, identity: dict) -> dict:
         raise ValueError(f"--resume: the checkpoint in {path} comes from a different run ({k}: {meta.get(k)} "
                          f"here {identity[k]}); use the same model, data and batch settings, or another --out")
     changed = [k for k, v in identity["config"].items() if meta["config"].get(k) != v and k not in RUN_KEYS]
+    changed += [k for k, v in (identity.get("activations") or {}).items()
+                if k in (meta.get("activations") or {}) and meta["activations"][k] != v]
     if changed:
         log.warning("resuming with changed settings %s: the run will differ from one that never stopped", changed)
     tensors = load_file(str(path / "trainable.safetensors"))
@@ -350,11 +408,9 @@ def to_json(rec: dict) -> str:
 
 
 def read_metrics(path: Path, upto: int) -> list[dict]:
-    """Records of metrics.jsonl up to step `upto` (what a resumed run keeps)."""
-    if not path.is_file():
-        return []
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in recs if r.get("step", 0) <= upto]
+    """Records of metrics.jsonl up to step `upto` (what a resumed run keeps); a torn last line (a run
+    stopped mid-write) is dropped with a warning, and the resumed run rewrites the file without it."""
+    return [r for r in fileio.read_records(path) if isinstance(r, dict) and r.get("step", 0) <= upto]
 
 
 def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, cfg: TrainConfig = TrainConfig(),
@@ -402,7 +458,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         log.info("step 0: val loss %.4f, ppl %.2f", history[-1]["val_loss"], history[-1]["val_ppl"])
     metrics_path = out / "metrics.jsonl" if main else Path(os.devnull)
     if main:
-        metrics_path.write_text("".join(to_json(r) for r in history))
+        fileio.atomic_write_text(metrics_path, "".join(to_json(r) for r in history))
     n_tokens, sync = 0.0, None
     if ddp.enabled:  # gradients averaged by target tokens, so N ranks give the global batch's gradient
         sync = lambda: pdist.average_gradients(model.trainable_parameters(), n_tokens)  # noqa: E731
@@ -418,7 +474,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     bar = tqdm(total=cfg.iters, initial=start, desc="finetune", unit="step",
                disable=not (cfg.progress and main) or None,
                dynamic_ncols=True)
-    with StopFlag().installed() as stop, open(metrics_path, "a") as mfile:
+    with StopFlag().installed() as stop, fileio.RecordLog(metrics_path) as mfile:
         while step < cfg.iters:
             t0 = time.perf_counter()
             x, y = next(batches)
@@ -434,10 +490,10 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
             m = sched_metrics()
             rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": x.numel() * ddp.world_size,
                    "tokens_per_s": x.numel() * ddp.world_size / dt, "step_s": dt, "data_s": t_data - t0,
-                   "stall_frac": m.get("stall_s", 0.0) / dt, "kept_bytes": getattr(model, "kept_bytes", 0), **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
+                   "stall_frac": m.get("stall_s", 0.0) / dt, "kept_bytes": model.executor.kept_bytes if getattr(model, "executor", None) else 0, **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 status = "nan"
-                mfile.write(to_json(rec))
+                mfile.append(to_json(rec))
                 break
             last = step == cfg.iters or stop.set
             if val_ds is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
@@ -452,13 +508,13 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
             if cfg.check_step is not None and step == start + 4:  # steps 2-4: past the warm-up
                 if msg := cfg.check_step(sorted(step_times[1:4])[1]):
                     log.warning(msg)
-            mfile.write(to_json(rec))
-            mfile.flush()
+            mfile.append(to_json(rec))
             faults.point("metrics.write")  # crash tests: a step logged, its checkpoint not yet written
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             stall=f"{100 * rec['stall_frac']:.0f}%", refresh=False)
             bar.update(1)
             if main and ((cfg.save_every and step % cfg.save_every == 0) or last):
+                mfile.fsync()  # the records up to the checkpoint are durable with it
                 save_checkpoint(out, model, opt, sched, step, identity, {"best_val": best_val})
             if stop.set:
                 status = "interrupted"

@@ -1,9 +1,11 @@
 """Finetune a Llama model with LoRA while its blocks stream from disk: `python scripts/finetune.py`.
 
 With no flags it trains the embedded tiny model on the shipped text. Writes adapter/ (PEFT),
-checkpoint/ (for --resume), metrics.jsonl and, with --trace, trace.json into --out.
+checkpoint/ (for --resume), metrics.jsonl and, with --trace, trace.json into --out. Every flag is
+checked against the model before anything is measured, generated or allocated.
 """
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -17,56 +19,64 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import phantom  # noqa: E402
 import torch  # noqa: E402
-from phantom import tune  # noqa: E402
+from phantom import cli, data, fileio, tune  # noqa: E402
+from phantom import placement as P  # noqa: E402
+from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
-from phantom import data  # noqa: E402
+from phantom.store import BlockStore  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
-from phantom.train import TrainConfig, restore_full_snapshot, train  # noqa: E402
+from phantom.train import ACTIVATION_KEYS, TrainConfig, checkpoint_activations, io_error_line, \
+    restore_full_snapshot, train  # noqa: E402
 
 D = TrainConfig()
-DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5}  # (mode, tiny)
+SMALL_MODEL = 100_000_000  # parameters: below this a model takes the demo's high rates (a random tiny base)
+DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5}  # (mode, small)
+log = logging.getLogger("finetune")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", default="tiny", help="preset name (prepared under weights/) or a store folder")
-    a("--offload", default="disk", choices=["disk", "ram", "none"], help="where blocks wait between uses")
-    a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto")
-    a("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="compute dtype (auto: bf16 on CUDA)")
-    a("--prefetch", default="auto", help="blocks read ahead of the one computing, or auto: the tuner's choice of "
-                                          "prefetch and resident blocks (python scripts/tune.py measures; else a quick profile)")
-    a("--recompute", default="all", choices=["all", "none", "auto"],
-      help="rerun each block's forward in backward (all), keep activations without weights (none), or keep "
-           "what fits host memory (auto)")
-    a("--checkpoint-inner", action="store_true", help="also checkpoint attention and MLP inside blocks (long seqs)")
-    a("--compile", action="store_true", help="torch.compile the block once for all layers (eager fallback)")
-    a("--mode", default="lora", choices=["lora", "full"], help="train a LoRA or all weights")
-    a("--lora-rank", type=int, default=8, help="LoRA rank r")
-    a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r")
-    a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down")
-    a("--data", default=None, help="plain text, or JSONL (prompt/response, Alpaca, chat messages); "
-                                   "default: the shipped tiny text")
+    a("--model", default="tiny", help="preset name (prepared under weights/) or a store folder (default: tiny)")
+    a("--synthetic", action="store_true", help="random weights with the shapes of the preset --model and the tiny "
+                                               "tokenizer: a smoke test of real shapes without downloading them")
+    a("--layers", type=int, default=None, help="with --synthetic: this many blocks (default: the preset's)")
+    a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (default: auto)")
+    a("--dtype", default="auto", choices=cli.DTYPES, help="compute dtype (default auto: bf16 on CUDA, else fp32)")
+    cli.add_config_flags(p, P.Placement, skip=("prefetch", "shared_ram"))
+    a("--prefetch", default=None, dest="prefetch_or_auto", metavar="N|auto", help="blocks read ahead of the one computing (default: 2), or auto: the tuner's "
+                                       "tier, prefetch and resident blocks (python scripts/tune.py measures; else a "
+                                       "quick profile)")
+    cli.add_config_flags(p, P.Activations, skip=("micro_batch",))
+    a("--no-compile", dest="compile", action="store_false", help="run blocks eagerly")
+    a("--mode", default="lora", choices=["lora", "full"], help="train a LoRA or all weights (default: lora)")
+    a("--lora-rank", type=int, default=8, help="LoRA rank r (default: 8)")
+    a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r (default: 16)")
+    a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down (default: q,v)")
+    a("--data", default=None, help="plain text, JSONL (prompt/response, Alpaca, chat messages), or token ids already "
+                                   "tokenized (.bin, .npy); default: the shipped tiny text")
     a("--val-data", default=None, help="held-out data file (default: split off --val-split of --data)")
-    a("--val-split", type=float, default=0.1, help="fraction of --data held out for evaluation (0: none)")
-    a("--iters", type=int, default=D.iters, help="optimizer steps")
-    a("--batch-size", type=int, default=D.batch_size, help="rows per micro-batch")
-    a("--grad-accum", type=int, default=D.grad_accum, help="micro-batches per step (layer-major)")
-    a("--seq-len", type=int, default=D.seq_len, help="tokens per row")
-    a("--lr", type=float, default=None,
-      help="peak learning rate (default: LoRA 1e-2 for tiny, 2e-4 otherwise; full 1e-3 / 1e-5)")
+    a("--val-split", type=float, default=0.1, help="fraction of --data held out for evaluation, 0: none (default: 0.1)")
+    a("--data-dtype", default=None, choices=sorted(data.TOKEN_DTYPES),
+      help="element type of .bin token files (default: uint16 if the vocabulary fits, else uint32)")
+    a("--iters", type=int, default=D.iters, help=f"optimizer steps (default: {D.iters})")
+    a("--batch-size", type=int, default=D.batch_size, help=f"rows per micro-batch (default: {D.batch_size})")
+    a("--grad-accum", type=int, default=D.grad_accum, help="micro-batches per step, layer-major (default: 1)")
+    a("--seq-len", type=int, default=D.seq_len, help=f"tokens per row (default: {D.seq_len})")
+    a("--lr", type=float, default=None, help="peak learning rate (default by model size: LoRA 1e-2 under 100M "
+                                             "parameters, else 2e-4; full 1e-3 / 1e-5)")
     a("--min-lr", type=float, default=None, help="end of the cosine decay (default: lr / 10)")
-    a("--warmup", type=int, default=D.warmup, help="linear warmup steps")
-    a("--weight-decay", type=float, default=D.weight_decay, help="AdamW weight decay")
-    a("--grad-clip", type=float, default=D.grad_clip, help="max gradient norm (0: off)")
-    a("--eval-every", type=int, default=D.eval_every, help="evaluate every N steps (0: at the end only)")
+    a("--warmup", type=int, default=D.warmup, help=f"linear warmup steps (default: {D.warmup})")
+    a("--weight-decay", type=float, default=D.weight_decay, help="AdamW weight decay (default: 0)")
+    a("--grad-clip", type=float, default=D.grad_clip, help="max gradient norm, 0: off (default: 1)")
+    a("--eval-every", type=int, default=D.eval_every, help="evaluate every N steps, 0: at the end only")
     a("--eval-iters", type=int, default=D.eval_iters, help="batches per evaluation")
-    a("--save-every", type=int, default=D.save_every, help="checkpoint every N steps (0: at the end only)")
-    a("--sample-every", type=int, default=D.sample_every, help="print a greedy sample every N steps (0: off)")
+    a("--save-every", type=int, default=D.save_every, help="checkpoint every N steps, 0: at the end only")
+    a("--sample-every", type=int, default=D.sample_every, help="print a greedy sample every N steps, 0: off")
     a("--prompt", default="The keeper", help="prompt of the samples")
     a("--sequential", action="store_true", help="read the data in order instead of random windows/rows")
     a("--workers", type=int, default=D.workers, help="DataLoader worker processes")
-    a("--out", default=D.out, help="output folder")
+    a("--out", default=D.out, help=f"output folder (default: {D.out})")
     a("--resume", action="store_true", help="continue from --out/checkpoint")
     a("--seed", type=int, default=D.seed, help="seed of the LoRA init, batch order and dropout")
     a("--trace", action="store_true", help="write --out/trace.json (Chrome trace of the scheduler)")
@@ -74,77 +84,140 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_model(args, lr: float):
-    device = phantom.resolve_device(args.device)
-    ddp = init_from_env(device.type)  # under torchrun: one rank per device, one host copy per machine
-    if ddp.enabled and device.type == "cuda":
-        device = torch.device("cuda", ddp.local_rank)
-    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+def train_config(args, lr: float) -> TrainConfig:
+    return TrainConfig(iters=args.iters, batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
+                       lr=lr, min_lr=args.min_lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                       grad_clip=args.grad_clip, eval_every=args.eval_every, eval_iters=args.eval_iters,
+                       save_every=args.save_every, sample_every=args.sample_every, prompt=args.prompt, seed=args.seed,
+                       shuffle=not args.sequential, out=args.out, resume=args.resume, mode=args.mode,
+                       workers=args.workers, trace=args.trace, progress=not args.quiet)
+
+
+def check_seq_len(cfg: TrainConfig, model_cfg) -> None:
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
+
+
+def parse_prefetch(text: str | None) -> int | str | None:
+    if text is None or text == "auto":
+        return text
+    if not text.lstrip("-").isdigit() or int(text) < 0:
+        raise ValueError(f"--prefetch must be >= 0 or auto, not {text!r}")
+    return int(text)
+
+
+def model_path(args) -> Path:
+    """The store to train: a folder, a preset (tiny is generated), or a synthetic store of a preset's
+    shapes. Generation takes a machine-wide lock, so ranks and concurrent runs make it once."""
+    if not args.synthetic:
+        if args.model not in phantom.PRESETS:
+            return phantom.resolve_model(args.model)
+        with fileio.locked(phantom.weights_dir() / ".generate.lock"):
+            return phantom.resolve_model(args.model)
+    if args.model not in phantom.PRESETS:
+        raise ValueError(f"--synthetic needs a preset --model ({', '.join(phantom.PRESETS)}), not {args.model!r}")
+    if args.layers is not None and args.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {args.layers}")
+    cfg = phantom.preset(args.model, **({"n_layers": args.layers} if args.layers else {}))
+    out = phantom.weights_dir() / f"{args.model}-synthetic-{cfg.n_layers}L"
+    with fileio.locked(phantom.weights_dir() / ".generate.lock"):
+        tiny = ensure_tiny(phantom.weights_dir() / "tiny")
+        if not (out / "manifest.json").is_file():
+            log.info("writing random %s-shaped weights (%d blocks) to %s", args.model, cfg.n_layers, out)
+            write_synthetic(out, cfg, tokenizer=tiny / "tokenizer.model", progress=not args.quiet)
+    return out
+
+
+def tuned(args, path: Path, device, dtype: str, placement: P.Placement):
+    """`--prefetch auto`: the tuner's tier, prefetch and resident blocks (what cannot change the
+    numbers; the micro-batch and recompute stay as given). One rank or run measures at a time."""
+    offloads = ("ram", "disk") if placement.offload == "auto" else (placement.offload,)
+    with fileio.locked(tune.profile_path(BlockStore(path, verify="none"), device, dtype).parent / ".measure.lock"):
+        best = tune.auto_placement(path, device, args.batch_size * args.grad_accum, args.seq_len, dtype,
+                                   offloads=offloads)
+    return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident)
+
+
+def load_model(args, path: Path, device, dtype: str, ddp, placement, activations, lr: float):
     lora = phantom.LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, seed=args.seed,
                               targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
     full = {}
     if args.mode == "full":  # blocks are updated inside backward; the working copy of the store is --out/store
         work_dir = args.out if not ddp.enabled else f"{args.out}/rank{ddp.rank}"  # one working store per rank
-        if args.resume and args.offload != "none":
+        if args.resume and placement.offload != "none":
             restore_full_snapshot(Path(args.out), Path(work_dir))
         elif (Path(work_dir) / "store").exists():  # a new run starts from the base model, not the last run's
-            logging.getLogger("finetune").warning("%s holds a previous run's weights; starting again from %s",
-                                                  Path(work_dir) / "store", args.model)
+            log.warning("%s holds a previous run's weights; starting again from %s", Path(work_dir) / "store", path)
             for sub in ("store", "optim"):
                 shutil.rmtree(Path(work_dir) / sub, ignore_errors=True)
         full = dict(mode="full", work_dir=work_dir, optim=phantom.AdamWConfig(
             lr=lr, betas=D.betas, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None))
-    place = dict(prefetch=int(args.prefetch) if args.prefetch != "auto" else 2)
-    if args.prefetch == "auto" and args.offload != "none":
-        # only what cannot change the numbers: the micro-batch and recompute policy stay as given
-        args.placement = tune.auto_placement(phantom.resolve_model(args.model), device,
-                                             args.batch_size * args.grad_accum, args.seq_len, dtype,
-                                             offloads=(args.offload,), micro_batch=args.batch_size,
-                                             recompute=(args.recompute,))
-        place = dict(prefetch=args.placement.prefetch, resident=args.placement.resident)
-    place.update(recompute=args.recompute, checkpoint_inner=args.checkpoint_inner, compile=args.compile)
-    return phantom.load(args.model, device=device, offload=args.offload, dtype=dtype, **place,
-                        lora=lora, micro_batch=args.batch_size, trace=args.trace,
-                        shared_ram=ddp.local_world_size > 1 and args.offload == "ram" and args.mode == "lora", **full)
+    shared = ddp.local_world_size > 1 and placement.offload == "ram" and args.mode == "lora"
+    return phantom.load(path, device=device, dtype=dtype, placement=dataclasses.replace(placement, shared_ram=shared),
+                        activations=dataclasses.replace(activations, micro_batch=args.batch_size), lora=lora,
+                        trace=args.trace, **full)
+
+
+def run(argv=None) -> int:
+    args = parse_args(argv)
+    placement, activations = cli.configs_from_args(args, P.Placement(), P.Activations())
+    prefetch = parse_prefetch(args.prefetch_or_auto)
+    if isinstance(prefetch, int):
+        placement = dataclasses.replace(placement, prefetch=prefetch)
+    cfg = train_config(args, args.lr if args.lr is not None else 1.0)  # checks the flags; lr is set below
+    device = phantom.resolve_device(args.device)
+    ddp = init_from_env(device.type)  # under torchrun: one rank per device, one host copy per machine
+    if ddp.enabled and device.type == "cuda":
+        device = torch.device("cuda", ddp.local_rank)
+    quiet = args.quiet or not ddp.is_main  # one voice per job: rank 0 logs, the others print only errors
+    logging.basicConfig(level=logging.ERROR if not ddp.is_main else logging.WARNING if quiet else logging.INFO,
+                        format="%(message)s", force=True)
+    cfg = dataclasses.replace(cfg, progress=not quiet)
+    if args.synthetic or args.model == "tiny":  # shapes known before anything is generated
+        check_seq_len(cfg, phantom.preset(args.model))
+    path = model_path(args)
+    store = BlockStore(path, verify="none")
+    check_seq_len(cfg, store.cfg)
+    if args.lr is None:
+        cfg = dataclasses.replace(cfg, lr=DEFAULT_LR[args.mode, store.cfg.n_params() < SMALL_MODEL])
+    out = Path(args.out)
+    lock = fileio.locked(out / ".lock", wait=False, what=f"{out} is in use by another finetune run; wait for it to "
+                         f"end or choose another --out") if ddp.is_main else contextlib.nullcontext()
+    with lock:
+        if args.resume:  # compile and recompute as the checkpoint recorded them, unless a flag says otherwise
+            recorded = checkpoint_activations(out)
+            activations = dataclasses.replace(activations, **{k: recorded[k] for k in ACTIVATION_KEYS
+                                                              if k in recorded and getattr(args, k) is None})
+        dtype = cli.resolve_dtype(args.dtype, device)
+        if prefetch == "auto" and placement.offload != "none":
+            best, placement = tuned(args, path, device, dtype, placement)
+            cfg = dataclasses.replace(cfg, check_step=functools.partial(tune.check_prediction, best))
+        try:
+            s = train_run(args, cfg, path, store, device, dtype, ddp, placement, activations)
+        except OSError as e:
+            if (line := io_error_line(e, out, path)) is None:
+                raise
+            raise ValueError(line) from None
+    if ddp.is_main:
+        print_summary(s)
+    return {"done": 0, "interrupted": 0}.get(s["status"], 1)
+
+
+def train_run(args, cfg, path, store, device, dtype, ddp, placement, activations) -> dict:
+    tok = Tokenizer(store.tokenizer_path) if store.tokenizer_path is not None else None
+    if tok is None and (args.data is None or Path(args.data).suffix not in data.TOKEN_SUFFIXES):
+        raise FileNotFoundError(f"{path} has no tokenizer; train it on token ids already tokenized (--data FILE.bin "
+                                f"or FILE.npy), or prepare the store with a tokenizer")
+    load = functools.partial(data.load, tok=tok, vocab_size=store.cfg.vocab_size, dtype=args.data_dtype)
+    train_data, val_data = data.split(load(args.data), 0 if args.val_data else args.val_split)
+    val_data = load(args.val_data) if args.val_data else val_data
+    cfg = dataclasses.replace(cfg, prompt=data.render_prompt(args.prompt, train_data.fmt))
+    with load_model(args, path, device, dtype, ddp, placement, activations, cfg.lr) as model, logging_redirect_tqdm():
+        return train(model, train_data, val_data, cfg, tok)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.mode, args.model == "tiny"]
-    try:
-        cfg = TrainConfig(iters=args.iters, batch_size=args.batch_size, grad_accum=args.grad_accum,
-                          seq_len=args.seq_len, lr=lr, min_lr=args.min_lr, warmup=args.warmup,
-                          weight_decay=args.weight_decay, grad_clip=args.grad_clip, eval_every=args.eval_every,
-                          eval_iters=args.eval_iters, save_every=args.save_every, sample_every=args.sample_every,
-                          prompt=args.prompt, seed=args.seed, shuffle=not args.sequential, out=args.out,
-                          resume=args.resume, mode=args.mode, workers=args.workers, trace=args.trace,
-                          progress=not args.quiet)
-        if args.prefetch != "auto" and not args.prefetch.isdigit():
-            raise ValueError(f"--prefetch must be >= 0 or auto, not {args.prefetch!r}")
-        args.placement = None
-        model = load_model(args, lr)
-        if args.placement is not None:
-            cfg = dataclasses.replace(cfg, check_step=functools.partial(tune.check_prediction, args.placement))
-    except (ValueError, FileNotFoundError, OSError) as e:  # StoreError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    with model:
-        try:
-            if model.store.tokenizer_path is None:
-                raise FileNotFoundError(f"{model.store.path} has no tokenizer; prepare the store with one")
-            tok = Tokenizer(model.store.tokenizer_path)
-            train_data, val_data = data.split(data.load(args.data, tok), 0 if args.val_data else args.val_split)
-            val_data = data.load(args.val_data, tok) if args.val_data else val_data
-            cfg = dataclasses.replace(cfg, prompt=data.render_prompt(args.prompt, train_data.fmt))
-            with logging_redirect_tqdm():
-                s = train(model, train_data, val_data, cfg, tok)
-        except (ValueError, FileNotFoundError, OSError) as e:
-            shutil.rmtree(Path(args.out) / "checkpoint.tmp", ignore_errors=True)  # one cut short (disk full)
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    print_summary(s)
-    return {"done": 0, "interrupted": 0}.get(s["status"], 1)
+    return cli.guarded(run, argv)
 
 
 def print_summary(s: dict) -> None:

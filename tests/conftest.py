@@ -1,5 +1,13 @@
-"""Shared fixtures: small random stores written per session (GQA, several blocks, fixed seeds)."""
+"""Shared fixtures: small random stores written per session (GQA, several blocks, fixed seeds).
+
+Every run of the suite is a first run: PHANTOM_CACHE (tuning profiles) and PHANTOM_WEIGHTS (the
+generated tiny model) point at a temporary folder, so no test reads or writes the user's own.
+"""
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +17,14 @@ from phantom.convert import write_synthetic
 
 # GQA (2 kv heads for 4 query heads), 4 blocks, a vocabulary that is not a power of two.
 SMALL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+# Set on import, before any test module is imported (some read the environment at import time).
+_HOME = tempfile.mkdtemp(prefix="phantom-tests-")
+os.environ["PHANTOM_CACHE"] = os.path.join(_HOME, "cache")
+os.environ["PHANTOM_WEIGHTS"] = os.path.join(_HOME, "weights")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import phantom
+import phantom.fileio
 import phantom.train
 from phantom import data
 from phantom.config import preset
@@ -184,11 +185,11 @@ def test_finetune_damaged_store(tiny, tmp_path, capsys, case):
 def trained(weights, tmp_path_factory):
     """An --out folder holding a checkpoint of a 2-step run on the tiny model."""
     out = tmp_path_factory.mktemp("trained") / "out"
-    os.environ["PHANTOM_WEIGHTS"] = str(weights)
+    before, os.environ["PHANTOM_WEIGHTS"] = os.environ.get("PHANTOM_WEIGHTS"), str(weights)
     try:
         assert script("finetune").main([*FT, "--out", str(out)]) == 0
     finally:
-        del os.environ["PHANTOM_WEIGHTS"]
+        os.environ.pop("PHANTOM_WEIGHTS") if before is None else os.environ.update(PHANTOM_WEIGHTS=before)
     return out
 
 
@@ -206,24 +207,25 @@ def test_resume_refuses_another_runs_checkpoint(tiny, trained, tmp_path, capsys,
 
 
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tiny, tmp_path, capsys, monkeypatch):
-    real, calls = phantom.train.atomic_write_bytes, []
+    real, calls = phantom.fileio.atomic_write, []
 
     def write(path, data):  # state.pt of the second checkpoint hits a full disk
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real(path, data)
+        if Path(path).name == "state.pt":
+            calls.append(path)
+        if len(calls) == 2 and Path(path).name == "state.pt":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write() raises it: no file name
+        return real(path, data)
 
-    monkeypatch.setattr(phantom.train, "atomic_write_bytes", write)
+    monkeypatch.setattr(phantom.fileio, "atomic_write", write)
     code = finetune(tmp_path, "--iters", "4", "--save-every", "2")
-    line = check(capsys, code, tmp_path, "No space left on device")
-    assert "state.pt" in line
+    line = check(capsys, code, tmp_path, "no space left on device writing", "checkpoint.tmp",
+                 "the last checkpoint (step 2) is intact", "--resume")
     ckpt = tmp_path / "out" / "checkpoint"
     assert json.loads((ckpt / "meta.json").read_text())["step"] == 2
-    monkeypatch.setattr(phantom.train, "atomic_write_bytes", real)
+    monkeypatch.setattr(phantom.fileio, "atomic_write", real)
     assert finetune(tmp_path, "--iters", "4", "--save-every", "2", "--resume") == 0  # the previous one loads
     assert json.loads((ckpt / "meta.json").read_text())["step"] == 4
-    assert not leftovers(tmp_path)
+    assert not leftovers(tmp_path) and line
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
@@ -235,7 +237,7 @@ def test_out_folder_without_write_permission(tiny, tmp_path, capsys):
         code = script("finetune").main([*FT, "--out", str(locked / "out")])
     finally:
         locked.chmod(0o755)
-    check(capsys, code, tmp_path, "Permission denied", str(locked))
+    check(capsys, code, tmp_path, "permission denied", str(locked))
 
 
 # -- prepare_model --------------------------------------------------------------------------------

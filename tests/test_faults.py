@@ -25,7 +25,8 @@ from phantom.train import find_checkpoint
 from test_convert import load_script
 
 REPO = Path(__file__).resolve().parent.parent
-COMMON = ["--iters", "8", "--save-every", "2", "--batch-size", "2", "--seq-len", "32", "-q", "--prefetch", "2"]  # fixed placement: fault counts depend on it
+COMMON = ["--iters", "8", "--save-every", "2", "--batch-size", "2", "--seq-len", "32", "-q", "--prefetch", "2",
+          "--offload", "disk"]  # fixed placement: fault counts depend on it
 LORA = [*COMMON, "--eval-every", "4", "--eval-iters", "1"]
 FULL = [*COMMON, "--mode", "full", "--offload", "disk", "--lr", "1e-3", "--eval-every", "0", "--val-split", "0"]
 
@@ -185,5 +186,6 @@ def test_prefetch_io_error_ends_the_cli_with_one_line(env, tmp_path, capsys, mon
     assert code == 2 and "Traceback" not in err and len(calls) >= 5, err
     assert all(t < failed_at[0] + 0.2 for _, t in calls[5:]), calls
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: [Errno 5] Input/output error (injected)"), err
-    assert str(env / "tiny" / "blocks") in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: I/O error reading "), err
+    assert str(env / "tiny" / "blocks") in lines[0] and "a file of the store" in lines[0], err
+    assert "check the disk" in lines[0], err

@@ -1,0 +1,220 @@
+"""Durable files: the one rule every file phantom writes follows, and one line when a write fails.
+
+The rule: a file is either replaced whole (written under a temporary name in its own folder, fsynced,
+renamed over the old one, then the folder fsynced) or appended by whole records (one write of a
+complete line, cut back if it fails part-way; a tail torn by a crash is cut on the next read). A
+reader sees the old or the new version, never a mix. Also: an advisory lock for things made once per
+machine or per folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import fnmatch
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from phantom import faults
+
+log = logging.getLogger(__name__)
+
+# What a failed read or write means to the user (errno -> words); anything else is not the user's to fix.
+USER_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "read-only file system", errno.EIO: "I/O error", errno.EACCES: "permission denied",
+               errno.EPERM: "operation not permitted"}
+
+# Tests: PHANTOM_IO_FAULT="<glob of a file name>:N" fails the Nth write of a matching file with ENOSPC.
+_fault_spec = os.environ.get("PHANTOM_IO_FAULT", "")
+_fault_glob, _, _fault_n = _fault_spec.rpartition(":")
+_fault_hits = 0
+
+
+def _maybe_fail(path: Path) -> None:
+    global _fault_hits
+    if _fault_glob and fnmatch.fnmatch(path.name, _fault_glob):
+        _fault_hits += 1
+        if _fault_hits == int(_fault_n or 1):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """The error with the file it concerns (a failed write() carries no file name)."""
+    if e.filename is None:
+        e = OSError(e.errno, e.strerror, str(path))
+    return e
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Make a rename or a new file in `path` durable (the folder's entry, not only the data)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path | str, data: bytes | Callable) -> Path:
+    """Replace `path` whole: temporary file in the same folder, fsync, rename, fsync the folder.
+
+    Args:
+        data: the bytes, or a function that writes into the binary file object it is given (for
+            payloads that should not be built in memory first, e.g. np.save).
+
+    Raises:
+        OSError: with the file name set (disk full, quota, permissions); nothing is left behind.
+    """
+    path = Path(path)
+    fd, tmp = -1, None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            _maybe_fail(path)
+            data(f) if callable(data) else f.write(data)
+            faults.point("file.write")  # crash tests: written, not yet renamed
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise _named(e, path) from None
+    except BaseException:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: Path | str, text: str) -> Path:
+    return atomic_write(path, text.encode())
+
+
+def atomic_write_json(path: Path | str, obj) -> Path:
+    return atomic_write(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+class RecordLog:
+    """An append-only JSONL file written by whole lines.
+
+    Each record is one `write` of a complete line, flushed to the OS; if that write fails (disk full)
+    the file is cut back to where the line began, so the file never ends in half a record. `fsync`
+    makes what was appended durable (the trainer calls it before each checkpoint).
+    """
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        try:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _named(e, self.path) from None
+
+    def append(self, line: str) -> None:
+        raw = line.encode() if line.endswith("\n") else (line + "\n").encode()
+        end = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            _maybe_fail(self.path)
+            done = os.write(self.fd, raw)
+            while done < len(raw):  # a short write: the rest, or an OSError (disk full)
+                done += os.write(self.fd, raw[done:])
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, end)
+            raise _named(e, self.path) from None
+
+    def fsync(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError as e:
+            raise _named(e, self.path) from None
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_records(path: Path | str, repair: bool = False) -> list[dict]:
+    """The JSON records of a JSONL file; a torn last line (a crash mid-append) is skipped, and with
+    `repair` cut from the file (logged). A bad line elsewhere is an error: it is not a torn append."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    records, good = [], 0
+    for k, line in enumerate(lines):
+        if not line.strip():
+            good += len(line) + 1
+            continue
+        try:
+            records.append(json.loads(line))
+            good += len(line) + 1
+        except ValueError:
+            if any(rest.strip() for rest in lines[k + 1:]):
+                raise ValueError(f"{path}:{k + 1}: not a JSON record; the file is damaged in the middle: "
+                                 f"move it away to continue") from None
+            log.warning("%s ends in a torn record (%d bytes): %s", path, len(line),
+                        "cut" if repair else "ignored")
+            if repair:
+                with open(path, "r+b") as f:
+                    f.truncate(min(good, len(raw)))
+                    f.flush()
+                    os.fsync(f.fileno())
+            break
+    return records
+
+
+def describe(e: OSError, doing: str = "writing") -> str | None:
+    """'no space left on device writing /x/y' for the errors a user can fix, else None (a bug)."""
+    what = USER_ERRNOS.get(e.errno)
+    if what is None:
+        return None
+    return f"{what} {doing} {e.filename}" if e.filename else what
+
+
+_in_process: dict[str, threading.Lock] = {}  # POSIX locks do not exclude threads of one process
+_in_process_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def locked(path: Path | str, wait: bool = True, what: str = ""):
+    """Hold an exclusive lock on the file `path` (created if needed) for the block.
+
+    A POSIX record lock (fcntl.lockf): the kernel drops it when the holder dies, even by SIGKILL, so a
+    lock left by a killed run never blocks the next one, and unlike flock it is not inherited by
+    forked children (DataLoader workers outliving a killed parent would otherwise keep it). A
+    thread lock per path makes it exclusive between threads of one process too. With wait=False a
+    held lock raises ValueError with `what` (the caller's words).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _in_process_guard:
+        local = _in_process.setdefault(str(path.resolve()), threading.Lock())
+    if not local.acquire(blocking=wait):
+        raise ValueError(what or f"{path} is locked by another run")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: held by another process
+                raise ValueError(what or f"{path} is locked by another process") from None
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {time.time():.0f}\n".encode())  # who holds it, for a curious user
+            yield path
+        finally:
+            os.close(fd)  # releases the lock
+    finally:
+        local.release()

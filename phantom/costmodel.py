@@ -177,7 +177,7 @@ class Prediction:
 
     def missing_text(self) -> str:
         """E.g. '35.2 GiB more disk space and 1.0 GiB more device memory'."""
-        return " and ".join(f"{b / 2**30:.1f} GiB more {where} {'space' if where == 'disk' else 'memory'}"
+        return " and ".join(f"{gib(b)} more {where} {'space' if where == 'disk' else 'memory'}"
                             for where, b in self.missing)
 
     @property
@@ -190,12 +190,30 @@ class Prediction:
 
     # What scripts/finetune.py reads of the tuner's answer.
     @property
+    def offload(self) -> str:
+        return self.placement.offload
+
+    @property
     def prefetch(self) -> int:
         return self.placement.prefetch
 
     @property
     def resident(self) -> int:
         return self.split["device"]
+
+    def to_dict(self) -> dict:
+        """Plain JSON types (what `scripts/tune.py --json` prints), with the derived figures beside them."""
+        d = dataclasses.asdict(self)
+        d.update(tiers=list(self.tiers), missing=dict(self.missing), fits=self.fits, split=self.split,
+                 tokens_per_s=self.tokens_per_s)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Prediction":
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}
+        return cls(**{**d, "placement": Placement(**d["placement"]), "activations": Activations(**d["activations"]),
+                      "tiers": tuple(d["tiers"]), "missing": tuple(d["missing"].items())})
 
     def describe(self) -> str:
         s, a = self.split, self.activations
@@ -386,21 +404,27 @@ def activation_choices(shape: Shape, profile: MachineProfile, tiers: tuple[str, 
 
 def search(profile: MachineProfile, shape: Shape, rows: int, offloads: tuple[str, ...] = ("auto",),
            recompute: tuple[str, ...] = ("auto", "all", "none"), micro_batches: tuple[int, ...] | None = None,
-           prefetch: tuple[int, ...] = PREFETCH, margin: float = MARGIN) -> list[Prediction]:
+           prefetch: tuple[int, ...] = PREFETCH, margin: float = MARGIN,
+           budgets: Placement | None = None) -> list[Prediction]:
     """Every candidate, fitting ones first, each group by predicted time.
 
     Candidates: each offload mode; blocks resident on the device 0..n (a CPU has no device tier);
     the RAM tier filled to the default RAM budget of the free host memory (more RAM, fewer disk
     reads); prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
     of two and the rows); the activation policies of `activation_choices`. Compile is decided
-    after the search (`decide_compile`).
+    after the search (`decide_compile`). `budgets` (a Placement's device_budget and ram_budget, when
+    given) cap the device tier with its slots and the RAM tier, as the scheduler would.
     """
     micros = micro_batches or tuple(sorted({b for b in pow2_upto(rows) if rows % b == 0} | {rows}))
     n, out, seen = shape.n_blocks, [], set()
-    ram = ram_budget(profile.free_host_bytes)
+    budgets = budgets or Placement()
+    ram = budgets.ram_budget if budgets.ram_budget is not None else ram_budget(profile.free_host_bytes)
     for offload in offloads:
         for R in ([0] if profile.host_is_device or offload == "none" else range(n + 1)):
             for K in prefetch:
+                if budgets.device_budget is not None and offload != "none" and \
+                        (R + K + 1) * shape.tier_bytes > max(budgets.device_budget, (K + 1) * shape.tier_bytes):
+                    continue  # more resident blocks than the device budget holds beside the slots
                 base = Placement(offload=offload, prefetch=K, resident=R)
                 tiers = block_tiers(shape, profile, dataclasses.replace(base, ram_budget=ram))
                 place = dataclasses.replace(base, ram_budget=tiers.count("ram") * shape.tier_bytes)
@@ -479,3 +503,49 @@ def check_prediction(prediction: Prediction, measured_step_s: float, tolerance: 
     return (f"measured step {measured_step_s:.3f} s is {err:+.0%} off the tuner's prediction "
             f"{prediction.step_s:.3f} s ({prediction.bound}-bound); if the machine or its load changed, "
             f"re-measure with python scripts/tune.py")
+
+
+# ---------------------------------------------------------------------------------------------
+# What a person reads: the plan before a run, and the measured step beside it after
+
+def gib(n: int | float | None) -> str:
+    """Bytes for a person: GiB, or MiB below one GiB."""
+    if n is None:
+        return "unknown"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def describe_plan(prediction: Prediction, shape: Shape, profile: MachineProfile, name: str = "model") -> str:
+    """The plan for the whole model as a few labelled lines: placement, memory, traffic, step and bound.
+
+    What `scripts/tune.py` prints and `finetune.py` logs at its start, so the two say the same thing."""
+    p, place = prediction, prediction.placement
+    cpu = profile.host_is_device
+    device = "on a CPU: blocks compute in host memory" if cpu else \
+        f"device {gib(p.device_bytes)} of {gib(profile.free_device_bytes)} free"
+    lines = [
+        f"model      {name}: {shape.n_blocks} blocks of {gib(shape.block_bytes)}, store {gib(shape.store_bytes)}; "
+        f"{p.rows} rows x {p.seq_len} tokens per step",
+        f"machine    {profile.machine} ({profile.device}); disk {profile.disk_gbps:.2f} GB/s, "
+        + ("" if cpu else f"host-to-device {profile.h2d_gbps:.1f} GB/s, ")
+        + f"block compute {profile.fwd_flops / 1e12:.2f} TFLOP/s"
+        + (f" (measured on {profile.measured_on})" if profile.measured_on else " (rates given by hand)"),
+        f"placement  {p.describe()}; offload {place.offload}",
+        f"memory     {device}; host {gib(p.host_bytes)} of {gib(profile.free_host_bytes)} free"
+        + (f" ({gib(p.pinned_bytes)} pinned)" if p.pinned_bytes else "")
+        + f"; disk {gib(shape.store_bytes)} for the store",
+        f"traffic    per step {p.loads} block loads: {p.bytes_read / 1e9:.1f} GB read from disk, "
+        f"{p.bytes_h2d / 1e9:.1f} GB host-to-device",
+        f"predicted  {p.step_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, {p.bound}-bound "
+        f"(compute {p.compute_s:.3f} s, transfers {p.transfer_s:.3f} s)"]
+    if not p.fits:
+        lines.append(f"does not fit: needs {p.missing_text()}")
+    return "\n".join(lines)
+
+
+def describe_measured(prediction: Prediction, measured_step_s: float) -> str:
+    """One line for the end of a run: the measured step beside the prediction."""
+    err = measured_step_s / prediction.step_s - 1 if prediction.step_s > 0 else 0.0
+    tokens = prediction.rows * prediction.seq_len / measured_step_s if measured_step_s > 0 else 0.0
+    return (f"measured   {measured_step_s:.3f} s/step, {tokens:,.0f} tokens/s; predicted {prediction.step_s:.3f} s "
+            f"({err:+.0%})")

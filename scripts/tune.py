@@ -1,9 +1,14 @@
-"""Measure this machine for a model, predict a step per placement, choose one: `python scripts/tune.py --model tiny`.
+"""Plan a run before it starts: `python scripts/tune.py --preset 70B --batch-size 4 --seq-len 1024`.
 
-Prints the measurements, the fastest candidates and the choice with its predicted step time and
-what bounds it, and saves the profile that `finetune.py --prefetch auto` reads. Imports phantom.
+Measures this machine once per block shape (on a few synthetic blocks when the model has no weights
+here: a preset, or a config.json / params.json), then prints the placement it would choose for the
+whole model (blocks on the device / in RAM / on disk, prefetch, activations, micro-batch), the memory
+it needs, the predicted step, tokens/s and what bounds it; or how much is missing when nothing fits.
+The profile it saves is what `finetune.py --prefetch auto` reads.
 """
 import argparse
+import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -11,82 +16,95 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
-from phantom import tune  # noqa: E402
+from phantom import config, tune  # noqa: E402
+from phantom import costmodel as cm  # noqa: E402
+from phantom.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
-    a("--model", default="tiny", help="preset name (prepared under weights/) or a store folder")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--model", default=None, help="a prepared store (folder, or preset name under weights/)")
+    what.add_argument("--preset", default=None, help=f"plan a preset without its weights: {', '.join(config.PRESETS)}")
+    what.add_argument("--config", default=None, help="plan from a config.json (HF) or params.json (Meta) alone")
+    a("--vocab-size", type=int, default=None, help="with a params.json that says -1: the tokenizer's vocabulary")
     a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto")
     a("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="compute dtype (auto: bf16 on CUDA)")
-    a("--batch-size", type=int, default=8, help="rows per optimizer step (finetune's batch size x grad accum)")
+    a("--store-dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="the dtype a store would be prepared in")
+    a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")
+    a("--grad-accum", type=int, default=1, help="calls per block per step (rows per step = batch size x this)")
     a("--seq-len", type=int, default=128, help="tokens per row")
-    a("--max-batch-size", type=int, default=None, help="let the tuner grow the rows per step up to this")
-    a("--offload", default="ram,disk", help="comma list of tiers to consider (ram, disk)")
-    a("--quick", action="store_true", help="fewer repeats and a smaller read sample")
-    a("--top", type=int, default=12, help="candidates to print")
+    a("--offload", default="auto", choices=OFFLOADS, help="offload mode to plan (auto: device, RAM, disk by budget)")
+    a("--device-budget", type=parse_bytes, default=None, help="device bytes for resident blocks and slots, e.g. 60G")
+    a("--ram-budget", type=parse_bytes, default=None, help="host bytes for the RAM tier, e.g. 48G")
+    a("--disk-budget", type=parse_bytes, default=None, help="disk space for the store (default: free space under "
+                                                            "weights/; unchecked when the store exists)")
+    a("--json", action="store_true", help="print the plan as one JSON object")
+    a("--table", type=int, default=0, help="also print the fastest N candidates")
+    a("--quick", action="store_true", help="fewer repeats and a smaller read sample when measuring")
+    a("--remeasure", action="store_true", help="measure again even if a profile is saved")
     a("--profile-dir", default=None, help="where profiles are saved (default $PHANTOM_CACHE/profiles or "
                                           "~/.cache/phantom/profiles)")
     return p.parse_args(argv)
 
 
-def describe(p: tune.MachineProfile, c: tune.Placement) -> str:
-    cold = f"{p.disk_cold_gbps:.2f} GB/s cold (page cache dropped), " if p.disk_cold_gbps else \
-        "cold reads not possible here, "
-    link = "host memory is the device: the RAM tier is zero-copy" if p.zero_copy else \
-        f"host-to-device {p.h2d_gbps:.1f} GB/s, device-to-host {p.d2h_gbps:.1f} GB/s (pinned)"
-    b = c.micro_batch
-    fwd = p.fwd_call_s + b * p.fwd_row_s
-    bwd = p.bwd_call_s + b * p.bwd_row_s + (p.fwd_grad_call_s + b * p.fwd_grad_row_s if c.recompute == "all" else 0)
-    return "\n".join([
-        f"machine   {p.machine} ({p.device}), model {p.model}: {p.n_blocks} blocks of {p.block_bytes / 2**20:.1f} MiB",
-        f"disk      {cold}{p.disk_warm_gbps:.2f} GB/s warm, block read jitter {p.disk_jitter:.0%}",
-        f"link      {link}",
-        f"compute   one block at micro-batch {b} x {p.seq_len} tokens: forward {1e3 * fwd:.1f} ms, "
-        f"backward{' with recompute' if c.recompute == 'all' else ''} {1e3 * bwd:.1f} ms; "
-        f"head + loss {1e3 * p.head_row_s * b:.1f} ms",
-        f"overlap   while blocks are read, compute runs x{p.busy_compute_slowdown:.2f} slower and reads "
-        f"x{p.busy_read_slowdown:.2f}",
-        f"memory    free: device {p.free_device_bytes / 2**30:.1f} GiB, host {p.free_host_bytes / 2**30:.1f} GiB"])
+def model_and_profile(args, device, dtype):
+    """(name, ModelConfig, store dtype, profile, free disk bytes or None) for what the user named."""
+    if args.preset or args.config:
+        cfg = config.preset(args.preset) if args.preset else read_config(Path(args.config), args.vocab_size)
+        profile = tune.probe(cfg, device, dtype, args.batch_size, args.seq_len, args.store_dtype, args.profile_dir,
+                             args.quick, args.remeasure)
+        disk = args.disk_budget if args.disk_budget is not None else tune.free_disk_bytes(phantom.weights_dir())
+        return args.preset or args.config, cfg, args.store_dtype, profile, disk
+    store = BlockStore(phantom.resolve_model(args.model or "tiny"), verify="none")
+    profile = tune.profile_for(store, device, dtype, args.batch_size, args.seq_len, args.profile_dir, args.quick,
+                               args.remeasure)
+    return str(store.path), store.cfg, store.manifest["dtype"], profile, args.disk_budget
+
+
+def read_config(path: Path, vocab_size: int | None):
+    if not path.is_file():
+        raise FileNotFoundError(f"no config file at {path}: give a config.json (HF) or params.json (Meta)")
+    return config.from_meta_params(path, vocab_size) if path.name == "params.json" else config.from_hf_config(path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     try:
-        if args.batch_size < 1 or args.seq_len < 1:
-            raise ValueError("--batch-size and --seq-len must be >= 1")
+        if min(args.batch_size, args.grad_accum, args.seq_len) < 1:
+            raise ValueError("--batch-size, --grad-accum and --seq-len must be >= 1")
         device = phantom.resolve_device(args.device)
         dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-        store = BlockStore(phantom.resolve_model(args.model), verify="none")
-        if args.seq_len > store.cfg.max_seq_len:
-            raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {store.cfg.max_seq_len}")
-        offloads = tuple(o.strip() for o in args.offload.split(","))
-        if not offloads or set(offloads) - {"ram", "disk"}:
-            raise ValueError(f"--offload takes ram and/or disk, got {args.offload!r}")
-        profile = tune.measure(store, device, dtype, args.batch_size, args.seq_len, quick=args.quick)
-        cands = tune.search(profile, args.batch_size, args.seq_len, args.max_batch_size, offloads)
-        best = tune.choose(cands)
-        path = tune.profile_path(store, device, dtype, args.profile_dir)
-        tune.save_profile(profile, path)
-    except (ValueError, FileNotFoundError, OSError) as e:  # StoreError is a ValueError
+        name, cfg, store_dtype, profile, disk = model_and_profile(args, device, dtype)
+        if args.seq_len > cfg.max_seq_len:
+            raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+        profile = dataclasses.replace(profile, free_disk_bytes=disk)
+        budgets = Placement(device_budget=args.device_budget, ram_budget=args.ram_budget)
+        rows = args.batch_size * args.grad_accum
+        shape = cm.shape_of(cfg, store_dtype, dtype, args.seq_len)
+        cands = cm.search(profile, shape, rows, offloads=(args.offload,), micro_batches=(args.batch_size,),
+                          budgets=budgets)
+        best = cm.choose(cands)
+    except ValueError as e:  # nothing fits, bad flags, a bad config file (StoreError is a ValueError)
+        if args.json and str(e).startswith("no placement fits"):
+            least = min(cands, key=lambda c: c.missing_bytes)
+            print(json.dumps({"model": name, "fits": False, "missing": dict(least.missing), "error": str(e)}))
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(describe(profile, best))
-    print()
-    print(tune.format_table(cands, args.top, best))
-    print(f"\nchoice    {best.describe()}")
-    print(f"predicted {best.step_s:.3f} s/step ({args.batch_size} x {args.seq_len} tokens), {best.bound}-bound; "
-          f"device {best.device_bytes / 2**30:.2f} GiB, host {best.host_bytes / 2**30:.2f} GiB")
-    if (more := tune.faster_if_more_memory(cands, best)) is not None:
-        print(f"with more memory: {more.describe()} would take {more.step_s:.3f} s "
-              f"({more.device_bytes / 2**30:.1f} GiB on the device)")
-    if best.bound in ("disk", "link") and args.max_batch_size is None:
-        print("transfer-bound: more rows per step cost little extra time; try --max-batch-size "
-              f"{4 * args.batch_size} to see how many")
-    print(f"profile   {path} (finetune.py --prefetch auto reads it)")
+    except (FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict()}))
+        return 0
+    print(cm.describe_plan(best, shape, profile, name))
+    if (more := cm.faster_if_more_memory(cands, best)) is not None:
+        print(f"more memory: {more.describe()} would take {more.step_s:.3f} s/step (needs {more.missing_text()})")
+    if args.table:
+        print("\n" + tune.format_table(cands, args.table, best))
     return 0
 
 

@@ -1,167 +1,149 @@
-"""The tuner: the cost model on synthetic measurements, profiles on disk, auto placement end to end."""
+"""The tuner: a profile measured on a few blocks plans any depth of that shape, profiles on disk,
+`scripts/tune.py` for a model without weights (plan, --json round trip, what is missing), auto placement."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
+from phantom import costmodel as cm
 from phantom import tune
-from phantom.tune import MachineProfile, check_prediction, choose, predict, search
+from phantom.config import ModelConfig
+from phantom.convert import write_synthetic
+from phantom.store import BlockStore
 
-GB = 10**9
-
-
-def profile(**kw) -> MachineProfile:
-    """A GPU box: 32 blocks of 0.4 GB, 1 ms + 2.5 ms/row forward per block, PCIe-like link."""
-    base = dict(machine="box", model="m", device="cuda", dtype="bfloat16", quick=False, n_blocks=32,
-                block_bytes=int(0.4 * GB), store_bytes=int(13 * GB), head_bytes=int(0.25 * GB), seq_len=512,
-                act_bytes_per_row=512 * 4096 * 2, keep_bytes_per_row=40 * 512 * 4096 * 2,
-                disk_warm_gbps=6.0, disk_cold_gbps=2.0, disk_jitter=0.2, h2d_gbps=25.0, d2h_gbps=25.0,
-                zero_copy=False, fwd_call_s=1e-3, fwd_row_s=2.5e-3, fwd_grad_call_s=1e-3, fwd_grad_row_s=2.5e-3,
-                bwd_call_s=2e-3, bwd_row_s=5e-3, head_row_s=2e-3, free_device_bytes=80 * GB,
-                free_host_bytes=256 * GB)
-    base.update(kw)
-    return MachineProfile(**base)
+ROOT = Path(__file__).resolve().parent.parent
+# 6 blocks: the probe measures 2 of them, the plan covers all 6
+CFG = ModelConfig(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 6,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97, "intermediate_size": 176,
+             "max_position_embeddings": 64}
+FIXED = dict(free_device_bytes=None, free_host_bytes=8 << 30)  # free memory changes between calls: fix it
 
 
-def best(p: MachineProfile, rows: int = 8, **kw):
-    return choose(search(p, rows, **kw))
+def script():
+    spec = importlib.util.spec_from_file_location("tune_script", ROOT / "scripts" / "tune.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def streamed(p: MachineProfile, **kw):
-    """The best RAM-tier placement with recompute "all": placement of weights alone decides."""
-    return best(p, offloads=("ram",), recompute=("all",), **kw)
+def no_measuring(*a, **k):
+    raise AssertionError("measured again although a profile was saved")
 
 
-def test_everything_fits_is_resident():
-    c = best(profile())
-    assert (c.resident, c.loads, c.bound) == (32, 0, "compute")
-    # on a CPU the RAM tier is the device's own memory: blocks are used where they lie
-    c = best(profile(device="cpu", zero_copy=True, free_host_bytes=512 * GB))
-    assert (c.offload, c.zero_copy, c.loads, c.bound) == ("ram", True, 0, "compute")
+def test_a_config_without_weights_plans_as_a_store_of_its_shape(tmp_path, monkeypatch):
+    probed = dataclasses.replace(tune.probe(CFG, "cpu", "fp32", 2, 16, "bf16", tmp_path, quick=True), **FIXED)
+    assert list(tmp_path.glob("probe-*")) == []  # the synthetic blocks are gone, the profile stays
+    assert probed.measured_on.startswith(tune.shape_key(CFG, "bf16"))
+    store = BlockStore(write_synthetic(tmp_path / "s", CFG, torch.bfloat16, seed=1, progress=False))
+    monkeypatch.setattr(tune, "measure", no_measuring)  # same block shape: the same profile file
+    stored = dataclasses.replace(tune.profile_for(store, "cpu", "fp32", 2, 16, tmp_path), **FIXED)
+    assert stored == probed
+    from_cfg = tune.plan(probed, CFG, 2, 16, "bf16", "fp32")
+    from_store = tune.plan(stored, store.cfg, 2, 16, store.manifest["dtype"], "fp32")
+    assert from_cfg[0] == from_store[0] and from_cfg[2] == from_store[2]
+    assert from_cfg[2].block_bytes == store.block_nbytes
+    assert from_cfg[2].store_bytes == sum(e.nbytes for e in [store.embed, store.head, *store.blocks])
+    # deeper model of the same shape: the same profile, twice the blocks to place
+    deep = tune.plan(probed, dataclasses.replace(CFG, n_layers=12), 2, 16, "bf16", "fp32")[0]
+    assert len(deep.tiers) == 12 and deep.compute_s > from_cfg[0].compute_s
 
 
-def test_link_bound_goes_deeper_and_grows_the_batch():
-    # 10 GB free on the device: ~20 blocks of 32, so some must stream
-    compute_bound = profile(free_device_bytes=10 * GB, h2d_gbps=200.0)
-    link_bound = profile(free_device_bytes=10 * GB, h2d_gbps=4.0)
-    c, l = streamed(compute_bound), streamed(link_bound)
-    assert c.bound == "compute" and l.bound == "link"
-    assert l.prefetch > c.prefetch and l.prefetch >= 4
-    # free to grow the step, a link-bound run takes more rows per load; a compute-bound one has no
-    # reason to (no per-call costs here, so bigger calls gain nothing)
-    no_call = dict(fwd_call_s=0.0, fwd_grad_call_s=0.0, bwd_call_s=0.0)
-    c = streamed(dataclasses.replace(compute_bound, **no_call), max_batch_size=64)
-    l = streamed(dataclasses.replace(link_bound, **no_call), max_batch_size=64)
-    assert c.rows == 8 and l.rows > 8  # more rows per block load; the micro-batch is a memory choice
-    assert l.step_s / l.rows < streamed(link_bound).step_s / 8
+def test_measured_rates_are_sane(small_store):
+    p = tune.measure(BlockStore(small_store), "cpu", "fp32", batch_size=2, seq_len=16, quick=True)
+    assert p.device == "cpu" and p.free_device_bytes is None and p.free_host_bytes > 0
+    assert p.disk_gbps > 0 and p.h2d_gbps > 0 and p.fwd_flops > 0 and p.head_flops > 0
+    assert 0.9 < p.keep_scale < 1.1  # the config's estimate of kept bytes, checked by autograd's count
 
 
-def test_per_call_costs_favour_the_largest_micro_batch_that_fits():
-    gpu_like = dict(fwd_call_s=0.02, fwd_grad_call_s=0.02, bwd_call_s=0.04)  # small calls waste the device
-    assert streamed(profile(**gpu_like), rows=32).micro_batch == 32
-    tight = streamed(profile(**gpu_like, free_device_bytes=8 * GB), rows=32)
-    assert tight.micro_batch < 32 and tight.fits
-
-
-def test_memory_short_means_fewer_slots():
-    ample = streamed(profile(free_device_bytes=10 * GB, h2d_gbps=4.0))
-    short = streamed(profile(free_device_bytes=3 * GB, h2d_gbps=4.0))
-    assert short.fits and short.prefetch + 1 + short.resident < ample.prefetch + 1 + ample.resident
-    assert short.device_bytes <= 3 * GB * (1 - tune.MARGIN)
-    assert tune.faster_if_more_memory(search(profile(free_device_bytes=3 * GB, h2d_gbps=4.0), 8), short) is not None
-    # compute-bound only because keeping activations (no recompute) does not fit: memory is the bound
-    assert best(profile(free_device_bytes=10 * GB, h2d_gbps=200.0)).bound == "memory"
-    with pytest.raises(ValueError, match="no placement fits"):
-        best(profile(free_device_bytes=int(0.5 * GB)))
-
-
-def test_disk_tier_uses_cold_bandwidth_when_the_store_exceeds_the_page_cache():
-    p = profile(free_device_bytes=10 * GB, h2d_gbps=100.0)
-    warm = predict(p, "disk", 2, 0, 8, 1, cold=False)
-    cold = predict(p, "disk", 2, 0, 8, 1, cold=True)
-    assert cold.step_s > warm.step_s and cold.bound == "disk"
-    assert predict(p, "disk", 2, 0, 8, 1).step_s == warm.step_s  # 13 GB store, 256 GB free host: warm
-    small_host = dataclasses.replace(p, free_host_bytes=16 * GB)
-    assert predict(small_host, "disk", 2, 0, 8, 1).step_s == cold.step_s
-
-
-def test_predict_matches_the_formula_and_the_schedulers_load_count():
-    # no per-call costs, no jitter: the step is hand-computable
-    p = profile(n_blocks=4, fwd_call_s=0, fwd_grad_call_s=0, bwd_call_s=0, fwd_row_s=0.01, fwd_grad_row_s=0.01,
-                bwd_row_s=0.02, head_row_s=0.0, disk_jitter=0.0, block_bytes=GB, h2d_gbps=10.0)
-    cf, cb, X = 0.08, 0.08 + 0.16, 0.1  # 8 rows; "all" recomputes the forward in backward
-    serial = predict(p, "ram", 0, 0, 8, 1)
-    assert serial.step_s == pytest.approx(cf + 3 * (cf + X) + cb + 3 * (cb + X))
-    k1 = predict(p, "ram", 1, 0, 4, 2)  # same rows in two micro-batches: same time without call costs
-    assert k1.step_s == pytest.approx(max(4 * cf, 2 * cf + 2 * X) + max(4 * cb, 2 * cb + 2 * X))
-    # scheduler test: a step loads 2n - 2 * min(K + 1, n) blocks
-    assert [predict(p, "ram", k, 0, 8, 1).loads for k in range(4)] == [6, 4, 2, 0]
-    assert predict(p, "ram", 0, 4, 8, 1).loads == 0
-    # twice the tokens per row: twice the compute
-    assert predict(p, "ram", 3, 0, 8, 1, seq_len=1024).step_s == pytest.approx(
-        2 * predict(p, "ram", 3, 0, 8, 1).step_s)
-
-
-def test_contention_slows_only_overlapped_work():
-    p = profile(n_blocks=8, disk_jitter=0.0, free_device_bytes=4 * GB)
-    busy = dataclasses.replace(p, busy_compute_slowdown=1.3, busy_read_slowdown=1.5)
-    assert predict(busy, "disk", 0, 0, 8, 1).step_s == predict(p, "disk", 0, 0, 8, 1).step_s  # serial: no overlap
-    assert predict(busy, "disk", 2, 0, 8, 1).step_s > predict(p, "disk", 2, 0, 8, 1).step_s
-    assert predict(busy, "disk", 7, 0, 8, 1).step_s == predict(p, "disk", 7, 0, 8, 1).step_s  # nothing streams
-
-
-def test_recompute_none_is_faster_but_keeps_more():
-    p = profile(n_blocks=4)
-    rc_all, rc_none = predict(p, "ram", 3, 0, 8, 1, "all"), predict(p, "ram", 3, 0, 8, 1, "none")
-    assert rc_none.step_s < rc_all.step_s and rc_none.device_bytes > rc_all.device_bytes
-
-
-def test_check_prediction_speaks_only_beyond_20_percent():
-    c = predict(profile(), "ram", 2, 0, 8, 1)
-    assert check_prediction(c, c.step_s * 1.15) is None
-    assert check_prediction(c, c.step_s * 0.85) is None
-    assert "+30%" in check_prediction(c, c.step_s * 1.3)
-    assert "-40%" in check_prediction(c, c.step_s * 0.6)
-
-
-def test_profile_round_trip_and_a_corrupt_file_is_ignored(tmp_path):
-    p = profile()
+def test_profile_round_trip_and_a_stale_or_corrupt_file_is_ignored(tmp_path):
+    p = cm.MachineProfile(machine="box", device="cuda", fwd_flops=3e14, free_device_bytes=80 << 30)
     path = tmp_path / "profiles" / "x.json"
     tune.save_profile(p, path)
     assert tune.load_profile(path) == p
+    assert [f.name for f in path.parent.iterdir()] == ["x.json"]  # no temporary file left beside it
     path.write_text("{not json")
     assert tune.load_profile(path) is None
-    path.write_text(json.dumps({**p.to_dict(), "version": 0}))
+    path.write_text(json.dumps({**p.to_dict(), "version": 1}))  # the per-model times of before
     assert tune.load_profile(path) is None
     assert tune.load_profile(tmp_path / "missing.json") is None
 
 
-def test_format_table_marks_the_choice():
-    cands = search(profile(n_blocks=4), 8)
-    text = tune.format_table(cands, top=5, chosen=choose(cands))
-    assert text.count("<- chosen") == 1 and len(text.splitlines()) <= 8
+def test_script_plans_a_config_json_and_the_json_round_trips(tmp_path, capsys):
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(HF_CONFIG))
+    common = ["--config", str(cfg_file), "--device", "cpu", "--batch-size", "2", "--seq-len", "16",
+              "--profile-dir", str(tmp_path / "p"), "--quick"]
+    assert script().main(common + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    pred = cm.Prediction.from_dict(d)
+    assert json.loads(json.dumps(pred.to_dict())) == {k: v for k, v in d.items() if k not in ("model", "profile")}
+    assert len(pred.tiers) == 6 and pred.fits and pred.step_s > 0 and d["tokens_per_s"] == pred.tokens_per_s
+    assert cm.MachineProfile.from_dict(d["profile"]).machine == tune.machine_key("cpu")
+    assert script().main(common) == 0
+    text = capsys.readouterr().out
+    for label in ("placement", "memory", "predicted", "tokens/s", "-bound"):
+        assert label in text
+
+
+def test_script_says_how_much_is_missing(tmp_path, capsys):
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(HF_CONFIG))
+    store_bytes = cm.shape_of(ModelConfig(**{**dataclasses.asdict(CFG), "rope_scaling": None}), "bf16").store_bytes
+    common = ["--config", str(cfg_file), "--device", "cpu", "--batch-size", "2", "--seq-len", "16",
+              "--profile-dir", str(tmp_path / "p"), "--quick", "--disk-budget", "1000"]
+    assert script().main(common) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no placement fits") and "more disk space" in err and len(err.splitlines()) == 1
+    assert script().main(common + ["--json"]) == 2
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] is False and d["missing"] == {"disk": store_bytes - 1000}
+
+
+@pytest.mark.parametrize("argv,words", [(["--config", "/nonexistent/config.json"], "no config file"),
+                                        (["--preset", "nope"], "unknown preset"),
+                                        (["--preset", "tiny", "--seq-len", "0"], ">= 1")])
+def test_script_bad_input_is_one_line(argv, words, capsys):
+    assert script().main(argv + ["--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and len(err.splitlines()) == 1
 
 
 def test_auto_placement_measures_once_then_reads_the_profile(small_store, tmp_path, monkeypatch):
     first = tune.auto_placement(small_store, "cpu", batch_size=4, seq_len=32, dtype="fp32", profile_dir=tmp_path)
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["quick"] is True
-    assert first.fits and first.rows == 4 and first.step_s > 0
-
-    def no_measuring(*a, **k):
-        raise AssertionError("measured again although a profile was saved")
+    assert first.fits and first.rows == 4 and first.step_s > 0 and first.offload == "auto"
     monkeypatch.setattr(tune, "measure", no_measuring)
     again = tune.auto_placement(small_store, "cpu", batch_size=4, seq_len=32, dtype="fp32", profile_dir=tmp_path)
-    assert (again.offload, again.rows) == (first.offload, 4)
-    assert tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path, offloads=("disk",)).offload == "disk"
+    assert again.rows == 4 and again.resident == 0  # a CPU has no device tier
+    disk = tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path, offloads=("disk",), micro_batch=2)
+    assert disk.offload == "disk" and disk.split["disk"] == 4 and disk.activations.micro_batch == 2
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
-    from phantom.store import BlockStore
     assert tune.profile_path(BlockStore(small_store), "cpu", "fp32").parent == tmp_path / "cache" / "profiles"
 
 
-def test_check_prediction_ignores_steps_too_short_to_model():
-    c = dataclasses.replace(predict(profile(), "ram", 2, 0, 8, 1), step_s=0.008)
-    assert check_prediction(c, 0.05) is None  # +525%, but both are Python-overhead-sized
-    assert "+" in check_prediction(c, 0.2)
+def test_check_prediction_speaks_only_beyond_20_percent():
+    shape = cm.shape_of(CFG, "fp32", "fp32", 16)
+    p = cm.predict(cm.MachineProfile(machine="t", device="cpu", fwd_flops=1e7), shape, cm.Placement(),
+                   cm.Activations(), 4)
+    assert p.step_s > 0.1
+    assert tune.check_prediction(p, p.step_s * 1.15) is None and tune.check_prediction(p, p.step_s * 0.85) is None
+    assert "+30%" in tune.check_prediction(p, p.step_s * 1.3)
+    assert "-40%" in tune.check_prediction(p, p.step_s * 0.6)
+    short = dataclasses.replace(p, step_s=0.008)
+    assert tune.check_prediction(short, 0.05) is None  # both are Python-overhead-sized
+    assert "+" in cm.describe_measured(p, p.step_s * 1.1)
+
+
+def test_format_table_marks_the_choice():
+    prof = cm.MachineProfile(machine="t", device="cuda", fwd_flops=1e9, free_device_bytes=1 << 30,
+                             free_host_bytes=8 << 30)
+    cands = cm.search(prof, cm.shape_of(CFG, "fp32", "fp32", 16), 4)
+    text = tune.format_table(cands, top=5, chosen=cm.choose(cands))
+    assert text.count("<- chosen") == 1 and len(text.splitlines()) <= 8

@@ -94,10 +94,12 @@ def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_dev
                  free_host: int | None, zero_copy: bool = False) -> tuple[str, ...]:
     """Each block's tier ("device", "ram" or "disk"), from the placement and the free memory.
 
-    The device tier takes the first blocks (which ones does not change the bytes moved). The disk
-    tier takes the last blocks: at the turn from forward to backward the last prefetch + 1 blocks are
-    still in device slots and are read once per step, every other streamed block twice, so a RAM
-    set in the middle saves the most reads. On a CPU (`zero_copy`) the device tier is the RAM tier.
+    The device tier takes the first blocks (which ones does not change the bytes moved). Of the
+    streamed blocks, the last prefetch + 1 are still in device slots at the turn from forward to
+    backward, and the first prefetch + 1 at the turn from backward to the next forward: each is read
+    once per step, every other streamed block twice. So the disk tier takes those ends (the last
+    ones first) and the RAM set sits in the middle: the fewest bytes read from disk per step. On a
+    CPU (`zero_copy`) the RAM tier is used in place, not streamed, and the device tier is the RAM tier.
 
     Args:
         n_blocks, block_bytes: the store's blocks.
@@ -122,7 +124,9 @@ def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_dev
     if zero_copy:  # a CPU: blocks in RAM are used where they lie; there is no separate device tier
         n_ram, n_device = min(n_blocks, n_ram + n_device), 0
     n_disk = n_blocks - n_device - n_ram
-    return ("device",) * n_device + ("ram",) * n_ram + ("disk",) * n_disk
+    ends = placement.prefetch + 1  # streamed blocks reused at each turn
+    head = 0 if zero_copy or not n_ram else min(ends, max(0, n_disk - ends))
+    return ("device",) * n_device + ("disk",) * head + ("ram",) * n_ram + ("disk",) * (n_disk - head)
 
 
 def device_budget(free_device: int | None) -> int | None:

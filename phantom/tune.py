@@ -429,9 +429,9 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
         offloads = ("auto",)
     store = BlockStore(store_path, verify="none")
     profile = profile_for(store, device, dtype, batch_size, seq_len, profile_dir)
-    best, _, _ = plan(profile, store.cfg, batch_size, seq_len, store.manifest["dtype"], dtype_name(parse_dtype(dtype)),
-                      offloads=offloads, micro_batch=micro_batch, recompute=recompute)
-    log.info("tuned placement: %s; predicted %.3f s/step (%s-bound)", best.describe(), best.step_s, best.bound)
+    best, _, shape = plan(profile, store.cfg, batch_size, seq_len, store.manifest["dtype"],
+                          dtype_name(parse_dtype(dtype)), offloads=offloads, micro_batch=micro_batch, recompute=recompute)
+    log.info("the tuner's plan:\n%s", cm.describe_plan(best, shape, profile, store.path.name))
     return best
 
 
@@ -451,3 +451,41 @@ def format_table(candidates: list[cm.Prediction], top: int = 12, chosen: cm.Pred
                      f"{c.host_bytes / 2**30:8.1f} {c.loads:5d}" + (" <- chosen" if c == chosen else ""))
     lines.append(f"({len(fitting)} of {len(candidates)} candidates fit)")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking a plan on a scaled store: N blocks of the model's shape, the plan's fractions in each tier
+
+def scaled_placement(full: cm.Prediction, shape: cm.Shape, n_blocks: int) -> tuple[P.Placement, P.Activations]:
+    """The full model's plan cut to `n_blocks`: the same fractions of blocks on the device, in RAM and
+    on disk (rounded), the same prefetch and micro-batch, the keep budget scaled with the depth."""
+    split, n = full.split, len(full.tiers)
+    n_dev = round(n_blocks * split["device"] / n)
+    n_ram = min(n_blocks - n_dev, round(n_blocks * split["ram"] / n))
+    place = dataclasses.replace(full.placement, offload="auto", resident=n_dev, device_budget=None,
+                                ram_budget=n_ram * shape.tier_bytes + shape.tier_bytes // 2)
+    acts = full.activations
+    if acts.keep_budget is not None:
+        acts = dataclasses.replace(acts, keep_budget=acts.keep_budget * n_blocks // n)
+    return place, acts
+
+
+def timed_steps(store_path: Path | str, device, dtype, placement: P.Placement, activations: P.Activations,
+                rows: int, seq_len: int, steps: int) -> tuple[list[float], list[dict], tuple[str, ...]]:
+    """Seconds and scheduler metrics of `steps` LoRA forward + backward steps after one warm-up step
+    (which also fills the slots), and the tiers the scheduler chose."""
+    gen = torch.Generator().manual_seed(0)
+    times, metrics = [], []
+    store = BlockStore(store_path, verify="none")
+    with PhantomModel(store, torch.device(device), parse_dtype(dtype), placement, activations) as model:
+        for s in range(steps + 1):
+            tokens = torch.randint(0, model.cfg.vocab_size, (rows, seq_len), generator=gen).to(device)
+            t0 = time.perf_counter()
+            model(tokens, targets=tokens).backward()
+            _sync(torch.device(device))
+            if s:
+                times.append(time.perf_counter() - t0)
+                metrics.append(model.scheduler.take_metrics())
+            else:
+                model.scheduler.take_metrics()
+        return times, metrics, model.scheduler.tiers

@@ -3,15 +3,20 @@ measured on small stores, the shape read from a config against a store's, and th
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 
 import pytest
 import torch
 
 import phantom
+import phantom.model
+import phantom.scheduler
 from phantom import costmodel as cm
 from phantom.config import ModelConfig, preset
 from phantom.convert import write_synthetic
 from phantom.placement import Activations, Placement
+from phantom.scheduler import BlockScheduler
 from phantom.store import DATA_ALIGN, BlockStore
 
 # 8 blocks, so a placement can have blocks in every tier and streamed blocks both reused and reloaded
@@ -166,3 +171,41 @@ def test_compile_is_chosen_when_it_pays_for_itself():
     assert cm.decide_compile(prof, shape, best, long, compile=False).activations.compile is False  # asked: wins
     unmeasured = dataclasses.replace(prof, compile_speedup=None)
     assert cm.decide_compile(unmeasured, shape, best, long).activations.compile is None
+
+
+def test_the_ram_set_sits_between_disk_ends_and_reads_the_least():
+    """Streamed blocks at either end are reused at a turn (read once), the middle ones read twice: with
+    RAM blocks streamed (CUDA), the disk tier takes both ends, and no other RAM set reads fewer bytes."""
+    shape = cm.shape_of(CFG, "fp32", "fp32", 16)
+    gpu = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None)
+    place = Placement(offload="auto", resident=0, prefetch=1, ram_budget=3 * shape.tier_bytes)
+    pred = cm.predict(gpu, shape, place, Activations(), 4)
+    assert pred.tiers == ("disk",) * 2 + ("ram",) * 3 + ("disk",) * 3
+    every = [cm.predict(gpu, shape, place, Activations(), 4, tiers=tuple(
+        "ram" if i in ram else "disk" for i in range(8))).bytes_read for ram in itertools.combinations(range(8), 3)]
+    assert pred.bytes_read == min(every) == 6 * shape.block_bytes  # 5 disk blocks, one of them in the middle
+    assert cm.predict(gpu, shape, place, Activations(), 4, tiers=("ram",) * 3 + ("disk",) * 5).bytes_read == \
+        8 * shape.block_bytes  # the RAM set first, as before: two more reads per step
+    # a CPU uses its RAM tier in place: only disk blocks stream, their order does not matter
+    assert cm.predict(dataclasses.replace(gpu, device="cpu"), shape, place, Activations(), 4).tiers == \
+        ("ram",) * 3 + ("disk",) * 5
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_the_scheduler_reads_what_the_split_disk_tier_predicts(store, prefetch, monkeypatch):
+    """The RAM tier streamed through slots (CUDA's path, forced on the CPU), disk at both ends."""
+    s = BlockStore(store)
+    if s.dtype != torch.float32:
+        pytest.skip("one store dtype is enough")
+    real = phantom.scheduler.assign_tiers
+    monkeypatch.setattr(phantom.scheduler, "assign_tiers", lambda *a, **k: real(*a, **{**k, "zero_copy": False}))
+    monkeypatch.setattr(phantom.model, "BlockScheduler", functools.partial(BlockScheduler, zero_copy=False))
+    shape = cm.shape_of(CFG, "fp32", "fp32", seq_len=16)
+    place = Placement(offload="auto", resident=0, prefetch=prefetch, ram_budget=3 * shape.tier_bytes)
+    pred = cm.predict(cm.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None),
+                      shape, place, Activations(recompute="all"), rows=2)
+    assert pred.tiers[0] == "disk" and pred.split == {"device": 0, "ram": 3, "disk": 5}
+    with phantom.load(store, device="cpu", dtype="fp32", placement=place, recompute="all") as model:
+        assert model.scheduler.tiers == pred.tiers
+        for m in steady_step_metrics(model):
+            assert m["bytes_read"] == pred.bytes_read and m["loads"] == pred.loads

@@ -458,10 +458,16 @@ def format_table(candidates: list[cm.Prediction], top: int = 12, chosen: cm.Pred
 
 def scaled_placement(full: cm.Prediction, shape: cm.Shape, n_blocks: int) -> tuple[P.Placement, P.Activations]:
     """The full model's plan cut to `n_blocks`: the same fractions of blocks on the device, in RAM and
-    on disk (rounded), the same prefetch and micro-batch, the keep budget scaled with the depth."""
+    on disk (rounded; each tier the plan uses keeps a block), the same prefetch and micro-batch, the keep budget scaled with the depth."""
     split, n = full.split, len(full.tiers)
-    n_dev = round(n_blocks * split["device"] / n)
-    n_ram = min(n_blocks - n_dev, round(n_blocks * split["ram"] / n))
+
+    def share(tier: str) -> int:  # rounded, but a tier the plan uses keeps at least one block
+        return max(1 if split[tier] else 0, round(n_blocks * split[tier] / n))
+    n_dev = min(n_blocks, share("device"))
+    n_disk = min(n_blocks - n_dev, share("disk"))
+    if split["ram"] and n_dev + n_disk == n_blocks and n_disk > 1:
+        n_disk -= 1  # the RAM tier keeps its block too
+    n_ram = n_blocks - n_dev - n_disk
     place = dataclasses.replace(full.placement, offload="auto", resident=n_dev, device_budget=None,
                                 ram_budget=n_ram * shape.tier_bytes + shape.tier_bytes // 2)
     acts = full.activations
@@ -489,3 +495,32 @@ def timed_steps(store_path: Path | str, device, dtype, placement: P.Placement, a
             else:
                 model.scheduler.take_metrics()
         return times, metrics, model.scheduler.tiers
+
+
+def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, store_dtype: str, dtype: str, device,
+               n_blocks: int, seq_len: int, steps: int, path: Path) -> dict:
+    """The full model's plan run on `n_blocks` blocks of its shape (a synthetic store at `path`, written
+    if absent), budgets at the plan's fractions: the measured step (median) against the prediction.
+
+    Raises:
+        ValueError: fewer than 2 blocks or 1 step, or no disk space for the store.
+    """
+    if n_blocks < 2 or steps < 1:
+        raise ValueError("--check needs at least 2 blocks and --steps >= 1")
+    small = dataclasses.replace(cfg, n_layers=n_blocks)
+    if not (path / "manifest.json").is_file():
+        need, free = cm.shape_of(small, store_dtype).store_bytes, free_disk_bytes(path)
+        if need > free:
+            raise ValueError(f"--check {n_blocks} needs {cm.gib(need)} under {path}, {cm.gib(free)} free: "
+                             f"use fewer blocks")
+        log.info("writing %d synthetic blocks to %s (%s)", n_blocks, path, cm.gib(need))
+        write_synthetic(path, small, parse_dtype(store_dtype), progress=False)
+    place, acts = scaled_placement(full, cm.shape_of(cfg, store_dtype, dtype, seq_len), n_blocks)
+    pred = cm.predict(profile, cm.shape_of(small, store_dtype, dtype, seq_len), place, acts, full.rows)
+    times, metrics, tiers = timed_steps(path, device, dtype, place, acts, full.rows, seq_len, steps)
+    measured = statistics.median(times)
+    err = measured / pred.step_s - 1
+    return dict(blocks=n_blocks, split=pred.split, tiers=list(tiers), tiers_match=tiers == pred.tiers,
+                placement=dataclasses.asdict(place), predicted_step_s=pred.step_s, measured_step_s=measured,
+                steps_s=times, error=err, within_15=abs(err) <= 0.15, bytes_read_predicted=pred.bytes_read,
+                bytes_read_measured=[m["bytes_read"] for m in metrics])

@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,9 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import phantom  # noqa: E402
 from phantom import config, tune  # noqa: E402
 from phantom import costmodel as cm  # noqa: E402
-from phantom.convert import write_synthetic  # noqa: E402
 from phantom.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
-from phantom.store import BlockStore, parse_dtype  # noqa: E402
+from phantom.store import BlockStore  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -78,39 +76,22 @@ def read_config(path: Path, vocab_size: int | None):
 
 
 def check(args, name: str, cfg, store_dtype: str, dtype: str, device, profile, best) -> int:
-    """Run the plan's fractions on N blocks of the shape and print the measured step beside the prediction."""
-    n, rows = args.check, args.batch_size * args.grad_accum
-    if n < 2 or args.steps < 1:
-        raise ValueError("--check needs at least 2 blocks and --steps >= 1")
-    small = dataclasses.replace(cfg, n_layers=n)
-    path = Path(args.check_dir or phantom.weights_dir() / f"{Path(name).stem}-synthetic-{n}L")
-    if not (path / "manifest.json").is_file():
-        need, free = cm.shape_of(small, store_dtype).store_bytes, tune.free_disk_bytes(path)
-        if need > free:
-            raise ValueError(f"--check {n} needs {cm.gib(need)} under {path}, {cm.gib(free)} free: use fewer blocks")
-        logging.info("writing %d synthetic blocks to %s (%s)", n, path, cm.gib(need))
-        write_synthetic(path, small, parse_dtype(store_dtype), progress=not args.json)
-    shape = cm.shape_of(cfg, store_dtype, dtype, args.seq_len)
-    place, acts = tune.scaled_placement(best, shape, n)
-    pred = cm.predict(profile, cm.shape_of(small, store_dtype, dtype, args.seq_len), place, acts, rows)
-    times, metrics, tiers = tune.timed_steps(path, device, dtype, place, acts, rows, args.seq_len, args.steps)
-    measured = statistics.median(times)
-    err = measured / pred.step_s - 1
-    result = dict(blocks=n, split=pred.split, tiers_match=tiers == pred.tiers, predicted_step_s=pred.step_s,
-                  measured_step_s=measured, steps_s=times, error=err, within_15=abs(err) <= 0.15,
-                  bytes_read_predicted=pred.bytes_read, bytes_read_measured=[m["bytes_read"] for m in metrics])
+    """Run the plan's fractions on N blocks of the shape; print the measured step beside the prediction."""
+    path = Path(args.check_dir or phantom.weights_dir() / f"{Path(name).stem}-synthetic-{args.check}L")
+    r = tune.check_plan(best, profile, cfg, store_dtype, dtype, device, args.check, args.seq_len, args.steps, path)
     if args.json:
-        print(json.dumps({"model": name, "plan": best.to_dict(), "check": result}))
-    else:
-        print(cm.describe_plan(best, shape, profile, name))
-        s = pred.split
-        print(f"check      {n} blocks: {s['device']} on the device, {s['ram']} in RAM, {s['disk']} on disk "
-              f"(scheduler {'agrees' if result['tiers_match'] else 'differs: ' + str(tiers)}); prefetch "
-              f"{place.prefetch}; {pred.bytes_read / 1e9:.1f} GB read per step predicted, measured "
-              f"{', '.join(f'{b / 1e9:.1f}' for b in result['bytes_read_measured'])}")
-        print(f"           {cm.describe_measured(pred, measured).removeprefix('measured   ')}; steps "
-              f"{', '.join(f'{t:.2f}' for t in times)} s; {'within' if result['within_15'] else 'NOT within'} 15%")
-    return 0 if result["within_15"] else 1
+        print(json.dumps({"model": name, "plan": best.to_dict(), "check": r}))
+        return 0 if r["within_15"] else 1
+    print(cm.describe_plan(best, cm.shape_of(cfg, store_dtype, dtype, args.seq_len), profile, name))
+    s = r["split"]
+    print(f"check      {r['blocks']} blocks at {path}: {s['device']} on the device, {s['ram']} in RAM, {s['disk']} "
+          f"on disk (the scheduler {'agrees' if r['tiers_match'] else 'chose otherwise: ' + str(r['tiers'])}); "
+          f"read per step {r['bytes_read_predicted'] / 1e9:.1f} GB predicted, measured "
+          f"{', '.join(f'{b / 1e9:.1f}' for b in r['bytes_read_measured'])}")
+    print(f"           measured {r['measured_step_s']:.3f} s/step (steps {', '.join(f'{t:.2f}' for t in r['steps_s'])}),"
+          f" predicted {r['predicted_step_s']:.3f} s: {r['error']:+.1%}, "
+          f"{'within' if r['within_15'] else 'NOT within'} 15%")
+    return 0 if r["within_15"] else 1
 
 
 def main(argv=None) -> int:

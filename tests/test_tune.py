@@ -147,3 +147,30 @@ def test_format_table_marks_the_choice():
     cands = cm.search(prof, cm.shape_of(CFG, "fp32", "fp32", 16), 4)
     text = tune.format_table(cands, top=5, chosen=cm.choose(cands))
     assert text.count("<- chosen") == 1 and len(text.splitlines()) <= 8
+
+
+def test_scaled_placement_keeps_the_plans_fractions():
+    shape = cm.shape_of(CFG, "bf16", "bf16", 16)
+    gpu = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None)
+    big = cm.shape_of(dataclasses.replace(CFG, n_layers=80), "bf16", "bf16", 16)
+    small = cm.shape_of(dataclasses.replace(CFG, n_layers=8), "bf16", "bf16", 16)
+    for split, scaled in (((28, 48, 4), (3, 4, 1)), ((0, 40, 40), (0, 4, 4)), ((0, 4, 76), (0, 1, 7))):
+        full = cm.predict(gpu, big, cm.Placement(prefetch=2), cm.Activations(recompute="all"), 4,
+                          tiers=sum(((t,) * k for t, k in zip(("device", "ram", "disk"), split)), ()))
+        place, acts = tune.scaled_placement(full, shape, 8)
+        pred = cm.predict(gpu, small, place, acts, 4)
+        assert tuple(pred.split.values()) == scaled  # rounded; a tier the plan uses keeps a block
+        assert place.prefetch == 2 and acts == full.activations
+
+
+def test_script_check_runs_the_plan_on_a_scaled_store(tmp_path, capsys):
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(HF_CONFIG))
+    argv = ["--config", str(cfg_file), "--device", "cpu", "--batch-size", "2", "--seq-len", "16", "--quick",
+            "--profile-dir", str(tmp_path / "p"), "--ram-budget", "1K", "--check", "4", "--check-dir",
+            str(tmp_path / "s4"), "--steps", "2", "--json"]
+    assert script().main(argv) in (0, 1)  # 0: within 15%; steps of a few ms are too noisy to require it
+    r = json.loads(capsys.readouterr().out)["check"]
+    assert r["blocks"] == 4 and r["split"]["disk"] == 4 and r["tiers_match"]
+    assert r["bytes_read_measured"] == [r["bytes_read_predicted"]] * 2 and len(r["steps_s"]) == 2
+    assert BlockStore(tmp_path / "s4").n_blocks == 4

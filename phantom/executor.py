@@ -119,8 +119,7 @@ class StreamedBlock(torch.autograd.Function):
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
         # The weights stay acquired until the gradients are computed: autograd reads them.
         with ex.block_weights(ctx.i, trainable=ex.trains_weights) as weights, rng:
-            weight_grads = {k: torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-                            for k, w in weights.items()} if ex.trains_weights else {}
+            weight_grads = dict.fromkeys(weights) if ex.trains_weights else {}  # fp32 sums, set by the first chunk
             wrt = trained + list(weights.values()) if ex.trains_weights else trained
             if ctx.keep:
                 ctx.hooks.bind(weights)
@@ -136,9 +135,12 @@ class StreamedBlock(torch.autograd.Function):
                 grads = torch.autograd.grad(out, ([xc] if needs_x else []) + wrt, gc, allow_unused=True)
                 if needs_x:
                     x_grads.append(grads[0])
-                for acc, g in zip(param_grads + list(weight_grads.values()), grads[1:] if needs_x else grads):
+                grads = grads[1:] if needs_x else grads
+                for acc, g in zip(param_grads, grads):
                     if g is not None:
                         acc += g
+                for k, g in zip(weight_grads, grads[len(param_grads):]):
+                    weight_grads[k] = _accumulate(weight_grads[k], g, weights[k])
             if ctx.keep:
                 ctx.hooks.bind(None)
                 ctx.graphs = None
@@ -147,6 +149,13 @@ class StreamedBlock(torch.autograd.Function):
         it = iter(param_grads)
         gparams = [next(it) if p.requires_grad else None for p in params]
         return (torch.cat(x_grads) if needs_x else None, None, None, None, *gparams)
+
+
+def _accumulate(total: torch.Tensor | None, g: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+    """A weight's fp32 gradient sum over micro-batches. The first chunk's gradient becomes the sum
+    (no zero-filled block-sized buffer: on a host those are fresh pages, faulted in at every step)."""
+    g = g.float() if g is not None else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    return g if total is None else total.add_(g)
 
 
 def _autocast_state(device: torch.device) -> dict:

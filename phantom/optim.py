@@ -83,8 +83,8 @@ def clip_coefficient(grads: list[torch.Tensor], max_norm: float | None, share: f
 def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                exp_avg_sqs: list[torch.Tensor], step: int, cfg: AdamWConfig, lr: float, coef: float = 1.0) -> None:
     """Step `step` (1-based) of AdamW in place on fp32 tensors: torch's fused kernel (CPU and CUDA;
-    its for-each form elsewhere), the gradients scaled by `coef` inside the kernel (they are not
-    modified). Equals torch.optim.AdamW on gradients multiplied by coef, to rounding."""
+    its for-each form elsewhere), the gradients scaled by `coef` inside the kernel (which leaves them
+    scaled: they are consumed). Equals torch.optim.AdamW on gradients multiplied by coef, to rounding."""
     fused = params[0].device.type in ("cpu", "cuda")
     steps = [torch.tensor(float(step - 1), device=params[0].device if fused else "cpu") for _ in params]
     scale = torch.tensor(1.0 / coef, device=params[0].device) if coef < 1.0 else None

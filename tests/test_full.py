@@ -1,12 +1,14 @@
 """Full finetuning: the streamed step (AdamW fused into each block's backward, state in RAM or on
 disk, blocks written back) equals torch.optim.AdamW on the resident model, with the documented
-per-block clipping (phantom.optim), over several steps and micro-batches."""
+per-block clipping (phantom.optim), over several steps and micro-batches, for every placement of
+blocks and optimizer state a CPU has; a run killed during a block's update resumes bit for bit."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import phantom
+from phantom.optim import AdamWConfig, adamw_step, state_tier
 from phantom.store import BlockStore
 from conftest import SMALL, batch, max_rel_err
 
@@ -79,3 +81,100 @@ def test_full_mode_needs_a_work_dir_and_no_lora(small_store):
         phantom.load(small_store, offload="disk", mode="full")
     with pytest.raises(ValueError, match="mode"):
         phantom.load(small_store, mode="half")
+
+
+def streamed_blocks_after(store, tmp_path, steps: int, max_norm, **load) -> list[dict]:
+    model = phantom.load(store, prefetch=1, mode="full", work_dir=tmp_path,
+                         optim=phantom.AdamWConfig(max_grad_norm=max_norm, **HP, state=load.pop("state")), **load)
+    train_steps(model, steps, max_norm)
+    model.save_full()
+    model.close()
+    trained = BlockStore(tmp_path / "store", verify="full")
+    return [trained.load_block(i) for i in range(SMALL.n_layers)]
+
+
+@pytest.mark.parametrize("offload,state", [("ram", "disk"), ("disk", "ram"), ("auto", "auto")])
+def test_every_cpu_placement_of_blocks_and_state_equals_adamw(small_store, tmp_path, offload, state):
+    """Blocks in RAM with the state in files, blocks on disk with the state in RAM, and a mixed RAM/disk
+    placement (auto, a RAM budget of two blocks): 3 steps with weight decay and clipping."""
+    steps, max_norm = 3, 0.05
+    _, ref_blocks, _ = resident_steps(small_store, steps, max_norm)
+    budget = dict(ram_budget=2 * BlockStore(small_store).block_nbytes) if offload == "auto" else {}
+    got = streamed_blocks_after(small_store, tmp_path, steps, max_norm, offload=offload, state=state, **budget)
+    for i, ref_block in enumerate(ref_blocks):
+        for k, v in ref_block.items():
+            assert max_rel_err(got[i][k], v) <= TOL, (i, k)
+    assert any((tmp_path / "optim").glob("*.safetensors"))  # save_full wrote the held state too
+
+
+def test_state_tier_choice_and_refusals():
+    cpu = torch.device("cpu")
+    assert state_tier("auto", ("ram", "ram"), cpu, 10, None) == "ram"
+    assert state_tier("auto", ("ram", "disk"), cpu, 10, None) == "disk"
+    assert state_tier("auto", ("ram",), torch.device("cuda"), 10, 100) == "device"  # fits: the update runs there
+    assert state_tier("auto", ("ram",), torch.device("cuda"), 60, 100) == "ram"
+    assert state_tier("disk", ("ram",), cpu, 10, None) == "disk"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        state_tier("device", ("ram",), cpu, 10, None)
+    with pytest.raises(ValueError, match="auto, ram, disk, device"):
+        state_tier("gpu", ("ram",), cpu, 10, None)
+
+
+@pytest.mark.parametrize("coef", [1.0, 0.3])
+def test_fused_step_equals_torch_adamw(coef):
+    """adamw_step (torch's fused kernel, the clip folded into it) against torch.optim.AdamW's default
+    for-loop on gradients multiplied by coef, 3 steps, weight decay on."""
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(257, 33, generator=gen)
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], **HP)
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    for step in range(1, 4):
+        g = torch.randn(p0.shape, generator=gen)
+        ref.grad = g * coef
+        opt.step()
+        adamw_step([p], [g], [m], [v], step, AdamWConfig(**HP), HP["lr"], coef)
+    assert max_rel_err(p, ref) <= 1e-6
+    assert max_rel_err(m, opt.state[ref]["exp_avg"]) <= 1e-6
+    assert max_rel_err(v, opt.state[ref]["exp_avg_sq"]) <= 1e-6
+
+
+def test_block_updates_overlap_the_backward(small_store, tmp_path):
+    """Block i's update runs on the write-back thread while the training thread is still in the
+    backward (of block i-1): at least one update starts before backward returns."""
+    model = phantom.load(small_store, offload="ram", prefetch=1, mode="full", work_dir=tmp_path,
+                         optim=phantom.AdamWConfig(**HP))
+    started = []
+    real = model.block_optimizer.step_block
+
+    def step_block(i, *a, **kw):
+        started.append((i, in_backward[0]))
+        return real(i, *a, **kw)
+    model.block_optimizer.step_block = step_block
+    in_backward = [False]
+    tokens, targets = batch(SMALL)
+    loss = model(tokens, targets=targets)
+    in_backward[0] = True
+    loss.backward()
+    in_backward[0] = False
+    model.finish_step()
+    model.close()
+    assert sorted(i for i, _ in started) == list(range(SMALL.n_layers))
+    assert started[0][0] == SMALL.n_layers - 1  # the last block's update is the first
+    assert any(during for _, during in started), started
+    rate = model.block_optimizer.take_rate()
+    assert rate["optim_params"] == SMALL.n_layers * SMALL.block_params() and rate["optim_params_per_s"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: device-placed state and pinned gradient copies")
+@pytest.mark.cuda
+@pytest.mark.parametrize("state", ["device", "ram"])
+def test_cuda_full_finetune_equals_adamw(small_store, tmp_path, state):
+    """On a GPU: state on the device (update there) or in RAM (gradients to pinned buffers on a copy
+    stream) equals AdamW on the resident model."""
+    steps, max_norm = 3, 0.05
+    _, ref_blocks, _ = resident_steps(small_store, steps, max_norm)
+    got = streamed_blocks_after(small_store, tmp_path, steps, max_norm, offload="ram", state=state, device="cuda")
+    for i, ref_block in enumerate(ref_blocks):
+        for k, v in ref_block.items():
+            assert max_rel_err(got[i][k], v) <= TOL, (i, k)

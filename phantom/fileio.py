@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import fnmatch
 import json
 import logging
 import os
@@ -29,20 +28,6 @@ log = logging.getLogger(__name__)
 USER_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EROFS: "read-only file system", errno.EIO: "I/O error", errno.EACCES: "permission denied",
                errno.EPERM: "operation not permitted"}
-
-# Tests: PHANTOM_IO_FAULT="<glob of a file name>:N" fails the Nth write of a matching file with ENOSPC.
-_fault_spec = os.environ.get("PHANTOM_IO_FAULT", "")
-_fault_glob, _, _fault_n = _fault_spec.rpartition(":")
-_fault_hits = 0
-
-
-def _maybe_fail(path: Path) -> None:
-    global _fault_hits
-    if _fault_glob and fnmatch.fnmatch(path.name, _fault_glob):
-        _fault_hits += 1
-        if _fault_hits == int(_fault_n or 1):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
 
 def _named(e: OSError, path: Path) -> OSError:
     """The error with the file it concerns (a failed write() carries no file name)."""
@@ -75,7 +60,7 @@ def atomic_write(path: Path | str, data: bytes | Callable) -> Path:
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            _maybe_fail(path)
+            faults.io_point(path)
             data(f) if callable(data) else f.write(data)
             faults.point("file.write")  # crash tests: written, not yet renamed
             f.flush()
@@ -120,7 +105,7 @@ class RecordLog:
         raw = line.encode() if line.endswith("\n") else (line + "\n").encode()
         end = os.lseek(self.fd, 0, os.SEEK_END)
         try:
-            _maybe_fail(self.path)
+            faults.io_point(self.path)
             done = os.write(self.fd, raw)
             while done < len(raw):  # a short write: the rest, or an OSError (disk full)
                 done += os.write(self.fd, raw[done:])

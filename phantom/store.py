@@ -26,7 +26,7 @@ import torch
 
 from phantom.config import (FUSED_PROJECTIONS, ModelConfig, block_tensor_shapes, embed_tensor_shapes,
                             head_tensor_shapes)
-from phantom import faults
+from phantom import faults, fileio
 
 log = logging.getLogger(__name__)
 
@@ -64,33 +64,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 # ---------------------------------------------------------------------------------------------
 # Atomic files
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary name in the same folder, fsync, rename, fsync the folder."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            faults.point("file.write")  # crash tests: written, not yet renamed
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode())
+# One rule for every file written (phantom.fileio): temp in the same folder, fsync, rename, fsync the folder.
+fsync_dir, atomic_write_bytes, atomic_write_json = fileio.fsync_dir, fileio.atomic_write, fileio.atomic_write_json
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +111,17 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     # reads can then bypass the page cache with O_DIRECT, which needs aligned file offsets.
     hbytes += b" " * (-(len(hbytes) + 8) % DATA_ALIGN)
     digest = hashlib.sha256()
+    try:
+        _write_safetensors(path, hbytes, tensors, digest)
+    except OSError as e:  # disk full: no half-written file stays, and the error names the file
+        Path(path).unlink(missing_ok=True)
+        raise e if e.filename else OSError(e.errno, e.strerror, str(path)) from None
+    return {"size": 8 + len(hbytes) + offset, "sha256": digest.hexdigest()}
+
+
+def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tensor], digest) -> None:
     with open(path, "wb") as f:
+        faults.io_point(path)  # tests: a full disk here
         for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
             f.write(chunk)
             digest.update(chunk)
@@ -148,7 +133,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
             digest.update(raw)
         f.flush()
         os.fsync(f.fileno())
-    return {"size": 8 + len(hbytes) + offset, "sha256": digest.hexdigest()}
 
 
 def read_header(path: Path) -> tuple[list[TensorSpec], int]:

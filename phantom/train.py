@@ -413,6 +413,45 @@ def read_metrics(path: Path, upto: int) -> list[dict]:
     return [r for r in fileio.read_records(path) if isinstance(r, dict) and r.get("step", 0) <= upto]
 
 
+METRICS_BYTES_PER_STEP = 600  # one metrics.jsonl record, with room for a sample now and then
+
+
+def planned_bytes(model, cfg: TrainConfig) -> dict[str, int]:
+    """What the run will hold in cfg.out at its peak, by kind (bytes).
+
+    A checkpoint replaces the previous one only when complete, so two exist for a moment; a full
+    finetune rewrites every file of its working store while the checkpoint's snapshot keeps the
+    previous version (two stores, whether the base could be hard-linked or not), and its AdamW state
+    (fp32 master + two moments: 12 bytes per parameter) is held the same way.
+    """
+    trainable = sum(p.numel() for p in model.trainable_parameters())
+    plan = {"metrics": METRICS_BYTES_PER_STEP * (cfg.iters + 1), "adapter": 4 * trainable,
+            "checkpoints": 2 * 4 * 4 * trainable}  # fp32 weights + 2 moments + the adapter, twice
+    store = getattr(model, "store", None)
+    if getattr(model, "full", False) and getattr(model, "scheduler", None) is not None and store is not None:
+        files = [store.embed, store.head, *store.blocks]
+        plan["working store"] = 2 * sum(e.nbytes for e in files)
+        n_block_params = sum(e.nbytes for e in store.blocks) // store.dtype.itemsize
+        plan["optimizer state"] = 2 * 12 * n_block_params
+    return plan
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(out: Path, plan: dict[str, int]) -> None:
+    """Refuse, before any work, a run that cannot fit in cfg.out's filesystem; warn under a 10% margin."""
+    need, free = sum(plan.values()), free_bytes(out)
+    parts = ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in plan.items() if v)
+    if need > free:
+        raise ValueError(f"{out} has {free / 1e6:,.1f} MB free but this run will write about {need / 1e6:,.1f} MB "
+                         f"({parts}); free space or choose an --out on a larger disk")
+    if need > 0.9 * free:
+        log.warning("%s: this run will write about %.1f MB of the %.1f MB free (%s); a full disk stops it "
+                    "(resume with --resume)", out, need / 1e6, free / 1e6, parts)
+
+
 def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, cfg: TrainConfig = TrainConfig(),
           tokenizer=None) -> dict:
     """Finetune `model` on `train_data`; write adapter/, checkpoint/ and metrics.jsonl into cfg.out.
@@ -437,6 +476,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     full = getattr(model, "full", False)
     ddp = pdist.current()  # torchrun: each rank trains on its slice of the global batch; rank 0 writes
     main = ddp.is_main
+    if main:
+        check_free_space(out, planned_bytes(model, cfg))
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     pad = tokenizer.eos_id if tokenizer is not None else 0

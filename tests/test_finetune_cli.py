@@ -173,3 +173,50 @@ def test_plot_draws_loss_and_timeline(tmp_path):
     assert p.returncode == 0, p.stderr
     for name in ("loss.png", "timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+FULL_SHORT = ["--iters", "4", "--batch-size", "2", "--seq-len", "32", "--mode", "full", "--offload", "disk",
+              "--lr", "1e-3", "--eval-every", "0", "--val-split", "0", "--save-every", "1", "-q"]
+
+
+def test_preflight_refuses_a_run_that_cannot_fit(cli, tmp_path, capsys, monkeypatch):
+    import phantom.train
+    monkeypatch.setattr(phantom.train, "free_bytes", lambda path: 5_000_000)  # 5 MB free
+    assert cli.main([*FULL_SHORT, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "5.0 MB free but this run will write about" in err[0] and "working store" in err[0], err
+    assert not (tmp_path / "out" / "checkpoint").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def written_bytes(out: Path, base: set[int]) -> int:
+    """Bytes of the distinct files under out that are not the base store's (hard links to it cost nothing)."""
+    seen, total = set(), 0
+    for p in out.rglob("*"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # replaced while we looked
+            continue
+        if p.is_file() and st.st_ino not in base and st.st_ino not in seen:
+            seen.add(st.st_ino)
+            total += st.st_size
+    return total
+
+
+def test_preflight_estimate_is_within_20_percent_of_a_full_runs_peak(tmp_path):
+    """The peak of what a short full-mode run holds in --out (sampled while it runs) against the plan."""
+    import os
+    import phantom
+    import phantom.train
+    store_dir = phantom.resolve_model("tiny")
+    base = {p.stat().st_ino for p in store_dir.rglob("*") if p.is_file()}
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(FINETUNE), *FULL_SHORT, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, written_bytes(out, base) if out.exists() else 0)
+        time.sleep(0.005)
+    assert proc.returncode == 0, proc.stderr.read()
+    with phantom.load(store_dir, device="cpu", offload="disk", mode="full", work_dir=tmp_path / "plan") as model:
+        plan = phantom.train.planned_bytes(model, phantom.train.TrainConfig(iters=4, out=str(out)))
+    assert abs(sum(plan.values()) - peak) <= 0.2 * peak, (plan, peak, os.environ.get("PHANTOM_WEIGHTS"))

@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -77,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary of the synthetic model")
     p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (q and v, as PEFT's default targets)")
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
+                   "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "
+                   "the host memory bandwidth measured in the same run")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--cold", action="store_true", help="evict block files from the page cache after each read")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
@@ -230,9 +234,15 @@ def worker(args) -> dict:
     placement, activations = split_knobs(
         dict({"recompute": recompute, **kw}, micro_batch=int(micro) if micro != "-" else None, compile=args.compile),
         phantom.Placement(), phantom.Activations())
+    full = args.train == "full"
+    if full:  # the step rewrites the blocks: a working copy (hard links), as phantom.load(work_dir=...) makes
+        work = Path(tempfile.mkdtemp(dir=Path(args.store).parent))
+        store = BlockStore(phantom.store.clone_store(Path(args.store), work / "store"), drop_cache=args.cold)
     model = phantom.PhantomModel(store, phantom.resolve_device(args.device), store.dtype, placement, activations,
-                                 lora=phantom.LoraConfig(rank=args.lora_rank))
-    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4)
+                                 lora=None if full else phantom.LoraConfig(rank=args.lora_rank),
+                                 mode=args.train, optim=phantom.AdamWConfig(lr=1e-4),
+                                 optim_dir=work / "optim" if full else None)
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, fused=full or None)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
     x, y = tokens[:, :-1].to(model.device), tokens[:, 1:].to(model.device)
@@ -244,15 +254,21 @@ def worker(args) -> dict:
         model(x, targets=y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        model.finish_step()  # full: the blocks' updates have landed
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         m = model.scheduler.take_metrics() if model.scheduler else {}
+        if model.block_optimizer is not None:
+            m.update(model.block_optimizer.take_rate())
         if step:  # step 0 is warm-up
             times.append(dt)
             stalls.append(m.get("stall_s", 0.0) / dt)
             metrics.append(m)
     model.close()
+    if full:
+        shutil.rmtree(work, ignore_errors=True)
+    optim_s = sum(m.get("optim_s", 0.0) for m in metrics)
     moved = sum(m.get("bytes_read", 0) + m.get("bytes_h2d", 0) for m in metrics) / len(metrics)
     read_s = sum(m.get("read_s", 0) for m in metrics)
     copy_s = sum(m.get("copy_s", 0) for m in metrics)
@@ -262,20 +278,23 @@ def worker(args) -> dict:
             "loads": metrics[-1].get("loads", 0), "bytes_per_step": moved,
             "read_gbps": sum(m.get("bytes_read", 0) for m in metrics) / read_s / 1e9 if read_s else 0.0,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else 0.0}
+            "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else 0.0,
+            "train": args.train, "optim_s": optim_s / len(metrics),
+            "optim_params_per_s": sum(m.get("optim_params", 0) for m in metrics) / optim_s if optim_s else 0.0}
 
 
-def run_worker(spec: str, argv, args) -> tuple:
+def run_worker(spec: str, argv, args, train: str = "lora") -> tuple:
     """One configuration (mode:recompute:micro:prefetch) in its own process; (mode, rc, micro, K, result)."""
     mode, recompute, micro, k = spec.split(":")
     recompute = MODES.get(mode, {}).get("recompute", recompute)  # naive always reruns the forward
     cmd = [sys.executable, __file__, "--worker", spec] + \
-          [a for a in (argv if argv is not None else sys.argv[1:]) if a] + ["--store", args.store]
+          [a for a in (argv if argv is not None else sys.argv[1:]) if a] + ["--store", args.store, "--train", train]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"error: {mode} failed:\n{out.stderr[-2000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"{mode:10s} recompute={recompute:4s} micro={micro:3s} prefetch={k:2s} {r['step_s']:.3f} s/step", flush=True)
+    print(f"{mode:10s} {train:4s} recompute={recompute:4s} micro={micro:3s} prefetch={k:2s} {r['step_s']:.3f} s/step",
+          flush=True)
     return mode, recompute if mode not in ("resident", *PEERS, "h2d", "matmul") else "-", micro, k, r
 
 
@@ -465,6 +484,47 @@ def diskread(args, store: BlockStore, rounds: int = 3) -> str:
     return "\n".join(lines) + "\n"
 
 
+def host_speeds(n: int = 64 << 20, rounds: int = 5) -> dict:
+    """Host memory bandwidth (`a += b` over n fp32, in place like the optimizer: 12 bytes read and
+    written per element, every thread) and torch's fused AdamW alone on n parameters (28 bytes each:
+    read p, g, m, v; write p, m, v)."""
+    a, b = torch.zeros(n), torch.zeros(n)
+    p, g, m, v = torch.zeros(n), torch.full((n,), 1e-3), torch.zeros(n), torch.zeros(n)
+
+    def best(fn) -> float:
+        fn()  # first touch of the pages
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    add_s = best(lambda: a.add_(b))
+    cfg = phantom.AdamWConfig(lr=1e-4, weight_decay=0.1)
+    adamw_s = best(lambda: phantom.optim.adamw_step([p], [g], [m], [v], 1, cfg, cfg.lr))
+    return {"threads": torch.get_num_threads(), "mem_gbps": 12 * n / add_s / 1e9, "adamw_params_per_s": n / adamw_s}
+
+
+def full_lines(host: dict, rows: list) -> list[str]:
+    """Full finetuning beside LoRA: each full row's step against the LoRA row of the same placement,
+    the block optimizer's parameters/s in the step, and the host's speeds measured in this run."""
+    lora = {(m, rc, mi, k): r["step_s"] for m, rc, mi, k, r in rows if r.get("train", "lora") == "lora"}
+    bw, rate = host["mem_gbps"], host["adamw_params_per_s"]
+    lines = ["", f"- host memory bandwidth (in-place a += b, read + write, {host['threads']} threads): {bw:.1f} GB/s; "
+             f"fused AdamW alone: {rate / 1e9:.2f} G params/s = {28 * rate / 1e9:.1f} GB/s at 28 B/param "
+             f"({28 * rate / 1e9 / bw:.0%} of that bandwidth)", "",
+             "| full finetuning | step s | LoRA step s | full / LoRA | optimizer s/step (write-back thread) "
+             "| optimizer G params/s in the step | host memory GB/s |", "|---|---|---|---|---|---|---|"]
+    for m, rc, mi, k, r in rows:
+        if r.get("train") != "full":
+            continue
+        base = lora.get((m, rc, mi, k))
+        ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {m} {rc} micro {mi} prefetch {k} | {r['step_s']:.3f} | {base or 0:.3f} | {ratio} | "
+                     f"{r['optim_s']:.3f} | {r['optim_params_per_s'] / 1e9:.2f} | {bw:.1f} |")
+    return lines
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -504,10 +564,17 @@ def main(argv=None):
         if args.tuned:  # measured first, so the sweep below runs under the same conditions it saw
             profile = tune.measure(store, phantom.resolve_device(args.device), store.dtype, args.batch_size,
                                    args.seq_len)
+        trains = args.train.split(",")
+        if set(trains) - {"lora", "full"}:
+            print(f"error: --train takes lora and/or full, not {args.train!r}", file=sys.stderr)
+            sys.exit(2)
+        host = host_speeds() if "full" in trains else None  # same run, before the rows' processes
         rows = []
         for recompute in policies:
             for micro in (args.micro_batch.split(",") if args.micro_batch else ["-"]):
-                for mode in args.modes.split(","):
+                for mode, train in ((mo, t) for mo in args.modes.split(",") for t in trains):
+                    if train == "full" and mode in (*PEERS, "h2d", "matmul"):
+                        continue  # LoRA-only rows
                     if mode in PEERS:
                         try:
                             import peft, transformers  # noqa: F401
@@ -517,7 +584,7 @@ def main(argv=None):
                     if mode in ("resident", *PEERS, "h2d", "matmul", "naive") and recompute != policies[0]:
                         continue  # resident has no recompute policy: one row is enough
                     for k in (args.prefetch.split(",") if mode in ("ram", "disk", "auto") else ["-"]):
-                        rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args))
+                        rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args, train))
         if profile is not None:
             offloads = tuple(m for m in ("ram", "disk") if m in args.modes.split(","))
             best = tune.choose(tune.search(profile, args.batch_size, args.seq_len, offloads=offloads,
@@ -548,12 +615,15 @@ def main(argv=None):
             floor = f"{f:.3f} | {r['step_s'] / f:.2f}x"
         else:
             floor = "- | -"
-        lines.append(f"| {mode} | {rc} | {micro} | {k} | {r['step_s']:.3f} | {pred} | {ratio} | {r['stall']:.1%} | "
+        shown = mode if r.get("train", "lora") == "lora" else f"{mode} (full)"
+        lines.append(f"| {shown} | {rc} | {micro} | {k} | {r['step_s']:.3f} | {pred} | {ratio} | {r['stall']:.1%} | "
                      f"{r['loads']} | {r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | "
                      f"{r.get('copy_gbps', 0.0):.2f} | {floor} | "
                      f"{r['peak_rss_gb']:.2f} | {r['peak_dev_gb']:.2f} |")
     if profile is not None:
         lines += tuning_lines(profile, best, rows)
+    if host is not None:
+        lines += full_lines(host, rows)
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out or Path(__file__).resolve().parent.parent / "notes" / f"bench-{torch.device(args.device).type}.md")

@@ -220,3 +220,50 @@ def test_preflight_estimate_is_within_20_percent_of_a_full_runs_peak(tmp_path):
     with phantom.load(store_dir, device="cpu", offload="disk", mode="full", work_dir=tmp_path / "plan") as model:
         plan = phantom.train.planned_bytes(model, phantom.train.TrainConfig(iters=4, out=str(out)))
     assert abs(sum(plan.values()) - peak) <= 0.2 * peak, (plan, peak, os.environ.get("PHANTOM_WEIGHTS"))
+
+
+def test_default_lr_follows_the_models_size_not_its_name(cli, tmp_path):
+    import phantom
+    lrs = []
+    for name, model in (("a", "tiny"), ("b", str(phantom.resolve_model("tiny")))):
+        assert cli.main(["--model", model, "--iters", "1", "--warmup", "0", "--batch-size", "2", "--seq-len", "32",
+                         "--eval-every", "0", "--val-split", "0", "-q", "--out", str(tmp_path / name)]) == 0
+        lrs.append(metrics(tmp_path / name)[-1]["lr"])
+    assert lrs[0] == lrs[1] == 1e-2, lrs
+
+
+@pytest.mark.parametrize("batch, accum", [(3, 2), (5, 1), (1, 3)])
+def test_odd_batch_and_accumulation_with_the_tuner(cli, tmp_path, batch, accum):
+    assert cli.main(["--iters", "2", "--batch-size", str(batch), "--grad-accum", str(accum), "--seq-len", "32",
+                     "--prefetch", "auto", "--offload", "disk", "--eval-every", "0", "--val-split", "0", "-q",
+                     "--out", str(tmp_path)]) == 0
+    assert metrics(tmp_path)[-1]["tokens"] == batch * accum * 32
+
+
+def test_a_bug_keeps_its_traceback(cli, tmp_path, capsys, monkeypatch):
+    """A ValueError from deep inside a library is a bug, not bad input: a line saying so, then the traceback."""
+    import phantom.train
+
+    def broken(*a, **k):
+        return json.loads("{")  # a ValueError raised inside a library, not by phantom's checks
+
+    monkeypatch.setattr(phantom.train, "planned_bytes", broken)
+    with pytest.raises(ValueError, match="Expecting property name"):
+        cli.main(["--iters", "1", "-q", "--out", str(tmp_path)])
+    assert "internal error: this is a bug" in capsys.readouterr().err
+
+
+def test_a_second_run_into_the_same_out_is_refused(cli, tmp_path, capsys):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                               "from phantom import fileio\nwith fileio.locked(sys.argv[2] + '/.lock'):\n"
+                               "    print('held', flush=True); time.sleep(60)", str(ROOT), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert cli.main(["--iters", "1", "-q", "--out", str(tmp_path)]) == 2
+        assert "is in use by another finetune run" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli.main(["--iters", "1", "-q", "--val-split", "0", "--eval-every", "0", "--seq-len", "32",
+                     "--out", str(tmp_path)]) == 0  # the killed holder's lock is gone

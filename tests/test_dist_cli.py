@@ -39,3 +39,33 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
     assert any(one[k].abs().max() > 0 for k in one if "lora_B" in k)
     lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4 and json.loads(lines[-1])["tokens"] == 4 * 32  # one writer, global tokens
+
+
+def test_torchrun_on_a_fresh_clone_makes_things_once_and_speaks_once(tmp_path):
+    """No tiny model, no tuning profile yet: both ranks start at once; one makes each thing under a
+    lock, the other waits; rank 0 alone prints the summary."""
+    finetune = str(ROOT / "scripts" / "finetune.py")
+    env = {**os.environ, "PHANTOM_WEIGHTS": str(tmp_path / "weights"), "PHANTOM_CACHE": str(tmp_path / "cache"),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          finetune, "--iters", "2", "--seq-len", "32", "--batch-size", "2", "--val-split", "0",
+                          "--eval-every", "0", "--prefetch", "auto", "--offload", "disk", "--device", "cpu",
+                          "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("finetune done") == 1, out.stdout
+    assert "error" not in out.stderr.lower(), out.stderr[-3000:]
+
+
+def test_more_local_ranks_than_cuda_devices_is_one_error(monkeypatch):
+    from phantom import dist as pdist
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    try:
+        pdist.init_from_env("cuda")
+    except ValueError as e:
+        assert "4 ranks" in str(e) and "2 CUDA device(s)" in str(e) and "--device cpu" in str(e)
+    else:
+        raise AssertionError("no error")

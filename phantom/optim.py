@@ -97,6 +97,23 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
                      eps=cfg.eps, maximize=False)
 
 
+def state_memory(tier: str, block_params: int, n_blocks: int, grads_in_flight: int = 2) -> dict[str, int]:
+    """Bytes the block optimizer holds, by place, for a state tier (the tuner's memory model).
+
+    State is 12 bytes per parameter (fp32 master, exp_avg, exp_avg_sq) in the tier's place; the disk
+    tier holds one block's state in host memory while it updates it. Gradients are 4 bytes per
+    parameter (fp32) for each block between its backward and the end of its update: the one being
+    updated and the one the backward is producing (`grads_in_flight`), on the host for host tiers
+    (pinned buffers on CUDA), on the device for the device tier.
+    """
+    state, grads = 12 * block_params, 4 * block_params * grads_in_flight
+    if tier == "device":
+        return {"host": 0, "device": state * n_blocks + grads, "disk": 0}
+    if tier == "disk":
+        return {"host": state + grads, "device": 0, "disk": state * n_blocks}
+    return {"host": state * n_blocks + grads, "device": 0, "disk": 0}
+
+
 class BlockAdamW:
     """Optimizer state per block (master weights, moments, step) in RAM, in files or on the device.
 

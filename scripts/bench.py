@@ -279,7 +279,7 @@ def worker(args) -> dict:
             "read_gbps": sum(m.get("bytes_read", 0) for m in metrics) / read_s / 1e9 if read_s else 0.0,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else 0.0,
-            "train": args.train, "optim_s": optim_s / len(metrics),
+            "train": args.train, "optim_s": optim_s / len(metrics), "optim_host_gb": optimizer_host_gb(model),
             "optim_params_per_s": sum(m.get("optim_params", 0) for m in metrics) / optim_s if optim_s else 0.0}
 
 
@@ -505,23 +505,36 @@ def host_speeds(n: int = 64 << 20, rounds: int = 5) -> dict:
     return {"threads": torch.get_num_threads(), "mem_gbps": 12 * n / add_s / 1e9, "adamw_params_per_s": n / adamw_s}
 
 
+def optimizer_host_gb(model) -> float:
+    """Full finetuning: the host bytes the memory model gives the optimizers (phantom.optim.state_memory
+    for the blocks; 16 bytes a parameter for head and embedding: fp32 weight, gradient, two moments)."""
+    if model.block_optimizer is None:
+        return 0.0
+    cfg = model.cfg
+    blocks = phantom.optim.state_memory(model.block_optimizer.tier, cfg.block_params(), cfg.n_layers)["host"]
+    return (blocks + 16 * (cfg.n_params() - cfg.n_layers * cfg.block_params())) / 2**30
+
+
 def full_lines(host: dict, rows: list) -> list[str]:
     """Full finetuning beside LoRA: each full row's step against the LoRA row of the same placement,
     the block optimizer's parameters/s in the step, and the host's speeds measured in this run."""
-    lora = {(m, rc, mi, k): r["step_s"] for m, rc, mi, k, r in rows if r.get("train", "lora") == "lora"}
+    lora = {(m, rc, mi, k): r for m, rc, mi, k, r in rows if r.get("train", "lora") == "lora"}
     bw, rate = host["mem_gbps"], host["adamw_params_per_s"]
     lines = ["", f"- host memory bandwidth (in-place a += b, read + write, {host['threads']} threads): {bw:.1f} GB/s; "
              f"fused AdamW alone: {rate / 1e9:.2f} G params/s = {28 * rate / 1e9:.1f} GB/s at 28 B/param "
              f"({28 * rate / 1e9 / bw:.0%} of that bandwidth)", "",
              "| full finetuning | step s | LoRA step s | full / LoRA | optimizer s/step (write-back thread) "
-             "| optimizer G params/s in the step | host memory GB/s |", "|---|---|---|---|---|---|---|"]
+             "| optimizer G params/s in the step | host memory GB/s | peak RSS GB: full - LoRA | optimizers' host GB "
+             "(model) |", "|---|---|---|---|---|---|---|---|---|"]
     for m, rc, mi, k, r in rows:
         if r.get("train") != "full":
             continue
         base = lora.get((m, rc, mi, k))
-        ratio = f"{r['step_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| {m} {rc} micro {mi} prefetch {k} | {r['step_s']:.3f} | {base or 0:.3f} | {ratio} | "
-                     f"{r['optim_s']:.3f} | {r['optim_params_per_s'] / 1e9:.2f} | {bw:.1f} |")
+        ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
+        rss = f"{r['peak_rss_gb'] - base['peak_rss_gb']:.2f}" if base else "-"
+        lines.append(f"| {m} {rc} micro {mi} prefetch {k} | {r['step_s']:.3f} | {base['step_s'] if base else 0:.3f} | "
+                     f"{ratio} | {r['optim_s']:.3f} | {r['optim_params_per_s'] / 1e9:.2f} | {bw:.1f} | {rss} | "
+                     f"{r['optim_host_gb']:.2f} |")
     return lines
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.optim import AdamWConfig, adamw_step, state_tier
+from phantom.optim import AdamWConfig, adamw_step, state_memory, state_tier
 from phantom.store import BlockStore
 from conftest import SMALL, batch, max_rel_err
 
@@ -238,3 +238,11 @@ def same_state(a, b) -> bool:
         if x.keys() != y.keys() or not all(torch.equal(x[k].view(torch.uint8), y[k].view(torch.uint8)) for k in x):
             return False
     return True
+
+
+def test_state_memory_model():
+    """12 bytes a parameter of state where the tier puts it; 4 a parameter of gradients in flight."""
+    P, n = 1000, 8
+    assert state_memory("ram", P, n) == {"host": 12 * P * n + 8 * P, "device": 0, "disk": 0}
+    assert state_memory("disk", P, n) == {"host": 12 * P + 8 * P, "device": 0, "disk": 12 * P * n}
+    assert state_memory("device", P, n) == {"host": 0, "device": 12 * P * n + 8 * P, "disk": 0}

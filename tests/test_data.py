@@ -205,3 +205,31 @@ def test_render_prompt():
     assert D.render_prompt("Hi", "text") == "Hi"
     assert D.render_prompt("Hi", "chat") == "User: Hi Assistant:"
     assert D.render_prompt("Hi", "alpaca").endswith("### Instruction:\nHi\n\n### Response:\n")
+
+
+@pytest.mark.parametrize("dtype, suffix", [("uint16", ".bin"), ("uint32", ".bin"), ("uint16", ".npy"), ("int32", ".npy")])
+def test_token_files_round_trip(tmp_path, dtype, suffix):
+    ids = np.random.default_rng(0).integers(0, 97, 500).astype(dtype)
+    path = tmp_path / f"train{suffix}"
+    np.save(path, ids) if suffix == ".npy" else ids.tofile(path)
+    got = D.load(path, None, vocab_size=97, dtype=dtype if suffix == ".bin" else None)
+    assert got.fmt == "tokens" and np.array_equal(np.asarray(got.tokens), ids)
+    train, val = D.split(got, 0.1)
+    assert len(train) + len(val) == 500 and np.array_equal(np.asarray(val.tokens), ids[-len(val):])
+
+
+def test_token_file_errors_name_the_file_and_offset(tmp_path):
+    ids = np.arange(10, dtype=np.uint16)
+    ids[7] = 500
+    ids.tofile(tmp_path / "bad.bin")
+    with pytest.raises(ValueError, match=r"bad.bin: token id 500 at offset 7 \(byte 14\)"):
+        D.load(tmp_path / "bad.bin", None, vocab_size=97)
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match="not a whole number of uint16"):
+        D.load(tmp_path / "odd.bin", None, vocab_size=97)
+    np.save(tmp_path / "two_d.npy", np.zeros((2, 3), np.int64))
+    with pytest.raises(ValueError, match="1-D integer array"):
+        D.load(tmp_path / "two_d.npy", None, vocab_size=97)
+    (tmp_path / "t.txt").write_text("hello")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        D.load(tmp_path / "t.txt", None, vocab_size=97)

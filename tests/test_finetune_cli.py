@@ -267,3 +267,25 @@ def test_a_second_run_into_the_same_out_is_refused(cli, tmp_path, capsys):
         holder.wait()
     assert cli.main(["--iters", "1", "-q", "--val-split", "0", "--eval-every", "0", "--seq-len", "32",
                      "--out", str(tmp_path)]) == 0  # the killed holder's lock is gone
+
+
+def test_a_store_without_tokenizer_trains_from_token_ids(cli, tmp_path, capsys):
+    """A synthetic store (no tokenizer) trains from a .bin of uint16 ids with a held-out split; text
+    data for it is one error line."""
+    import numpy as np
+    from phantom.config import ModelConfig
+    from phantom.convert import write_synthetic
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, multiple_of=16, max_seq_len=64)
+    store = write_synthetic(tmp_path / "syn", cfg, seed=0) or tmp_path / "syn"
+    ids = np.random.default_rng(1).integers(0, 300, 4000).astype(np.uint16)
+    ids.tofile(tmp_path / "train.bin")
+    args = ["--model", str(store), "--data", str(tmp_path / "train.bin"), "--iters", "4", "--batch-size", "2",
+            "--seq-len", "32", "--eval-every", "2", "--eval-iters", "1", "--save-every", "2", "--offload", "disk",
+            "--prefetch", "1", "-q"]
+    assert cli.main([*args, "--out", str(tmp_path / "one")]) == 0
+    assert cli.main([*args, "--out", str(tmp_path / "err"), "--data", str(tmp_path / "train.txt")]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+    recs = metrics(tmp_path / "one")
+    assert recs[-1]["step"] == 4 and "val_loss" in recs[-1]
+    a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
+    assert a and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)

@@ -31,12 +31,37 @@ def test_blocks_still_on_the_device_are_reused_at_the_turn(small_store, prefetch
     model.close()
 
 
+def never_time_out(cv: threading.Condition, monkeypatch, on_wait=None) -> list[bool]:
+    """Every wait on the scheduler's condition waits for a notification (the acquire loop's 0.1 s
+    poll becomes LONG_S), and what each wait returned is recorded: False means it timed out, i.e. a
+    state change was not signalled. `on_wait` runs (lock held) before each wait of the caller."""
+    real_wait, woke = cv.wait, []
+
+    def wait(timeout=None):
+        if on_wait is not None:
+            on_wait()
+        got = real_wait(None if timeout is None else LONG_S)
+        woke.append(got)
+        return got
+
+    monkeypatch.setattr(cv, "wait", wait)
+    return woke
+
+
+LONG_S = 10.0  # a hang guard, never a performance bound: nothing waits this long when things work
+
+
 def test_prefetch_io_error_reaches_the_training_thread_fast(small_store, monkeypatch):
+    """The failure is signalled: acquire() waiting for block 2 is woken by the loader that failed
+    (no poll timeout), and the read fails only once the training thread is waiting for it."""
     store = BlockStore(small_store)
-    real = store.read_block_into
+    real, attempts = store.read_block_into, []
+    waiting = threading.Event()  # the training thread is inside acquire(2), waiting
 
     def failing(i, buf, **kw):
         if i == 2:
+            attempts.append(i)
+            assert waiting.wait(LONG_S), "acquire(2) never waited"
             raise OSError(5, "Input/output error (injected)")
         return real(i, buf, **kw)
 
@@ -46,10 +71,13 @@ def test_prefetch_io_error_reaches_the_training_thread_fast(small_store, monkeyp
         for i in (0, 1):
             sched.acquire(i)
             sched.release(i)
-        t0 = time.perf_counter()
+        trainer = threading.current_thread()
+        woke = never_time_out(sched._cv, monkeypatch,
+                              on_wait=lambda: waiting.set() if threading.current_thread() is trainer else None)
         with pytest.raises(OSError, match="injected"):
             sched.acquire(2)
-        assert time.perf_counter() - t0 < 1.0
+        assert waiting.is_set() and attempts == [2]
+        assert all(woke), f"a wait timed out instead of being notified: {woke}"
 
 
 def test_resident_blocks_are_never_reloaded(small_store):
@@ -75,17 +103,23 @@ def test_writeback_queue_reraises_errors_in_the_caller():
 
 
 def test_writeback_queue_applies_back_pressure():
+    """With the worker busy and the queue full, a third submit blocks in put() until the worker
+    frees room: checked by the queue's own waiters, not by a sleep."""
     q = WriteBackQueue(maxsize=1)
-    gate = threading.Event()
-    q.submit(gate.wait)  # the worker is busy with this one
+    gate, running = threading.Event(), threading.Event()
+    q.submit(lambda: (running.set(), gate.wait(LONG_S)))  # the worker is busy with this one
+    assert running.wait(LONG_S)
     q.submit(lambda: None)  # this one waits in the queue
     blocked = threading.Thread(target=q.submit, args=(lambda: None,))
     blocked.start()
-    blocked.join(0.2)
-    assert blocked.is_alive()  # a third submit waits for room
+    deadline = time.monotonic() + LONG_S  # until the submit blocks or (back-pressure broken) returns
+    while blocked.is_alive() and not q._q.not_full._waiters and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert blocked.is_alive() and q._q.not_full._waiters  # a third submit waits for room
     gate.set()
-    blocked.join(5)
+    blocked.join(LONG_S)
     assert not blocked.is_alive()
+    q.flush()
     q.close()
 
 

@@ -59,6 +59,16 @@ MODES = {  # name -> load arguments
 PEERS = ("hf-peft", "fsdp-offload")  # other tools' rows: no recompute policy, no streaming metrics
 
 
+def peak_rss_gb() -> float:
+    """This process's own peak RSS. Not ru_maxrss: a child started by subprocess reports its parent's
+    peak there until it exceeds it (Linux keeps the high-water mark across exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=1024, help="model width")
@@ -162,7 +172,7 @@ def hf_steps(model, store: BlockStore, args) -> dict:
         if step:
             times.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times), "stall": 0.0, "loads": 0, "bytes_per_step": 0, "read_gbps": 0.0,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_rss_gb": peak_rss_gb(),
             "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
 
 
@@ -277,7 +287,7 @@ def worker(args) -> dict:
             "copy_gbps": sum(m.get("bytes_h2d", 0) for m in metrics) / copy_s / 1e9 if copy_s else 0.0,
             "loads": metrics[-1].get("loads", 0), "bytes_per_step": moved,
             "read_gbps": sum(m.get("bytes_read", 0) for m in metrics) / read_s / 1e9 if read_s else 0.0,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_rss_gb": peak_rss_gb(),
             "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else 0.0,
             "train": args.train, "optim_s": optim_s / len(metrics), "optim_host_gb": optimizer_host_gb(model),
             "optim_params_per_s": sum(m.get("optim_params", 0) for m in metrics) / optim_s if optim_s else 0.0}

@@ -44,6 +44,17 @@ NEEDED = ("llama2.py", "llama2_loader.py", "blackbox.py", "model_config.py", "ut
 SLOWLLAMA_SEED = 54321  # conf.py's seed, set by its prepare_model.py and finetune.py
 
 
+def peak_rss_gb() -> float:
+    """This process's own peak RSS. Not ru_maxrss: a child started by subprocess reports its parent's
+    peak there until it exceeds it (Linux keeps the high-water mark across exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slowllama", required=True, help="directory with slowllama's .py files (llama2_loader.py, ...)")
@@ -184,7 +195,7 @@ def phase_train(args, info: dict) -> dict:
     load.append(Path("/proc/loadavg").read_text().split()[0])
     rates.append(matmul_rate(X.numel(), info["dim"], info["hidden"]))
     return {"rates": rates, "times": times, "cpu": cpu, "load": load, "losses": losses, "trainable": trainable,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "peak_rss_gb": peak_rss_gb()}
 
 
 def run_phase(name: str, args, info: dict, slow: Path) -> str:

@@ -146,7 +146,8 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
 
 
 def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype, seq_len: int, max_rows: int,
-                    free_bytes: int | None, repeats: int = 3, read_gbps: float | None = None, cold: bool = False) -> dict:
+                    free_bytes: int | None, repeats: int = 3, read_gbps: float | None = None,
+                    cold: bool = False) -> dict:
     """One block's forward, graph forward and backward per call of b rows, plus the head per row.
 
     Runs the model's own block call (PhantomModel's default LoRA) on block 0, acquired and bound as
@@ -348,7 +349,8 @@ def load_profile(path: Path) -> cm.MachineProfile | None:
 
 
 def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
-                profile_dir: Path | str | None = None, quick: bool = True, remeasure: bool = False) -> cm.MachineProfile:
+                profile_dir: Path | str | None = None, quick: bool = True,
+                remeasure: bool = False) -> cm.MachineProfile:
     """The saved profile for this store's block shape, or one measured on it now (and saved)."""
     path = profile_path(store, device, dtype, profile_dir)
     profile = None if remeasure else load_profile(path)
@@ -430,7 +432,8 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
     store = BlockStore(store_path, verify="none")
     profile = profile_for(store, device, dtype, batch_size, seq_len, profile_dir)
     best, _, shape = plan(profile, store.cfg, batch_size, seq_len, store.manifest["dtype"],
-                          dtype_name(parse_dtype(dtype)), offloads=offloads, micro_batch=micro_batch, recompute=recompute)
+                          dtype_name(parse_dtype(dtype)), offloads=offloads, micro_batch=micro_batch,
+                          recompute=recompute)
     log.info("the tuner's plan:\n%s", cm.describe_plan(best, shape, profile, store.path.name))
     return best
 
@@ -458,7 +461,8 @@ def format_table(candidates: list[cm.Prediction], top: int = 12, chosen: cm.Pred
 
 def scaled_placement(full: cm.Prediction, shape: cm.Shape, n_blocks: int) -> tuple[P.Placement, P.Activations]:
     """The full model's plan cut to `n_blocks`: the same fractions of blocks on the device, in RAM and
-    on disk (rounded; each tier the plan uses keeps a block), the same prefetch and micro-batch, the keep budget scaled with the depth."""
+    on disk (rounded; each tier the plan uses keeps a block), the same prefetch and micro-batch, the
+    keep budget scaled with the depth."""
     split, n = full.split, len(full.tiers)
 
     def share(tier: str) -> int:  # rounded, but a tier the plan uses keeps at least one block

@@ -88,7 +88,8 @@ def check(args, name: str, cfg, store_dtype: str, dtype: str, device, profile, b
           f"on disk (the scheduler {'agrees' if r['tiers_match'] else 'chose otherwise: ' + str(r['tiers'])}); "
           f"read per step {r['bytes_read_predicted'] / 1e9:.1f} GB predicted, measured "
           f"{', '.join(f'{b / 1e9:.1f}' for b in r['bytes_read_measured'])}")
-    print(f"           measured {r['measured_step_s']:.3f} s/step (steps {', '.join(f'{t:.2f}' for t in r['steps_s'])}),"
+    steps = ", ".join(f"{t:.2f}" for t in r["steps_s"])
+    print(f"           measured {r['measured_step_s']:.3f} s/step (steps {steps}),"
           f" predicted {r['predicted_step_s']:.3f} s: {r['error']:+.1%}, "
           f"{'within' if r['within_15'] else 'NOT within'} 15%")
     return 0 if r["within_15"] else 1

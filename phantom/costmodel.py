@@ -515,6 +515,11 @@ def gib(n: int | float | None) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def per_s(x: float) -> str:
+    """A rate for a person: 1,015 or 0.0189 (a 70B on two CPU cores is not zero tokens/s)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def describe_plan(prediction: Prediction, shape: Shape, profile: MachineProfile, name: str = "model") -> str:
     """The plan for the whole model as a few labelled lines: placement, memory, traffic, step and bound.
 
@@ -536,7 +541,7 @@ def describe_plan(prediction: Prediction, shape: Shape, profile: MachineProfile,
         + f"; disk {gib(shape.store_bytes)} for the store",
         f"traffic    per step {p.loads} block loads: {p.bytes_read / 1e9:.1f} GB read from disk, "
         f"{p.bytes_h2d / 1e9:.1f} GB host-to-device",
-        f"predicted  {p.step_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, {p.bound}-bound "
+        f"predicted  {p.step_s:.3f} s/step, {per_s(p.tokens_per_s)} tokens/s, {p.bound}-bound "
         f"(compute {p.compute_s:.3f} s, transfers {p.transfer_s:.3f} s)"]
     if not p.fits:
         lines.append(f"does not fit: needs {p.missing_text()}")
@@ -547,5 +552,5 @@ def describe_measured(prediction: Prediction, measured_step_s: float) -> str:
     """One line for the end of a run: the measured step beside the prediction."""
     err = measured_step_s / prediction.step_s - 1 if prediction.step_s > 0 else 0.0
     tokens = prediction.rows * prediction.seq_len / measured_step_s if measured_step_s > 0 else 0.0
-    return (f"measured   {measured_step_s:.3f} s/step, {tokens:,.0f} tokens/s; predicted {prediction.step_s:.3f} s "
+    return (f"measured   {measured_step_s:.3f} s/step, {per_s(tokens)} tokens/s; predicted {prediction.step_s:.3f} s "
             f"({err:+.0%})")

@@ -22,7 +22,7 @@ from phantom.layers import TransformerBlock, fuse_adjacent, rms_norm, rope_table
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.placement import Activations, Placement
-from phantom.scheduler import BlockScheduler, HostBuffer, free_device_bytes
+from phantom.scheduler import BlockScheduler, HostBuffer, free_device_bytes, free_host_bytes
 from phantom.store import BlockStore, packed_empty
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class PhantomModel(nn.Module):
         component that runs their updates beside the backward."""
         share = {i: self.cfg.block_params() / self.cfg.n_params() for i in range(self.cfg.n_layers)}
         state_bytes = 12 * self.cfg.block_params() * self.cfg.n_layers
-        tier = state_tier(optim.state, self.scheduler.tiers, self.device, state_bytes, free_device_bytes(self.device))
+        tier = state_tier(optim.state, self.device, state_bytes, free_device_bytes(self.device), free_host_bytes())
         optimizer = BlockAdamW(optim, share, tier, optim_dir, self.device)
         host_grads = None
         if self.device.type == "cuda" and tier != "device":  # gradients to pinned host buffers, own stream

@@ -49,14 +49,16 @@ class AdamWConfig:
     state: str = "auto"  # where master weights and moments live: see state_tier
 
 
-def state_tier(wanted: str, block_tiers: tuple[str, ...], device: torch.device, state_bytes: int,
-               free_device: int | None) -> str:
+def state_tier(wanted: str, device: torch.device, state_bytes: int, free_device: int | None,
+               free_host: int | None) -> str:
     """Where the block optimizer's state lives (and so where each update runs) for `wanted`.
 
-    "auto": on a CUDA device when the state (12 bytes per block parameter) takes at most half of
-    what is free there once the blocks are placed: the update then runs at device memory speed and
-    no gradient crosses the link. Otherwise in host RAM, or in files when any block is read from
-    disk (a model too large for RAM has no room for three more copies of it there).
+    "auto" fills the fastest place with room, as the scheduler does for blocks: a CUDA device when
+    the state (12 bytes per block parameter) takes at most half of what is free there once the
+    blocks are placed (the update then runs at device memory speed and no gradient crosses the
+    link); else host RAM when it takes at most half of what is available; else per-block files,
+    read and rewritten at each update (then the step is bound by the disk's write speed: 16 bytes
+    a parameter per step with the block itself; notes/bench-full.md).
     """
     if wanted not in ("auto", *TIERS):
         raise ValueError(f"optimizer state must be one of auto, {', '.join(TIERS)}, not {wanted!r}")
@@ -66,7 +68,7 @@ def state_tier(wanted: str, block_tiers: tuple[str, ...], device: torch.device, 
         return wanted
     if device.type == "cuda" and free_device is not None and state_bytes <= free_device // 2:
         return "device"
-    return "disk" if "disk" in block_tiers else "ram"
+    return "ram" if free_host is None or state_bytes <= free_host // 2 else "disk"
 
 
 def clip_coefficient(grads: list[torch.Tensor], max_norm: float | None, share: float) -> float:

@@ -110,16 +110,17 @@ def test_every_cpu_placement_of_blocks_and_state_equals_adamw(small_store, tmp_p
 
 
 def test_state_tier_choice_and_refusals():
-    cpu = torch.device("cpu")
-    assert state_tier("auto", ("ram", "ram"), cpu, 10, None) == "ram"
-    assert state_tier("auto", ("ram", "disk"), cpu, 10, None) == "disk"
-    assert state_tier("auto", ("ram",), torch.device("cuda"), 10, 100) == "device"  # fits: the update runs there
-    assert state_tier("auto", ("ram",), torch.device("cuda"), 60, 100) == "ram"
-    assert state_tier("disk", ("ram",), cpu, 10, None) == "disk"
+    """auto: the device when the state fits half its free memory, else RAM likewise, else files."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert state_tier("auto", cpu, 10, None, 100) == "ram"
+    assert state_tier("auto", cpu, 60, None, 100) == "disk"
+    assert state_tier("auto", cuda, 10, 100, 100) == "device"
+    assert state_tier("auto", cuda, 60, 100, 200) == "ram"
+    assert state_tier("disk", cpu, 10, None, 100) == "disk"
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        state_tier("device", ("ram",), cpu, 10, None)
+        state_tier("device", cpu, 10, None, 100)
     with pytest.raises(ValueError, match="auto, ram, disk, device"):
-        state_tier("gpu", ("ram",), cpu, 10, None)
+        state_tier("gpu", cpu, 10, None, 100)
 
 
 @pytest.mark.parametrize("coef", [1.0, 0.3])

@@ -273,7 +273,7 @@ class FullFinetune:
         optimizer: the block optimizer (its tier says where the state lives and the update runs).
         scheduler: the model's BlockScheduler (write-back queue, host weights, tiers).
         store: the working store that disk-tier blocks are rewritten in.
-        grad_sync: data parallel: grads -> a function that waits for their average (phantom.dist).
+        host_grads: CUDA with host-placed state: the copier of gradients to pinned host buffers.
     """
 
     def __init__(self, optimizer: BlockAdamW, scheduler, store, host_grads: HostGradients | None = None):
@@ -292,16 +292,21 @@ class FullFinetune:
                 synced()
                 synced = None
             grads, ready, release = self.host_grads.start(grads)
+        elif next(iter(grads.values())).is_cuda:  # device-placed state: the update waits for the backward
+            ready = torch.cuda.Event()
+            ready.record()
         self.scheduler.writeback.submit(self.update, i, grads, synced, ready, release, name=f"update {i}")
 
     def update(self, i: int, grads: dict[str, torch.Tensor], synced=None, ready=None, release=None) -> None:
         """Block i's optimizer step (write-back thread): new weights to host RAM, or to the store."""
         if synced is not None:
             synced()
-        if ready is not None:
+        if ready is not None:  # CUDA: the gradients are complete (copied, or computed) from here on
             ready.synchronize()
         try:
             new = self.optimizer.step_block(i, lambda: self.scheduler.host_weights(i), grads)
+            if ready is not None and release is None:  # device gradients: freed only once the update has read them
+                torch.cuda.current_stream(self.scheduler.device).synchronize()
         finally:
             if release is not None:
                 release()

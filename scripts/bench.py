@@ -262,7 +262,7 @@ def worker(args) -> dict:
     for step in range(args.steps + 1):
         if model.scheduler:
             model.scheduler.take_metrics()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), process_cpu_s()
         model(x, targets=y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -273,6 +273,7 @@ def worker(args) -> dict:
         m = model.scheduler.take_metrics() if model.scheduler else {}
         if model.block_optimizer is not None:
             m.update(model.block_optimizer.take_rate())
+        m["cpu_s"] = process_cpu_s() - c0
         if step:  # step 0 is warm-up
             times.append(dt)
             stalls.append(m.get("stall_s", 0.0) / dt)
@@ -291,7 +292,8 @@ def worker(args) -> dict:
             "read_gbps": sum(m.get("bytes_read", 0) for m in metrics) / read_s / 1e9 if read_s else 0.0,
             "peak_rss_gb": peak_rss_gb(),
             "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else 0.0,
-            "train": args.train, "optim_s": optim_s / len(metrics), "optim_host_gb": optimizer_host_gb(model),
+            "train": args.train, "optim_s": optim_s / len(metrics),
+            "cpu_s": statistics.median(m["cpu_s"] for m in metrics), "optim_host_gb": optimizer_host_gb(model),
             "optim_params_per_s": sum(m.get("optim_params", 0) for m in metrics) / optim_s if optim_s else 0.0}
 
 
@@ -517,6 +519,13 @@ def host_speeds(n: int = 64 << 20, rounds: int = 5) -> dict:
     return {"threads": torch.get_num_threads(), "mem_gbps": 12 * n / add_s / 1e9, "adamw_params_per_s": n / adamw_s}
 
 
+def process_cpu_s() -> float:
+    """CPU seconds (user + system, every thread) this process has used: on a shared machine a
+    step's CPU time moves less with the load than its wall time."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def fastest_of_rounds(rows: list) -> list:
     """One row per configuration (in first-run order): the run with the shortest step."""
     best = {}
@@ -545,17 +554,19 @@ def full_lines(host: dict, rows: list) -> list[str]:
     lines = ["", f"- host memory bandwidth (in-place a += b, read + write, {host['threads']} threads): {bw:.1f} GB/s; "
              f"fused AdamW alone: {rate / 1e9:.2f} G params/s = {28 * rate / 1e9:.1f} GB/s at 28 B/param "
              f"({28 * rate / 1e9 / bw:.0%} of that bandwidth)", "",
-             "| full finetuning | step s | LoRA step s | full / LoRA | optimizer s/step (write-back thread) "
+             "| full finetuning | step s | LoRA step s | full / LoRA | CPU s/step: full, LoRA (ratio) "
+             "| optimizer s/step (write-back thread) "
              "| optimizer G params/s in the step | host memory GB/s | peak RSS GB: full - LoRA | optimizers' host GB "
-             "(model) |", "|---|---|---|---|---|---|---|---|---|"]
+             "(model) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for m, rc, mi, k, r in rows:
         if r.get("train") != "full":
             continue
         base = lora.get((m, rc, mi, k))
         ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
         rss = f"{r['peak_rss_gb'] - base['peak_rss_gb']:.2f}" if base else "-"
+        cpu = f"{r['cpu_s']:.1f}, {base['cpu_s']:.1f} ({r['cpu_s'] / base['cpu_s']:.2f}x)" if base else "-"
         lines.append(f"| {m} {rc} micro {mi} prefetch {k} | {r['step_s']:.3f} | {base['step_s'] if base else 0:.3f} | "
-                     f"{ratio} | {r['optim_s']:.3f} | {r['optim_params_per_s'] / 1e9:.2f} | {bw:.1f} | {rss} | "
+                     f"{ratio} | {cpu} | {r['optim_s']:.3f} | {r['optim_params_per_s'] / 1e9:.2f} | {bw:.1f} | {rss} | "
                      f"{r['optim_host_gb']:.2f} |")
     return lines
 

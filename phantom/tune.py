@@ -71,27 +71,41 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     return raw[skip: skip + nbytes]
 
 
-def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2) -> tuple[float, float]:
+def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
+                 readers: int = 2) -> tuple[float, float]:
     """GB/s of block reads as the disk tier does them, and the relative std of one block's read.
 
     Each file is dropped from the page cache first (posix_fadvise DONTNEED, no root needed), then read
-    into an aligned buffer (O_DIRECT where the filesystem allows): the disk tier's access is cyclic
-    over a store larger than the cache, so cold reads are what it gets.
+    into an aligned buffer (O_DIRECT where the filesystem allows) by `readers` threads at once, as the
+    scheduler's loaders read: the disk tier's access is cyclic over a store larger than the cache, so
+    cold reads are what it gets.
     """
     k = max(2, min(store.n_blocks, max_bytes // max(store.block_nbytes, 1)))
-    entries = store.blocks[:k]
-    buf = aligned_empty(store.block_nbytes)
-    times = []
-    for _ in range(passes):
-        for e in entries:
+    entries = store.blocks[:k] * passes
+    times, lock = [], threading.Lock()
+
+    def read(mine: list) -> None:
+        buf = aligned_empty(store.block_nbytes)
+        for e in mine:
             if hasattr(os, "posix_fadvise"):
                 with open(e.path, "rb") as f:
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             t0 = time.perf_counter()
             readinto_exact(e.path, e.data_start, buf[: e.nbytes])
-            times.append(time.perf_counter() - t0)
-    nbytes = passes * sum(e.nbytes for e in entries)
-    return nbytes / sum(times) / 1e9, statistics.pstdev(times) / statistics.mean(times)
+            with lock:
+                times.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=read, args=(entries[r::readers],), name=f"phantom-tune-disk{r}")
+               for r in range(readers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if len(times) != len(entries):
+        raise OSError(f"reading {store.path} failed while measuring the disk (see the log)")
+    return sum(e.nbytes for e in entries) / wall / 1e9, statistics.pstdev(times) / statistics.mean(times)
 
 
 def measure_link(device: torch.device, nbytes: int, repeats: int = 3) -> tuple[float, float]:
@@ -249,7 +263,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     device, dtype = torch.device(device), parse_dtype(dtype)
     repeats = 2 if quick else 4
     t0 = time.perf_counter()
-    disk, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 2)
+    disk, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
     h2d, _ = measure_link(device, store.block_nbytes, repeats)
     free_dev = free_device_bytes(device)
     c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, disk, True)
@@ -520,11 +534,25 @@ def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, store_dtype
         log.info("writing %d synthetic blocks to %s (%s)", n_blocks, path, cm.gib(need))
         write_synthetic(path, small, parse_dtype(store_dtype), progress=False)
     place, acts = scaled_placement(full, cm.shape_of(cfg, store_dtype, dtype, seq_len), n_blocks)
-    pred = cm.predict(profile, cm.shape_of(small, store_dtype, dtype, seq_len), place, acts, full.rows)
+    pred = cm.predict(profile, pred_shape(small, store_dtype, dtype, seq_len), place, acts, full.rows)
+    store = BlockStore(path, verify="none")
+    disk_before = measure_disk(store) if "disk" in pred.tiers else None
     times, metrics, tiers = timed_steps(path, device, dtype, place, acts, full.rows, seq_len, steps)
     measured = statistics.median(times)
     err = measured / pred.step_s - 1
-    return dict(blocks=n_blocks, split=pred.split, tiers=list(tiers), tiers_match=tiers == pred.tiers,
-                placement=dataclasses.asdict(place), predicted_step_s=pred.step_s, measured_step_s=measured,
-                steps_s=times, error=err, within_15=abs(err) <= 0.15, bytes_read_predicted=pred.bytes_read,
-                bytes_read_measured=[m["bytes_read"] for m in metrics])
+    out = dict(blocks=n_blocks, split=pred.split, tiers=list(tiers), tiers_match=tiers == pred.tiers,
+               placement=dataclasses.asdict(place), predicted_step_s=pred.step_s, measured_step_s=measured,
+               steps_s=times, error=err, within_15=abs(err) <= 0.15, bytes_read_predicted=pred.bytes_read,
+               bytes_read_measured=[m["bytes_read"] for m in metrics])
+    if disk_before is not None:  # a shared disk's rate drifts within minutes: the model given the rate of now
+        disk_after = measure_disk(store)
+        now = dataclasses.replace(profile, disk_gbps=(disk_before[0] + disk_after[0]) / 2,
+                                  disk_jitter=(disk_before[1] + disk_after[1]) / 2)
+        step_now = cm.predict(now, pred_shape(small, store_dtype, dtype, seq_len), place, acts, full.rows).step_s
+        out.update(disk_gbps_profile=profile.disk_gbps, disk_gbps_around=[disk_before[0], disk_after[0]],
+                   predicted_with_disk_now_s=step_now, error_with_disk_now=measured / step_now - 1)
+    return out
+
+
+def pred_shape(cfg, store_dtype: str, dtype: str, seq_len: int) -> cm.Shape:
+    return cm.shape_of(cfg, dtype_name(parse_dtype(store_dtype)), dtype_name(parse_dtype(dtype)), seq_len)

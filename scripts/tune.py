@@ -92,6 +92,10 @@ def check(args, name: str, cfg, store_dtype: str, dtype: str, device, profile, b
     print(f"           measured {r['measured_step_s']:.3f} s/step (steps {steps}),"
           f" predicted {r['predicted_step_s']:.3f} s: {r['error']:+.1%}, "
           f"{'within' if r['within_15'] else 'NOT within'} 15%")
+    if "disk_gbps_around" in r:
+        print(f"           disk {r['disk_gbps_profile']:.2f} GB/s in the profile, "
+              f"{' and '.join(f'{g:.2f}' for g in r['disk_gbps_around'])} GB/s just before and after the steps: "
+              f"with that rate, predicted {r['predicted_with_disk_now_s']:.3f} s ({r['error_with_disk_now']:+.1%})")
     return 0 if r["within_15"] else 1
 
 

@@ -172,6 +172,11 @@ class Prediction:
         return not self.missing
 
     @property
+    def short_of(self) -> str:
+        """What is short, e.g. "disk" or "device, host"; "" when it fits."""
+        return ", ".join(where for where, _ in self.missing)
+
+    @property
     def missing_bytes(self) -> int:
         return sum(b for _, b in self.missing)
 
@@ -456,8 +461,10 @@ def choose(candidates: list[Prediction], tie: float = 0.01) -> Prediction:
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         least = min(candidates, key=lambda c: c.missing_bytes)
+        fix = "free that much disk space, or prepare the store on a larger disk" if least.short_of == "disk" else \
+            "free that much, or use a smaller --batch-size or --seq-len"
         raise ValueError(f"no placement fits: even the smallest needs {least.missing_text()} (with a {MARGIN:.0%} "
-                         f"margin on memory); free that much, or use a smaller --batch-size or --seq-len")
+                         f"margin on memory); {fix}")
     t_best = min(c.step_s for c in fitting)
     near = [c for c in fitting if c.step_s <= t_best * (1 + tie)]
     best = min(near, key=lambda c: (c.loads, -c.resident, -c.placement.prefetch, -c.activations.micro_batch,

@@ -4,6 +4,7 @@ per-block clipping (phantom.optim), over several steps and micro-batches, for ev
 blocks and optimizer state a CPU has; a run killed during a block's update resumes bit for bit."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -143,28 +144,33 @@ def test_fused_step_equals_torch_adamw(coef):
 
 
 def test_block_updates_overlap_the_backward(small_store, tmp_path):
-    """Block i's update runs on the write-back thread while the training thread is still in the
-    backward (of block i-1): at least one update starts before backward returns."""
+    """Block i's update runs on another thread while the training thread is still in the backward:
+    the backward of block 0 (the last one) waits until the update of the last block has started,
+    which times out if updates only ran after the backward."""
     model = phantom.load(small_store, offload="ram", prefetch=1, mode="full", work_dir=tmp_path,
                          optim=phantom.AdamWConfig(**HP))
-    started = []
-    real = model.block_optimizer.step_block
+    last = SMALL.n_layers - 1
+    started, threads, last_started = [], set(), threading.Event()
+    step_block, on_block_grads = model.block_optimizer.step_block, model.full_ft.on_block_grads
 
-    def step_block(i, *a, **kw):
-        started.append((i, in_backward[0]))
-        return real(i, *a, **kw)
-    model.block_optimizer.step_block = step_block
-    in_backward = [False]
+    def recording_step_block(i, *a, **kw):
+        started.append(i)
+        threads.add(threading.current_thread())
+        if i == last:
+            last_started.set()
+        return step_block(i, *a, **kw)
+
+    def waiting_on_block_grads(i, *a, **kw):
+        if i == 0:
+            assert last_started.wait(timeout=60), "no block update started during the backward"
+        return on_block_grads(i, *a, **kw)
+    model.block_optimizer.step_block, model.full_ft.on_block_grads = recording_step_block, waiting_on_block_grads
     tokens, targets = batch(SMALL)
-    loss = model(tokens, targets=targets)
-    in_backward[0] = True
-    loss.backward()
-    in_backward[0] = False
+    model(tokens, targets=targets).backward()
     model.finish_step()
     model.close()
-    assert sorted(i for i, _ in started) == list(range(SMALL.n_layers))
-    assert started[0][0] == SMALL.n_layers - 1  # the last block's update is the first
-    assert any(during for _, during in started), started
+    assert started == list(range(last, -1, -1))  # in the backward's order, the last block first
+    assert threading.current_thread() not in threads  # beside the backward, not inside it
     rate = model.block_optimizer.take_rate()
     assert rate["optim_params"] == SMALL.n_layers * SMALL.block_params() and rate["optim_params_per_s"] > 0
 

@@ -540,7 +540,7 @@ def describe_plan(prediction: Prediction, shape: Shape, profile: MachineProfile,
         f"{p.rows} rows x {p.seq_len} tokens per step",
         f"machine    {profile.machine} ({profile.device}); disk {profile.disk_gbps:.2f} GB/s, "
         + ("" if cpu else f"host-to-device {profile.h2d_gbps:.1f} GB/s, ")
-        + f"block compute {profile.fwd_flops / 1e12:.2f} TFLOP/s"
+        + f"block compute {profile.fwd_flops / 1e9:,.1f} GFLOP/s"
         + (f" (measured on {profile.measured_on})" if profile.measured_on else " (rates given by hand)"),
         f"placement  {p.describe()}; offload {place.offload}",
         f"memory     {device}; host {gib(p.host_bytes)} of {gib(profile.free_host_bytes)} free"

@@ -55,23 +55,31 @@ class WeightHandles:
     """saved_tensors_hooks that keep activations but not weights.
 
     A tensor autograd saves that lives in the block's weight buffer (a weight, or a view of one) is
-    packed as a handle (offset, shape, stride) into that buffer; in backward the block is acquired
-    again and the handle is rebuilt on whatever slot now holds it. Everything else is kept as is.
+    packed as a handle (byte offset from the block's first weight, dtype, shape, stride); in
+    backward the block is acquired again and the handle is rebuilt on whatever slot now holds it.
+    Offsets are relative: two slots' buffers may start at different offsets of their storages (an
+    aligned host buffer is a view into a larger allocation). Everything else is kept as is.
     """
 
     def __init__(self, weights: dict[str, torch.Tensor]):
         self.storage_ptr = next(iter(weights.values())).untyped_storage().data_ptr()
+        self.base = self._base(weights)
         self.storage = None
         self.kept_bytes = 0
         self.weight_handles = 0
 
+    @staticmethod
+    def _base(weights: dict[str, torch.Tensor]) -> int:
+        return min(w.storage_offset() * w.element_size() for w in weights.values())
+
     def bind(self, weights: dict[str, torch.Tensor] | None) -> None:
         self.storage = next(iter(weights.values())).untyped_storage() if weights else None
+        self.base = self._base(weights) if weights else None
 
     def pack(self, t: torch.Tensor):
         if t.device.type != "meta" and t.untyped_storage().data_ptr() == self.storage_ptr:
             self.weight_handles += 1
-            return (WeightHandles, t.dtype, t.storage_offset(), t.shape, t.stride())
+            return (WeightHandles, t.dtype, t.storage_offset() * t.element_size() - self.base, t.shape, t.stride())
         self.kept_bytes += t.numel() * t.element_size()
         return t
 
@@ -79,7 +87,8 @@ class WeightHandles:
         if isinstance(packed, tuple) and packed[0] is WeightHandles:
             _, dtype, offset, shape, stride = packed
             assert self.storage is not None, "weight handle used outside the block's backward"
-            return torch.empty(0, dtype=dtype, device=self.storage.device).set_(self.storage, offset, shape, stride)
+            return torch.empty(0, dtype=dtype, device=self.storage.device).set_(
+                self.storage, (self.base + offset) // dtype.itemsize, shape, stride)
         return packed
 
 

@@ -272,3 +272,32 @@ def test_keep_and_recompute_are_bit_identical(tmp_path, dtype):
         outs[recompute] = [loss.detach()] + [p.grad for p in model.trainable_parameters()]
         model.close()
     assert all(torch.equal(a, b) for a, b in zip(outs["none"], outs["all"]))
+
+
+
+def test_weight_handles_are_relative_to_the_block_not_the_storage():
+    """Under keep, weights autograd saved are handles rebuilt on whichever slot holds the block in
+    backward. Slot buffers are aligned views at different offsets of their allocations, so a handle
+    must be relative to the block's buffer (else backward reads shifted bytes: seen as garbage
+    gradients when a block came back in another slot)."""
+    from phantom.executor import WeightHandles
+    from phantom.store import packed_empty
+    like = {"a": torch.empty(3, 5), "b": torch.empty(7)}
+
+    def block_at(page: int) -> dict[str, torch.Tensor]:  # the same block, `page` pages into an allocation
+        raw = torch.zeros(page * 1024 + 64)
+        views = packed_empty(like, torch.float32, "cpu")
+        flat = raw[page * 1024: page * 1024 + 22]
+        out = {"a": flat[:15].view(3, 5), "b": flat[15:]}
+        torch.manual_seed(0)
+        for k in out:
+            out[k].copy_(torch.randn(views[k].shape))
+        return out
+
+    forward, backward = block_at(0), block_at(3)
+    hooks = WeightHandles(forward)
+    packed = [hooks.pack(forward["a"].t()), hooks.pack(forward["b"][2:5])]
+    assert all(isinstance(p, tuple) for p in packed) and hooks.weight_handles == 2
+    hooks.bind(backward)
+    assert torch.equal(hooks.unpack(packed[0]), backward["a"].t())
+    assert torch.equal(hooks.unpack(packed[1]), backward["b"][2:5])

@@ -38,11 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
+from phantom import costmodel as cm  # noqa: E402
 from phantom import tune  # noqa: E402
 from phantom.config import ModelConfig, block_tensor_shapes  # noqa: E402
 from phantom.convert import write_synthetic  # noqa: E402
 from phantom.placement import parse_bytes, split_knobs  # noqa: E402
-from phantom.store import BlockStore  # noqa: E402
+from phantom.store import BlockStore, dtype_name  # noqa: E402
 
 MODES = {  # name -> load arguments
     "resident": dict(offload="none"),
@@ -312,27 +313,28 @@ def run_worker(spec: str, argv, args, train: str = "lora") -> tuple:
     return mode, recompute if mode not in ("resident", *PEERS, "h2d", "matmul") else "-", micro, k, r
 
 
-def predicted(profile: tune.MachineProfile, mode: str, recompute: str, micro: str, k: str, args) -> float:
+def bench_shape(store: BlockStore, args) -> cm.Shape:
+    name = dtype_name(store.dtype)
+    return cm.shape_of(store.cfg, name, name, args.seq_len)
+
+
+def predicted(profile: cm.MachineProfile, mode: str, recompute: str, micro: str, k: str, store, args) -> float:
     """The cost model's step time for one streamed row of the table."""
     kw = MODES[mode.removeprefix("tuned-")]
-    b = int(micro) if micro != "-" else args.batch_size
-    return tune.predict(profile, kw["offload"], kw.get("prefetch", int(k) if k != "-" else 0), 0, b,
-                        -(-args.batch_size // b), recompute, args.seq_len, args.cold).step_s
+    placement = phantom.Placement(offload=kw["offload"], prefetch=kw.get("prefetch", int(k) if k != "-" else 0),
+                                  resident=0)
+    acts = phantom.Activations(recompute=kw.get("recompute", recompute),
+                               micro_batch=int(micro) if micro != "-" else None)
+    return cm.predict(profile, bench_shape(store, args), placement, acts, args.batch_size).step_s
 
 
-def tuning_lines(pr: tune.MachineProfile, best: tune.Placement, rows: list) -> list[str]:
-    """What the tuner measured, and its choice against the best swept row."""
+def tuning_lines(best: cm.Prediction, rows: list) -> list[str]:
+    """The tuner's choice against the best swept row."""
     swept = [x for x in rows if x[0] not in ("resident", *PEERS) and not x[0].startswith("tuned")]
     top, tuned = min(swept, key=lambda x: x[4]["step_s"]), rows[-1][4]["step_s"]
-    cold = f"{pr.disk_cold_gbps:.2f}" if pr.disk_cold_gbps else "-"
-    return ["", f"- profile: disk {pr.disk_warm_gbps:.2f} GB/s warm, {cold} GB/s cold, jitter {pr.disk_jitter:.0%}; "
-                f"block forward {1e3 * pr.fwd_call_s:.1f} ms/call + {1e3 * pr.fwd_row_s:.1f} ms/row, graph forward "
-                f"{1e3 * pr.fwd_grad_call_s:.1f} + {1e3 * pr.fwd_grad_row_s:.1f}, backward "
-                f"{1e3 * pr.bwd_call_s:.1f} + {1e3 * pr.bwd_row_s:.1f}; head {1e3 * pr.head_row_s:.1f} ms/row; "
-                f"while reading, compute x{pr.busy_compute_slowdown:.2f} and reads x{pr.busy_read_slowdown:.2f}",
-            f"- tuned: {best.describe()}, predicted {best.step_s:.3f} s, measured {tuned:.3f} s "
-            f"({tuned / best.step_s - 1:+.1%}); best swept: {top[0]} micro {top[2]} prefetch {top[3]}, "
-            f"{top[4]['step_s']:.3f} s; tuned / best swept = {tuned / top[4]['step_s']:.3f}"]
+    return ["", f"- tuned: {best.describe()}, predicted {best.step_s:.3f} s, measured {tuned:.3f} s "
+                f"({tuned / best.step_s - 1:+.1%}); best swept: {top[0]} micro {top[2]} prefetch {top[3]}, "
+                f"{top[4]['step_s']:.3f} s; tuned / best swept = {tuned / top[4]['step_s']:.3f}"]
 
 
 def raw_read_gbps(store: BlockStore, threads: int, chunk: int) -> float:
@@ -638,9 +640,12 @@ def main(argv=None):
         rows = fastest_of_rounds(rows)
         if profile is not None:
             offloads = tuple(m for m in ("ram", "disk") if m in args.modes.split(","))
-            best = tune.choose(tune.search(profile, args.batch_size, args.seq_len, offloads=offloads,
-                                           recompute=tuple(policies), resident=(0,), cold=args.cold))
-            rows.append(run_worker(f"tuned-{best.offload}:{best.recompute}:{best.micro_batch}:{best.prefetch}",
+            name = dtype_name(store.dtype)
+            best = tune.plan(profile, store.cfg, args.batch_size, args.seq_len, name, name,
+                             budgets=phantom.Placement(resident=0), offloads=offloads,
+                             recompute=tuple(policies))[0]
+            p, a = best.placement, best.activations
+            rows.append(run_worker(f"tuned-{p.offload}:{a.recompute}:{a.micro_batch or '-'}:{p.prefetch}",
                                    argv, args))
     base = next((r["step_s"] for m, _, _, _, r in rows if m == "resident"), None)
     cfg = store.cfg
@@ -657,7 +662,7 @@ def main(argv=None):
     for mode, rc, micro, k, r in rows:
         ratio = f"{r['step_s'] / base:.3f}x" if base else "-"
         streamed = profile is not None and mode not in ("resident", *PEERS, "h2d", "matmul", "auto")
-        pred = f"{predicted(profile, mode, rc, micro, k, args):.3f}" if streamed else "-"
+        pred = f"{predicted(profile, mode, rc, micro, k, store, args):.3f}" if streamed else "-"
         floor = "-"
         if rate and mode not in ("h2d", "matmul"):  # max(link time, needed matmul time): the step's floor
             # the FLOPs a LoRA step needs (no recomputed forward: rerunning it is overhead, not floor)
@@ -672,7 +677,7 @@ def main(argv=None):
                      f"{r.get('copy_gbps', 0.0):.2f} | {floor} | "
                      f"{r['peak_rss_gb']:.2f} | {r['peak_dev_gb']:.2f} |")
     if profile is not None:
-        lines += tuning_lines(profile, best, rows)
+        lines += tuning_lines(best, rows)
     if host is not None:
         lines += full_lines(host, rows)
     text = "\n".join(lines) + "\n"

@@ -202,17 +202,21 @@ def matmul_worker(args) -> dict:
     store = BlockStore(args.store)
     c, dev = store.cfg, torch.device(args.device)
     a = torch.randn(args.batch_size * args.seq_len, c.dim, dtype=store.dtype, device=dev)
-    w = torch.randn(c.dim, c.hidden_dim, dtype=store.dtype, device=dev)
+    w = torch.randn(c.hidden_dim, c.dim, dtype=store.dtype, device=dev)  # (out, in), as the model's weights
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    reps, times = 10, []
-    for _ in range(args.steps + 1):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ w
-        sync()
-        times.append((time.perf_counter() - t0) / reps)
-    t = statistics.median(times[1:])
+    reps, best = 10, float("inf")
+    for layout in (lambda: torch.nn.functional.linear(a, w), lambda: a @ w.t().contiguous()):
+        layout()
+        times = []
+        for _ in range(args.steps + 1):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                layout()
+            sync()
+            times.append((time.perf_counter() - t0) / reps)
+        best = min(best, statistics.median(times[1:]))  # the faster layout: the rate the hardware reaches
+    t = best
     return {"step_s": t, "stall": 0.0, "loads": 0, "bytes_per_step": 0, "read_gbps": 0.0,
             "flops_per_s": 2 * a.shape[0] * c.dim * c.hidden_dim / t, "peak_rss_gb": 0.0, "peak_dev_gb": 0.0}
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -191,14 +192,15 @@ def test_preflight_refuses_a_run_that_cannot_fit(cli, tmp_path, capsys, monkeypa
 def written_bytes(out: Path, base: set[int]) -> int:
     """Bytes of the distinct files under out that are not the base store's (hard links to it cost nothing)."""
     seen, total = set(), 0
-    for p in out.rglob("*"):
-        try:
-            st = p.stat()
-        except FileNotFoundError:  # replaced while we looked
-            continue
-        if p.is_file() and st.st_ino not in base and st.st_ino not in seen:
-            seen.add(st.st_ino)
-            total += st.st_size
+    for root, _, files in os.walk(out):  # os.walk skips a folder renamed away mid-walk; Path.rglob raises
+        for name in files:
+            try:
+                st = os.stat(os.path.join(root, name))
+            except FileNotFoundError:  # replaced while we looked
+                continue
+            if st.st_ino not in base and st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
     return total
 
 

@@ -11,7 +11,7 @@ import torch
 
 from phantom.config import PRESETS, ModelConfig, preset
 from phantom.lora import LoraConfig
-from phantom.model import PhantomModel
+from phantom.model import MODES, PhantomModel
 from phantom.optim import AdamWConfig
 from phantom.placement import Activations, Placement, split_knobs
 from phantom.store import BlockStore, StoreError, clone_store, parse_dtype
@@ -82,21 +82,23 @@ def load(model: str | Path, device: str | torch.device = "cpu", dtype: str | tor
         placement, activations = split_knobs(knobs, placement, activations)
     except TypeError as e:
         raise ValueError(f"phantom.load: {e}") from None
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
     path = resolve_model(model)
-    optim_dir = None
     if mode == "full":
-        lora = None
-        if placement.offload != "none":
+        lora, optim = None, optim or AdamWConfig()
+        if placement.offload != "none":  # the blocks are rewritten: a working copy, optimizer state beside it
             if work_dir is None:
                 raise ValueError("streamed full finetuning rewrites the weights: pass work_dir (--out)")
             work_dir = Path(work_dir)
             work_dir.mkdir(parents=True, exist_ok=True)
             if not (work_dir / "store" / "manifest.json").is_file():
                 clone_store(path, work_dir / "store")
-            path, optim_dir = work_dir / "store", work_dir / "optim"
+            path = work_dir / "store"
+    else:
+        optim = None
     store = BlockStore(path, verify=verify)
-    return PhantomModel(store, resolve_device(device), parse_dtype(dtype), placement, activations, lora,
-                        mode=mode, optim=optim, optim_dir=optim_dir, trace=trace)
+    return PhantomModel(store, resolve_device(device), parse_dtype(dtype), placement, activations, lora, optim, trace)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

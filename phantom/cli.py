@@ -3,7 +3,7 @@
 A field added to `Placement` or `Activations` becomes a flag of every script that calls
 `add_config_flags` (its help, choices and type come from the field), and `configs_from_args` builds
 the configs back from the parsed flags. `guarded` runs a script's main: bad input becomes one
-`error:` line and exit 2, a bug keeps its traceback. Imports phantom.placement and phantom.fileio.
+`error:` line and exit 2, a bug keeps its traceback.
 """
 from __future__ import annotations
 

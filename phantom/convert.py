@@ -1,7 +1,6 @@
 """Checkpoints into block stores: Meta and Hugging Face readers, synthetic weights, the tiny model.
 
 Every writer streams one block at a time into a `StoreWriter`, so peak memory is about one block.
-Imports config, layers (the HF q/k permutation), store, tokenizer.
 """
 from __future__ import annotations
 

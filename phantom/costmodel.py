@@ -3,7 +3,7 @@
 Inputs are a `MachineProfile` (rates: measured by phantom.tune, or given by hand) and a `Shape` (what
 a `ModelConfig` says about one block), so a profile measured on a few blocks predicts the whole
 model, and a preset can be planned before its weights exist. No I/O, no torch, no clocks: every
-function here is a function of its arguments. Imports phantom.config and phantom.placement.
+function here is a function of its arguments.
 """
 from __future__ import annotations
 

@@ -3,7 +3,6 @@ with prompt tokens masked (-100), cut into windows or packed into rows, served b
 data already tokenized (flat .bin / .npy files of token ids, as nanoGPT and litgpt write them),
 memory-mapped as they are.
 
-Imports phantom.tokenizer and phantom.fileio only (never the model).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Data parallelism with torch.distributed (launched by torchrun): setup from the environment and
 gradient averaging weighted by each rank's number of target tokens, so N ranks compute exactly the
-gradient of the global batch. Imports nothing from phantom.
+gradient of the global batch.
 """
 from __future__ import annotations
 

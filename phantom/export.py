@@ -3,7 +3,7 @@
 Streamed: one part (embed, each block, head) is in memory at a time, whichever the format. The tokenizer
 travels with the weights: an HF folder gets the store's tokenizer files plus, where the store lacks them, a
 tokenizer_config.json and generation_config.json derived from the tokenizer, so `AutoTokenizer` and
-`pipeline("text-generation")` load it as it is. Imports config, layers, lora, store, convert, tokenizer.
+`pipeline("text-generation")` load it as it is.
 """
 from __future__ import annotations
 

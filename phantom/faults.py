@@ -4,7 +4,7 @@
 Set PHANTOM_FAULT="name:N" (e.g. "checkpoint.rename:2") in a process's environment to kill it there;
 PHANTOM_IO_FAULT="glob:N" (e.g. "*/checkpoint.tmp/state.pt:2", matched against the whole path) to
 raise OSError(ENOSPC) there. Unset, each is a lookup and nothing else. Points are listed in
-notes/reliability.md. Imports nothing from phantom.
+notes/reliability.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Sampling text from a PhantomModel with a KV cache: the prompt is run once, then one token per step.
 
 In streamed modes every block is read once per step (the cache keeps keys and values, not weights),
-so this is for checking a finetune by eye, not for serving. Imports layers, model, tokenizer.
+so this is for checking a finetune by eye, not for serving.
 """
 from __future__ import annotations
 

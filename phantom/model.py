@@ -79,57 +79,31 @@ class PhantomModel(nn.Module):
     of this module; base weights of streamed blocks are meta placeholders filled per use.
 
     Args:
-        store: the block store.
+        store: the block store. Streamed full finetuning rewrites it: pass a working copy
+            (`phantom.load(..., work_dir=...)` makes one); the block optimizer's state lives beside
+            it, in the folder `optim` next to the store's.
         device: where compute runs.
-        offload: "none" (all weights on the device, plain autograd; the reference), "ram" or "disk"
-            (blocks streamed by a BlockScheduler from host memory or from the files).
         dtype: compute dtype; fp32 runs exactly, bf16/fp16 run blocks and head under autocast.
-        lora: the LoRA to apply, or None for a frozen model (inference).
-        prefetch: blocks read/copied ahead of the one computing (streamed modes).
-        resident: blocks kept on the device in streamed modes.
-        recompute: "all" reruns each block's forward in backward (keeps only block inputs);
-            "none" keeps each block's activations (not its weights) and skips the rerun; "auto"
-            keeps as many blocks as fit `keep_budget` bytes and recomputes the rest.
-        keep_budget: bytes of kept activations allowed under "auto" (default: half the memory
-            available on the device's side: host RAM on CPU, free device memory on CUDA).
-        checkpoint_inner: also checkpoint attention and MLP separately inside each block, so a
-            block's backward holds one of them at a time (long sequences; costs one more forward).
-        micro_batch: rows of the batch run through a block at once (None: the whole batch). A batch
-            of K * micro_batch rows is gradient accumulation over K micro-batches, layer-major.
-        loss_chunk: tokens per chunk of the fused head + loss (default: ~64 MB of fp32 logits).
+        placement: where blocks live and how they stream (phantom.Placement; offload "none" is the
+            resident model trained by plain autograd: the reference).
+        activations: what blocks keep for backward and how they run (phantom.Activations).
+        lora: the LoRA to train, or None (a frozen model, or full finetuning).
+        optim: None trains what `lora` adds; an AdamWConfig trains every weight (full finetuning,
+            `lora` must be None). Streamed blocks are then updated as soon as their backward is done
+            (BlockAdamW on the write-back thread) and written back to the store or host RAM; head
+            and embedding, and a resident model's blocks, are ordinary parameters for the caller's
+            optimizer.
         trace: record a Chrome trace in the scheduler.
-        mode: "lora" trains the LoRA parameters only; "full" trains every weight. In streamed full
-            mode each block's AdamW step runs as soon as its backward is done (BlockAdamW, on the
-            write-back thread) and the updated block is written back to the store (the disk tier)
-            or to host RAM; head and embedding are ordinary parameters for the caller's optimizer.
-            The store is modified: open a working copy (phantom.load(..., work_dir=...) does).
-        optim: the block optimizer's hyper-parameters (full mode, streamed).
-        optim_dir: where the block optimizer's state lives for the disk tier (offload="disk").
-        shared_ram: map the RAM tier from the store files, shared by all local processes (LoRA only).
-        compile: torch.compile the block once for every layer (weights are graph inputs, swapped
-            per use, so one compiled graph serves all blocks); falls back to eager with a warning.
     """
 
     def __init__(self, store: BlockStore, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  placement: Placement = Placement(), activations: Activations = Activations(),
-                 lora: LoraConfig | None = LoraConfig(), mode: str = "lora", optim: AdamWConfig | None = None,
-                 optim_dir: Path | None = None, trace: bool = False):
+                 lora: LoraConfig | None = LoraConfig(), optim: AdamWConfig | None = None, trace: bool = False):
         super().__init__()
         self.cfg: ModelConfig = store.cfg
         self.store, self.device, self.dtype, self.lora_cfg = store, torch.device(device), dtype, lora
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-        self.full = mode == "full"
-        if self.full and lora is not None:
-            raise ValueError("full finetuning trains every weight: pass lora=None with mode='full'")
-        if self.full and activations.recompute == "none":
-            raise ValueError("full finetuning needs recompute='all' (kept graphs hold no path to the weights)")
-        if self.full and activations.recompute == "auto":
-            activations = dataclasses.replace(activations, recompute="all")
-        if activations.compile is None:  # the largest single speed-up measured on CUDA; slow to build elsewhere
-            activations = dataclasses.replace(activations, compile=self.device.type == "cuda")
-        if placement.shared_ram and self.full:
-            raise ValueError("shared_ram is read-only: full finetuning needs private RAM blocks")
+        self.full = optim is not None
+        activations = self._check(placement, activations)
         self.placement, self.activations = placement, activations
         self.amp = dtype != torch.float32
         # Slots hold the compute dtype: fp32 runs get lower-precision stores upcast in the prefetch
@@ -165,10 +139,24 @@ class PhantomModel(nn.Module):
             self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
                                           activations.micro_batch, self._on_block_grads if self.full else None)
             if self.full:
-                self.full_ft = self._full_finetune(optim or AdamWConfig(), optim_dir)
+                self.full_ft = self._full_finetune(optim, store.path.parent / "optim")
                 self.block_optimizer = self.full_ft.optimizer
         if self.full:
             self.embed_table = nn.Parameter(self.embed_table)
+
+    def _check(self, placement: Placement, activations: Activations) -> Activations:
+        """Refuse what cannot work together; resolve the activation choices that depend on the run."""
+        if self.full and self.lora_cfg is not None:
+            raise ValueError("full finetuning trains every weight: pass lora=None with an optim config")
+        if self.full and activations.recompute == "none":
+            raise ValueError("full finetuning needs recompute='all' (kept graphs hold no path to the weights)")
+        if self.full and activations.recompute == "auto":
+            activations = dataclasses.replace(activations, recompute="all")
+        if activations.compile is None:  # the largest single speed-up measured on CUDA; slow to build elsewhere
+            activations = dataclasses.replace(activations, compile=self.device.type == "cuda")
+        if placement.shared_ram and self.full:
+            raise ValueError("shared_ram is read-only: full finetuning needs private RAM blocks")
+        return activations
 
     def _build_layers(self, activations: Activations) -> nn.ModuleList:
         """The blocks, base weights as meta placeholders (frozen unless full), LoRA applied."""
@@ -206,7 +194,7 @@ class PhantomModel(nn.Module):
                         owner, _, leaf = name.rpartition(".")
                         block.get_submodule(owner).register_parameter(leaf, nn.Parameter(view, requires_grad=False))
 
-    def _full_finetune(self, optim: AdamWConfig, optim_dir: Path | None) -> FullFinetune:
+    def _full_finetune(self, optim: AdamWConfig, optim_dir: Path) -> FullFinetune:
         """The blocks' optimizer (state where optim.state says, phantom.optim.state_tier) and the
         component that runs their updates beside the backward."""
         share = {i: self.cfg.block_params() / self.cfg.n_params() for i in range(self.cfg.n_layers)}

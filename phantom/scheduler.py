@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from phantom import faults
+from phantom import faults, fileio
 from phantom.placement import Placement, assign_tiers
 from phantom.placement import ram_budget as default_ram_budget
 from phantom.store import DATA_ALIGN, BlockStore, packed_empty
@@ -56,9 +55,7 @@ class Tracer:
                 for lane, tid in self.LANES.items()]
         with self._lock:
             events = meta + list(self.events)
-        tmp = Path(path).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-        os.replace(tmp, path)
+        fileio.atomic_write(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode())
 
 
 @dataclass
@@ -176,6 +173,7 @@ class BlockScheduler:
         cpu = self.device.type == "cpu"
         self._zero_copy = cpu and self.dtype == store.dtype and zero_copy is not False
         nbytes = store.block_nbytes
+        self.placement = placement  # as asked; `tiers` and `offload` say what it resolved to
         self.tiers = self._choose_tiers(placement, cpu)
         self.offload = placement.offload if placement.offload != "auto" else \
             ("ram" if "disk" not in self.tiers else "disk" if "ram" not in self.tiers else "mixed")

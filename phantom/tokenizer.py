@@ -1,6 +1,6 @@
 """Tokenizers: one wrapper over sentencepiece (Llama-2, CodeLlama, Mistral), Hugging Face `tokenizers`
 (tokenizer.json) and tiktoken (Llama-3's `tokenizer.model`), and in-process training of the tiny model's
-tokenizer. Imports nothing from phantom.
+tokenizer.
 """
 from __future__ import annotations
 

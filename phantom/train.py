@@ -2,8 +2,7 @@
 samples, metrics.jsonl, atomic checkpoints with bit-exact resume, and a clean stop on Ctrl-C or NaN.
 
 Every file it writes follows phantom.fileio's rule (whole replacement or whole appended records), so a
-full disk or a crash leaves the last checkpoint intact and `--resume` working. Imports phantom.data,
-phantom.generate (samples), phantom.fileio, phantom.store (checkpoint tensors); works on a PhantomModel.
+full disk or a crash leaves the last checkpoint intact and `--resume` working. Works on a PhantomModel.
 """
 from __future__ import annotations
 
@@ -295,7 +294,10 @@ def _write_checkpoint(tmp: Path, model, opt, sched, step: int, identity: dict, e
     buf = io.BytesIO()
     torch.save(state, buf)
     fileio.atomic_write(tmp / "state.pt", buf.getvalue())
-    fileio.atomic_write_json(tmp / "meta.json", {"step": step, "time": time.time(), **identity})
+    # the placement is recorded, not checked: tiers and prefetch never change the numbers (tests/test_tiers.py)
+    placement = getattr(model, "placement", None)
+    fileio.atomic_write_json(tmp / "meta.json", {"step": step, "time": time.time(), **identity,
+                                                 "placement": dataclasses.asdict(placement) if placement else None})
     fileio.fsync_dir(tmp)
 
 

@@ -257,8 +257,7 @@ def worker(args) -> dict:
         store = BlockStore(phantom.store.clone_store(Path(args.store), work / "store"), drop_cache=args.cold)
     model = phantom.PhantomModel(store, phantom.resolve_device(args.device), store.dtype, placement, activations,
                                  lora=None if full else phantom.LoraConfig(rank=args.lora_rank),
-                                 mode=args.train, optim=phantom.AdamWConfig(lr=1e-4),
-                                 optim_dir=work / "optim" if full else None)
+                                 optim=phantom.AdamWConfig(lr=1e-4) if full else None)
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, fused=full or None)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)

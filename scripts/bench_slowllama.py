@@ -160,7 +160,6 @@ def iter_flops(info: dict, batch: int, seq: int) -> float:
 
 
 def phase_train(args, info: dict) -> dict:
-    import resource
     import torch
     from llama2_loader import load_frozen  # slowllama's
     torch.random.manual_seed(SLOWLLAMA_SEED)

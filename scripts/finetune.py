@@ -23,6 +23,7 @@ from phantom import cli, data, fileio, tune  # noqa: E402
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
+from phantom.model import MODES  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
 from phantom.train import ACTIVATION_KEYS, TrainConfig, checkpoint_activations, find_checkpoint, \
@@ -49,7 +50,7 @@ def parse_args(argv=None):
                                        "quick profile)")
     cli.add_config_flags(p, P.Activations, skip=("micro_batch",))
     a("--no-compile", dest="compile", action="store_false", help="run blocks eagerly")
-    a("--mode", default="lora", choices=["lora", "full"], help="train a LoRA or all weights (default: lora)")
+    a("--mode", default="lora", choices=MODES, help="train a LoRA or all weights (default: lora)")
     a("--lora-rank", type=int, default=8, help="LoRA rank r (default: 8)")
     a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r (default: 16)")
     a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down (default: q,v)")

@@ -90,3 +90,38 @@ def test_readme_layout_table_matches_the_code():
 @pytest.mark.parametrize("name", sorted(RANK))
 def test_every_ranked_module_exists(name):
     assert (ROOT / "phantom" / f"{name}.py").is_file(), f"RANK lists {name}, which is gone: remove it"
+
+
+def test_a_knob_added_to_placement_reaches_the_cli_the_api_the_tuner_and_the_checkpoint(tmp_path):
+    """Add one field to Placement's source and edit nothing else: finetune.py gets the flag, the tuner
+    (--prefetch auto) keeps it, the model and its scheduler get it, the checkpoint records it, and
+    phantom.load takes it by name. Runs a copy of phantom/ and scripts/ with the field added."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    copy = tmp_path / "repo"
+    for part in ("phantom", "scripts"):
+        shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    source = copy / "phantom" / "placement.py"
+    anchor = "    shared_ram: bool = knob("
+    assert anchor in source.read_text()
+    source.write_text(source.read_text().replace(
+        anchor, '    probe_depth: int = knob(3, "a knob this test adds")\n' + anchor, 1))
+
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(copy / "scripts" / "finetune.py"), "--model", "tiny", "--iters", "2",
+                          "--batch-size", "2", "--seq-len", "32", "--eval-every", "0", "--val-split", "0", "-q",
+                          "--prefetch", "auto", "--probe-depth", "5", "--out", str(out)],
+                         cwd=copy, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    meta = json.loads((out / "checkpoint" / "meta.json").read_text())
+    assert meta["placement"]["probe_depth"] == 5, meta["placement"]
+
+    api = subprocess.run([sys.executable, "-c", "import phantom\n"
+                          "with phantom.load('tiny', offload='disk', probe_depth=7) as m:\n"
+                          "    print(phantom.__file__, m.placement.probe_depth, m.scheduler.placement.probe_depth)"],
+                         cwd=copy, capture_output=True, text=True, timeout=600)
+    assert api.returncode == 0, api.stderr[-3000:]
+    where, *depths = api.stdout.split()
+    assert Path(where).is_relative_to(copy) and depths == ["7", "7"], api.stdout

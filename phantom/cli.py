@@ -20,7 +20,8 @@ import torch
 from phantom import fileio
 from phantom.placement import parse_bytes
 
-DTYPES = ("auto", "fp32", "bf16", "fp16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")  # compute dtypes; auto: resolve_dtype
+STORE_DTYPES = DTYPES[1:]  # what a store holds
 
 
 def flag(name: str) -> str:

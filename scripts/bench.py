@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
+from phantom import cli  # noqa: E402
 from phantom import costmodel as cm  # noqa: E402
 from phantom import tune  # noqa: E402
 from phantom.config import ModelConfig, block_tensor_shapes  # noqa: E402
@@ -80,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=4, help="rows per step")
     p.add_argument("--micro-batch", default="", help="comma list of micro-batch sizes to sweep (layer-major accumulation)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="store and compute dtype")
+    p.add_argument("--dtype", default="fp32", choices=cli.STORE_DTYPES, help="store and compute dtype")
     p.add_argument("--prefetch", default="2", help="comma list of prefetch depths K for ram/disk (a sweep)")
     p.add_argument("--tuned", action="store_true", help="measure a tuning profile, run the tuner's choice too and "
                                                          "print each row's predicted step time")

@@ -11,7 +11,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
+from phantom import cli  # noqa: E402
 from phantom.generate import generate_text  # noqa: E402
+from phantom.placement import OFFLOADS  # noqa: E402
 from phantom.lora import read_adapter_config  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
 
@@ -28,9 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.model or tokenizer.json (default: the one in the store)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
-    p.add_argument("--offload", choices=["disk", "ram", "none"], default="disk",
+    p.add_argument("--offload", choices=OFFLOADS, default="disk",
                    help="where the blocks live: streamed from disk or RAM, or all on the device")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="compute dtype")
+    p.add_argument("--dtype", choices=cli.STORE_DTYPES, default="fp32", help="compute dtype")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")

@@ -12,16 +12,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
+from phantom.placement import OFFLOADS, RECOMPUTE  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", required=True, help="a store folder or preset")
-    p.add_argument("--offload", default="disk", choices=["disk", "ram", "none"], help="placement")
+    p.add_argument("--offload", default="disk", choices=OFFLOADS, help="placement")
     p.add_argument("--batch-size", type=int, default=1, help="rows")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
     p.add_argument("--checkpoint-inner", action="store_true", help="checkpoint attention and MLP inside blocks")
-    p.add_argument("--recompute", default="all", choices=["all", "none", "auto"], help="recompute policy")
+    p.add_argument("--recompute", default="all", choices=RECOMPUTE, help="recompute policy")
     args = p.parse_args()
     model = phantom.load(args.store, offload=args.offload, checkpoint_inner=args.checkpoint_inner,
                          recompute=args.recompute)

@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from phantom import resolve_model  # noqa: E402
+from phantom.cli import STORE_DTYPES  # noqa: E402
 from phantom.convert import disk_usage  # noqa: E402
 from phantom.export import export  # noqa: E402
 from phantom.store import parse_dtype  # noqa: E402
@@ -27,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--format", choices=["hf", "meta"], default="hf",
                    help="hf: config.json + safetensors shards (transformers, vLLM, llama.cpp's converter); "
                         "meta: params.json + consolidated.00.pth (Meta's reference code)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+    p.add_argument("--dtype", choices=STORE_DTYPES, default=None,
                    help="dtype of the written weights (default: the store's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

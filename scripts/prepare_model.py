@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from phantom.cli import STORE_DTYPES  # noqa: E402
 from phantom.config import PRESETS, preset  # noqa: E402
 from phantom.convert import convert_checkpoint, disk_usage, write_synthetic  # noqa: E402
 from phantom.store import parse_dtype  # noqa: E402
@@ -22,7 +23,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--src", type=Path, help="checkpoint folder: Meta (params.json + consolidated.NN.pth) or "
                                             "Hugging Face (config.json + *.safetensors); the format is detected")
     p.add_argument("--out", type=Path, required=True, help="store folder to create, e.g. weights/70B")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+    p.add_argument("--dtype", choices=STORE_DTYPES, default=None,
                    help="store dtype (default: the checkpoint's; bf16 for --synthetic)")
     p.add_argument("--link", action="store_true",
                    help="Hugging Face safetensors only: point the store at the tensors inside the original files "

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
-from phantom import config, tune  # noqa: E402
+from phantom import cli, config, tune  # noqa: E402
 from phantom import costmodel as cm  # noqa: E402
 from phantom.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
@@ -31,8 +31,8 @@ def parse_args(argv=None):
     what.add_argument("--config", default=None, help="plan from a config.json (HF) or params.json (Meta) alone")
     a("--vocab-size", type=int, default=None, help="with a params.json that says -1: the tokenizer's vocabulary")
     a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto")
-    a("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="compute dtype (auto: bf16 on CUDA)")
-    a("--store-dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="the dtype a store would be prepared in")
+    a("--dtype", default="auto", choices=cli.DTYPES, help="compute dtype (auto: bf16 on CUDA)")
+    a("--store-dtype", default="bf16", choices=cli.STORE_DTYPES, help="the dtype a store would be prepared in")
     a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")
     a("--grad-accum", type=int, default=1, help="calls per block per step (rows per step = batch size x this)")
     a("--seq-len", type=int, default=128, help="tokens per row")

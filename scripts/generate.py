@@ -39,26 +39,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def run(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        lora = read_adapter_config(args.adapter) if args.adapter else None
-        with phantom.load(args.model, device=args.device, offload=args.offload, dtype=args.dtype, lora=lora) as model:
-            if args.adapter:
-                model.load_adapter(args.adapter)
-            tok_path = args.tokenizer or model.store.tokenizer_path
-            if tok_path is None:
-                raise FileNotFoundError(f"{model.store.path} has no tokenizer; pass --tokenizer FILE")
-            pieces = generate_text(model, Tokenizer(tok_path), args.prompt, max_new_tokens=args.max_new_tokens,
-                                   temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-            print(args.prompt, end="", flush=True)
-            for piece in pieces:
-                print(piece, end="", flush=True)
-            print()
-    except (OSError, ValueError) as e:  # FileNotFoundError, StoreError, a prompt too long, ...
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    lora = read_adapter_config(args.adapter) if args.adapter else None
+    with phantom.load(args.model, device=args.device, offload=args.offload, dtype=args.dtype, lora=lora) as model:
+        if args.adapter:
+            model.load_adapter(args.adapter)
+        tok_path = args.tokenizer or model.store.tokenizer_path
+        if tok_path is None:
+            raise FileNotFoundError(f"{model.store.path} has no tokenizer; pass --tokenizer FILE")
+        pieces = generate_text(model, Tokenizer(tok_path), args.prompt, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        print(args.prompt, end="", flush=True)
+        for piece in pieces:
+            print(piece, end="", flush=True)
+        print()
     return 0
+
+
+def main(argv=None) -> int:
+    return cli.guarded(run, argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from phantom import resolve_model  # noqa: E402
+from phantom import cli  # noqa: E402
 from phantom.cli import STORE_DTYPES  # noqa: E402
 from phantom.convert import disk_usage  # noqa: E402
 from phantom.export import export  # noqa: E402
@@ -35,19 +36,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def run(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    try:
-        out = export(resolve_model(args.model), args.out, args.adapter, args.format,
-                     parse_dtype(args.dtype) if args.dtype else None, args.overwrite, progress=not args.quiet)
-    except (OSError, ValueError) as e:  # FileNotFoundError, FileExistsError, StoreError, ...
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = export(resolve_model(args.model), args.out, args.adapter, args.format,
+                 parse_dtype(args.dtype) if args.dtype else None, args.overwrite, progress=not args.quiet)
     what = "base + adapter" if args.adapter else "base model"
     print(f"wrote {out} ({args.format} format, {what}) in {time.perf_counter() - t0:.1f} s, "
           f"{disk_usage(out) / 1e9:.2f} GB on disk")
     return 0
+
+
+def main(argv=None) -> int:
+    return cli.guarded(run, argv)
 
 
 if __name__ == "__main__":

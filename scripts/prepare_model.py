@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from phantom import cli  # noqa: E402
 from phantom.cli import STORE_DTYPES  # noqa: E402
 from phantom.config import PRESETS, preset  # noqa: E402
 from phantom.convert import convert_checkpoint, disk_usage, write_synthetic  # noqa: E402
@@ -49,24 +50,20 @@ def size(n: int) -> str:
     return f"{n} B"
 
 
-def main(argv=None) -> int:
+def run(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    try:
-        if args.synthetic:
-            overrides = {"n_layers": args.layers} if args.layers else {}
-            cfg = preset(args.preset, **overrides)
-            dtype = parse_dtype(args.dtype or "bf16")
-            out = write_synthetic(args.out, cfg, dtype, seed=args.seed, overwrite=args.overwrite,
-                                  progress=not args.quiet)
-            info = {"out": out, "format": f"synthetic {args.preset}", "config": cfg, "dtype": dtype,
-                    "disk_bytes": disk_usage(out), "linked_bytes": 0}
-        else:
-            info = convert_checkpoint(args.src, args.out, parse_dtype(args.dtype) if args.dtype else None,
-                                      link=args.link, overwrite=args.overwrite, progress=not args.quiet)
-    except (OSError, ValueError) as e:  # FileNotFoundError, FileExistsError, StoreError, ...
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.synthetic:
+        overrides = {"n_layers": args.layers} if args.layers else {}
+        cfg = preset(args.preset, **overrides)
+        dtype = parse_dtype(args.dtype or "bf16")
+        out = write_synthetic(args.out, cfg, dtype, seed=args.seed, overwrite=args.overwrite,
+                              progress=not args.quiet)
+        info = {"out": out, "format": f"synthetic {args.preset}", "config": cfg, "dtype": dtype,
+                "disk_bytes": disk_usage(out), "linked_bytes": 0}
+    else:
+        info = convert_checkpoint(args.src, args.out, parse_dtype(args.dtype) if args.dtype else None,
+                                  link=args.link, overwrite=args.overwrite, progress=not args.quiet)
     cfg = info["config"]
     print(f"wrote {info['out']} from {info['format']} in {time.perf_counter() - t0:.1f} s: {cfg.n_layers} blocks, "
           f"{cfg.n_params():,} parameters, {str(info['dtype']).removeprefix('torch.')}")
@@ -76,6 +73,10 @@ def main(argv=None) -> int:
     if args.link and not linked:
         print("note: nothing was linked (Meta shards must be merged, or the dtype differs): the store is a copy")
     return 0
+
+
+def main(argv=None) -> int:
+    return cli.guarded(run, argv)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         if min(args.batch_size, args.grad_accum, args.seq_len) < 1:
             raise ValueError("--batch-size, --grad-accum and --seq-len must be >= 1")
         device = phantom.resolve_device(args.device)
-        dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+        dtype = cli.resolve_dtype(args.dtype, device)
         name, cfg, store_dtype, profile, disk = model_and_profile(args, device, dtype)
         if args.seq_len > cfg.max_seq_len:
             raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
@@ -119,14 +119,15 @@ def main(argv=None) -> int:
         best = cm.choose(cands)
         if args.check:
             return check(args, name, cfg, store_dtype, dtype, device, profile, best)
-    except ValueError as e:  # nothing fits, bad flags, a bad config file (StoreError is a ValueError)
+    except (OSError, ValueError) as e:  # nothing fits, bad flags, a bad config file; a bug keeps its traceback
+        line = cli.user_error(e)
+        if line is None:
+            print(cli.BUG, file=sys.stderr)
+            raise
         if args.json and str(e).startswith("no placement fits"):
             least = min(cands, key=lambda c: c.missing_bytes)
             print(json.dumps({"model": name, "fits": False, "missing": dict(least.missing), "error": str(e)}))
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(line.split())}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict()}))

@@ -357,3 +357,21 @@ def test_torch_load_is_weights_only_everywhere():
     assert calls, "no torch.load( found: the check would pass vacuously"
     bad = [(str(f), line.strip()) for f, line in calls if not re.search(r"weights_only\s*=\s*True", line)]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("script, target, argv", [
+    ("prepare_model", "write_synthetic", ["--synthetic", "--preset", "7B", "--layers", "1", "--out", "{tmp}/s"]),
+    ("merge_lora", "export", ["--model", "tiny", "--out", "{tmp}/m"]),
+    ("generate", "generate_text", ["--model", "tiny", "--prompt", "a", "--max-new-tokens", "1"]),
+])
+def test_every_script_lets_a_bug_keep_its_traceback(tiny, tmp_path, capsys, monkeypatch, script, target, argv):
+    """Bad input is one line; a ValueError raised inside a library is a bug: a line saying so, then the traceback."""
+    mod = load_script(script)
+
+    def broken(*a, **k):
+        return json.loads("{")  # a ValueError from a library, not one of phantom's checks
+
+    monkeypatch.setattr(mod, target, broken)
+    with pytest.raises(ValueError, match="Expecting property name"):
+        mod.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert "internal error: this is a bug" in capsys.readouterr().err

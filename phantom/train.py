@@ -454,6 +454,27 @@ def check_free_space(out: Path, plan: dict[str, int]) -> None:
                     "(resume with --resume)", out, need / 1e6, free / 1e6, parts)
 
 
+@dataclass
+class Run:
+    """What the loop carries from step to step (built once by `start_run`)."""
+
+    model: object
+    cfg: TrainConfig
+    out: Path
+    tokenizer: object
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    identity: dict
+    val_ds: object
+    rows: int  # rows of a step on this rank
+    start: int
+    best_val: float
+    batches: object
+    metrics_path: Path
+    n_tokens: float = 0.0  # target tokens of this rank's rows in the step (data parallel weighting)
+    step_times: list = dataclasses.field(default_factory=list)
+
+
 def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, cfg: TrainConfig = TrainConfig(),
           tokenizer=None) -> dict:
     """Finetune `model` on `train_data`; write adapter/, checkpoint/ and metrics.jsonl into cfg.out.
@@ -473,12 +494,57 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         ValueError: data shorter than one sequence, or --resume from another run's checkpoint.
         FileNotFoundError: --resume with no checkpoint in cfg.out.
     """
+    run, ddp = start_run(model, train_data, val_data, cfg, tokenizer), pdist.current()
+    sync = None
+    if ddp.enabled:  # gradients averaged by target tokens, so N ranks give the global batch's gradient
+        sync = lambda: pdist.average_gradients(model.trainable_parameters(), run.n_tokens)  # noqa: E731
+        if getattr(model, "full", False):
+            model.grad_sync = pdist.block_grad_sync(lambda: run.n_tokens)
+    sched_metrics = model.scheduler.take_metrics if model.scheduler is not None else dict
+    sched_metrics()
+    status, step, loss, t_start, tokens = "done", run.start, float("nan"), time.perf_counter(), 0
+    bar = tqdm(total=cfg.iters, initial=run.start, desc="finetune", unit="step",
+               disable=not (cfg.progress and ddp.is_main) or None, dynamic_ncols=True)
+    with StopFlag().installed() as stop, fileio.RecordLog(run.metrics_path) as mfile:
+        while step < cfg.iters:
+            t0 = time.perf_counter()
+            x, y = next(run.batches)
+            if ddp.enabled:  # every rank draws the same global batch and keeps its own rows
+                x, y = x[ddp.rank * run.rows:(ddp.rank + 1) * run.rows], y[ddp.rank * run.rows:(ddp.rank + 1) * run.rows]
+                run.n_tokens = float((y != D.IGNORE_INDEX).sum())
+            t_data = time.perf_counter()
+            x, y = x.to(model.device, non_blocking=True), y.to(model.device, non_blocking=True)
+            lr = run.opt.param_groups[0]["lr"]
+            loss, norm = train_step(model, run.opt, run.sched, x, y, cfg, sync)
+            step, dt = step + 1, time.perf_counter() - t0
+            n = x.numel() * ddp.world_size
+            tokens += n
+            rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n, "tokens_per_s": n / dt,
+                   "step_s": dt, "data_s": t_data - t0, **tier_metrics(model, sched_metrics(), dt)}
+            if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
+                status = "nan"
+                mfile.append(to_json(rec))
+                break
+            after_step(run, rec, mfile, bar, last=step == cfg.iters or stop.set)
+            sched_metrics()  # the eval's, sample's and checkpoint's block traffic is not the next step's
+            if stop.set:
+                status = "interrupted"
+                break
+    bar.close()
+    summary = {"status": status, "steps": step, "tokens": tokens, "time_s": time.perf_counter() - t_start,
+               "final_loss": loss, "best_val_loss": run.best_val if math.isfinite(run.best_val) else None}
+    if not ddp.is_main:
+        return {**summary, "adapter": None, "weights": None, "checkpoint": None, "metrics": None, "out": str(run.out)}
+    return {**summary, **finish(run.out, model, cfg, status, step, loss)}
+
+
+def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg: TrainConfig, tokenizer) -> Run:
+    """Check what can be checked before any work, then the optimizer, the resumed state, the metrics
+    file (cut back to the checkpoint's step) and the batches from where the run stands."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    full = getattr(model, "full", False)
     ddp = pdist.current()  # torchrun: each rank trains on its slice of the global batch; rank 0 writes
-    main = ddp.is_main
-    if main:
+    if ddp.is_main:
         check_free_space(out, planned_bytes(model, cfg))
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
@@ -499,75 +565,49 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     if val_ds is not None and start == 0:
         history.append({"step": 0, **evaluate(model, val_ds, rows, cfg.eval_iters)})
         log.info("step 0: val loss %.4f, ppl %.2f", history[-1]["val_loss"], history[-1]["val_ppl"])
-    metrics_path = out / "metrics.jsonl" if main else Path(os.devnull)
-    if main:
+    metrics_path = out / "metrics.jsonl" if ddp.is_main else Path(os.devnull)
+    if ddp.is_main:
         fileio.atomic_write_text(metrics_path, "".join(to_json(r) for r in history))
-    n_tokens, sync = 0.0, None
-    if ddp.enabled:  # gradients averaged by target tokens, so N ranks give the global batch's gradient
-        sync = lambda: pdist.average_gradients(model.trainable_parameters(), n_tokens)  # noqa: E731
-        if full:
-            model.grad_sync = pdist.block_grad_sync(lambda: n_tokens)
-
     batches = iter(D.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
                             pin_memory=model.device.type == "cuda"))
-    sched_metrics = model.scheduler.take_metrics if model.scheduler is not None else dict
-    sched_metrics()
-    status, step, loss, t_start, tokens = "done", start, float("nan"), time.perf_counter(), 0
-    step_times: list[float] = []
-    bar = tqdm(total=cfg.iters, initial=start, desc="finetune", unit="step",
-               disable=not (cfg.progress and main) or None,
-               dynamic_ncols=True)
-    with StopFlag().installed() as stop, fileio.RecordLog(metrics_path) as mfile:
-        while step < cfg.iters:
-            t0 = time.perf_counter()
-            x, y = next(batches)
-            if ddp.enabled:  # every rank draws the same global batch and keeps its own rows
-                x, y = x[ddp.rank * rows:(ddp.rank + 1) * rows], y[ddp.rank * rows:(ddp.rank + 1) * rows]
-                n_tokens = float((y != D.IGNORE_INDEX).sum())
-            t_data = time.perf_counter()
-            x, y = x.to(model.device, non_blocking=True), y.to(model.device, non_blocking=True)
-            lr = opt.param_groups[0]["lr"]
-            loss, norm = train_step(model, opt, sched, x, y, cfg, sync)
-            step, dt = step + 1, time.perf_counter() - t0
-            tokens += x.numel() * ddp.world_size
-            m = sched_metrics()
-            rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": x.numel() * ddp.world_size,
-                   "tokens_per_s": x.numel() * ddp.world_size / dt, "step_s": dt, "data_s": t_data - t0,
-                   "stall_frac": m.get("stall_s", 0.0) / dt, "kept_bytes": model.executor.kept_bytes if getattr(model, "executor", None) else 0, **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
-            if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
-                status = "nan"
-                mfile.append(to_json(rec))
-                break
-            last = step == cfg.iters or stop.set
-            if val_ds is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-                rec.update(evaluate(model, val_ds, rows, cfg.eval_iters))
-                best_val = min(best_val, rec["val_loss"])
-                log.info("step %d: val loss %.4f, ppl %.2f", step, rec["val_loss"], rec["val_ppl"])
-            if cfg.sample_every and tokenizer is not None and cfg.prompt and (step % cfg.sample_every == 0 or last):
-                rec["sample"] = sample(model, tokenizer, cfg.prompt, cfg.max_new_tokens)
-                log.info("step %d sample: %s%s", step, cfg.prompt, rec["sample"])
-            sched_metrics()  # the eval's and sample's block traffic is not the next step's
-            step_times.append(dt)
-            if cfg.check_step is not None and step == start + 4:  # steps 2-4: past the warm-up
-                if msg := cfg.check_step(sorted(step_times[1:4])[1]):
-                    log.warning(msg)
-            mfile.append(to_json(rec))
-            faults.point("metrics.write")  # crash tests: a step logged, its checkpoint not yet written
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                            stall=f"{100 * rec['stall_frac']:.0f}%", refresh=False)
-            bar.update(1)
-            if main and ((cfg.save_every and step % cfg.save_every == 0) or last):
-                mfile.fsync()  # the records up to the checkpoint are durable with it
-                save_checkpoint(out, model, opt, sched, step, identity, {"best_val": best_val})
-            if stop.set:
-                status = "interrupted"
-                break
-    bar.close()
-    summary = {"status": status, "steps": step, "tokens": tokens, "time_s": time.perf_counter() - t_start,
-               "final_loss": loss, "best_val_loss": best_val if math.isfinite(best_val) else None}
-    if not main:
-        return {**summary, "adapter": None, "weights": None, "checkpoint": None, "metrics": None, "out": str(out)}
-    return {**summary, **finish(out, model, cfg, status, step, loss)}
+    return Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path)
+
+
+def tier_metrics(model, m: dict, dt: float) -> dict:
+    """A step's scheduler traffic for metrics.jsonl: stall fraction, kept activations, bytes and loads per tier."""
+    executor = getattr(model, "executor", None)
+    return {"stall_frac": m.get("stall_s", 0.0) / dt, "kept_bytes": executor.kept_bytes if executor else 0,
+            **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
+
+
+def after_step(run: Run, rec: dict, mfile: fileio.RecordLog, bar, last: bool) -> None:
+    """Evaluate, sample, check the tuner's prediction, log the record, move the bar, checkpoint."""
+    model, cfg, step = run.model, run.cfg, rec["step"]
+    if run.val_ds is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
+        rec.update(evaluate(model, run.val_ds, run.rows, cfg.eval_iters))
+        run.best_val = min(run.best_val, rec["val_loss"])
+        log.info("step %d: val loss %.4f, ppl %.2f", step, rec["val_loss"], rec["val_ppl"])
+    if cfg.sample_every and run.tokenizer is not None and cfg.prompt and (step % cfg.sample_every == 0 or last):
+        rec["sample"] = sample(model, run.tokenizer, cfg.prompt, cfg.max_new_tokens)
+        log.info("step %d sample: %s%s", step, cfg.prompt, rec["sample"])
+    run.step_times.append(rec["step_s"])
+    if cfg.check_step is not None and step == run.start + 4:  # steps 2-4: past the warm-up
+        if msg := cfg.check_step(sorted(run.step_times[1:4])[1]):
+            log.warning(msg)
+    mfile.append(to_json(rec))
+    faults.point("metrics.write")  # crash tests: a step logged, its checkpoint not yet written
+    bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                    stall=f"{100 * rec['stall_frac']:.0f}%", **tier_postfix(rec), refresh=False)
+    bar.update(1)
+    if pdist.current().is_main and ((cfg.save_every and step % cfg.save_every == 0) or last):
+        mfile.fsync()  # the records up to the checkpoint are durable with it
+        save_checkpoint(run.out, model, run.opt, run.sched, step, run.identity, {"best_val": run.best_val})
+
+
+def tier_postfix(rec: dict) -> dict:
+    """MB a step took from host RAM and from disk, for the progress bar (nothing when nothing streamed)."""
+    ram, disk = rec.get("bytes_ram", 0), rec.get("bytes_read", 0)
+    return {"ram_MB": f"{ram / 1e6:.0f}", "disk_MB": f"{disk / 1e6:.0f}"} if ram or disk else {}
 
 
 def restore(out: Path, model, opt, sched, identity: dict, cfg: TrainConfig) -> tuple[int, float]:

@@ -87,8 +87,9 @@ class ModelConfig:
 
 # Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
 PRESETS: dict[str, ModelConfig] = {
-    # Generated on first use; small enough to train in a minute on 2 CPU cores.
-    "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32,
+    # Generated on first use (convert.ensure_tiny); small enough to train in a minute on 2 CPU cores.
+    # 64 tokens: the shipped text's characters and their commonest pairs (see ensure_tiny for why).
+    "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
                         max_seq_len=512),
     # Llama-2 (meta-llama/Llama-2-*b params.json)
     "7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000),

@@ -374,56 +374,85 @@ def tokenizer_files(store: BlockStore) -> dict[str, Path]:
     return out
 
 
-def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std: float,
+def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std,
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Norm weights 1, matrices N(0, std^2); std is a number or a function of the shape."""
     out = {}
     for name, shape in shapes.items():
         if len(shape) == 1:  # norm weights
             out[name] = torch.ones(shape, dtype=dtype)
         else:
-            out[name] = (torch.randn(shape, generator=gen) * std).to(dtype)
+            out[name] = (torch.randn(shape, generator=gen) * (std(shape) if callable(std) else std)).to(dtype)
     return out
 
 
+SYNTHETIC_INITS = ("normal", "fan_in")
+
+
 def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                    tokenizer: Path | None = None, overwrite: bool = False, progress: bool = True) -> Path:
+                    tokenizer: Path | None = None, overwrite: bool = False, progress: bool = True,
+                    init: str = "normal", extra: dict | None = None) -> Path:
     """A store of random weights with cfg's exact shapes, written block by block (never the whole model).
 
-    Weights are N(0, 0.02) as in GPT-2/Llama init, with residual projections (wo, w2) scaled by
-    1/sqrt(2 * n_layers); the same seed gives the same store.
+    init "normal": every matrix N(0, 0.02) as in GPT-2/Llama init; "fan_in": the block and head
+    matrices N(0, 1/in_features) (nn.Linear's scale; at dim 128 that is 0.088, so attention scores
+    and logits are not all near zero), the embedding N(0, 0.02). Either way the residual projections
+    (wo, w2) are scaled by 1/sqrt(2 * n_layers); the same seed and init give the same store. extra:
+    more manifest fields.
     """
+    if init not in SYNTHETIC_INITS:
+        raise ValueError(f"unknown init {init!r}; choose from {', '.join(SYNTHETIC_INITS)}")
+    std = 0.02 if init == "normal" else (lambda shape: shape[1] ** -0.5)
     resid_std = 0.02 / (2 * cfg.n_layers) ** 0.5
     with StoreWriter(out, cfg, dtype, overwrite=overwrite) as w:
         gen = torch.Generator().manual_seed(seed)
         w.write_embed(_random_tensors(embed_tensor_shapes(cfg), gen, 0.02, dtype))
         for i in tqdm(range(cfg.n_layers), desc="writing blocks", unit="block", disable=not progress or None):
             gen = torch.Generator().manual_seed(seed * 1000003 + i + 1)
-            block = _random_tensors(block_tensor_shapes(cfg), gen, 0.02, dtype)
+            block = _random_tensors(block_tensor_shapes(cfg), gen, std, dtype)
             for name in ("attention.wo.weight", "feed_forward.w2.weight"):
                 block[name] = (block[name].float() * (resid_std / 0.02)).to(dtype)
             w.write_block(i, block)
         gen = torch.Generator().manual_seed(seed * 1000003)
-        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, 0.02, dtype))
+        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype))
         if tokenizer is not None:
             w.add_tokenizer(tokenizer)
         kept = keep_tokenizer_files(w, [w.tmp / w.tokenizer] if tokenizer is not None else [])
-        return w.finish({"source": "synthetic", "seed": seed, "tokenizer_files": kept})
+        return w.finish({"source": "synthetic", "seed": seed, **({"init": init} if init != "normal" else {}),
+                         "tokenizer_files": kept, **(extra or {})})
+
+
+TINY_RECIPE = 2  # in the tiny store's manifest; a weights/tiny made by another recipe is made again
 
 
 def ensure_tiny(out: Path) -> Path:
-    """The embedded `tiny` model: random weights and a tokenizer trained on the shipped text.
+    """The embedded `tiny` model: a tokenizer trained on the shipped text and random weights.
 
-    Generated deterministically on first use, so a fresh checkout trains with no download.
+    Generated deterministically on first use, so a fresh checkout trains with no download. Recipe 2
+    (issue 17: the README's first command must visibly learn): 64 tokenizer pieces (the text's 48
+    characters and its commonest pairs), so held-out text shares most of its statistics with the
+    5 KB of training text (with 512 word-sized pieces it does not, and no model gets far below the
+    uniform loss); fan_in weights, so a frozen random head can express the text's distributions
+    (N(0, 0.02) caps its logits near 2.6). A store made by an older recipe is made again.
     """
     out = Path(out)
-    if (out / "manifest.json").is_file():
-        return out
-    log.info("generating the tiny model in %s", out)
+    manifest = out / "manifest.json"
+    if manifest.is_file():
+        try:
+            recipe = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            return out  # damaged: opening the store says how
+        if isinstance(recipe, dict) and recipe.get("tiny_recipe") == TINY_RECIPE:
+            return out
+        log.info("making the tiny model in %s again (it was made by an older recipe)", out)
+    else:
+        log.info("generating the tiny model in %s", out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok = out.parent / f".{out.name}.tokenizer.model"
     cfg = preset("tiny")
     try:
         train_tiny_tokenizer(tok, vocab_size=cfg.vocab_size)
-        return write_synthetic(out, cfg, torch.float32, seed=0, tokenizer=tok, progress=False)
+        return write_synthetic(out, cfg, torch.float32, seed=0, tokenizer=tok, progress=False, init="fan_in",
+                               overwrite=manifest.is_file(), extra={"tiny_recipe": TINY_RECIPE})
     finally:
         tok.unlink(missing_ok=True)

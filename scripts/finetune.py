@@ -32,6 +32,7 @@ from phantom.train import ACTIVATION_KEYS, TrainConfig, checkpoint_activations, 
 D = TrainConfig()
 SMALL_MODEL = 100_000_000  # parameters: below this a model takes the demo's high rates (a random tiny base)
 DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5}  # (mode, small)
+TINY_SAMPLE_EVERY = 100  # the tiny demo shows what it learned: a greedy sample at steps 100 and the last
 log = logging.getLogger("finetune")
 
 
@@ -73,7 +74,8 @@ def parse_args(argv=None):
     a("--eval-every", type=int, default=D.eval_every, help="evaluate every N steps, 0: at the end only")
     a("--eval-iters", type=int, default=D.eval_iters, help="batches per evaluation")
     a("--save-every", type=int, default=D.save_every, help="checkpoint every N steps, 0: at the end only")
-    a("--sample-every", type=int, default=D.sample_every, help="print a greedy sample every N steps, 0: off")
+    a("--sample-every", type=int, default=None, help=f"print a greedy sample every N steps and at the end, 0: off "
+                                                     f"(default: {TINY_SAMPLE_EVERY} for the tiny model, else off)")
     a("--prompt", default="The keeper", help="prompt of the samples")
     a("--sequential", action="store_true", help="read the data in order instead of random windows/rows")
     a("--workers", type=int, default=D.workers, help="DataLoader worker processes")
@@ -82,7 +84,10 @@ def parse_args(argv=None):
     a("--seed", type=int, default=D.seed, help="seed of the LoRA init, batch order and dropout")
     a("--trace", action="store_true", help="write --out/trace.json (Chrome trace of the scheduler)")
     a("-q", "--quiet", action="store_true", help="no progress bar or log lines")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.sample_every is None:
+        args.sample_every = TINY_SAMPLE_EVERY if args.model == "tiny" and not args.synthetic else D.sample_every
+    return args
 
 
 def train_config(args, lr: float) -> TrainConfig:

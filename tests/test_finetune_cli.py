@@ -56,7 +56,7 @@ def test_finetune_writes_adapter_metrics_and_summary(tmp_path):
     (["--iters", "0"], "--iters must be >= 1"),
     (["--model", "nosuchmodel"], "unknown model 'nosuchmodel'"),
     (["--seq-len", "4096"], "exceeds the model's max_seq_len 512"),
-    (["--val-split", "0.05"], "the held-out data (82 tokens) is shorter than one sequence of 128 + 1"),
+    (["--val-split", "0.02"], "the held-out data (83 tokens) is shorter than one sequence of 128 + 1"),
     (["--lora-targets", "q,x"], "unknown LoRA targets"),
     (["--resume"], "no checkpoint"),
     (["--mode", "full", "--resume"], "no checkpoint"),

@@ -271,7 +271,7 @@ def test_device_budget_keeps_blocks_resident_on_cuda(cli, tmp_path, capsys):
 @pytest.fixture
 def token_file(tmp_path) -> tuple[Path, np.ndarray]:
     """Token ids 0, 1, 2, ... (mod the tiny vocabulary): a window's first id says where it starts."""
-    ids = (np.arange(3000) % 512).astype(np.uint16)
+    ids = (np.arange(3000) % phantom.preset("tiny").vocab_size).astype(np.uint16)
     ids.tofile(tmp_path / "ids.bin")
     return tmp_path / "ids.bin", ids
 

@@ -42,7 +42,7 @@ def test_sampling_is_seeded_and_length_is_checked(small_store):
 
 
 def test_generate_cli(tmp_path, capsys):
-    tok = train_tiny_tokenizer(tmp_path / "tokenizer.model", vocab_size=512)
+    tok = train_tiny_tokenizer(tmp_path / "tokenizer.model", vocab_size=preset("tiny").vocab_size)
     store = write_synthetic(tmp_path / "tiny", preset("tiny", n_layers=2), torch.float32, seed=0, tokenizer=tok,
                             progress=False)
     with phantom.load(store, offload="none", lora=phantom.LoraConfig(rank=4)) as model, torch.no_grad():

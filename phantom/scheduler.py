@@ -422,9 +422,16 @@ class BlockScheduler:
         return None
 
     def _next_use(self, block: int, start: int) -> float:
+        """Plan position of block's next use from start. Past the plan's end the plan is taken to
+        repeat (a training loop's next step runs the same order), so of the blocks this step no longer
+        needs, the slots keep those the next step needs first: without it a tie among them was broken
+        by slot order, and a loader running late could evict a block the next forward reads first."""
         for p in range(start, len(self._plan)):
             if self._plan[p] == block:
                 return p
+        for p in range(min(start, len(self._plan))):
+            if self._plan[p] == block:
+                return len(self._plan) + p
         return float("inf")
 
     def _streams(self, block: int) -> bool:

@@ -302,8 +302,10 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         dtype: the store's dtype (default: the checkpoint's).
         link: Hugging Face safetensors only: the store points at the tensors inside the checkpoint's
             files instead of copying them (they must stay, unchanged; the store checks their size and
-            header when opened and their sha256 when read). Tensors that need converting (q/k rows
-            are permuted; another dtype) are still copied. Meta shards must be merged: always copied.
+            header when opened and their checksum when read: the manifest records a sha256 and a crc32
+            record of every file, copied or linked; see store.Checksums). Tensors that need converting
+            (q/k rows are permuted; another dtype) are still copied. Meta shards must be merged: always
+            copied.
         overwrite: replace an existing store at out.
         progress: a tqdm bar over the blocks.
 

@@ -33,10 +33,18 @@ log = logging.getLogger(__name__)
 FORMAT = "phantom-store"
 VERSION = 1
 MANIFEST = "manifest.json"
-MAX_HEADER_BYTES = 100 << 20
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header is a few KB; refuse absurd claims before reading
 DATA_ALIGN = 4096  # file offset and buffer alignment of O_DIRECT reads
 READ_CHUNK = 16 << 20  # bytes per read request; several are in flight at once
-READ_THREADS = 4  # a safetensors header is a few KB; refuse absurd claims before reading
+READ_THREADS = 8  # requests in flight, all loaders together (a deep queue rides out threads waiting for a CPU)
+CHECK_CHUNK = 16 << 20  # verify "fast": one crc32 per this many bytes of a file's data section (see Checksums)
+CHECK_THREADS = 2  # crc32 of a block's chunks in parallel where the read did not hash them (crc32_chunks)
+try:  # ISA-L's crc32 (`pip install isal`): the same values as zlib's, 4x faster here; both release the GIL
+    from isal.isal_zlib import crc32
+    CRC32 = "isal"
+except ImportError:
+    from zlib import crc32
+    CRC32 = "zlib"
 
 DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
                torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}
@@ -97,7 +105,8 @@ def _order(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> dict:
-    """Write a safetensors file (fsynced); returns {"size", "sha256"} of the bytes written."""
+    """Write a safetensors file (fsynced); returns {"size", "sha256", "crc32"} of the bytes written
+    (the manifest's entry for it: see Checksums)."""
     header, offset = {}, 0
     for name in _order(tensors):
         t = tensors[name]
@@ -110,13 +119,13 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     # Pad (spaces are valid JSON whitespace) so the data section starts on a 4 KiB boundary: block
     # reads can then bypass the page cache with O_DIRECT, which needs aligned file offsets.
     hbytes += b" " * (-(len(hbytes) + 8) % DATA_ALIGN)
-    digest = hashlib.sha256()
+    digest = Checksums()
     try:
         _write_safetensors(path, hbytes, tensors, digest)
     except OSError as e:  # disk full: no half-written file stays, and the error names the file
         Path(path).unlink(missing_ok=True)
         raise e if e.filename else OSError(e.errno, e.strerror, str(path)) from None
-    return {"size": 8 + len(hbytes) + offset, "sha256": digest.hexdigest()}
+    return {"size": 8 + len(hbytes) + offset, **digest.record()}
 
 
 def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tensor], digest) -> None:
@@ -124,7 +133,7 @@ def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tenso
         faults.io_point(path)  # tests: a full disk here
         for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
             f.write(chunk)
-            digest.update(chunk)
+            digest.update_header(chunk)
         faults.point("file.write")  # crash tests: a file with its header and no data
         for name in _order(tensors):
             t = tensors[name].detach().contiguous().cpu()
@@ -133,6 +142,74 @@ def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tenso
             digest.update(raw)
         f.flush()
         os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksums
+#
+# A file's manifest entry carries two checksums of the same bytes:
+#   "sha256": of the whole file (a linked file: of its data section). verify "full" checks it, and
+#       verify "fast" does on stores written before "crc32" was recorded (they open and verify as ever).
+#   "crc32": {"chunk": C, "header": crc32 of the bytes before the data section (absent for a linked
+#       file, which has no header of its own), "data": [crc32 of data bytes [k*C, (k+1)*C), for every k]}:
+#       what verify "fast" checks on a file's first read. crc32 releases the GIL and is cheaper than
+#       sha256, ISA-L's far cheaper where `isal` is installed (same values; one core of the AMD EPYC of
+#       notes/bench-tiers.md, 256 MiB: sha256 1.8 GB/s, zlib 2.9-4.2, isal 17-18): each read request's
+#       thread hashes its pieces as they land, beside the requests still in flight (readinto_exact), so
+#       checking takes a fraction of the CPU that sha256 took from the compute. Linked files, and mapped ones, are hashed after the read,
+#       their pieces in parallel (crc32_chunks).
+# crc32 finds every error burst of up to 32 bits and other damage but for a 2^-32 chance per chunk; it
+# is no defence against deliberate tampering (sha256, verify "full", is).
+
+class Checksums:
+    """A file's checksums as it is written: sha256 of every byte (unless sha256=False), crc32 of the
+    header (bytes given to update_header) and of each `chunk` bytes of the data (given to update)."""
+
+    def __init__(self, chunk: int | None = None, sha256: bool = True):
+        self.sha = hashlib.sha256() if sha256 else None
+        self.chunk, self.header, self.data = chunk or CHECK_CHUNK, None, []
+        self._crc, self._fill = 0, 0
+
+    def update_header(self, b) -> None:
+        if self.sha is not None:
+            self.sha.update(b)
+        self.header = crc32(b, self.header or 0)
+
+    def update(self, b) -> None:
+        if self.sha is not None:
+            self.sha.update(b)
+        mv = memoryview(b).cast("B")
+        while len(mv):
+            take = min(self.chunk - self._fill, len(mv))
+            self._crc = crc32(mv[:take], self._crc)
+            self._fill += take
+            mv = mv[take:]
+            if self._fill == self.chunk:
+                self.data.append(self._crc)
+                self._crc, self._fill = 0, 0
+
+    def crc32(self) -> dict:
+        """The manifest's "crc32" record of the bytes so far."""
+        data = self.data + ([self._crc] if self._fill else [])
+        return {"chunk": self.chunk, **({"header": self.header} if self.header is not None else {}), "data": data}
+
+    def record(self) -> dict:
+        return {"sha256": self.sha.hexdigest(), "crc32": self.crc32()}
+
+
+_check_pool: ThreadPoolExecutor | None = None
+
+
+def crc32_chunks(mv: memoryview, chunk: int) -> list[int]:
+    """crc32 of each `chunk` bytes of mv (the last piece may be shorter), CHECK_THREADS at once."""
+    global _check_pool
+    pieces = [mv[a:a + chunk] for a in range(0, len(mv), chunk)]
+    if len(pieces) <= 1 or CHECK_THREADS <= 1:
+        return [crc32(p) for p in pieces]
+    with _pool_lock:
+        if _check_pool is None:
+            _check_pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="phantom-crc32")
+    return list(_check_pool.map(crc32, pieces))
 
 
 def read_header(path: Path) -> tuple[list[TensorSpec], int]:
@@ -238,29 +315,33 @@ def _open_direct(path: Path) -> int | None:
     return fd
 
 
-def _pread_exact(fd: int, mv: memoryview, offset: int, path: Path) -> None:
+def _pread_exact(fd: int, mv: memoryview, offset: int, path: Path, crc_chunk: int = 0) -> list[int] | None:
     got = 0
     while got < len(mv):
         n = os.preadv(fd, [mv[got:]], offset + got)
         if not n:
             raise StoreError(f"{path}: truncated while reading ({got} of {len(mv)} bytes at offset {offset})")
         got += n
+    if crc_chunk:  # hashed by this request's thread while the other requests are still in flight
+        return [crc32(mv[a:a + crc_chunk]) for a in range(0, len(mv), crc_chunk)]
+    return None
 
 
-def _read_jobs(jobs: list[tuple[int, int, int]], mv: memoryview, offset: int, path: Path) -> None:
-    """Run (fd, start, end) reads into mv, in parallel; every read has ended before an error is raised,
-    so a caller may reuse (or re-read into) the buffer at once."""
+def _read_jobs(jobs: list[tuple[int, int, int, int]], mv: memoryview, offset: int, path: Path) -> list:
+    """Run (fd, start, end, crc_chunk) reads into mv, in parallel; every read has ended before an error
+    is raised, so a caller may reuse (or re-read into) the buffer at once. Returns each job's crc32s."""
     if len(jobs) == 1:
-        fd, a, b = jobs[0]
-        return _pread_exact(fd, mv[a:b], offset + a, path)
-    futures = [_pool().submit(_pread_exact, f, mv[a:b], offset + a, path) for f, a, b in jobs]
+        fd, a, b, c = jobs[0]
+        return [_pread_exact(fd, mv[a:b], offset + a, path, c)]
+    futures = [_pool().submit(_pread_exact, f, mv[a:b], offset + a, path, c) for f, a, b, c in jobs]
     errors = [fut.exception() for fut in futures]
     if err := next((e for e in errors if e is not None), None):
         raise err
+    return [fut.result() for fut in futures]
 
 
 def readinto_exact(path: Path, offset: int, buf: torch.Tensor, drop_cache: bool = False,
-                   direct: bool = True) -> None:
+                   direct: bool = True, crc_chunk: int = 0) -> list[int] | None:
     """Read len(buf) bytes at offset into a contiguous CPU uint8 tensor, several requests in flight.
 
     Where the file offset and the buffer are 4 KiB aligned the aligned part is read with O_DIRECT:
@@ -268,32 +349,52 @@ def readinto_exact(path: Path, offset: int, buf: torch.Tensor, drop_cache: bool 
     block tier's access is cyclic, the worst case for an LRU cache). Elsewhere, buffered reads;
     drop_cache then asks the kernel to forget the pages afterwards (cold-read benchmarks).
     `os.preadv` releases the GIL, so the chunks are read in parallel by a small thread pool.
+
+    With crc_chunk, returns the crc32 of each crc_chunk bytes of buf (the last piece may be shorter):
+    each request covers whole pieces and its thread hashes them as soon as its bytes are in, beside
+    the requests still in flight, so checking adds about one piece's hash to the read (crc32 releases
+    the GIL). A crc_chunk that is not a multiple of 4 KiB or exceeds READ_CHUNK is hashed after the read.
     """
     mv = memoryview(buf.numpy()).cast("B")
     n = len(mv)
+    if crc_chunk and (crc_chunk % DATA_ALIGN or crc_chunk > READ_CHUNK):
+        readinto_exact(path, offset, buf, drop_cache, direct)
+        return crc32_chunks(mv, crc_chunk)
+    step = READ_CHUNK // crc_chunk * crc_chunk if crc_chunk else READ_CHUNK  # requests hold whole pieces
     aligned = (n // DATA_ALIGN * DATA_ALIGN) if direct and offset % DATA_ALIGN == 0 and \
         buf.data_ptr() % DATA_ALIGN == 0 else 0
     dfd = _open_direct(Path(path)) if aligned >= READ_CHUNK else None
     if dfd is None:
         aligned = 0
     fd = os.open(path, os.O_RDONLY)
+    tail = 0 < aligned < n  # the last few bytes past O_DIRECT's reach, hashed below onto their piece's crc32
     try:
-        jobs = [(dfd, a, min(a + READ_CHUNK, aligned)) for a in range(0, aligned, READ_CHUNK)]
-        jobs += [(fd, a, min(a + READ_CHUNK, n)) for a in range(aligned, n, READ_CHUNK)]
+        jobs = [(dfd, a, min(a + step, aligned), crc_chunk) for a in range(0, aligned, step)]
+        jobs += [(fd, a, min(a + step, n), 0 if tail else crc_chunk) for a in range(aligned, n, step)]
         try:
-            _read_jobs(jobs, mv, offset, path)
+            sums = _read_jobs(jobs, mv, offset, path)
         except OSError as e:  # open accepted O_DIRECT but reads refuse it (some FUSE, network filesystems)
             if dfd is None or e.errno != errno.EINVAL:
                 raise
             log.info("%s: O_DIRECT reads refused (%s); reading through the page cache", path, e)
             _direct_ok[os.fstat(dfd).st_dev] = False
-            _read_jobs([(fd, a, min(a + READ_CHUNK, n)) for a in range(0, n, READ_CHUNK)], mv, offset, path)
+            sums, tail = _read_jobs([(fd, a, min(a + step, n), crc_chunk) for a in range(0, n, step)], mv, offset,
+                                    path), False
         if drop_cache and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
         if dfd is not None:
             os.close(dfd)
+    if not crc_chunk:
+        return None
+    crcs = [c for job in sums if job for c in job]
+    if tail:  # under 4 KiB, inside one piece (pieces are 4 KiB multiples): continue that piece's crc32
+        if aligned % crc_chunk:
+            crcs[-1] = crc32(mv[aligned:], crcs[-1])
+        else:
+            crcs.append(crc32(mv[aligned:]))
+    return crcs
 
 
 def safe_join(root: Path, rel: str) -> Path:
@@ -384,8 +485,11 @@ class StoreWriter:
         order = tensor_order({n: v[2].itemsize for n, v in located.items()})  # as write_safetensors orders
         segments = [(Path(located[n][0]) if os.path.isabs(located[n][0]) else self.tmp / located[n][0],
                      located[n][1], located[n][2].itemsize * math.prod(located[n][3])) for n in order]
+        sums = Checksums()
+        for piece in segment_pieces(segments):
+            sums.update(piece)
         self.links["files"][rel] = {
-            "size": sum(n for _, _, n in segments), "sha256": segments_digest(segments),
+            "size": sum(n for _, _, n in segments), **sums.record(),
             "tensors": [{"name": n, "dtype": DTYPE_CODES[located[n][2]], "shape": list(located[n][3]),
                          "file": located[n][0], "offset": located[n][1]} for n in order]}
 
@@ -429,6 +533,7 @@ class FileEntry:
     nbytes: int  # length of the data section
     sha256: str
     segments: tuple = ()  # linked entries (see "Linked files"): (file, offset, nbytes) ranges, in order
+    crc: tuple | None = None  # (chunk, header crc32 or None, data crc32s): see Checksums; None in older stores
 
 
 class BlockStore:
@@ -436,8 +541,9 @@ class BlockStore:
 
     Args:
         path: the store folder (holding manifest.json).
-        verify: "fast" checks sizes and headers of every file on open and the sha256 of each file
-            the first time it is read; "full" hashes every file on open; "none" skips hashes.
+        verify: "fast" checks sizes and headers of every file on open and each file's checksum the
+            first time it is read (its crc32 record, or its sha256 where the manifest has none: see
+            Checksums); "full" checks every file's sha256 on open; "none" skips checksums.
         drop_cache: evict each block file from the page cache after reading it (cold reads).
     """
 
@@ -506,7 +612,23 @@ class BlockStore:
                              f"(truncated or modified)")
         specs, data_start = read_header(path)
         check_specs(path, specs, expected, self.dtype)
-        return FileEntry(path, specs, data_start, size - data_start, info.get("sha256", ""))
+        return FileEntry(path, specs, data_start, size - data_start, info.get("sha256", ""),
+                         crc=self._crc_record(rel, info, size - data_start, header=True))
+
+    def _crc_record(self, rel: str, info: dict, nbytes: int, header: bool) -> tuple | None:
+        """A file's "crc32" record as FileEntry.crc (None where the manifest has none: an older store)."""
+        rec = info.get("crc32")
+        if rec is None:
+            return None
+        try:
+            chunk, data = int(rec["chunk"]), tuple(int(x) for x in rec["data"])
+            head = int(rec["header"]) if header else None
+            ok = chunk > 0 and len(data) == -(-nbytes // chunk)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise StoreError(f"{self.path / MANIFEST}: bad crc32 record for {rel} ({rec!r:.100}); re-create the store")
+        return chunk, head, data
 
     def _linked_entry(self, rel: str, expected: dict[str, tuple[int, ...]]) -> FileEntry:
         """A file that the manifest's "links" section assembles from byte ranges of (checked) safetensors files."""
@@ -525,12 +647,13 @@ class BlockStore:
                     segments.append((path, offset, n))
                 pos += n
             sha256 = str(info["sha256"])
+            crc = self._crc_record(rel, info, pos, header=False)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, StoreError):
                 raise
             raise StoreError(f"{self.path / MANIFEST}: bad links entry for {rel} ({type(e).__name__}: {e})") from None
         check_specs(self.path / rel, specs, expected, self.dtype)
-        return FileEntry(self.path / rel, specs, 0, pos, sha256, tuple(segments))
+        return FileEntry(self.path / rel, specs, 0, pos, sha256, tuple(segments), crc)
 
     def _link_source(self, name: str) -> Path:
         """A linked file, checked once: listed in links.sources, absolute or inside the store, same size
@@ -551,15 +674,25 @@ class BlockStore:
         return path
 
     def _read_data(self, e: FileEntry, buf: torch.Tensor, drop_cache: bool = False) -> None:
-        """A file's data section into buf: one read, or one per linked range."""
+        """A file's data section into buf: one read, or one per linked range. Under verify "fast" a
+        file with a crc32 record is checked by the read itself on its first read (readinto_exact)."""
+        if self.verify == "fast" and e.crc is not None and not e.segments and str(e.path) not in self._verified:
+            self._check_crc(e, readinto_exact(e.path, e.data_start, buf, drop_cache, crc_chunk=e.crc[0]))
+            self._verified.add(str(e.path))
+            return
         pos = 0
         for path, offset, n in e.segments or ((e.path, e.data_start, e.nbytes),):
             readinto_exact(path, offset, buf[pos:pos + n], drop_cache)
             pos += n
 
     def verify_file(self, e: FileEntry, data: torch.Tensor | None = None) -> None:
-        """Check a file's sha256 (of the whole file; data, if given, is its data section in memory)."""
+        """Check a file's checksum (data, if given, is its data section in memory): under verify "fast"
+        its crc32 record where the manifest has one, else its sha256 (see Checksums)."""
         if self.verify == "none" or str(e.path) in self._verified:
+            return
+        if self.verify == "fast" and e.crc is not None:
+            self._verify_crc(e, data)
+            self._verified.add(str(e.path))
             return
         if e.segments:  # linked: the hash is of the data section alone
             raw = memoryview(data.numpy()).cast("B") if data is not None else None
@@ -582,12 +715,46 @@ class BlockStore:
             raise StoreError(f"{e.path}: checksum mismatch (the file is corrupt; re-create the store)")
         self._verified.add(str(e.path))
 
+    def _verify_crc(self, e: FileEntry, data: torch.Tensor | None) -> None:
+        """Check a file's crc32 record: its data section's chunks (in parallel when in memory), then
+        its header (read again: a few KB, in the page cache since open)."""
+        chunk = e.crc[0]
+        if data is not None:
+            got = crc32_chunks(memoryview(data.numpy()).cast("B"), chunk)
+        else:
+            sums = Checksums(chunk, sha256=False)
+            for piece in segment_pieces(e.segments or ((e.path, e.data_start, e.nbytes),)):
+                sums.update(piece)
+            got = sums.crc32()["data"]
+        self._check_crc(e, got)
+
+    def _check_crc(self, e: FileEntry, got: list[int]) -> None:
+        """Compare a file's data crc32s with its record, then its header's; StoreError naming the file."""
+        chunk, header, expected = e.crc
+        bad = next((f"data bytes {k * chunk}..{min((k + 1) * chunk, e.nbytes)}"
+                    for k, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        if bad is None and len(got) != len(expected):
+            bad = f"data ({len(got)} pieces, not {len(expected)})"
+        if bad is None and header is not None:
+            with open(e.path, "rb") as f:
+                if crc32(f.read(e.data_start)) != header:
+                    bad = "header"
+        if bad is None:
+            return
+        if e.segments:
+            files = sorted({str(p) for p, _, _ in e.segments})
+            raise StoreError(f"{e.path}: checksum mismatch in its linked files {files} (crc32 of {bad}: changed "
+                             f"since the store was made; re-create the store)")
+        raise StoreError(f"{e.path}: checksum mismatch (crc32 of its {bad}: the file is corrupt; re-create the store)")
+
     def read_block_into(self, i: int, buf: torch.Tensor, defer_verify: bool = False):
         """Read block i's data section into buf (a CPU uint8 tensor of block_nbytes), verified.
 
-        With defer_verify the checksum is not computed here: the return value is a function that
-        checks it (or None when nothing is left to check), for the caller to run off the read path
-        while the buffer is still untouched (the scheduler hashes beside the compute)."""
+        A file with a crc32 record (verify "fast") is checked by the read itself (readinto_exact).
+        Otherwise (a sha256, or a linked file), with defer_verify the checksum is not computed here:
+        the return value is a function that checks it (or None when nothing is left to check), for
+        the caller to run off the read path while the buffer is still untouched (the scheduler hashes
+        beside the compute)."""
         e = self.blocks[i]
         self._read_data(e, buf[: e.nbytes], self.drop_cache)
         check = None if self.verify == "none" or str(e.path) in self._verified else \
@@ -657,7 +824,8 @@ class BlockStore:
             self.manifest.get("links", {}).get("files", {}).pop(rel, None)  # was linked, now a file
             atomic_write_json(self.path / MANIFEST, self.manifest)
             self._verified.add(str(old.path))
-        return FileEntry(old.path, old.specs, read_header(old.path)[1], old.nbytes, info["sha256"])
+        return FileEntry(old.path, old.specs, read_header(old.path)[1], old.nbytes, info["sha256"],
+                         crc=self._crc_record(rel, info, old.nbytes, header=True))
 
     def write_block(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
         self.blocks[i] = self._rewrite(block_file(i), tensors)
@@ -733,11 +901,12 @@ def link_tree(src: Path, dst: Path) -> Path:
 #   "sources": {file: {"size", "header_sha256"}}: every file linked from. A file is an absolute path
 #       (a checkpoint's file, resolved when the store was made) or a path inside the store (safe_join
 #       rules). Absolute paths are allowed here and nowhere else in a manifest.
-#   "files": {store file: {"size", "sha256", "tensors": [{"name", "dtype", "shape", "file", "offset"}]}}:
-#       a store file that is not on disk; its data section is its tensors' byte ranges, in order.
+#   "files": {store file: {"size", "sha256", "crc32", "tensors": [{"name", "dtype", "shape", "file",
+#       "offset"}]}}: a store file that is not on disk; its data section is its tensors' byte ranges, in order.
 # On open, each source must be a well-formed safetensors file with the recorded size and header hash
-# (so the recorded offsets still hold); a linked file's sha256 is of its data section, checked as any
-# file's. Sources are only ever read. A name in "files" takes precedence over a link of the same name.
+# (so the recorded offsets still hold); a linked file's sha256 and crc32 record (no "header") are of its
+# data section, checked as any file's. Sources are only ever read. A name in "files" takes precedence
+# over a link of the same name.
 
 def header_digest(path: Path) -> str:
     """sha256 of a safetensors file's length prefix and JSON header (what fixes its tensors' offsets)."""
@@ -747,9 +916,8 @@ def header_digest(path: Path) -> str:
         return hashlib.sha256(raw + f.read(min(n, MAX_HEADER_BYTES))).hexdigest()
 
 
-def segments_digest(segments) -> str:
-    """sha256 of the bytes of (file, offset, nbytes) ranges, concatenated, read 16 MB at a time."""
-    h = hashlib.sha256()
+def segment_pieces(segments):
+    """The bytes of (file, offset, nbytes) ranges, in order, 16 MB at a time."""
     for path, offset, n in segments:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -757,6 +925,13 @@ def segments_digest(segments) -> str:
                 chunk = f.read(min(n, 16 << 20))
                 if not chunk:
                     raise StoreError(f"{path}: truncated while reading")
-                h.update(chunk)
+                yield chunk
                 n -= len(chunk)
+
+
+def segments_digest(segments) -> str:
+    """sha256 of the bytes of (file, offset, nbytes) ranges, concatenated."""
+    h = hashlib.sha256()
+    for chunk in segment_pieces(segments):
+        h.update(chunk)
     return h.hexdigest()

@@ -265,6 +265,13 @@ def test_linked_store_reads_in_place_and_checks_its_sources(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(phantom.StoreError, match="checksum mismatch"):
         phantom.BlockStore(link["out"], verify="full")
+    fast = phantom.BlockStore(link["out"])  # fast: the crc32 record of the linked data, on first read
+    assert all(e.crc is not None and e.crc[1] is None for e in fast.blocks)
+    with pytest.raises(phantom.StoreError, match=r"checksum mismatch in its linked files .*model-00002-of-00002"
+                                                 r"\.safetensors.*crc32"):
+        for i in range(fast.n_blocks):
+            fast.load_block(i)
+        fast.load_head()
     shard.write_bytes(bytes(data[:-4]))
     with pytest.raises(phantom.StoreError, match="model-00002-of-00002.safetensors"):
         phantom.BlockStore(link["out"])

@@ -1,14 +1,17 @@
 """The block store: bit-exact round trip, interop with the safetensors library, refusal of bad files."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import zlib
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import phantom
+from phantom.convert import write_synthetic
 from phantom.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
 from phantom.store import BlockStore, StoreError, StoreWriter, block_file
 from conftest import SMALL
@@ -121,3 +124,161 @@ def test_failed_write_leaves_nothing(tmp_path):
         with StoreWriter(tmp_path / "s", SMALL, torch.float32) as w:
             w.write_block(0, {"attention.wq.weight": torch.zeros(3, 3)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checksums_chunk_the_data_whatever_the_writes():
+    data = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    raw = bytes(data.numpy())
+    sums = phantom.store.Checksums(chunk=1000)
+    sums.update_header(b"head")
+    for a, b in ((0, 7), (7, 2500), (2500, 2500), (2500, 9999), (9999, 10_000)):  # across chunk ends, empty
+        sums.update(raw[a:b])
+    rec = sums.record()
+    assert rec["sha256"] == hashlib.sha256(b"head" + raw).hexdigest()
+    assert rec["crc32"] == {"chunk": 1000, "header": zlib.crc32(b"head"),
+                            "data": [zlib.crc32(raw[a:a + 1000]) for a in range(0, 10_000, 1000)]}
+    assert phantom.store.crc32_chunks(memoryview(raw), 3000) == [zlib.crc32(raw[a:a + 3000]) for a in range(0, 10_000, 3000)]
+
+
+@pytest.fixture
+def chunked_store(tmp_path, monkeypatch):
+    """A store whose blocks span several crc32 chunks (the first and last chunk's bytes are flipped below)."""
+    monkeypatch.setattr(phantom.store, "CHECK_CHUNK", 4096)
+    return write_synthetic(tmp_path / "s", SMALL, torch.float32, seed=1, progress=False)
+
+
+def test_new_store_records_sha256_and_crc32(chunked_store):
+    m = json.loads((chunked_store / "manifest.json").read_text())
+    store = BlockStore(chunked_store, verify="full")
+    for rel, info in m["files"].items():
+        if not rel.endswith(".safetensors"):
+            continue
+        data = (chunked_store / rel).read_bytes()
+        start = next(e for e in [store.embed, store.head, *store.blocks] if e.path.name == rel.split("/")[-1]).data_start
+        assert info["sha256"] == hashlib.sha256(data).hexdigest()
+        assert info["crc32"]["header"] == zlib.crc32(data[:start])
+        assert info["crc32"]["data"] == [zlib.crc32(data[a:a + 4096]) for a in range(start, len(data), 4096)], rel
+        assert len(info["crc32"]["data"]) > 2
+
+
+@pytest.mark.parametrize("where", ["first", "last", "header"])
+def test_fast_verify_finds_a_flipped_byte_by_crc32_on_first_read(chunked_store, where, monkeypatch):
+    path = chunked_store / block_file(2)
+    data = bytearray(path.read_bytes())
+    start = phantom.store.read_header(path)[1]
+    if where == "header":  # in the header's padding: still valid JSON, same tensors, only the checksum sees it
+        assert data[start - 1:start] == b" "
+        data[start - 1] = ord("\t")
+    else:
+        data[start + 5 if where == "first" else -10] ^= 0x01
+    path.write_bytes(bytes(data))
+    store = BlockStore(chunked_store)  # fast: sizes and headers look fine
+    assert all(e.crc is not None for e in store.blocks)
+    buf = torch.empty(store.block_nbytes, dtype=torch.uint8)
+    for i in (0, 1, 3):
+        store.read_block_into(i, buf)
+    monkeypatch.setattr(hashlib, "sha256", None)  # fast verify of a new store hashes with crc32 alone
+    with pytest.raises(StoreError, match=r"blocks/002\.safetensors: checksum mismatch \(crc32 of its "
+                                         + {"first": "data bytes 0..4096", "last": "data bytes", "header": "header"}[where]):
+        store.read_block_into(2, buf)
+    with pytest.raises(StoreError, match=r"002\.safetensors: checksum mismatch"):  # the scheduler's way:
+        BlockStore(chunked_store).read_block_into(2, buf, defer_verify=True)  # checked by the read itself
+    with pytest.raises(StoreError, match=r"002\.safetensors: checksum mismatch"):
+        BlockStore(chunked_store).load_block(2)
+    with pytest.raises(StoreError, match=r"002\.safetensors: checksum mismatch"):
+        BlockStore(chunked_store).map_block(2)
+    monkeypatch.undo()
+    with pytest.raises(StoreError, match=r"002\.safetensors: checksum mismatch \(the file"):  # full: sha256
+        BlockStore(chunked_store, verify="full")
+
+
+def test_store_without_crc32_opens_and_verifies_by_sha256(chunked_store):
+    """A store written before crc32 was recorded: fast verify falls back to each file's sha256."""
+    m = json.loads((chunked_store / "manifest.json").read_text())
+    for info in m["files"].values():
+        info.pop("crc32", None)
+    (chunked_store / "manifest.json").write_text(json.dumps(m))
+    store = BlockStore(chunked_store)
+    assert all(e.crc is None for e in store.blocks)
+    buf = torch.empty(store.block_nbytes, dtype=torch.uint8)
+    store.read_block_into(1, buf)
+    path = chunked_store / block_file(1)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"001\.safetensors: checksum mismatch \(the file is corrupt"):
+        BlockStore(chunked_store).read_block_into(1, buf)
+
+
+def test_bad_crc32_record_is_refused_on_open(chunked_store):
+    m = json.loads((chunked_store / "manifest.json").read_text())
+    m["files"][block_file(3)]["crc32"]["data"].pop()
+    (chunked_store / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match=r"bad crc32 record for blocks/003\.safetensors"):
+        BlockStore(chunked_store)
+
+
+def test_rewritten_file_carries_a_new_crc32(chunked_store):
+    store = BlockStore(clone := phantom.store.clone_store(chunked_store, chunked_store.parent / "work"))
+    new = {k: torch.ones_like(v) for k, v in store.load_block(1).items()}
+    store.write_block(1, new)
+    again = BlockStore(clone)
+    assert all(torch.equal(v, new[k]) for k, v in again.load_block(1).items())
+    BlockStore(clone, verify="full")
+    BlockStore(chunked_store, verify="full")  # the original is untouched
+
+
+@pytest.mark.parametrize("crc_chunk", [4096, 3 * 4096, 3000, 1 << 20])
+@pytest.mark.parametrize("refused", [False, True])
+def test_read_hashes_each_piece_as_it_lands(tmp_path, monkeypatch, crc_chunk, refused):
+    """readinto_exact(crc_chunk=...): requests of whole pieces hashed by their threads, the bytes past
+    O_DIRECT's reach added onto their piece, the same after O_DIRECT reads are refused; other piece
+    sizes hashed after the read. Always the crc32 of each piece of the bytes read."""
+    import errno
+    import fcntl
+    import os
+    monkeypatch.setattr(phantom.store, "READ_CHUNK", 8 * 4096)
+    monkeypatch.setattr(phantom.store, "_direct_ok", {})
+    gen = torch.Generator().manual_seed(crc_chunk)
+    raw = bytes(torch.randint(0, 256, (5 * 8 * 4096 + 3 * 4096 + 1234,), dtype=torch.uint8, generator=gen).numpy())
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 4096 + raw)
+    host = torch.empty(len(raw) + 4096, dtype=torch.uint8)
+    skip = -host.data_ptr() % 4096
+    buf = host[skip: skip + len(raw)]
+    direct, real_preadv = [], os.preadv
+
+    def preadv(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct.append(fd)
+            if refused:
+                raise OSError(errno.EINVAL, "Invalid argument (O_DIRECT read)")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    got = phantom.store.readinto_exact(path, 4096, buf, crc_chunk=crc_chunk)
+    assert bytes(buf.numpy()) == raw
+    assert got == [zlib.crc32(raw[a:a + crc_chunk]) for a in range(0, len(raw), crc_chunk)]
+    if phantom.store._direct_ok:  # this filesystem takes O_DIRECT
+        assert direct
+
+
+def test_crc32_records_do_not_depend_on_the_implementation(chunked_store, monkeypatch):
+    """ISA-L's crc32 (isal installed) and zlib's give the same values: a store written with one verifies
+    with the other, and a flipped byte is found by either."""
+    other = zlib.crc32
+    if phantom.store.CRC32 == "zlib":
+        isal_zlib = pytest.importorskip("isal.isal_zlib")
+        other = isal_zlib.crc32
+    monkeypatch.setattr(phantom.store, "crc32", other)
+    store = BlockStore(chunked_store)
+    buf = torch.empty(store.block_nbytes, dtype=torch.uint8)
+    for i in range(store.n_blocks):
+        store.read_block_into(i, buf)
+    store.load_embed(), store.load_head()
+    path = chunked_store / block_file(0)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x80
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"000\.safetensors: checksum mismatch \(crc32"):
+        BlockStore(chunked_store).read_block_into(0, buf)

@@ -19,6 +19,7 @@ import shutil
 import signal
 import threading
 import time
+from statistics import median
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -532,7 +533,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
                 break
     bar.close()
     summary = {"status": status, "steps": step, "tokens": tokens, "time_s": time.perf_counter() - t_start,
-               "final_loss": loss, "best_val_loss": run.best_val if math.isfinite(run.best_val) else None}
+               "final_loss": loss, "best_val_loss": run.best_val if math.isfinite(run.best_val) else None,
+               "median_step_s": median(run.step_times[1:] or run.step_times) if run.step_times else None}  # past step 1
     if not ddp.is_main:
         return {**summary, "adapter": None, "weights": None, "checkpoint": None, "metrics": None, "out": str(run.out)}
     return {**summary, **finish(run.out, model, cfg, status, step, loss)}

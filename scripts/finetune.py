@@ -197,6 +197,7 @@ def run(argv=None) -> int:
             activations = dataclasses.replace(activations, **{k: recorded[k] for k in ACTIVATION_KEYS
                                                               if k in recorded and getattr(args, k) is None})
         dtype = cli.resolve_dtype(args.dtype, device)
+        best = None  # the tuner's prediction, where it chose the placement
         if prefetch == "auto" and placement.offload != "none":
             best, placement = tuned(args, path, device, dtype, placement)
             cfg = dataclasses.replace(cfg, check_step=functools.partial(tune.check_prediction, best))
@@ -208,6 +209,8 @@ def run(argv=None) -> int:
             raise ValueError(line) from None
     if ddp.is_main:
         print_summary(s)
+        if best is not None and s["median_step_s"] is not None:  # the tuner's plan was logged at the start
+            print(tune.describe_measured(best, s["median_step_s"]))
     return {"done": 0, "interrupted": 0}.get(s["status"], 1)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,6 +242,19 @@ def test_odd_batch_and_accumulation_with_the_tuner(cli, tmp_path, batch, accum):
                      "--out", str(tmp_path)]) == 0
     assert metrics(tmp_path)[-1]["tokens"] == batch * accum * 32
 
+
+def test_the_tuners_prediction_is_printed_beside_the_measured_step(cli, tmp_path, capsys):
+    """--prefetch auto: the plan is logged at the start, and the summary ends with the measured step
+    (the median past the first, as metrics.jsonl has them) beside the prediction."""
+    import statistics
+    assert cli.main(["--iters", "4", "--batch-size", "2", "--seq-len", "32", "--prefetch", "auto", "--offload", "disk",
+                     "--eval-every", "0", "--val-split", "0", "-q", "--out", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"measured\s+([\d.]+) s/step, \S+ tokens/s; predicted ([\d.]+) s \(([+-]\d+)%\)", line)
+    assert m, line
+    steps = [r["step_s"] for r in metrics(tmp_path)]
+    assert float(m[1]) == pytest.approx(statistics.median(steps[1:]), abs=1e-3)
+    assert float(m[2]) > 0
 
 def test_a_bug_keeps_its_traceback(cli, tmp_path, capsys, monkeypatch):
     """A ValueError from deep inside a library is a bug, not bad input: a line saying so, then the traceback."""

@@ -111,17 +111,28 @@ def derived_tokenizer_config(tok: Tokenizer, cfg: ModelConfig) -> dict:
 
     A sentencepiece model is read by transformers' LlamaTokenizer, which assumes Llama's sentencepiece
     settings (no normalization, whitespace kept, byte fallback); a model trained otherwise (phantom's tiny
-    tokenizer collapses runs of spaces) encodes the same ordinary text, but not every text: logged.
+    tokenizer collapses runs of spaces) encodes the same ordinary text, but not every text: see
+    tokenizer_caveat, which an export logs.
     """
     c = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "model_max_length": cfg.max_seq_len,
          "add_bos_token": True, "add_eos_token": False}
     if tok.kind == "sentencepiece":
-        probe = "Tabs\tand  two spaces,\nnew lines: é."
-        if tok.decode(tok.encode(probe, bos=False)) != probe:
-            log.info("%s normalizes text (whitespace or unknown characters); transformers' LlamaTokenizer "
-                        "assumes it does not, so it may encode such text differently", tok.path)
         return {"tokenizer_class": "LlamaTokenizer", **c, "unk_token": tok.unk_token}
     return {"tokenizer_class": "PreTrainedTokenizerFast", **c}
+
+
+def tokenizer_caveat(store: BlockStore) -> str | None:
+    """A line for whoever loads an export with transformers, where its LlamaTokenizer may encode some
+    text otherwise than the store's own sentencepiece model (see derived_tokenizer_config). Logged by
+    the export, not at each adapter a finetune run writes (the first command's output stays quiet)."""
+    if store.tokenizer_path is None or "tokenizer_config.json" in tokenizer_files(store):
+        return None
+    tok = Tokenizer(store.tokenizer_path)
+    probe = "Tabs\tand  two spaces,\nnew lines: é."
+    if tok.kind != "sentencepiece" or tok.decode(tok.encode(probe, bos=False)) == probe:
+        return None
+    return (f"{tok.path} normalizes text (whitespace or unknown characters); transformers' LlamaTokenizer "
+            f"assumes it does not, so it may encode such text differently")
 
 
 def hf_tokenizer_files(store: BlockStore) -> dict[str, bytes]:
@@ -222,6 +233,8 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         (write_hf if fmt == "hf" else write_meta)(tmp, store.cfg, parts, dtype)
         if fmt == "hf":
             write_tokenizer_files(store, tmp)
+            if caveat := tokenizer_caveat(store):
+                log.info("%s", caveat)
         elif store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone
             main = store.tokenizer_path.name
             atomic_write_bytes(tmp / main, tokenizer_files(store)[main].read_bytes())

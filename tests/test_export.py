@@ -94,3 +94,17 @@ def test_peft_loads_the_adapter_unchanged(tmp_path, base, adapter):
     with torch.no_grad():
         logits = model(TOKENS).logits
     torch.testing.assert_close(logits, adapter[1], rtol=0, atol=1e-4)
+
+
+def test_the_tokenizer_caveat_is_said_by_the_export_not_by_each_adapter(tmp_path, caplog):
+    """The tiny tokenizer collapses runs of spaces, which transformers' LlamaTokenizer does not: a merged
+    export says so once; writing an adapter's tokenizer files (every finetune run) stays quiet."""
+    import logging
+    from phantom.export import tokenizer_caveat, write_tokenizer_files
+    store = phantom.BlockStore(phantom.resolve_model("tiny"))
+    assert "normalizes text" in tokenizer_caveat(store)
+    with caplog.at_level(logging.INFO, logger="phantom"):
+        write_tokenizer_files(store, tmp_path)
+        assert "normalizes text" not in caplog.text
+        export(store.path, tmp_path / "merged", progress=False)
+    assert caplog.text.count("normalizes text") == 1

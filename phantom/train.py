@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import io
 import json
 import logging
@@ -212,9 +213,21 @@ def run_identity(model, train_data: D.TokenData, cfg: TrainConfig) -> dict:
     ident = {"model": dataclasses.asdict(model.cfg), "lora": dataclasses.asdict(lora) if lora else None,
              "dtype": str(model.dtype), "mode": cfg.mode, "data": f"{train_data.key}:{len(train_data)}",
              **{k: getattr(cfg, k) for k in ("seq_len", "batch_size", "grad_accum", "seed", "shuffle")},
-             "activations": recorded_activations(model),
+             "activations": recorded_activations(model), "weights": weights_fingerprint(model, cfg.mode),
              "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "progress", "check_step")}}
     return json.loads(json.dumps(ident))  # as meta.json will read back (tuples become lists)
+
+
+def weights_fingerprint(model, mode: str) -> str | None:
+    """Which base weights a LoRA run trains on: a sha256 over the store manifest's per-file sha256s
+    (a store converted again in another layout differs too). None for full finetuning, whose resume
+    restores the weights themselves from the checkpoint."""
+    store = getattr(model, "store", None)
+    if mode != "lora" or store is None:
+        return None
+    files = {**store.manifest.get("files", {}), **store.manifest.get("links", {}).get("files", {})}
+    listing = sorted((rel, str(info.get("sha256", ""))) for rel, info in files.items())
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 
 
 def recorded_activations(model) -> dict | None:
@@ -354,6 +367,10 @@ def load_checkpoint(path: Path, model, opt, sched, identity: dict) -> dict:
         k = diff[0]
         raise ValueError(f"--resume: the checkpoint in {path} comes from a different run ({k}: {meta.get(k)} "
                          f"here {identity[k]}); use the same model, data and batch settings, or another --out")
+    if meta.get("weights") and identity.get("weights") and meta["weights"] != identity["weights"]:
+        raise ValueError(f"--resume: the checkpoint in {path} was trained on other weights than "
+                         f"{getattr(model.store, 'path', 'this model')} (its files differ: another checkpoint, or "
+                         f"converted again); use the same model, or another --out")
     changed = [k for k, v in identity["config"].items() if meta["config"].get(k) != v and k not in RUN_KEYS]
     changed += [k for k, v in (identity.get("activations") or {}).items()
                 if k in (meta.get("activations") or {}) and meta["activations"][k] != v]

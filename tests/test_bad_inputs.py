@@ -193,15 +193,19 @@ def trained(weights, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("case", ["other_config", "other_model"])
+@pytest.mark.parametrize("case", ["other_config", "other_model", "other_weights"])
 def test_resume_refuses_another_runs_checkpoint(tiny, trained, tmp_path, capsys, case):
     shutil.copytree(trained, tmp_path / "out")
     if case == "other_config":
         args, words = ["--lora-rank", "4"], ["different run (lora:"]
-    else:  # same tokenizer, two blocks instead of four
+    elif case == "other_model":  # same tokenizer, two blocks instead of four
         other = write_synthetic(tmp_path / "two", preset("tiny", n_layers=2), torch.float32,
                                 tokenizer=tiny / "tokenizer.model", progress=False)
         args, words = ["--model", other], ["different run (model:"]
+    else:  # the same shape and tokenizer, other values: only the weights' checksums tell
+        other = write_synthetic(tmp_path / "same-shape", preset("tiny"), torch.float32, seed=12345,
+                                tokenizer=tiny / "tokenizer.model", progress=False)
+        args, words = ["--model", other], ["was trained on other weights than", "same-shape"]
     capsys.readouterr()
     check(capsys, finetune(tmp_path, "--resume", *args), tmp_path, *words)
 

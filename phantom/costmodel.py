@@ -94,7 +94,8 @@ class MachineProfile:
     forward at `fwd_flops`, the graph-building forward (a kept block, or the recompute) and the
     backward at `fwd_flops / fwd_grad_ratio` and `fwd_flops / bwd_ratio`. `keep_scale` corrects the
     config's estimate of kept activation bytes. `compile_speedup` (eager / compiled block time) and
-    `compile_s` are None until measured. Free bytes of None mean: unknown, not a limit.
+    `compile_s` are not measured by the tuner (None); a profile that gives them has compiled rows
+    predicted with the speed-up. Free bytes of None mean: unknown, not a limit.
     """
 
     machine: str
@@ -416,9 +417,10 @@ def search(profile: MachineProfile, shape: Shape, rows: int, offloads: tuple[str
     Candidates: each offload mode; blocks resident on the device 0..n (a CPU has no device tier);
     the RAM tier filled to the default RAM budget of the free host memory (more RAM, fewer disk
     reads); prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
-    of two and the rows); the activation policies of `activation_choices`. Compile is decided
-    after the search (`decide_compile`). `budgets` (a Placement's device_budget and ram_budget, when
-    given) cap the device tier with its slots and the RAM tier, as the scheduler would.
+    of two and the rows); the activation policies of `activation_choices`. Compile is not a candidate:
+    the tuner does not measure its speed-up, and the model's default stands (on for CUDA).
+    `budgets` (a Placement's device_budget and ram_budget, when given) cap the device tier with its
+    slots and the RAM tier, as the scheduler would.
     """
     micros = micro_batches or tuple(sorted({b for b in pow2_upto(rows) if rows % b == 0} | {rows}))
     n, out, seen = shape.n_blocks, [], set()
@@ -478,23 +480,6 @@ def faster_if_more_memory(candidates: list[Prediction], chosen: Prediction, gain
     """The fastest candidate that does not fit, if it beats the chosen one by more than `gain`."""
     fastest = min(candidates, key=lambda c: c.step_s)
     return fastest if not fastest.fits and fastest.step_s < (1 - gain) * chosen.step_s else None
-
-
-def decide_compile(profile: MachineProfile, shape: Shape, chosen: Prediction, iters: int | None,
-                   compile: bool | None = None) -> Prediction:
-    """Compile when it was measured faster and the run is long enough to earn back its compile time.
-
-    An explicit `compile` wins. Unmeasured (no `compile_speedup`), the choice stays the model's
-    default (None). iters None means a run long enough for any speed-up to pay.
-    """
-    if compile is None and profile.compile_speedup is not None:
-        on = dataclasses.replace(chosen.activations, compile=True)
-        fast = predict(profile, shape, chosen.placement, on, chosen.rows, chosen.tiers)
-        saved = (chosen.step_s - fast.step_s) * (iters if iters is not None else float("inf"))
-        compile = saved > (profile.compile_s or 0.0)
-    acts = dataclasses.replace(chosen.activations, compile=compile)
-    return dataclasses.replace(predict(profile, shape, chosen.placement, acts, chosen.rows, chosen.tiers),
-                               bound=chosen.bound)
 
 
 def check_prediction(prediction: Prediction, measured_step_s: float, tolerance: float = 0.20,

@@ -158,21 +158,6 @@ def test_the_search_keeps_what_memory_allows_and_says_what_is_missing():
         cm.choose(cm.search(dataclasses.replace(small, free_device_bytes=4 * GiB), shape, 4))
 
 
-def test_compile_is_chosen_when_it_pays_for_itself():
-    shape = cm.shape_of(CFG, "fp32", "fp32", 16)
-    prof = cm.MachineProfile(machine="t", device="cuda", fwd_flops=1e9, compile_speedup=1.5, compile_s=30.0)
-    best = cm.choose(cm.search(prof, shape, 4))
-    saving = best.step_s - cm.predict(prof, shape, best.placement, dataclasses.replace(
-        best.activations, compile=True), 4, best.tiers).step_s
-    assert saving > 0
-    short, long = int(30 / saving) - 1, int(30 / saving) + 2
-    assert cm.decide_compile(prof, shape, best, short).activations.compile is False
-    assert cm.decide_compile(prof, shape, best, long).activations.compile is True
-    assert cm.decide_compile(prof, shape, best, long, compile=False).activations.compile is False  # asked: wins
-    unmeasured = dataclasses.replace(prof, compile_speedup=None)
-    assert cm.decide_compile(unmeasured, shape, best, long).activations.compile is None
-
-
 def test_the_ram_set_sits_between_disk_ends_and_reads_the_least():
     """Streamed blocks at either end are reused at a turn (read once), the middle ones read twice: with
     RAM blocks streamed (CUDA), the disk tier takes both ends, and no other RAM set reads fewer bytes."""

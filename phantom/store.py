@@ -39,7 +39,7 @@ READ_CHUNK = 16 << 20  # bytes per read request; several are in flight at once
 READ_THREADS = 8  # requests in flight, all loaders together (a deep queue rides out threads waiting for a CPU)
 CHECK_CHUNK = 16 << 20  # verify "fast": one crc32 per this many bytes of a file's data section (see Checksums)
 CHECK_THREADS = 2  # crc32 of a block's chunks in parallel where the read did not hash them (crc32_chunks)
-try:  # ISA-L's crc32 (`pip install isal`): the same values as zlib's, 4x faster here; both release the GIL
+try:  # ISA-L's crc32 (extra "fast": isal): the same values as zlib's, several times faster; both release the GIL
     from isal.isal_zlib import crc32
     CRC32 = "isal"
 except ImportError:
@@ -154,10 +154,10 @@ def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tenso
 #       file, which has no header of its own), "data": [crc32 of data bytes [k*C, (k+1)*C), for every k]}:
 #       what verify "fast" checks on a file's first read. crc32 releases the GIL and is cheaper than
 #       sha256, ISA-L's far cheaper where `isal` is installed (same values; one core of the AMD EPYC of
-#       notes/bench-tiers.md, 256 MiB: sha256 1.8 GB/s, zlib 2.9-4.2, isal 17-18): each read request's
+#       notes/bench-tiers.md, 256 MiB: sha256 1.8 GB/s, zlib 2.9-4.2, isal 17-28): each read request's
 #       thread hashes its pieces as they land, beside the requests still in flight (readinto_exact), so
-#       checking takes a fraction of the CPU that sha256 took from the compute. Linked files, and mapped ones, are hashed after the read,
-#       their pieces in parallel (crc32_chunks).
+#       checking takes a fraction of the CPU that sha256 took from the compute. Linked files, and mapped
+#       ones, are hashed after the read, their pieces in parallel (crc32_chunks).
 # crc32 finds every error burst of up to 32 bits and other damage but for a 2^-32 chance per chunk; it
 # is no defence against deliberate tampering (sha256, verify "full", is).
 

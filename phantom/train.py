@@ -20,9 +20,9 @@ import shutil
 import signal
 import threading
 import time
-from statistics import median
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 import torch

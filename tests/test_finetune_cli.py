@@ -1,7 +1,6 @@
 """scripts/finetune.py end to end: outputs, one-line errors, SIGKILL + --resume bit-exact, Ctrl-C, plot."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -15,6 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from phantom.store import BlockStore
+from test_convert import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 FINETUNE = ROOT / "scripts" / "finetune.py"
@@ -23,10 +23,7 @@ SMALL = ["--iters", "8", "--batch-size", "4", "--seq-len", "64", "--eval-every",
 
 @pytest.fixture(scope="module")
 def cli():
-    spec = importlib.util.spec_from_file_location("finetune_cli", FINETUNE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("finetune")
 
 
 def run(*args, **kw):

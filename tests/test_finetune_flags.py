@@ -6,7 +6,6 @@ flag against the same run without it and check what the flag must change, and wh
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -21,9 +20,8 @@ import phantom
 import phantom.data
 from phantom.store import BlockStore
 from phantom.tokenizer import TINY_TEXT
+from test_convert import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
-FINETUNE = ROOT / "scripts" / "finetune.py"
 # two steps, no evaluation, one checkpoint at the end; fixed placement (the tiers change what is read)
 TINY = ["--model", "tiny", "--iters", "2", "--batch-size", "2", "--seq-len", "32", "--eval-every", "0",
         "--val-split", "0", "--save-every", "0", "--offload", "ram", "-q"]
@@ -41,10 +39,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def cli():
-    spec = importlib.util.spec_from_file_location("finetune_flags_cli", FINETUNE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("finetune")
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ import hashlib
 import json
 import shutil
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,11 +68,15 @@ def test_truncated_block_is_refused_on_open(store_copy):
         BlockStore(store_copy)
 
 
-def test_corrupted_block_is_refused_before_use(store_copy):
-    path = store_copy / block_file(1)
+def flip_byte(path: Path, at: int, mask: int = 0xFF) -> None:
+    """Flip bits of one byte of a file in place (size and, away from the header, header unchanged)."""
     data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF  # one flipped byte inside a weight, size unchanged
+    data[at] ^= mask
     path.write_bytes(bytes(data))
+
+
+def test_corrupted_block_is_refused_before_use(store_copy):
+    flip_byte(store_copy / block_file(1), -10)  # one flipped byte inside a weight, size unchanged
     store = BlockStore(store_copy)  # fast mode: sizes and headers look fine
     buf = torch.empty(store.block_nbytes, dtype=torch.uint8)
     store.read_block_into(0, buf)
@@ -202,10 +207,7 @@ def test_store_without_crc32_opens_and_verifies_by_sha256(chunked_store):
     assert all(e.crc is None for e in store.blocks)
     buf = torch.empty(store.block_nbytes, dtype=torch.uint8)
     store.read_block_into(1, buf)
-    path = chunked_store / block_file(1)
-    data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF
-    path.write_bytes(bytes(data))
+    flip_byte(chunked_store / block_file(1), -10)
     with pytest.raises(StoreError, match=r"001\.safetensors: checksum mismatch \(the file is corrupt"):
         BlockStore(chunked_store).read_block_into(1, buf)
 
@@ -276,9 +278,6 @@ def test_crc32_records_do_not_depend_on_the_implementation(chunked_store, monkey
     for i in range(store.n_blocks):
         store.read_block_into(i, buf)
     store.load_embed(), store.load_head()
-    path = chunked_store / block_file(0)
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x80
-    path.write_bytes(bytes(data))
+    flip_byte(chunked_store / block_file(0), -1, 0x80)
     with pytest.raises(StoreError, match=r"000\.safetensors: checksum mismatch \(crc32"):
         BlockStore(chunked_store).read_block_into(0, buf)

@@ -15,6 +15,7 @@ from phantom.placement import Activations, Placement, assign_tiers, loads_per_st
 
 ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 ALIGN = 4096  # phantom.store.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
+HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.scheduler's: host buffers from HUGE_MIN get huge pages
 FIXED_BYTES = 256 << 20  # loss chunks, LoRA and optimizer state, allocator slack
 MARGIN = 0.15  # keep this fraction of free memory unused
 PREFETCH = (0, 1, 2, 3, 4, 6, 8)
@@ -27,6 +28,13 @@ def pow2_upto(n: int) -> list[int]:
 
 def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def host_buffer_bytes(n: int) -> int:
+    """Resident bytes of a phantom.scheduler.HostBuffer of n bytes, at most: from HUGE_MIN it is
+    backed by huge pages, and the last one is resident whole."""
+    step = HUGE_PAGE if n >= HUGE_MIN else ALIGN
+    return -(-n // step) * step
 
 
 @dataclass(frozen=True)
@@ -348,18 +356,20 @@ def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], s
                 keep: int, rows: int, micro_batch: int) -> tuple[int, int]:
     """(host bytes, of which pinned) as BlockScheduler allocates them.
 
-    The RAM tier is one HostBuffer of 4 KiB-aligned blocks (pinned on CUDA, exactly that size); on
-    CUDA each slot has a pinned staging buffer of one aligned block when any streamed block comes
-    from disk. On a CPU the slots are aligned host buffers and everything else lives there too.
+    The RAM tier is one HostBuffer of 4 KiB-aligned blocks (pinned on CUDA, exactly that size; resident
+    up to the next huge page, see host_buffer_bytes); on CUDA each slot has a pinned staging buffer of
+    one aligned block when any streamed block comes from disk. On a CPU the slots are aligned host
+    buffers and everything else lives there too.
     """
     ram = 0 if placement.shared_ram else tiers.count("ram") * align(shape.block_bytes)
+    slot = host_buffer_bytes(align(shape.block_bytes))
     if profile.host_is_device:
-        rest = slots * align(shape.block_bytes) + (slots * shape.resident_bytes if shape.converts else 0)
+        rest = slots * slot + (slots * shape.resident_bytes if shape.converts else 0)
         acts = activation_bytes(shape, profile, keep, rows, micro_batch)
-        return ram + rest + acts + shape.head_bytes + FIXED_BYTES, 0
+        return host_buffer_bytes(ram) + rest + acts + shape.head_bytes + FIXED_BYTES, 0
     staging = slots * align(shape.block_bytes) if "disk" in tiers else 0
     pinned = ram + staging if profile.device == "cuda" else 0
-    return ram + staging, pinned
+    return host_buffer_bytes(ram) + (slots * slot if staging else 0), pinned
 
 
 def shortfall(shape: Shape, profile: MachineProfile, device: int, host: int,

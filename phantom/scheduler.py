@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import queue
 import threading
 import time
@@ -102,8 +103,33 @@ def free_device_bytes(device: torch.device) -> int | None:
     return None
 
 
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64; arm64 with 4 KiB base pages)
+HUGE_MIN = 16 << 20  # host buffers from this size are backed by huge pages (phantom.store.READ_CHUNK: O_DIRECT)
+
+
+def huge_page_memory(nbytes: int) -> torch.Tensor | None:
+    """nbytes of fresh anonymous memory, 2 MiB aligned and advised for transparent huge pages, or None
+    where the platform has no madvise(MADV_HUGEPAGE) (macOS, Windows).
+
+    Why: an O_DIRECT read DMAs straight into the destination's pages. Over 4 KiB pages scattered in
+    physical memory each request is split into many segments (a virtio disk takes 254 a request), and
+    the rate depends on how fragmented the buffer happened to be: on the dev VM reads into 4 KiB pages
+    ran at 0.8-2.4 GB/s from one buffer to the next, into huge pages at 2.0-2.7 every time
+    (notes/bench-tiers.md). Where THP is off ("never") the advice is a no-op: plain pages, as before.
+    At most one huge page past nbytes becomes resident (the last one touched).
+    """
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped with the last tensor
+    skip = -raw.data_ptr() % HUGE_PAGE
+    return raw[skip: skip + nbytes]
+
+
 class HostBuffer:
-    """A host allocation of exactly `nbytes` (4 KiB aligned), page-locked for CUDA when `pin`.
+    """A host allocation of exactly `nbytes` (4 KiB aligned; huge pages from HUGE_MIN), page-locked for
+    CUDA when `pin`.
 
     `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which rounds each
     request up to a power of two (pytorch#150517): 80 blocks of 1.71 GB would pin 160 GiB for 137 GB.
@@ -112,9 +138,13 @@ class HostBuffer:
     """
 
     def __init__(self, nbytes: int, pin: bool):
-        raw = torch.empty(nbytes + DATA_ALIGN, dtype=torch.uint8)
-        skip = -raw.data_ptr() % DATA_ALIGN
-        self.tensor = raw[skip: skip + nbytes]
+        huge = huge_page_memory(nbytes) if nbytes >= HUGE_MIN else None
+        if huge is not None:
+            raw = self.tensor = huge
+        else:
+            raw = torch.empty(nbytes + DATA_ALIGN, dtype=torch.uint8)
+            skip = -raw.data_ptr() % DATA_ALIGN
+            self.tensor = raw[skip: skip + nbytes]
         self.pinned = False
         if pin and nbytes:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)

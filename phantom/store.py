@@ -39,7 +39,7 @@ READ_CHUNK = 16 << 20  # bytes per read request; several are in flight at once
 READ_THREADS = 8  # requests in flight, all loaders together (a deep queue rides out threads waiting for a CPU)
 CHECK_CHUNK = 16 << 20  # verify "fast": one crc32 per this many bytes of a file's data section (see Checksums)
 CHECK_THREADS = 2  # crc32 of a block's chunks in parallel where the read did not hash them (crc32_chunks)
-try:  # ISA-L's crc32 (extra "fast": isal): the same values as zlib's, several times faster; both release the GIL
+try:  # ISA-L's crc32 (isal, a dependency): zlib's values, several times faster; both release the GIL
     from isal.isal_zlib import crc32
     CRC32 = "isal"
 except ImportError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,6 +85,7 @@ def test_shape_from_the_config_is_the_stores(store):
     assert shape.block_bytes == s.block_nbytes
     assert abs(shape.store_bytes - sum(e.nbytes for e in [s.embed, s.head, *s.blocks])) == 0
     assert cm.ALIGN == DATA_ALIGN
+    assert (cm.HUGE_PAGE, cm.HUGE_MIN) == (phantom.scheduler.HUGE_PAGE, phantom.scheduler.HUGE_MIN)
     assert shape.converts == (s.dtype != torch.float32)
 
 
@@ -122,6 +124,21 @@ def test_pinned_and_host_memory_are_exact_sizes():
     assert p.pinned_bytes < 34 * shape.block_bytes
     no_disk = cm.predict(gpu, shape, Placement(prefetch=2), Activations(), 4, tiers=tiers[:40] + ("ram",) * 40)
     assert no_disk.pinned_bytes == 70 * stride  # no staging without a disk tier
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the RSS from /proc")
+def test_a_host_buffer_is_resident_within_the_cost_models_bytes():
+    """A huge-page HostBuffer, touched whole, holds at least its bytes and at most host_buffer_bytes."""
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+    n = cm.HUGE_MIN + 3 * cm.ALIGN + 5
+    torch.zeros(1 << 20).fill_(1)  # the first fill's own allocations (thread pool) not counted
+    buf = phantom.scheduler.HostBuffer(n, pin=False)
+    before = rss()
+    buf.tensor.fill_(1)
+    grown = rss() - before
+    assert cm.align(n) - (1 << 20) <= grown <= cm.host_buffer_bytes(n) + (1 << 20), (grown, n)
+    assert cm.host_buffer_bytes(n) - n < cm.HUGE_PAGE and cm.host_buffer_bytes(cm.HUGE_MIN - 1) == cm.HUGE_MIN
 
 
 def test_recompute_policy_trades_time_for_memory():

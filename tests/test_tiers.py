@@ -176,6 +176,48 @@ def test_o_direct_is_used_where_the_filesystem_has_it(store, resident, direct_re
     assert len(direct_reads) > 1  # the blocks were read with O_DIRECT, not through the page cache
 
 
+def advised_huge(t: torch.Tensor) -> bool:
+    """Whether the mapping holding t's memory is advised for huge pages ("hg" in its smaps VmFlags)."""
+    addr, vma = t.data_ptr(), None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and not line.startswith("VmFlags"):
+            lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+            vma = lo <= addr < hi
+        elif line.startswith("VmFlags") and vma:
+            return "hg" in line.split()
+    raise AssertionError(f"{addr:#x} is in no mapping")
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists(),
+                    reason="no madvise(MADV_HUGEPAGE) here")
+def test_o_direct_reads_into_huge_page_slots(store, resident, direct_reads, monkeypatch):
+    """Slots and the RAM tier from HUGE_MIN bytes are 2 MiB-aligned memory advised for huge pages (an
+    O_DIRECT request over scattered 4 KiB pages splits into many segments); reads into them train alike."""
+    monkeypatch.setattr(phantom.scheduler, "HUGE_MIN", phantom.store.DATA_ALIGN)
+    nbytes = phantom.store.BlockStore(store).block_nbytes
+    with phantom.load(store, placement=budgets(nbytes, 2, n_ram=3)) as model:
+        randomize_lora(model)
+        buffers = [s.buf for s in model.scheduler.slots] + [model.scheduler._ram_buffer.tensor]
+        assert all(b.data_ptr() % phantom.scheduler.HUGE_PAGE == 0 and advised_huge(b) for b in buffers)
+        assert_same(step(model), resident)
+    assert len(direct_reads) > 1
+
+
+def test_host_buffer_memory_outlives_the_buffer_object_while_a_block_uses_it(monkeypatch):
+    """The RAM tier hands out blocks over one allocation: the memory (a mapping, from HUGE_MIN) stays
+    mapped as long as a block tensor does, and the exact size asked is what the tensor covers."""
+    for huge_min in (phantom.store.DATA_ALIGN, 1 << 40):
+        monkeypatch.setattr(phantom.scheduler, "HUGE_MIN", huge_min)
+        buf = phantom.scheduler.HostBuffer(5 * phantom.store.DATA_ALIGN + 3, pin=False)
+        assert buf.tensor.numel() == 5 * phantom.store.DATA_ALIGN + 3
+        assert buf.tensor.data_ptr() % phantom.store.DATA_ALIGN == 0
+        block = buf.block(phantom.store.DATA_ALIGN, 100)
+        del buf
+        __import__("gc").collect()
+        block.fill_(7)
+        assert int(block.sum()) == 700
+
+
 def test_o_direct_refused_at_open_falls_back_to_buffered_reads(store, resident, direct_reads, monkeypatch, caplog):
     """tmpfs before Linux 6.6 and some FUSE filesystems fail open(O_DIRECT) with EINVAL."""
     spy, tried = os.open, []

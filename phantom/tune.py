@@ -30,7 +30,8 @@ from phantom import costmodel as cm
 from phantom import placement as P
 from phantom.convert import write_synthetic
 from phantom.model import ChunkedHeadLoss, PhantomModel, WeightHandles
-from phantom.store import DATA_ALIGN, BlockStore, atomic_write_json, dtype_name, parse_dtype, readinto_exact
+from phantom.scheduler import HostBuffer
+from phantom.store import BlockStore, atomic_write_json, dtype_name, parse_dtype, readinto_exact
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,6 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 host buffer at a 4 KiB boundary: what the scheduler reads into, so O_DIRECT applies."""
-    raw = torch.empty(nbytes + DATA_ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % DATA_ALIGN
-    return raw[skip: skip + nbytes]
-
-
 def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
                  readers: int = 2) -> tuple[float, float]:
     """GB/s of block reads as the disk tier does them, and the relative std of one block's read.
@@ -86,7 +80,7 @@ def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
     times, lock = [], threading.Lock()
 
     def read(mine: list) -> None:
-        buf = aligned_empty(store.block_nbytes)
+        buf = HostBuffer(store.block_nbytes, pin=False).tensor  # what the scheduler reads into
         for e in mine:
             if hasattr(os, "posix_fadvise"):
                 with open(e.path, "rb") as f:
@@ -140,7 +134,7 @@ def free_device_bytes(device: torch.device) -> int | None:
 def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool) -> tuple[float, float]:
     """(median seconds of fn(), GB/s of block reads) while a thread reads block files in a loop."""
     stop, got = threading.Event(), [0, 0.0]
-    buf = aligned_empty(store.block_nbytes)
+    buf = HostBuffer(store.block_nbytes, pin=False).tensor
 
     def reader():
         t0, i = time.perf_counter(), 0

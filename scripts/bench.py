@@ -425,7 +425,8 @@ def shell(cmd: str) -> str:
 
 def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) -> str:
     """Mode diskread (issue 16): the disk tier's cold read rate against the best raw read of the same
-    files (into fresh huge-page memory, as the tier's buffers; also into 4 KiB pages) (first pass: verify fast checks each block's crc32 record, with ISA-L's crc32 where the isal
+    files, into fresh huge-page memory as the tier's buffers (also into 4 KiB pages, a row of its own)
+    (first pass: verify fast checks each block's crc32 record, with ISA-L's crc32 where the isal
     package is installed and with zlib's; also on the same files under a manifest without crc32, where it
     checks sha256 as on older stores; again: nothing left to check), then a RAM budget of half the
     blocks against pure disk, measured and as the cost model predicts. The drive and the CPU are shared,

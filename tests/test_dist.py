@@ -59,6 +59,7 @@ def worker(rank, world, store, init_file, mode, work_dir, result_file):
         out = train(store, rank, world, mode, f"{work_dir}/rank{rank}")
         if rank == 0:
             torch.save(out, result_file)
+        dist.barrier()  # both ranks done before either tears gloo down (one abort seen once in a full run)
     finally:
         dist.destroy_process_group()
 

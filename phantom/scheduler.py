@@ -121,7 +121,10 @@ def huge_page_memory(nbytes: int) -> torch.Tensor | None:
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched
+    except OSError:  # a kernel built without THP (EINVAL): 4 KiB pages, still 2 MiB aligned
+        pass
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped with the last tensor
     skip = -raw.data_ptr() % HUGE_PAGE
     return raw[skip: skip + nbytes]

@@ -203,6 +203,20 @@ def test_o_direct_reads_into_huge_page_slots(store, resident, direct_reads, monk
     assert len(direct_reads) > 1
 
 
+def test_a_kernel_without_huge_pages_still_gets_its_buffer(monkeypatch):
+    """madvise(MADV_HUGEPAGE) fails with EINVAL where the kernel has no THP: the buffer is made anyway."""
+    import mmap
+
+    class NoAdvice(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(phantom.scheduler.mmap, "mmap", NoAdvice)
+    buf = phantom.scheduler.HostBuffer(phantom.scheduler.HUGE_MIN, pin=False)
+    buf.tensor.fill_(1)
+    assert buf.tensor.numel() == phantom.scheduler.HUGE_MIN and int(buf.tensor[-1]) == 1
+
+
 def test_host_buffer_memory_outlives_the_buffer_object_while_a_block_uses_it(monkeypatch):
     """The RAM tier hands out blocks over one allocation: the memory (a mapping, from HUGE_MIN) stays
     mapped as long as a block tensor does, and the exact size asked is what the tensor covers."""

@@ -188,8 +188,8 @@ def advised_huge(t: torch.Tensor) -> bool:
     raise AssertionError(f"{addr:#x} is in no mapping")
 
 
-@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists(),
-                    reason="no madvise(MADV_HUGEPAGE) here")
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists()
+                    or not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="no huge pages to advise here")
 def test_o_direct_reads_into_huge_page_slots(store, resident, direct_reads, monkeypatch):
     """Slots and the RAM tier from HUGE_MIN bytes are 2 MiB-aligned memory advised for huge pages (an
     O_DIRECT request over scattered 4 KiB pages splits into many segments); reads into them train alike."""

@@ -110,6 +110,24 @@ def test_ram_tier_pins_exactly_the_blocks(stores):
         assert stats().get("allocated_bytes.all.current", 0) == before_alloc
 
 
+def test_a_huge_page_host_buffer_pins_and_copies_both_ways():
+    """Buffers from HUGE_MIN are huge-page mappings (phantom.scheduler.huge_page_memory): registered with
+    cudaHostRegister like any host memory, copied asynchronously on a side stream, byte for byte."""
+    from phantom.scheduler import HUGE_MIN, HostBuffer
+    n = HUGE_MIN + 4096 + 7
+    buf = HostBuffer(n, pin=True)
+    assert buf.pinned
+    want = (torch.arange(n, dtype=torch.int64) % 251).to(torch.uint8)
+    buf.tensor.copy_(want)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        dev = buf.tensor.to("cuda", non_blocking=True)
+        dev.add_(1)
+        buf.tensor.copy_(dev, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(buf.tensor, want + 1)
+
+
 def test_no_host_sync_in_a_block_forward(stores):
     with phantom.load(stores[torch.bfloat16], device="cuda", dtype="bf16", offload="ram", prefetch=2,
                       compile=False, lora=None) as model, torch.no_grad():

@@ -6,7 +6,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
+import gc
 import logging
+import mmap
 import os
 from pathlib import Path
 
@@ -188,7 +190,7 @@ def advised_huge(t: torch.Tensor) -> bool:
     raise AssertionError(f"{addr:#x} is in no mapping")
 
 
-@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists()
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists()
                     or not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="no huge pages to advise here")
 def test_o_direct_reads_into_huge_page_slots(store, resident, direct_reads, monkeypatch):
     """Slots and the RAM tier from HUGE_MIN bytes are 2 MiB-aligned memory advised for huge pages (an
@@ -205,8 +207,6 @@ def test_o_direct_reads_into_huge_page_slots(store, resident, direct_reads, monk
 
 def test_a_kernel_without_huge_pages_still_gets_its_buffer(monkeypatch):
     """madvise(MADV_HUGEPAGE) fails with EINVAL where the kernel has no THP: the buffer is made anyway."""
-    import mmap
-
     class NoAdvice(mmap.mmap):
         def madvise(self, *args):
             raise OSError(errno.EINVAL, "Invalid argument")
@@ -227,7 +227,7 @@ def test_host_buffer_memory_outlives_the_buffer_object_while_a_block_uses_it(mon
         assert buf.tensor.data_ptr() % phantom.store.DATA_ALIGN == 0
         block = buf.block(phantom.store.DATA_ALIGN, 100)
         del buf
-        __import__("gc").collect()
+        gc.collect()
         block.fill_(7)
         assert int(block.sum()) == 700
 

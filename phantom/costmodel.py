@@ -367,9 +367,9 @@ def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], s
         rest = slots * slot + (slots * shape.resident_bytes if shape.converts else 0)
         acts = activation_bytes(shape, profile, keep, rows, micro_batch)
         return host_buffer_bytes(ram) + rest + acts + shape.head_bytes + FIXED_BYTES, 0
-    staging = slots * align(shape.block_bytes) if "disk" in tiers else 0
-    pinned = ram + staging if profile.device == "cuda" else 0
-    return host_buffer_bytes(ram) + (slots * slot if staging else 0), pinned
+    staging = slots if "disk" in tiers else 0  # buffers of one aligned block
+    pinned = ram + staging * align(shape.block_bytes) if profile.device == "cuda" else 0
+    return host_buffer_bytes(ram) + staging * slot, pinned
 
 
 def shortfall(shape: Shape, profile: MachineProfile, device: int, host: int,

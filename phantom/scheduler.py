@@ -130,6 +130,13 @@ def huge_page_memory(nbytes: int) -> torch.Tensor | None:
     return raw[skip: skip + nbytes]
 
 
+def aligned_memory(nbytes: int) -> torch.Tensor:
+    """nbytes of host memory at a 4 KiB boundary (O_DIRECT's alignment), in the allocator's pages."""
+    raw = torch.empty(nbytes + DATA_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % DATA_ALIGN
+    return raw[skip: skip + nbytes]
+
+
 class HostBuffer:
     """A host allocation of exactly `nbytes` (4 KiB aligned; huge pages from HUGE_MIN), page-locked for
     CUDA when `pin`.
@@ -142,12 +149,7 @@ class HostBuffer:
 
     def __init__(self, nbytes: int, pin: bool):
         huge = huge_page_memory(nbytes) if nbytes >= HUGE_MIN else None
-        if huge is not None:
-            raw = self.tensor = huge
-        else:
-            raw = torch.empty(nbytes + DATA_ALIGN, dtype=torch.uint8)
-            skip = -raw.data_ptr() % DATA_ALIGN
-            self.tensor = raw[skip: skip + nbytes]
+        self.tensor = huge if huge is not None else aligned_memory(nbytes)  # a view: it keeps the memory
         self.pinned = False
         if pin and nbytes:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
@@ -157,7 +159,6 @@ class HostBuffer:
             self.pinned = True
             ptr = self.tensor.data_ptr()
             self._unregister = weakref.finalize(self, lambda: torch.cuda.cudart().cudaHostUnregister(ptr))
-        self._raw = raw
 
     def block(self, offset: int, nbytes: int) -> torch.Tensor:
         """A tensor over bytes [offset, offset + nbytes) that is not a view: it has a version counter

@@ -347,14 +347,11 @@ def raw_read_gbps(store: BlockStore, threads: int, chunk: int, huge: bool = True
     bytes in flight, no checksum and no scheduler. Only the 4 KiB-aligned part of each block is read,
     into fresh memory as the tier's HostBuffers (huge pages), or with huge=False into 4 KiB pages."""
     from concurrent.futures import ThreadPoolExecutor
-    from phantom.scheduler import HostBuffer
+    from phantom.scheduler import HostBuffer, aligned_memory
     from phantom.store import DATA_ALIGN
     sizes = [e.nbytes // DATA_ALIGN * DATA_ALIGN for e in store.blocks]
-    if huge:
-        host = HostBuffer(sum(sizes), pin=False).tensor  # fresh memory, as a tier pass's fresh slots
-    else:
-        plain = torch.empty(sum(sizes) + DATA_ALIGN, dtype=torch.uint8)
-        host = plain[-plain.data_ptr() % DATA_ALIGN:][:sum(sizes)]
+    # fresh memory, as a tier pass's fresh slots
+    host = HostBuffer(sum(sizes), pin=False).tensor if huge else aligned_memory(sum(sizes))
     host.fill_(0)  # pages faulted in before the clock starts, as the tier's slots (tier_pass_gbps)
     buf = host.numpy()
     fds = [os.open(e.path, os.O_RDONLY | os.O_DIRECT) for e in store.blocks]
@@ -449,7 +446,6 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
     crc = store.blocks[0].crc
     checked = (f"crc32 ({phantom.store.CRC32}) of each {crc[0] >> 20} MiB, hashed by the read's threads"
                if crc is not None else "sha256 (this store's manifest has no crc32)")
-    rates = {"raw": [], "plain": [], "first": [], "zlib": [], "sha256": [], "again": []}
     old = Path(tempfile.mkdtemp(dir=store.path.parent, prefix=".diskread-")) if crc is not None else None
     try:
         if old is not None:  # the same files (hard links) under a manifest without crc32: an older store
@@ -466,19 +462,20 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
                 phantom.store.crc32 = isal
         contenders = {"raw": lambda: raw_read_gbps(store, *best),
                       "plain": lambda: raw_read_gbps(store, *best, huge=False),  # into 4 KiB pages
-                      "first": lambda: tier_pass_gbps(BlockStore(store.path, verify="fast"), k),  # reads + checksums
-                      "zlib": with_zlib,
-                      "sha256": lambda: tier_pass_gbps(BlockStore(old / "store", verify="fast"), k),  # reads + sha256
-                      "again": lambda: tier_pass_gbps(BlockStore(store.path, verify="none"), k)}  # the drive again
-        order = [key for key in contenders if (old is not None or key not in ("zlib", "sha256")) and
-                 (phantom.store.CRC32 != "zlib" or key != "zlib")]
+                      "first": lambda: tier_pass_gbps(BlockStore(store.path, verify="fast"), k)}  # reads + checksums
+        if old is not None and phantom.store.CRC32 != "zlib":
+            contenders["zlib"] = with_zlib
+        if old is not None:
+            contenders["sha256"] = lambda: tier_pass_gbps(BlockStore(old / "store", verify="fast"), k)  # + sha256
+        contenders["again"] = lambda: tier_pass_gbps(BlockStore(store.path, verify="none"), k)  # the drive again
+        rates = {key: [] for key in contenders}
+        order = list(contenders)
         for r in range(read_rounds):  # A B C D, B C D A, ...: each contender in each place, after each other one
             for key in order[r % len(order):] + order[:r % len(order)]:
                 rates[key].append(contenders[key]())
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    rates = {key: v for key, v in rates.items() if v}
     rate = {key: statistics.median(v) for key, v in rates.items()}
     raw_best = max(rate["raw"], max(grid.values()))
     print(f"raw {rate['raw']:.2f} GB/s ({best[0]} threads x {best[1] >> 20} MiB); disk tier first pass "
@@ -500,6 +497,13 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
               flush=True)
     load.append(shell("uptime"))
 
+    read_rows = {"raw": f"raw O_DIRECT, best of the grid below: {best[0]} threads x {best[1] >> 20} MiB, no checksum",
+                 "plain": "raw O_DIRECT as above, into 4 KiB pages (no huge pages: the buffers before)",
+                 "first": f"disk tier, first pass (verify fast: {checked})",
+                 "zlib": "disk tier, first pass, crc32 by zlib (the isal package not installed)",
+                 "sha256": "disk tier, first pass, same files, manifest without crc32 (verify fast: sha256, as older "
+                           "stores)",
+                 "again": "disk tier, again (nothing left to verify)"}
     dt = dtype_name(store.dtype)
     shape = cm.shape_of(store.cfg, dt, dt, args.seq_len)
     acts = phantom.Activations(recompute="none")
@@ -521,20 +525,8 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
              f"{read_rounds} rounds of reads (the contenders' order rotated each round) and {rounds} of steps, "
              f"medians", "",
              "| read (whole store, every block once) | GB/s per round | median | vs raw |", "|---|---|---|---|",
-             f"| raw O_DIRECT, best of the grid below: {best[0]} threads x {best[1] >> 20} MiB, no checksum | "
-             f"{' '.join(f'{x:.2f}' for x in rates['raw'])} | {rate['raw']:.2f} | 1.00 |",
-             f"| raw O_DIRECT as above, into 4 KiB pages (no huge pages: the buffers before) | "
-             f"{' '.join(f'{x:.2f}' for x in rates['plain'])} | {rate['plain']:.2f} | {rate['plain'] / rate['raw']:.2f} |",
-             f"| disk tier, first pass (verify fast: {checked}) | "
-             f"{' '.join(f'{x:.2f}' for x in rates['first'])} | {rate['first']:.2f} | {rate['first'] / rate['raw']:.2f} |",
-             *([f"| disk tier, first pass, crc32 by zlib (the isal package not installed) | "
-                f"{' '.join(f'{x:.2f}' for x in rates['zlib'])} | {rate['zlib']:.2f} | {rate['zlib'] / rate['raw']:.2f} |"]
-               if "zlib" in rate else []),
-             *([f"| disk tier, first pass, same files, manifest without crc32 (verify fast: sha256, as older "
-                f"stores) | {' '.join(f'{x:.2f}' for x in rates['sha256'])} | {rate['sha256']:.2f} | "
-                f"{rate['sha256'] / rate['raw']:.2f} |"] if "sha256" in rate else []),
-             f"| disk tier, again (nothing left to verify) | {' '.join(f'{x:.2f}' for x in rates['again'])} | "
-             f"{rate['again']:.2f} | {rate['again'] / rate['raw']:.2f} |", "",
+             *(f"| {label} | {' '.join(f'{x:.2f}' for x in rates[key])} | {rate[key]:.2f} | "
+               f"{rate[key] / rate['raw']:.2f} |" for key, label in read_rows.items() if key in rate), "",
              "- raw grid (threads x MiB: GB/s): " + ", ".join(f"{t}x{c >> 20}: {r:.2f}" for (t, c), r in grid.items()),
              "", "| placement | tiers device/RAM/disk | step s (median) | predicted s | MB read/step | predicted MB "
              "| MB from RAM/step | stall |", "|---|---|---|---|---|---|---|---|"]

@@ -58,3 +58,9 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|: a relative error that does not blow up on entries near zero."""
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096

@@ -9,11 +9,9 @@ import pytest
 import torch
 
 import phantom.store
-from phantom.config import ModelConfig
 from phantom.convert import write_synthetic
 from test_convert import load_script
-
-CFG = ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+from test_tiers import CFG  # 8 blocks: room for a RAM half and a disk half
 
 
 def test_diskread_races_every_contender_and_predicts_the_bytes_read(tmp_path):

@@ -19,6 +19,7 @@ from phantom.convert import write_synthetic
 from phantom.placement import Activations, Placement
 from phantom.scheduler import BlockScheduler
 from phantom.store import DATA_ALIGN, BlockStore
+from conftest import rss_bytes
 
 # 8 blocks, so a placement can have blocks in every tier and streamed blocks both reused and reloaded
 CFG = ModelConfig(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
@@ -129,14 +130,12 @@ def test_pinned_and_host_memory_are_exact_sizes():
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the RSS from /proc")
 def test_a_host_buffer_is_resident_within_the_cost_models_bytes():
     """A huge-page HostBuffer, touched whole, holds at least its bytes and at most host_buffer_bytes."""
-    def rss() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
     n = cm.HUGE_MIN + 3 * cm.ALIGN + 5
     torch.zeros(1 << 20).fill_(1)  # the first fill's own allocations (thread pool) not counted
     buf = phantom.scheduler.HostBuffer(n, pin=False)
-    before = rss()
+    before = rss_bytes()
     buf.tensor.fill_(1)
-    grown = rss() - before
+    grown = rss_bytes() - before
     assert cm.align(n) - (1 << 20) <= grown <= cm.host_buffer_bytes(n) + (1 << 20), (grown, n)
     assert cm.host_buffer_bytes(n) - n < cm.HUGE_PAGE and cm.host_buffer_bytes(cm.HUGE_MIN - 1) == cm.HUGE_MIN
 

@@ -14,7 +14,7 @@ from phantom.convert import write_synthetic
 from phantom.placement import Placement
 from phantom.scheduler import BlockScheduler
 from phantom.store import BlockStore
-from conftest import SMALL, batch, max_rel_err, randomize_lora
+from conftest import SMALL, batch, max_rel_err, randomize_lora, rss_bytes
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -84,11 +84,6 @@ def test_slot_reuse_waits_for_compute(stores):
         ref = x @ store.load_block(i)["attention.wq.weight"].cuda().T
         assert torch.equal(out, ref), f"block {i} was overwritten while in use"
     sched.close()
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def test_ram_tier_pins_exactly_the_blocks(stores):

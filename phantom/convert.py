@@ -431,7 +431,7 @@ def ensure_tiny(out: Path) -> Path:
     """The embedded `tiny` model: a tokenizer trained on the shipped text and random weights.
 
     Generated deterministically on first use, so a fresh checkout trains with no download. Recipe 2
-    (issue 17: the README's first command must visibly learn): 64 tokenizer pieces (the text's 48
+    (the README's first command must visibly learn): 64 tokenizer pieces (the text's 48
     characters and its commonest pairs), so held-out text shares most of its statistics with the
     5 KB of training text (with 512 word-sized pieces it does not, and no model gets far below the
     uniform loss); fan_in weights, so a frozen random head can express the text's distributions

@@ -150,9 +150,9 @@ PRESETS: dict[str, ModelConfig] = {
                              multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
     "llama3-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                               multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
-    # mistralai/Mistral-7B-v0.1 config.json (sliding window not modelled: sequences <= 4096)
+    # mistralai/Mistral-7B-v0.1 config.json (max_position_embeddings 32768; planned at 4096 tokens)
     "mistral-7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                              intermediate_size=14336, max_seq_len=4096),
+                              intermediate_size=14336, max_seq_len=4096, family="mistral", sliding_window=4096),
 }
 
 

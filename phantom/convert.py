@@ -18,8 +18,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_hf_config,
-                            from_meta_params, head_tensor_shapes, preset)
+from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_meta_params,
+                            head_tensor_shapes, preset, rope_rows)
+from phantom.family import LLAMA_KEYS, family, from_hf_config
 from phantom.layers import permute_from_hf
 from phantom.store import BlockStore, StoreError, StoreWriter, block_file, read_header, safe_join
 from phantom.tokenizer import train_tiny_tokenizer
@@ -36,21 +37,8 @@ META_SPLIT_DIMS = {
     "feed_forward.w3.weight": (0,), "attention_norm.weight": (), "ffn_norm.weight": (),
 }
 
-# Hugging Face name -> store name ({} is the layer index).
-HF_KEYS = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "attention.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "attention.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "attention.wv.weight",
-    "model.layers.{}.self_attn.o_proj.weight": "attention.wo.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "model.layers.{}.mlp.down_proj.weight": "feed_forward.w2.weight",
-    "model.layers.{}.mlp.up_proj.weight": "feed_forward.w3.weight",
-    "model.layers.{}.input_layernorm.weight": "attention_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "ffn_norm.weight",
-}
+# Llama's Hugging Face name -> store name ({} is the layer index); every family's is in phantom.family.
+HF_KEYS = LLAMA_KEYS
 HF_NAMES = {("{}" in hf, name): hf for hf, name in HF_KEYS.items()}  # (in a block?, store name) -> HF name
 HF_PERMUTED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "kv_heads"}  # rows in HF's RoPE layout
 
@@ -173,7 +161,7 @@ class MetaCheckpoint:
 # Hugging Face: config.json + model*.safetensors (+ model.safetensors.index.json)
 
 class HFCheckpoint:
-    """A Hugging Face Llama/Mistral folder; `part()` reads one part's tensors with safetensors' lazy loading."""
+    """A Hugging Face folder of a family in phantom.family; `part()` reads one part's tensors lazily (safetensors)."""
 
     format = "hf"
 
@@ -184,7 +172,7 @@ class HFCheckpoint:
         try:
             self.cfg = from_hf_config(config)
         except (KeyError, TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{config}: not a Llama config.json ({type(e).__name__}: {e})") from None
+            raise ValueError(f"{config}: not a decoder config.json phantom reads ({type(e).__name__}: {e})") from None
         except ValueError as e:
             raise ValueError(str(e)) from None
         weight_map = self._weight_map(src)
@@ -196,9 +184,11 @@ class HFCheckpoint:
             specs, start = read_header(path)
             headers[file] = ({s.name: s for s in specs}, start)
         self.src, self.index = src, {}  # store name or (layer, store name) -> (path, TensorSpec, data start)
+        hf_names = family(self.cfg).hf_names()
+        self.permuted = rope_rows(self.cfg)
         for part in (*PARTS, *range(self.cfg.n_layers)):
             for name, shape in part_shapes(self.cfg, part).items():
-                key = HF_NAMES[(isinstance(part, int), name)].format(part)
+                key = hf_names[(isinstance(part, int), name)].format(part)
                 if key not in weight_map:
                     raise ValueError(f"{src}: tensor {key} is in no shard; the checkpoint is incomplete")
                 specs, start = headers[weight_map[key]]
@@ -238,9 +228,9 @@ class HFCheckpoint:
             with safe_open(path, framework="pt") as f:  # opened per part: its mapping is dropped on close
                 for name, key in names:
                     out[name] = f.get_tensor(key)
-        for name, heads in HF_PERMUTED.items():
+        for name, heads in self.permuted.items():
             if name in out:
-                out[name] = permute_from_hf(out[name], getattr(self.cfg, heads))
+                out[name] = permute_from_hf(out[name], heads)
         return out
 
     def located(self, part: str | int, dtype: torch.dtype) -> dict[str, tuple[Path, int, torch.dtype, tuple]]:
@@ -248,7 +238,7 @@ class HFCheckpoint:
         out = {}
         for name in part_shapes(self.cfg, part):
             path, spec, start = self.index[(part, name)]
-            if name not in HF_PERMUTED and spec.dtype == dtype:
+            if name not in self.permuted and spec.dtype == dtype:
                 out[name] = (path, start + spec.start, spec.dtype, spec.shape)
         return out
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from phantom.config import ModelConfig
+from phantom.config import ModelConfig, head_tensor_shapes
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
 from phantom.layers import TransformerBlock, fuse_adjacent, rms_norm, rope_table, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
@@ -116,6 +116,8 @@ class PhantomModel(nn.Module):
         head = store.load_head()
         head_dtype = torch.float32 if self.full else self.weight_dtype  # trained ones keep fp32 masters
         self.norm_weight = nn.Parameter(head["norm.weight"].to(self.device, head_dtype), requires_grad=self.full)
+        if self.cfg.tie_embeddings:  # the head is the embedding table: one tensor, one parameter
+            head["output.weight"] = store.load_embed()["tok_embeddings.weight"]
         self.output_weight = nn.Parameter(head["output.weight"].to(self.device, head_dtype),
                                           requires_grad=self.full)
         self.register_buffer("rope", rope_table(self.cfg, self.cfg.max_seq_len, self.device), persistent=False)
@@ -128,12 +130,14 @@ class PhantomModel(nn.Module):
         self.grad_sync = None
         self.offload = placement.offload
         if placement.offload == "none":
-            self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
+            if not self.cfg.tie_embeddings:
+                self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
             self._load_resident_blocks()
         else:
             self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype)
             self.offload = self.scheduler.offload  # what "auto" resolved to
-            self.embed_table = self._place_embed(head_dtype)
+            if not self.cfg.tie_embeddings:
+                self.embed_table = self._place_embed(head_dtype)
             keep_budget = activations.keep_budget if activations.keep_budget is not None else \
                 default_keep_budget(self.device)
             self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
@@ -141,7 +145,9 @@ class PhantomModel(nn.Module):
             if self.full:
                 self.full_ft = self._full_finetune(optim, store.path.parent / "optim")
                 self.block_optimizer = self.full_ft.optimizer
-        if self.full:
+        if self.cfg.tie_embeddings:
+            self.embed_table = self.output_weight  # one parameter: trained once, by both uses' gradients
+        elif self.full:
             self.embed_table = nn.Parameter(self.embed_table)
 
     def _check(self, placement: Placement, activations: Activations) -> Activations:
@@ -160,8 +166,8 @@ class PhantomModel(nn.Module):
 
     def _build_layers(self, activations: Activations) -> nn.ModuleList:
         """The blocks, base weights as meta placeholders (frozen unless full), LoRA applied."""
-        layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype)
-                               for _ in range(self.cfg.n_layers))
+        layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype, layer=i)
+                               for i in range(self.cfg.n_layers))
         for p in layers.parameters():
             p.requires_grad_(False)
         for i, block in enumerate(layers):
@@ -254,7 +260,7 @@ class PhantomModel(nn.Module):
             torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
             return
         n = self.cfg.n_params()
-        groups = [[self.embed_table, self.norm_weight, self.output_weight]]
+        groups = [list({id(p): p for p in (self.embed_table, self.norm_weight, self.output_weight)}.values())]
         if self.scheduler is None:  # resident reference: the blocks' groups are clipped here too
             groups += [list(block.parameters()) for block in self.layers]
         for group in groups:
@@ -279,7 +285,8 @@ class PhantomModel(nn.Module):
         if not self.full or self.scheduler is None:
             raise ValueError("save_full is for streamed full finetuning")
         self.full_ft.save()  # blocks and their optimizer state
-        self.store.write_head({"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach()})
+        head = {"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach()}
+        self.store.write_head({k: v for k, v in head.items() if k in head_tensor_shapes(self.cfg)})
         self.store.write_embed({"tok_embeddings.weight": self.embed_table.detach()})
 
     def save_adapter(self, out: Path | str, base_model: str = "") -> Path:

@@ -308,4 +308,6 @@ def end_of_turn_ids(tok: Tokenizer, template: ChatTemplate) -> set[int]:
     at = text.rfind(probe) + len(probe)
     ids, offsets = tok.encode_rendered(text)
     after = [i for i, (s, _) in zip(ids, offsets) if s >= at]
-    return {tok.eos_id, *after[:1]}
+    eos = template.special.get("eos_token")
+    eos_ids = tok.encode_rendered(eos)[0] if eos else [tok.eos_id]
+    return {*after[:1], *eos_ids[:1]}

@@ -31,6 +31,7 @@ IGNORE_INDEX = -100
 CACHE_VERSION = 1
 CACHE_DIR = ".phantom-cache"
 FORMATS = ("text", "prompt", "alpaca", "chat", "sharegpt", "jsonl-text", "tokens")
+CHAT_FORMATS = ("prompt", "alpaca", "chat", "sharegpt")  # rendered through the chat template, if the model has one
 TOKEN_SUFFIXES = (".bin", ".npy")  # pre-tokenized: a flat array of token ids
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 DEFAULT_DATA = TINY_TEXT
@@ -495,12 +496,14 @@ class Windows(Dataset):
 class Packed(Dataset):
     """Examples packed greedily, in order, into rows of seq_len + 1 tokens, padded with -100 targets.
 
-    An example longer than a row is truncated. Examples that share a row attend to each other (no
-    document mask); their BOS targets are masked, so no loss crosses an example boundary.
+    An example longer than a row is truncated. With `segments`, items are (x, y, segment ids): the
+    model then keeps the examples of a row apart (a block-diagonal causal mask, positions from 0 for
+    each; see phantom.layers.packed_layout). Without, the examples of a row attend to each other; either
+    way the target of an example's first token is masked, so no loss crosses an example boundary.
     """
 
-    def __init__(self, data: TokenData, seq_len: int, pad_id: int = 0):
-        self.data, self.seq_len, self.pad_id = data, seq_len, pad_id
+    def __init__(self, data: TokenData, seq_len: int, pad_id: int = 0, segments: bool = False):
+        self.data, self.seq_len, self.pad_id, self.segments = data, seq_len, pad_id, segments
         ends = np.append(data.starts[1:], len(data))
         self.rows: list[list[tuple[int, int]]] = [[]]
         used, truncated = 0, 0
@@ -520,22 +523,27 @@ class Packed(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         toks = np.full(self.seq_len + 1, self.pad_id, np.int64)
         labs = np.full(self.seq_len + 1, IGNORE_INDEX, np.int64)
+        segs = np.full(self.seq_len + 1, len(self.rows[i]), np.int64)  # the padding is a segment of its own
         at = 0
-        for s, n in self.rows[i]:
+        for k, (s, n) in enumerate(self.rows[i]):
             toks[at:at + n] = self.data.tokens[s:s + n]
             labs[at:at + n] = self.data.labels[s:s + n]
+            segs[at:at + n] = k
             at += n
-        return torch.from_numpy(toks[:-1]), torch.from_numpy(labs[1:])
+        x, y = torch.from_numpy(toks[:-1]), torch.from_numpy(labs[1:])
+        return (x, y, torch.from_numpy(segs[:-1])) if self.segments else (x, y)
 
 
-def rows(data: TokenData, seq_len: int, pad_id: int = 0, name: str = "data") -> Windows | Packed:
-    """Plain text as windows, instruction data as packed rows (`name` is for error messages)."""
+def rows(data: TokenData, seq_len: int, pad_id: int = 0, name: str = "data", segments: bool = False
+         ) -> Windows | Packed:
+    """Plain text as windows, instruction data as packed rows (`name` is for error messages; `segments`:
+    packed rows come with their segment ids, see Packed)."""
     if seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {seq_len}")
-    return Windows(data, seq_len, name) if data.fmt in ("text", "tokens") else Packed(data, seq_len, pad_id)
+    return Windows(data, seq_len, name) if data.fmt in ("text", "tokens") else Packed(data, seq_len, pad_id, segments)
 
 
 # -- batches -------------------------------------------------------------------------------------
@@ -603,10 +611,64 @@ def loader(ds: Windows | Packed, batch: int, seed: int = 0, shuffle: bool = True
                       generator=torch.Generator().manual_seed(seed))
 
 
-def render_prompt(prompt: str, fmt: str) -> str:
-    """A raw prompt in the template the data was trained with (for samples)."""
+def render_prompt(prompt: str, fmt: str, template: chat.ChatTemplate | None = None) -> str:
+    """A raw prompt in the template the data was trained with (for samples; BOS is the sampler's)."""
+    if template is not None and fmt in CHAT_FORMATS:
+        text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)[0]
+        bos = template.special.get("bos_token")
+        return text[len(bos):] if bos and text.startswith(bos) else text
     if fmt == "alpaca":
         return ALPACA_NO_INPUT.format(instruction=prompt)
     if fmt == "chat":
         return f"User: {prompt} Assistant:"
     return prompt
+
+
+# -- looking at the data ---------------------------------------------------------------------------
+
+def show_rows(ds: Windows | Packed, tok: Tokenizer | None, n: int) -> str:
+    """The first n rows as the model sees them: decoded text (special tokens shown), the tokens that
+    carry loss inside [[ ]], each packed example on its own line."""
+    lines = []
+    for i in range(min(n, len(ds) if isinstance(ds, Packed) else ds.n_sequential)):
+        x, y, *seg = ds[i if isinstance(ds, Packed) else i * ds.seq_len]
+        seg = seg[0].tolist() if seg else [0] * len(x)
+        trained = [False] + (y[:-1] != IGNORE_INDEX).tolist()  # token t is the target of position t - 1
+        n_ex = len(set(seg)) - (isinstance(ds, Packed) and any(s == len(ds.rows[i]) for s in seg))
+        lines.append(f"-- row {i}: {len(x)} tokens, {int((y != IGNORE_INDEX).sum())} trained, {n_ex} example(s)")
+        ids = x.tolist()
+        for k in sorted(set(seg)):
+            at = [t for t in range(len(ids)) if seg[t] == k]
+            pad = isinstance(ds, Packed) and k == len(ds.rows[i])
+            text = f"(padding: {len(at)} tokens)" if pad else _marked(tok, [ids[t] for t in at], [trained[t] for t in at])
+            lines.append(f"   {text}")
+    return "\n".join(lines)
+
+
+def _marked(tok: Tokenizer | None, ids: list[int], trained: list[bool]) -> str:
+    """ids decoded, runs of trained tokens inside [[ ]] (ids themselves without a tokenizer)."""
+    out, k = [], 0
+    while k < len(ids):
+        j = k
+        while j < len(ids) and trained[j] == trained[k]:
+            j += 1
+        text = _visible(tok, ids[k:j])
+        out.append(f"[[{text}]]" if trained[k] else text)
+        k = j
+    return "".join(out)
+
+
+def _visible(tok: Tokenizer | None, ids: list[int]) -> str:
+    if tok is None:
+        return " ".join(map(str, ids))
+    special = {tok.bos_id: tok.bos_token, tok.eos_id: tok.eos_token}
+    out, run = [], []
+    for i in ids + [None]:
+        if i is None or i in special:
+            out.append(tok.decode(run))
+            run = []
+            if i is not None:
+                out.append(special[i] or "")
+        else:
+            run.append(i)
+    return "".join(out)

@@ -637,6 +637,8 @@ def show_rows(ds: Windows | Packed, tok: Tokenizer | None, n: int) -> str:
         n_ex = len(set(seg)) - (isinstance(ds, Packed) and any(s == len(ds.rows[i]) for s in seg))
         lines.append(f"-- row {i}: {len(x)} tokens, {int((y != IGNORE_INDEX).sum())} trained, {n_ex} example(s)")
         ids = x.tolist()
+        if y[-1] != IGNORE_INDEX:  # the row's last target is a token of its own
+            ids, trained, seg = ids + [int(y[-1])], trained + [True], seg + seg[-1:]
         for k in sorted(set(seg)):
             at = [t for t in range(len(ids)) if seg[t] == k]
             pad = isinstance(ds, Packed) and k == len(ds.rows[i])

@@ -11,6 +11,7 @@ import logging
 import math
 import mmap
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from phantom.chat import TINY_CHAT_TEMPLATE
 from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_meta_params,
                             head_tensor_shapes, preset, rope_rows)
 from phantom.family import LLAMA_KEYS, family, from_hf_config
@@ -383,14 +385,14 @@ SYNTHETIC_INITS = ("normal", "fan_in")
 
 def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                     tokenizer: Path | None = None, overwrite: bool = False, progress: bool = True,
-                    init: str = "normal", extra: dict | None = None) -> Path:
+                    init: str = "normal", extra: dict | None = None, tokenizer_extra: tuple[Path, ...] = ()) -> Path:
     """A store of random weights with cfg's exact shapes, written block by block (never the whole model).
 
     init "normal": every matrix N(0, 0.02) as in GPT-2/Llama init; "fan_in": the block and head
     matrices N(0, 1/in_features) (nn.Linear's scale; at dim 128 that is 0.088, so attention scores
     and logits are not all near zero), the embedding N(0, 0.02). Either way the residual projections
     (wo, w2) are scaled by 1/sqrt(2 * n_layers); the same seed and init give the same store. extra:
-    more manifest fields.
+    more manifest fields; tokenizer_extra: more tokenizer files to keep (TOKENIZER_FILES names).
     """
     if init not in SYNTHETIC_INITS:
         raise ValueError(f"unknown init {init!r}; choose from {', '.join(SYNTHETIC_INITS)}")
@@ -409,12 +411,12 @@ def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bflo
         w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype))
         if tokenizer is not None:
             w.add_tokenizer(tokenizer)
-        kept = keep_tokenizer_files(w, [w.tmp / w.tokenizer] if tokenizer is not None else [])
+        kept = keep_tokenizer_files(w, ([w.tmp / w.tokenizer] if tokenizer is not None else []) + list(tokenizer_extra))
         return w.finish({"source": "synthetic", "seed": seed, **({"init": init} if init != "normal" else {}),
                          "tokenizer_files": kept, **(extra or {})})
 
 
-TINY_RECIPE = 2  # in the tiny store's manifest; a weights/tiny made by another recipe is made again
+TINY_RECIPE = 3  # in the tiny store's manifest; a weights/tiny made by another recipe is made again
 
 
 def ensure_tiny(out: Path) -> Path:
@@ -425,7 +427,8 @@ def ensure_tiny(out: Path) -> Path:
     characters and its commonest pairs), so held-out text shares most of its statistics with the
     5 KB of training text (with 512 word-sized pieces it does not, and no model gets far below the
     uniform loss); fan_in weights, so a frozen random head can express the text's distributions
-    (N(0, 0.02) caps its logits near 2.6). A store made by an older recipe is made again.
+    (N(0, 0.02) caps its logits near 2.6). Recipe 3 adds the model's chat template (chat_template.jinja,
+    phantom.chat.TINY_CHAT_TEMPLATE). A store made by an older recipe is made again.
     """
     out = Path(out)
     manifest = out / "manifest.json"
@@ -441,10 +444,15 @@ def ensure_tiny(out: Path) -> Path:
         log.info("generating the tiny model in %s", out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok = out.parent / f".{out.name}.tokenizer.model"
+    template = out.parent / f".{out.name}.chat" / "chat_template.jinja"
     cfg = preset("tiny")
     try:
         train_tiny_tokenizer(tok, vocab_size=cfg.vocab_size)
+        template.parent.mkdir(exist_ok=True)
+        template.write_text(TINY_CHAT_TEMPLATE)
         return write_synthetic(out, cfg, torch.float32, seed=0, tokenizer=tok, progress=False, init="fan_in",
-                               overwrite=manifest.is_file(), extra={"tiny_recipe": TINY_RECIPE})
+                               overwrite=manifest.is_file(), extra={"tiny_recipe": TINY_RECIPE},
+                               tokenizer_extra=(template,))
     finally:
         tok.unlink(missing_ok=True)
+        shutil.rmtree(template.parent, ignore_errors=True)

@@ -57,11 +57,33 @@ def rope_table(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); rope: (T, D/2, 2) for x's positions."""
+    """x: (B, T, H, D); rope: (T, D/2, 2) for x's positions, or (B, T, D/2, 2) for each row's own."""
     xp = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
     x0, x1 = xp[..., 0], xp[..., 1]
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    r = rope if rope.dim() == 4 else rope[None]
+    cos, sin = r[:, :, None, :, 0], r[:, :, None, :, 1]
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2).type_as(x)
+
+
+def packed_layout(table: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RoPE rows and attention mask for rows that pack several examples (segment ids (B, T), equal
+    within an example): each example's positions start at 0 and it attends only to itself, causally,
+    so a packed row computes what its examples compute alone. A batch with no packed row gets the
+    plain table and no mask (SDPA's causal kernel).
+
+    Returns:
+        rope (T, D/2, 2) or (B, T, D/2, 2); mask None or (B, 1, T, T) bool, True where attention is allowed.
+    """
+    B, T = segments.shape
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    if not starts[:, 1:].any():
+        return table[:T], None
+    idx = torch.arange(T, device=segments.device).expand(B, T)
+    first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values  # (B, T) its example's start
+    rope = table[idx - first]  # (B, T, D/2, 2)
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    return rope, ((first[:, :, None] == first[:, None, :]) & causal)[:, None]
 
 
 def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -168,7 +190,8 @@ class Attention(nn.Module):
         return _finish(self.wq, x, q), _finish(self.wk, x, k), _finish(self.wv, x, v)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
+                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal), or (B, 1, T, T) bool for packed rows (packed_layout)."""
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = apply_rope(self.q_norm(q.view(B, T, self.n_heads, self.head_dim)), rope)  # (B, T, H, D)
@@ -179,7 +202,12 @@ class Attention(nn.Module):
             cache.k[:B, :, start_pos:start_pos + T] = k
             cache.v[:B, :, start_pos:start_pos + T] = v
             k, v = cache.k[:B, :, :start_pos + T], cache.v[:B, :, :start_pos + T]
-        out = attend(q, k, v, attention_mask(T, start_pos if cache is not None else 0, self.window, x.device))
+        window = attention_mask(T, start_pos if cache is not None else 0, self.window, x.device)
+        if mask is None:
+            mask = window
+        elif window is not None:  # a packed row under a sliding window: both apply
+            mask = mask & window
+        out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -214,18 +242,18 @@ class TransformerBlock(nn.Module):
         self.mlp_chunk = 1024  # tokens per MLP slice under checkpoint_inner
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
+                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpoint_inner and torch.is_grad_enabled() and cache is None:
-            h = x + checkpoint(self._attention, x, rope, use_reentrant=False)
+            h = x + checkpoint(self._attention, x, rope, mask, use_reentrant=False)
             # the MLP is token-wise: checkpoint it in slices of the sequence, so its backward holds
             # one slice's (B, chunk, hidden) activations at a time
             return h + torch.cat([checkpoint(self._mlp, hc, use_reentrant=False)
                                   for hc in h.split(self.mlp_chunk, dim=1)], dim=1)
-        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def _attention(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        return self.attention(self.attention_norm(x), rope)
+    def _attention(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attention(self.attention_norm(x), rope, mask=mask)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.feed_forward(self.ffn_norm(h))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from phantom.config import ModelConfig, head_tensor_shapes
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
-from phantom.layers import TransformerBlock, fuse_adjacent, rms_norm, rope_table, KVCache
+from phantom.layers import TransformerBlock, fuse_adjacent, packed_layout, rms_norm, rope_table, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.placement import Activations, Placement
@@ -228,8 +228,12 @@ class PhantomModel(nn.Module):
 
     # -- public API ----------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar)."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar).
+
+        segments: (B, T) example ids of packed rows (phantom.data.Packed): each example attends only to
+        itself and its positions start at 0, so a packed row computes what its examples do alone."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
@@ -238,9 +242,11 @@ class PhantomModel(nn.Module):
         if self.full and self.scheduler is not None:
             self.finish_step()  # the previous step's block updates must land before blocks are read
         h = self.embed(tokens)
-        rope = self.rope[:T]
+        rope, mask = self.rope[:T], None
+        if segments is not None:
+            rope, mask = packed_layout(self.rope, segments.to(self.device))
         with torch.autocast(**self.autocast_args()):
-            h = self.blocks(h, rope)
+            h = self.blocks(h, rope, mask=mask)
             if targets is None:
                 return F.linear(rms_norm(h, self.norm_weight, self.cfg.norm_eps), self.output_weight).float()
             if targets.shape != tokens.shape:
@@ -325,15 +331,18 @@ class PhantomModel(nn.Module):
         return h.to(self.device, self.weight_dtype, non_blocking=True)
 
     def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,
-               start_pos: int = 0) -> torch.Tensor:
+               start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.executor is not None:
             trained = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
-            return self.executor(h, rope, trained, caches, start_pos)
+            return self.executor(h, rope, trained, caches, start_pos, mask)
+        split = (lambda t: t.split(self.micro_batch)) if self.micro_batch else (lambda t: (t,))
         for i, block in enumerate(self.layers):
             if caches is not None:
                 h = block(h, rope, caches[i], start_pos)
             else:
-                h = torch.cat([block(hc, rope) for hc in (h.split(self.micro_batch) if self.micro_batch else (h,))])
+                ropes = split(rope) if rope.dim() == 4 else [rope] * len(split(h))
+                masks = split(mask) if mask is not None else [None] * len(split(h))
+                h = torch.cat([block(hc, rc, mask=mc) for hc, rc, mc in zip(split(h), ropes, masks)])
         return h
 
 

@@ -212,3 +212,62 @@ def test_prepare_quantize_refusals(stores, bf16, tmp_path, capsys):
     check(capsys, prep(["--src", str(bf16), "--out", str(tmp_path / "z"), "--quantize", "nf4", "--dtype", "fp32",
                         "--quiet"]), tmp_path, "16 bits")
     assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# What people do with the result: the adapter on the 16-bit model (peft), merge, generate
+
+@pytest.fixture(scope="module")
+def trained(stores, tmp_path_factory):
+    """An adapter trained (3 AdamW steps, every projection) on the NF4 store, and phantom's logits with it."""
+    from phantom.lora import TARGETS
+    root = tmp_path_factory.mktemp("adapter")
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    lora = phantom.LoraConfig(rank=4, alpha=8, targets=tuple(TARGETS))
+    with phantom.load(stores["nf4"], offload="disk", prefetch=2, lora=lora) as model:
+        randomize_lora(model)
+        opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-2)
+        for _ in range(3):
+            model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        model.save_adapter(root / "adapter")
+        with torch.no_grad():
+            logits = model(tokens)
+    return root / "adapter", tokens, logits
+
+
+def test_adapter_trained_on_nf4_loads_with_peft_on_the_dequantized_model(stores, trained, tmp_path):
+    """QLoRA's deployment: the adapter onto transformers' model given the dequantized weights (written by
+    merge_lora.py without an adapter), through peft: the same logits."""
+    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    adapter, tokens, logits = trained
+    base = tmp_path / "hf"
+    assert script("merge_lora").main(["--model", str(stores["nf4"]), "--out", str(base), "--dtype", "fp32",
+                                      "--quiet"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    ref = peft.PeftModel.from_pretrained(hf.eval(), adapter).eval()
+    with torch.no_grad():
+        assert max_rel_err(logits, ref(tokens).logits) < 1e-5
+    merged = tmp_path / "merged"  # and merged into the dequantized weights, written 16-bit
+    assert script("merge_lora").main(["--model", str(stores["nf4"]), "--adapter", str(adapter), "--out", str(merged),
+                                      "--quiet"]) == 0
+    m = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    assert json.loads((merged / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with torch.no_grad():
+        assert max_rel_err(m(tokens).logits, logits) < 2e-2  # bf16 weights (W + BA rounded once)
+
+
+def test_generate_runs_the_quantized_store(stores, trained, tmp_path, capsys):
+    """generate.py on the NF4 store (streamed, dequantized) prints what it prints on a plain fp32 store
+    of the dequantized weights: greedy, with the adapter."""
+    adapter = trained[0]
+    ref = dequantized_store(stores["nf4"], tmp_path / "fp32")
+    shutil.copy(BlockStore(stores["nf4"]).tokenizer_path, ref / "tokenizer.model")
+    texts = []
+    for store in (stores["nf4"], ref):
+        assert script("generate").main(["--model", str(store), "--adapter", str(adapter), "--prompt", "the ",
+                                        "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu",
+                                        "--tokenizer", str(ref / "tokenizer.model")]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > len("the \n")

@@ -24,6 +24,7 @@ from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shape
                             head_tensor_shapes, preset, rope_rows)
 from phantom.family import LLAMA_KEYS, family, from_hf_config
 from phantom.layers import permute_from_hf
+from phantom.quant import QuantFormat
 from phantom.store import BlockStore, StoreError, StoreWriter, block_file, read_header, safe_join
 from phantom.tokenizer import train_tiny_tokenizer
 
@@ -285,7 +286,7 @@ def _write_part(w: StoreWriter, ckpt, part: str | int, link: bool) -> int:
 
 
 def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | None = None, link: bool = False,
-                       overwrite: bool = False, progress: bool = True) -> dict:
+                       overwrite: bool = False, progress: bool = True, quant: QuantFormat | None = None) -> dict:
     """Convert a Meta or Hugging Face checkpoint folder into a block store, one block at a time.
 
     Args:
@@ -300,6 +301,8 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
             copied.
         overwrite: replace an existing store at out.
         progress: a tqdm bar over the blocks.
+        quant: store every block's linear weights quantized (phantom.quant; the rest in dtype, bf16
+            unless the checkpoint is 16-bit).
 
     Returns:
         {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes"}.
@@ -308,11 +311,13 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         FileNotFoundError: a missing file. ValueError (StoreError): a corrupt or unsupported checkpoint.
     """
     ckpt = open_checkpoint(src)
-    dtype = dtype or ckpt.dtype
+    if quant is not None and link:
+        raise ValueError("--link and --quantize: a quantized store holds its own (quantized) copy; drop one")
+    dtype = dtype or (ckpt.dtype if quant is None or ckpt.dtype.itemsize == 2 else torch.bfloat16)
     if link and ckpt.format == "hf" and dtype != ckpt.dtype:
         raise ValueError(f"{src}: --link reads the tensors as they are, in {ckpt.dtype}; drop --dtype or drop --link")
     cfg, linked = ckpt.cfg, 0
-    with StoreWriter(out, cfg, dtype, overwrite=overwrite) as w:
+    with StoreWriter(out, cfg, dtype, overwrite=overwrite, quant=quant) as w:
         for part in tqdm(["embed", *range(cfg.n_layers), "head"], desc="converting", unit="part",
                          disable=not progress or None):
             linked += _write_part(w, ckpt, part, link and ckpt.format == "hf")
@@ -385,20 +390,22 @@ SYNTHETIC_INITS = ("normal", "fan_in")
 
 def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                     tokenizer: Path | None = None, overwrite: bool = False, progress: bool = True,
-                    init: str = "normal", extra: dict | None = None, tokenizer_extra: tuple[Path, ...] = ()) -> Path:
+                    init: str = "normal", extra: dict | None = None, tokenizer_extra: tuple[Path, ...] = (),
+                    quant: QuantFormat | None = None) -> Path:
     """A store of random weights with cfg's exact shapes, written block by block (never the whole model).
 
     init "normal": every matrix N(0, 0.02) as in GPT-2/Llama init; "fan_in": the block and head
     matrices N(0, 1/in_features) (nn.Linear's scale; at dim 128 that is 0.088, so attention scores
     and logits are not all near zero), the embedding N(0, 0.02). Either way the residual projections
     (wo, w2) are scaled by 1/sqrt(2 * n_layers); the same seed and init give the same store. extra:
-    more manifest fields; tokenizer_extra: more tokenizer files to keep (TOKENIZER_FILES names).
+    more manifest fields; tokenizer_extra: more tokenizer files to keep (TOKENIZER_FILES names);
+    quant: the blocks' linear weights quantized from those values.
     """
     if init not in SYNTHETIC_INITS:
         raise ValueError(f"unknown init {init!r}; choose from {', '.join(SYNTHETIC_INITS)}")
     std = 0.02 if init == "normal" else (lambda shape: shape[1] ** -0.5)
     resid_std = 0.02 / (2 * cfg.n_layers) ** 0.5
-    with StoreWriter(out, cfg, dtype, overwrite=overwrite) as w:
+    with StoreWriter(out, cfg, dtype, overwrite=overwrite, quant=quant) as w:
         gen = torch.Generator().manual_seed(seed)
         w.write_embed(_random_tensors(embed_tensor_shapes(cfg), gen, 0.02, dtype))
         for i in tqdm(range(cfg.n_layers), desc="writing blocks", unit="block", disable=not progress or None):
@@ -456,3 +463,31 @@ def ensure_tiny(out: Path) -> Path:
     finally:
         tok.unlink(missing_ok=True)
         shutil.rmtree(template.parent, ignore_errors=True)
+
+
+def quantize_store(src: Path | str, out: Path | str, quant: QuantFormat, dtype: torch.dtype | None = None,
+                   overwrite: bool = False, progress: bool = True) -> dict:
+    """A quantized copy of a store, one block at a time (its weights read and checked as any read).
+    Embedding, head and norms are kept in dtype (default: the store's if 16-bit, else bf16); the
+    linear weights are quantized from their values in dtype.
+
+    Returns:
+        {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes"}, as convert_checkpoint.
+    """
+    store = BlockStore(src)
+    if store.quant is not None:
+        raise ValueError(f"{src}: already quantized ({store.quant.method}); quantize the 16-bit store it came from")
+    dtype = dtype or (store.dtype if store.dtype.itemsize == 2 else torch.bfloat16)
+    keep = {k: v for k, v in store.manifest.items() if k in ("source", "seed", "init")}
+    with StoreWriter(out, store.cfg, dtype, overwrite=overwrite, quant=quant) as w:
+        w.write_embed(store.load_embed())
+        for i in tqdm(range(store.n_blocks), desc="quantizing", unit="block", disable=not progress or None):
+            w.write_block(i, store.load_block(i))
+        w.write_head(store.load_head())
+        if store.tokenizer_path is not None:
+            w.add_tokenizer(store.tokenizer_path)
+        files = list(tokenizer_files(store).values())
+        path = w.finish({**keep, "quantized_from": str(Path(src).resolve()),
+                         "tokenizer_files": keep_tokenizer_files(w, files)})
+    return {"out": path, "format": f"store {src}", "config": store.cfg, "dtype": dtype,
+            "disk_bytes": disk_usage(path), "linked_bytes": 0}

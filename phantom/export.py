@@ -53,7 +53,7 @@ def merged_parts(store: BlockStore, adapter: Path | None, dtype: torch.dtype,
     loras = adapter_loras(store.cfg, Path(adapter)) if adapter else {}
     yield "embed", {k: v.to(dtype) for k, v in store.load_embed().items()}
     for i in tqdm(range(store.n_blocks), desc="merging", unit="block", disable=not progress or None):
-        block = store.load_block(i)
+        block = store.load_block(i, torch.float32)  # a quantized block: dequantized in fp32, rounded once below
         with torch.no_grad():
             for name, lora in loras.get(i, {}).items():
                 block[name] = block[name].float() + lora.delta_weight()  # W + scale * B @ A

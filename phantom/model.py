@@ -152,6 +152,9 @@ class PhantomModel(nn.Module):
 
     def _check(self, placement: Placement, activations: Activations) -> Activations:
         """Refuse what cannot work together; resolve the activation choices that depend on the run."""
+        if self.full and self.store.quant is not None:
+            raise ValueError(f"{self.store.path}: a {self.store.quant.method} store is frozen: full finetuning needs the "
+                             f"16-bit weights (prepare the store without --quantize), or train LoRA on this one")
         if self.full and self.lora_cfg is not None:
             raise ValueError("full finetuning trains every weight: pass lora=None with an optim config")
         if self.full and activations.recompute == "none":
@@ -185,7 +188,7 @@ class PhantomModel(nn.Module):
         """offload="none": every block's weights on the device, in the file's layout (so frozen
         blocks run the same fused projections as streamed ones); separate tensors when trained."""
         for block_index, block in enumerate(self.layers):
-            stored = self.store.load_block(block_index)
+            stored = self.store.load_block(block_index, self.weight_dtype)  # quantized: dequantized into it
             weights = packed_empty(stored, self.weight_dtype, self.device)
             for k, v in stored.items():
                 weights[k].copy_(v)

@@ -37,6 +37,7 @@ peft = need("peft")
 
 VOCAB = 400  # the tokenizer's size: ids the tokenizer makes are ids the model has
 ALL_TARGETS = tuple(TARGETS)
+EPS = 1e-3  # AdamW's eps in the full-finetuning step (see check_full_step)
 STREAMED = list(itertools.product(("disk", "ram"), (0, 2), ("none", "all")))  # offload, prefetch, recompute
 
 
@@ -167,26 +168,45 @@ def check_merged_export(store, adapter, tmp_path, tokens, expected_logits, hf_cl
     assert tok("Once upon a time")["input_ids"]  # the tokenizer the model came with
 
 
-def check_full_step(model, store, tokens, targets, lr: float = 1e-2):
-    """One full-finetuning step (resident) equals torch.optim.AdamW on the transformers model within 1e-5."""
+def check_full_step(model, store, tokens, targets, work_dir=None, lr: float = 1e-2):
+    """One full-finetuning step equals torch.optim.AdamW on the transformers model within 1e-5: resident,
+    or streamed from disk with work_dir (blocks updated by the block optimizer inside backward).
+
+    AdamW's first update is lr * g / (|g| + eps): at eps 1e-8 that is lr * sign(g), so a gradient of
+    1e-7 that rounding moves by 1e-7 may flip; eps 1e-3 (on both sides) keeps the update a smooth
+    function of the gradient, which is what the comparison is about."""
     for p in model.parameters():
         p.requires_grad_(True)
         p.grad = None
-    ref_opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref_opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, eps=EPS)
     cross_entropy(model(tokens).logits, targets).backward()
     ref_opt.step()
-    with phantom.load(store, offload="none", mode="full", loss_chunk=7) as pm:
-        opt = torch.optim.AdamW(pm.trainable_parameters(), lr=lr, weight_decay=0.1)
+    knobs = dict(offload="none") if work_dir is None else dict(offload="disk", prefetch=1, work_dir=work_dir)
+    with phantom.load(store, mode="full", loss_chunk=7, optim=phantom.AdamWConfig(lr=lr, weight_decay=0.1, eps=EPS),
+                      **knobs) as pm:
+        opt = torch.optim.AdamW(pm.trainable_parameters(), lr=lr, weight_decay=0.1, eps=EPS)
         pm(tokens, targets=targets).backward()
         opt.step()
-        ours = to_hf(pm.cfg, "embed", {"tok_embeddings.weight": pm.embed_table.detach()})
-        head = {"norm.weight": pm.norm_weight.detach(), "output.weight": pm.output_weight.detach()}
-        ours |= to_hf(pm.cfg, "head", {k: v for k, v in head.items() if k != "output.weight" or not pm.cfg.tie_embeddings})
-        for i, block in enumerate(pm.layers):
-            ours |= to_hf(pm.cfg, i, {k: v.detach() for k, v in block.state_dict().items()})
         n_trained = len(pm.trainable_parameters())
+        if work_dir is not None:
+            pm.finish_step()
+            pm.save_full()
+            trained = BlockStore(work_dir / "store")
+            parts = {"embed": trained.load_embed(), "head": trained.load_head(),
+                     **{i: trained.load_block(i) for i in range(trained.n_blocks)}}
+        else:
+            parts = {"embed": {"tok_embeddings.weight": pm.embed_table}, "head": {"norm.weight": pm.norm_weight},
+                     **{i: block.state_dict() for i, block in enumerate(pm.layers)}}
+            if not pm.cfg.tie_embeddings:
+                parts["head"]["output.weight"] = pm.output_weight
+    ours = {}
+    for part, tensors in parts.items():
+        ours |= to_hf(pm.cfg, part, {k: v.detach() for k, v in tensors.items()})
     theirs = dict(model.named_parameters())
     assert set(ours) == set(theirs)
-    assert n_trained == len(theirs)  # a tied table is one parameter in both
+    if work_dir is None:
+        assert n_trained == len(theirs)  # a tied table is one parameter in both
     for name, p in theirs.items():
+        assert not torch.equal(p, before[name]), name  # the step moved it
         assert rel_err(ours[name], p) < 1e-5, name

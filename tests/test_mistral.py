@@ -48,9 +48,10 @@ def test_lora_matches_peft_and_the_merged_export_loads(mistral, tmp_path):
     check_merged_export(store, adapter, tmp_path, tokens, logits, "MistralForCausalLM")
 
 
-def test_full_step_matches_adamw(mistral):
+def test_full_step_matches_adamw_resident_and_streamed(mistral, tmp_path):
     model, store = mistral
     check_full_step(model, store, *batch())
+    check_full_step(hf_model("MistralConfig", **FIELDS), store, *batch(), work_dir=tmp_path / "work")
 
 
 def test_cached_decoding_keeps_the_window(mistral):

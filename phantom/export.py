@@ -7,6 +7,7 @@ tokenizer_config.json and generation_config.json derived from the tokenizer, so 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import mmap
@@ -20,13 +21,14 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from phantom.chat import read_template
 from phantom.config import ModelConfig, rope_rows
 from phantom.convert import part_shapes, release_pages, tokenizer_files
 from phantom.family import family
 from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
 from phantom.lora import TARGETS, apply_lora, load_adapter, lora_modules, read_adapter_config
 from phantom.store import BlockStore, atomic_write_bytes, fsync_dir, write_safetensors
-from phantom.tokenizer import Tokenizer
+from phantom.tokenizer import Tokenizer, sentencepiece_to_json
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +124,7 @@ def write_hf(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------------------------------
 # The tokenizer, for Hugging Face loaders
 
-def derived_tokenizer_config(tok: Tokenizer, cfg: ModelConfig) -> dict:
+def derived_tokenizer_config(tok: Tokenizer, cfg: ModelConfig, fast: bool = False) -> dict:
     """tokenizer_config.json for a store that came without one: the class that reads its file, its specials.
 
     A sentencepiece model is read by transformers' LlamaTokenizer, which assumes Llama's sentencepiece
@@ -132,6 +134,8 @@ def derived_tokenizer_config(tok: Tokenizer, cfg: ModelConfig) -> dict:
     """
     c = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "model_max_length": cfg.max_seq_len,
          "add_bos_token": True, "add_eos_token": False}
+    if tok.kind == "sentencepiece" and fast:  # the tokenizer.json written beside it (tokenizer.sentencepiece_to_json)
+        return {"tokenizer_class": "PreTrainedTokenizerFast", **c, "unk_token": tok.unk_token}
     if tok.kind == "sentencepiece":
         return {"tokenizer_class": "LlamaTokenizer", **c, "unk_token": tok.unk_token}
     return {"tokenizer_class": "PreTrainedTokenizerFast", **c}
@@ -152,13 +156,20 @@ def tokenizer_caveat(store: BlockStore) -> str | None:
 
 
 def hf_tokenizer_files(store: BlockStore) -> dict[str, bytes]:
-    """name -> bytes: the store's tokenizer files (checked), plus the two configs derived where it has none."""
+    """name -> bytes: the store's tokenizer files (checked), plus what it lacks: a tokenizer.json converted
+    from a sentencepiece model (so transformers needs neither sentencepiece nor protobuf), and the two
+    configs, tokenizer_config.json carrying the store's chat template."""
     files = {name: path.read_bytes() for name, path in tokenizer_files(store).items()}
     if store.tokenizer_path is None:
         return files
     tok = Tokenizer(store.tokenizer_path)
+    if "tokenizer.json" not in files and tok.kind == "sentencepiece" and importlib.util.find_spec("tokenizers"):
+        files["tokenizer.json"] = sentencepiece_to_json(store.tokenizer_path, tok.bos_token).encode()
     if "tokenizer_config.json" not in files:
-        files["tokenizer_config.json"] = json.dumps(derived_tokenizer_config(tok, store.cfg), indent=2).encode()
+        config = derived_tokenizer_config(tok, store.cfg, fast="tokenizer.json" in files)
+        if (template := read_template(store.path, tok)) is not None:
+            config["chat_template"] = template.source
+        files["tokenizer_config.json"] = json.dumps(config, indent=2).encode()
     if "generation_config.json" not in files:
         gen = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
         files["generation_config.json"] = json.dumps(gen, indent=2).encode()

@@ -3,7 +3,10 @@
 bad records fail with one line naming the file and record, and leave no cache behind."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import phantom
 from phantom import chat, data as D
 from phantom.tokenizer import Tokenizer
 
+FINETUNE = Path(__file__).resolve().parent.parent / "scripts" / "finetune.py"
 RECORDS = [{"instruction": "Who lit the lamp?", "input": "", "output": "The keeper."},
            {"instruction": "When?", "input": "In the book", "output": "At dusk."},
            {"instruction": "Where did the terns nest?", "input": "", "output": "On the flat rocks."}]
@@ -127,26 +131,39 @@ def test_template_that_raises_and_missing_column(tmp_path, capsys):
     assert not (tmp_path / D.CACHE_DIR).exists() or not any((tmp_path / D.CACHE_DIR).iterdir())
 
 
+def finetune():
+    spec = importlib.util.spec_from_file_location("finetune_chat", FINETUNE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_cli(args, capsys, pattern):
-    import re
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import finetune
-    assert finetune.main(args + ["--show-data", "1", "-q", "--out", "/nonexistent/out"]) == 2
+    assert finetune().main(args + ["--show-data", "1", "-q", "--out", "/nonexistent/out"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and re.search(pattern, err[0]), err
 
 
 def test_show_data_marks_loss_and_examples(tmp_path, capsys):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import finetune
     path = jsonl(tmp_path / "a.jsonl", RECORDS)
-    assert finetune.main(["--data", str(path), "--show-data", "1", "--val-split", "0", "--seq-len", "128", "-q"]) == 0
+    assert finetune().main(["--data", str(path), "--show-data", "1", "--val-split", "0", "--seq-len", "128", "-q"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("-- row 0: 128 tokens") and "3 example(s)" in lines[0] and len(lines) in (4, 5), lines
     assert lines[1] == "   <s>Reader: Who lit the lamp? Writer:[[The keeper.</s>]]"  # one line per packed example
     assert lines[3] == "   <s>Reader: Where did the terns nest? Writer:[[On the flat rocks.</s>]]"
     assert len(lines) == 4 or lines[4].startswith("   (padding: ")
+
+
+def test_train_on_last_and_data_split_flags(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    chats = [{"messages": [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "The keeper."},
+                           {"role": "user", "content": "When?"}, {"role": "assistant", "content": "At dusk."}]}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(chats[:1] * 2),
+                          "valid": datasets.Dataset.from_list(chats)}).save_to_disk(str(tmp_path / "dd"))
+    args = ["--data", str(tmp_path / "dd"), "--data-split", "valid", "--show-data", "1", "--val-split", "0",
+            "--seq-len", "64", "-q"]
+    assert finetune().main(args + ["--train-on", "last"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line == "   <s>Reader: Who? Writer: The keeper.</s>Reader: When? Writer:[[At dusk.</s>]]", line
+    assert finetune().main(args) == 0  # all turns (the default)
+    assert "Writer:[[The keeper.</s>]]Reader: When? Writer:[[At dusk.</s>]]" in capsys.readouterr().out

@@ -59,8 +59,9 @@ class WandB:
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False) else "offline")
+        quiet = not logging.getLogger().isEnabledFor(logging.INFO)  # finetune.py -q: no wandb banners either
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "phantom"), name=name, dir=str(out),
-                              config=config, mode=mode, reinit="create_new")
+                              config=config, mode=mode, reinit="create_new", settings=wandb.Settings(silent=quiet))
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)

@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -170,3 +171,21 @@ def test_a_missing_or_unreachable_tracker_is_one_warning_each(cli, plain, tmp_pa
     assert warnings[1].startswith("--report-to mlflow: could not start (") and warnings[1].endswith(
         "training goes on without it")
     assert same_weights(out, plain)
+
+
+def test_under_torchrun_rank_0_alone_reports(tmp_path):
+    """Two gloo ranks, --report-to tensorboard: one event file (rank 0's), holding the losses of metrics.jsonl."""
+    event_accumulator = need("tensorboard.backend.event_processing.event_accumulator")
+    finetune = Path(__file__).resolve().parent.parent / "scripts" / "finetune.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "two"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(finetune), "--iters", "2", "--seq-len", "32", "--batch-size", "2", "--val-split", "0",
+                          "--save-every", "0", "--offload", "ram", "-q", "--report-to", "tensorboard",
+                          "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (events,) = (out / "tensorboard").glob("events.out.tfevents.*")
+    acc = event_accumulator.EventAccumulator(str(events), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, f32(v)) for s, v in series(out)["loss"]]
+    assert (out / "config.yaml").is_file() and (out / "README.md").is_file()

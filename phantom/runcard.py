@@ -54,7 +54,7 @@ class RunCard:
                           f"fingerprint `{self.fingerprint[:16]}`)"),
                 ("training", f"{self.mode}" + (f": {self.lora}" if self.mode == "lora" else "") +
                  f", {self.dtype} on {self.device}"),
-                ("data", self.data), ("status", f"{self.status} after {self.steps} steps"),
+                ("data", self.data), ("status", f"{self.status} after {self.steps} step{'s' * (self.steps != 1)}"),
                 ("final train loss", f"{self.final_loss:.4f}"), ("final eval loss", evals),
                 ("best eval loss", f"{self.best_eval:.4f}" if self.best_eval is not None else "-"),
                 ("tokens/s", f"{self.tokens_per_s:,.0f}"),

@@ -265,3 +265,14 @@ def test_convert_follows_the_action():
     assert runfile.convert(keys["flag"], False) is False
     with pytest.raises(TypeError, match="expected an integer"):
         runfile.convert(keys["n"], [1, True])
+
+
+def test_run_card_of_a_full_finetune(cli, tmp_path):
+    out = tmp_path / "full"
+    assert cli.main([*TINY, "--iters", "1", "--eval-every", "0", "--val-split", "0", "--mode", "full", "--lr", "1e-3",
+                     "--out", str(out)]) == 0
+    card = (out / "README.md").read_text()
+    assert "| training | full, fp32 on cpu |" in card and "| final eval loss | - |" in card
+    assert f"phantom.load({str(out / 'store')!r})" in card and "PeftModel" not in card
+    assert "--offload ram --mode full --val-split 0.0 --iters 1" in card and "--lr 0.001" in card
+    assert "| status | done after 1 step |" in card

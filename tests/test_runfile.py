@@ -276,3 +276,27 @@ def test_run_card_of_a_full_finetune(cli, tmp_path):
     assert f"phantom.load({str(out / 'store')!r})" in card and "PeftModel" not in card
     assert "--offload ram --mode full --val-split 0.0 --iters 1" in card and "--lr 0.001" in card
     assert "| status | done after 1 step |" in card
+
+
+def yaml_beside_flags(text: str) -> tuple[list[str], str]:
+    """(the flags of the first finetune.py command in `text`, the run file shown beside it)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "finetune.py --model" in line)
+    command = lines[start].split("finetune.py", 1)[1]
+    while command.rstrip().endswith("\\"):
+        start += 1
+        command = command.rstrip()[:-1] + lines[start]
+    shown = [m.split("#   ", 1)[1] if "#   " in m else m.strip() for m in lines[start + 2:]]
+    body = [m for m in shown[:next(i for i, m in enumerate(shown[1:], 1) if not m or m.startswith("A key")
+                                   or m.startswith("examples/"))] if ":" in m and "finetune.py" not in m]
+    return command.split(), "\n".join(body) + "\n"
+
+
+@pytest.mark.parametrize("where", ["README.md", "--help"])
+def test_the_yaml_form_shown_is_the_same_run_as_the_flags_beside_it(cli, tmp_path, where):
+    text = (REPO / "README.md").read_text().split("**Run files**", 1)[1] if where == "README.md" else cli.RUN_FILE_HELP
+    flags, shown = yaml_beside_flags(text)
+    assert len(flags) >= 14 and shown.count("\n") >= 5, (flags, shown)
+    (tmp_path / "run.yaml").write_text(shown)
+    from_file = vars(cli.parse_args(["--config", str(tmp_path / "run.yaml")]))
+    assert {**from_file, "config": None} == vars(cli.parse_args(flags))

@@ -35,6 +35,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read(path: str | Path) -> dict:
     """The run file as a mapping; a file that is not YAML, or not a mapping, is one ValueError."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"--config: {path} is a folder, not a run file")
     if not path.is_file():
         raise FileNotFoundError(f"--config: run file {path} not found")
     try:
@@ -141,10 +143,10 @@ def scalar(action: argparse.Action, value):
     kind = action.type
     if isinstance(value, (dict, list)):
         raise TypeError(f"expected {expected(action)}, got {describe(value)}")
-    if kind is None:
-        if not isinstance(value, str):
+    if kind is None:  # a string flag: numbers read as written (prefetch: 2), booleans are YAML's on/yes trap
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise TypeError(f"expected a string, got {describe(value)} (quote it)")
-        return value
+        return str(value)
     if isinstance(value, str):
         try:
             return kind(value)  # as the command line converts it: '1e-4', '64G', 'auto'

@@ -251,6 +251,14 @@ def test_bad_run_files_are_one_line_exit_2(cli, capsys, tmp_path, text, match):
 def test_a_missing_run_file(cli, capsys, tmp_path):
     assert cli.main(["--config", str(tmp_path / "none.yaml"), "--quiet"]) == 2
     assert capsys.readouterr().err == f"error: --config: run file {tmp_path / 'none.yaml'} not found\n"
+    assert cli.main(["--config", str(tmp_path), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"error: --config: {tmp_path} is a folder, not a run file\n"
+
+
+def test_string_flags_take_numbers_as_written(cli, tmp_path):
+    (tmp_path / "r.yaml").write_text("placement: {prefetch: 3}\noutput: {prompt: 2024}\nmodel: {model: 7B}\n")
+    args = cli.parse_args(["--config", str(tmp_path / "r.yaml")])
+    assert (args.prefetch_or_auto, args.prompt, args.model) == ("3", "2024", "7B")
 
 
 def test_convert_follows_the_action():

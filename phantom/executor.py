@@ -98,21 +98,21 @@ class StreamedBlock(torch.autograd.Function):
     device, forward and backward (layer-major accumulation): one load per direction per step."""
 
     @staticmethod
-    def forward(ctx, x, rope, ex: "BlockExecutor", i: int, *params):
+    def forward(ctx, x, rope, mask, ex: "BlockExecutor", i: int, *params):
         ctx.ex, ctx.i = ex, i
         ctx.autocast = _autocast_state(x.device)
         ctx.keep = ex.keeps(i)
         ctx.rng = RngState(x.device) if ex.has_dropout and not ctx.keep else None
         with ex.block_weights(i) as weights:
             if not ctx.keep:
-                out = torch.cat([ex.run_block(i, weights, xc, rope) for xc in ex.split_batch(x)])
-                ctx.save_for_backward(x, rope, *params)
+                out = torch.cat([ex.run_block(i, weights, xc, rc, mask=mc) for xc, rc, mc in ex.rows(x, rope, mask)])
+                ctx.save_for_backward(x, rope, mask, *params)
                 return out
             ctx.hooks, ctx.graphs = WeightHandles(weights), []
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ctx.hooks.pack, ctx.hooks.unpack):
-                for xc in ex.split_batch(x):
+                for xc, rc, mc in ex.rows(x, rope, mask):
                     xc = xc.detach().requires_grad_(x.requires_grad)
-                    ctx.graphs.append((xc, ex.run_block(i, weights, xc, rope)))
+                    ctx.graphs.append((xc, ex.run_block(i, weights, xc, rc, mask=mc)))
         ex.count_kept(ctx.hooks)
         ctx.save_for_backward(*params)
         return torch.cat([out.detach() for _, out in ctx.graphs])
@@ -121,7 +121,7 @@ class StreamedBlock(torch.autograd.Function):
     def backward(ctx, grad_out):
         ex, needs_x = ctx.ex, ctx.needs_input_grad[0]
         saved = ctx.saved_tensors
-        params = saved if ctx.keep else saved[2:]
+        params = saved if ctx.keep else saved[3:]
         trained = [p for p in params if p.requires_grad]
         param_grads = [torch.zeros_like(p) for p in trained]
         x_grads = []
@@ -133,14 +133,15 @@ class StreamedBlock(torch.autograd.Function):
             if ctx.keep:
                 ctx.hooks.bind(weights)
             else:
-                x_chunks, rope = ex.split_batch(saved[0]), saved[1]
+                chunks = list(ex.rows(*saved[:3]))
             for k, gc in enumerate(ex.split_batch(grad_out)):
                 if ctx.keep:
                     xc, out = ctx.graphs[k]
                 else:
-                    xc = x_chunks[k].detach().requires_grad_(needs_x)
+                    xc, rc, mc = chunks[k]
+                    xc = xc.detach().requires_grad_(needs_x)
                     with torch.enable_grad(), torch.autocast(**ctx.autocast):
-                        out = ex.run_block(ctx.i, weights, xc, rope)
+                        out = ex.run_block(ctx.i, weights, xc, rc, mask=mc)
                 grads = torch.autograd.grad(out, ([xc] if needs_x else []) + wrt, gc, allow_unused=True)
                 if needs_x:
                     x_grads.append(grads[0])
@@ -157,7 +158,7 @@ class StreamedBlock(torch.autograd.Function):
             ex.on_block_grads(ctx.i, weight_grads)
         it = iter(param_grads)
         gparams = [next(it) if p.requires_grad else None for p in params]
-        return (torch.cat(x_grads) if needs_x else None, None, None, None, *gparams)
+        return (torch.cat(x_grads) if needs_x else None, None, None, None, None, *gparams)
 
 
 def _accumulate(total: torch.Tensor | None, g: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
@@ -202,18 +203,20 @@ class BlockExecutor:
         self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, trained: list[list[torch.Tensor]],
-                 caches: list[KVCache] | None = None, start_pos: int = 0) -> torch.Tensor:
-        """Every block over h, in order; `trained[i]` are block i's trained parameters."""
+                 caches: list[KVCache] | None = None, start_pos: int = 0,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Every block over h, in order; `trained[i]` are block i's trained parameters; rope and mask
+        as phantom.layers.packed_layout gives them for packed rows."""
         n = len(self.layers)
         self.kept_bytes = self.kept_blocks = 0
         training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in trained for p in ps))
         self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []))
         for i in range(n):
             if training:
-                h = StreamedBlock.apply(h, rope, self, i, *trained[i])
+                h = StreamedBlock.apply(h, rope, mask, self, i, *trained[i])
             else:
                 with self.block_weights(i) as weights:
-                    h = self.run_block(i, weights, h, rope, caches[i] if caches else None, start_pos)
+                    h = self.run_block(i, weights, h, rope, caches[i] if caches else None, start_pos, mask)
         return h
 
     def keeps(self, i: int) -> bool:
@@ -230,6 +233,13 @@ class BlockExecutor:
 
     def split_batch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return x.split(self.micro_batch) if self.micro_batch else (x,)
+
+    def rows(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
+        """(x, rope, mask) per micro-batch; a per-row rope (B, T, D/2, 2) and mask are split with x."""
+        xs = self.split_batch(x)
+        ropes = self.split_batch(rope) if rope.dim() == 4 else [rope] * len(xs)
+        masks = self.split_batch(mask) if mask is not None else [None] * len(xs)
+        return zip(xs, ropes, masks)
 
     @contextlib.contextmanager
     def block_weights(self, i: int, trainable: bool = False):
@@ -250,9 +260,9 @@ class BlockExecutor:
             self.scheduler.release(i)
 
     def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
-                  cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+                  cache: KVCache | None = None, start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Block i over x; `weights` (from block_weights(i)) are bound in place of its placeholders."""
-        call = lambda: self.layers[i](x, rope, cache, start_pos)  # noqa: E731
+        call = lambda: self.layers[i](x, rope, cache, start_pos, mask)  # noqa: E731
         if not self.compile_unchecked:
             return call()
         try:  # the first call compiles: fall back to eager if the backend cannot

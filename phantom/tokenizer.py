@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import re
+import unicodedata
 from pathlib import Path
 
 import sentencepiece as spm
@@ -103,6 +105,38 @@ class Tokenizer:
             ids = self._hf.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
+    def special_tokens(self) -> list[str]:
+        """The text of the tokens a rendered chat names by their text (BOS, EOS, added and control tokens)."""
+        if self.kind == "sentencepiece":
+            return [self._sp.id_to_piece(i) for i in range(self.vocab_size)
+                    if self._sp.is_control(i) or self._sp.is_unknown(i)]
+        if self.kind == "tiktoken":
+            return list(LLAMA3_SPECIAL)
+        return [t.content for t in self._hf.get_added_tokens_decoder().values()]
+
+    def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and (start, end) character offsets of a rendered chat, read as transformers'
+        `tokenizer(text, add_special_tokens=False)` reads it: a special token's text is that token."""
+        if self.kind == "hf":
+            enc = self._hf.encode(text, add_special_tokens=False)
+            return enc.ids, [tuple(o) for o in enc.offsets]
+        if self.kind == "tiktoken":
+            ids = self._tt.encode(text, allowed_special="all")
+            _, starts = self._tt.decode_with_offsets(ids)
+            return ids, list(zip(starts, starts[1:] + [len(text)]))
+        ids, offsets, at = [], [], 0
+        specials = sorted(self.special_tokens(), key=len, reverse=True)
+        for piece in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
+            if piece in specials:
+                ids.append(self._sp.piece_to_id(piece))
+                offsets.append((at, at + len(piece)))
+            elif piece:
+                pieces = self._sp.encode(piece, out_type=str)
+                ids += [self._sp.piece_to_id(p) for p in pieces]
+                offsets += [(at + s, at + e) for s, e in _align(pieces, piece)]
+            at += len(piece)
+        return ids, offsets
+
     def decode(self, ids: list[int]) -> str:
         ids = [i for i in ids if i < self.vocab_size]
         if self.kind == "sentencepiece":
@@ -110,6 +144,22 @@ class Tokenizer:
         if self.kind == "tiktoken":  # special tokens (numbered after the BPE ranks) are dropped, as the others do
             return self._tt.decode([i for i in ids if i < self._tt.max_token_value - len(LLAMA3_SPECIAL) + 1])
         return self._hf.decode(ids)
+
+
+def _align(pieces: list[str], text: str) -> list[tuple[int, int]]:
+    """Character spans of sentencepiece pieces in the text they came from. The normalizer folds a
+    whitespace run into one "\u2581", so a "\u2581" takes the run it stands for and any other character
+    one character of the text (NFKC rewrites that change lengths are rare enough to shift a span by one)."""
+    spans, at = [], 0
+    for piece in pieces:
+        start = at
+        for ch in piece:
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if ch != "\u2581":
+                at = min(len(text), at + 1)
+        spans.append((start, at))
+    return spans
 
 
 def train_tiny_tokenizer(out: Path, vocab_size: int = 512, text: Path = TINY_TEXT) -> Path:

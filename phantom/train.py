@@ -138,7 +138,7 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
 # -- steps, eval, samples -----------------------------------------------------------------------
 
 def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-               sync=None) -> tuple[float, float | None]:
+               sync=None, segments: torch.Tensor | None = None) -> tuple[float, float | None]:
     """One optimizer step over a (K * B, T) batch; returns (loss, grad norm).
 
     LoRA: the update is skipped if the loss or the gradient norm is not finite, leaving the weights as
@@ -149,7 +149,7 @@ def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainCo
     full = getattr(model, "full", False)
     if full:
         model.set_lr(opt.param_groups[0]["lr"])
-    loss = model(x, targets=y)
+    loss = model(x, targets=y, **packing(segments))
     if not torch.isfinite(loss):
         return loss.item(), None
     loss.backward()
@@ -179,14 +179,19 @@ def evaluate(model, ds, rows: int, iters: int) -> dict:
     model.eval()
     n = min(ds.n_sequential, rows * iters)
     for i in range(0, n, rows):
-        x, y = (torch.stack(t) for t in zip(*(ds[_seq_index(ds, j)] for j in range(i, min(i + rows, n)))))
+        x, y, *seg = (torch.stack(t) for t in zip(*(ds[_seq_index(ds, j)] for j in range(i, min(i + rows, n)))))
         k = int((y != D.IGNORE_INDEX).sum())
         if k:
-            total += float(model(x, targets=y)) * k
+            total += float(model(x, targets=y, **packing(*seg))) * k
             count += k
     model.train(was_training)
     loss = total / max(count, 1)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+
+
+def packing(segments: torch.Tensor | None = None) -> dict:
+    """The model's segments argument for packed rows (none for windows of text)."""
+    return {"segments": segments} if segments is not None else {}
 
 
 def _seq_index(ds, j: int) -> int:
@@ -538,14 +543,14 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     with StopFlag().installed() as stop, fileio.RecordLog(run.metrics_path) as mfile:
         while step < cfg.iters:
             t0 = time.perf_counter()
-            x, y = next(run.batches)
+            x, y, *seg = next(run.batches)  # seg: the segment ids of packed rows
             if ddp.enabled:  # every rank draws the same global batch and keeps its own rows
-                x, y = x[ddp.rank * run.rows:(ddp.rank + 1) * run.rows], y[ddp.rank * run.rows:(ddp.rank + 1) * run.rows]
+                x, y, *seg = (t[ddp.rank * run.rows:(ddp.rank + 1) * run.rows] for t in (x, y, *seg))
                 run.n_tokens = float((y != D.IGNORE_INDEX).sum())
             t_data = time.perf_counter()
             x, y = x.to(model.device, non_blocking=True), y.to(model.device, non_blocking=True)
             lr = run.opt.param_groups[0]["lr"]
-            loss, norm = train_step(model, run.opt, run.sched, x, y, cfg, sync)
+            loss, norm = train_step(model, run.opt, run.sched, x, y, cfg, sync, *seg)
             step, dt = step + 1, time.perf_counter() - t0
             n = x.numel() * ddp.world_size
             tokens += n
@@ -582,8 +587,8 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     pad = tokenizer.eos_id if tokenizer is not None else 0
-    train_ds = D.rows(train_data, cfg.seq_len, pad, "training data")
-    val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data") if val_data is not None else None
+    train_ds = D.rows(train_data, cfg.seq_len, pad, "training data", segments=True)
+    val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data", segments=True) if val_data is not None else None
     rows = cfg.batch_size * cfg.grad_accum
     if cfg.grad_accum > 1 and model.micro_batch != cfg.batch_size:
         log.warning("--grad-accum %d: load the model with micro_batch=%d so each block runs the %d rows of a "

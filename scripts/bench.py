@@ -14,7 +14,7 @@ swept tiers and recompute policies with no resident blocks) and prints each row'
 
     OMP_NUM_THREADS=1 python scripts/bench.py --modes diskread --dim 1024 --layers 12 --vocab 1024 --batch-size 1 --seq-len 8
 
-(issue 16, alone) races the disk tier's first pass (crc32 checked) against raw O_DIRECT reads of the same
+(alone) races the disk tier's first pass (crc32 checked) against raw O_DIRECT reads of the same
 files, then half the blocks in RAM against pure disk with the cost model's predictions; to notes/bench-tiers.md.
 """
 from __future__ import annotations
@@ -55,9 +55,9 @@ MODES = {  # name -> load arguments
     "auto": dict(offload="auto"),  # tiers by budget: --device-budget / --ram-budget
     "h2d": dict(),  # CUDA: the pinned host-to-device copy peak, one block at a time
     "matmul": dict(),  # the measured matmul rate at the block's shapes (for the FLOP floor)
-    "hf-peft": dict(),  # transformers + peft, resident, if installed (issue 10's outside reference)
+    "hf-peft": dict(),  # transformers + peft, resident, if installed (the outside reference)
     "fsdp-offload": dict(),  # transformers + peft under FSDP2 with CPUOffloadPolicy (CUDA; plain FSDP2 on CPU)
-    "diskread": dict(),  # issue 16: disk tier vs raw O_DIRECT reads; half the blocks in RAM vs disk (own table)
+    "diskread": dict(),  # disk tier vs raw O_DIRECT reads; half the blocks in RAM vs disk (own table)
 }
 PEERS = ("hf-peft", "fsdp-offload")  # other tools' rows: no recompute policy, no streaming metrics
 
@@ -421,7 +421,7 @@ def shell(cmd: str) -> str:
 
 
 def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) -> str:
-    """Mode diskread (issue 16): the disk tier's cold read rate against the best raw read of the same
+    """Mode diskread: the disk tier's cold read rate against the best raw read of the same
     files, into fresh huge-page memory as the tier's buffers (also into 4 KiB pages, a row of its own)
     (first pass: verify fast checks each block's crc32 record, with ISA-L's crc32 where the isal
     package is installed and with zlib's; also on the same files under a manifest without crc32, where it
@@ -539,7 +539,7 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
     fall, pfall = step["half"] / step["disk"], pred["half"].step_s / pred["disk"].step_s
     read = statistics.median(runs["half"]["bytes_read"]) / statistics.median(runs["disk"]["bytes_read"])
     paired = statistics.median(f / r for f, r in zip(rates["first"], rates["raw"]))  # the same round: seconds apart
-    lines += ["", f"- disk tier first pass / raw = {rate['first'] / rate['raw']:.2f} (issue 16 asks >= 0.9); the "
+    lines += ["", f"- disk tier first pass / raw = {rate['first'] / rate['raw']:.2f} (the aim: >= 0.9); the "
                   f"median of each round's first pass / raw: {paired:.2f}; against "
                   f"the best single raw figure of the run ({raw_best:.2f}): {rate['first'] / raw_best:.2f}"
                   + (f"; with zlib's crc32: {rate['zlib'] / rate['raw']:.2f}" if "zlib" in rate else "")

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import phantom  # noqa: E402
 import torch  # noqa: E402
-from phantom import cli, data, fileio, runcard, runfile, trackers, tune  # noqa: E402
+from phantom import chat, cli, data, fileio, runcard, runfile, trackers, tune  # noqa: E402
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
@@ -41,8 +41,8 @@ SECTIONS = {
     "model": ("model", "synthetic", "layers", "device", "dtype", "mode"),
     "placement": ("prefetch", "compile"),
     "lora": (),
-    "data": ("data", "val-data", "val-split", "data-dtype", "seq-len", "batch-size", "grad-accum", "sequential",
-             "workers"),
+    "data": ("data", "val-data", "val-split", "data-dtype", "data-split", "columns", "chat-template", "train-on",
+             "show-data", "seq-len", "batch-size", "grad-accum", "sequential", "workers"),
     "optim": ("iters", "lr", "min-lr", "warmup", "weight-decay", "grad-clip", "seed"),
     "output": ("out", "resume", "eval-every", "eval-iters", "save-every", "sample-every", "prompt", "trace",
                "report-to", "quiet"),
@@ -97,6 +97,15 @@ def parser() -> argparse.ArgumentParser:
     a("--val-split", type=float, default=0.1, help="fraction of --data held out for evaluation, 0: none (default: 0.1)")
     a("--data-dtype", default=None, choices=sorted(data.TOKEN_DTYPES),
       help="element type of .bin token files (default: uint16 if the vocabulary fits, else uint32)")
+    a("--data-split", default=None, help="split of a Hub dataset or datasets folder (default: train)")
+    a("--columns", default=None, metavar="KEY=COLUMN,...", help="records keep their data under other names, e.g. "
+      "prompt=question,response=answer or messages=dialog")
+    a("--chat-template", default=None, metavar="FILE", help="Jinja chat template for chat and instruction records "
+      "(default: the model's own, kept in the store from its tokenizer_config.json; none: plain Role: content lines)")
+    a("--train-on", default="all", choices=chat.TRAIN_ON, help="what carries loss in a chat: all assistant turns, the "
+      "last one, or prompt-too (every token) (default: all)")
+    a("--show-data", type=int, default=0, metavar="N", help="print the first N training rows as the model sees them "
+      "(loss spans in [[ ]], packed examples on their own lines) and exit")
     a("--iters", type=int, default=D.iters, help=f"optimizer steps (default: {D.iters})")
     a("--batch-size", type=int, default=D.batch_size, help=f"rows per micro-batch (default: {D.batch_size})")
     a("--grad-accum", type=int, default=D.grad_accum, help="micro-batches per step, layer-major (default: 1)")
@@ -227,6 +236,11 @@ def run(argv=None) -> int:
     path = model_path(args)
     store = BlockStore(path, verify="none")
     check_seq_len(cfg, store.cfg)
+    if args.show_data:
+        tok, _, train_data, _ = load_data(args, path, store)
+        print(data.show_rows(data.rows(train_data, cfg.seq_len, tok.eos_id if tok else 0, segments=True),
+                             tok, args.show_data))
+        return 0
     if args.lr is None:
         cfg = dataclasses.replace(cfg, lr=DEFAULT_LR[args.mode, store.cfg.n_params() < SMALL_MODEL])
     out = Path(args.out)
@@ -262,15 +276,26 @@ def run(argv=None) -> int:
     return {"done": 0, "interrupted": 0}.get(s["status"], 1)
 
 
-def train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, sinks=()) -> dict:
+def load_data(args, path, store):
+    """(tokenizer, recipe, training data, held-out data) as the flags say."""
     tok = Tokenizer(store.tokenizer_path) if store.tokenizer_path is not None else None
     if tok is None and (args.data is None or Path(args.data).suffix not in data.TOKEN_SUFFIXES):
         raise FileNotFoundError(f"{path} has no tokenizer; train it on token ids already tokenized (--data FILE.bin "
                                 f"or FILE.npy), or prepare the store with a tokenizer")
-    load = functools.partial(data.load, tok=tok, vocab_size=store.cfg.vocab_size, dtype=args.data_dtype)
+    template = chat.read_template(path, tok, args.chat_template) if tok is not None else None
+    recipe = data.Recipe(template, args.train_on, data.parse_columns(args.columns), args.data_split)
+    load = functools.partial(data.load, tok=tok, vocab_size=store.cfg.vocab_size, dtype=args.data_dtype,
+                             recipe=recipe)
     train_data, val_data = data.split(load(args.data), 0 if args.val_data else args.val_split)
     val_data = load(args.val_data) if args.val_data else val_data
-    cfg = dataclasses.replace(cfg, prompt=data.render_prompt(args.prompt, train_data.fmt))
+    if template is None and train_data.fmt in data.CHAT_FORMATS:
+        log.info("%s has no chat template: chat records are rendered as plain Role: content lines", path)
+    return tok, recipe, train_data, val_data
+
+
+def train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, sinks=()) -> dict:
+    tok, recipe, train_data, val_data = load_data(args, path, store)
+    cfg = dataclasses.replace(cfg, prompt=data.render_prompt(args.prompt, train_data.fmt, recipe.template))
     with load_model(args, path, device, dtype, ddp, placement, activations, cfg.lr) as model, logging_redirect_tqdm():
         return train(model, train_data, val_data, cfg, tok, sinks)
 

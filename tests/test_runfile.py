@@ -148,21 +148,24 @@ def test_a_changed_store_or_torch_is_a_warning(cli, flag_run, tmp_path, capsys):
 # -- the schema is the parser ------------------------------------------------------------------
 
 def test_a_new_flag_is_a_run_file_key_with_no_edit(cli, tmp_path):
-    """Flags other parts add to finetune.py (their types, choices, booleans) work in run files as they are."""
+    """A flag added to finetune.py (its type, choices, boolean, SECTION- prefix) works in run files as it is."""
     p = cli.parser()
-    p.add_argument("--chat-template", default=None, help="a template")
-    p.add_argument("--train-on", default="responses", choices=["responses", "all"])
-    p.add_argument("--show-data", action="store_true")
-    p.add_argument("--lora-dropout", type=float, default=0.0)
-    (tmp_path / "r.yaml").write_text("data: {chat-template: t.jinja, train_on: all}\nshow-data: true\n"
-                                     "lora: {dropout: 0.1}\n")
+    p.add_argument("--probe-text", default=None, help="a string")
+    p.add_argument("--probe-mode", default="one", choices=["one", "all"])
+    p.add_argument("--probe-flag", action="store_true")
+    p.add_argument("--lora-probe", type=float, default=0.0)
+    (tmp_path / "r.yaml").write_text("data: {probe-text: t.jinja, probe_mode: all}\nprobe-flag: true\n"
+                                     "lora: {probe: 0.1}\n")
     args = runfile.parse_args(p, ["--config", str(tmp_path / "r.yaml")], ("data", "lora"))
-    assert (args.chat_template, args.train_on, args.show_data, args.lora_dropout) == ("t.jinja", "all", True, 0.1)
-    text = runfile.dump(p, runfile.settings(p, args), {"data": ("chat-template", "train-on"), "lora": ()})
+    assert (args.probe_text, args.probe_mode, args.probe_flag, args.lora_probe) == ("t.jinja", "all", True, 0.1)
+    text = runfile.dump(p, runfile.settings(p, args), {"data": ("probe-text", "probe-mode"), "lora": ()})
     back = yaml.safe_load(text)
-    assert back["data"] == {"data": None, "dtype": None, "chat-template": "t.jinja", "train-on": "all"}
-    assert back["show-data"] is True  # in no section: at the top level
-    assert back["lora"]["dropout"] == 0.1  # by its SECTION- prefix
+    assert back["data"] == {"data": None, "dtype": None, "split": None, "probe-text": "t.jinja", "probe-mode": "all"}
+    assert back["probe-flag"] is True  # in no section: at the top level
+    assert back["lora"]["probe"] == 0.1  # by its SECTION- prefix
+    (tmp_path / "bad.yaml").write_text("probe-mode: some\n")
+    with pytest.raises(ValueError, match="probe-mode: expected one of one, all, got 'some'"):
+        runfile.parse_args(p, ["--config", str(tmp_path / "bad.yaml")])
 
 
 def test_every_flag_round_trips_through_a_written_run_file(cli, tmp_path):
@@ -172,7 +175,9 @@ def test_every_flag_round_trips_through_a_written_run_file(cli, tmp_path):
             "--resident", "1", "--ram-budget", "3G", "--prefetch", "auto", "--recompute", "none",
             "--checkpoint-inner", "--compile", "off", "--loss-chunk", "64", "--no-compile", "--mode", "full",
             "--lora-targets", "q,o", "--lr", "1e-05", "--min-lr", "0", "--val-split", "0", "--data-dtype", "uint32",
-            "--sequential", "--trace", "--prompt", "a: b # c", "--report-to", "tensorboard,mlflow", "--out", "x y"]
+            "--sequential", "--trace", "--prompt", "a: b # c", "--report-to", "tensorboard,mlflow", "--out", "x y",
+            "--data-split", "validation", "--columns", "prompt=q,response=a", "--chat-template", "none",
+            "--train-on", "last", "--show-data", "3"]
     args = runfile.parse_args(p, argv)
     path = tmp_path / "all.yaml"
     path.write_text(runfile.dump(p, runfile.settings(p, args), cli.run_file_sections(p), {"torch": "x"}))

@@ -230,6 +230,11 @@ def weights_fingerprint(model, mode: str) -> str | None:
     store = getattr(model, "store", None)
     if mode != "lora" or store is None:
         return None
+    return store_fingerprint(store)
+
+
+def store_fingerprint(store) -> str:
+    """sha256 over a store manifest's per-file sha256s: which weights these are."""
     files = {**store.manifest.get("files", {}), **store.manifest.get("links", {}).get("files", {})}
     listing = sorted((rel, str(info.get("sha256", ""))) for rel, info in files.items())
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
@@ -496,10 +501,15 @@ class Run:
     metrics_path: Path
     n_tokens: float = 0.0  # target tokens of this rank's rows in the step (data parallel weighting)
     step_times: list = dataclasses.field(default_factory=list)
+    sinks: tuple = ()  # rank 0: callables given each record written to metrics.jsonl
+
+    def emit(self, rec: dict) -> None:
+        for sink in self.sinks:
+            sink(rec)
 
 
 def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, cfg: TrainConfig = TrainConfig(),
-          tokenizer=None) -> dict:
+          tokenizer=None, sinks: tuple = ()) -> dict:
     """Finetune `model` on `train_data`; write adapter/, checkpoint/ and metrics.jsonl into cfg.out.
 
     Args:
@@ -507,6 +517,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         train_data, val_data: from phantom.data.load (and split); val_data None: no evaluation.
         cfg: the run's settings.
         tokenizer: needed for samples (cfg.sample_every); its pad id pads packed rows.
+        sinks: callables given each record as it is written to metrics.jsonl on rank 0 (experiment
+            trackers); they must not raise (phantom.trackers.Reporter warns and drops a failing one).
 
     Returns:
         A summary: status ("done", "interrupted" or "nan"), steps, tokens, time_s, final_loss,
@@ -517,7 +529,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         ValueError: data shorter than one sequence, or --resume from another run's checkpoint.
         FileNotFoundError: --resume with no checkpoint in cfg.out.
     """
-    run, ddp = start_run(model, train_data, val_data, cfg, tokenizer), pdist.current()
+    run, ddp = start_run(model, train_data, val_data, cfg, tokenizer, sinks), pdist.current()
     sync = None
     if ddp.enabled:  # gradients averaged by target tokens, so N ranks give the global batch's gradient
         sync = lambda: pdist.average_gradients(model.trainable_parameters(), run.n_tokens)  # noqa: E731
@@ -547,6 +559,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 status = "nan"
                 mfile.append(to_json(rec))
+                run.emit(rec)
                 break
             after_step(run, rec, mfile, bar, last=step == cfg.iters or stop.set)
             sched_metrics()  # the eval's, sample's and checkpoint's block traffic is not the next step's
@@ -562,7 +575,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     return {**summary, **finish(run.out, model, cfg, status, step, loss)}
 
 
-def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg: TrainConfig, tokenizer) -> Run:
+def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg: TrainConfig, tokenizer,
+              sinks: tuple = ()) -> Run:
     """Check what can be checked before any work, then the optimizer, the resumed state, the metrics
     file (cut back to the checkpoint's step) and the batches from where the run stands."""
     out = Path(cfg.out)
@@ -594,7 +608,11 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
         fileio.atomic_write_text(metrics_path, "".join(to_json(r) for r in history))
     batches = iter(D.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
                             pin_memory=model.device.type == "cuda"))
-    return Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path)
+    run = Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path,
+              sinks=tuple(sinks) if ddp.is_main else ())
+    if history and start == 0:
+        run.emit(history[-1])  # the eval before training (a resumed run's earlier records were sent already)
+    return run
 
 
 def tier_metrics(model, m: dict, dt: float) -> dict:
@@ -619,6 +637,7 @@ def after_step(run: Run, rec: dict, mfile: fileio.RecordLog, bar, last: bool) ->
         if msg := cfg.check_step(sorted(run.step_times[1:4])[1]):
             log.warning(msg)
     mfile.append(to_json(rec))
+    run.emit(rec)
     faults.point("metrics.write")  # crash tests: a step logged, its checkpoint not yet written
     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                     stall=f"{100 * rec['stall_frac']:.0f}%", **tier_postfix(rec), refresh=False)

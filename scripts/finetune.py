@@ -1,8 +1,9 @@
 """Finetune a Llama model with LoRA while its blocks stream from disk: `python scripts/finetune.py`.
 
-With no flags it trains the embedded tiny model on the shipped text. Writes adapter/ (PEFT),
-checkpoint/ (for --resume), metrics.jsonl and, with --trace, trace.json into --out. Every flag is
-checked against the model before anything is measured, generated or allocated.
+With no flags it trains the embedded tiny model on the shipped text. Writes config.yaml (the resolved
+run), adapter/ (PEFT), checkpoint/ (for --resume), metrics.jsonl, README.md (a run card) and, with
+--trace, trace.json into --out. Every flag is checked against the model before anything is measured,
+generated or allocated.
 """
 import argparse
 import contextlib
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import phantom  # noqa: E402
 import torch  # noqa: E402
-from phantom import chat, cli, data, fileio, tune  # noqa: E402
+from phantom import chat, cli, data, fileio, runcard, runfile, trackers, tune  # noqa: E402
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
@@ -27,18 +28,53 @@ from phantom.model import MODES  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
 from phantom.train import ACTIVATION_KEYS, TrainConfig, checkpoint_activations, find_checkpoint, \
-    io_error_line, restore_full_snapshot, train  # noqa: E402
+    io_error_line, read_metrics, restore_full_snapshot, store_fingerprint, train  # noqa: E402
 
 D = TrainConfig()
 SMALL_MODEL = 100_000_000  # parameters: below this a model takes the demo's high rates (a random tiny base)
 DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5}  # (mode, small)
 TINY_SAMPLE_EVERY = 100  # the tiny demo shows what it learned: a greedy sample at steps 100 and the last
 log = logging.getLogger("finetune")
+# Run-file sections (--config): where a flag sits in OUT/config.yaml; a flag named SECTION-x (--lora-dropout)
+# or in the Placement/Activations groups goes to its section by itself, any other new flag to the top level.
+SECTIONS = {
+    "model": ("model", "synthetic", "layers", "device", "dtype", "mode"),
+    "placement": ("prefetch", "compile"),
+    "lora": (),
+    "data": ("data", "val-data", "val-split", "data-dtype", "data-split", "columns", "chat-template", "train-on",
+             "show-data", "seq-len", "batch-size", "grad-accum", "sequential", "workers"),
+    "optim": ("iters", "lr", "min-lr", "warmup", "weight-decay", "grad-clip", "seed"),
+    "output": ("out", "resume", "eval-every", "eval-iters", "save-every", "sample-every", "prompt", "trace",
+               "report-to", "quiet"),
+}
+RUN_FILE_HELP = """
+run files: every flag is a YAML key of the same name (without --), at the top level or in one of the
+sections model, data, lora, optim, placement, output (a key in section S may drop an S- prefix);
+flags on the command line override the file. OUT/config.yaml is the resolved run (every value, the
+phantom and torch versions, the store's fingerprint): --config OUT/config.yaml repeats it.
+
+    python scripts/finetune.py --model weights/7B --data chat.jsonl --lora-rank 16 --lora-targets q,k,v,o \\
+        --iters 1000 --lr 2e-4 --offload auto --report-to tensorboard --out runs/7b
+    python scripts/finetune.py --config run.yaml            # the same run, with run.yaml:
+
+    model: {model: weights/7B}
+    data: {data: chat.jsonl}
+    lora: {rank: 16, targets: [q, k, v, o]}
+    optim: {iters: 1000, lr: 2.0e-4}
+    placement: {offload: auto}
+    output: {out: runs/7b, report-to: tensorboard}
+
+examples/ holds run files for the tiny demo, a 7B LoRA on chat data and a 70B LoRA from RAM and disk.
+"""
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    """finetune.py's flags; also the schema of its run files (phantom.runfile)."""
+    p = argparse.ArgumentParser(description=__doc__, epilog=RUN_FILE_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
+    a("--config", default=None, metavar="RUN.yaml", help="YAML run file: its keys are these flags (see below); "
+                                                         "flags given here override it")
     a("--model", default="tiny", help="preset name (prepared under weights/) or a store folder (default: tiny)")
     a("--synthetic", action="store_true", help="random weights with the shapes of the preset --model and the tiny "
                                                "tokenizer: a smoke test of real shapes without downloading them")
@@ -92,8 +128,14 @@ def parse_args(argv=None):
     a("--resume", action="store_true", help="continue from --out/checkpoint")
     a("--seed", type=int, default=D.seed, help="seed of the LoRA init, batch order and dropout")
     a("--trace", action="store_true", help="write --out/trace.json (Chrome trace of the scheduler)")
+    a("--report-to", default="none", metavar="TRACKERS", help="comma-separated experiment trackers fed the "
+      "metrics.jsonl scalars and the config: tensorboard, wandb, mlflow, or none (default: none)")
     a("-q", "--quiet", action="store_true", help="no progress bar or log lines")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    args = runfile.parse_args(parser(), argv, tuple(SECTIONS))
     if args.sample_every is None:
         args.sample_every = TINY_SAMPLE_EVERY if args.model == "tiny" and not args.synthetic else D.sample_every
     return args
@@ -175,6 +217,7 @@ def load_model(args, path: Path, device, dtype: str, ddp, placement, activations
 
 def run(argv=None) -> int:
     args = parse_args(argv)
+    report_to = trackers.parse_names(args.report_to)
     placement, activations = cli.configs_from_args(args, P.Placement(), P.Activations())
     prefetch = parse_prefetch(args.prefetch_or_auto)
     if isinstance(prefetch, int):
@@ -211,12 +254,17 @@ def run(argv=None) -> int:
             activations = dataclasses.replace(activations, **{k: recorded[k] for k in ACTIVATION_KEYS
                                                               if k in recorded and getattr(args, k) is None})
         dtype = cli.resolve_dtype(args.dtype, device)
+        knobs = resolved_knobs(args, placement, activations)
+        settings = write_run_file(args, store, out, lr=cfg.lr, dtype=dtype, **knobs) if ddp.is_main else {}
         best = None  # the tuner's prediction, where it chose the placement
         if prefetch == "auto" and placement.offload != "none":
             best, placement = tuned(args, path, device, dtype, placement)
             cfg = dataclasses.replace(cfg, check_step=functools.partial(tune.check_prediction, best))
         try:
-            s = train_run(args, cfg, path, store, device, dtype, ddp, placement, activations)
+            with trackers.Reporter(report_to if ddp.is_main else (), out, settings, out.resolve().name) as reporter:
+                s = train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, (reporter.log,))
+            if ddp.is_main:
+                write_card(args, argv, s, store, dtype, device)
         except OSError as e:
             if (line := io_error_line(e, out, path)) is None:
                 raise
@@ -245,11 +293,71 @@ def load_data(args, path, store):
     return tok, recipe, train_data, val_data
 
 
-def train_run(args, cfg, path, store, device, dtype, ddp, placement, activations) -> dict:
+def train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, sinks=()) -> dict:
     tok, recipe, train_data, val_data = load_data(args, path, store)
     cfg = dataclasses.replace(cfg, prompt=data.render_prompt(args.prompt, train_data.fmt, recipe.template))
     with load_model(args, path, device, dtype, ddp, placement, activations, cfg.lr) as model, logging_redirect_tqdm():
-        return train(model, train_data, val_data, cfg, tok)
+        return train(model, train_data, val_data, cfg, tok, sinks)
+
+
+def resolved_knobs(args, placement: P.Placement, activations: P.Activations) -> dict:
+    """dest -> value of the placement and activation flags left to their config's default (None: auto)."""
+    knobs = {f.name: getattr(cfg, f.name) for cfg in (placement, activations) for f in dataclasses.fields(cfg)
+             if f.name in vars(args) and getattr(args, f.name) is None}
+    return {**knobs, "prefetch_or_auto": args.prefetch_or_auto or str(placement.prefetch)}
+
+
+def write_run_file(args, store: BlockStore, out: Path, **resolved) -> dict:
+    """OUT/config.yaml: every flag as this run resolved it (`resolved`, by dest: lr, dtype, placement), the
+    phantom and torch versions and the store's fingerprint, so `--config OUT/config.yaml` repeats the run.
+    Returns the flags (for the trackers)."""
+    p = parser()
+    flat = runfile.settings(p, args, **resolved, resume=False)  # a run file starts a run; --resume continues one
+    record = {"phantom": phantom.__version__, "torch": torch.__version__, "store": str(store.path),
+              "store-fingerprint": store_fingerprint(store)}
+    for key, was in runfile.recorded(args.config).items():
+        if key in ("phantom", "torch", "store-fingerprint") and was != record[key]:
+            log.warning("%s was recorded with %s %s; this run has %s: its numbers may differ", args.config, key,
+                        was, record[key])
+    header = f"# phantom run file, resolved at the start of the run in {out}.\n" \
+             f"# Repeat it: python scripts/finetune.py --config {out / 'config.yaml'} (flags given there win).\n"
+    runfile.write(out / "config.yaml", runfile.dump(p, flat, run_file_sections(p), record, header))
+    return flat
+
+
+def run_file_sections(p: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:
+    """SECTIONS, with every flag of the Placement and Activations groups in placement."""
+    grouped = [o[2:] for g in p._action_groups if g.title in ("Placement", "Activations")
+               for a in g._group_actions for o in a.option_strings if o.startswith("--")]
+    return {**SECTIONS, "placement": SECTIONS["placement"] + tuple(grouped)}
+
+
+def write_card(args, argv, s: dict, store: BlockStore, dtype: str, device) -> None:
+    """OUT/README.md: the run card (model, data, flags that differ from the defaults, how it ended)."""
+    p, recs = parser(), read_metrics(Path(s["out"]) / "metrics.jsonl", s["steps"])
+    given = runfile.given(p, argv) | set(runfile.values(runfile.read(args.config), p, Path(args.config),
+                                                         tuple(SECTIONS)) if args.config else {})
+    defaults = vars(p.parse_args([]))
+    changed = {d: getattr(args, d) for d in given if d in defaults and getattr(args, d) != defaults[d]}
+    evals = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
+    host, dev = runcard.peak_memory(device)
+    lora = f"rank {args.lora_rank}, alpha {args.lora_alpha:g}, targets {args.lora_targets}"
+    card = runcard.RunCard(
+        out=s["out"], model=args.model, store=str(store.path), fingerprint=store_fingerprint(store),
+        n_params=store.cfg.n_params(), dtype=dtype, device=str(device), mode=args.mode, lora=lora,
+        data=describe_data(args), flags=tuple(runfile.as_argv(p, changed)), status=s["status"], steps=s["steps"],
+        final_loss=s["final_loss"], final_eval=evals[-1] if evals else None, best_eval=s["best_val_loss"],
+        tokens_per_s=s["tokens"] / max(s["time_s"], 1e-9), peak_host_bytes=host, peak_device_bytes=dev,
+        adapter=s["adapter"], weights=s["weights"],
+        versions=f"phantom {phantom.__version__}, torch {torch.__version__}")
+    runcard.write(Path(s["out"]) / "README.md", card)
+
+
+def describe_data(args) -> str:
+    train_ = f"`{args.data}`" if args.data else "the shipped tiny text"
+    held = f"held-out `{args.val_data}`" if args.val_data else \
+        f"{args.val_split:g} held out" if args.val_split else "no held-out data"
+    return f"{train_}, {held}, {args.seq_len} tokens per row, {args.batch_size * args.grad_accum} rows per step"
 
 
 def main(argv=None) -> int:
@@ -264,7 +372,8 @@ def print_summary(s: dict) -> None:
           f"loss         final {s['final_loss']:.4f}, best eval {best}\n"
           f"{'weights' if s['weights'] else 'adapter':<13}{s['weights'] or s['adapter'] or '(not written)'}\n"
           f"checkpoint   {s['checkpoint'] + '  (continue with --resume)' if s['checkpoint'] else '-'}\n"
-          f"metrics      {s['metrics']}  (plot: python scripts/plot.py --out {s['out']})")
+          f"metrics      {s['metrics']}  (plot: python scripts/plot.py --out {s['out']})\n"
+          f"run card     {Path(s['out']) / 'README.md'}, the run in {Path(s['out']) / 'config.yaml'}")
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ def resolved_knobs(args, placement: P.Placement, activations: P.Activations) -> 
 def write_run_file(args, store: BlockStore, out: Path, **resolved) -> dict:
     """OUT/config.yaml: every flag as this run resolved it (`resolved`, by dest: lr, dtype, placement), the
     phantom and torch versions and the store's fingerprint, so `--config OUT/config.yaml` repeats the run.
-    Returns the flags (for the trackers)."""
+    Returns all of it as one flat mapping (the config the trackers are given)."""
     p = parser()
     flat = runfile.settings(p, args, **resolved, resume=False)  # a run file starts a run; --resume continues one
     record = {"phantom": phantom.__version__, "torch": torch.__version__, "store": str(store.path),
@@ -322,7 +322,7 @@ def write_run_file(args, store: BlockStore, out: Path, **resolved) -> dict:
     header = f"# phantom run file, resolved at the start of the run in {out}.\n" \
              f"# Repeat it: python scripts/finetune.py --config {out / 'config.yaml'} (flags given there win).\n"
     runfile.write(out / "config.yaml", runfile.dump(p, flat, run_file_sections(p), record, header))
-    return flat
+    return {**flat, **{f"recorded-{k}": v for k, v in record.items()}}
 
 
 def run_file_sections(p: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:

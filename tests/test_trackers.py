@@ -125,6 +125,8 @@ def test_every_tracker_holds_the_metrics_and_the_weights_do_not_change(cli, plai
     (run,) = client.search_runs([client.get_experiment_by_name("phantom").experiment_id])
     assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
     assert run.data.params["lora-rank"] == "8" and run.data.params["iters"] == "4"
+    assert run.data.params["recorded-torch"] == torch.__version__
+    assert len(run.data.params["recorded-store-fingerprint"]) == 64
     for key, points in want.items():
         assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] == points, key
 

@@ -39,7 +39,9 @@ log = logging.getLogger("finetune")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", default="tiny", help="preset name (prepared under weights/) or a store folder (default: tiny)")
+    a("--model", default="tiny", help="preset name (prepared under weights/), a store folder, or a Hugging Face "
+                                      "hub id in the local hub cache, converted on first use (default: tiny)")
+    a("--revision", default="main", help="with a hub id: the branch, tag or commit in the cache (default: main)")
     a("--synthetic", action="store_true", help="random weights with the shapes of the preset --model and the tiny "
                                                "tokenizer: a smoke test of real shapes without downloading them")
     a("--layers", type=int, default=None, help="with --synthetic: this many blocks (default: the preset's)")
@@ -117,7 +119,7 @@ def model_path(args) -> Path:
     shapes. Generation takes a machine-wide lock, so ranks and concurrent runs make it once."""
     if not args.synthetic:
         if args.model not in phantom.PRESETS:
-            return phantom.resolve_model(args.model)
+            return phantom.resolve_model(args.model, args.revision)
         with fileio.locked(phantom.weights_dir() / ".generate.lock"):
             return phantom.resolve_model(args.model)
     if args.model not in phantom.PRESETS:

@@ -17,7 +17,7 @@ import torch
 
 import phantom
 from phantom.store import BlockStore
-from family_check import batch, hf_model, rel_err
+from family_check import batch, hf_model, peft, rel_err
 from test_convert import REPO, load_script
 from test_export_hf import llama3_style_tokenizer_json
 
@@ -81,13 +81,26 @@ def test_another_revision_is_another_store(cache):
         assert rel_err(pm(tokens), ref) < 1e-5
 
 
-def test_finetune_takes_a_hub_id_and_a_revision(cache, capsys):
-    root, _, commits = cache
+def test_finetune_takes_a_hub_id_a_revision_and_all_linear_targets(cache, capsys):
+    """The adapter of a run on every projection loads with peft onto the Qwen2 model as it is, same logits."""
+    root, models, commits = cache
     cli = load_script("finetune")
-    assert cli.main(["--model", REPO_ID, "--revision", "v1", "--iters", "1", "--warmup", "0", "--batch-size", "2",
-                     "--seq-len", "32", "--eval-every", "0", "--val-split", "0", "-q", "--out", str(root / "out")]) == 0
-    assert (root / "weights" / "hub" / "acme--tiny-qwen" / commits["v1"] / "manifest.json").is_file()
-    assert not (root / "weights" / "hub" / "acme--tiny-qwen" / commits["main"]).exists()
+    assert cli.main(["--model", REPO_ID, "--revision", "v1", "--lora-targets", "all-linear", "--iters", "2",
+                     "--warmup", "0", "--lr", "1e-2", "--batch-size", "2", "--seq-len", "32", "--eval-every", "0",
+                     "--val-split", "0", "-q", "--out", str(root / "out")]) == 0
+    store = root / "weights" / "hub" / "acme--tiny-qwen" / commits["v1"]
+    assert (store / "manifest.json").is_file() and not store.with_name(commits["main"]).exists()
+    adapter = root / "out" / "adapter"
+    modules = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(modules) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    tokens, _ = batch()
+    with phantom.load(store, offload="none", lora=phantom.LoraConfig(targets=("all-linear",))) as pm, torch.no_grad():
+        pm.load_adapter(adapter)
+        ours, base = pm(tokens), models["v1"](tokens).logits
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(models["v1"], adapter).eval()(tokens).logits
+    assert rel_err(ours, base) > 1e-4  # two steps at lr 1e-2 moved it
+    assert rel_err(ours, theirs) < 1e-5
 
 
 def test_a_missing_model_is_one_line_saying_how_to_get_it(cache, capsys):

@@ -81,17 +81,18 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
     block = params * s
     converts = s != c
     head_params = cfg.vocab_size * cfg.dim + cfg.dim
+    embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
     return Shape(
         n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
         slot_bytes=block + (params * c if converts else 0),
         tier_bytes=block * max(1, c // s),  # as BlockScheduler budgets tiers
-        head_bytes=head_params * c, embed_bytes=cfg.vocab_size * cfg.dim * s,
-        flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.dim),  # matmuls + causal attention
+        head_bytes=head_params * c, embed_bytes=embed_params * s,
+        flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.q_dim),  # matmuls + causal attention
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
         act_bytes_per_row=seq_len * cfg.dim * c,
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),
         seq_len=seq_len, converts=converts,
-        store_bytes=cfg.n_layers * block + (head_params + cfg.vocab_size * cfg.dim) * s)
+        store_bytes=cfg.n_layers * block + (head_params + embed_params) * s)
 
 
 @dataclass(frozen=True)

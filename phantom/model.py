@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from phantom.config import ModelConfig, head_tensor_shapes
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
-from phantom.layers import TransformerBlock, fuse_adjacent, packed_layout, rms_norm, rope_table, KVCache
+from phantom.layers import TransformerBlock, fuse_adjacent, packed_layout, rms_norm, rope_table, softcap, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.placement import Activations, Placement
@@ -40,7 +40,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int):
+    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int, *head):
+        norm_offset, cap = head + (0.0, None)[len(head):]  # optional: the final norm's offset, the logits' soft-cap
         hf, tf = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         n_valid = (tf != IGNORE_INDEX).sum().clamp(min=1)
         wants = [ctx.needs_input_grad[0], norm_w.requires_grad, out_w.requires_grad]
@@ -50,7 +51,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         for s in range(0, hf.shape[0], chunk):
             hc = hf[s:s + chunk].detach().requires_grad_(wants[0])
             with torch.enable_grad():
-                logits = F.linear(rms_norm(hc, norm_w, eps), out_w).float()  # (chunk, vocab)
+                logits = softcap(F.linear(rms_norm(hc, norm_w, eps, norm_offset), out_w).float(), cap)  # (chunk, vocab)
                 loss = F.cross_entropy(logits, tf[s:s + chunk], ignore_index=IGNORE_INDEX, reduction="sum")
             if any(wants):
                 inputs = [t for t, w in zip((hc, norm_w, out_w), wants) if w]
@@ -63,13 +64,15 @@ class ChunkedHeadLoss(torch.autograd.Function):
             total += loss.detach()
         ctx.save_for_backward(*(g / n_valid if g is not None else None for g in grads))
         ctx.h_shape = h.shape
+        ctx.n_args = 6 + len(head)  # backward answers each argument apply was given
         return total / n_valid
 
     @staticmethod
     def backward(ctx, g):
         gh, gn, go = ctx.saved_tensors
-        return (gh.view(ctx.h_shape) * g if gh is not None else None, gn * g if gn is not None else None,
-                go * g if go is not None else None, None, None, None)
+        grads = (gh.view(ctx.h_shape) * g if gh is not None else None, gn * g if gn is not None else None,
+                 go * g if go is not None else None)
+        return grads + (None,) * (ctx.n_args - 3)
 
 
 class PhantomModel(nn.Module):
@@ -251,11 +254,12 @@ class PhantomModel(nn.Module):
         with torch.autocast(**self.autocast_args()):
             h = self.blocks(h, rope, mask=mask)
             if targets is None:
-                return F.linear(rms_norm(h, self.norm_weight, self.cfg.norm_eps), self.output_weight).float()
+                return self.logits(h)
             if targets.shape != tokens.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} differs from tokens {tuple(tokens.shape)}")
             return ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, targets.to(self.device),
-                                         self.cfg.norm_eps, self.loss_chunk)
+                                         self.cfg.norm_eps, self.loss_chunk, self.cfg.norm_offset,
+                                         self.cfg.final_softcap)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What the caller's optimizer updates: LoRA parameters, or in full mode everything that is
@@ -324,6 +328,12 @@ class PhantomModel(nn.Module):
         return dict(device_type=self.device.type, dtype=self.dtype if self.amp else torch.bfloat16,
                     enabled=self.amp)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, output projection and soft-cap of hidden states h (..., dim): fp32 logits."""
+        cfg = self.cfg
+        return softcap(F.linear(rms_norm(h, self.norm_weight, cfg.norm_eps, cfg.norm_offset), self.output_weight).float(),
+                       cfg.final_softcap)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.embed_table
         if tokens.device.type == "cpu":  # checked before the upload: no device sync for it
@@ -331,7 +341,8 @@ class PhantomModel(nn.Module):
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got [{lo}, {hi}]")
         h = F.embedding(tokens.to(table.device, non_blocking=True), table)  # (B, T, dim)
-        return h.to(self.device, self.weight_dtype, non_blocking=True)
+        h = h.to(self.device, self.weight_dtype, non_blocking=True)
+        return h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype) if self.cfg.embed_scale else h
 
     def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,
                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -343,7 +354,7 @@ class PhantomModel(nn.Module):
             if caches is not None:
                 h = block(h, rope, caches[i], start_pos)
             else:
-                ropes = split(rope) if rope.dim() == 4 else [rope] * len(split(h))
+                ropes = split(rope) if mask is not None else [rope] * len(split(h))  # packed rows: a rope per row
                 masks = split(mask) if mask is not None else [None] * len(split(h))
                 h = torch.cat([block(hc, rc, mask=mc) for hc, rc, mc in zip(split(h), ropes, masks)])
         return h

@@ -75,7 +75,9 @@ def parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--config", default=None, metavar="RUN.yaml", help="YAML run file: its keys are these flags (see below); "
                                                          "flags given here override it")
-    a("--model", default="tiny", help="preset name (prepared under weights/) or a store folder (default: tiny)")
+    a("--model", default="tiny", help="preset name (prepared under weights/), a store folder, or a Hugging Face "
+                                      "hub id in the local hub cache, converted on first use (default: tiny)")
+    a("--revision", default="main", help="with a hub id: the branch, tag or commit in the cache (default: main)")
     a("--synthetic", action="store_true", help="random weights with the shapes of the preset --model and the tiny "
                                                "tokenizer: a smoke test of real shapes without downloading them")
     a("--layers", type=int, default=None, help="with --synthetic: this many blocks (default: the preset's)")
@@ -90,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
     a("--mode", default="lora", choices=MODES, help="train a LoRA or all weights (default: lora)")
     a("--lora-rank", type=int, default=8, help="LoRA rank r (default: 8)")
     a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r (default: 16)")
-    a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down (default: q,v)")
+    a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down, or all-linear "
+                                             "(every one, as peft's all-linear; default: q,v)")
     a("--data", default=None, help="plain text, JSONL (prompt/response, Alpaca, chat messages), or token ids already "
                                    "tokenized (.bin, .npy); default: the shipped tiny text")
     a("--val-data", default=None, help="held-out data file (default: split off --val-split of --data)")
@@ -168,7 +171,7 @@ def model_path(args) -> Path:
     shapes. Generation takes a machine-wide lock, so ranks and concurrent runs make it once."""
     if not args.synthetic:
         if args.model not in phantom.PRESETS:
-            return phantom.resolve_model(args.model)
+            return phantom.resolve_model(args.model, args.revision)
         with fileio.locked(phantom.weights_dir() / ".generate.lock"):
             return phantom.resolve_model(args.model)
     if args.model not in phantom.PRESETS:

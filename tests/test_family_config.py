@@ -16,7 +16,8 @@ from phantom.family import FAMILIES, IRRELEVANT, REFUSED_WHEN_SET, ConfigError, 
 from family_check import hf_model, prepare, transformers
 from test_convert import load_script
 
-CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 
 
 def test_every_family_has_its_config_class_listed():
@@ -48,7 +49,8 @@ def small(config_class: str, **fields) -> dict:
 
 
 CONFIG_CLASSES_TO_ARCH = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
-                          "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM"}
+                          "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
+                          "Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM"}
 
 REFUSALS = [  # (config class, fields, the field the error must name)
     ("LlamaConfig", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
@@ -59,6 +61,11 @@ REFUSALS = [  # (config class, fields, the field the error must name)
     ("Qwen2Config", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
     ("MistralConfig", {"mlp_bias": True}, "mlp_bias"),
     ("Qwen2Config", {"attention_bias": True}, "attention_bias"),
+    ("Gemma2Config", {"hidden_activation": "relu"}, "hidden_activation"),
+    ("Gemma3TextConfig", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "rope_type"),
+    ("Gemma3TextConfig", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
 ]
 
 

@@ -5,6 +5,7 @@ Meta's interleaved RoPE layout. Blocks hold no I/O: the model swaps weights in f
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -113,8 +114,8 @@ def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _plus_lora(proj: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y (the base projection of x, computed fused) plus proj's LoRA update, if proj has one."""
-    return y + proj.lora_update(x) if isinstance(proj, LoraLinear) else y
+    """y (the base projection of x, computed fused) plus proj's LoRA update, if proj has one on."""
+    return y + proj.lora_update(x) if isinstance(proj, LoraLinear) and proj.enabled else y
 
 
 class Attention(nn.Module):
@@ -211,8 +212,11 @@ class LoraLinear(nn.Module):
     """y = x W^T + scale * dropout(x) A^T B^T, with W frozen; A random (Kaiming, as PEFT), B zero.
 
     Takes over the base layer's weight Parameter, so the weight keeps its name (`...wq.weight`)
-    and the model can still swap streamed weights in by that name.
+    and the model can still swap streamed weights in by that name. With `enabled` False it is the
+    base layer alone (see lora_disabled).
     """
+
+    enabled = True
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
                  generator: torch.Generator | None = None):
@@ -239,7 +243,22 @@ class LoraLinear(nn.Module):
         return F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) + self.lora_update(x)
+        y = F.linear(x, self.weight)
+        return y + self.lora_update(x) if self.enabled else y
 
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_B @ self.lora_A) * self.scale
+
+
+@contextlib.contextmanager
+def lora_disabled(module: nn.Module):
+    """Every LoraLinear inside `module` runs as its base layer until the `with` ends (the frozen
+    reference model of preference training: the base with the adapters off, as peft's disable_adapter)."""
+    loras = [m for m in module.modules() if isinstance(m, LoraLinear)]
+    for m in loras:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in loras:
+            m.enabled = True

@@ -199,14 +199,14 @@ def split_pairs(pairs: PairData, fraction: float) -> tuple[PairData, PairData | 
     return pairs.slice(0, k), pairs.slice(k, len(pairs))
 
 
-def tiny_pairs(n: int = 600, seed: int = 0, text: Path = TINY_TEXT) -> list[dict]:
+def tiny_pairs(n: int = 600, seed: int = 0, text: Path = TINY_TEXT, words_out: int = 8) -> list[dict]:
     """A preference set made from the shipped text: the prompt is a stretch of it, chosen is the
     next few words as written, rejected the same words shuffled (never in their own order)."""
     words = Path(text).read_text().split()
     rng, out = random.Random(seed), []
     while len(out) < n:
-        at = rng.randrange(6, len(words) - 6)
-        cont = words[at:at + 5]
+        at = rng.randrange(6, len(words) - words_out)
+        cont = words[at:at + words_out]
         shuffled = cont[:]
         while shuffled == cont and len(set(cont)) > 1:
             rng.shuffle(shuffled)

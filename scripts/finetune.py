@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import phantom  # noqa: E402
 import torch  # noqa: E402
-from phantom import cli, data, fileio, tune  # noqa: E402
+from phantom import cli, data, fileio, preference, tune  # noqa: E402
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
@@ -30,10 +30,22 @@ from phantom.train import ACTIVATION_KEYS, TrainConfig, checkpoint_activations, 
     io_error_line, restore_full_snapshot, train  # noqa: E402
 
 D = TrainConfig()
+PC = preference.PreferenceConfig()
 SMALL_MODEL = 100_000_000  # parameters: below this a model takes the demo's high rates (a random tiny base)
-DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5}  # (mode, small)
+DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5,
+              ("dpo", True): 1e-2, ("dpo", False): 5e-6}  # (mode, small)
+TRAIN_MODES = MODES + ("dpo",)
 TINY_SAMPLE_EVERY = 100  # the tiny demo shows what it learned: a greedy sample at steps 100 and the last
 log = logging.getLogger("finetune")
+
+
+class OneMode(argparse.Action):
+    """--mode given twice with different values (e.g. --mode dpo --mode full) is refused in `run`,
+    not settled silently by the last one."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.modes_given = getattr(namespace, "modes_given", []) + [value]
+        setattr(namespace, self.dest, value)
 
 
 def parse_args(argv=None):
@@ -51,7 +63,18 @@ def parse_args(argv=None):
                                        "quick profile)")
     cli.add_config_flags(p, P.Activations, skip=("micro_batch",))
     a("--no-compile", dest="compile", action="store_false", help="run blocks eagerly")
-    a("--mode", default="lora", choices=MODES, help="train a LoRA or all weights (default: lora)")
+    a("--mode", default="lora", choices=TRAIN_MODES, action=OneMode,
+      help="train a LoRA, all weights, or a LoRA on preference pairs (dpo: --data with prompt/chosen/rejected; "
+           "default: lora)")
+    a("--loss-type", default=PC.loss, choices=preference.LOSSES,
+      help="dpo: sigmoid (DPO) or ipo (default: sigmoid)")
+    a("--beta", type=float, default=PC.beta, help=f"dpo: how far the policy may move from the reference "
+                                                  f"(default: {PC.beta})")
+    a("--label-smoothing", type=float, default=PC.label_smoothing,
+      help="dpo: assumed fraction of pairs labelled the wrong way, sigmoid loss only (default: 0)")
+    a("--reference", default=PC.reference, choices=preference.REFERENCES,
+      help="dpo: together (the reference beside the policy in each loaded block: no extra reads) or precompute "
+           "(once before training, cached in --out: one extra read of the weights in all; default: together)")
     a("--lora-rank", type=int, default=8, help="LoRA rank r (default: 8)")
     a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r (default: 16)")
     a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down (default: q,v)")
@@ -86,7 +109,8 @@ def parse_args(argv=None):
     a("-q", "--quiet", action="store_true", help="no progress bar or log lines")
     args = p.parse_args(argv)
     if args.sample_every is None:
-        args.sample_every = TINY_SAMPLE_EVERY if args.model == "tiny" and not args.synthetic else D.sample_every
+        tiny_sft = args.model == "tiny" and not args.synthetic and args.mode != "dpo"  # (its random base writes noise)
+        args.sample_every = TINY_SAMPLE_EVERY if tiny_sft else D.sample_every
     return args
 
 
@@ -96,7 +120,16 @@ def train_config(args, lr: float) -> TrainConfig:
                        grad_clip=args.grad_clip, eval_every=args.eval_every, eval_iters=args.eval_iters,
                        save_every=args.save_every, sample_every=args.sample_every, prompt=args.prompt, seed=args.seed,
                        shuffle=not args.sequential, out=args.out, resume=args.resume, mode=args.mode,
-                       workers=args.workers, trace=args.trace, progress=not args.quiet)
+                       workers=args.workers, trace=args.trace, progress=not args.quiet,
+                       preference=preference.PreferenceConfig(args.loss_type, args.beta, args.label_smoothing,
+                                                              args.reference))
+
+
+def check_mode(args) -> None:
+    modes = sorted(set(getattr(args, "modes_given", [])), key=TRAIN_MODES.index)
+    if len(modes) > 1:
+        raise ValueError(f"--mode {' and --mode '.join(modes)} cannot be combined: dpo trains a LoRA against the "
+                         f"base model with the adapters off; choose one --mode")
 
 
 def check_seq_len(cfg: TrainConfig, model_cfg) -> None:
@@ -139,7 +172,8 @@ def tuned(args, path: Path, device, dtype: str, placement: P.Placement):
     numbers; the micro-batch and recompute stay as given). One rank or run measures at a time."""
     offloads = ("ram", "disk") if placement.offload == "auto" else (placement.offload,)
     with fileio.locked(tune.profile_path(BlockStore(path, verify="none"), device, dtype).parent / ".measure.lock"):
-        best = tune.auto_placement(path, device, args.batch_size * args.grad_accum, args.seq_len, dtype,
+        rows = args.batch_size * args.grad_accum * (2 if args.mode == "dpo" else 1)
+        best = tune.auto_placement(path, device, rows, args.seq_len, dtype,
                                    offloads=offloads)
     return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident)
 
@@ -158,14 +192,16 @@ def load_model(args, path: Path, device, dtype: str, ddp, placement, activations
                 shutil.rmtree(Path(work_dir) / sub, ignore_errors=True)
         full = dict(mode="full", work_dir=work_dir, optim=phantom.AdamWConfig(
             lr=lr, betas=D.betas, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None))
-    shared = ddp.local_world_size > 1 and placement.offload == "ram" and args.mode == "lora"
+    shared = ddp.local_world_size > 1 and placement.offload == "ram" and args.mode != "full"
+    rows = args.batch_size * (2 if args.mode == "dpo" else 1)  # dpo: --batch-size pairs, a chosen and a rejected row each
     return phantom.load(path, device=device, dtype=dtype, placement=dataclasses.replace(placement, shared_ram=shared),
-                        activations=dataclasses.replace(activations, micro_batch=args.batch_size), lora=lora,
+                        activations=dataclasses.replace(activations, micro_batch=rows), lora=lora,
                         trace=args.trace, **full)
 
 
 def run(argv=None) -> int:
     args = parse_args(argv)
+    check_mode(args)
     placement, activations = cli.configs_from_args(args, P.Placement(), P.Activations())
     prefetch = parse_prefetch(args.prefetch_or_auto)
     if isinstance(prefetch, int):
@@ -220,7 +256,10 @@ def train_run(args, cfg, path, store, device, dtype, ddp, placement, activations
         raise FileNotFoundError(f"{path} has no tokenizer; train it on token ids already tokenized (--data FILE.bin "
                                 f"or FILE.npy), or prepare the store with a tokenizer")
     load = functools.partial(data.load, tok=tok, vocab_size=store.cfg.vocab_size, dtype=args.data_dtype)
-    train_data, val_data = data.split(load(args.data), 0 if args.val_data else args.val_split)
+    split = data.split
+    if args.mode == "dpo":  # pairs; a chat template would plug in as load_pairs' encoder
+        load, split = functools.partial(preference.load_pairs, tok=tok), preference.split_pairs
+    train_data, val_data = split(load(args.data), 0 if args.val_data else args.val_split)
     val_data = load(args.val_data) if args.val_data else val_data
     cfg = dataclasses.replace(cfg, prompt=data.render_prompt(args.prompt, train_data.fmt))
     with load_model(args, path, device, dtype, ddp, placement, activations, cfg.lr) as model, logging_redirect_tqdm():

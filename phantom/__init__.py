@@ -86,6 +86,9 @@ def load(model: str | Path, device: str | torch.device = "cpu", dtype: str | tor
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
     path = resolve_model(model)
     if mode == "full":
+        if (quant := BlockStore(path, verify="none").quant) is not None:  # before a working copy is made
+            raise ValueError(f"{path}: a {quant.method} store is frozen: full finetuning needs the 16-bit weights "
+                             f"(prepare the store without --quantize), or train LoRA on this one")
         lora, optim = None, optim or AdamWConfig()
         if placement.offload != "none":  # the blocks are rewritten: a working copy, optimizer state beside it
             if work_dir is None:

@@ -1,7 +1,8 @@
-"""The Llama building blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU, the block, LoRA.
+"""The decoder building blocks: RMSNorm, RoPE, grouped-query attention, a gated MLP, the block, LoRA.
 
-Parameter names follow Meta's checkpoints (attention.wq, feed_forward.w1, ...), and q/k rows are in
-Meta's interleaved RoPE layout. Blocks hold no I/O: the model swaps weights in from outside.
+Llama's maths, plus what ModelConfig's other fields switch on (biases, q/k norms, a sliding window,
+the MLP's activation). Parameter names follow Meta's checkpoints (attention.wq, feed_forward.w1, ...),
+and q/k rows are in Meta's interleaved RoPE layout. Blocks hold no I/O: the model swaps weights in.
 """
 from __future__ import annotations
 
@@ -57,11 +58,33 @@ def rope_table(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); rope: (T, D/2, 2) for x's positions."""
+    """x: (B, T, H, D); rope: (T, D/2, 2) for x's positions, or (B, T, D/2, 2) for each row's own."""
     xp = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
     x0, x1 = xp[..., 0], xp[..., 1]
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    r = rope if rope.dim() == 4 else rope[None]
+    cos, sin = r[:, :, None, :, 0], r[:, :, None, :, 1]
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2).type_as(x)
+
+
+def packed_layout(table: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RoPE rows and attention mask for rows that pack several examples (segment ids (B, T), equal
+    within an example): each example's positions start at 0 and it attends only to itself, causally,
+    so a packed row computes what its examples compute alone. A batch with no packed row gets the
+    plain table and no mask (SDPA's causal kernel).
+
+    Returns:
+        rope (T, D/2, 2) or (B, T, D/2, 2); mask None or (B, 1, T, T) bool, True where attention is allowed.
+    """
+    B, T = segments.shape
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    if not starts[:, 1:].any():
+        return table[:T], None
+    idx = torch.arange(T, device=segments.device).expand(B, T)
+    first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values  # (B, T) its example's start
+    rope = table[idx - first]  # (B, T, D/2, 2)
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    return rope, ((first[:, :, None] == first[:, None, :]) & causal)[:, None]
 
 
 def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -91,8 +114,31 @@ class KVCache:
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
 
-def linear(in_features: int, out_features: int, device=None, dtype=None) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+def linear(in_features: int, out_features: int, device=None, dtype=None, bias: bool = False) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,  # transformers' "gelu" is the exact (erf) one
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def attention_mask(q_len: int, start_pos: int, window: int | None, device=None) -> torch.Tensor | None:
+    """Which keys each query sees: a (q_len, start_pos + q_len) bool mask for queries at positions
+    start_pos.., or None where that is plain causal attention (sdpa's is_causal). With a window, a
+    query sees the last `window` keys up to its own position, itself included."""
+    k_len = start_pos + q_len
+    if start_pos == 0 and (window is None or k_len <= window):
+        return None
+    pos_q = torch.arange(start_pos, k_len, device=device)[:, None]
+    pos_k = torch.arange(k_len, device=device)[None, :]
+    seen = pos_k <= pos_q
+    return seen & (pos_k > pos_q - window) if window is not None else seen
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v over (B, heads, T, D); k, v may have fewer heads (GQA)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,93 +159,103 @@ def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _plus_lora(proj: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y (the base projection of x, computed fused) plus proj's LoRA update, if proj has one on."""
+def _finish(proj: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y (x times proj's weight, computed fused) plus proj's bias and LoRA update, where it has them
+    (and the LoRA is on)."""
+    if proj.bias is not None:
+        y = y + proj.bias
     return y + proj.lora_update(x) if isinstance(proj, LoraLinear) and proj.enabled else y
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.window = window  # keys each query sees (itself included); None: all before it
         kv = cfg.kv_heads * cfg.head_dim
-        self.wq = linear(cfg.dim, cfg.dim, device, dtype)
-        self.wk = linear(cfg.dim, kv, device, dtype)
-        self.wv = linear(cfg.dim, kv, device, dtype)
-        self.wo = linear(cfg.dim, cfg.dim, device, dtype)
+        self.wq = linear(cfg.dim, cfg.q_dim, device, dtype, cfg.qkv_bias)
+        self.wk = linear(cfg.dim, kv, device, dtype, cfg.qkv_bias)
+        self.wv = linear(cfg.dim, kv, device, dtype, cfg.qkv_bias)
+        self.wo = linear(cfg.q_dim, cfg.dim, device, dtype, cfg.o_bias)
         self.register_parameter("wqkv", None)  # a view over wq, wk, wv when bound adjacent (fuse_adjacent)
+        if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.wqkv is None:
             return self.wq(x), self.wk(x), self.wv(x)
         kv = self.n_kv_heads * self.head_dim
         q, k, v = F.linear(x, self.wqkv).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
-        return _plus_lora(self.wq, x, q), _plus_lora(self.wk, x, k), _plus_lora(self.wv, x, v)
+        return _finish(self.wq, x, q), _finish(self.wk, x, k), _finish(self.wv, x, v)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
+                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal), or (B, 1, T, T) bool for packed rows (packed_layout)."""
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)
-        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), rope)  # (B, T, H, D)
-        k = apply_rope(k.view(B, T, self.n_kv_heads, self.head_dim), rope)  # (B, T, KV, D)
+        q = apply_rope(self.q_norm(q.view(B, T, self.n_heads, self.head_dim)), rope)  # (B, T, H, D)
+        k = apply_rope(self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim)), rope)  # (B, T, KV, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        mask, causal = None, True
-        if cache is not None:
+        if cache is not None:  # queries at start_pos.. see the cached keys before them
             cache.k[:B, :, start_pos:start_pos + T] = k
             cache.v[:B, :, start_pos:start_pos + T] = v
             k, v = cache.k[:B, :, :start_pos + T], cache.v[:B, :, :start_pos + T]
-            if start_pos > 0:  # queries at start_pos.. see every cached key up to their own position
-                causal = False
-                pos_q = torch.arange(start_pos, start_pos + T, device=x.device)[:, None]
-                mask = torch.arange(start_pos + T, device=x.device)[None, :] <= pos_q
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        window = attention_mask(T, start_pos if cache is not None else 0, self.window, x.device)
+        if mask is None:
+            mask = window
+        elif window is not None:  # a packed row under a sliding window: both apply
+            mask = mask & window
+        out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
-        self.w1 = linear(cfg.dim, cfg.hidden_dim, device, dtype)  # gate
-        self.w2 = linear(cfg.hidden_dim, cfg.dim, device, dtype)  # down
-        self.w3 = linear(cfg.dim, cfg.hidden_dim, device, dtype)  # up
+        self.w1 = linear(cfg.dim, cfg.hidden_dim, device, dtype, cfg.mlp_bias)  # gate
+        self.w2 = linear(cfg.hidden_dim, cfg.dim, device, dtype, cfg.mlp_bias)  # down
+        self.w3 = linear(cfg.dim, cfg.hidden_dim, device, dtype, cfg.mlp_bias)  # up
         self.register_parameter("w13", None)  # a view over w1, w3 when bound adjacent (fuse_adjacent)
+        self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(self.act(self.w1(x)) * self.w3(x))
         gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-        return self.w2(F.silu(_plus_lora(self.w1, x, gate)) * _plus_lora(self.w3, x, up))
+        return self.w2(self.act(_finish(self.w1, x, gate)) * _finish(self.w3, x, up))
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm Llama block. With `checkpoint_inner` set, attention and MLP are each checkpointed
-    when a graph is built (the MLP per slice of `mlp_chunk` tokens), so the backward holds one of
-    them at a time: long sequences."""
+    """Pre-norm block `layer` of the model (its attention window is the layer's). With
+    `checkpoint_inner` set, attention and MLP are each checkpointed when a graph is built (the MLP
+    per slice of `mlp_chunk` tokens), so the backward holds one of them at a time: long sequences."""
 
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
-        self.attention = Attention(cfg, device, dtype)
+        self.attention = Attention(cfg, device, dtype, window=cfg.window(layer))
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
         self.feed_forward = FeedForward(cfg, device, dtype)
         self.checkpoint_inner = False
         self.mlp_chunk = 1024  # tokens per MLP slice under checkpoint_inner
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
+                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpoint_inner and torch.is_grad_enabled() and cache is None:
-            h = x + checkpoint(self._attention, x, rope, use_reentrant=False)
+            h = x + checkpoint(self._attention, x, rope, mask, use_reentrant=False)
             # the MLP is token-wise: checkpoint it in slices of the sequence, so its backward holds
             # one slice's (B, chunk, hidden) activations at a time
             return h + torch.cat([checkpoint(self._mlp, hc, use_reentrant=False)
                                   for hc in h.split(self.mlp_chunk, dim=1)], dim=1)
-        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def _attention(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        return self.attention(self.attention_norm(x), rope)
+    def _attention(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.attention(self.attention_norm(x), rope, mask=mask)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.feed_forward(self.ffn_norm(h))
@@ -223,6 +279,9 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.weight = base.weight
         self.weight.requires_grad_(False)
+        self.bias = base.bias  # frozen with the weight, or None
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
         self.rank, self.scale = rank, alpha / rank
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank))
@@ -243,7 +302,7 @@ class LoraLinear(nn.Module):
         return F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight, self.bias)
         return y + self.lora_update(x) if self.enabled else y
 
     def delta_weight(self) -> torch.Tensor:

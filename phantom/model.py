@@ -16,9 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from phantom.config import ModelConfig
+from phantom.config import ModelConfig, head_tensor_shapes
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
-from phantom.layers import TransformerBlock, fuse_adjacent, lora_disabled, rms_norm, rope_table, KVCache
+from phantom.layers import TransformerBlock, fuse_adjacent, lora_disabled, packed_layout, rms_norm, rope_table, \
+    KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.placement import Activations, Placement
@@ -153,6 +154,8 @@ class PhantomModel(nn.Module):
         head = store.load_head()
         head_dtype = torch.float32 if self.full else self.weight_dtype  # trained ones keep fp32 masters
         self.norm_weight = nn.Parameter(head["norm.weight"].to(self.device, head_dtype), requires_grad=self.full)
+        if self.cfg.tie_embeddings:  # the head is the embedding table: one tensor, one parameter
+            head["output.weight"] = store.load_embed()["tok_embeddings.weight"]
         self.output_weight = nn.Parameter(head["output.weight"].to(self.device, head_dtype),
                                           requires_grad=self.full)
         self.register_buffer("rope", rope_table(self.cfg, self.cfg.max_seq_len, self.device), persistent=False)
@@ -165,12 +168,14 @@ class PhantomModel(nn.Module):
         self.grad_sync = None
         self.offload = placement.offload
         if placement.offload == "none":
-            self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
+            if not self.cfg.tie_embeddings:
+                self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
             self._load_resident_blocks()
         else:
             self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype)
             self.offload = self.scheduler.offload  # what "auto" resolved to
-            self.embed_table = self._place_embed(head_dtype)
+            if not self.cfg.tie_embeddings:
+                self.embed_table = self._place_embed(head_dtype)
             keep_budget = activations.keep_budget if activations.keep_budget is not None else \
                 default_keep_budget(self.device)
             self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
@@ -178,11 +183,16 @@ class PhantomModel(nn.Module):
             if self.full:
                 self.full_ft = self._full_finetune(optim, store.path.parent / "optim")
                 self.block_optimizer = self.full_ft.optimizer
-        if self.full:
+        if self.cfg.tie_embeddings:
+            self.embed_table = self.output_weight  # one parameter: trained once, by both uses' gradients
+        elif self.full:
             self.embed_table = nn.Parameter(self.embed_table)
 
     def _check(self, placement: Placement, activations: Activations) -> Activations:
         """Refuse what cannot work together; resolve the activation choices that depend on the run."""
+        if self.full and self.store.quant is not None:
+            raise ValueError(f"{self.store.path}: a {self.store.quant.method} store is frozen: full finetuning needs the "
+                             f"16-bit weights (prepare the store without --quantize), or train LoRA on this one")
         if self.full and self.lora_cfg is not None:
             raise ValueError("full finetuning trains every weight: pass lora=None with an optim config")
         if self.full and activations.recompute == "none":
@@ -197,8 +207,8 @@ class PhantomModel(nn.Module):
 
     def _build_layers(self, activations: Activations) -> nn.ModuleList:
         """The blocks, base weights as meta placeholders (frozen unless full), LoRA applied."""
-        layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype)
-                               for _ in range(self.cfg.n_layers))
+        layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype, layer=i)
+                               for i in range(self.cfg.n_layers))
         for p in layers.parameters():
             p.requires_grad_(False)
         for i, block in enumerate(layers):
@@ -216,7 +226,7 @@ class PhantomModel(nn.Module):
         """offload="none": every block's weights on the device, in the file's layout (so frozen
         blocks run the same fused projections as streamed ones); separate tensors when trained."""
         for block_index, block in enumerate(self.layers):
-            stored = self.store.load_block(block_index)
+            stored = self.store.load_block(block_index, self.weight_dtype)  # quantized: dequantized into it
             weights = packed_empty(stored, self.weight_dtype, self.device)
             for k, v in stored.items():
                 weights[k].copy_(v)
@@ -259,8 +269,12 @@ class PhantomModel(nn.Module):
 
     # -- public API ----------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar)."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar).
+
+        segments: (B, T) example ids of packed rows (phantom.data.Packed): each example attends only to
+        itself and its positions start at 0, so a packed row computes what its examples do alone."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
@@ -269,9 +283,11 @@ class PhantomModel(nn.Module):
         if self.full and self.scheduler is not None:
             self.finish_step()  # the previous step's block updates must land before blocks are read
         h = self.embed(tokens)
-        rope = self.rope[:T]
+        rope, mask = self.rope[:T], None
+        if segments is not None:
+            rope, mask = packed_layout(self.rope, segments.to(self.device))
         with torch.autocast(**self.autocast_args()):
-            h = self.blocks(h, rope)
+            h = self.blocks(h, rope, mask=mask)
             if targets is None:
                 return F.linear(rms_norm(h, self.norm_weight, self.cfg.norm_eps), self.output_weight).float()
             if targets.shape != tokens.shape:
@@ -316,7 +332,7 @@ class PhantomModel(nn.Module):
             torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
             return
         n = self.cfg.n_params()
-        groups = [[self.embed_table, self.norm_weight, self.output_weight]]
+        groups = [list({id(p): p for p in (self.embed_table, self.norm_weight, self.output_weight)}.values())]
         if self.scheduler is None:  # resident reference: the blocks' groups are clipped here too
             groups += [list(block.parameters()) for block in self.layers]
         for group in groups:
@@ -341,7 +357,8 @@ class PhantomModel(nn.Module):
         if not self.full or self.scheduler is None:
             raise ValueError("save_full is for streamed full finetuning")
         self.full_ft.save()  # blocks and their optimizer state
-        self.store.write_head({"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach()})
+        head = {"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach()}
+        self.store.write_head({k: v for k, v in head.items() if k in head_tensor_shapes(self.cfg)})
         self.store.write_embed({"tok_embeddings.weight": self.embed_table.detach()})
 
     def save_adapter(self, out: Path | str, base_model: str = "") -> Path:
@@ -380,20 +397,23 @@ class PhantomModel(nn.Module):
         return h.to(self.device, self.weight_dtype, non_blocking=True)
 
     def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,
-               start_pos: int = 0, reference: torch.Tensor | None = None):
-        """Every block over h; with `reference`, also over that hidden state with the adapters off
-        and no autograd, block by block beside h (returns both)."""
+               start_pos: int = 0, mask: torch.Tensor | None = None, reference: torch.Tensor | None = None):
+        """Every block over h; with `reference`, also over that hidden state (the same rows) with the
+        adapters off and no autograd, block by block beside h (returns both)."""
         if self.executor is not None:
             trained = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
-            return self.executor(h, rope, trained, caches, start_pos, reference)
+            return self.executor(h, rope, trained, caches, start_pos, mask, reference)
+        split = (lambda t: t.split(self.micro_batch)) if self.micro_batch else (lambda t: (t,))
         for i, block in enumerate(self.layers):
             if caches is not None:
                 h = block(h, rope, caches[i], start_pos)
             else:
-                h = torch.cat([block(hc, rope) for hc in (h.split(self.micro_batch) if self.micro_batch else (h,))])
-            if reference is not None:
-                with torch.no_grad(), lora_disabled(block):
-                    reference = torch.cat([block(r, rope) for r in reference.split(self.micro_batch or len(reference))])
+                ropes = split(rope) if rope.dim() == 4 else [rope] * len(split(h))
+                masks = split(mask) if mask is not None else [None] * len(split(h))
+                h = torch.cat([block(hc, rc, mask=mc) for hc, rc, mc in zip(split(h), ropes, masks)])
+                if reference is not None:
+                    with torch.no_grad(), lora_disabled(block):
+                        reference = torch.cat([block(r, rc, mask=mc) for r, rc, mc in zip(split(reference), ropes, masks)])
         return h if reference is None else (h, reference)
 
 

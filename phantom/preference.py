@@ -6,6 +6,7 @@ while each block is loaded (PhantomModel.sequence_logps(reference=True)), or onc
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -21,8 +22,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 from torch.utils.data import Dataset
 
+from phantom import chat, fileio
 from phantom import data as D
-from phantom import fileio
 from phantom.layers import lora_disabled
 from phantom.tokenizer import TINY_TEXT, Tokenizer
 
@@ -124,6 +125,35 @@ def encode_pair(record: dict, tok: Tokenizer) -> tuple[list[int], list[int], lis
     return out[0], out[1], out[2]
 
 
+def pair_encoder(template: chat.ChatTemplate | None) -> Encoder:
+    """The encoder of pairs for a model: through its chat template where it has one (chat_pair),
+    else encode_pair."""
+    return encode_pair if template is None else functools.partial(chat_pair, template=template)
+
+
+def chat_pair(record: dict, tok: Tokenizer, template: chat.ChatTemplate) -> tuple[list[int], list[int], list[int]]:
+    """A pair through the model's chat template: the prompt (a string is one user message) and each
+    response as the assistant's turn, rendered and masked as phantom.chat does for SFT. The prompt
+    is the chosen conversation's tokens before its first trained one; each response runs to its last
+    trained token (the end of turn included where the template trains it)."""
+    missing = [k for k in FIELDS if k not in record]
+    if missing:
+        raise ValueError(f"a preference pair needs {', '.join(FIELDS)}; this record has no {missing[0]!r}")
+    prompt = record["prompt"]
+    messages = [{"role": "user", "content": _text(prompt, "prompt")}] if not isinstance(prompt, list) else prompt
+    out = []
+    for side in ("chosen", "rejected"):
+        text = _text(record[side], side)
+        if not text:
+            raise ValueError(f"the {side} response is empty; every pair needs two non-empty responses")
+        ids, labels = chat.encode_chat(tok, template, messages + [{"role": "assistant", "content": text}], "last")
+        trained = [k for k, lab in enumerate(labels) if lab != chat.IGNORE_INDEX]
+        if not trained:
+            raise ValueError(f"the chat template trains nothing of the {side} response")
+        out.append((ids[:trained[0]], ids[trained[0]:trained[-1] + 1]))
+    return out[0][0], out[0][1], out[1][1]
+
+
 def _text(value, field: str) -> str:
     """A field as text: a string, or the content of a list holding one assistant message."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict) and "content" in value[0]:
@@ -158,15 +188,17 @@ def load_pairs(path: Path | str | None, tok: Tokenizer, encode: Encoder = encode
         FileNotFoundError: no such file. ValueError: a record without a field, with an empty
             response or not an object (naming its line), or no records.
     """
-    if path is None:
-        records, key = enumerate(tiny_pairs(), 1), f"tiny-pairs|{tok.fingerprint}"
+    if path is None:  # text continuations, not chats: encoded as plain text whatever the model's template
+        records, key, encode = enumerate(tiny_pairs(), 1), f"tiny-pairs|{tok.fingerprint}", encode_pair
         where = "the generated pairs"
     else:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"data file {path} not found; pass --data FILE.jsonl with prompt/chosen/rejected "
                                     f"records")
-        records, key, where = D.read_records(path), D.cache_key(path, tok), str(path)
+        template = getattr(encode, "keywords", {}).get("template")  # how chats are rendered is part of the key
+        key = f"{D.cache_key(path, tok)}|{template.fingerprint if template is not None else 'plain'}"
+        records, where = D.read_records(path), str(path)
     prompts, chosen, rejected, same = [], [], [], 0
     for n, record in records:
         try:

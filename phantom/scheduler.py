@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -70,6 +70,7 @@ class Metrics:
     read_s: float = 0.0
     copy_s: float = 0.0  # CPU/MPS: copy time; CUDA: the copy stream's time by events (see copy_events)
     stall_s: float = 0.0  # training thread waiting for a block
+    dequant_s: float = 0.0  # quantized stores: loader time dequantizing (CUDA: queueing it on the copy stream)
     copy_events: list = field(default_factory=list)  # CUDA: (start, end, bytes) of copies not yet counted
 
     def as_dict(self) -> dict:
@@ -205,7 +206,7 @@ class BlockScheduler:
         self.n_blocks = store.n_blocks
         self.dtype = dtype or store.dtype
         cpu = self.device.type == "cpu"
-        self._zero_copy = cpu and self.dtype == store.dtype and zero_copy is not False
+        self._zero_copy = cpu and self.dtype == store.dtype and zero_copy is not False and store.quant is None
         nbytes = store.block_nbytes
         self.placement = placement  # as asked; `tiers` and `offload` say what it resolved to
         self.tiers = self._choose_tiers(placement, cpu)
@@ -250,9 +251,14 @@ class BlockScheduler:
     def _choose_tiers(self, placement: Placement, cpu: bool) -> tuple[str, ...]:
         """Each block's tier by budget (phantom.placement.assign_tiers), from measured free memory."""
         tier_bytes = self.store.block_nbytes * max(1, self.dtype.itemsize // self.store.dtype.itemsize)
-        free_host = free_host_bytes()
-        tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device_bytes(self.device), free_host,
-                             zero_copy=cpu)
+        free_host, free_device = free_host_bytes(), free_device_bytes(self.device)
+        if self.store.quant is not None:  # RAM holds the stored bytes, the device dequantized blocks
+            tier_bytes = self.store.block_nbytes
+            dense = -(-self.store.dense_nbytes * self.dtype.itemsize // self.store.dtype.itemsize // tier_bytes)
+            free_device = free_device // dense if free_device is not None else None
+            if placement.device_budget is not None:
+                placement = replace(placement, device_budget=placement.device_budget // dense)
+        tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device, free_host, zero_copy=cpu)
         ram_cap = placement.ram_budget if placement.ram_budget is not None else default_ram_budget(free_host)
         if placement.offload == "auto" and "disk" in tiers and ram_cap is not None and ram_cap < tier_bytes:
             log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "
@@ -310,7 +316,9 @@ class BlockScheduler:
             host = HostBuffer(self._stride, self._pin) if needs_staging else None
             staging = host.tensor[:nbytes] if host is not None else None
         converted = None
-        if self.dtype != self.store.dtype:
+        if self.store.quant is not None:  # dequantized into here, in a 16-bit block's layout
+            converted = self.store.dense_empty(self.dtype, self.device)
+        elif self.dtype != self.store.dtype:
             converted = packed_empty(self.store.block_views(buf), self.dtype, self.device)
         return Slot(buf=buf, staging=staging, converted=converted, host=host)
 
@@ -562,7 +570,7 @@ class BlockScheduler:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self._copy_stream)
                 slot.buf.copy_(src, non_blocking=True)
-                self._convert(slot)
+                self._convert(slot, block)
                 slot.ready_event = torch.cuda.Event(enable_timing=True)
                 slot.ready_event.record(self._copy_stream)
             with self._cv:
@@ -573,7 +581,7 @@ class BlockScheduler:
         else:
             if src is not slot.buf:
                 slot.buf.copy_(src)
-            self._convert(slot)
+            self._convert(slot, block)
             if self.device.type == "mps":
                 torch.mps.synchronize()
         t1 = time.perf_counter()
@@ -586,7 +594,17 @@ class BlockScheduler:
             self.tracer.span("copy", f"copy {block}", t0, t1, bytes=slot.buf.numel())
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf)
 
-    def _convert(self, slot: Slot) -> None:
+    def _convert(self, slot: Slot, block: int) -> None:
+        """The slot's block into the compute dtype: a dtype conversion, or a quantized block
+        dequantized (on the device after the copy; on a CPU here, in the loader thread)."""
+        if self.store.quant is not None:
+            t0 = time.perf_counter()
+            self.store.dequantize_block(block, self.store.block_views(slot.buf), slot.converted)
+            t1 = time.perf_counter()
+            with self._cv:
+                self.metrics.dequant_s += t1 - t0
+            self.tracer.span("dequant", f"dequant {block}", t0, t1)
+            return
         if slot.converted is not None:
             for k, v in self.store.block_views(slot.buf).items():
                 slot.converted[k].copy_(v)

@@ -26,7 +26,8 @@ import torch
 
 from phantom.config import (FUSED_PROJECTIONS, ModelConfig, block_tensor_shapes, embed_tensor_shapes,
                             head_tensor_shapes)
-from phantom import faults, fileio
+from phantom import faults, fileio, quant
+from phantom.quant import QuantError, QuantFormat
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +254,9 @@ def read_header(path: Path) -> tuple[list[TensorSpec], int]:
     return sorted(specs, key=lambda s: s.start), data_start
 
 
-def check_specs(path: Path, specs: list[TensorSpec], expected: dict[str, tuple[int, ...]], dtype: torch.dtype):
+def check_specs(path: Path, specs: list[TensorSpec], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                dtypes: dict[str, torch.dtype] | None = None):
+    """Refuse a file whose tensors are not expected's names and shapes, each in dtype (or dtypes[name])."""
     got = {s.name: s.shape for s in specs}
     if got != expected:
         missing = sorted(set(expected) - set(got))
@@ -262,9 +265,10 @@ def check_specs(path: Path, specs: list[TensorSpec], expected: dict[str, tuple[i
         detail = "; ".join(x for x in (missing and f"missing {missing}", extra and f"unexpected {extra}",
                                        wrong and f"wrong shape {[(n, got[n], expected[n]) for n in wrong]}") if x)
         raise StoreError(f"{path}: tensors do not match the model config ({detail})")
-    bad = [s.name for s in specs if s.dtype != dtype]
+    bad = [s.name for s in specs if s.dtype != (dtypes or {}).get(s.name, dtype)]
     if bad:
-        raise StoreError(f"{path}: tensors {bad} are not {dtype_name(dtype)} as the manifest says")
+        want = sorted({dtype_name((dtypes or {}).get(n, dtype)) for n in bad})
+        raise StoreError(f"{path}: tensors {bad} are not {'/'.join(want)} as the manifest says")
 
 
 def views(buf: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
@@ -422,8 +426,12 @@ class StoreWriter:
     failed conversion leaves nothing behind.
     """
 
-    def __init__(self, out: Path, cfg: ModelConfig, dtype: torch.dtype, overwrite: bool = False):
-        self.out, self.cfg, self.dtype, self.overwrite = Path(out), cfg, dtype, overwrite
+    def __init__(self, out: Path, cfg: ModelConfig, dtype: torch.dtype, overwrite: bool = False,
+                 quant: QuantFormat | None = None):
+        self.out, self.cfg, self.dtype, self.overwrite, self.quant = Path(out), cfg, dtype, overwrite, quant
+        if quant is not None and dtype.itemsize != 2:
+            raise ValueError(f"a quantized store keeps norms, embedding and head in 16 bits: use --dtype bf16 or fp16, "
+                             f"not {dtype_name(dtype)}")
         if self.out.exists() and not overwrite:
             raise FileExistsError(f"{self.out} already exists; remove it or choose another --out")
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -445,7 +453,10 @@ class StoreWriter:
         got = {k: tuple(v.shape) for k, v in tensors.items()}
         if got != expected:
             raise ValueError(f"{rel}: tensors {got} do not match the config's {expected}")
-        tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
+        if self.quant is not None and rel.startswith("blocks/"):
+            tensors = quant.quantize_block(self.quant, tensors, self.dtype)
+        else:
+            tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
         self.files[rel] = write_safetensors(self.tmp / rel, tensors)
 
     def write_embed(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -468,6 +479,8 @@ class StoreWriter:
             copied: name -> tensor: the rest (e.g. rows that needed a permutation), written into the store
                 as rel's ".local.safetensors" and linked from there.
         """
+        if self.quant is not None:
+            raise ValueError(f"{rel}: a quantized store is a copy; it cannot link the checkpoint's files")
         got = {**{k: tuple(v[3]) for k, v in located.items()}, **{k: tuple(v.shape) for k, v in copied.items()}}
         if got != expected or len(got) != len(located) + len(copied):
             raise ValueError(f"{rel}: tensors {got} do not match the config's {expected}")
@@ -507,7 +520,9 @@ class StoreWriter:
             raise ValueError(f"store incomplete: {missing[:3]} not written")
         manifest = {"format": FORMAT, "version": VERSION, "config": self.cfg.to_dict(),
                     "dtype": dtype_name(self.dtype), "tokenizer": self.tokenizer, "files": self.files,
-                    **({"links": self.links} if self.links["files"] else {}), **(extra or {})}
+                    **({"links": self.links} if self.links["files"] else {}),
+                    **({"quantization": quant_record(self.quant, self.cfg, self.dtype)} if self.quant else {}),
+                    **(extra or {})}
         atomic_write_json(self.tmp / MANIFEST, manifest)
         fsync_dir(self.tmp / "blocks")
         if self.out.exists():  # overwrite: move the old store aside only once the new one is complete
@@ -520,6 +535,14 @@ class StoreWriter:
             os.replace(self.tmp, self.out)
         fsync_dir(self.out.parent)
         return self.out
+
+
+def quant_record(fmt: QuantFormat, cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """The manifest's "quantization" record: the format, and how each block tensor is stored (the
+    method's name for a quantized weight, the store's dtype for the rest). Embedding and head are
+    always in the store's dtype."""
+    return {**fmt.record(), "tensors": {n: fmt.method if quant.quantized(n, shape) else dtype_name(dtype)
+                                        for n, shape in block_tensor_shapes(cfg).items()}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -574,10 +597,14 @@ class BlockStore:
         self._verified: set[str] = set()
         self._link_sources: dict[str, Path] = {}
         self._manifest_lock = threading.Lock()
+        self.quant = self._quant_format()
         self.embed = self._entry("embed.safetensors", embed_tensor_shapes(self.cfg))
         self.head = self._entry("head.safetensors", head_tensor_shapes(self.cfg))
-        shapes = block_tensor_shapes(self.cfg)
-        self.blocks = [self._entry(block_file(i), shapes) for i in range(self.cfg.n_layers)]
+        shapes, dtypes = block_tensor_shapes(self.cfg), None
+        if self.quant is not None:
+            layout = quant.block_layout(self.quant, shapes, self.dtype)
+            shapes, dtypes = {n: s for n, (s, _) in layout.items()}, {n: d for n, (_, d) in layout.items()}
+        self.blocks = [self._entry(block_file(i), shapes, dtypes) for i in range(self.cfg.n_layers)]
         layouts = {tuple((s.name, s.start, s.end) for s in b.specs) for b in self.blocks}
         if len(layouts) != 1:
             raise StoreError(f"{self.path}: block files do not share one tensor layout")
@@ -591,14 +618,58 @@ class BlockStore:
     def n_blocks(self) -> int:
         return self.cfg.n_layers
 
+    def _quant_format(self) -> QuantFormat | None:
+        """The manifest's "quantization" record, checked against the model (None: a 16-bit store)."""
+        rec = self.manifest.get("quantization")
+        if rec is None:
+            return None
+        mpath = self.path / MANIFEST
+        try:
+            if not isinstance(rec, dict):
+                raise QuantError("not a JSON object")
+            fmt = QuantFormat.from_record(rec)
+        except QuantError as e:
+            raise StoreError(f"{mpath}: bad quantization record ({e}); re-create the store") from None
+        if self.dtype.itemsize != 2:
+            raise StoreError(f"{mpath}: a quantized store keeps its other tensors in 16 bits, not {self.manifest['dtype']}")
+        expected = quant_record(fmt, self.cfg, self.dtype)["tensors"]
+        if rec.get("tensors") != expected:
+            raise StoreError(f"{mpath}: the quantization record's tensors {rec.get('tensors')!r:.200} do not match "
+                             f"a {fmt.method} store of this model ({expected!r:.200}); re-create the store")
+        return fmt
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of one block's weights in the store's dtype (= block_nbytes unless quantized)."""
+        return sum(math.prod(s) for s in block_tensor_shapes(self.cfg).values()) * self.dtype.itemsize
+
+    def dense_empty(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Uninitialized dense block tensors, back to back in the order a 16-bit store lays them out
+        (so the fused projection groups are adjacent, layers.fuse_adjacent): what a quantized block is
+        dequantized into."""
+        shapes = block_tensor_shapes(self.cfg)
+        order = tensor_order({n: self.dtype.itemsize for n in shapes})
+        return packed_empty({n: torch.empty(shapes[n], device="meta") for n in order}, dtype, device)
+
+    def dequantize_block(self, i: int, stored: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+        """Block i's stored views (quantized) into out's dense tensors; scales no quantizer writes are
+        refused naming the file."""
+        try:
+            quant.dequantize_block(self.quant, stored, out)
+        except QuantError as e:
+            raise StoreError(f"{self.blocks[i].path}: {e}; re-create the store") from None
+
     @property
     def tokenizer_path(self) -> Path | None:
         name = self.manifest.get("tokenizer")
         return safe_join(self.path, name) if name else None
 
-    def _entry(self, rel: str, expected: dict[str, tuple[int, ...]]) -> FileEntry:
+    def _entry(self, rel: str, expected: dict[str, tuple[int, ...]],
+               dtypes: dict[str, torch.dtype] | None = None) -> FileEntry:
         files = self.manifest.get("files", {})
         if rel not in files and rel in self.manifest.get("links", {}).get("files", {}):
+            if dtypes is not None:
+                raise StoreError(f"{self.path / MANIFEST}: {rel} is linked, but a quantized store holds its own blocks")
             return self._linked_entry(rel, expected)
         if rel not in files:
             raise StoreError(f"{self.path}: manifest lists no {rel}")
@@ -611,7 +682,7 @@ class BlockStore:
             raise StoreError(f"{path}: size {size} differs from the manifest's {info.get('size')} "
                              f"(truncated or modified)")
         specs, data_start = read_header(path)
-        check_specs(path, specs, expected, self.dtype)
+        check_specs(path, specs, expected, self.dtype, dtypes)
         return FileEntry(path, specs, data_start, size - data_start, info.get("sha256", ""),
                          crc=self._crc_record(rel, info, size - data_start, header=True))
 
@@ -794,8 +865,15 @@ class BlockStore:
     def load_embed(self) -> dict[str, torch.Tensor]:
         return self._load(self.embed)
 
-    def load_block(self, i: int) -> dict[str, torch.Tensor]:
-        return self._load(self.blocks[i])
+    def load_block(self, i: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Block i's weights in the store's dtype; a quantized block dequantized (into dtype if given: the
+        values a run in that dtype computes with), in dense_empty's layout."""
+        stored = self._load(self.blocks[i])
+        if self.quant is None:
+            return stored
+        out = self.dense_empty(dtype or self.dtype)
+        self.dequantize_block(i, stored, out)
+        return out
 
     def mmap_embed(self) -> torch.Tensor:
         """The embedding table memory-mapped from disk: a lookup touches only the rows it needs."""
@@ -810,6 +888,8 @@ class BlockStore:
 
     def _rewrite(self, rel: str, tensors: dict[str, torch.Tensor]) -> FileEntry:
         """Replace one file atomically with new values of the same tensors; update the manifest."""
+        if self.quant is not None:
+            raise ValueError(f"{self.path}: a quantized store's weights are frozen (not rewritten)")
         old = next(e for e in [self.embed, self.head, *self.blocks] if e.path == safe_join(self.path, rel))
         got = {k: tuple(v.shape) for k, v in tensors.items()}
         if got != {s.name: s.shape for s in old.specs}:

@@ -146,7 +146,7 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
 # -- steps, eval, samples -----------------------------------------------------------------------
 
 def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-               sync=None, loss_fn=None) -> tuple[float, float | None]:
+               sync=None, segments: torch.Tensor | None = None, loss_fn=None) -> tuple[float, float | None]:
     """One optimizer step over a (K * B, T) batch; returns (loss, grad norm).
 
     LoRA: the update is skipped if the loss or the gradient norm is not finite, leaving the weights as
@@ -158,7 +158,7 @@ def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainCo
     full = getattr(model, "full", False)
     if full:
         model.set_lr(opt.param_groups[0]["lr"])
-    loss = model(x, targets=y) if loss_fn is None else loss_fn(model, x, y)
+    loss = model(x, targets=y, **packing(segments)) if loss_fn is None else loss_fn(model, x, y)
     if not torch.isfinite(loss):
         return loss.item(), None
     loss.backward()
@@ -188,14 +188,19 @@ def evaluate(model, ds, rows: int, iters: int) -> dict:
     model.eval()
     n = min(ds.n_sequential, rows * iters)
     for i in range(0, n, rows):
-        x, y = (torch.stack(t) for t in zip(*(ds[_seq_index(ds, j)] for j in range(i, min(i + rows, n)))))
+        x, y, *seg = (torch.stack(t) for t in zip(*(ds[_seq_index(ds, j)] for j in range(i, min(i + rows, n)))))
         k = int((y != D.IGNORE_INDEX).sum())
         if k:
-            total += float(model(x, targets=y)) * k
+            total += float(model(x, targets=y, **packing(*seg))) * k
             count += k
     model.train(was_training)
     loss = total / max(count, 1)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+
+
+def packing(segments: torch.Tensor | None = None) -> dict:
+    """The model's segments argument for packed rows (none for windows of text)."""
+    return {"segments": segments} if segments is not None else {}
 
 
 def _seq_index(ds, j: int) -> int:
@@ -234,6 +239,11 @@ def weights_fingerprint(model, mode: str) -> str | None:
     store = getattr(model, "store", None)
     if mode not in ("lora", "dpo") or store is None:
         return None
+    return store_fingerprint(store)
+
+
+def store_fingerprint(store) -> str:
+    """sha256 over a store manifest's per-file sha256s: which weights these are."""
     files = {**store.manifest.get("files", {}), **store.manifest.get("links", {}).get("files", {})}
     listing = sorted((rel, str(info.get("sha256", ""))) for rel, info in files.items())
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
@@ -501,10 +511,15 @@ class Run:
     objective: object = None  # preference training: phantom.preference.Preference (None: cross-entropy)
     n_tokens: float = 0.0  # target tokens (pairs) of this rank's rows in the step (data parallel weighting)
     step_times: list = dataclasses.field(default_factory=list)
+    sinks: tuple = ()  # rank 0: callables given each record written to metrics.jsonl
+
+    def emit(self, rec: dict) -> None:
+        for sink in self.sinks:
+            sink(rec)
 
 
 def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, cfg: TrainConfig = TrainConfig(),
-          tokenizer=None) -> dict:
+          tokenizer=None, sinks: tuple = ()) -> dict:
     """Finetune `model` on `train_data`; write adapter/, checkpoint/ and metrics.jsonl into cfg.out.
 
     Args:
@@ -512,6 +527,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         train_data, val_data: from phantom.data.load (and split); val_data None: no evaluation.
         cfg: the run's settings.
         tokenizer: needed for samples (cfg.sample_every); its pad id pads packed rows.
+        sinks: callables given each record as it is written to metrics.jsonl on rank 0 (experiment
+            trackers); they must not raise (phantom.trackers.Reporter warns and drops a failing one).
 
     Returns:
         A summary: status ("done", "interrupted" or "nan"), steps, tokens, time_s, final_loss,
@@ -522,7 +539,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         ValueError: data shorter than one sequence, or --resume from another run's checkpoint.
         FileNotFoundError: --resume with no checkpoint in cfg.out.
     """
-    run, ddp = start_run(model, train_data, val_data, cfg, tokenizer), pdist.current()
+    run, ddp = start_run(model, train_data, val_data, cfg, tokenizer, sinks), pdist.current()
     sync = None
     if ddp.enabled:  # gradients averaged by target tokens, so N ranks give the global batch's gradient
         sync = lambda: pdist.average_gradients(model.trainable_parameters(), run.n_tokens)  # noqa: E731
@@ -536,15 +553,16 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     with StopFlag().installed() as stop, fileio.RecordLog(run.metrics_path) as mfile:
         while step < cfg.iters:
             t0 = time.perf_counter()
-            batch = next(run.batches)  # (x, y), or preference pairs (x, y, reference log-probabilities)
+            batch = next(run.batches)  # (x, y), packed rows (x, y, segment ids) or pairs (x, y, reference)
             if ddp.enabled:  # every rank draws the same global batch and keeps its own rows (or pairs)
                 batch = [t[ddp.rank * run.rows:(ddp.rank + 1) * run.rows] for t in batch]
                 run.n_tokens = float(len(batch[0]) if run.objective else (batch[1] != D.IGNORE_INDEX).sum())
             t_data = time.perf_counter()
             x, y = (t.to(model.device, non_blocking=True) for t in batch[:2])
             loss_fn = functools.partial(run.objective, ref=batch[2]) if run.objective else None
+            seg = batch[2:] if not run.objective else []
             lr = run.opt.param_groups[0]["lr"]
-            loss, norm = train_step(model, run.opt, run.sched, x, y, cfg, sync, loss_fn)
+            loss, norm = train_step(model, run.opt, run.sched, x, y, cfg, sync, *seg, loss_fn=loss_fn)
             step, dt = step + 1, time.perf_counter() - t0
             n = x.numel() * ddp.world_size
             tokens += n
@@ -554,6 +572,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 status = "nan"
                 mfile.append(to_json(rec))
+                run.emit(rec)
                 break
             after_step(run, rec, mfile, bar, last=step == cfg.iters or stop.set)
             sched_metrics()  # the eval's, sample's and checkpoint's block traffic is not the next step's
@@ -569,7 +588,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     return {**summary, **finish(run.out, model, cfg, status, step, loss)}
 
 
-def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg: TrainConfig, tokenizer) -> Run:
+def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg: TrainConfig, tokenizer,
+              sinks: tuple = ()) -> Run:
     """Check what can be checked before any work, then the optimizer, the resumed state, the metrics
     file (cut back to the checkpoint's step) and the batches from where the run stands."""
     out = Path(cfg.out)
@@ -582,8 +602,8 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     pad = tokenizer.eos_id if tokenizer is not None else 0
     objective = Preference(cfg.preference) if cfg.mode == "dpo" else None
     if objective is None:
-        train_ds = D.rows(train_data, cfg.seq_len, pad, "training data")
-        val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data") if val_data is not None else None
+        train_ds = D.rows(train_data, cfg.seq_len, pad, "training data", segments=True)
+        val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data", segments=True) if val_data is not None else None
     rows = cfg.batch_size * cfg.grad_accum  # pairs in preference training
     micro = cfg.batch_size * (2 if objective else 1)
     if cfg.grad_accum > 1 and model.micro_batch != micro:
@@ -609,8 +629,11 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
         fileio.atomic_write_text(metrics_path, "".join(to_json(r) for r in history))
     batches = iter(D.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
                             pin_memory=model.device.type == "cuda"))
-    return Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path,
-               objective)
+    run = Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path,
+              objective=objective, sinks=tuple(sinks) if ddp.is_main else ())
+    if history and start == 0:
+        run.emit(history[-1])  # the eval before training (a resumed run's earlier records were sent already)
+    return run
 
 
 def preference_rows(model, train_data, val_data, cfg: TrainConfig, pad: int, out: Path, identity: dict):
@@ -670,6 +693,7 @@ def after_step(run: Run, rec: dict, mfile: fileio.RecordLog, bar, last: bool) ->
         if msg := cfg.check_step(sorted(run.step_times[1:4])[1]):
             log.warning(msg)
     mfile.append(to_json(rec))
+    run.emit(rec)
     faults.point("metrics.write")  # crash tests: a step logged, its checkpoint not yet written
     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                     stall=f"{100 * rec['stall_frac']:.0f}%", **tier_postfix(rec), **preference_postfix(rec),

@@ -12,6 +12,11 @@ notes/bench-<device>.md with the command line and the machine.
 sweeps prefetch depth x micro-batch, then runs the tuner's choice (phantom.tune, searching the
 swept tiers and recompute policies with no resident blocks) and prints each row's predicted step.
 
+    python scripts/bench.py --modes resident+leaky,resident+mask,disk+leaky,disk+mask --packed 8
+
+packs 8 examples into each row, stepping with the document mask (segment ids: block-diagonal causal
+attention, positions from 0 per example) or without it (the leaky plain causal mask), side by side.
+
     OMP_NUM_THREADS=1 python scripts/bench.py --modes diskread --dim 1024 --layers 12 --vocab 1024 --batch-size 1 --seq-len 8
 
 (alone) races the disk tier's first pass (crc32 checked) against raw O_DIRECT reads of the same
@@ -106,6 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile blocks")
     p.add_argument("--device-budget", default=None, help="bytes for resident blocks in mode auto (e.g. 20G)")
     p.add_argument("--ram-budget", default=None, help="bytes of RAM tier in mode auto (e.g. 8G)")
+    p.add_argument("--packed", type=int, default=8, help="modes suffixed +mask or +leaky (e.g. disk+mask): each row "
+                   "packs this many examples, with the document mask (segment ids) or without (default: 8)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -238,6 +245,7 @@ def step_flops(cfg, batch: int, seq: int, recompute: str) -> float:
 def worker(args) -> dict:
     """One mode in this process: warm-up step, timed steps, metrics."""
     mode, recompute, micro, prefetch = args.worker.split(":")
+    mode, _, packing = mode.partition("+")  # +mask / +leaky: packed rows with or without the document mask
     if mode == "hf-peft":
         return hf_worker(args)
     if mode == "fsdp-offload":
@@ -266,7 +274,10 @@ def worker(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
     x, y = tokens[:, :-1].to(model.device), tokens[:, 1:].to(model.device)
-    loss_of = lambda: model(x, targets=y)  # noqa: E731
+    packed = {}
+    if packing == "mask":  # args.packed examples of equal length per row
+        packed["segments"] = (torch.arange(args.seq_len) * args.packed // args.seq_len).expand(args.batch_size, -1)
+    loss_of = lambda: model(x, targets=y, **packed)  # noqa: E731
     if args.train == "dpo":  # the same rows as pairs: row 2i chosen, 2i + 1 rejected
         objective = Preference(PreferenceConfig())
         loss_of = lambda: objective(model, x.view(-1, 2, args.seq_len), y.view(-1, 2, args.seq_len))  # noqa: E731
@@ -312,7 +323,7 @@ def worker(args) -> dict:
 def run_worker(spec: str, argv, args, train: str = "lora") -> tuple:
     """One configuration (mode:recompute:micro:prefetch) in its own process; (mode, rc, micro, K, result)."""
     mode, recompute, micro, k = spec.split(":")
-    recompute = MODES.get(mode, {}).get("recompute", recompute)  # naive always reruns the forward
+    recompute = MODES.get(mode.partition("+")[0], {}).get("recompute", recompute)  # naive always reruns the forward
     cmd = [sys.executable, __file__, "--worker", spec] + \
           [a for a in (argv if argv is not None else sys.argv[1:]) if a] + ["--store", args.store, "--train", train]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -331,7 +342,7 @@ def bench_shape(store: BlockStore, args) -> cm.Shape:
 
 def predicted(profile: cm.MachineProfile, mode: str, recompute: str, micro: str, k: str, store, args) -> float:
     """The cost model's step time for one streamed row of the table."""
-    kw = MODES[mode.removeprefix("tuned-")]
+    kw = MODES[mode.removeprefix("tuned-").partition("+")[0]]
     placement = phantom.Placement(offload=kw["offload"], prefetch=kw.get("prefetch", int(k) if k != "-" else 0),
                                   resident=0)
     acts = phantom.Activations(recompute=kw.get("recompute", recompute),
@@ -710,7 +721,7 @@ def main(argv=None):
                                 continue
                         if mode in ("resident", *PEERS, "h2d", "matmul", "naive") and recompute != policies[0]:
                             continue  # resident has no recompute policy: one row is enough
-                        for k in (args.prefetch.split(",") if mode in ("ram", "disk", "auto") else ["-"]):
+                        for k in (args.prefetch.split(",") if mode.partition("+")[0] in ("ram", "disk", "auto") else ["-"]):
                             rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args, train))
         rows = fastest_of_rounds(rows)
         if profile is not None:

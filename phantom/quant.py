@@ -1,0 +1,257 @@
+"""Quantized base weights: NF4 (QLoRA's 4-bit NormalFloat) and int8 with one scale per output channel.
+
+A quantized store keeps each linear weight as codes plus scales; the scheduler moves those bytes and
+dequantizes a block into the compute dtype where it is used. Both formats are bitsandbytes' value for
+value (tests/test_quant.py checks codes, scales and dequantized weights against it bit for bit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+METHODS = ("nf4", "int8")
+CHUNK = 1 << 22  # values dequantized per piece: bounds the temporaries (a multiple of every block size)
+
+# QLoRA's NF4 levels as bitsandbytes stores them (float32), code k for k = 0..15.
+NF4_CODE = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0], dtype=torch.float32)
+# Each packed byte (first value in the high nibble) to its two levels: one gather per byte.
+NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=1)
+
+
+def dynamic_map() -> torch.Tensor:
+    """bitsandbytes' signed 8-bit dynamic map (create_dynamic_map(True, 7, 8)): double quantization's codes."""
+    data = []
+    for i in range(7):
+        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist() + ((-(10 ** (-6 + i))) * means).tolist()
+    data += [0, 1.0]
+    return torch.tensor(sorted(data + [0] * (256 - len(data))), dtype=torch.float32)
+
+
+DYNAMIC_CODE = dynamic_map()
+
+
+class QuantError(ValueError):
+    """Quantized tensors that do not match their record, or scales no quantizer writes."""
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How a store's linear weights are stored: the manifest's "quantization" record, less its tensors.
+
+    nf4: 4-bit codes of `blocksize` consecutive values per absmax scale (row-major, as bitsandbytes'
+    quantize_4bit); with double_quant the fp32 scales are themselves stored as 8-bit dynamic codes of
+    `absmax_blocksize` scales each, an fp32 scale per group and one fp32 offset (QLoRA's "double
+    quantization"). int8: LLM.int8's row-wise absmax, round(w * 127 / absmax) in [-127, 127].
+    """
+
+    method: str
+    blocksize: int = 64
+    double_quant: bool = True
+    absmax_blocksize: int = 256
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise QuantError(f"unknown quantization {self.method!r}; use one of {', '.join(METHODS)}")
+        if self.method == "nf4" and (self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096)
+                                     or self.absmax_blocksize != 256):
+            raise QuantError(f"nf4 needs a block size of 32..4096 (a power of two) and 256 scales per "
+                             f"double-quantized group, not {self.blocksize} and {self.absmax_blocksize}")
+
+    def record(self) -> dict:
+        if self.method == "int8":
+            return {"method": "int8"}
+        return {"method": "nf4", "blocksize": self.blocksize, "double_quant": self.double_quant,
+                "absmax_blocksize": self.absmax_blocksize}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "QuantFormat":
+        try:
+            if rec["method"] == "int8":
+                if set(rec) - {"method", "tensors"}:
+                    raise QuantError(f"int8 takes no settings, got {sorted(set(rec) - {'method', 'tensors'})}")
+                return cls("int8")
+            return cls(rec["method"], int(rec["blocksize"]), bool(rec["double_quant"]), int(rec["absmax_blocksize"]))
+        except (KeyError, TypeError) as e:
+            raise QuantError(f"bad quantization record ({type(e).__name__}: {e})") from None
+
+
+def quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Which tensors of a block are quantized: the linear weights (matrices); norms stay 16-bit."""
+    return len(shape) == 2
+
+
+def stored_layout(fmt: QuantFormat, name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors (name -> shape, dtype) a quantized weight of `shape` is stored as."""
+    n = shape[0] * shape[1]
+    if fmt.method == "int8":
+        return {f"{name}.int8": (tuple(shape), torch.int8), f"{name}.absmax": ((shape[0],), torch.float32)}
+    blocks = -(-n // fmt.blocksize)
+    out = {f"{name}.nf4": (((n + 1) // 2,), torch.uint8)}
+    if not fmt.double_quant:
+        return {**out, f"{name}.absmax": ((blocks,), torch.float32)}
+    return {**out, f"{name}.absmax": ((blocks,), torch.uint8),
+            f"{name}.absmax2": ((-(-blocks // fmt.absmax_blocksize),), torch.float32),
+            f"{name}.offset": ((1,), torch.float32)}
+
+
+def block_layout(fmt: QuantFormat, shapes: dict[str, tuple[int, ...]],
+                 dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """A block's stored tensors: each quantized weight's parts, the rest as they are in `dtype`."""
+    out = {}
+    for name, shape in shapes.items():
+        out.update(stored_layout(fmt, name, shape) if quantized(name, shape) else {name: (tuple(shape), dtype)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing (prepare time)
+
+def _absmax_scaled(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block absmax of fp32 values and the values scaled into [-1, 1], as bitsandbytes computes
+    them: full blocks multiply by the reciprocal, a last partial block divides."""
+    n = flat.numel()
+    full = n - n % blocksize
+    blocks = flat[:full].view(-1, blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38).view(-1, 1)), -1, 1).reshape(-1)
+    if full < n:
+        am = flat[full:].abs().max().clamp(min=1e-38)
+        absmax = torch.cat([absmax, flat[full:].abs().max().unsqueeze(0)])
+        scaled = torch.cat([scaled, torch.clamp(flat[full:] / am, -1, 1)])
+    return absmax, scaled
+
+
+def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest level of a sorted code (ties up), as uint8.
+
+    bitsandbytes' CPU kernel for the 8-bit scales of double quantization looks the nearest level up in
+    a table over 65536 points of [-1, 1] instead: it picks the other neighbour for a value within
+    1/65535 of a midpoint (a few in a thousand scales). Its CUDA kernel and its torch kernel, and this,
+    pick the nearest."""
+    return torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+
+
+def quantize_nf4(w: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
+    """A weight's NF4 parts ({"nf4", "absmax"[, "absmax2", "offset"]}), in pieces of CHUNK values."""
+    flat = w.reshape(-1)
+    packed, absmax = torch.empty((flat.numel() + 1) // 2, dtype=torch.uint8), []
+    for a in range(0, flat.numel(), CHUNK):
+        am, scaled = _absmax_scaled(flat[a:a + CHUNK].float(), fmt.blocksize)
+        codes = _nearest(scaled, NF4_CODE)
+        if codes.numel() % 2:  # an odd count: the last byte's low nibble encodes 0.0, as bitsandbytes pads
+            codes = torch.cat([codes, _nearest(torch.zeros(1), NF4_CODE)])
+        packed[a // 2:a // 2 + codes.numel() // 2] = (codes[::2] << 4) | codes[1::2]
+        absmax.append(am)
+    absmax = torch.cat(absmax)
+    if not fmt.double_quant:
+        return {"nf4": packed, "absmax": absmax}
+    offset = absmax.mean()
+    absmax2, scaled = _absmax_scaled(absmax - offset, fmt.absmax_blocksize)
+    return {"nf4": packed, "absmax": _nearest(scaled, DYNAMIC_CODE), "absmax2": absmax2, "offset": offset.view(1)}
+
+
+def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A weight's int8 parts: round(w * 127 / absmax) per output row, and the rows' fp32 absmax."""
+    absmax = w.abs().amax(dim=1).float()
+    return {"int8": torch.round(w * (127.0 / absmax.unsqueeze(1))).to(torch.int8), "absmax": absmax}
+
+
+def quantize_block(fmt: QuantFormat, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A block's stored tensors: its linear weights quantized (from their values in `dtype`), the
+    rest in `dtype`."""
+    out = {}
+    for name, t in tensors.items():
+        if not quantized(name, tuple(t.shape)):
+            out[name] = t.to(dtype)
+            continue
+        t = t.to(dtype)  # quantize what a 16-bit store would have held
+        parts = quantize_int8(t) if fmt.method == "int8" else quantize_nf4(t, fmt)
+        out.update({f"{name}.{k}": v for k, v in parts.items()})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantizing (each time a block is used)
+
+def check_scales(name: str, scales: torch.Tensor) -> None:
+    """Scales a quantizer writes are finite and >= 0; anything else was not written by one."""
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise QuantError(f"{name}: scales that are negative or not finite (tampered or corrupt)")
+
+
+def nf4_absmax(fmt: QuantFormat, parts: dict[str, torch.Tensor], name: str = "weight") -> torch.Tensor:
+    """A weight's fp32 block scales (double quantization undone as bitsandbytes does: code * scale + offset)."""
+    if not fmt.double_quant:
+        check_scales(f"{name}.absmax", parts["absmax"])
+        return parts["absmax"]
+    check_scales(f"{name}.absmax2", parts["absmax2"])
+    check_scales(f"{name}.offset", parts["offset"].abs())
+    q, scale = parts["absmax"], parts["absmax2"]
+    code = DYNAMIC_CODE.to(q.device)
+    n = q.numel()
+    full = n - n % fmt.absmax_blocksize
+    out = torch.empty(n, dtype=torch.float32, device=q.device)
+    out[:full] = (code[q[:full].int()].view(-1, fmt.absmax_blocksize) * scale[:full // fmt.absmax_blocksize, None]).view(-1)
+    if full < n:
+        out[full:] = code[q[full:].int()] * scale[-1]
+    return out.add_(parts["offset"])
+
+
+def dequantize_nf4_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch.Tensor,
+                        name: str = "weight") -> torch.Tensor:
+    """out (any float dtype, contiguous) = the weight: level * block scale in fp32, then rounded to
+    out's dtype. One gather per packed byte and one multiply per value, CHUNK values at a time."""
+    absmax = nf4_absmax(fmt, parts, name)
+    codes, flat, bs = parts["nf4"], out.view(-1), fmt.blocksize
+    pairs = NF4_PAIRS.to(codes.device)
+    n = flat.numel()
+    for a in range(0, n, CHUNK):
+        b = min(a + CHUNK, n)
+        vals = pairs.index_select(0, codes[a // 2:(b + 1) // 2].int()).view(-1)[:b - a]
+        nb, rem = (b - a) // bs, (b - a) % bs
+        dst = flat[a:b]
+        if nb:
+            scale = absmax[a // bs:a // bs + nb].view(-1, 1)
+            if dst.dtype == torch.float32:
+                torch.mul(vals[:nb * bs].view(-1, bs), scale, out=dst[:nb * bs].view(-1, bs))
+            else:
+                dst[:nb * bs].view(-1, bs).copy_(vals[:nb * bs].view(-1, bs).mul_(scale))
+        if rem:
+            dst[nb * bs:].copy_(vals[nb * bs:] * absmax[(a + nb * bs) // bs])
+    return out
+
+
+def dequantize_int8_into(parts: dict[str, torch.Tensor], out: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """out = q * absmax * (1 / 127) in fp32 (bitsandbytes' int8_vectorwise_dequant), rounded to out's dtype."""
+    q, absmax = parts["int8"], parts["absmax"]
+    check_scales(f"{name}.absmax", absmax)
+    rows = max(1, CHUNK // max(1, q.shape[1]))
+    for a in range(0, q.shape[0], rows):
+        piece = (q[a:a + rows] * absmax[a:a + rows, None]).mul_(7.874015718698502e-3)
+        out[a:a + rows].copy_(piece)
+    return out
+
+
+def dequantize_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch.Tensor,
+                    name: str = "weight") -> torch.Tensor:
+    if fmt.method == "int8":
+        return dequantize_int8_into(parts, out, name)
+    return dequantize_nf4_into(fmt, parts, out, name)
+
+
+def dequantize_block(fmt: QuantFormat, stored: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+    """Fill a block's dense tensors (out: name -> tensor in the compute dtype) from its stored views."""
+    for name, dst in out.items():
+        if name in stored:
+            dst.copy_(stored[name])
+            continue
+        prefix = name + "."
+        parts = {k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}
+        dequantize_into(fmt, parts, dst, name)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from phantom.layers import KVCache, fuse_adjacent
+from phantom.layers import KVCache, fuse_adjacent, lora_disabled
 from phantom.scheduler import BlockScheduler
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class StreamedBlock(torch.autograd.Function):
         with ex.block_weights(i) as weights:
             if not ctx.keep:
                 out = torch.cat([ex.run_block(i, weights, xc, rc, mask=mc) for xc, rc, mc in ex.rows(x, rope, mask)])
+                ex.run_reference(i, weights, rope, mask)
                 ctx.save_for_backward(x, rope, mask, *params)
                 return out
             ctx.hooks, ctx.graphs = WeightHandles(weights), []
@@ -113,6 +114,7 @@ class StreamedBlock(torch.autograd.Function):
                 for xc, rc, mc in ex.rows(x, rope, mask):
                     xc = xc.detach().requires_grad_(x.requires_grad)
                     ctx.graphs.append((xc, ex.run_block(i, weights, xc, rc, mask=mc)))
+            ex.run_reference(i, weights, rope, mask)
         ex.count_kept(ctx.hooks)
         ctx.save_for_backward(*params)
         return torch.cat([out.detach() for _, out in ctx.graphs])
@@ -201,14 +203,22 @@ class BlockExecutor:
         self.kept_blocks = 0
         self.kept_per_block = 0  # the most one block kept (the estimate for "auto")
         self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
+        self.reference: torch.Tensor | None = None  # the reference hidden state of this pass (run_reference)
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, trained: list[list[torch.Tensor]],
                  caches: list[KVCache] | None = None, start_pos: int = 0,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor | None = None,
+                 reference: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Every block over h, in order; `trained[i]` are block i's trained parameters; rope and mask
-        as phantom.layers.packed_layout gives them for packed rows."""
+        as phantom.layers.packed_layout gives them for packed rows.
+
+        `reference`: a second hidden state of the same rows run through each block while it is
+        loaded, adapters off and without autograd (the reference model of preference training): the
+        pair (h, reference out) is returned, and the store is read as for h alone. Without a KV
+        cache the rows run in micro-batches."""
         n = len(self.layers)
         self.kept_bytes = self.kept_blocks = 0
+        self.reference = reference
         training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in trained for p in ps))
         self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []))
         for i in range(n):
@@ -216,8 +226,23 @@ class BlockExecutor:
                 h = StreamedBlock.apply(h, rope, mask, self, i, *trained[i])
             else:
                 with self.block_weights(i) as weights:
-                    h = self.run_block(i, weights, h, rope, caches[i] if caches else None, start_pos, mask)
-        return h
+                    if caches:
+                        h = self.run_block(i, weights, h, rope, caches[i], start_pos, mask)
+                    else:
+                        h = torch.cat([self.run_block(i, weights, hc, rc, mask=mc) for hc, rc, mc in self.rows(h, rope, mask)])
+                    self.run_reference(i, weights, rope, mask)
+        reference, self.reference = self.reference, None
+        return h if reference is None else (h, reference)
+
+    def run_reference(self, i: int, weights: dict[str, torch.Tensor], rope: torch.Tensor,
+                      mask: torch.Tensor | None) -> None:
+        """Block i (held, its weights bound) over the reference hidden state, if one travels with
+        this pass: adapters off, no autograd; the backward never sees it."""
+        if self.reference is None:
+            return
+        with torch.no_grad(), lora_disabled(self.layers[i]):
+            self.reference = torch.cat([self.run_block(i, weights, r, rc, mask=mc)
+                                        for r, rc, mc in self.rows(self.reference, rope, mask)])
 
     def keeps(self, i: int) -> bool:
         """Whether block i keeps its activations this step (else it is recomputed in backward)."""

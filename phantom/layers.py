@@ -6,6 +6,7 @@ and q/k rows are in Meta's interleaved RoPE layout. Blocks hold no I/O: the mode
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -201,10 +202,11 @@ def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _finish(proj: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y (x times proj's weight, computed fused) plus proj's bias and LoRA update, where it has them."""
+    """y (x times proj's weight, computed fused) plus proj's bias and LoRA update, where it has them
+    (and the LoRA is on)."""
     if proj.bias is not None:
         y = y + proj.bias
-    return y + proj.lora_update(x) if isinstance(proj, LoraLinear) else y
+    return y + proj.lora_update(x) if isinstance(proj, LoraLinear) and proj.enabled else y
 
 
 class Attention(nn.Module):
@@ -317,8 +319,11 @@ class LoraLinear(nn.Module):
     """y = x W^T + scale * dropout(x) A^T B^T, with W frozen; A random (Kaiming, as PEFT), B zero.
 
     Takes over the base layer's weight Parameter, so the weight keeps its name (`...wq.weight`)
-    and the model can still swap streamed weights in by that name.
+    and the model can still swap streamed weights in by that name. With `enabled` False it is the
+    base layer alone (see lora_disabled).
     """
+
+    enabled = True
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
                  generator: torch.Generator | None = None):
@@ -348,7 +353,22 @@ class LoraLinear(nn.Module):
         return F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_update(x)
+        y = F.linear(x, self.weight, self.bias)
+        return y + self.lora_update(x) if self.enabled else y
 
     def delta_weight(self) -> torch.Tensor:
         return (self.lora_B @ self.lora_A) * self.scale
+
+
+@contextlib.contextmanager
+def lora_disabled(module: nn.Module):
+    """Every LoraLinear inside `module` runs as its base layer until the `with` ends (the frozen
+    reference model of preference training: the base with the adapters off, as peft's disable_adapter)."""
+    loras = [m for m in module.modules() if isinstance(m, LoraLinear)]
+    for m in loras:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in loras:
+            m.enabled = True

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from phantom.config import ModelConfig, head_tensor_shapes
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
-from phantom.layers import TransformerBlock, fuse_adjacent, packed_layout, rms_norm, rope_table, softcap, KVCache
+from phantom.layers import TransformerBlock, fuse_adjacent, lora_disabled, packed_layout, rms_norm, rope_table, \
+    softcap, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.placement import Activations, Placement
@@ -73,6 +74,44 @@ class ChunkedHeadLoss(torch.autograd.Function):
         grads = (gh.view(ctx.h_shape) * g if gh is not None else None, gn * g if gn is not None else None,
                  go * g if go is not None else None)
         return grads + (None,) * (ctx.n_args - 3)
+
+
+class ChunkedHeadLogps(torch.autograd.Function):
+    """Final norm + output projection + each row's summed log-probability of its targets (-100
+    ignored): (B,) fp32, a chunk of tokens at a time, as ChunkedHeadLoss (no (B, T, vocab) tensor).
+
+    The forward computes each token's gradient of its own row's sum with respect to h; the backward
+    scales it by that row's upstream gradient, which is exact since a token belongs to one row. Norm
+    and head weights are frozen here (LoRA): sequence scores are for preference training.
+    """
+
+    @staticmethod
+    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int, norm_offset: float = 0.0,
+                cap: float | None = None):
+        if norm_w.requires_grad or out_w.requires_grad:
+            raise ValueError("sequence log-probabilities need a frozen head (train a LoRA, not --mode full)")
+        hf, tf = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        token_logps = torch.zeros(tf.shape, dtype=torch.float32, device=h.device)
+        grad = torch.zeros_like(hf) if ctx.needs_input_grad[0] else None
+        for s in range(0, hf.shape[0], chunk):
+            hc = hf[s:s + chunk].detach().requires_grad_(grad is not None)
+            with torch.enable_grad():
+                logits = softcap(F.linear(rms_norm(hc, norm_w, eps, norm_offset), out_w).float(), cap)  # (chunk, vocab)
+                lp = -F.cross_entropy(logits, tf[s:s + chunk], ignore_index=IGNORE_INDEX, reduction="none")
+                total = lp.sum()
+            if grad is not None:
+                grad[s:s + chunk] = torch.autograd.grad(total, hc)[0]
+            token_logps[s:s + chunk] = lp.detach()
+        ctx.save_for_backward(grad)
+        ctx.shape = targets.shape
+        return token_logps.view(ctx.shape).sum(1)  # per row, in a fixed order (deterministic)
+
+    @staticmethod
+    def backward(ctx, g):
+        (grad,) = ctx.saved_tensors
+        B, T = ctx.shape
+        gh = grad.view(B, T, -1) * g.view(B, 1, 1).to(grad.dtype)
+        return gh, None, None, None, None, None, None, None
 
 
 class PhantomModel(nn.Module):
@@ -261,6 +300,32 @@ class PhantomModel(nn.Module):
                                          self.cfg.norm_eps, self.loss_chunk, self.cfg.norm_offset,
                                          self.cfg.final_softcap)
 
+    def sequence_logps(self, tokens: torch.Tensor, targets: torch.Tensor,
+                       reference: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's summed log-probability of its targets (-100 ignored): (B,) fp32, with autograd
+        to the LoRA weights. With `reference`, also the base model's (adapters off, no autograd) as
+        the second value (else None): each block runs both while it is loaded, so the store is read
+        exactly as for the policy alone."""
+        if tokens.dim() != 2 or targets.shape != tokens.shape:
+            raise ValueError(f"tokens and targets must be (batch, seq_len) alike, got {tuple(tokens.shape)} and "
+                             f"{tuple(targets.shape)}")
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
+        if self.full:
+            raise ValueError("sequence log-probabilities are for LoRA training (the reference is the base model)")
+        h = self.embed(tokens)
+        rope = self.rope[:tokens.shape[1]]
+        head = (self.norm_weight, self.output_weight, targets.to(self.device), self.cfg.norm_eps, self.loss_chunk,
+                self.cfg.norm_offset, self.cfg.final_softcap)
+        with torch.autocast(**self.autocast_args()):
+            out = self.blocks(h, rope, reference=h.detach() if reference else None)
+            h, h_ref = out if reference else (out, None)
+            logps = ChunkedHeadLogps.apply(h, *head)
+            if h_ref is None:
+                return logps, None
+            with torch.no_grad():
+                return logps, ChunkedHeadLogps.apply(h_ref, *head)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What the caller's optimizer updates: LoRA parameters, or in full mode everything that is
         not a streamed block (those are updated inside backward by `block_optimizer`)."""
@@ -345,10 +410,12 @@ class PhantomModel(nn.Module):
         return h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype) if self.cfg.embed_scale else h
 
     def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,
-               start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+               start_pos: int = 0, mask: torch.Tensor | None = None, reference: torch.Tensor | None = None):
+        """Every block over h; with `reference`, also over that hidden state (the same rows) with the
+        adapters off and no autograd, block by block beside h (returns both)."""
         if self.executor is not None:
             trained = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
-            return self.executor(h, rope, trained, caches, start_pos, mask)
+            return self.executor(h, rope, trained, caches, start_pos, mask, reference)
         split = (lambda t: t.split(self.micro_batch)) if self.micro_batch else (lambda t: (t,))
         for i, block in enumerate(self.layers):
             if caches is not None:
@@ -357,7 +424,10 @@ class PhantomModel(nn.Module):
                 ropes = split(rope) if mask is not None else [rope] * len(split(h))  # packed rows: a rope per row
                 masks = split(mask) if mask is not None else [None] * len(split(h))
                 h = torch.cat([block(hc, rc, mask=mc) for hc, rc, mc in zip(split(h), ropes, masks)])
-        return h
+                if reference is not None:
+                    with torch.no_grad(), lora_disabled(block):
+                        reference = torch.cat([block(r, rc, mask=mc) for r, rc, mc in zip(split(reference), ropes, masks)])
+        return h if reference is None else (h, reference)
 
 
 def default_loss_chunk(vocab_size: int, device: torch.device) -> int:

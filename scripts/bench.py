@@ -55,6 +55,7 @@ from phantom import tune  # noqa: E402
 from phantom.config import ModelConfig, block_tensor_shapes  # noqa: E402
 from phantom.convert import write_synthetic  # noqa: E402
 from phantom.placement import parse_bytes, split_knobs  # noqa: E402
+from phantom.preference import Preference, PreferenceConfig  # noqa: E402
 from phantom.store import BlockStore, dtype_name  # noqa: E402
 
 MODES = {  # name -> load arguments
@@ -104,7 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
                    "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "
-                   "the host memory bandwidth measured in the same run")
+                   "the host memory bandwidth measured in the same run; dpo: the same rows as --batch-size / 2 "
+                   "preference pairs (LoRA, the reference beside the policy), with its ratio to the lora row")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--rounds", type=int, default=1, help="run every row this many times, interleaved, and keep "
                    "each row's fastest: on a shared machine rows measured minutes apart differ by the load")
@@ -283,12 +285,16 @@ def worker(args) -> dict:
     packed = {}
     if packing == "mask":  # args.packed examples of equal length per row
         packed["segments"] = (torch.arange(args.seq_len) * args.packed // args.seq_len).expand(args.batch_size, -1)
+    loss_of = lambda: model(x, targets=y, **packed)  # noqa: E731
+    if args.train == "dpo":  # the same rows as pairs: row 2i chosen, 2i + 1 rejected
+        objective = Preference(PreferenceConfig())
+        loss_of = lambda: objective(model, x.view(-1, 2, args.seq_len), y.view(-1, 2, args.seq_len))  # noqa: E731
     times, stalls, metrics = [], [], []
     for step in range(args.steps + 1):
         if model.scheduler:
             model.scheduler.take_metrics()
         t0, c0 = time.perf_counter(), process_cpu_s()
-        model(x, targets=y, **packed).backward()
+        loss_of().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.finish_step()  # full: the blocks' updates have landed
@@ -735,6 +741,19 @@ def full_lines(host: dict, rows: list) -> list[str]:
     return lines
 
 
+def dpo_lines(rows: list) -> list[str]:
+    """A DPO step against the SFT (lora) step over the same rows, per placement, from the same run."""
+    sft = {(m, rc, mi, k): r for m, rc, mi, k, r in rows if r.get("train", "lora") == "lora"}
+    out = []
+    for m, rc, mi, k, r in rows:
+        if r.get("train") == "dpo" and (m, rc, mi, k) in sft:
+            base = sft[m, rc, mi, k]
+            out.append(f"- dpo / sft step, {m} recompute={rc} prefetch={k}: {r['step_s'] / base['step_s']:.3f}x "
+                       f"({r['step_s']:.3f} vs {base['step_s']:.3f} s); MB read per step {r['bytes_per_step'] / 2**20:.0f} "
+                       f"vs {base['bytes_per_step'] / 2**20:.0f}")
+    return [""] + out if out else []
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -777,8 +796,12 @@ def main(argv=None):
             profile = tune.measure(store, phantom.resolve_device(args.device), store.dtype, args.batch_size,
                                    args.seq_len)
         trains = args.train.split(",")
-        if set(trains) - {"lora", "full"}:
-            print(f"error: --train takes lora and/or full, not {args.train!r}", file=sys.stderr)
+        if set(trains) - {"lora", "full", "dpo"}:
+            print(f"error: --train takes lora, full and/or dpo, not {args.train!r}", file=sys.stderr)
+            sys.exit(2)
+        if "dpo" in trains and args.batch_size % 2:
+            print(f"error: --train dpo needs an even --batch-size (pairs of rows), not {args.batch_size}",
+                  file=sys.stderr)
             sys.exit(2)
         if args.rounds < 1:
             print(f"error: --rounds must be at least 1, not {args.rounds}", file=sys.stderr)
@@ -789,7 +812,7 @@ def main(argv=None):
             for recompute in policies:
                 for micro in (args.micro_batch.split(",") if args.micro_batch else ["-"]):
                     for mode, train in ((mo, t) for mo in args.modes.split(",") for t in trains):
-                        if train == "full" and mode in (*PEERS, "h2d", "matmul"):
+                        if train != "lora" and mode in (*PEERS, "h2d", "matmul"):
                             continue  # LoRA-only rows
                         if mode in PEERS:
                             try:
@@ -835,7 +858,7 @@ def main(argv=None):
             floor = f"{f:.3f} | {r['step_s'] / f:.2f}x"
         else:
             floor = "- | -"
-        shown = mode if r.get("train", "lora") == "lora" else f"{mode} (full)"
+        shown = mode if r.get("train", "lora") == "lora" else f"{mode} ({r['train']})"
         lines.append(f"| {shown} | {rc} | {micro} | {k} | {r['step_s']:.3f} | {pred} | {ratio} | {r['stall']:.1%} | "
                      f"{r['loads']} | {r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | "
                      f"{r.get('copy_gbps', 0.0):.2f} | {floor} | "
@@ -844,6 +867,7 @@ def main(argv=None):
         lines += tuning_lines(best, rows)
     if host is not None:
         lines += full_lines(host, rows)
+    lines += dpo_lines(rows)
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out or Path(__file__).resolve().parent.parent / "notes" / f"bench-{torch.device(args.device).type}.md")

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import phantom  # noqa: E402
 import torch  # noqa: E402
-from phantom import chat, cli, data, fileio, runcard, runfile, trackers, tune  # noqa: E402
+from phantom import chat, cli, data, fileio, preference, runcard, runfile, trackers, tune  # noqa: E402
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
@@ -31,8 +31,11 @@ from phantom.train import ACTIVATION_KEYS, TrainConfig, checkpoint_activations, 
     io_error_line, read_metrics, restore_full_snapshot, store_fingerprint, train  # noqa: E402
 
 D = TrainConfig()
+PC = preference.PreferenceConfig()
 SMALL_MODEL = 100_000_000  # parameters: below this a model takes the demo's high rates (a random tiny base)
-DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5}  # (mode, small)
+DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5,
+              ("dpo", True): 1e-2, ("dpo", False): 5e-6}  # (mode, small)
+TRAIN_MODES = MODES + ("dpo",)
 TINY_SAMPLE_EVERY = 100  # the tiny demo shows what it learned: a greedy sample at steps 100 and the last
 log = logging.getLogger("finetune")
 # Run-file sections (--config): where a flag sits in OUT/config.yaml; a flag named SECTION-x (--lora-dropout)
@@ -43,7 +46,8 @@ SECTIONS = {
     "lora": (),
     "data": ("data", "val-data", "val-split", "data-dtype", "data-split", "columns", "chat-template", "train-on",
              "show-data", "seq-len", "batch-size", "grad-accum", "sequential", "workers"),
-    "optim": ("iters", "lr", "min-lr", "warmup", "weight-decay", "grad-clip", "seed"),
+    "optim": ("iters", "lr", "min-lr", "warmup", "weight-decay", "grad-clip", "seed", "loss-type", "beta",
+              "label-smoothing", "reference"),
     "output": ("out", "resume", "eval-every", "eval-iters", "save-every", "sample-every", "prompt", "trace",
                "report-to", "quiet"),
 }
@@ -89,7 +93,18 @@ def parser() -> argparse.ArgumentParser:
                                        "quick profile)")
     cli.add_config_flags(p, P.Activations, skip=("micro_batch",))
     a("--no-compile", dest="compile", action="store_false", help="run blocks eagerly")
-    a("--mode", default="lora", choices=MODES, help="train a LoRA or all weights (default: lora)")
+    a("--mode", default="lora", choices=TRAIN_MODES,
+      help="train a LoRA, all weights, or a LoRA on preference pairs (dpo: --data with prompt/chosen/rejected; "
+           "default: lora)")
+    a("--loss-type", default=PC.loss, choices=preference.LOSSES,
+      help="dpo: sigmoid (DPO) or ipo (default: sigmoid)")
+    a("--beta", type=float, default=PC.beta, help=f"dpo: how far the policy may move from the reference "
+                                                  f"(default: {PC.beta})")
+    a("--label-smoothing", type=float, default=PC.label_smoothing,
+      help="dpo: assumed fraction of pairs labelled the wrong way, sigmoid loss only (default: 0)")
+    a("--reference", default=PC.reference, choices=preference.REFERENCES,
+      help="dpo: together (the reference beside the policy in each loaded block: no extra reads) or precompute "
+           "(once before training, cached in --out: one extra read of the weights in all; default: together)")
     a("--lora-rank", type=int, default=8, help="LoRA rank r (default: 8)")
     a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r (default: 16)")
     a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down, or all-linear "
@@ -140,7 +155,8 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     args = runfile.parse_args(parser(), argv, tuple(SECTIONS))
     if args.sample_every is None:
-        args.sample_every = TINY_SAMPLE_EVERY if args.model == "tiny" and not args.synthetic else D.sample_every
+        tiny_sft = args.model == "tiny" and not args.synthetic and args.mode != "dpo"  # (its random base writes noise)
+        args.sample_every = TINY_SAMPLE_EVERY if tiny_sft else D.sample_every
     return args
 
 
@@ -150,7 +166,21 @@ def train_config(args, lr: float) -> TrainConfig:
                        grad_clip=args.grad_clip, eval_every=args.eval_every, eval_iters=args.eval_iters,
                        save_every=args.save_every, sample_every=args.sample_every, prompt=args.prompt, seed=args.seed,
                        shuffle=not args.sequential, out=args.out, resume=args.resume, mode=args.mode,
-                       workers=args.workers, trace=args.trace, progress=not args.quiet)
+                       workers=args.workers, trace=args.trace, progress=not args.quiet,
+                       preference=preference.PreferenceConfig(args.loss_type, args.beta, args.label_smoothing,
+                                                              args.reference))
+
+
+def check_mode(argv) -> None:
+    """--mode given twice with different values (--mode dpo --mode full) is refused, not settled
+    silently by the last one."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given = [v for a, v in zip(argv, argv[1:] + [""]) if a == "--mode"] + \
+        [a.split("=", 1)[1] for a in argv if a.startswith("--mode=")]
+    modes = sorted(set(given), key=lambda m: TRAIN_MODES.index(m) if m in TRAIN_MODES else len(TRAIN_MODES))
+    if len(modes) > 1:
+        raise ValueError(f"--mode {' and --mode '.join(modes)} cannot be combined: dpo trains a LoRA against the "
+                         f"base model with the adapters off; choose one --mode")
 
 
 def check_seq_len(cfg: TrainConfig, model_cfg) -> None:
@@ -193,7 +223,8 @@ def tuned(args, path: Path, device, dtype: str, placement: P.Placement):
     numbers; the micro-batch and recompute stay as given). One rank or run measures at a time."""
     offloads = ("ram", "disk") if placement.offload == "auto" else (placement.offload,)
     with fileio.locked(tune.profile_path(BlockStore(path, verify="none"), device, dtype).parent / ".measure.lock"):
-        best = tune.auto_placement(path, device, args.batch_size * args.grad_accum, args.seq_len, dtype,
+        rows = args.batch_size * args.grad_accum * (2 if args.mode == "dpo" else 1)
+        best = tune.auto_placement(path, device, rows, args.seq_len, dtype,
                                    offloads=offloads)
     return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident)
 
@@ -212,14 +243,16 @@ def load_model(args, path: Path, device, dtype: str, ddp, placement, activations
                 shutil.rmtree(Path(work_dir) / sub, ignore_errors=True)
         full = dict(mode="full", work_dir=work_dir, optim=phantom.AdamWConfig(
             lr=lr, betas=D.betas, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None))
-    shared = ddp.local_world_size > 1 and placement.offload == "ram" and args.mode == "lora"
+    shared = ddp.local_world_size > 1 and placement.offload == "ram" and args.mode != "full"
+    rows = args.batch_size * (2 if args.mode == "dpo" else 1)  # dpo: --batch-size pairs, a chosen and a rejected row each
     return phantom.load(path, device=device, dtype=dtype, placement=dataclasses.replace(placement, shared_ram=shared),
-                        activations=dataclasses.replace(activations, micro_batch=args.batch_size), lora=lora,
+                        activations=dataclasses.replace(activations, micro_batch=rows), lora=lora,
                         trace=args.trace, **full)
 
 
 def run(argv=None) -> int:
     args = parse_args(argv)
+    check_mode(argv)
     report_to = trackers.parse_names(args.report_to)
     placement, activations = cli.configs_from_args(args, P.Placement(), P.Activations())
     prefetch = parse_prefetch(args.prefetch_or_auto)
@@ -289,7 +322,11 @@ def load_data(args, path, store):
     recipe = data.Recipe(template, args.train_on, data.parse_columns(args.columns), args.data_split)
     load = functools.partial(data.load, tok=tok, vocab_size=store.cfg.vocab_size, dtype=args.data_dtype,
                              recipe=recipe)
-    train_data, val_data = data.split(load(args.data), 0 if args.val_data else args.val_split)
+    split = data.split
+    if args.mode == "dpo":  # pairs; chat messages through the model's template where it has one
+        load = functools.partial(preference.load_pairs, tok=tok, encode=preference.pair_encoder(template))
+        split = preference.split_pairs
+    train_data, val_data = split(load(args.data), 0 if args.val_data else args.val_split)
     val_data = load(args.val_data) if args.val_data else val_data
     if template is None and train_data.fmt in data.CHAT_FORMATS:
         log.info("%s has no chat template: chat records are rendered as plain Role: content lines", path)

@@ -152,13 +152,13 @@ class HostBuffer:
         self.tensor = huge if huge is not None else aligned_memory(nbytes)  # a view: it keeps the memory
         self.pinned = False
         if pin and nbytes:
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (error {int(err)}): "
                                    f"lower the RAM budget (--ram-budget)")
             self.pinned = True
-            ptr = self.tensor.data_ptr()
-            self._unregister = weakref.finalize(self, lambda: torch.cuda.cudart().cudaHostUnregister(ptr))
+            self._unregister = weakref.finalize(self, cudart.cudaHostUnregister, self.tensor.data_ptr())
 
     def block(self, offset: int, nbytes: int) -> torch.Tensor:
         """A tensor over bytes [offset, offset + nbytes) that is not a view: it has a version counter
@@ -285,16 +285,20 @@ class BlockScheduler:
         own (in the file's layout, so its projections still fuse)."""
         self._resident_views: dict[int, dict] = {}
         loader = self._new_slot(True) if "device" in self.tiers else None
+        copied = None  # CUDA: the compute stream is done reading the loader's converted tensors
         for i in (i for i, t in enumerate(self.tiers) if t == "device"):
-            self._load(loader, i, None)
+            self._load(loader, i, copied)
             self._sync_ready(loader)
             if loader.converted is None:  # the slot's buffer becomes the block's; the slot gets a new one
                 views = loader.views
                 loader.buf = torch.empty_like(loader.buf)
-            else:
+            else:  # copied on this thread's stream; the next load (copy stream) overwrites them after it
                 views = packed_empty(loader.views, self.dtype, self.device)
                 for k, v in loader.views.items():
                     views[k].copy_(v)
+                if self._cuda:
+                    copied = torch.cuda.Event()
+                    copied.record(torch.cuda.current_stream(self.device))
             self._resident_views[i] = views
             loader.block, loader.state, loader.views = None, "empty", None
 

@@ -223,7 +223,9 @@ class PhantomModel(nn.Module):
     # -- public API ----------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar)."""
+        """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar).
+
+        Tokens and targets may be on the host (pinned: their uploads overlap) or the device."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
@@ -239,7 +241,8 @@ class PhantomModel(nn.Module):
                 return F.linear(rms_norm(h, self.norm_weight, self.cfg.norm_eps), self.output_weight).float()
             if targets.shape != tokens.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} differs from tokens {tuple(tokens.shape)}")
-            return ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, targets.to(self.device),
+            targets = targets.to(self.device, non_blocking=targets.device.type == "cpu")
+            return ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, targets,
                                          self.cfg.norm_eps, self.loss_chunk)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -309,12 +312,17 @@ class PhantomModel(nn.Module):
                     enabled=self.amp)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states (B, T, dim) on the device. Pass host ids (the training loop does): a table
+        kept on the host then takes them as they are. Ids on the device come back to a host table with
+        a blocking copy: a non-blocking device-to-host copy returns before the ids land, and
+        F.embedding would read whatever the buffer held (the previous batch's ids)."""
         table = self.embed_table
         if tokens.device.type == "cpu":  # checked before the upload: no device sync for it
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got [{lo}, {hi}]")
-        h = F.embedding(tokens.to(table.device, non_blocking=True), table)  # (B, T, dim)
+        ids = tokens.to(table.device, non_blocking=tokens.device.type == "cpu")  # only uploads overlap
+        h = F.embedding(ids, table)  # (B, T, dim)
         return h.to(self.device, self.weight_dtype, non_blocking=True)
 
     def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,

@@ -531,7 +531,6 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
                 x, y = x[ddp.rank * run.rows:(ddp.rank + 1) * run.rows], y[ddp.rank * run.rows:(ddp.rank + 1) * run.rows]
                 run.n_tokens = float((y != D.IGNORE_INDEX).sum())
             t_data = time.perf_counter()
-            x, y = x.to(model.device, non_blocking=True), y.to(model.device, non_blocking=True)
             lr = run.opt.param_groups[0]["lr"]
             loss, norm = train_step(model, run.opt, run.sched, x, y, cfg, sync)
             step, dt = step + 1, time.perf_counter() - t0

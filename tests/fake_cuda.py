@@ -14,7 +14,8 @@ CUDA branches on real values. Each call lands in `log` as a tuple whose first it
     ("register", ptr, nbytes) / ("unregister", ptr)                     cudaHostRegister / Unregister
     ("op", name, stream)                        any other torch call, with the stream it was issued on
 
-A tensor's "device" here is the one it was asked for (`fc.on_cuda(t)`), not `t.device` (host memory).
+Inside `tensors_to_host()` a tensor's `.device` and `.is_cuda` say where it was asked for (`fc.on_cuda(t)`),
+while its bytes are in host memory.
 """
 from __future__ import annotations
 
@@ -90,6 +91,11 @@ class _ToHost(TorchFunctionMode):
         fc = self.fc
         if func is torch.device:
             return func(*args, **kwargs)
+        owner = getattr(func, "__self__", None)
+        if owner is torch.Tensor.device:  # what the code sees: the device it asked for
+            return torch.device("cuda", 0) if fc.on_cuda(args[0]) else func(*args)
+        if owner is torch.Tensor.is_cuda:
+            return fc.on_cuda(args[0])
         to_cuda = any(_is_cuda(a) for a in args[1:]) or _is_cuda(kwargs.get("device"))
         args = tuple(torch.device("cpu") if _is_cuda(a) else a for a in args)
         if _is_cuda(kwargs.get("device")):

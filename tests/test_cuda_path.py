@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import phantom
 from phantom.placement import Placement
 from phantom.scheduler import BlockScheduler
 from phantom.store import BlockStore
+from conftest import SMALL
 from fake_cuda import fake_cuda
 
 
@@ -37,3 +39,27 @@ def test_device_tier_blocks_are_copied_out_of_the_loader_before_it_is_refilled(f
                 assert torch.equal(v, ref[k].float()), (i, k)
     finally:
         sched.close()
+
+
+def test_a_host_side_embedding_never_reads_ids_from_an_unfinished_copy(fc, small_store):
+    """With the embedding table in host memory (large against free device memory), ids that are on
+    the device come back with a blocking copy: a non-blocking device-to-host copy returns before the
+    ids land, and F.embedding would read what the buffer held before (the previous batch's ids)."""
+    fc.free = 64 << 10  # the table (97 x 64 fp32) is more than an eighth of it: it stays on the host
+    with fc.tensors_to_host():
+        model = phantom.load(small_store, device="cuda", offload="disk", prefetch=1, compile=False)
+        try:
+            assert not fc.on_cuda(model.embed_table)
+            ids = torch.randint(0, SMALL.vocab_size, (2, 8))
+            on_device = ids.to("cuda", non_blocking=True)
+            start = len(fc.log)
+            h = model.embed(on_device)
+            back = [e for e in fc.log[start:] if e[0] == "copy" and fc.on_cuda(e[2]) and not fc.on_cuda(e[1])]
+            assert back and not any(nb for _, _, _, nb, _ in back), "ids read back without waiting"
+            assert torch.equal(h, model.embed_table[ids])
+            start = len(fc.log)
+            h = model.embed(ids)  # host ids (what the training loop passes): no round trip at all
+            assert not [e for e in fc.log[start:] if e[0] == "copy" and fc.on_cuda(e[2])]
+            assert torch.equal(h, model.embed_table[ids])
+        finally:
+            model.close()

@@ -71,6 +71,16 @@ def _weighted(tensors: list[torch.Tensor], n_tokens: float):
     return wait
 
 
+def all_finite(*values: torch.Tensor) -> bool:
+    """Whether every value is finite on every rank. Ranks must agree before one of them skips a
+    backward or leaves the loop, or the others wait in a collective it never joins (until NCCL's
+    watchdog aborts the job). One all-reduce of one number on the values' device, one host sync."""
+    bad = torch.stack([(~torch.isfinite(v.detach())).sum() for v in values]).sum().float().reshape(1)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad)
+    return not bool(bad.item())
+
+
 def average_gradients(params: list[torch.Tensor], n_tokens: float) -> None:
     """Replace each param's .grad (a per-rank mean over its n_tokens) by the global token mean."""
     grads = [p.grad for p in params if p.grad is not None]

@@ -107,9 +107,9 @@ HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64; arm64 with 4 KiB base pa
 HUGE_MIN = 16 << 20  # host buffers from this size are backed by huge pages (phantom.store.READ_CHUNK: O_DIRECT)
 
 
-def huge_page_memory(nbytes: int) -> torch.Tensor | None:
+def huge_page_memory(nbytes: int, dontfork: bool = False) -> torch.Tensor | None:
     """nbytes of fresh anonymous memory, 2 MiB aligned and advised for transparent huge pages, or None
-    where the platform has no madvise(MADV_HUGEPAGE) (macOS, Windows).
+    where the platform has no madvise(MADV_HUGEPAGE) (macOS, Windows). `dontfork`: see mapped_memory.
 
     Why: an O_DIRECT read DMAs straight into the destination's pages. Over 4 KiB pages scattered in
     physical memory each request is split into many segments (a virtio disk takes 254 a request), and
@@ -120,13 +120,25 @@ def huge_page_memory(nbytes: int) -> torch.Tensor | None:
     """
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched
-    except OSError:  # a kernel built without THP (EINVAL): 4 KiB pages, still 2 MiB aligned
-        pass
+    return mapped_memory(nbytes, huge=True, dontfork=dontfork)
+
+
+def mapped_memory(nbytes: int, huge: bool, dontfork: bool) -> torch.Tensor:
+    """nbytes of a fresh anonymous mapping (page aligned; 2 MiB aligned and advised for huge pages when
+    `huge`). `dontfork` marks it MADV_DONTFORK: a forked child (a DataLoader worker) gets none of it.
+    Pinned memory needs that: drivers pin long-term, and since Linux 5.9 fork copies every pinned
+    anonymous page into the child at once (huge pages split first), so each worker would hold a copy
+    of the pinned RAM tier."""
+    pad = HUGE_PAGE if huge else 0
+    mapping = mmap.mmap(-1, max(1, nbytes + pad), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for advice, wanted in ((getattr(mmap, "MADV_HUGEPAGE", None), huge), (getattr(mmap, "MADV_DONTFORK", None), dontfork)):
+        if wanted and advice is not None:
+            try:
+                mapping.madvise(advice)  # before any page is touched
+            except OSError:  # a kernel built without THP (EINVAL): 4 KiB pages, still aligned
+                pass
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped with the last tensor
-    skip = -raw.data_ptr() % HUGE_PAGE
+    skip = -raw.data_ptr() % HUGE_PAGE if huge else 0
     return raw[skip: skip + nbytes]
 
 
@@ -139,7 +151,7 @@ def aligned_memory(nbytes: int) -> torch.Tensor:
 
 class HostBuffer:
     """A host allocation of exactly `nbytes` (4 KiB aligned; huge pages from HUGE_MIN), page-locked for
-    CUDA when `pin`.
+    CUDA when `pin`, and then marked MADV_DONTFORK (see mapped_memory).
 
     `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which rounds each
     request up to a power of two (pytorch#150517): 80 blocks of 1.71 GB would pin 160 GiB for 137 GB.
@@ -148,7 +160,9 @@ class HostBuffer:
     """
 
     def __init__(self, nbytes: int, pin: bool):
-        huge = huge_page_memory(nbytes) if nbytes >= HUGE_MIN else None
+        huge = huge_page_memory(nbytes, dontfork=pin) if nbytes >= HUGE_MIN else None
+        if huge is None and pin and hasattr(mmap, "MADV_DONTFORK"):  # a mapping of its own: no fork copies it
+            huge = mapped_memory(nbytes, huge=False, dontfork=True)
         self.tensor = huge if huge is not None else aligned_memory(nbytes)  # a view: it keeps the memory
         self.pinned = False
         if pin and nbytes:

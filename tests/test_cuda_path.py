@@ -6,12 +6,14 @@ and that a careless change would break silently (a race shows on a GPU only now 
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import phantom
 from phantom.placement import Placement
-from phantom.scheduler import BlockScheduler
+from phantom.scheduler import HUGE_MIN, BlockScheduler, HostBuffer
 from phantom.store import BlockStore
 from conftest import SMALL
 from fake_cuda import fake_cuda
@@ -63,3 +65,41 @@ def test_a_host_side_embedding_never_reads_ids_from_an_unfinished_copy(fc, small
             assert torch.equal(h, model.embed_table[ids])
         finally:
             model.close()
+
+
+def vm_flags(ptr: int) -> list[str]:
+    """The VmFlags of the mapping that holds address ptr (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_every_pinned_host_buffer_is_left_out_of_a_fork(fc, small_store):
+    """DataLoader workers fork after the scheduler pinned its buffers; a pinned page is copied into
+    the child at fork (Linux >= 5.9), so each is marked MADV_DONTFORK ("dc" in smaps, do not copy on fork;
+    "dd" is the core-dump flag): the RAM tier,
+    the staging buffers, small and huge-page ones alike."""
+    for n in (4096 * 3 + 5, HUGE_MIN + 7):
+        buf = HostBuffer(n, pin=True)
+        assert buf.pinned and "dc" in vm_flags(buf.tensor.data_ptr()), n
+        assert "dc" not in vm_flags(HostBuffer(n, pin=False).tensor.data_ptr()), n  # nothing to protect
+    registered = len(fc.of("register"))
+    with fc.tensors_to_host():
+        store = BlockStore(small_store)
+        sched = BlockScheduler(store, "cuda", Placement(offload="auto", resident=0, ram_budget=2 * store.block_nbytes,
+                                                        prefetch=1))
+    try:
+        assert "ram" in sched.tiers and "disk" in sched.tiers
+        buffers = [sched._ram_buffer] + [s.host for s in sched.slots]
+        assert all(b.pinned and "dc" in vm_flags(b.tensor.data_ptr()) for b in buffers)
+        assert len(fc.of("register")) - registered == len(buffers)  # no pinned host memory but these
+    finally:
+        sched.close()

@@ -106,9 +106,11 @@ class PhantomModel(nn.Module):
         activations = self._check(placement, activations)
         self.placement, self.activations = placement, activations
         self.amp = dtype != torch.float32
-        # Slots hold the compute dtype: fp32 runs get lower-precision stores upcast in the prefetch
-        # pipeline (never on the compute thread); AMP runs use the stored weights as they are.
-        self.weight_dtype = torch.float32 if not self.amp else store.dtype
+        # Slots hold the compute dtype: a store in another dtype is converted once per load in the
+        # prefetch pipeline (never on the compute thread). Left to autocast, every weight would be cast
+        # at every use, and with recompute="none" autograd would keep the cast copies (kept blocks
+        # holding their weights); an fp16 store at bf16 would also promote the hidden state to fp32.
+        self.weight_dtype = dtype
         self.micro_batch = activations.micro_batch
         self.loss_chunk = activations.loss_chunk or default_loss_chunk(self.cfg.vocab_size, self.device)
         self.layers = self._build_layers(activations)

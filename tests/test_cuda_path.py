@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import phantom
+from phantom.convert import write_synthetic
 from phantom.placement import Placement
 from phantom.scheduler import HUGE_MIN, BlockScheduler, HostBuffer
 from phantom.store import BlockStore
-from conftest import SMALL
+from conftest import SMALL, batch
 from fake_cuda import fake_cuda
 
 
@@ -103,3 +104,24 @@ def test_every_pinned_host_buffer_is_left_out_of_a_fork(fc, small_store):
         assert len(fc.of("register")) - registered == len(buffers)  # no pinned host memory but these
     finally:
         sched.close()
+
+
+def kept_by_blocks(store, dtype: str) -> tuple[int, int, torch.dtype]:
+    """(bytes kept for backward, weights kept as handles, the blocks' output dtype) of one step."""
+    with phantom.load(store, dtype=dtype, offload="ram", prefetch=1, recompute="none") as model:
+        tokens, targets = batch(SMALL, b=2, t=16)
+        with torch.autocast(**model.autocast_args()):
+            h = model.blocks(model.embed(tokens).requires_grad_(), model.rope[:16])
+        return model.executor.kept_bytes, model.executor.weight_handles, h.dtype
+
+
+def test_a_store_in_another_dtype_is_converted_once_per_load_not_at_every_use(tmp_path, small_store_bf16):
+    """An fp16 store (Llama-2-hf's default) at CUDA's bf16 default: weights converted in the transfer
+    stage, so with recompute="none" autograd keeps handles into the slot, not a cast copy of every
+    weight, and the hidden state stays bf16. The same bytes are kept as for a bf16 store."""
+    fp16 = write_synthetic(tmp_path / "fp16", SMALL, torch.float16, seed=1, progress=False)
+    want_bytes, want_handles, _ = kept_by_blocks(small_store_bf16, "bf16")
+    kept, handles, out_dtype = kept_by_blocks(fp16, "bf16")
+    assert want_handles > 0 and handles == want_handles
+    assert kept == want_bytes and out_dtype == torch.bfloat16
+

@@ -350,11 +350,8 @@ def default_loss_chunk(vocab_size: int, device: torch.device) -> int:
 
 
 def default_keep_budget(device: torch.device) -> int:
+    """Bytes of kept activations under recompute "auto": half of what is free on the compute side."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 2
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024 // 2
-    except (OSError, KeyError, ValueError):
-        return 4 << 30
+    free = free_host_bytes()  # this rank's share of the host
+    return free // 2 if free is not None else 4 << 30

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import os
 import queue
 import threading
 import time
@@ -88,13 +89,31 @@ class Metrics:
         return pending
 
 
-def free_host_bytes() -> int | None:
+def mem_available() -> int | None:
+    """The machine's available host memory (Linux: MemAvailable), or None where unknown."""
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
         return int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
+
+
+def local_ranks() -> int:
+    """Processes of this job on this machine (torchrun's LOCAL_WORLD_SIZE; 1 when run alone)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def free_host_bytes(shared: bool = False) -> int | None:
+    """This process's share of the available host memory: local ranks size their RAM tiers (and host
+    optimizer state) from the same MemAvailable, so each takes 1 / local_ranks() of it, or N ranks
+    would pin N machine-sized tiers (cudaHostRegister fails, or the OOM killer fires). `shared`: for
+    what one copy serves every local rank (the shared RAM tier), the whole of it."""
+    free = mem_available()
+    return free if free is None or shared else free // local_ranks()
 
 
 def free_device_bytes(device: torch.device) -> int | None:
@@ -264,7 +283,7 @@ class BlockScheduler:
     def _choose_tiers(self, placement: Placement, cpu: bool) -> tuple[str, ...]:
         """Each block's tier by budget (phantom.placement.assign_tiers), from measured free memory."""
         tier_bytes = self.store.block_nbytes * max(1, self.dtype.itemsize // self.store.dtype.itemsize)
-        free_host = free_host_bytes()
+        free_host = free_host_bytes(shared=placement.shared_ram)
         tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device_bytes(self.device), free_host,
                              zero_copy=cpu)
         ram_cap = placement.ram_budget if placement.ram_budget is not None else default_ram_budget(free_host)

@@ -125,3 +125,25 @@ def test_a_store_in_another_dtype_is_converted_once_per_load_not_at_every_use(tm
     assert want_handles > 0 and handles == want_handles
     assert kept == want_bytes and out_dtype == torch.bfloat16
 
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_local_ranks_split_the_host_memory_for_their_ram_tiers(fc, monkeypatch, small_store, shared):
+    """Under torchrun with 4 ranks on a machine each rank sizes its pinned RAM tier from a quarter of
+    MemAvailable (sized from all of it, 4 ranks would pin 4 machine-sized tiers); a shared tier is one
+    copy for all of them and keeps the whole."""
+    import phantom.scheduler as S
+    store = BlockStore(small_store)
+    block = -(-store.block_nbytes // 4096) * 4096
+    per_rank = int((4 << 30) + 2.5 * store.block_nbytes)  # default_ram_budget: 85% less 4 GiB -> ~2 blocks
+    monkeypatch.setattr(S, "mem_available", lambda: int(4 * per_rank / 0.85))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with fc.tensors_to_host():
+        sched = BlockScheduler(store, "cuda", Placement(offload="auto", resident=0, prefetch=1, shared_ram=shared))
+    try:
+        if shared:
+            assert sched.tiers.count("ram") == store.n_blocks and sched.pinned_bytes == 0
+        else:
+            assert sched.tiers.count("ram") == 2 and sched._ram_buffer.tensor.numel() == 2 * block
+    finally:
+        sched.close()
+

@@ -428,11 +428,18 @@ class BlockScheduler:
 
     def update_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
         """New values of a block (full finetuning): into the RAM tier and device copies; any slot
-        still holding the old version is dropped so the next acquire loads the new one."""
+        still holding the old version is dropped so the next acquire loads the new one.
+
+        On CUDA the copies are queued on the caller's current stream (phantom.optim's update stream)
+        without blocking, and the calling thread, not the compute stream, waits for them."""
         for views in ([self.store.block_views(self._ram[block])] if self._ram[block] is not None else []) + \
                 ([self._resident_views[block]] if block in self._resident_views else []):
             for k, v in views.items():
-                v.copy_(tensors[k])
+                v.copy_(tensors[k], non_blocking=self._cuda)
+        if self._cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
         with self._cv:
             for s in self.slots:
                 if s.block == block and s.state in ("ready", "failed"):

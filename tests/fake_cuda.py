@@ -12,6 +12,7 @@ CUDA branches on real values. Each call lands in `log` as a tuple whose first it
     ("wait_stream", stream, other)             Stream.wait_stream
     ("event_sync", event) / ("stream_sync", stream) / ("device_sync",)   host waits
     ("register", ptr, nbytes) / ("unregister", ptr)                     cudaHostRegister / Unregister
+    ("h2d_value", name, stream)                 torch.tensor(..., device="cuda"): a blocking upload
     ("op", name, stream)                        any other torch call, with the stream it was issued on
 
 Inside `tensors_to_host()` a tensor's `.device` and `.is_cuda` say where it was asked for (`fc.on_cuda(t)`),
@@ -112,6 +113,8 @@ class _ToHost(TorchFunctionMode):
                 fc.mark(out)
             return out
         out = func(*args, **kwargs)
+        if to_cuda and name in ("tensor", "as_tensor"):  # a blocking copy of host values
+            fc.log.append(("h2d_value", name, fc.current_stream()))
         if name == "copy_":
             fc.log.append(("copy", args[0], args[1], bool(kwargs.get("non_blocking", len(args) > 2 and args[2])),
                            fc.current_stream()))

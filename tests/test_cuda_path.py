@@ -147,3 +147,69 @@ def test_local_ranks_split_the_host_memory_for_their_ram_tiers(fc, monkeypatch, 
     finally:
         sched.close()
 
+
+class RecordedWork:
+    """A torch.distributed Work whose wait is recorded with the stream it makes wait."""
+
+    def __init__(self, fc):
+        self.fc = fc
+
+    def wait(self):
+        self.fc.log.append(("reduce_wait", self.fc.current_stream()))
+
+
+def full_finetune(fc, monkeypatch, store_path, tier: str):
+    """A FullFinetune on the fake device whose write-back items run inline (recorded in this thread),
+    with all-reduces recorded (one rank: the sums are the values)."""
+    import phantom.dist as pdist
+    from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients
+    monkeypatch.setattr(pdist.dist, "all_reduce", lambda t, async_op=False: RecordedWork(fc))
+    store = BlockStore(store_path)
+    sched = BlockScheduler(store, "cuda", Placement(offload="ram", resident=0, prefetch=0))
+    monkeypatch.setattr(sched.writeback, "submit", lambda fn, *args, name="": fn(*args))
+    share = {i: 1 / store.n_blocks for i in range(store.n_blocks)}
+    opt = BlockAdamW(AdamWConfig(lr=1e-2, max_grad_norm=1.0), share, tier, device="cuda")
+    host_grads = HostGradients(torch.device("cuda"), lambda n: HostBuffer(n, pin=True)) if tier != "device" else None
+    return sched, FullFinetune(opt, sched, store, host_grads), pdist.block_grad_sync(lambda: 3.0)
+
+
+def expected_block(store_path, grads) -> dict:
+    """Block 0 after one AdamW step on the CPU (the reference for the fake device's update)."""
+    from phantom.optim import AdamWConfig, BlockAdamW
+    store = BlockStore(store_path)
+    opt = BlockAdamW(AdamWConfig(lr=1e-2, max_grad_norm=1.0), {0: 1 / store.n_blocks}, "ram")
+    return opt.step_block(0, lambda: store.load_block(0), {k: g.clone() for k, g in grads.items()})
+
+
+@pytest.mark.parametrize("tier", ["ram", "device"])
+def test_block_updates_never_hold_up_the_compute_stream(fc, monkeypatch, small_store, tier):
+    """Full finetuning under data parallel: block i's all-reduce is waited for on a side stream (the
+    host-gradient copier's, or the update's), never the compute stream, so it overlaps block i-1's
+    backward; the gradients are reduced in place (no flat copy). With device-held state the AdamW
+    kernels run on the update's stream, nothing is uploaded with a blocking torch.tensor, and the new
+    weights are converted on the device and copied into the pinned RAM tier without blocking."""
+    host = {k: torch.randn(v.shape) for k, v in BlockStore(small_store).load_block(0).items()}
+    want = expected_block(small_store, host)
+    with fc.tensors_to_host():
+        sched, ft, sync = full_finetune(fc, monkeypatch, small_store, tier)
+        try:
+            grads = {k: g.to("cuda") for k, g in host.items()}
+            start = len(fc.log)
+            ft.on_block_grads(0, grads, sync)
+            log = fc.log[start:]
+            waits = [e for e in log if e[0] == "reduce_wait"]
+            assert waits and all(s is not fc.default for _, s in waits), "the compute stream waits for a reduction"
+            assert not [e for e in log if e[0] == "op" and e[1] == "cat"], "a flat copy of the block's gradients"
+            assert not [e for e in log if e[0] in ("device_sync", "h2d_value") or
+                        (e[0] in ("stream_sync", "wait_event", "wait_stream") and e[1] is fc.default)]
+            if tier == "device":
+                adamw = [e for e in log if e[0] == "op" and "adamw" in e[1]]
+                assert adamw and all(s is ft.stream for _, _, s in adamw)
+                to_ram = [e for e in log if e[0] == "copy" and fc.on_cuda(e[2]) and not fc.on_cuda(e[1])]
+                assert to_ram and all(nb and s is ft.stream and d.dtype == src.dtype for _, d, src, nb, s in to_ram)
+            got = sched.host_weights(0)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k].to(got[k].dtype), rtol=1e-5, atol=1e-6)
+        finally:
+            sched.close()
+

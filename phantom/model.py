@@ -21,7 +21,7 @@ from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightH
 from phantom.layers import TransformerBlock, fuse_adjacent, rms_norm, rope_table, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
-from phantom.placement import Activations, Placement
+from phantom.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement, loss_budget
 from phantom.scheduler import BlockScheduler, HostBuffer, free_device_bytes, free_host_bytes
 from phantom.store import BlockStore, packed_empty
 
@@ -133,7 +133,8 @@ class PhantomModel(nn.Module):
             self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
             self._load_resident_blocks()
         else:
-            self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype)
+            self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype,
+                                            device_reserve=self.device_reserve())
             self.offload = self.scheduler.offload  # what "auto" resolved to
             self.embed_table = self._place_embed(head_dtype)
             keep_budget = activations.keep_budget if activations.keep_budget is not None else \
@@ -159,6 +160,18 @@ class PhantomModel(nn.Module):
         if placement.shared_ram and self.full:
             raise ValueError("shared_ram is read-only: full finetuning needs private RAM blocks")
         return activations
+
+    def device_reserve(self) -> int:
+        """Device bytes this model needs beside blocks and activations, kept out of the blocks' budget:
+        one loss chunk at its peak; in full mode also the head's three fp32 head-sized buffers
+        (ChunkedHeadLoss: its gradient, one chunk's, the scaled copy it saves) and the fp32 gradients
+        of the two blocks in flight (the one updating, the one the backward produces)."""
+        if self.device.type != "cuda":
+            return 0
+        reserve = self.loss_chunk * LOSS_BYTES_PER_LOGIT * self.cfg.vocab_size
+        if self.full:
+            reserve += 3 * 4 * self.cfg.vocab_size * self.cfg.dim + 2 * 4 * self.cfg.block_params()
+        return reserve
 
     def _build_layers(self, activations: Activations) -> nn.ModuleList:
         """The blocks, base weights as meta placeholders (frozen unless full), LoRA applied."""
@@ -341,12 +354,13 @@ class PhantomModel(nn.Module):
 
 
 def default_loss_chunk(vocab_size: int, device: torch.device) -> int:
-    """Tokens per chunk of the fused head + loss: ~64 MB of fp32 logits on a CPU; on CUDA an eighth
-    of free memory (at most 2 GB), so a 128k vocabulary runs a few large matmuls, not hundreds of thin ones."""
-    budget = 64 << 20
+    """Tokens per chunk of the fused head + loss: ~64 MB of fp32 logits on a CPU; on CUDA a chunk whose
+    peak (LOSS_BYTES_PER_LOGIT: ~4.5x its fp32 logits) takes phantom.placement.loss_budget, an eighth
+    of free memory (at most 2 GiB), so a 128k vocabulary runs a few large matmuls, not hundreds of thin
+    ones. The model keeps that peak out of the blocks' device budget (device_reserve)."""
     if device.type == "cuda":
-        budget = max(budget, min(2 << 30, torch.cuda.mem_get_info(device)[0] // 8))
-    return max(16, budget // (4 * vocab_size))
+        return max(16, loss_budget(torch.cuda.mem_get_info(device)[0]) // (LOSS_BYTES_PER_LOGIT * vocab_size))
+    return max(16, (64 << 20) // (4 * vocab_size))
 
 
 def default_keep_budget(device: torch.device) -> int:

@@ -230,10 +230,13 @@ class BlockScheduler:
             loading.
         zero_copy: on a CPU the RAM tier is used where it lies (no slot copy). False forces the
             slot path that CUDA takes (tests); None: whenever the dtypes allow it.
+        device_reserve: device bytes the caller needs beside blocks and activations (the loss chunk,
+            gradients in flight): taken from the free memory before the default device budget.
     """
 
     def __init__(self, store: BlockStore, device: torch.device | str = "cpu", placement: Placement = Placement(),
-                 trace: bool = False, dtype: torch.dtype | None = None, zero_copy: bool | None = None):
+                 trace: bool = False, dtype: torch.dtype | None = None, zero_copy: bool | None = None,
+                 device_reserve: int = 0):
         self.store, self.device, self.prefetch = store, torch.device(device), placement.prefetch
         self.n_blocks = store.n_blocks
         self.dtype = dtype or store.dtype
@@ -241,7 +244,9 @@ class BlockScheduler:
         self._zero_copy = cpu and self.dtype == store.dtype and zero_copy is not False
         nbytes = store.block_nbytes
         self.placement = placement  # as asked; `tiers` and `offload` say what it resolved to
-        self.tiers = self._choose_tiers(placement, cpu)
+        self.slot_bytes = store.block_nbytes + (0 if self.dtype == store.dtype else
+                                                store.block_nbytes // store.dtype.itemsize * self.dtype.itemsize)
+        self.tiers = self._choose_tiers(placement, cpu, device_reserve)
         self.offload = placement.offload if placement.offload != "auto" else \
             ("ram" if "disk" not in self.tiers else "disk" if "ram" not in self.tiers else "mixed")
         self.resident = self.tiers.count("device")
@@ -257,13 +262,12 @@ class BlockScheduler:
         self._verifier = ThreadPoolExecutor(2, thread_name_prefix="phantom-verify")
 
         self._fill_ram_tier(placement.shared_ram)
+        self._load_device_tier()  # before the streaming slots: its loader slot is gone when they come
         # Streaming slots. On CPU with the RAM tier the host buffer is the device buffer: no copy.
         streamed = [i for i, t in enumerate(self.tiers) if t == "disk" or (t == "ram" and not self._zero_copy)]
         self.slots: list[Slot] = [self._new_slot(any(self.tiers[i] == "disk" for i in streamed))
                                   for _ in range(placement.prefetch + 1 if streamed else 0)]
         self.pinned_bytes += sum(s.staging.numel() for s in self.slots if s.staging is not None and self._pin)
-
-        self._load_device_tier()
         self.metrics = Metrics()  # loading at start-up is not a step's traffic
 
         self._plan: list[int] = []
@@ -280,12 +284,15 @@ class BlockScheduler:
                  "%d slots", self.resident, self.tiers.count("ram"), self.pinned_bytes / 2**30,
                  self.tiers.count("disk"), len(self.slots))
 
-    def _choose_tiers(self, placement: Placement, cpu: bool) -> tuple[str, ...]:
+    def _choose_tiers(self, placement: Placement, cpu: bool, device_reserve: int) -> tuple[str, ...]:
         """Each block's tier by budget (phantom.placement.assign_tiers), from measured free memory."""
         tier_bytes = self.store.block_nbytes * max(1, self.dtype.itemsize // self.store.dtype.itemsize)
         free_host = free_host_bytes(shared=placement.shared_ram)
-        tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device_bytes(self.device), free_host,
-                             zero_copy=cpu)
+        free_device = free_device_bytes(self.device)
+        if free_device is not None:
+            free_device = max(0, free_device - device_reserve)
+        tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device, free_host, zero_copy=cpu,
+                             slot_bytes=self.slot_bytes)
         ram_cap = placement.ram_budget if placement.ram_budget is not None else default_ram_budget(free_host)
         if placement.offload == "auto" and "disk" in tiers and ram_cap is not None and ram_cap < tier_bytes:
             log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "

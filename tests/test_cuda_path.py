@@ -213,3 +213,57 @@ def test_block_updates_never_hold_up_the_compute_stream(fc, monkeypatch, small_s
         finally:
             sched.close()
 
+
+def device_bytes(sched) -> int:
+    """Bytes of the device tensors a scheduler holds: its slots (store bytes and converted copy) and
+    resident blocks, read off the tensors themselves."""
+    def nbytes(views: dict) -> int:
+        return sum(v.numel() * v.element_size() for v in views.values())
+    slots = sum(s.buf.numel() + (nbytes(s.converted) if s.converted is not None else 0) for s in sched.slots)
+    return slots + sum(nbytes(v) for v in sched._resident_views.values())
+
+
+def test_the_device_budget_holds_what_the_scheduler_allocates(fc, small_store_bf16):
+    """A bf16 store computed in fp32: a slot holds the stored bytes and the fp32 copy (3x the store's
+    bytes, where placement counted 2x). With a device budget of two slots and two resident blocks,
+    what the scheduler allocates on the device stays within it, and the cost model says the same."""
+    from phantom import costmodel as cm
+    store = BlockStore(small_store_bf16)
+    shape = cm.shape_of(SMALL, "bf16", "fp32")
+    budget = 2 * shape.slot_bytes + 2 * shape.tier_bytes
+    with fc.tensors_to_host():
+        sched = BlockScheduler(store, "cuda", Placement(offload="auto", prefetch=1, device_budget=budget,
+                                                        ram_budget=1 << 30), dtype=torch.float32)
+    try:
+        assert sched.resident == 2 and len(sched.slots) == 2
+        assert device_bytes(sched) <= budget
+        profile = cm.MachineProfile(machine="t", device="cuda")
+        blocks = 2 * shape.slot_bytes + sched.resident * shape.resident_bytes
+        assert abs(device_bytes(sched) - blocks) <= 2 * 4096  # the model counts what the tensors hold
+        assert cm.block_tiers(shape, profile, sched.placement) == sched.tiers
+    finally:
+        sched.close()
+
+
+def test_a_full_finetune_keeps_its_loss_chunk_and_gradients_out_of_the_blocks_budget(fc, tmp_path, small_store):
+    """Full finetuning on CUDA: one loss chunk at its peak (~4.5x its fp32 logits), the head's three fp32
+    head-sized buffers and two blocks' fp32 gradients in flight are taken from the free memory before
+    blocks are placed: with free memory whose default budget holds two slots and every block, the
+    blocks that stay resident are those that fit beside the reserve."""
+    from phantom.placement import LOSS_BYTES_PER_LOGIT, device_budget
+    block = BlockStore(small_store).block_nbytes
+    fc.free = int(((2 << 30) + (2 + SMALL.n_layers) * block) / 0.75) + 1
+    assert (device_budget(fc.free) - 2 * block) // block == SMALL.n_layers
+    with fc.tensors_to_host():
+        model = phantom.load(small_store, device="cuda", offload="auto", prefetch=1, compile=False, mode="full",
+                             work_dir=tmp_path / "work", optim=phantom.AdamWConfig(state="ram"))
+    try:
+        V, D = SMALL.vocab_size, SMALL.dim
+        reserve = model.loss_chunk * LOSS_BYTES_PER_LOGIT * V + 3 * 4 * V * D + 2 * 4 * SMALL.block_params()
+        assert model.loss_chunk * LOSS_BYTES_PER_LOGIT * V <= fc.free // 8  # the chunk's peak, not its logits
+        assert model.device_reserve() == reserve
+        fit = max(0, (device_budget(fc.free - reserve) - 2 * block) // block)
+        assert model.scheduler.resident == fit < SMALL.n_layers
+        assert device_bytes(model.scheduler) + reserve <= fc.free
+    finally:
+        model.close()

@@ -135,17 +135,25 @@ class PhantomModel(nn.Module):
         else:
             self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype,
                                             device_reserve=self.device_reserve())
-            self.offload = self.scheduler.offload  # what "auto" resolved to
-            self.embed_table = self._place_embed(head_dtype)
-            keep_budget = activations.keep_budget if activations.keep_budget is not None else \
-                default_keep_budget(self.device)
-            self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
-                                          activations.micro_batch, self._on_block_grads if self.full else None)
-            if self.full:
-                self.full_ft = self._full_finetune(optim, store.path.parent / "optim")
-                self.block_optimizer = self.full_ft.optimizer
+            try:  # a failed setup stops the loader threads (and frees the pinned memory they hold)
+                self._stream(activations, optim, head_dtype)
+            except BaseException:
+                self.scheduler.close()
+                raise
         if self.full:
             self.embed_table = nn.Parameter(self.embed_table)
+
+    def _stream(self, activations: Activations, optim: AdamWConfig | None, head_dtype: torch.dtype) -> None:
+        """The streamed model's parts beside its scheduler: embedding, executor, block optimizer."""
+        self.offload = self.scheduler.offload  # what "auto" resolved to
+        self.embed_table = self._place_embed(head_dtype)
+        keep_budget = activations.keep_budget if activations.keep_budget is not None else \
+            default_keep_budget(self.device)
+        self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
+                                      activations.micro_batch, self._on_block_grads if self.full else None)
+        if self.full:
+            self.full_ft = self._full_finetune(optim, self.store.path.parent / "optim")
+            self.block_optimizer = self.full_ft.optimizer
 
     def _check(self, placement: Placement, activations: Activations) -> Activations:
         """Refuse what cannot work together; resolve the activation choices that depend on the run."""

@@ -200,6 +200,24 @@ class HostBuffer:
         return t.set_(self.tensor.untyped_storage(), self.tensor.storage_offset() + offset, (nbytes,))
 
 
+CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly (CUDA >= 11.1)
+
+
+def register_read_only(t: torch.Tensor):
+    """Page-lock the pages under a read-only tensor (a file mapping shared by the local ranks) for
+    CUDA copies; returns the finalizer that unregisters them, or None where the driver refuses (then
+    copies from it stay pageable: slower, correct)."""
+    start = t.data_ptr() - t.data_ptr() % DATA_ALIGN
+    nbytes = -(-(t.data_ptr() + t.numel() * t.element_size() - start) // DATA_ALIGN) * DATA_ALIGN
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(start, nbytes, CUDA_HOST_REGISTER_READ_ONLY))
+    if err != 0:
+        log.warning("cudaHostRegister (read-only) of a shared RAM-tier block failed (error %d): its copies "
+                    "go through pageable memory", err)
+        return None
+    return weakref.finalize(t, cudart.cudaHostUnregister, start)
+
+
 @dataclass
 class Slot:
     buf: torch.Tensor  # flat uint8 block buffer (store dtype) on the device
@@ -279,7 +297,7 @@ class BlockScheduler:
                          for k in range(n_loaders)]
         for t in self._threads:
             t.start()
-        self.writeback = WriteBackQueue(self.tracer, self.metrics)
+        self.writeback = WriteBackQueue(self.tracer, self.metrics, device=self.device)
         log.info("placement: %d blocks on the device, %d in RAM (%.1f GiB pinned), %d read from disk; "
                  "%d slots", self.resident, self.tiers.count("ram"), self.pinned_bytes / 2**30,
                  self.tiers.count("disk"), len(self.slots))
@@ -308,9 +326,12 @@ class BlockScheduler:
         nbytes = self.store.block_nbytes
         self._ram: list[torch.Tensor | None] = [None] * self.n_blocks
         ram_blocks = [i for i, t in enumerate(self.tiers) if t == "ram"]
+        self._registered = []  # finalizers of registered file mappings (the shared tier on CUDA)
         if shared:
             for i in ram_blocks:
                 self._ram[i] = self.store.map_block(i)
+                if self._pin:  # else every copy from it goes through pageable memory: staged, synchronous
+                    self._registered.append(register_read_only(self._ram[i]))
         elif ram_blocks:
             self._ram_buffer = HostBuffer(self._stride * len(ram_blocks), self._pin)
             for k, i in enumerate(tqdm(ram_blocks, desc="loading blocks to RAM", unit="block", disable=None,
@@ -474,6 +495,9 @@ class BlockScheduler:
             t.join()
         if self._cuda:
             torch.cuda.synchronize(self.device)  # no copy may still target a buffer we free
+        for unregister in self._registered:
+            if unregister is not None:
+                unregister()
         self._verifier.shutdown(wait=True)
         self.writeback.close()
 
@@ -548,6 +572,8 @@ class BlockScheduler:
         return None
 
     def _prefetch_loop(self) -> None:
+        if self._cuda:  # the current device is per thread: else cuda:1's copies make a context on GPU 0
+            torch.cuda.set_device(self.device)
         while True:
             with self._cv:
                 while not self._closed and (self._load_error is not None or (task := self._next_load()) is None):
@@ -658,8 +684,9 @@ class WriteBackQueue:
     """
 
     def __init__(self, tracer: Tracer | None = None, metrics: Metrics | None = None, maxsize: int = 4,
-                 name: str = "phantom-writeback"):
+                 name: str = "phantom-writeback", device: torch.device | str = "cpu"):
         self.tracer, self.metrics = tracer or Tracer(False), metrics
+        self.device = torch.device(device)  # CUDA: made the worker thread's current device
         self._q: queue.Queue = queue.Queue(maxsize)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -687,6 +714,8 @@ class WriteBackQueue:
             raise err
 
     def _loop(self):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
             item = self._q.get()
             if item is None:

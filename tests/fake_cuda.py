@@ -11,7 +11,8 @@ CUDA branches on real values. Each call lands in `log` as a tuple whose first it
     ("wait_event", stream, event)              Stream.wait_event
     ("wait_stream", stream, other)             Stream.wait_stream
     ("event_sync", event) / ("stream_sync", stream) / ("device_sync",)   host waits
-    ("register", ptr, nbytes) / ("unregister", ptr)                     cudaHostRegister / Unregister
+    ("register", ptr, nbytes, flags) / ("unregister", ptr)              cudaHostRegister / Unregister
+    ("set_device", device, thread name)         torch.cuda.set_device
     ("h2d_value", name, stream)                 torch.tensor(..., device="cuda"): a blocking upload
     ("op", name, stream)                        any other torch call, with the stream it was issued on
 
@@ -68,7 +69,7 @@ class _Cudart:
         self.fc = fc
 
     def cudaHostRegister(self, ptr, nbytes, flags):
-        self.fc.log.append(("register", ptr, nbytes))
+        self.fc.log.append(("register", ptr, nbytes, flags))
         return 0
 
     def cudaHostUnregister(self, ptr):
@@ -160,7 +161,8 @@ class FakeCuda:
         mp.setattr(torch.cuda, "mem_get_info", lambda device=None: (self.free, self.total))
         mp.setattr(torch.cuda, "cudart", lambda: _Cudart(fc))
         mp.setattr(torch.cuda, "is_available", lambda: True)
-        mp.setattr(torch.cuda, "set_device", lambda d: fc.log.append(("set_device", torch.device(d))))
+        mp.setattr(torch.cuda, "set_device",
+                   lambda d: fc.log.append(("set_device", torch.device(d), threading.current_thread().name)))
         mp.setattr(torch.Tensor, "record_stream", lambda t, s: fc.log.append(("record_stream", t, s)))
         self.free = self.total = 80 << 30
 

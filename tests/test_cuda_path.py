@@ -267,3 +267,37 @@ def test_a_full_finetune_keeps_its_loss_chunk_and_gradients_out_of_the_blocks_bu
         assert device_bytes(model.scheduler) + reserve <= fc.free
     finally:
         model.close()
+
+
+def test_a_shared_ram_tier_is_registered_read_only_and_every_thread_uses_the_run_s_device(fc, small_store):
+    """Under torchrun the shared RAM tier is a file mapping: registered read-only with CUDA (else each
+    copy from it is staged through pageable memory). The loader and write-back threads make the
+    run's device theirs (the current device is per thread: cuda:1's copies would make a context on
+    GPU 0)."""
+    store = BlockStore(small_store)
+    with fc.tensors_to_host():
+        sched = BlockScheduler(store, "cuda:1", Placement(offload="ram", resident=0, shared_ram=True, prefetch=1))
+    try:
+        sched.writeback.flush()
+        regs = fc.of("register")
+        assert len(regs) == store.n_blocks and all(flags & 0x08 for *_, flags in regs)
+        for i in range(store.n_blocks):
+            start, end = sched._ram[i].data_ptr(), sched._ram[i].data_ptr() + store.block_nbytes
+            assert any(p <= start and end <= p + n for _, p, n, _ in regs), i
+        threads = {name for _, device, name in fc.of("set_device") if device == torch.device("cuda:1")}
+        assert {t.name for t in sched._threads} | {"phantom-writeback"} <= threads
+    finally:
+        sched.close()
+    assert len(fc.of("unregister")) == store.n_blocks
+
+
+def test_a_failed_setup_stops_the_loader_threads(small_store, tmp_path):
+    """An optimizer that cannot be set up (state on a device that is not CUDA) after the scheduler
+    started: its loader threads, and the memory they hold, do not outlive the error."""
+    import threading
+    before = {t for t in threading.enumerate() if t.name.startswith("phantom-")}
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        phantom.load(small_store, offload="ram", mode="full", work_dir=tmp_path / "w",
+                     optim=phantom.AdamWConfig(state="device"))
+    left = {t for t in threading.enumerate() if t.name.startswith("phantom-") and t.is_alive()} - before
+    assert not left, left

@@ -11,12 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from phantom.config import ModelConfig
-from phantom.placement import Activations, Placement, assign_tiers, loads_per_step, ram_budget
+from phantom.placement import Activations, Placement, assign_tiers, loads_per_step, loss_budget, ram_budget
 
 ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 ALIGN = 4096  # phantom.store.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
 HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.scheduler's: host buffers from HUGE_MIN get huge pages
-FIXED_BYTES = 256 << 20  # loss chunks, LoRA and optimizer state, allocator slack
+FIXED_BYTES = 256 << 20  # LoRA and its optimizer state, allocator slack
 MARGIN = 0.15  # keep this fraction of free memory unused
 PREFETCH = (0, 1, 2, 3, 4, 6, 8)
 GB = 1e9
@@ -266,7 +266,7 @@ def block_tiers(shape: Shape, profile: MachineProfile, placement: Placement) -> 
     """Each block's tier, exactly as BlockScheduler assigns them from the same placement and memory."""
     cpu = profile.host_is_device
     tiers = assign_tiers(shape.n_blocks, shape.tier_bytes, placement, None if cpu else profile.free_device_bytes,
-                         profile.free_host_bytes, zero_copy=cpu)
+                         profile.free_host_bytes, zero_copy=cpu, slot_bytes=shape.slot_bytes)
     return tuple("ram" if t == "device" else t for t in tiers) if cpu else tiers
 
 
@@ -372,11 +372,13 @@ def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int
 
 def device_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, keep: int,
                   rows: int, micro_batch: int) -> int:
-    """Device bytes at the peak: slots, resident blocks, activations, head, fixed slack (0 on a CPU)."""
+    """Device bytes at the peak: slots, resident blocks, activations, head, one loss chunk at its peak
+    (phantom.placement.loss_budget, as PhantomModel sizes it), fixed slack (0 on a CPU)."""
     if profile.host_is_device:
         return 0
     blocks = slots * shape.slot_bytes + tiers.count("device") * shape.resident_bytes
-    return blocks + activation_bytes(shape, profile, keep, rows, micro_batch) + shape.head_bytes + FIXED_BYTES
+    return blocks + activation_bytes(shape, profile, keep, rows, micro_batch) + shape.head_bytes + \
+        loss_budget(profile.free_device_bytes) + FIXED_BYTES
 
 
 def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, placement: Placement,

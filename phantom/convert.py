@@ -387,11 +387,14 @@ def tokenizer_files(store: BlockStore) -> dict[str, Path]:
 
 
 def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Norm weights 1, matrices N(0, std^2); std is a number or a function of the shape."""
+                    dtype: torch.dtype, offset: float = 0.0) -> dict[str, torch.Tensor]:
+    """Norm weights 1 (0 where the norm scales by 1 + w: the same identity), biases 0, matrices N(0, std^2);
+    std is a number or a function of the shape."""
     out = {}
     for name, shape in shapes.items():
-        if len(shape) == 1:  # norm weights
+        if name.endswith(".bias") or (len(shape) == 1 and offset):
+            out[name] = torch.zeros(shape, dtype=dtype)
+        elif len(shape) == 1:  # norm weights
             out[name] = torch.ones(shape, dtype=dtype)
         else:
             out[name] = (torch.randn(shape, generator=gen) * (std(shape) if callable(std) else std)).to(dtype)
@@ -423,12 +426,12 @@ def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bflo
         w.write_embed(_random_tensors(embed_tensor_shapes(cfg), gen, 0.02, dtype))
         for i in tqdm(range(cfg.n_layers), desc="writing blocks", unit="block", disable=not progress or None):
             gen = torch.Generator().manual_seed(seed * 1000003 + i + 1)
-            block = _random_tensors(block_tensor_shapes(cfg), gen, std, dtype)
+            block = _random_tensors(block_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset)
             for name in ("attention.wo.weight", "feed_forward.w2.weight"):
                 block[name] = (block[name].float() * (resid_std / 0.02)).to(dtype)
             w.write_block(i, block)
         gen = torch.Generator().manual_seed(seed * 1000003)
-        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype))
+        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset))
         if tokenizer is not None:
             w.add_tokenizer(tokenizer)
         kept = keep_tokenizer_files(w, ([w.tmp / w.tokenizer] if tokenizer is not None else []) + list(tokenizer_extra))

@@ -231,8 +231,8 @@ def meta_params(cfg: ModelConfig) -> dict:
         assert int(p["ffn_dim_multiplier"] * base) == cfg.intermediate_size
     if cfg.rope_scaling is not None:
         if cfg.rope_scaling.rope_type != "llama3":
-            raise ValueError(f"Meta's params.json has Llama-3.1's RoPE scaling only, not {cfg.rope_scaling.rope_type!r}; "
-                             f"use --format hf")
+            raise ValueError(f"Meta's params.json has Llama-3.1's RoPE scaling only, not "
+                             f"{cfg.rope_scaling.rope_type!r}; use --format hf")
         p.update(use_scaled_rope=True, rope_scaling_factor=cfg.rope_scaling.factor)
     return p
 

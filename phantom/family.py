@@ -264,9 +264,9 @@ def family_of(c: dict, path) -> Family:
         if set(archs) & set(fam.architectures) or (not archs and c.get("model_type") == fam.model_type):
             return fam
     supported = ", ".join(f.hf_class for f in FAMILIES.values())
-    name = "/".join(archs) or c.get("model_type")
-    raise ConfigError(f"{path}: architecture {name} is not supported (architectures={json.dumps(archs)}, "
-                      f"model_type={json.dumps(c.get('model_type'))}; supported: {supported})")
+    named = archs[0] if archs else c.get("model_type", "?")
+    raise ConfigError(f"{path}: architecture {named} is not supported (architectures={json.dumps(archs)}; "
+                      f"supported: {supported})")
 
 
 def check_fields(c: dict, fam: Family, path) -> None:

@@ -19,8 +19,8 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 def is_hub_id(name: str) -> bool:
-    """OWNER/NAME, as the hub spells repository ids (a folder that exists is a folder, not an id)."""
-    return bool(REPO_ID.match(name)) and ".." not in name and not Path(name).exists()
+    """OWNER/NAME, as the hub spells repository ids, where no folder OWNER is here (weights/7B is a path)."""
+    return bool(REPO_ID.match(name)) and ".." not in name and not Path(name.split("/")[0]).exists()
 
 
 def hub_cache() -> Path:

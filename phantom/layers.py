@@ -31,7 +31,8 @@ class RMSNorm(nn.Module):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """x / rms(x) * (offset + weight); offset 1 is Gemma's norm, whose zero weight is the identity."""
     xf = x.float()  # normalise in fp32 whatever the activation dtype, as Meta's reference does
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * (weight + offset if offset else weight)
+    scale = weight + offset if offset else weight
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * scale
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -421,8 +421,8 @@ class PhantomModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, output projection and soft-cap of hidden states h (..., dim): fp32 logits."""
         cfg = self.cfg
-        return softcap(F.linear(rms_norm(h, self.norm_weight, cfg.norm_eps, cfg.norm_offset), self.output_weight).float(),
-                       cfg.final_softcap)
+        normed = rms_norm(h, self.norm_weight, cfg.norm_eps, cfg.norm_offset)
+        return softcap(F.linear(normed, self.output_weight).float(), cfg.final_softcap)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states (B, T, dim) on the device. Pass host ids (the training loop does): a table

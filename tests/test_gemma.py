@@ -17,10 +17,9 @@ SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
 CASES = {  # name -> (config class, fields, the family's class)
     "gemma2": ("Gemma2Config", dict(SHAPES, attn_logit_softcapping=3.0, final_logit_softcapping=2.0),
                "Gemma2ForCausalLM"),
-    "gemma3": ("Gemma3TextConfig", dict(SHAPES, layer_types=["sliding_attention", "full_attention"],
-                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                                            "rope_theta": 1e6}}),
+    "gemma3": ("Gemma3TextConfig", dict(SHAPES, layer_types=["sliding_attention", "full_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
                "Gemma3ForCausalLM"),
 }
 

@@ -125,3 +125,10 @@ def test_concurrent_first_uses_convert_once(cache):
     assert paths == {str(folder / commits["main"])}
     assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock")) == [commits["main"]]
     BlockStore(folder / commits["main"], verify="full")
+
+
+def test_a_path_under_an_existing_folder_is_a_path_not_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(FileNotFoundError, match="no phantom store at weights/7b"):
+        phantom.resolve_model("weights/7b")

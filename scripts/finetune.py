@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import shutil
 import sys
@@ -297,7 +298,8 @@ def run(argv=None) -> int:
             best, placement = tuned(args, path, device, dtype, placement)
             cfg = dataclasses.replace(cfg, check_step=functools.partial(tune.check_prediction, best))
         try:
-            with trackers.Reporter(report_to if ddp.is_main else (), out, settings, out.resolve().name) as reporter:
+            with trackers.Reporter(report_to if ddp.is_main else (), out, settings, out.resolve().name,
+                                   first_step(out) if args.resume else 1) as reporter:
                 s = train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, (reporter.log,))
             if ddp.is_main:
                 write_card(args, argv, s, store, dtype, device)
@@ -363,6 +365,11 @@ def write_run_file(args, store: BlockStore, out: Path, **resolved) -> dict:
              f"# Repeat it: python scripts/finetune.py --config {out / 'config.yaml'} (flags given there win).\n"
     runfile.write(out / "config.yaml", runfile.dump(p, flat, run_file_sections(p), record, header))
     return {**flat, **{f"recorded-{k}": v for k, v in record.items()}}
+
+
+def first_step(out: Path) -> int:
+    """The first step a --resume run trains: one past its checkpoint's."""
+    return int(json.loads((find_checkpoint(out) / "meta.json").read_text())["step"]) + 1
 
 
 def run_file_sections(p: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:

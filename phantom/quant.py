@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import contextlib
+
 import torch
 
 METHODS = ("nf4", "int8")
@@ -242,6 +244,20 @@ def dequantize_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch
     if fmt.method == "int8":
         return dequantize_int8_into(parts, out, name)
     return dequantize_nf4_into(fmt, parts, out, name)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """This thread's torch ops on one core (OpenMP's thread count is per calling thread), restored after.
+
+    A CPU loader dequantizes beside the compute, which has the cores: on a busy 2-core machine two
+    OpenMP threads spinning at each op's barrier made a dim-2048 block take 5-9 s, one thread 0.18 s."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def dequantize_block(fmt: QuantFormat, stored: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:

@@ -11,6 +11,7 @@ device (LIFO). A write-back queue carries data the other way.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from phantom import faults, fileio
+from phantom import faults, fileio, quant
 from phantom.placement import Placement, assign_tiers
 from phantom.placement import ram_budget as default_ram_budget
 from phantom.store import DATA_ALIGN, BlockStore, packed_empty
@@ -678,7 +679,8 @@ class BlockScheduler:
         dequantized (on the device after the copy; on a CPU here, in the loader thread)."""
         if self.store.quant is not None:
             t0 = time.perf_counter()
-            self.store.dequantize_block(block, self.store.block_views(slot.buf), slot.converted)
+            with quant.one_thread() if self.device.type == "cpu" else contextlib.nullcontext():
+                self.store.dequantize_block(block, self.store.block_views(slot.buf), slot.converted)
             t1 = time.perf_counter()
             with self._cv:
                 self.metrics.dequant_s += t1 - t0

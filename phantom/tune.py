@@ -9,6 +9,7 @@ the clocks, the reader thread and the files are here.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from phantom import costmodel as cm
+from phantom import quant
 from phantom import placement as P
 from phantom.convert import write_synthetic
 from phantom.model import ChunkedHeadLoss, PhantomModel, WeightHandles
@@ -139,12 +141,13 @@ def store_quant(store: BlockStore) -> str | None:
 
 def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype, repeats: int = 3) -> float:
     """GB/s of compute-dtype weights a loader produces dequantizing a quantized block, as the scheduler
-    does it (the block's stored bytes already where it computes; torch's threads as configured)."""
+    does it (the block's stored bytes already where it computes; on a CPU on one thread)."""
     raw = HostBuffer(store.block_nbytes, pin=False).tensor
     store.read_block_into(0, raw)
     stored = store.block_views(raw.to(device))
     out = store.dense_empty(dtype, device)
-    t = _timed(lambda: store.dequantize_block(0, stored, out), device, repeats)
+    with quant.one_thread() if device.type == "cpu" else contextlib.nullcontext():  # as the scheduler's loader
+        t = _timed(lambda: store.dequantize_block(0, stored, out), device, repeats)
     return sum(v.numel() for v in out.values()) * dtype.itemsize / t / 1e9
 
 

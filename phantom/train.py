@@ -531,7 +531,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
 
     Args:
         model: a PhantomModel with something to train (a LoRA), loaded with micro_batch=cfg.batch_size.
-        train_data, val_data: from phantom.data.load (and split); val_data None: no evaluation.
+        train_data, val_data: from phantom.data.load (and split), or preference pairs from
+            phantom.preference.load_pairs (and split_pairs) with cfg.mode "dpo"; val_data None: no evaluation.
         cfg: the run's settings.
         tokenizer: needed for samples (cfg.sample_every); its pad id pads packed rows.
         sinks: callables given each record as it is written to metrics.jsonl on rank 0 (experiment

@@ -9,7 +9,8 @@ import torch
 
 import phantom
 from conftest import SMALL, randomize_lora
-from phantom.preference import PairRows, Preference, PreferenceConfig, fit, load_pairs, split_pairs
+from phantom import chat
+from phantom.preference import PairRows, Preference, PreferenceConfig, fit, load_pairs, pair_encoder, split_pairs
 from phantom.tokenizer import Tokenizer
 from phantom.convert import ensure_tiny
 
@@ -62,8 +63,31 @@ def test_the_reference_is_the_base_model(small_store):
 # -- pair data ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return Tokenizer(ensure_tiny(tmp_path_factory.mktemp("w") / "tiny") / "tokenizer.model")
+def tiny(tmp_path_factory):
+    return ensure_tiny(tmp_path_factory.mktemp("w") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return Tokenizer(tiny / "tokenizer.model")
+
+
+def test_chat_pairs_go_through_the_models_template(tmp_path, tiny, tok):
+    """A pair of chat messages is trained as phantom.chat trains the same conversation in SFT: each
+    row's trained tokens are those encode_chat labels for the last assistant turn."""
+    template = chat.read_template(tiny, tok)
+    assert template is not None
+    prompt = [{"role": "user", "content": "Who kept the light?"}]
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": prompt, "chosen": "The keeper.",
+                                            "rejected": [{"role": "assistant", "content": "The terns."}]}])
+    pairs = load_pairs(f, tok, encode=pair_encoder(template))
+    x, y, _ = PairRows(pairs, 64, pad_id=tok.eos_id)[0]
+    for row, answer in ((0, "The keeper."), (1, "The terns.")):
+        ids, labels = chat.encode_chat(tok, template, prompt + [{"role": "assistant", "content": answer}], "last")
+        n = len(ids)
+        assert x[row, :n].tolist() == ids
+        assert [t for t in y[row].tolist() if t != -100] == [t for t in labels[1:] if t != -100]
+    assert load_pairs(f, tok).prompts[0].tolist() != pairs.prompts[0].tolist()  # plain rendering differs
 
 
 def write_jsonl(path, records):

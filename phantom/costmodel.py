@@ -266,7 +266,8 @@ def block_tiers(shape: Shape, profile: MachineProfile, placement: Placement) -> 
     """Each block's tier, exactly as BlockScheduler assigns them from the same placement and memory."""
     cpu = profile.host_is_device
     tiers = assign_tiers(shape.n_blocks, shape.tier_bytes, placement, None if cpu else profile.free_device_bytes,
-                         profile.free_host_bytes, zero_copy=cpu, slot_bytes=shape.slot_bytes)
+                         profile.free_host_bytes, zero_copy=cpu, slot_bytes=shape.slot_bytes,
+                         device_block_bytes=shape.dequant_bytes or None)  # quantized: held dequantized there
     return tuple("ram" if t == "device" else t for t in tiers) if cpu else tiers
 
 

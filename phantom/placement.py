@@ -91,7 +91,8 @@ def split_knobs(knobs: dict, *configs):
 
 
 def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_device: int | None,
-                 free_host: int | None, zero_copy: bool = False, slot_bytes: int | None = None) -> tuple[str, ...]:
+                 free_host: int | None, zero_copy: bool = False, slot_bytes: int | None = None,
+                 device_block_bytes: int | None = None) -> tuple[str, ...]:
     """Each block's tier ("device", "ram" or "disk"), from the placement and the free memory.
 
     The device tier takes the first blocks (which ones does not change the bytes moved). Of the
@@ -107,6 +108,8 @@ def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_dev
         free_device, free_host: measured free bytes (None: unknown, treated as unlimited).
         slot_bytes: device bytes of one streaming slot (default block_bytes): a slot of a store in
             another dtype holds the stored bytes and the converted copy.
+        device_block_bytes: device bytes of one resident block (default block_bytes): a quantized
+            store's blocks are held dequantized there, larger than in RAM.
     """
     slots = (placement.prefetch + 1) * (slot_bytes or block_bytes)
     if placement.offload == "none":
@@ -114,7 +117,7 @@ def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_dev
     n_device = placement.resident or 0
     if placement.offload == "auto" and placement.resident is None and not zero_copy:
         budget = placement.device_budget if placement.device_budget is not None else device_budget(free_device)
-        n_device = max(0, (budget - slots) // block_bytes) if budget is not None else n_blocks
+        n_device = max(0, (budget - slots) // (device_block_bytes or block_bytes)) if budget is not None else n_blocks
     n_device = min(n_device, n_blocks)
     if placement.offload == "ram":
         n_ram = n_blocks - n_device

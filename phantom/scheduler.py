@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -312,14 +312,12 @@ class BlockScheduler:
         free_device = free_device_bytes(self.device)
         if free_device is not None:
             free_device = max(0, free_device - device_reserve)
+        device_block = None
         if self.store.quant is not None:  # RAM holds the stored bytes, the device dequantized blocks
             tier_bytes = self.store.block_nbytes
-            dense = -(-self.store.dense_nbytes * self.dtype.itemsize // self.store.dtype.itemsize // tier_bytes)
-            free_device = free_device // dense if free_device is not None else None
-            if placement.device_budget is not None:
-                placement = replace(placement, device_budget=placement.device_budget // dense)
+            device_block = self.store.dense_nbytes // self.store.dtype.itemsize * self.dtype.itemsize
         tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device, free_host, zero_copy=cpu,
-                             slot_bytes=self.slot_bytes)
+                             slot_bytes=self.slot_bytes, device_block_bytes=device_block)
         ram_cap = placement.ram_budget if placement.ram_budget is not None else default_ram_budget(free_host)
         if placement.offload == "auto" and "disk" in tiers and ram_cap is not None and ram_cap < tier_bytes:
             log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "

@@ -301,3 +301,23 @@ def test_a_failed_setup_stops_the_loader_threads(small_store, tmp_path):
                      optim=phantom.AdamWConfig(state="device"))
     left = {t for t in threading.enumerate() if t.name.startswith("phantom-") and t.is_alive()} - before
     assert not left, left
+
+
+def test_a_quantized_store_s_slots_and_blocks_fit_the_device_budget(fc, tmp_path, small_store_bf16):
+    """An int8 store computed in bf16: a slot holds the quantized bytes and the dequantized block, a
+    resident block the dequantized one. With a budget of two slots and two resident blocks, what the
+    scheduler allocates on the device stays within it (device budgets are counted in dequantized units)."""
+    from phantom.convert import quantize_store
+    from phantom.quant import QuantFormat
+    out = quantize_store(small_store_bf16, tmp_path / "int8", QuantFormat("int8"), progress=False)["out"]
+    store = BlockStore(out)
+    dense = store.dense_nbytes  # bf16 store, bf16 compute
+    budget = 2 * (store.block_nbytes + dense) + 2 * dense
+    with fc.tensors_to_host():
+        sched = BlockScheduler(store, "cuda", Placement(offload="auto", prefetch=1, device_budget=budget,
+                                                        ram_budget=1 << 30), dtype=torch.bfloat16)
+    try:
+        assert len(sched.slots) == 2 and device_bytes(sched) <= budget
+        assert sched.resident == 2, sched.tiers
+    finally:
+        sched.close()

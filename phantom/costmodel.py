@@ -264,8 +264,14 @@ class Prediction:
 def block_tiers(shape: Shape, profile: MachineProfile, placement: Placement) -> tuple[str, ...]:
     """Each block's tier, exactly as BlockScheduler assigns them from the same placement and memory."""
     cpu = profile.host_is_device
-    tiers = assign_tiers(shape.n_blocks, shape.tier_bytes, placement, None if cpu else profile.free_device_bytes,
-                         profile.free_host_bytes, zero_copy=cpu)
+    free_device = None if cpu else profile.free_device_bytes
+    if shape.dequant_bytes:  # a quantized store: the device tier holds dequantized blocks (as the scheduler counts)
+        dense = -(-shape.resident_bytes // shape.tier_bytes)
+        free_device = free_device // dense if free_device is not None else None
+        if placement.device_budget is not None:
+            placement = dataclasses.replace(placement, device_budget=placement.device_budget // dense)
+    tiers = assign_tiers(shape.n_blocks, shape.tier_bytes, placement, free_device, profile.free_host_bytes,
+                         zero_copy=cpu)
     return tuple("ram" if t == "device" else t for t in tiers) if cpu else tiers
 
 

@@ -1,28 +1,53 @@
-"""Model architecture: a frozen `ModelConfig` for the Llama family and a table of presets.
+"""Model architecture: a frozen `ModelConfig` (Llama's shapes plus the fields other families set) and presets.
 
-Also reads Meta's params.json and Hugging Face's config.json.
+Also reads Meta's params.json; Hugging Face's config.json is read per family (phantom.family).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 
+ROPE_TYPES = ("llama3", "linear", "yarn")  # RoPE scalings phantom computes (transformers' rope_type names)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1's frequency-dependent RoPE scaling (rope_type "llama3")."""
+    """RoPE scaling: "llama3" (Llama-3.1's frequency-dependent one), "linear" (every frequency over
+    factor; Gemma-3's global layers) or "yarn" (YaRN: low frequencies interpolated, high ones kept,
+    a ramp between beta_fast and beta_slow rotations, cos and sin times attention_factor; Qwen2.5's
+    long-context configs). Each type reads the fields its transformers function reads."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the MLP's gate activation (transformers' names)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shapes of a Llama-family transformer; nothing about how it is run."""
+    """The shapes and maths of a decoder-only transformer; nothing about how it is run.
+
+    The defaults are Llama's; the fields after max_seq_len describe what other families change
+    (phantom.family reads them from each family's config.json). The block maths read these
+    fields, never a family's name; `family` only names the checkpoint layout (keys, exporter).
+    """
 
     dim: int
     n_layers: int
@@ -36,14 +61,47 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 4096
+    family: str = "llama"  # checkpoint layout: phantom.family.FAMILIES
+    explicit_head_dim: int | None = None  # head width when not dim / n_heads (Qwen3, Gemma)
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2, Llama's attention_bias)
+    o_bias: bool = False  # a bias on the attention output (Llama's attention_bias)
+    mlp_bias: bool = False  # biases on gate, up, down
+    activation: str = "silu"  # one of ACTIVATIONS
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    tie_embeddings: bool = False  # the output projection is the embedding table
+    sliding_window: int | None = None  # keys a query sees in a sliding_attention layer, itself included
+    # per layer, one of LAYER_TYPES, repeating (a preset gives one period; a cut-down model keeps it);
+    # None: every layer slides when sliding_window is set (Mistral), else none does
+    layer_types: tuple[str, ...] | None = None
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma's (1 + w)
+    embed_scale: bool = False  # embeddings times sqrt(dim) (Gemma)
+    post_norms: bool = False  # an RMSNorm on attention's and the MLP's outputs too, before each residual add
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power instead of head_dim's (Gemma)
+    attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma-2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
+    local_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma-3); None: shared
 
     def __post_init__(self):
-        if self.dim % self.n_heads:
+        if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.layer_types is not None:
+            if not self.layer_types or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} per layer, "
+                                 f"got {list(self.layer_types)}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need a sliding_window")
+
+    def window(self, layer: int) -> int | None:
+        """How many keys (itself included) a query of this layer sees; None: all before it."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer % len(self.layer_types)] == "sliding_attention" else None
 
     @property
     def kv_heads(self) -> int:
@@ -51,7 +109,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of q and of the attention output (n_heads * head_dim; dim unless head_dim is explicit)."""
+        return self.n_heads * self.head_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -64,11 +127,11 @@ class ModelConfig:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def block_params(self) -> int:
-        kv = self.kv_heads * self.head_dim
-        return 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.hidden_dim + 2 * self.dim
+        return sum(math.prod(shape) for shape in block_tensor_shapes(self).values())
 
     def n_params(self) -> int:
-        return self.n_layers * self.block_params() + 2 * self.vocab_size * self.dim + self.dim
+        heads = 1 if self.tie_embeddings else 2
+        return self.n_layers * self.block_params() + heads * self.vocab_size * self.dim + self.dim
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -80,10 +143,16 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
         d = dict(d)
+        if d.get("layer_types") is not None:
+            d["layer_types"] = tuple(d["layer_types"])  # JSON gives a list
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
 
+
+GEMMA2 = dict(family="gemma2", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0, embed_scale=True,
+              post_norms=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,
+              layer_types=("sliding_attention", "full_attention"))
 
 # Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
 PRESETS: dict[str, ModelConfig] = {
@@ -107,9 +176,54 @@ PRESETS: dict[str, ModelConfig] = {
                              multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
     "llama3-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                               multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
-    # mistralai/Mistral-7B-v0.1 config.json (sliding window not modelled: sequences <= 4096)
+    # mistralai/Mistral-7B-v0.1 config.json (max_position_embeddings 32768; planned at 4096 tokens)
     "mistral-7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                              intermediate_size=14336, max_seq_len=4096),
+                              intermediate_size=14336, max_seq_len=4096, family="mistral", sliding_window=4096),
+    # Each from the config.json of the Hugging Face repo named (for the Gemma-3 and multimodal repos,
+    # its text_config); max_seq_len is max_position_embeddings.
+    # Qwen/Qwen2.5-7B, Qwen/Qwen2.5-72B (use_sliding_window false: no window)
+    "qwen2.5-7B": ModelConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
+                              intermediate_size=18944, norm_eps=1e-6, rope_theta=1e6, max_seq_len=131072,
+                              family="qwen2", qkv_bias=True),
+    "qwen2.5-72B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064,
+                               intermediate_size=29568, norm_eps=1e-5, rope_theta=1e6, max_seq_len=131072,
+                               family="qwen2", qkv_bias=True),
+    # Qwen/Qwen3-8B, Qwen/Qwen3-32B (head_dim 128)
+    "qwen3-8B": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, vocab_size=151936,
+                            intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                            family="qwen3", qk_norm=True),
+    "qwen3-32B": ModelConfig(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, vocab_size=151936,
+                             intermediate_size=25600, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                             family="qwen3", qk_norm=True, explicit_head_dim=128),
+    # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-70B (rope_scaling llama3, factor 8)
+    "llama3.1-8B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=14336, rope_theta=500000.0, rope_scaling=RopeScaling(),
+                               max_seq_len=131072),
+    "llama3.1-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                                intermediate_size=28672, rope_theta=500000.0, rope_scaling=RopeScaling(),
+                                max_seq_len=131072),
+    # meta-llama/Llama-3.2-1B, meta-llama/Llama-3.2-3B (tied embeddings, rope_scaling llama3, factor 32)
+    "llama3.2-1B": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
+                               max_seq_len=131072, tie_embeddings=True),
+    "llama3.2-3B": ModelConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
+                               max_seq_len=131072, tie_embeddings=True),
+    # google/gemma-2-9b, google/gemma-2-27b (sliding 4096 on every other layer, soft-caps 50 and 30)
+    "gemma2-9B": ModelConfig(dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, vocab_size=256000,
+                             intermediate_size=14336, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=256,
+                             **GEMMA2, query_pre_attn_scalar=256),
+    "gemma2-27B": ModelConfig(dim=4608, n_layers=46, n_heads=32, n_kv_heads=16, vocab_size=256000,
+                              intermediate_size=36864, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=128,
+                              **GEMMA2, query_pre_attn_scalar=144),
+    # google/gemma-3-27b-pt text_config (sliding 1024 on five layers of six; RoPE 1e6 linear x8 / local 1e4)
+    "gemma3-27B": ModelConfig(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, vocab_size=262208,
+                              intermediate_size=21504, norm_eps=1e-6, max_seq_len=131072, explicit_head_dim=128,
+                              family="gemma3", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0,
+                              embed_scale=True, post_norms=True, qk_norm=True, query_pre_attn_scalar=168,
+                              rope_theta=1e6, rope_scaling=RopeScaling(rope_type="linear", factor=8.0),
+                              local_rope_theta=1e4, sliding_window=1024,
+                              layer_types=("sliding_attention",) * 5 + ("full_attention",)),
 }
 
 
@@ -138,49 +252,43 @@ def from_meta_params(path: Path, vocab_size: int | None = None) -> ModelConfig:
                        max_seq_len=p.get("max_seq_len", 4096))
 
 
-HF_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
-
-
-def from_hf_config(path: Path) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json of a Llama or Mistral model."""
-    c = json.loads(Path(path).read_text())
-    archs = c.get("architectures") or [c.get("model_type", "?")]
-    if not set(archs) & HF_ARCHITECTURES:
-        raise ValueError(f"{path}: architecture {archs[0]} is not supported "
-                         f"(supported: {', '.join(sorted(HF_ARCHITECTURES))})")
-    if c.get("tie_word_embeddings"):
-        raise ValueError(f"{path}: tied word embeddings are not supported")
-    scaling = None
-    rope = c.get("rope_parameters") or {}  # transformers >= 5 writes theta and scaling here
-    rs = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind != "llama3":
-            raise ValueError(f"{path}: rope_scaling type {kind!r} is not supported (only 'llama3')")
-        scaling = RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
-                              high_freq_factor=rs["high_freq_factor"],
-                              original_max_seq_len=rs["original_max_position_embeddings"])
-    return ModelConfig(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
-                       vocab_size=c["vocab_size"], n_kv_heads=c.get("num_key_value_heads"),
-                       intermediate_size=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-5),
-                       rope_theta=c.get("rope_theta", rope.get("rope_theta", 10000.0)), rope_scaling=scaling,
-                       max_seq_len=c.get("max_position_embeddings", 4096))
-
-
 def block_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of one transformer block's tensors, in Meta's naming (same in every block)."""
     kv = cfg.kv_heads * cfg.head_dim
-    return {
-        "attention.wq.weight": (cfg.dim, cfg.dim),
+    shapes = {
+        "attention.wq.weight": (cfg.q_dim, cfg.dim),
         "attention.wk.weight": (kv, cfg.dim),
         "attention.wv.weight": (kv, cfg.dim),
-        "attention.wo.weight": (cfg.dim, cfg.dim),
+        "attention.wo.weight": (cfg.dim, cfg.q_dim),
         "feed_forward.w1.weight": (cfg.hidden_dim, cfg.dim),
         "feed_forward.w2.weight": (cfg.dim, cfg.hidden_dim),
         "feed_forward.w3.weight": (cfg.hidden_dim, cfg.dim),
         "attention_norm.weight": (cfg.dim,),
         "ffn_norm.weight": (cfg.dim,),
     }
+    if cfg.qkv_bias:
+        shapes.update({"attention.wq.bias": (cfg.q_dim,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
+    if cfg.o_bias:
+        shapes["attention.wo.bias"] = (cfg.dim,)
+    if cfg.mlp_bias:
+        shapes.update({"feed_forward.w1.bias": (cfg.hidden_dim,), "feed_forward.w2.bias": (cfg.dim,),
+                       "feed_forward.w3.bias": (cfg.hidden_dim,)})
+    if cfg.qk_norm:
+        shapes.update({"attention.q_norm.weight": (cfg.head_dim,), "attention.k_norm.weight": (cfg.head_dim,)})
+    if cfg.post_norms:
+        shapes.update({"attention_post_norm.weight": (cfg.dim,), "ffn_post_norm.weight": (cfg.dim,)})
+    return shapes
+
+
+def rope_rows(cfg: ModelConfig) -> dict[str, int]:
+    """Block tensors whose rows (per head) are in RoPE's pair layout -> heads they split into.
+
+    Phantom keeps Meta's interleaved pairs; Hugging Face checkpoints hold half-split pairs, so the
+    converter, the exporter and the adapter writer permute these rows (a per-head norm's weight is
+    one head's row order)."""
+    return {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads,
+            "attention.wq.bias": cfg.n_heads, "attention.wk.bias": cfg.kv_heads,
+            "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}
 
 
 # Projections that read the same input, run as one matmul (as gpt-fast does) when their weights lie
@@ -198,4 +306,7 @@ def embed_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def head_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The final norm and the output projection (none when tied: the head is the embedding table)."""
+    if cfg.tie_embeddings:
+        return {"norm.weight": (cfg.dim,)}
     return {"norm.weight": (cfg.dim,), "output.weight": (cfg.vocab_size, cfg.dim)}

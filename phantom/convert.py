@@ -11,6 +11,7 @@ import logging
 import math
 import mmap
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,8 +19,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_hf_config,
-                            from_meta_params, head_tensor_shapes, preset)
+from phantom.chat import TINY_CHAT_TEMPLATE
+from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_meta_params,
+                            head_tensor_shapes, preset, rope_rows)
+from phantom.family import LLAMA_KEYS, family, from_hf_config
 from phantom.layers import permute_from_hf
 from phantom.quant import QuantFormat
 from phantom.store import BlockStore, StoreError, StoreWriter, block_file, read_header, safe_join
@@ -37,21 +40,8 @@ META_SPLIT_DIMS = {
     "feed_forward.w3.weight": (0,), "attention_norm.weight": (), "ffn_norm.weight": (),
 }
 
-# Hugging Face name -> store name ({} is the layer index).
-HF_KEYS = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "attention.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "attention.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "attention.wv.weight",
-    "model.layers.{}.self_attn.o_proj.weight": "attention.wo.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "model.layers.{}.mlp.down_proj.weight": "feed_forward.w2.weight",
-    "model.layers.{}.mlp.up_proj.weight": "feed_forward.w3.weight",
-    "model.layers.{}.input_layernorm.weight": "attention_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "ffn_norm.weight",
-}
+# Llama's Hugging Face name -> store name ({} is the layer index); every family's is in phantom.family.
+HF_KEYS = LLAMA_KEYS
 HF_NAMES = {("{}" in hf, name): hf for hf, name in HF_KEYS.items()}  # (in a block?, store name) -> HF name
 HF_PERMUTED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "kv_heads"}  # rows in HF's RoPE layout
 
@@ -174,36 +164,41 @@ class MetaCheckpoint:
 # Hugging Face: config.json + model*.safetensors (+ model.safetensors.index.json)
 
 class HFCheckpoint:
-    """A Hugging Face Llama/Mistral folder; `part()` reads one part's tensors with safetensors' lazy loading."""
+    """A Hugging Face folder of a family in phantom.family; `part()` reads one part's tensors lazily (safetensors)."""
 
     format = "hf"
 
-    def __init__(self, src: Path):
+    def __init__(self, src: Path, root: Path | None = None):
+        """root: a folder the shards may be links into (the hub cache's repository: snapshots link to
+        its blobs); each shard is then read through its resolved path. None: no shard may leave src."""
         config = src / "config.json"
         if not config.is_file():
             raise FileNotFoundError(f"{config}: missing; a Hugging Face checkpoint folder holds config.json")
         try:
             self.cfg = from_hf_config(config)
         except (KeyError, TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{config}: not a Llama config.json ({type(e).__name__}: {e})") from None
+            raise ValueError(f"{config}: not a decoder config.json phantom reads ({type(e).__name__}: {e})") from None
         except ValueError as e:
             raise ValueError(str(e)) from None
         weight_map = self._weight_map(src)
         headers = {}
+        files = {}
         for file in sorted(set(weight_map.values())):
-            path = safe_join(src, file)
+            path = files[file] = safe_join(src, file) if root is None else linked_shard(src, file, root)
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: shard missing from the set (listed in model.safetensors.index.json)")
             specs, start = read_header(path)
             headers[file] = ({s.name: s for s in specs}, start)
         self.src, self.index = src, {}  # store name or (layer, store name) -> (path, TensorSpec, data start)
+        hf_names = family(self.cfg).hf_names()
+        self.permuted = rope_rows(self.cfg)
         for part in (*PARTS, *range(self.cfg.n_layers)):
             for name, shape in part_shapes(self.cfg, part).items():
-                key = HF_NAMES[(isinstance(part, int), name)].format(part)
+                key = hf_names[(isinstance(part, int), name)].format(part)
                 if key not in weight_map:
                     raise ValueError(f"{src}: tensor {key} is in no shard; the checkpoint is incomplete")
                 specs, start = headers[weight_map[key]]
-                spec, path = specs.get(key), src / weight_map[key]
+                spec, path = specs.get(key), files[weight_map[key]]
                 if spec is None:
                     raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
                 if spec.shape != shape:
@@ -239,9 +234,9 @@ class HFCheckpoint:
             with safe_open(path, framework="pt") as f:  # opened per part: its mapping is dropped on close
                 for name, key in names:
                     out[name] = f.get_tensor(key)
-        for name, heads in HF_PERMUTED.items():
+        for name, heads in self.permuted.items():
             if name in out:
-                out[name] = permute_from_hf(out[name], getattr(self.cfg, heads))
+                out[name] = permute_from_hf(out[name], heads)
         return out
 
     def located(self, part: str | int, dtype: torch.dtype) -> dict[str, tuple[Path, int, torch.dtype, tuple]]:
@@ -249,20 +244,28 @@ class HFCheckpoint:
         out = {}
         for name in part_shapes(self.cfg, part):
             path, spec, start = self.index[(part, name)]
-            if name not in HF_PERMUTED and spec.dtype == dtype:
+            if name not in self.permuted and spec.dtype == dtype:
                 out[name] = (path, start + spec.start, spec.dtype, spec.shape)
         return out
 
 
-def open_checkpoint(src: Path | str) -> MetaCheckpoint | HFCheckpoint:
-    """Detect the checkpoint format of a folder and open it (nothing is read beyond headers)."""
+def linked_shard(src: Path, file: str, root: Path) -> Path:
+    """src/file resolved, where it may be a link that stays inside root (a hub cache repository)."""
+    if os.path.isabs(file) or ".." in Path(file).parts or not (src / file).resolve().is_relative_to(root.resolve()):
+        raise StoreError(f"{src}: shard path {file!r} leads outside {root}")
+    return (src / file).resolve()
+
+
+def open_checkpoint(src: Path | str, root: Path | None = None) -> MetaCheckpoint | HFCheckpoint:
+    """Detect the checkpoint format of a folder and open it (nothing is read beyond headers); root:
+    see HFCheckpoint."""
     src = Path(src)
     if not src.is_dir():
         raise FileNotFoundError(f"{src}: no such checkpoint folder")
     if (src / "params.json").is_file() or any(src.glob("consolidated.*.pth")):
         return MetaCheckpoint(src)
     if (src / "config.json").is_file() or any(src.glob("*.safetensors")):
-        return HFCheckpoint(src)
+        return HFCheckpoint(src, root)
     raise ValueError(f"{src}: unknown checkpoint format (expected Meta's params.json + consolidated.NN.pth or "
                      f"Hugging Face's config.json + *.safetensors)")
 
@@ -294,7 +297,8 @@ def _write_part(w: StoreWriter, ckpt, part: str | int, link: bool) -> int:
 
 
 def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | None = None, link: bool = False,
-                       overwrite: bool = False, progress: bool = True, quant: QuantFormat | None = None) -> dict:
+                       overwrite: bool = False, progress: bool = True, quant: QuantFormat | None = None,
+                       root: Path | None = None) -> dict:
     """Convert a Meta or Hugging Face checkpoint folder into a block store, one block at a time.
 
     Args:
@@ -311,6 +315,7 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         progress: a tqdm bar over the blocks.
         quant: store every block's linear weights quantized (phantom.quant; the rest in dtype, bf16
             unless the checkpoint is 16-bit).
+        root: Hugging Face folders whose shards are links (the hub cache): the folder they may lead into.
 
     Returns:
         {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes"}.
@@ -318,7 +323,7 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
     Raises:
         FileNotFoundError: a missing file. ValueError (StoreError): a corrupt or unsupported checkpoint.
     """
-    ckpt = open_checkpoint(src)
+    ckpt = open_checkpoint(src, root)
     if quant is not None and link:
         raise ValueError("--link and --quantize: a quantized store holds its own (quantized) copy; drop one")
     dtype = dtype or (ckpt.dtype if quant is None or ckpt.dtype.itemsize == 2 else torch.bfloat16)
@@ -382,11 +387,14 @@ def tokenizer_files(store: BlockStore) -> dict[str, Path]:
 
 
 def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Norm weights 1, matrices N(0, std^2); std is a number or a function of the shape."""
+                    dtype: torch.dtype, offset: float = 0.0) -> dict[str, torch.Tensor]:
+    """Norm weights 1 (0 where the norm scales by 1 + w: the same identity), biases 0, matrices N(0, std^2);
+    std is a number or a function of the shape."""
     out = {}
     for name, shape in shapes.items():
-        if len(shape) == 1:  # norm weights
+        if name.endswith(".bias") or (len(shape) == 1 and offset):
+            out[name] = torch.zeros(shape, dtype=dtype)
+        elif len(shape) == 1:  # norm weights
             out[name] = torch.ones(shape, dtype=dtype)
         else:
             out[name] = (torch.randn(shape, generator=gen) * (std(shape) if callable(std) else std)).to(dtype)
@@ -398,14 +406,16 @@ SYNTHETIC_INITS = ("normal", "fan_in")
 
 def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                     tokenizer: Path | None = None, overwrite: bool = False, progress: bool = True,
-                    init: str = "normal", extra: dict | None = None, quant: QuantFormat | None = None) -> Path:
+                    init: str = "normal", extra: dict | None = None, tokenizer_extra: tuple[Path, ...] = (),
+                    quant: QuantFormat | None = None) -> Path:
     """A store of random weights with cfg's exact shapes, written block by block (never the whole model).
 
     init "normal": every matrix N(0, 0.02) as in GPT-2/Llama init; "fan_in": the block and head
     matrices N(0, 1/in_features) (nn.Linear's scale; at dim 128 that is 0.088, so attention scores
     and logits are not all near zero), the embedding N(0, 0.02). Either way the residual projections
     (wo, w2) are scaled by 1/sqrt(2 * n_layers); the same seed and init give the same store. extra:
-    more manifest fields. quant: the blocks' linear weights quantized from those values.
+    more manifest fields; tokenizer_extra: more tokenizer files to keep (TOKENIZER_FILES names);
+    quant: the blocks' linear weights quantized from those values.
     """
     if init not in SYNTHETIC_INITS:
         raise ValueError(f"unknown init {init!r}; choose from {', '.join(SYNTHETIC_INITS)}")
@@ -416,31 +426,32 @@ def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bflo
         w.write_embed(_random_tensors(embed_tensor_shapes(cfg), gen, 0.02, dtype))
         for i in tqdm(range(cfg.n_layers), desc="writing blocks", unit="block", disable=not progress or None):
             gen = torch.Generator().manual_seed(seed * 1000003 + i + 1)
-            block = _random_tensors(block_tensor_shapes(cfg), gen, std, dtype)
+            block = _random_tensors(block_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset)
             for name in ("attention.wo.weight", "feed_forward.w2.weight"):
                 block[name] = (block[name].float() * (resid_std / 0.02)).to(dtype)
             w.write_block(i, block)
         gen = torch.Generator().manual_seed(seed * 1000003)
-        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype))
+        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset))
         if tokenizer is not None:
             w.add_tokenizer(tokenizer)
-        kept = keep_tokenizer_files(w, [w.tmp / w.tokenizer] if tokenizer is not None else [])
+        kept = keep_tokenizer_files(w, ([w.tmp / w.tokenizer] if tokenizer is not None else []) + list(tokenizer_extra))
         return w.finish({"source": "synthetic", "seed": seed, **({"init": init} if init != "normal" else {}),
                          "tokenizer_files": kept, **(extra or {})})
 
 
-TINY_RECIPE = 2  # in the tiny store's manifest; a weights/tiny made by another recipe is made again
+TINY_RECIPE = 3  # in the tiny store's manifest; a weights/tiny made by another recipe is made again
 
 
 def ensure_tiny(out: Path) -> Path:
     """The embedded `tiny` model: a tokenizer trained on the shipped text and random weights.
 
     Generated deterministically on first use, so a fresh checkout trains with no download. Recipe 2
-    (issue 17: the README's first command must visibly learn): 64 tokenizer pieces (the text's 48
+    (the README's first command must visibly learn): 64 tokenizer pieces (the text's 48
     characters and its commonest pairs), so held-out text shares most of its statistics with the
     5 KB of training text (with 512 word-sized pieces it does not, and no model gets far below the
     uniform loss); fan_in weights, so a frozen random head can express the text's distributions
-    (N(0, 0.02) caps its logits near 2.6). A store made by an older recipe is made again.
+    (N(0, 0.02) caps its logits near 2.6). Recipe 3 adds the model's chat template (chat_template.jinja,
+    phantom.chat.TINY_CHAT_TEMPLATE). A store made by an older recipe is made again.
     """
     out = Path(out)
     manifest = out / "manifest.json"
@@ -456,13 +467,18 @@ def ensure_tiny(out: Path) -> Path:
         log.info("generating the tiny model in %s", out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok = out.parent / f".{out.name}.tokenizer.model"
+    template = out.parent / f".{out.name}.chat" / "chat_template.jinja"
     cfg = preset("tiny")
     try:
         train_tiny_tokenizer(tok, vocab_size=cfg.vocab_size)
+        template.parent.mkdir(exist_ok=True)
+        template.write_text(TINY_CHAT_TEMPLATE)
         return write_synthetic(out, cfg, torch.float32, seed=0, tokenizer=tok, progress=False, init="fan_in",
-                               overwrite=manifest.is_file(), extra={"tiny_recipe": TINY_RECIPE})
+                               overwrite=manifest.is_file(), extra={"tiny_recipe": TINY_RECIPE},
+                               tokenizer_extra=(template,))
     finally:
         tok.unlink(missing_ok=True)
+        shutil.rmtree(template.parent, ignore_errors=True)
 
 
 def quantize_store(src: Path | str, out: Path | str, quant: QuantFormat, dtype: torch.dtype | None = None,

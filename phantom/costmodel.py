@@ -11,12 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from phantom.config import ModelConfig
-from phantom.placement import Activations, Placement, assign_tiers, loads_per_step, ram_budget
+from phantom.placement import Activations, Placement, assign_tiers, loads_per_step, loss_budget, ram_budget
 
 ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 ALIGN = 4096  # phantom.store.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
 HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.scheduler's: host buffers from HUGE_MIN get huge pages
-FIXED_BYTES = 256 << 20  # loss chunks, LoRA and optimizer state, allocator slack
+FIXED_BYTES = 256 << 20  # LoRA and its optimizer state, allocator slack
 MARGIN = 0.15  # keep this fraction of free memory unused
 PREFETCH = (0, 1, 2, 3, 4, 6, 8)
 GB = 1e9
@@ -79,11 +79,11 @@ def quant_block_bytes(cfg: ModelConfig, method: str, itemsize: int, double_quant
                       blocksize: int = 64) -> int:
     """Bytes of one block stored quantized (phantom.quant.block_layout): each linear weight of n values as
     nf4 codes (n/2) and scales (one uint8 per block of values, fp32 per 256 of those and an offset; or an
-    fp32 per block), or int8 codes and an fp32 scale per row; the norms in `itemsize`."""
+    fp32 per block), or int8 codes and an fp32 scale per row; the rest (norms, biases) in `itemsize`."""
     kv = cfg.kv_heads * cfg.head_dim
-    mats = [(cfg.dim, cfg.dim), (kv, cfg.dim), (kv, cfg.dim), (cfg.dim, cfg.dim)] + \
+    mats = [(cfg.q_dim, cfg.dim), (kv, cfg.dim), (kv, cfg.dim), (cfg.dim, cfg.q_dim)] + \
         [(cfg.hidden_dim, cfg.dim), (cfg.dim, cfg.hidden_dim), (cfg.hidden_dim, cfg.dim)]
-    total = 2 * cfg.dim * itemsize
+    total = (cfg.block_params() - sum(rows * cols for rows, cols in mats)) * itemsize
     for rows, cols in mats:
         n = rows * cols
         blocks = -(-n // blocksize)
@@ -103,17 +103,18 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
     block = params * s if quant is None else quant_block_bytes(cfg, quant, s)
     converts = s != c or quant is not None
     head_params = cfg.vocab_size * cfg.dim + cfg.dim
+    embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
     return Shape(
         n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
         slot_bytes=block + (params * c if converts else 0),
         tier_bytes=block * max(1, c // s) if quant is None else block,  # as BlockScheduler budgets tiers
-        head_bytes=head_params * c, embed_bytes=cfg.vocab_size * cfg.dim * s,
-        flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.dim),  # matmuls + causal attention
+        head_bytes=head_params * c, embed_bytes=embed_params * s,
+        flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.q_dim),  # matmuls + causal attention
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
         act_bytes_per_row=seq_len * cfg.dim * c,
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),
         seq_len=seq_len, converts=converts,
-        store_bytes=cfg.n_layers * block + (head_params + cfg.vocab_size * cfg.dim) * s,
+        store_bytes=cfg.n_layers * block + (head_params + embed_params) * s,
         dequant_bytes=params * c if quant is not None else 0)
 
 
@@ -264,14 +265,9 @@ class Prediction:
 def block_tiers(shape: Shape, profile: MachineProfile, placement: Placement) -> tuple[str, ...]:
     """Each block's tier, exactly as BlockScheduler assigns them from the same placement and memory."""
     cpu = profile.host_is_device
-    free_device = None if cpu else profile.free_device_bytes
-    if shape.dequant_bytes:  # a quantized store: the device tier holds dequantized blocks (as the scheduler counts)
-        dense = -(-shape.resident_bytes // shape.tier_bytes)
-        free_device = free_device // dense if free_device is not None else None
-        if placement.device_budget is not None:
-            placement = dataclasses.replace(placement, device_budget=placement.device_budget // dense)
-    tiers = assign_tiers(shape.n_blocks, shape.tier_bytes, placement, free_device, profile.free_host_bytes,
-                         zero_copy=cpu)
+    tiers = assign_tiers(shape.n_blocks, shape.tier_bytes, placement, None if cpu else profile.free_device_bytes,
+                         profile.free_host_bytes, zero_copy=cpu, slot_bytes=shape.slot_bytes,
+                         device_block_bytes=shape.dequant_bytes or None)  # quantized: held dequantized there
     return tuple("ram" if t == "device" else t for t in tiers) if cpu else tiers
 
 
@@ -377,11 +373,13 @@ def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int
 
 def device_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, keep: int,
                   rows: int, micro_batch: int) -> int:
-    """Device bytes at the peak: slots, resident blocks, activations, head, fixed slack (0 on a CPU)."""
+    """Device bytes at the peak: slots, resident blocks, activations, head, one loss chunk at its peak
+    (phantom.placement.loss_budget, as PhantomModel sizes it), fixed slack (0 on a CPU)."""
     if profile.host_is_device:
         return 0
     blocks = slots * shape.slot_bytes + tiers.count("device") * shape.resident_bytes
-    return blocks + activation_bytes(shape, profile, keep, rows, micro_batch) + shape.head_bytes + FIXED_BYTES
+    return blocks + activation_bytes(shape, profile, keep, rows, micro_batch) + shape.head_bytes + \
+        loss_budget(profile.free_device_bytes) + FIXED_BYTES
 
 
 def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, placement: Placement,

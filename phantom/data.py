@@ -1,8 +1,8 @@
-"""Training data: plain text and JSONL instruction sets, tokenized once into a memory-mapped cache,
-with prompt tokens masked (-100), cut into windows or packed into rows, served by a DataLoader; or
-data already tokenized (flat .bin / .npy files of token ids, as nanoGPT and litgpt write them),
-memory-mapped as they are.
-
+"""Training data: plain text and instruction or chat records (JSONL, Parquet, `datasets` folders, Hub
+datasets in the local cache), rendered through the model's chat template where it has one, tokenized
+once into a memory-mapped cache with prompt tokens masked (-100), cut into windows or packed into rows
+(with segment ids, so packed examples stay apart), served by a DataLoader; or data already tokenized
+(flat .bin / .npy files of token ids, as nanoGPT and litgpt write them), memory-mapped as they are.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from phantom import fileio
+from phantom import chat, fileio, sources
 from phantom.tokenizer import TINY_TEXT, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 CACHE_VERSION = 1
 CACHE_DIR = ".phantom-cache"
-FORMATS = ("text", "prompt", "alpaca", "chat", "jsonl-text", "tokens")
+FORMATS = ("text", "prompt", "alpaca", "chat", "sharegpt", "jsonl-text", "tokens")
+CHAT_FORMATS = ("prompt", "alpaca", "chat", "sharegpt")  # rendered through the chat template, if the model has one
 TOKEN_SUFFIXES = (".bin", ".npy")  # pre-tokenized: a flat array of token ids
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 DEFAULT_DATA = TINY_TEXT
@@ -40,8 +42,49 @@ ALPACA = ("Below is an instruction that describes a task, paired with an input t
           "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
 ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
                    "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
-# Chat turns as plain "Role: content" lines; only the assistant's content (and EOS) is trained.
+# Chat turns as plain "Role: content" lines, for a model with no chat template; only the assistant's
+# content (and EOS) is trained.
 CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How records become tokens (part of the cache key).
+
+    Attributes:
+        template: the model's chat template (phantom.chat); None: plain "Role: content" rendering.
+        train_on: "all" assistant turns, the "last" one, or "prompt-too" (every token).
+        columns: (format key, column) pairs: records keep their data under other names.
+        split: the split of a Hub dataset or `datasets` folder (default: train).
+    """
+
+    template: chat.ChatTemplate | None = None
+    train_on: str = "all"
+    columns: tuple[tuple[str, str], ...] = ()
+    split: str | None = None
+
+    def __post_init__(self):
+        if self.train_on not in chat.TRAIN_ON:
+            raise ValueError(f"--train-on must be one of {', '.join(chat.TRAIN_ON)}, not {self.train_on!r}")
+
+    @property
+    def key(self) -> str:
+        t = self.template.fingerprint if self.template is not None else "plain"
+        return f"{t}|{self.train_on}|{sorted(self.columns)}|{self.split}"
+
+
+def parse_columns(text: str | None) -> tuple[tuple[str, str], ...]:
+    """--columns "prompt=question,response=answer" as (key, column) pairs."""
+    pairs = []
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, column = item.partition("=")
+        if not sep or not key.strip() or not column.strip():
+            raise ValueError(f"--columns takes KEY=COLUMN pairs separated by commas (e.g. prompt=question,"
+                             f"response=answer), not {item!r}")
+        pairs.append((key.strip(), column.strip()))
+    return tuple(pairs)
 
 
 @dataclass
@@ -109,6 +152,8 @@ def read_records(path: Path):
 def detect_format(record: dict) -> str:
     if "messages" in record:
         return "chat"
+    if "conversations" in record:
+        return "sharegpt"
     if "instruction" in record:
         return "alpaca"
     if "prompt" in record and "response" in record:
@@ -116,7 +161,8 @@ def detect_format(record: dict) -> str:
     if "text" in record:
         return "jsonl-text"
     raise ValueError(f"unknown record keys {sorted(record)[:6]}; expected prompt/response, instruction/input/output "
-                     f"(Alpaca), messages (chat) or text")
+                     f"(Alpaca), messages (chat), conversations (ShareGPT) or text; --columns KEY=COLUMN maps "
+                     f"other names")
 
 
 def segments(record, fmt: str) -> list[tuple[str, bool]]:
@@ -130,8 +176,9 @@ def segments(record, fmt: str) -> list[tuple[str, bool]]:
                     (record["output"], True)]
         if fmt == "jsonl-text":
             return [(record["text"], True)]
+        messages = chat.to_messages(record, "sharegpt") if fmt == "sharegpt" else record["messages"]
         out = []
-        for m in record["messages"]:
+        for m in messages:
             if m.get("role") not in CHAT_ROLES:
                 raise ValueError(f"unknown chat role {m.get('role')!r}; use {', '.join(CHAT_ROLES)}")
             role = CHAT_ROLES[m["role"]]
@@ -160,14 +207,77 @@ def encode_example(tok: Tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list
     return tokens, labels
 
 
-def tokenize(path: Path, tok: Tokenizer) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+def records(path: Path, recipe: Recipe) -> Iterator[tuple[str, dict]]:
+    """(where, record) of a JSONL/JSON file, a Parquet/Arrow table, a `save_to_disk` folder or a cached
+    Hub snapshot (its --data-split); `where` is an error's format string naming the file, line and record
+    number. Columns are renamed as recipe.columns says."""
+    k = 0
+    for file in sources.data_files(path, recipe.split):
+        numbered = read_records(file) if file.suffix in (".jsonl", ".json") else \
+            ((None, r) for r in sources.table_records(file))
+        for line, record in numbered:
+            k += 1
+            where = f"{file}:{line}: {{}} (record {k})" if line is not None else f"{file}: record {k}: {{}}"
+            if recipe.columns and isinstance(record, dict):
+                try:
+                    record = rename_columns(record, recipe.columns)
+                except ValueError as e:
+                    raise ValueError(where.format(e)) from None
+            yield where, record
+
+
+def rename_columns(record: dict, columns: tuple[tuple[str, str], ...]) -> dict:
+    missing = [f"{column!r} (--columns {key}={column})" for key, column in columns if column not in record]
+    if missing:
+        raise ValueError(f"no column {', '.join(missing)}; the record has {', '.join(sorted(record)[:8])}")
+    renamed = {column for _, column in columns}
+    return {**{k: v for k, v in record.items() if k not in renamed}, **{key: record[column] for key, column in columns}}
+
+
+def encode_record(tok: Tokenizer, record, fmt: str | None, recipe: Recipe) -> tuple[str, list[int], list[int]]:
+    """(format, tokens, labels) of one record: through the chat template if the recipe has one, else plain."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    fmt = fmt or detect_format(record)
+    if recipe.template is not None and fmt != "jsonl-text":
+        try:
+            return fmt, *chat.encode_chat(tok, recipe.template, chat.to_messages(record, fmt), recipe.train_on)
+        except KeyError as e:
+            raise ValueError(f"{fmt} record without {e}") from None
+        except (TypeError, AttributeError) as e:
+            raise ValueError(f"bad {fmt} record ({e})") from None
+    tokens, labels = encode_example(tok, segments(record, fmt))
+    if recipe.train_on == "prompt-too":
+        labels = [IGNORE_INDEX] + tokens[1:]
+    elif recipe.train_on == "last":
+        labels = last_trained_run(labels)
+    return fmt, tokens, labels
+
+
+def last_trained_run(labels: list[int]) -> list[int]:
+    """labels with only the last run of trained tokens kept (the last assistant turn)."""
+    k = len(labels)
+    while k > 0 and labels[k - 1] == IGNORE_INDEX:
+        k -= 1
+    while k > 0 and labels[k - 1] != IGNORE_INDEX:
+        k -= 1
+    return [IGNORE_INDEX] * k + labels[k:]
+
+
+def is_records(path: Path) -> bool:
+    return path.suffix in (".jsonl", ".json") or path.is_dir() or sources.is_dataset(path)
+
+
+def tokenize(path: Path, tok: Tokenizer, recipe: Recipe | None = None
+             ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
     """Format, tokens, labels and example starts of a data file (no cache).
 
     Plain text is one example: BOS, every non-empty line (sentencepiece turns the line break into a
-    word boundary), EOS. JSONL is one example per record.
+    word boundary), EOS. Records (JSONL, tables, dataset folders) are one example each.
     """
+    recipe = recipe or Recipe()
     tokens, labels, starts = array("i"), array("i"), array("q")
-    if path.suffix not in (".jsonl", ".json"):
+    if not is_records(path):
         fmt = "text"
         starts.append(0)
         tokens.append(tok.bos_id)
@@ -180,14 +290,11 @@ def tokenize(path: Path, tok: Tokenizer) -> tuple[str, np.ndarray, np.ndarray, n
         labels = array("i", [IGNORE_INDEX]) + tokens[1:]
     else:
         fmt = None
-        for n, record in read_records(path):
+        for where, record in records(path, recipe):
             try:
-                if not isinstance(record, dict):
-                    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-                fmt = fmt or detect_format(record)
-                t, lab = encode_example(tok, segments(record, fmt))
+                fmt, t, lab = encode_record(tok, record, fmt, recipe)
             except ValueError as e:
-                raise ValueError(f"{path}:{n}: {e}") from None
+                raise ValueError(where.format(e)) from None
             starts.append(len(tokens))
             tokens.extend(t)
             labels.extend(lab)
@@ -196,43 +303,53 @@ def tokenize(path: Path, tok: Tokenizer) -> tuple[str, np.ndarray, np.ndarray, n
     return fmt, np.frombuffer(tokens, np.int32), np.frombuffer(labels, np.int32), np.frombuffer(starts, np.int64)
 
 
-def cache_key(path: Path, tok: Tokenizer) -> str:
-    st = path.stat()
-    ident = f"{CACHE_VERSION}|{tok.fingerprint}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+def cache_key(path: Path, tok: Tokenizer, recipe: Recipe | None = None) -> str:
+    """The source files' paths, sizes and mtimes, the tokenizer and, for records, the recipe (when not
+    the default; plain text is read the same whatever it says)."""
+    recipe = recipe or Recipe()
+    files = [path] if path.is_file() else sources.data_files(path, recipe.split)
+    stats = "|".join(f"{f.resolve()}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in files)
+    counts = is_records(path) and recipe != Recipe()
+    ident = f"{CACHE_VERSION}|{tok.fingerprint}|{stats}" + (f"|{recipe.key}" if counts else "")
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def load(path: Path | str | None, tok: Tokenizer | None, cache: bool = True, vocab_size: int | None = None,
-         dtype: str | None = None) -> TokenData:
+         dtype: str | None = None, recipe: Recipe | None = None) -> TokenData:
     """Tokenize a data file once and memory-map the result from then on (token files: map them as they are).
 
     The tokens are cached in `.phantom-cache/` next to the file, keyed by the tokenizer's fingerprint
     and the file's size and mtime: a new tokenizer or an edited file is tokenized afresh.
 
     Args:
-        path: plain text (any suffix but .jsonl/.json/.bin/.npy), or JSONL with {"prompt", "response"},
-            Alpaca's {"instruction", "input", "output"}, chat {"messages": [{"role", "content"}]} or
-            {"text"} records (the first record decides), or token ids already tokenized (.bin, .npy;
-            see load_tokens). None: the shipped tiny text.
+        path: plain text (any suffix but .jsonl/.json/.bin/.npy), or records with {"prompt", "response"},
+            Alpaca's {"instruction", "input", "output"}, chat {"messages": [{"role", "content"}]},
+            ShareGPT's {"conversations": [{"from", "value"}]} or {"text"} (the first record decides) in
+            JSONL, a .json list, .parquet, a `save_to_disk` folder or a Hub dataset id found in the local
+            cache; or token ids already tokenized (.bin, .npy; see load_tokens). None: the shipped tiny text.
         tok: the model's tokenizer (None: only token files can be read).
         cache: read and write the cache (False: tokenize in memory).
         vocab_size: the model's vocabulary, which token ids are checked against (default: tok's).
         dtype: element type of a .bin of token ids ("uint16" or "uint32"; see token_dtype).
+        recipe: chat template, trained turns, column names and split (see Recipe).
 
     Raises:
         FileNotFoundError: no such file. ValueError: empty, not UTF-8, a bad record (with its line),
             an id outside the vocabulary (with its offset), or text with no tokenizer to read it.
     """
+    recipe = recipe or Recipe()
     path = Path(path) if path is not None else DEFAULT_DATA
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} not found; pass --data FILE (plain text, JSONL, or token ids "
-                                f"in a .bin or .npy)")
+    if not path.exists():
+        path = sources.resolve(str(path)) or path
+    if not path.is_file() and not (path.is_dir() and is_records(path)):
+        raise FileNotFoundError(f"data file {path} not found; pass --data FILE (plain text, JSONL, Parquet, a "
+                                f"datasets folder, a Hub dataset id in the local cache, or token ids in a .bin or .npy)")
     if path.suffix in TOKEN_SUFFIXES:
         return load_tokens(path, vocab_size or tok.vocab_size, dtype)
     if tok is None:
         raise ValueError(f"{path} is text, and the model has no tokenizer to read it: pass token ids already "
                          f"tokenized (--data FILE.bin or FILE.npy), or prepare the store with a tokenizer")
-    key = cache_key(path, tok)
+    key = cache_key(path, tok, recipe)
     cache = cache and path.resolve() != DEFAULT_DATA.resolve()  # the shipped text is small: never cached
     folder = path.parent / CACHE_DIR / f"{path.name}.{key}"
     if cache and (folder / "meta.json").is_file():
@@ -241,7 +358,7 @@ def load(path: Path | str | None, tok: Tokenizer | None, cache: bool = True, voc
         log.info("using the token cache %s (%d tokens)", folder, len(arrays[0]))
         return TokenData(*arrays, fmt=meta["format"], key=key)
     log.info("tokenizing %s", path)
-    fmt, tokens, labels, starts = tokenize(path, tok)
+    fmt, tokens, labels, starts = tokenize(path, tok, recipe)
     tokens = tokens.astype(np.uint16 if tok.vocab_size <= 1 << 16 else np.int32)
     data = TokenData(tokens, labels, starts, fmt, key)
     if cache:
@@ -381,12 +498,14 @@ class Windows(Dataset):
 class Packed(Dataset):
     """Examples packed greedily, in order, into rows of seq_len + 1 tokens, padded with -100 targets.
 
-    An example longer than a row is truncated. Examples that share a row attend to each other (no
-    document mask); their BOS targets are masked, so no loss crosses an example boundary.
+    An example longer than a row is truncated. With `segments`, items are (x, y, segment ids): the
+    model then keeps the examples of a row apart (a block-diagonal causal mask, positions from 0 for
+    each; see phantom.layers.packed_layout). Without, the examples of a row attend to each other; either
+    way the target of an example's first token is masked, so no loss crosses an example boundary.
     """
 
-    def __init__(self, data: TokenData, seq_len: int, pad_id: int = 0):
-        self.data, self.seq_len, self.pad_id = data, seq_len, pad_id
+    def __init__(self, data: TokenData, seq_len: int, pad_id: int = 0, segments: bool = False):
+        self.data, self.seq_len, self.pad_id, self.segments = data, seq_len, pad_id, segments
         ends = np.append(data.starts[1:], len(data))
         self.rows: list[list[tuple[int, int]]] = [[]]
         used, truncated = 0, 0
@@ -406,22 +525,27 @@ class Packed(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         toks = np.full(self.seq_len + 1, self.pad_id, np.int64)
         labs = np.full(self.seq_len + 1, IGNORE_INDEX, np.int64)
+        segs = np.full(self.seq_len + 1, len(self.rows[i]), np.int64)  # the padding is a segment of its own
         at = 0
-        for s, n in self.rows[i]:
+        for k, (s, n) in enumerate(self.rows[i]):
             toks[at:at + n] = self.data.tokens[s:s + n]
             labs[at:at + n] = self.data.labels[s:s + n]
+            segs[at:at + n] = k
             at += n
-        return torch.from_numpy(toks[:-1]), torch.from_numpy(labs[1:])
+        x, y = torch.from_numpy(toks[:-1]), torch.from_numpy(labs[1:])
+        return (x, y, torch.from_numpy(segs[:-1])) if self.segments else (x, y)
 
 
-def rows(data: TokenData, seq_len: int, pad_id: int = 0, name: str = "data") -> Windows | Packed:
-    """Plain text as windows, instruction data as packed rows (`name` is for error messages)."""
+def rows(data: TokenData, seq_len: int, pad_id: int = 0, name: str = "data", segments: bool = False
+         ) -> Windows | Packed:
+    """Plain text as windows, instruction data as packed rows (`name` is for error messages; `segments`:
+    packed rows come with their segment ids, see Packed)."""
     if seq_len < 1:
         raise ValueError(f"--seq-len must be >= 1, got {seq_len}")
-    return Windows(data, seq_len, name) if data.fmt in ("text", "tokens") else Packed(data, seq_len, pad_id)
+    return Windows(data, seq_len, name) if data.fmt in ("text", "tokens") else Packed(data, seq_len, pad_id, segments)
 
 
 # -- batches -------------------------------------------------------------------------------------
@@ -489,10 +613,66 @@ def loader(ds: Windows | Packed, batch: int, seed: int = 0, shuffle: bool = True
                       generator=torch.Generator().manual_seed(seed))
 
 
-def render_prompt(prompt: str, fmt: str) -> str:
-    """A raw prompt in the template the data was trained with (for samples)."""
+def render_prompt(prompt: str, fmt: str, template: chat.ChatTemplate | None = None) -> str:
+    """A raw prompt in the template the data was trained with (for samples; BOS is the sampler's)."""
+    if template is not None and fmt in CHAT_FORMATS:
+        text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)[0]
+        bos = template.special.get("bos_token")
+        return text[len(bos):] if bos and text.startswith(bos) else text
     if fmt == "alpaca":
         return ALPACA_NO_INPUT.format(instruction=prompt)
     if fmt == "chat":
         return f"User: {prompt} Assistant:"
     return prompt
+
+
+# -- looking at the data ---------------------------------------------------------------------------
+
+def show_rows(ds: Windows | Packed, tok: Tokenizer | None, n: int) -> str:
+    """The first n rows as the model sees them: decoded text (special tokens shown), the tokens that
+    carry loss inside [[ ]], each packed example on its own line."""
+    lines = []
+    for i in range(min(n, len(ds) if isinstance(ds, Packed) else ds.n_sequential)):
+        x, y, *seg = ds[i if isinstance(ds, Packed) else i * ds.seq_len]
+        seg = seg[0].tolist() if seg else [0] * len(x)
+        trained = [False] + (y[:-1] != IGNORE_INDEX).tolist()  # token t is the target of position t - 1
+        n_ex = len(set(seg)) - (isinstance(ds, Packed) and any(s == len(ds.rows[i]) for s in seg))
+        lines.append(f"-- row {i}: {len(x)} tokens, {int((y != IGNORE_INDEX).sum())} trained, {n_ex} example(s)")
+        ids = x.tolist()
+        if y[-1] != IGNORE_INDEX:  # the row's last target is a token of its own
+            ids, trained, seg = ids + [int(y[-1])], trained + [True], seg + seg[-1:]
+        for k in sorted(set(seg)):
+            at = [t for t in range(len(ids)) if seg[t] == k]
+            pad = isinstance(ds, Packed) and k == len(ds.rows[i])
+            text = f"(padding: {len(at)} tokens)" if pad else _marked(tok, [ids[t] for t in at], [trained[t] for t in at])
+            lines.append(f"   {text}")
+    return "\n".join(lines)
+
+
+def _marked(tok: Tokenizer | None, ids: list[int], trained: list[bool]) -> str:
+    """ids decoded, runs of trained tokens inside [[ ]] (ids themselves without a tokenizer)."""
+    out, k = [], 0
+    while k < len(ids):
+        j = k
+        while j < len(ids) and trained[j] == trained[k]:
+            j += 1
+        text = _visible(tok, ids[k:j])
+        out.append(f"[[{text}]]" if trained[k] else text)
+        k = j
+    return "".join(out)
+
+
+def _visible(tok: Tokenizer | None, ids: list[int]) -> str:
+    if tok is None:
+        return " ".join(map(str, ids))
+    special = {tok.bos_id: tok.bos_token, tok.eos_id: tok.eos_token}
+    out, run = [], []
+    for i in ids + [None]:
+        if i is None or i in special:
+            out.append(tok.decode(run))
+            run = []
+            if i is not None:
+                out.append(special[i] or "")
+        else:
+            run.append(i)
+    return "".join(out)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from phantom.layers import KVCache, fuse_adjacent
+from phantom.layers import KVCache, fuse_adjacent, lora_disabled
 from phantom.scheduler import BlockScheduler
 
 log = logging.getLogger(__name__)
@@ -98,21 +98,23 @@ class StreamedBlock(torch.autograd.Function):
     device, forward and backward (layer-major accumulation): one load per direction per step."""
 
     @staticmethod
-    def forward(ctx, x, rope, ex: "BlockExecutor", i: int, *params):
+    def forward(ctx, x, rope, mask, ex: "BlockExecutor", i: int, *params):
         ctx.ex, ctx.i = ex, i
         ctx.autocast = _autocast_state(x.device)
         ctx.keep = ex.keeps(i)
         ctx.rng = RngState(x.device) if ex.has_dropout and not ctx.keep else None
         with ex.block_weights(i) as weights:
             if not ctx.keep:
-                out = torch.cat([ex.run_block(i, weights, xc, rope) for xc in ex.split_batch(x)])
-                ctx.save_for_backward(x, rope, *params)
+                out = torch.cat([ex.run_block(i, weights, xc, rc, mask=mc) for xc, rc, mc in ex.rows(x, rope, mask)])
+                ex.run_reference(i, weights, rope, mask)
+                ctx.save_for_backward(x, rope, mask, *params)
                 return out
             ctx.hooks, ctx.graphs = WeightHandles(weights), []
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ctx.hooks.pack, ctx.hooks.unpack):
-                for xc in ex.split_batch(x):
+                for xc, rc, mc in ex.rows(x, rope, mask):
                     xc = xc.detach().requires_grad_(x.requires_grad)
-                    ctx.graphs.append((xc, ex.run_block(i, weights, xc, rope)))
+                    ctx.graphs.append((xc, ex.run_block(i, weights, xc, rc, mask=mc)))
+            ex.run_reference(i, weights, rope, mask)
         ex.count_kept(ctx.hooks)
         ctx.save_for_backward(*params)
         return torch.cat([out.detach() for _, out in ctx.graphs])
@@ -121,7 +123,7 @@ class StreamedBlock(torch.autograd.Function):
     def backward(ctx, grad_out):
         ex, needs_x = ctx.ex, ctx.needs_input_grad[0]
         saved = ctx.saved_tensors
-        params = saved if ctx.keep else saved[2:]
+        params = saved if ctx.keep else saved[3:]
         trained = [p for p in params if p.requires_grad]
         param_grads = [torch.zeros_like(p) for p in trained]
         x_grads = []
@@ -133,14 +135,15 @@ class StreamedBlock(torch.autograd.Function):
             if ctx.keep:
                 ctx.hooks.bind(weights)
             else:
-                x_chunks, rope = ex.split_batch(saved[0]), saved[1]
+                chunks = list(ex.rows(*saved[:3]))
             for k, gc in enumerate(ex.split_batch(grad_out)):
                 if ctx.keep:
                     xc, out = ctx.graphs[k]
                 else:
-                    xc = x_chunks[k].detach().requires_grad_(needs_x)
+                    xc, rc, mc = chunks[k]
+                    xc = xc.detach().requires_grad_(needs_x)
                     with torch.enable_grad(), torch.autocast(**ctx.autocast):
-                        out = ex.run_block(ctx.i, weights, xc, rope)
+                        out = ex.run_block(ctx.i, weights, xc, rc, mask=mc)
                 grads = torch.autograd.grad(out, ([xc] if needs_x else []) + wrt, gc, allow_unused=True)
                 if needs_x:
                     x_grads.append(grads[0])
@@ -157,7 +160,7 @@ class StreamedBlock(torch.autograd.Function):
             ex.on_block_grads(ctx.i, weight_grads)
         it = iter(param_grads)
         gparams = [next(it) if p.requires_grad else None for p in params]
-        return (torch.cat(x_grads) if needs_x else None, None, None, None, *gparams)
+        return (torch.cat(x_grads) if needs_x else None, None, None, None, None, *gparams)
 
 
 def _accumulate(total: torch.Tensor | None, g: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
@@ -200,21 +203,46 @@ class BlockExecutor:
         self.kept_blocks = 0
         self.kept_per_block = 0  # the most one block kept (the estimate for "auto")
         self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
+        self.reference: torch.Tensor | None = None  # the reference hidden state of this pass (run_reference)
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, trained: list[list[torch.Tensor]],
-                 caches: list[KVCache] | None = None, start_pos: int = 0) -> torch.Tensor:
-        """Every block over h, in order; `trained[i]` are block i's trained parameters."""
+                 caches: list[KVCache] | None = None, start_pos: int = 0,
+                 mask: torch.Tensor | None = None,
+                 reference: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Every block over h, in order; `trained[i]` are block i's trained parameters; rope and mask
+        as phantom.layers.packed_layout gives them for packed rows.
+
+        `reference`: a second hidden state of the same rows run through each block while it is
+        loaded, adapters off and without autograd (the reference model of preference training): the
+        pair (h, reference out) is returned, and the store is read as for h alone. Without a KV
+        cache the rows run in micro-batches."""
         n = len(self.layers)
         self.kept_bytes = self.kept_blocks = 0
+        self.reference = reference
         training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in trained for p in ps))
         self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []))
         for i in range(n):
             if training:
-                h = StreamedBlock.apply(h, rope, self, i, *trained[i])
+                h = StreamedBlock.apply(h, rope, mask, self, i, *trained[i])
             else:
                 with self.block_weights(i) as weights:
-                    h = self.run_block(i, weights, h, rope, caches[i] if caches else None, start_pos)
-        return h
+                    if caches:
+                        h = self.run_block(i, weights, h, rope, caches[i], start_pos, mask)
+                    else:
+                        h = torch.cat([self.run_block(i, weights, hc, rc, mask=mc) for hc, rc, mc in self.rows(h, rope, mask)])
+                    self.run_reference(i, weights, rope, mask)
+        reference, self.reference = self.reference, None
+        return h if reference is None else (h, reference)
+
+    def run_reference(self, i: int, weights: dict[str, torch.Tensor], rope: torch.Tensor,
+                      mask: torch.Tensor | None) -> None:
+        """Block i (held, its weights bound) over the reference hidden state, if one travels with
+        this pass: adapters off, no autograd; the backward never sees it."""
+        if self.reference is None:
+            return
+        with torch.no_grad(), lora_disabled(self.layers[i]):
+            self.reference = torch.cat([self.run_block(i, weights, r, rc, mask=mc)
+                                        for r, rc, mc in self.rows(self.reference, rope, mask)])
 
     def keeps(self, i: int) -> bool:
         """Whether block i keeps its activations this step (else it is recomputed in backward)."""
@@ -230,6 +258,14 @@ class BlockExecutor:
 
     def split_batch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return x.split(self.micro_batch) if self.micro_batch else (x,)
+
+    def rows(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
+        """(x, rope, mask) per micro-batch; packed rows' per-row rope (B, T, ..) and mask (packed_layout
+        gives both or neither) are split with x."""
+        xs = self.split_batch(x)
+        ropes = self.split_batch(rope) if mask is not None else [rope] * len(xs)
+        masks = self.split_batch(mask) if mask is not None else [None] * len(xs)
+        return zip(xs, ropes, masks)
 
     @contextlib.contextmanager
     def block_weights(self, i: int, trainable: bool = False):
@@ -250,9 +286,9 @@ class BlockExecutor:
             self.scheduler.release(i)
 
     def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
-                  cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+                  cache: KVCache | None = None, start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Block i over x; `weights` (from block_weights(i)) are bound in place of its placeholders."""
-        call = lambda: self.layers[i](x, rope, cache, start_pos)  # noqa: E731
+        call = lambda: self.layers[i](x, rope, cache, start_pos, mask)  # noqa: E731
         if not self.compile_unchecked:
             return call()
         try:  # the first call compiles: fall back to eager if the backend cannot

@@ -7,6 +7,7 @@ tokenizer_config.json and generation_config.json derived from the tokenizer, so 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import mmap
@@ -20,12 +21,14 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from phantom.config import ModelConfig
-from phantom.convert import HF_NAMES, HF_PERMUTED, part_shapes, release_pages, tokenizer_files
+from phantom.chat import read_template
+from phantom.config import ModelConfig, rope_rows
+from phantom.convert import part_shapes, release_pages, tokenizer_files
+from phantom.family import family
 from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
 from phantom.lora import TARGETS, apply_lora, load_adapter, lora_modules, read_adapter_config
 from phantom.store import BlockStore, atomic_write_bytes, fsync_dir, write_safetensors
-from phantom.tokenizer import Tokenizer
+from phantom.tokenizer import Tokenizer, sentencepiece_to_json
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16:
 def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLinear]]:
     """{layer: {store weight name: its LoRA (A, B in Meta's layout)}} from a PEFT adapter folder."""
     lora_cfg = read_adapter_config(adapter)
-    layers = nn.ModuleList(TransformerBlock(cfg, device="meta") for _ in range(cfg.n_layers))
+    layers = nn.ModuleList(TransformerBlock(cfg, device="meta", layer=i) for i in range(cfg.n_layers))
     for i, block in enumerate(layers):
         apply_lora(block, lora_cfg, i)
     load_adapter(layers, cfg, adapter)  # checks names and shapes; un-permutes q/k's lora_B
@@ -65,26 +68,62 @@ def merged_parts(store: BlockStore, adapter: Path | None, dtype: torch.dtype,
 # Hugging Face: config.json + one safetensors shard per part + model.safetensors.index.json
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    c = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
+    """config.json for the family's own transformers class (the fields phantom.family reads back)."""
+    fam = family(cfg)
+    c = {"architectures": [fam.hf_class], "model_type": fam.model_type, "hidden_size": cfg.dim,
          "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.n_layers,
-         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "vocab_size": cfg.vocab_size,
-         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len,
-         "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-         "torch_dtype": HF_DTYPES[dtype]}
-    if (s := cfg.rope_scaling) is not None:
-        c["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                             "high_freq_factor": s.high_freq_factor,
-                             "original_max_position_embeddings": s.original_max_seq_len}
+         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+         "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+         "max_position_embeddings": cfg.max_seq_len, "hidden_act": cfg.activation,
+         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": HF_DTYPES[dtype]}
+    if "attention_bias" in fam.readers:
+        c["attention_bias"] = cfg.qkv_bias
+    if "mlp_bias" in fam.readers:
+        c["mlp_bias"] = cfg.mlp_bias
+    if "use_sliding_window" in fam.readers:  # Qwen: the window and the layers it applies to
+        c.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                 max_window_layers=cfg.n_layers)
+        if cfg.sliding_window is not None:
+            c["layer_types"] = ["sliding_attention" if cfg.window(i) else "full_attention"
+                                for i in range(cfg.n_layers)]
+    elif "sliding_window" in fam.readers:
+        c["sliding_window"] = cfg.sliding_window
+    if "hidden_activation" in fam.readers:  # Gemma
+        c.update(hidden_activation=cfg.activation, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                 attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+                 sliding_window=cfg.sliding_window, attention_bias=cfg.qkv_bias,
+                 layer_types=["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)])
+    if "rope_parameters" in fam.readers:  # a RoPE per layer type (Gemma-3)
+        del c["rope_theta"]
+        c["rope_parameters"] = {"full_attention": {**rope_scaling_json(cfg), "rope_theta": cfg.rope_theta},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}
+    elif cfg.rope_scaling is not None:
+        c["rope_scaling"] = rope_scaling_json(cfg)
     return c
 
 
+def rope_scaling_json(cfg: ModelConfig) -> dict:
+    s = cfg.rope_scaling
+    if s is None:
+        return {"rope_type": "default"}
+    if s.rope_type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    if s.rope_type == "yarn":
+        return {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
+                "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "attention_factor": s.attention_factor,
+                "truncate": s.truncate}
+    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
+
+
 def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Meta names and q/k layout -> Hugging Face's (the permutation of its conversion script)."""
+    """Store names and q/k layout -> the family's Hugging Face names and layout (its conversion script's permute)."""
+    hf_names, permuted = family(cfg).hf_names(), rope_rows(cfg)
     out = {}
     for name, t in tensors.items():
-        if name in HF_PERMUTED:
-            t = permute_for_hf(t, getattr(cfg, HF_PERMUTED[name]))
-        out[HF_NAMES[(isinstance(part, int), name)].format(part)] = t.contiguous()
+        if name in permuted:
+            t = permute_for_hf(t, permuted[name])
+        out[hf_names[(isinstance(part, int), name)].format(part)] = t.contiguous()
     return out
 
 
@@ -106,7 +145,7 @@ def write_hf(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------------------------------
 # The tokenizer, for Hugging Face loaders
 
-def derived_tokenizer_config(tok: Tokenizer, cfg: ModelConfig) -> dict:
+def derived_tokenizer_config(tok: Tokenizer, cfg: ModelConfig, fast: bool = False) -> dict:
     """tokenizer_config.json for a store that came without one: the class that reads its file, its specials.
 
     A sentencepiece model is read by transformers' LlamaTokenizer, which assumes Llama's sentencepiece
@@ -116,6 +155,8 @@ def derived_tokenizer_config(tok: Tokenizer, cfg: ModelConfig) -> dict:
     """
     c = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "model_max_length": cfg.max_seq_len,
          "add_bos_token": True, "add_eos_token": False}
+    if tok.kind == "sentencepiece" and fast:  # the tokenizer.json written beside it (tokenizer.sentencepiece_to_json)
+        return {"tokenizer_class": "PreTrainedTokenizerFast", **c, "unk_token": tok.unk_token}
     if tok.kind == "sentencepiece":
         return {"tokenizer_class": "LlamaTokenizer", **c, "unk_token": tok.unk_token}
     return {"tokenizer_class": "PreTrainedTokenizerFast", **c}
@@ -136,13 +177,20 @@ def tokenizer_caveat(store: BlockStore) -> str | None:
 
 
 def hf_tokenizer_files(store: BlockStore) -> dict[str, bytes]:
-    """name -> bytes: the store's tokenizer files (checked), plus the two configs derived where it has none."""
+    """name -> bytes: the store's tokenizer files (checked), plus what it lacks: a tokenizer.json converted
+    from a sentencepiece model (so transformers needs neither sentencepiece nor protobuf), and the two
+    configs, tokenizer_config.json carrying the store's chat template."""
     files = {name: path.read_bytes() for name, path in tokenizer_files(store).items()}
     if store.tokenizer_path is None:
         return files
     tok = Tokenizer(store.tokenizer_path)
+    if "tokenizer.json" not in files and tok.kind == "sentencepiece" and importlib.util.find_spec("tokenizers"):
+        files["tokenizer.json"] = sentencepiece_to_json(store.tokenizer_path, tok.bos_token).encode()
     if "tokenizer_config.json" not in files:
-        files["tokenizer_config.json"] = json.dumps(derived_tokenizer_config(tok, store.cfg), indent=2).encode()
+        config = derived_tokenizer_config(tok, store.cfg, fast="tokenizer.json" in files)
+        if (template := read_template(store.path, tok)) is not None:
+            config["chat_template"] = template.source
+        files["tokenizer_config.json"] = json.dumps(config, indent=2).encode()
     if "generation_config.json" not in files:
         gen = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
         files["generation_config.json"] = json.dumps(gen, indent=2).encode()
@@ -163,6 +211,15 @@ def write_tokenizer_files(store: BlockStore, folder: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Meta: params.json + consolidated.00.pth (one shard: model parallelism of 1)
 
+def meta_unsupported(cfg: ModelConfig) -> list[str]:
+    """The ModelConfig fields Meta's Llama format cannot express (a model that has them exports as hf)."""
+    llama = ModelConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, vocab_size=cfg.vocab_size)
+    fields = ("explicit_head_dim", "qkv_bias", "o_bias", "mlp_bias", "activation", "qk_norm", "tie_embeddings",
+              "sliding_window", "norm_offset", "embed_scale", "post_norms", "query_pre_attn_scalar", "attn_softcap",
+              "final_softcap", "local_rope_theta")
+    return [f for f in fields if getattr(cfg, f) != getattr(llama, f)]
+
+
 def meta_params(cfg: ModelConfig) -> dict:
     """params.json; an explicit FFN width (HF configs) is expressed through Meta's ffn_dim_multiplier."""
     p = {"dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads,
@@ -173,6 +230,9 @@ def meta_params(cfg: ModelConfig) -> dict:
         p.update(multiple_of=1, ffn_dim_multiplier=(cfg.intermediate_size + 0.5) / base)
         assert int(p["ffn_dim_multiplier"] * base) == cfg.intermediate_size
     if cfg.rope_scaling is not None:
+        if cfg.rope_scaling.rope_type != "llama3":
+            raise ValueError(f"Meta's params.json has Llama-3.1's RoPE scaling only, not "
+                             f"{cfg.rope_scaling.rope_type!r}; use --format hf")
         p.update(use_scaled_rope=True, rope_scaling_factor=cfg.rope_scaling.factor)
     return p
 
@@ -225,6 +285,9 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; remove it or choose another --out")
     store = BlockStore(model)
+    if fmt == "meta" and (fields := meta_unsupported(store.cfg)):
+        raise ValueError(f"{model}: Meta's format holds Llama's maths only, and this {store.cfg.family} model sets "
+                         f"{', '.join(fields)}; use --format hf")
     dtype = dtype or store.dtype
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))

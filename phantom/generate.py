@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from phantom.layers import KVCache, rms_norm
+from phantom.chat import ChatTemplate, end_of_turn_ids, prompt_ids
+from phantom.layers import KVCache
 from phantom.model import PhantomModel
 from phantom.tokenizer import Tokenizer
 
@@ -21,7 +22,7 @@ def next_logits(model: PhantomModel, tokens: torch.Tensor, caches: list[KVCache]
     rope = model.rope[pos:pos + tokens.shape[1]]
     with torch.autocast(**model.autocast_args()):
         h = model.blocks(h, rope, caches=caches, start_pos=pos)
-        return F.linear(rms_norm(h[:, -1], model.norm_weight, model.cfg.norm_eps), model.output_weight).float()
+        return model.logits(h[:, -1])
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
@@ -36,8 +37,9 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: tor
 
 
 def generate(model: PhantomModel, prompt: list[int], max_new_tokens: int = 64, temperature: float = 0.8,
-             top_k: int | None = 200, eos_id: int | None = None, seed: int = 0) -> Iterator[int]:
-    """An iterator of new token ids, one per step, stopping at eos_id or after max_new_tokens.
+             top_k: int | None = 200, eos_id: int | set[int] | None = None, seed: int = 0) -> Iterator[int]:
+    """An iterator of new token ids, one per step, stopping at eos_id (or any id of a set: a chat's end
+    of turn) or after max_new_tokens.
 
     Raises:
         ValueError: an empty prompt, or prompt + max_new_tokens longer than the model's max_seq_len.
@@ -49,11 +51,12 @@ def generate(model: PhantomModel, prompt: list[int], max_new_tokens: int = 64, t
     if total > cfg.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_seq_len {cfg.max_seq_len}; shorten the prompt or ask for fewer tokens")
-    return _sample_loop(model, prompt, max_new_tokens, temperature, top_k, eos_id, seed)  # checked now, not lazily
+    stop = eos_id if isinstance(eos_id, set) else {eos_id}
+    return _sample_loop(model, prompt, max_new_tokens, temperature, top_k, stop, seed)  # checked now, not lazily
 
 
 @torch.no_grad()
-def _sample_loop(model, prompt, max_new_tokens, temperature, top_k, eos_id, seed) -> Iterator[int]:
+def _sample_loop(model, prompt, max_new_tokens, temperature, top_k, stop, seed) -> Iterator[int]:
     caches = [KVCache.empty(model.cfg, 1, len(prompt) + max_new_tokens, model.device, model.dtype)
               for _ in range(model.cfg.n_layers)]
     gen = torch.Generator().manual_seed(seed)
@@ -64,7 +67,7 @@ def _sample_loop(model, prompt, max_new_tokens, temperature, top_k, eos_id, seed
         tokens = sample(logits, temperature, top_k, gen)[:, None]  # (1, 1)
         token = int(tokens[0, 0])
         yield token
-        if token == eos_id:
+        if token in stop:
             return
 
 
@@ -74,10 +77,21 @@ def generate_text(model: PhantomModel, tokenizer: Tokenizer, prompt: str, **kwar
     return _pieces(tokenizer, ids, generate(model, list(ids), eos_id=tokenizer.eos_id, **kwargs))
 
 
-def _pieces(tokenizer: Tokenizer, ids: list[int], tokens: Iterator[int]) -> Iterator[str]:
+def generate_chat(model: PhantomModel, tokenizer: Tokenizer, template: ChatTemplate, prompt: str,
+                  system: str | None = None, **kwargs) -> Iterator[str]:
+    """The assistant's answer to prompt, rendered through the chat template with its generation prompt,
+    as text pieces; it ends at the template's end of turn (kwargs: see generate)."""
+    ids = prompt_ids(tokenizer, template, prompt, system)
+    stop = end_of_turn_ids(tokenizer, template)
+    return _pieces(tokenizer, ids, generate(model, list(ids), eos_id=stop, **kwargs), stop)
+
+
+def _pieces(tokenizer: Tokenizer, ids: list[int], tokens: Iterator[int], stop: set[int] | None = None
+            ) -> Iterator[str]:
+    stop = stop or {tokenizer.eos_id}
     text = tokenizer.decode(ids)
     for token in tokens:
-        if token == tokenizer.eos_id:
+        if token in stop:
             return
         ids.append(token)
         new = tokenizer.decode(ids)  # decode prompt + completion: pieces join with the right spacing

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import io
 import json
@@ -34,6 +35,9 @@ from phantom import dist as pdist
 from phantom import faults, fileio
 from phantom.export import write_tokenizer_files
 from phantom.generate import generate
+from phantom.model import default_keep_budget
+from phantom.preference import REFERENCE_FILE, PairRows, Preference, PreferenceConfig, cached_reference, \
+    compute_reference, reference_key
 from phantom.store import link_tree, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -66,7 +70,10 @@ class TrainConfig:
         shuffle: random windows / shuffled rows; False: in order.
         out: the output folder (adapter/, checkpoint/, metrics.jsonl, trace.json).
         resume: continue from out/checkpoint.
-        mode: "lora" or "full" (what the model trains; recorded in checkpoints).
+        mode: "lora", "full" (what the model trains; recorded in checkpoints) or "dpo": a LoRA trained on
+            preference pairs (train_data a phantom.preference.PairData; batch_size pairs a micro-batch,
+            so the model's micro_batch is 2 * batch_size rows).
+        preference: the preference loss and where its reference comes from (mode "dpo").
         workers: DataLoader worker processes.
         trace: write the scheduler's Chrome trace to out/trace.json at the end.
         progress: show a tqdm bar.
@@ -93,6 +100,7 @@ class TrainConfig:
     out: str = "out/finetune"
     resume: bool = False
     mode: str = "lora"
+    preference: PreferenceConfig = PreferenceConfig()
     workers: int = 1
     trace: bool = False
     progress: bool = True
@@ -108,8 +116,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.mode not in ("lora", "full"):
-            raise ValueError(f"--mode must be lora or full, not {self.mode!r}")
+        if self.mode not in ("lora", "full", "dpo"):
+            raise ValueError(f"--mode must be lora, full or dpo, not {self.mode!r}")
 
 
 # -- optimizer and schedule ---------------------------------------------------------------------
@@ -138,37 +146,45 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
 # -- steps, eval, samples -----------------------------------------------------------------------
 
 def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-               sync=None) -> tuple[float, float | None]:
-    """One optimizer step over a (K * B, T) batch; returns (loss, grad norm).
+               sync=None, segments: torch.Tensor | None = None, loss_fn=None) -> tuple[float, float | None, bool]:
+    """One optimizer step over a (K * B, T) batch; returns (loss, grad norm, finite).
 
-    LoRA: the update is skipped if the loss or the gradient norm is not finite, leaving the weights as
-    they were. Full mode: the model updates each block inside backward (with this step's lr and its
-    per-block clipping) and `opt` updates the rest; the norm is not known (None). `sync`, if given,
-    runs after backward (data parallel: averages the gradients over the ranks).
+    `finite` is False when the loss or the gradient norm is not finite on any rank: every rank then
+    skips the update and the loop stops on all of them together (a rank that stopped alone would
+    leave the others waiting in an all-reduce). LoRA: backward runs whatever the loss, and the loss
+    and norm are checked at once after it (one host sync a step, the one reading them needs anyway).
+    Full mode: the model updates each block inside backward (with this step's lr and its per-block
+    clipping), so the loss is checked before it; `opt` updates the rest; the norm is not known (None).
+    `sync`, if given, runs after backward (data parallel: averages the gradients over the ranks).
+    `loss_fn(model, x, y)`, if given, is the loss instead of the model's cross-entropy (preference
+    training). x and y may stay on the host (the model uploads them without waiting).
     """
     full = getattr(model, "full", False)
     if full:
         model.set_lr(opt.param_groups[0]["lr"])
-    loss = model(x, targets=y)
-    if not torch.isfinite(loss):
-        return loss.item(), None
+    loss = model(x, targets=y, **packing(segments)) if loss_fn is None else loss_fn(model, x, y)
+    if full and not pdist.all_finite(loss):
+        return loss.item(), None, False
     loss.backward()
     if sync is not None:
         sync()
+    norm = None
     if full:
         model.clip_grad_norm_(cfg.grad_clip or None)
-        norm = None
+        finite = True
     else:
         params = [p for g in opt.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")).item()
-    if norm is None or math.isfinite(norm):
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        finite = pdist.all_finite(loss, norm)
+        norm = norm.item()
+    if finite:
         opt.step()
         faults.point("optimizer.step")  # crash tests: weights updated in memory only
         sched.step()
     opt.zero_grad(set_to_none=True)
     if full:
         model.finish_step()
-    return loss.item(), norm
+    return loss.item(), norm, finite
 
 
 @torch.no_grad()
@@ -179,14 +195,19 @@ def evaluate(model, ds, rows: int, iters: int) -> dict:
     model.eval()
     n = min(ds.n_sequential, rows * iters)
     for i in range(0, n, rows):
-        x, y = (torch.stack(t) for t in zip(*(ds[_seq_index(ds, j)] for j in range(i, min(i + rows, n)))))
+        x, y, *seg = (torch.stack(t) for t in zip(*(ds[_seq_index(ds, j)] for j in range(i, min(i + rows, n)))))
         k = int((y != D.IGNORE_INDEX).sum())
         if k:
-            total += float(model(x, targets=y)) * k
+            total += float(model(x, targets=y, **packing(*seg))) * k
             count += k
     model.train(was_training)
     loss = total / max(count, 1)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50))}
+
+
+def packing(segments: torch.Tensor | None = None) -> dict:
+    """The model's segments argument for packed rows (none for windows of text)."""
+    return {"segments": segments} if segments is not None else {}
 
 
 def _seq_index(ds, j: int) -> int:
@@ -219,12 +240,17 @@ def run_identity(model, train_data: D.TokenData, cfg: TrainConfig) -> dict:
 
 
 def weights_fingerprint(model, mode: str) -> str | None:
-    """Which base weights a LoRA run trains on: a sha256 over the store manifest's per-file sha256s
+    """Which base weights a LoRA (or DPO) run trains on: a sha256 over the store manifest's per-file sha256s
     (a store converted again in another layout differs too). None for full finetuning, whose resume
     restores the weights themselves from the checkpoint."""
     store = getattr(model, "store", None)
-    if mode != "lora" or store is None:
+    if mode not in ("lora", "dpo") or store is None:
         return None
+    return store_fingerprint(store)
+
+
+def store_fingerprint(store) -> str:
+    """sha256 over a store manifest's per-file sha256s: which weights these are."""
     files = {**store.manifest.get("files", {}), **store.manifest.get("links", {}).get("files", {})}
     listing = sorted((rel, str(info.get("sha256", ""))) for rel, info in files.items())
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
@@ -489,19 +515,28 @@ class Run:
     best_val: float
     batches: object
     metrics_path: Path
-    n_tokens: float = 0.0  # target tokens of this rank's rows in the step (data parallel weighting)
+    objective: object = None  # preference training: phantom.preference.Preference (None: cross-entropy)
+    n_tokens: float = 0.0  # target tokens (pairs) of this rank's rows in the step (data parallel weighting)
     step_times: list = dataclasses.field(default_factory=list)
+    sinks: tuple = ()  # rank 0: callables given each record written to metrics.jsonl
+
+    def emit(self, rec: dict) -> None:
+        for sink in self.sinks:
+            sink(rec)
 
 
 def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, cfg: TrainConfig = TrainConfig(),
-          tokenizer=None) -> dict:
+          tokenizer=None, sinks: tuple = ()) -> dict:
     """Finetune `model` on `train_data`; write adapter/, checkpoint/ and metrics.jsonl into cfg.out.
 
     Args:
         model: a PhantomModel with something to train (a LoRA), loaded with micro_batch=cfg.batch_size.
-        train_data, val_data: from phantom.data.load (and split); val_data None: no evaluation.
+        train_data, val_data: from phantom.data.load (and split), or preference pairs from
+            phantom.preference.load_pairs (and split_pairs) with cfg.mode "dpo"; val_data None: no evaluation.
         cfg: the run's settings.
         tokenizer: needed for samples (cfg.sample_every); its pad id pads packed rows.
+        sinks: callables given each record as it is written to metrics.jsonl on rank 0 (experiment
+            trackers); they must not raise (phantom.trackers.Reporter warns and drops a failing one).
 
     Returns:
         A summary: status ("done", "interrupted" or "nan"), steps, tokens, time_s, final_loss,
@@ -512,7 +547,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         ValueError: data shorter than one sequence, or --resume from another run's checkpoint.
         FileNotFoundError: --resume with no checkpoint in cfg.out.
     """
-    run, ddp = start_run(model, train_data, val_data, cfg, tokenizer), pdist.current()
+    run, ddp = start_run(model, train_data, val_data, cfg, tokenizer, sinks), pdist.current()
     sync = None
     if ddp.enabled:  # gradients averaged by target tokens, so N ranks give the global batch's gradient
         sync = lambda: pdist.average_gradients(model.trainable_parameters(), run.n_tokens)  # noqa: E731
@@ -526,22 +561,26 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     with StopFlag().installed() as stop, fileio.RecordLog(run.metrics_path) as mfile:
         while step < cfg.iters:
             t0 = time.perf_counter()
-            x, y = next(run.batches)
-            if ddp.enabled:  # every rank draws the same global batch and keeps its own rows
-                x, y = x[ddp.rank * run.rows:(ddp.rank + 1) * run.rows], y[ddp.rank * run.rows:(ddp.rank + 1) * run.rows]
-                run.n_tokens = float((y != D.IGNORE_INDEX).sum())
+            batch = next(run.batches)  # (x, y), packed rows (x, y, segment ids) or pairs (x, y, reference)
+            if ddp.enabled:  # every rank draws the same global batch and keeps its own rows (or pairs)
+                batch = [t[ddp.rank * run.rows:(ddp.rank + 1) * run.rows] for t in batch]
+                run.n_tokens = float(len(batch[0]) if run.objective else (batch[1] != D.IGNORE_INDEX).sum())
             t_data = time.perf_counter()
-            x, y = x.to(model.device, non_blocking=True), y.to(model.device, non_blocking=True)
+            x, y = batch[:2]  # on the host: the model uploads them (a host-side embedding reads them there)
+            loss_fn = functools.partial(run.objective, ref=batch[2]) if run.objective else None
+            seg = batch[2:] if not run.objective else []
             lr = run.opt.param_groups[0]["lr"]
-            loss, norm = train_step(model, run.opt, run.sched, x, y, cfg, sync)
+            loss, norm, finite = train_step(model, run.opt, run.sched, x, y, cfg, sync, *seg, loss_fn=loss_fn)
             step, dt = step + 1, time.perf_counter() - t0
             n = x.numel() * ddp.world_size
             tokens += n
             rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n, "tokens_per_s": n / dt,
-                   "step_s": dt, "data_s": t_data - t0, **tier_metrics(model, sched_metrics(), dt)}
-            if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
+                   "step_s": dt, "data_s": t_data - t0, **(run.objective.figures if run.objective else {}),
+                   **tier_metrics(model, sched_metrics(), dt)}
+            if not finite:  # on any rank: all of them stop here
                 status = "nan"
                 mfile.append(to_json(rec))
+                run.emit(rec)
                 break
             after_step(run, rec, mfile, bar, last=step == cfg.iters or stop.set)
             sched_metrics()  # the eval's, sample's and checkpoint's block traffic is not the next step's
@@ -557,7 +596,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     return {**summary, **finish(run.out, model, cfg, status, step, loss)}
 
 
-def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg: TrainConfig, tokenizer) -> Run:
+def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg: TrainConfig, tokenizer,
+              sinks: tuple = ()) -> Run:
     """Check what can be checked before any work, then the optimizer, the resumed state, the metrics
     file (cut back to the checkpoint's step) and the batches from where the run stands."""
     out = Path(cfg.out)
@@ -568,28 +608,75 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     pad = tokenizer.eos_id if tokenizer is not None else 0
-    train_ds = D.rows(train_data, cfg.seq_len, pad, "training data")
-    val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data") if val_data is not None else None
-    rows = cfg.batch_size * cfg.grad_accum
-    if cfg.grad_accum > 1 and model.micro_batch != cfg.batch_size:
+    objective = Preference(cfg.preference) if cfg.mode == "dpo" else None
+    if objective is None:
+        train_ds = D.rows(train_data, cfg.seq_len, pad, "training data", segments=True)
+        val_ds = D.rows(val_data, cfg.seq_len, pad, "held-out data", segments=True) if val_data is not None else None
+    rows = cfg.batch_size * cfg.grad_accum  # pairs in preference training
+    micro = cfg.batch_size * (2 if objective else 1)
+    if cfg.grad_accum > 1 and model.micro_batch != micro:
         log.warning("--grad-accum %d: load the model with micro_batch=%d so each block runs the %d rows of a "
-                    "step in micro-batches (it has micro_batch=%s)", cfg.grad_accum, cfg.batch_size, rows,
-                    model.micro_batch)
+                    "step in micro-batches (it has micro_batch=%s)", cfg.grad_accum, micro,
+                    micro * cfg.grad_accum, model.micro_batch)
     seed_everything(cfg.seed)
     model.train()
     opt, identity = make_optimizer(model, cfg), run_identity(model, train_data, cfg)
     sched = make_scheduler(opt, cfg)
     start, best_val = restore(out, model, opt, sched, identity, cfg)
     history = read_metrics(out / "metrics.jsonl", start) if cfg.resume else []
+    first = {"step": 0}
+    if objective is not None:  # after restore: a resumed run finds its reference in the cache
+        train_ds, val_ds, first = preference_rows(model, train_data, val_data, cfg, pad, out, identity)
     if val_ds is not None and start == 0:
-        history.append({"step": 0, **evaluate(model, val_ds, rows, cfg.eval_iters)})
-        log.info("step 0: val loss %.4f, ppl %.2f", history[-1]["val_loss"], history[-1]["val_ppl"])
+        first.update(evaluate_with(objective, model, val_ds, rows, cfg.eval_iters))
+        log.info("step 0: %s", describe_eval(first))
+    if len(first) > 1 and start == 0:
+        history.append(first)
     metrics_path = out / "metrics.jsonl" if ddp.is_main else Path(os.devnull)
     if ddp.is_main:
         fileio.atomic_write_text(metrics_path, "".join(to_json(r) for r in history))
     batches = iter(D.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
                             pin_memory=model.device.type == "cuda"))
-    return Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path)
+    run = Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path,
+              objective=objective, sinks=tuple(sinks) if ddp.is_main else ())
+    if history and start == 0:
+        run.emit(history[-1])  # the eval before training (a resumed run's earlier records were sent already)
+    return run
+
+
+def preference_rows(model, train_data, val_data, cfg: TrainConfig, pad: int, out: Path, identity: dict):
+    """Rows of the pairs (train, held-out) and the step-0 record. With reference "precompute" their
+    reference log-probabilities come from out/reference_logps.safetensors, computed first if it does
+    not hold them for these weights and data: one pass over the weights, its traffic in the record."""
+    sets = [PairRows(train_data, cfg.seq_len, pad)] + ([PairRows(val_data, cfg.seq_len, pad)] if val_data else [])
+    first = {"step": 0}
+    if cfg.preference.reference == "precompute":
+        key = reference_key(model, [train_data] + ([val_data] if val_data else []), cfg.seq_len, identity["weights"])
+        per_row = cfg.seq_len * model.cfg.dim * 4 * 4  # the hidden state and what a block makes of it, fp32
+        rows_per_pass = max(2 * cfg.batch_size, default_keep_budget(model.device) // 2 // per_row)
+        take = model.scheduler.take_metrics if model.scheduler is not None else dict
+        take()
+        t0 = time.perf_counter()
+        refs = cached_reference(out / REFERENCE_FILE, key, lambda: compute_reference(model, sets, rows_per_pass))
+        m = take()
+        if m.get("loads"):
+            first.update(reference_s=time.perf_counter() - t0, reference_bytes_read=m["bytes_read"],
+                         reference_loads=m["loads"])
+        for ds, ref in zip(sets, refs):
+            ds.reference = ref
+    return sets[0], sets[1] if val_data else None, first
+
+
+def evaluate_with(objective, model, ds, rows: int, iters: int) -> dict:
+    """The held-out figures: the objective's (preference training) or loss and perplexity."""
+    return objective.evaluate(model, ds, rows, iters) if objective is not None else evaluate(model, ds, rows, iters)
+
+
+def describe_eval(rec: dict) -> str:
+    if "val_reward_accuracy" in rec:
+        return f"val loss {rec['val_loss']:.4f}, reward accuracy {rec['val_reward_accuracy']:.3f}, " \
+               f"margin {rec['val_reward_margin']:.4f}"
+    return f"val loss {rec['val_loss']:.4f}, ppl {rec['val_ppl']:.2f}"
 
 
 def tier_metrics(model, m: dict, dt: float) -> dict:
@@ -603,9 +690,9 @@ def after_step(run: Run, rec: dict, mfile: fileio.RecordLog, bar, last: bool) ->
     """Evaluate, sample, check the tuner's prediction, log the record, move the bar, checkpoint."""
     model, cfg, step = run.model, run.cfg, rec["step"]
     if run.val_ds is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-        rec.update(evaluate(model, run.val_ds, run.rows, cfg.eval_iters))
+        rec.update(evaluate_with(run.objective, model, run.val_ds, run.rows, cfg.eval_iters))
         run.best_val = min(run.best_val, rec["val_loss"])
-        log.info("step %d: val loss %.4f, ppl %.2f", step, rec["val_loss"], rec["val_ppl"])
+        log.info("step %d: %s", step, describe_eval(rec))
     if cfg.sample_every and run.tokenizer is not None and cfg.prompt and (step % cfg.sample_every == 0 or last):
         rec["sample"] = sample(model, run.tokenizer, cfg.prompt, cfg.max_new_tokens)
         log.info("step %d sample: %s%s", step, cfg.prompt, rec["sample"])
@@ -614,13 +701,20 @@ def after_step(run: Run, rec: dict, mfile: fileio.RecordLog, bar, last: bool) ->
         if msg := cfg.check_step(sorted(run.step_times[1:4])[1]):
             log.warning(msg)
     mfile.append(to_json(rec))
+    run.emit(rec)
     faults.point("metrics.write")  # crash tests: a step logged, its checkpoint not yet written
     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                    stall=f"{100 * rec['stall_frac']:.0f}%", **tier_postfix(rec), refresh=False)
+                    stall=f"{100 * rec['stall_frac']:.0f}%", **tier_postfix(rec), **preference_postfix(rec),
+                    refresh=False)
     bar.update(1)
     if pdist.current().is_main and ((cfg.save_every and step % cfg.save_every == 0) or last):
         mfile.fsync()  # the records up to the checkpoint are durable with it
         save_checkpoint(run.out, model, run.opt, run.sched, step, run.identity, {"best_val": run.best_val})
+
+
+def preference_postfix(rec: dict) -> dict:
+    """The step's reward accuracy for the progress bar (preference training)."""
+    return {"acc": f"{rec['reward_accuracy']:.2f}"} if "reward_accuracy" in rec else {}
 
 
 def tier_postfix(rec: dict) -> dict:

@@ -12,6 +12,11 @@ notes/bench-<device>.md with the command line and the machine.
 sweeps prefetch depth x micro-batch, then runs the tuner's choice (phantom.tune, searching the
 swept tiers and recompute policies with no resident blocks) and prints each row's predicted step.
 
+    python scripts/bench.py --modes resident+leaky,resident+mask,disk+leaky,disk+mask --packed 8
+
+packs 8 examples into each row, stepping with the document mask (segment ids: block-diagonal causal
+attention, positions from 0 per example) or without it (the leaky plain causal mask), side by side.
+
     OMP_NUM_THREADS=1 python scripts/bench.py --modes diskread --dim 1024 --layers 12 --vocab 1024 --batch-size 1 --seq-len 8
 
 (alone) races the disk tier's first pass (crc32 checked) against raw O_DIRECT reads of the same
@@ -50,6 +55,7 @@ from phantom import tune  # noqa: E402
 from phantom.config import ModelConfig, block_tensor_shapes  # noqa: E402
 from phantom.convert import write_synthetic  # noqa: E402
 from phantom.placement import parse_bytes, split_knobs  # noqa: E402
+from phantom.preference import Preference, PreferenceConfig  # noqa: E402
 from phantom.store import BlockStore, dtype_name  # noqa: E402
 
 MODES = {  # name -> load arguments
@@ -60,7 +66,7 @@ MODES = {  # name -> load arguments
     "auto": dict(offload="auto"),  # tiers by budget: --device-budget / --ram-budget
     "h2d": dict(),  # CUDA: the pinned host-to-device copy peak, one block at a time
     "matmul": dict(),  # the measured matmul rate at the block's shapes (for the FLOP floor)
-    "hf-peft": dict(),  # transformers + peft, resident, if installed (issue 10's outside reference)
+    "hf-peft": dict(),  # transformers + peft, resident, if installed (the outside reference)
     "fsdp-offload": dict(),  # transformers + peft under FSDP2 with CPUOffloadPolicy (CUDA; plain FSDP2 on CPU)
     "diskread": dict(),  # disk tier vs raw O_DIRECT reads; half the blocks in RAM vs disk (own table)
     "quant": dict(),  # bf16 vs NF4 vs int8 stores, disk tier, with the cost model (own table)
@@ -99,7 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
                    "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "
-                   "the host memory bandwidth measured in the same run")
+                   "the host memory bandwidth measured in the same run; dpo: the same rows as --batch-size / 2 "
+                   "preference pairs (LoRA, the reference beside the policy), with its ratio to the lora row")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--rounds", type=int, default=1, help="run every row this many times, interleaved, and keep "
                    "each row's fastest: on a shared machine rows measured minutes apart differ by the load")
@@ -110,6 +117,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile blocks")
     p.add_argument("--device-budget", default=None, help="bytes for resident blocks in mode auto (e.g. 20G)")
     p.add_argument("--ram-budget", default=None, help="bytes of RAM tier in mode auto (e.g. 8G)")
+    p.add_argument("--packed", type=int, default=8, help="modes suffixed +mask or +leaky (e.g. disk+mask): each row "
+                   "packs this many examples, with the document mask (segment ids) or without (default: 8)")
     p.add_argument("--quant-batches", default="1x32,8x256", help="mode quant: rows x tokens per step to run, "
                                                                    "e.g. a read-bound and a compute-bound one")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -244,6 +253,7 @@ def step_flops(cfg, batch: int, seq: int, recompute: str) -> float:
 def worker(args) -> dict:
     """One mode in this process: warm-up step, timed steps, metrics."""
     mode, recompute, micro, prefetch = args.worker.split(":")
+    mode, _, packing = mode.partition("+")  # +mask / +leaky: packed rows with or without the document mask
     if mode == "hf-peft":
         return hf_worker(args)
     if mode == "fsdp-offload":
@@ -272,12 +282,19 @@ def worker(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
     x, y = tokens[:, :-1].to(model.device), tokens[:, 1:].to(model.device)
+    packed = {}
+    if packing == "mask":  # args.packed examples of equal length per row
+        packed["segments"] = (torch.arange(args.seq_len) * args.packed // args.seq_len).expand(args.batch_size, -1)
+    loss_of = lambda: model(x, targets=y, **packed)  # noqa: E731
+    if args.train == "dpo":  # the same rows as pairs: row 2i chosen, 2i + 1 rejected
+        objective = Preference(PreferenceConfig())
+        loss_of = lambda: objective(model, x.view(-1, 2, args.seq_len), y.view(-1, 2, args.seq_len))  # noqa: E731
     times, stalls, metrics = [], [], []
     for step in range(args.steps + 1):
         if model.scheduler:
             model.scheduler.take_metrics()
         t0, c0 = time.perf_counter(), process_cpu_s()
-        model(x, targets=y).backward()
+        loss_of().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.finish_step()  # full: the blocks' updates have landed
@@ -314,7 +331,7 @@ def worker(args) -> dict:
 def run_worker(spec: str, argv, args, train: str = "lora") -> tuple:
     """One configuration (mode:recompute:micro:prefetch) in its own process; (mode, rc, micro, K, result)."""
     mode, recompute, micro, k = spec.split(":")
-    recompute = MODES.get(mode, {}).get("recompute", recompute)  # naive always reruns the forward
+    recompute = MODES.get(mode.partition("+")[0], {}).get("recompute", recompute)  # naive always reruns the forward
     cmd = [sys.executable, __file__, "--worker", spec] + \
           [a for a in (argv if argv is not None else sys.argv[1:]) if a] + ["--store", args.store, "--train", train]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -333,7 +350,7 @@ def bench_shape(store: BlockStore, args) -> cm.Shape:
 
 def predicted(profile: cm.MachineProfile, mode: str, recompute: str, micro: str, k: str, store, args) -> float:
     """The cost model's step time for one streamed row of the table."""
-    kw = MODES[mode.removeprefix("tuned-")]
+    kw = MODES[mode.removeprefix("tuned-").partition("+")[0]]
     placement = phantom.Placement(offload=kw["offload"], prefetch=kw.get("prefetch", int(k) if k != "-" else 0),
                                   resident=0)
     acts = phantom.Activations(recompute=kw.get("recompute", recompute),
@@ -429,7 +446,7 @@ def shell(cmd: str) -> str:
 
 
 def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) -> str:
-    """Mode diskread (issue 16): the disk tier's cold read rate against the best raw read of the same
+    """Mode diskread: the disk tier's cold read rate against the best raw read of the same
     files, into fresh huge-page memory as the tier's buffers (also into 4 KiB pages, a row of its own)
     (first pass: verify fast checks each block's crc32 record, with ISA-L's crc32 where the isal
     package is installed and with zlib's; also on the same files under a manifest without crc32, where it
@@ -547,7 +564,7 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
     fall, pfall = step["half"] / step["disk"], pred["half"].step_s / pred["disk"].step_s
     read = statistics.median(runs["half"]["bytes_read"]) / statistics.median(runs["disk"]["bytes_read"])
     paired = statistics.median(f / r for f, r in zip(rates["first"], rates["raw"]))  # the same round: seconds apart
-    lines += ["", f"- disk tier first pass / raw = {rate['first'] / rate['raw']:.2f} (issue 16 asks >= 0.9); the "
+    lines += ["", f"- disk tier first pass / raw = {rate['first'] / rate['raw']:.2f} (the aim: >= 0.9); the "
                   f"median of each round's first pass / raw: {paired:.2f}; against "
                   f"the best single raw figure of the run ({raw_best:.2f}): {rate['first'] / raw_best:.2f}"
                   + (f"; with zlib's crc32: {rate['zlib'] / rate['raw']:.2f}" if "zlib" in rate else "")
@@ -724,6 +741,19 @@ def full_lines(host: dict, rows: list) -> list[str]:
     return lines
 
 
+def dpo_lines(rows: list) -> list[str]:
+    """A DPO step against the SFT (lora) step over the same rows, per placement, from the same run."""
+    sft = {(m, rc, mi, k): r for m, rc, mi, k, r in rows if r.get("train", "lora") == "lora"}
+    out = []
+    for m, rc, mi, k, r in rows:
+        if r.get("train") == "dpo" and (m, rc, mi, k) in sft:
+            base = sft[m, rc, mi, k]
+            out.append(f"- dpo / sft step, {m} recompute={rc} prefetch={k}: {r['step_s'] / base['step_s']:.3f}x "
+                       f"({r['step_s']:.3f} vs {base['step_s']:.3f} s); MB read per step {r['bytes_per_step'] / 2**20:.0f} "
+                       f"vs {base['bytes_per_step'] / 2**20:.0f}")
+    return [""] + out if out else []
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -766,8 +796,12 @@ def main(argv=None):
             profile = tune.measure(store, phantom.resolve_device(args.device), store.dtype, args.batch_size,
                                    args.seq_len)
         trains = args.train.split(",")
-        if set(trains) - {"lora", "full"}:
-            print(f"error: --train takes lora and/or full, not {args.train!r}", file=sys.stderr)
+        if set(trains) - {"lora", "full", "dpo"}:
+            print(f"error: --train takes lora, full and/or dpo, not {args.train!r}", file=sys.stderr)
+            sys.exit(2)
+        if "dpo" in trains and args.batch_size % 2:
+            print(f"error: --train dpo needs an even --batch-size (pairs of rows), not {args.batch_size}",
+                  file=sys.stderr)
             sys.exit(2)
         if args.rounds < 1:
             print(f"error: --rounds must be at least 1, not {args.rounds}", file=sys.stderr)
@@ -778,7 +812,7 @@ def main(argv=None):
             for recompute in policies:
                 for micro in (args.micro_batch.split(",") if args.micro_batch else ["-"]):
                     for mode, train in ((mo, t) for mo in args.modes.split(",") for t in trains):
-                        if train == "full" and mode in (*PEERS, "h2d", "matmul"):
+                        if train != "lora" and mode in (*PEERS, "h2d", "matmul"):
                             continue  # LoRA-only rows
                         if mode in PEERS:
                             try:
@@ -788,7 +822,7 @@ def main(argv=None):
                                 continue
                         if mode in ("resident", *PEERS, "h2d", "matmul", "naive") and recompute != policies[0]:
                             continue  # resident has no recompute policy: one row is enough
-                        for k in (args.prefetch.split(",") if mode in ("ram", "disk", "auto") else ["-"]):
+                        for k in (args.prefetch.split(",") if mode.partition("+")[0] in ("ram", "disk", "auto") else ["-"]):
                             rows.append(run_worker(f"{mode}:{recompute}:{micro}:{k}", argv, args, train))
         rows = fastest_of_rounds(rows)
         if profile is not None:
@@ -824,7 +858,7 @@ def main(argv=None):
             floor = f"{f:.3f} | {r['step_s'] / f:.2f}x"
         else:
             floor = "- | -"
-        shown = mode if r.get("train", "lora") == "lora" else f"{mode} (full)"
+        shown = mode if r.get("train", "lora") == "lora" else f"{mode} ({r['train']})"
         lines.append(f"| {shown} | {rc} | {micro} | {k} | {r['step_s']:.3f} | {pred} | {ratio} | {r['stall']:.1%} | "
                      f"{r['loads']} | {r['bytes_per_step'] / 2**20:.0f} | {r['read_gbps']:.2f} | "
                      f"{r.get('copy_gbps', 0.0):.2f} | {floor} | "
@@ -833,6 +867,7 @@ def main(argv=None):
         lines += tuning_lines(best, rows)
     if host is not None:
         lines += full_lines(host, rows)
+    lines += dpo_lines(rows)
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out or Path(__file__).resolve().parent.parent / "notes" / f"bench-{torch.device(args.device).type}.md")

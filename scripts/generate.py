@@ -1,6 +1,10 @@
 """Sample a completion from a prepared model, optionally with a LoRA adapter, to check a finetune by eye.
 
     python scripts/generate.py --model tiny --adapter out/adapter --prompt "Once upon a time"
+    python scripts/generate.py --model tiny --adapter out/chat/adapter --chat --prompt "Who lit the lamp?"
+
+With --chat the prompt is a user's message rendered through the model's chat template (with its
+generation prompt), and the answer ends at the template's end-of-turn token.
 """
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
-from phantom import cli  # noqa: E402
-from phantom.generate import generate_text  # noqa: E402
+from phantom import chat, cli  # noqa: E402
+from phantom.generate import generate_chat, generate_text  # noqa: E402
 from phantom.placement import OFFLOADS  # noqa: E402
 from phantom.lora import read_adapter_config  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
@@ -22,7 +26,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="a preset name (weights/NAME) or a store folder")
     p.add_argument("--adapter", type=Path, default=None, help="LoRA adapter folder (PEFT layout) to apply")
-    p.add_argument("--prompt", required=True, help="text to complete")
+    p.add_argument("--prompt", required=True, help="text to complete (with --chat: the user's message)")
+    p.add_argument("--chat", action="store_true", help="answer the prompt as the assistant, through the chat template")
+    p.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="with --chat: a Jinja chat template (default: the model's own, from its store)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to sample at most")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 takes the argmax")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens")
@@ -48,9 +56,16 @@ def run(argv=None) -> int:
         tok_path = args.tokenizer or model.store.tokenizer_path
         if tok_path is None:
             raise FileNotFoundError(f"{model.store.path} has no tokenizer; pass --tokenizer FILE")
-        pieces = generate_text(model, Tokenizer(tok_path), args.prompt, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-        print(args.prompt, end="", flush=True)
+        tok, kw = Tokenizer(tok_path), dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                            top_k=args.top_k, seed=args.seed)
+        if args.chat:
+            template = chat.read_template(model.store.path, tok, args.chat_template)
+            if template is None:
+                raise ValueError(f"{model.store.path} has no chat template; pass --chat-template FILE")
+            pieces = generate_chat(model, tok, template, args.prompt, args.system, **kw)
+        else:
+            pieces = generate_text(model, tok, args.prompt, **kw)
+            print(args.prompt, end="", flush=True)
         for piece in pieces:
             print(piece, end="", flush=True)
         print()

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
-from phantom import cli, config, tune  # noqa: E402
+from phantom import cli, config, family, tune  # noqa: E402
 from phantom import costmodel as cm  # noqa: E402
 from phantom.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
 from phantom.quant import METHODS  # noqa: E402
@@ -99,7 +99,7 @@ def beside_16bit(args, cfg, store_dtype: str, dtype: str, profile, budgets, rows
 def read_config(path: Path, vocab_size: int | None):
     if not path.is_file():
         raise FileNotFoundError(f"no config file at {path}: give a config.json (HF) or params.json (Meta)")
-    return config.from_meta_params(path, vocab_size) if path.name == "params.json" else config.from_hf_config(path)
+    return config.from_meta_params(path, vocab_size) if path.name == "params.json" else family.from_hf_config(path)
 
 
 def check(args, name: str, cfg, store_dtype: str, quant, dtype: str, device, profile, best) -> int:

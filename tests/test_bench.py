@@ -1,4 +1,4 @@
-"""scripts/bench.py --modes diskread (issue 16's measurement) runs end to end on a tiny store: its
+"""scripts/bench.py --modes diskread (the tiers' read measurement) runs end to end on a tiny store: its
 tables hold every contender, and the bytes read per step are the cost model's to the megabyte."""
 from __future__ import annotations
 

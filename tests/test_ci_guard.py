@@ -1,4 +1,4 @@
-"""Under CI=true the cross-check modules cannot skip for a missing library: the run fails instead (issue 18).
+"""Under CI=true the cross-check modules cannot skip for a missing library: the run fails instead.
 
 The cross-checks (tests/test_reference*.py, tests/test_export_hf.py) compare phantom with code it did not
 write, and get the libraries through their `need(module)`: a skip outside CI, an ImportError under CI=true.
@@ -87,3 +87,13 @@ def test_cross_checks_skip_only_through_need(path):
 
     visit(tree, "<module>")
     assert not found, f"{path.name} skips outside need(): {found}"
+
+
+def test_ci_runs_the_readme_test_command_in_a_new_venv():
+    """.ci/run takes the one indented test command from README.md and runs it inside a fresh venv."""
+    run = (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m venv" in run and 'source "$venv/bin/activate"' in run
+    extract = re.search(r"^command=\$\((.*)\)$", run, re.M).group(1)
+    commands = subprocess.run(["bash", "-c", extract], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    assert len(commands) == 1 and "torch==2.13.0" in commands[0] and "pytest" in commands[0], commands

@@ -1,4 +1,4 @@
-"""Merged checkpoints the Hugging Face ecosystem loads as they are, tokenizer included (issue 20).
+"""Merged checkpoints the Hugging Face ecosystem loads as they are, tokenizer included.
 
 A user's path, through the scripts: an HF folder (weights + tokenizer files) -> prepare_model.py -> a LoRA
 adapter -> merge_lora.py --format hf. The merged folder must load with AutoTokenizer (same ids as phantom's

@@ -1,4 +1,4 @@
-"""Each README-documented flag of scripts/finetune.py has its effect, not only an exit 0 (issue 18).
+"""Each README-documented flag of scripts/finetune.py has its effect, not only an exit 0.
 
 Runs are in process on the tiny model (4 blocks), a couple of steps each; most compare a run with the
 flag against the same run without it and check what the flag must change, and what it must not.

@@ -320,6 +320,6 @@ def test_cost_model_places_a_quantized_store_as_the_scheduler_does(stores, monke
     monkeypatch.setattr(phantom.scheduler, "free_device_bytes", lambda device: 1 << 40)
     sched = BlockScheduler.__new__(BlockScheduler)  # its tier choice alone, without allocating on a device
     sched.store, sched.n_blocks, sched.dtype, sched._zero_copy = store, store.n_blocks, torch.bfloat16, False
-    sched.device = torch.device("cuda")
-    assert sched._choose_tiers(place, cpu=False) == planned
+    sched.device, sched.slot_bytes = torch.device("cuda"), shape.slot_bytes
+    assert sched._choose_tiers(place, cpu=False, device_reserve=0) == planned
     assert planned.count("ram") == 3 and 0 < planned.count("device") <= 3

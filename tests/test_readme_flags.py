@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 IGNORED = {"--help"}  # argparse's own
-# Documented flags no CLI test passes yet (issue 18: all are passed now, by test_finetune_flags.py). Never
+# Documented flags no CLI test passes yet (all are passed now, by test_finetune_flags.py). Never
 # grow it: a flag added to README comes with a test that passes it.
 KNOWN_MISSING: set[str] = set()
 

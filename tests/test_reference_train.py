@@ -1,4 +1,4 @@
-"""Holes an audit of the suite found (issue 18), closed in a file of their own.
+"""Holes an audit of the suite found, closed in a file of their own.
 
 - Full finetuning must leave the store it started from byte for byte as it was: test_full.py compared
   that store with itself; here every file's sha256 is taken before and after, and the trained copy is

@@ -1,4 +1,4 @@
-"""Tiers by budget (issue 16): a placement over device, RAM and disk trains like the resident model,
+"""Tiers by budget: a placement over device, RAM and disk trains like the resident model,
 reads from disk exactly the bytes the planner predicts, and degrades to disk or to buffered reads
 with a log line instead of failing. Tiny 8-block fp32 stores; every test runs in about a second."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tiny model and the README's first command (issue 17): `python scripts/finetune.py` learns visibly."""
+"""The tiny model and the README's first command: `python scripts/finetune.py` learns visibly."""
 from __future__ import annotations
 
 import json

@@ -1,0 +1,318 @@
+"""Families are data: one frozen `Family` per Hugging Face architecture phantom reads.
+
+An entry says how the family's config.json becomes a ModelConfig (every field of its transformers
+config class is modelled, refused when set, or irrelevant with the reason) and how its checkpoint's
+tensors are named (a weight_map, as gpt-fast's converter keeps one). The block maths read only
+ModelConfig's fields; the converter, exporter and LoRA writer read these tables.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from phantom.config import ACTIVATIONS, ROPE_TYPES, ModelConfig, RopeScaling
+
+# ---------------------------------------------------------------------------------------------
+# Tensor names: Hugging Face name -> store name ({} is the layer index)
+
+LLAMA_KEYS = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "attention.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "attention.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "attention.wv.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "attention.wo.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "model.layers.{}.mlp.down_proj.weight": "feed_forward.w2.weight",
+    "model.layers.{}.mlp.up_proj.weight": "feed_forward.w3.weight",
+    "model.layers.{}.input_layernorm.weight": "attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "ffn_norm.weight",
+}
+BIAS_KEYS = {hf.replace(".weight", ".bias"): name.replace(".weight", ".bias")
+             for hf, name in LLAMA_KEYS.items() if "_proj" in hf}
+QK_NORM_KEYS = {"model.layers.{}.self_attn.q_norm.weight": "attention.q_norm.weight",
+                "model.layers.{}.self_attn.k_norm.weight": "attention.k_norm.weight"}
+
+# ---------------------------------------------------------------------------------------------
+# config.json fields
+
+IRRELEVANT = {  # fields of every transformers config that do not change the maths, and why
+    "_name_or_path": "where transformers loaded the config from",
+    "bos_token_id": "a token id for generation; the tokenizer's files carry it",
+    "eos_token_id": "a token id for generation; the tokenizer's files carry it",
+    "pad_token_id": "a token id for padding; phantom packs rows and masks targets instead",
+    "chunk_size_feed_forward": "transformers' memory knob: the MLP run in chunks computes the same values",
+    "dtype": "the checkpoint's dtype; phantom reads it from the tensors",
+    "torch_dtype": "the checkpoint's dtype (older name); phantom reads it from the tensors",
+    "id2label": "labels of a classification head; a causal LM has none",
+    "label2id": "labels of a classification head; a causal LM has none",
+    "problem_type": "the loss of a classification head; a causal LM has none",
+    "initializer_range": "the init of new weights; phantom loads trained ones",
+    "output_attentions": "what transformers' forward returns, not what it computes",
+    "output_hidden_states": "what transformers' forward returns, not what it computes",
+    "return_dict": "what transformers' forward returns, not what it computes",
+    "use_cache": "whether transformers' generation keeps a KV cache; the same values",
+    "transformers_version": "the version of transformers that wrote the file",
+    "pretraining_tp": "a record of Meta's tensor parallelism; transformers' Llama ignores it too",
+    "max_window_layers": "read with use_sliding_window (Qwen's rule for which layers slide)",
+}
+REFUSED_WHEN_SET = {  # field -> (allowed value check, what phantom supports)
+    "attention_dropout": (lambda v: not v, "0 (no dropout on attention probabilities)"),
+    "is_encoder_decoder": (lambda v: not v, "decoder-only models"),
+    "use_bidirectional_attention": (lambda v: not v, "causal attention"),
+    "quantization_config": (lambda v: v is None, "unquantized checkpoints (bf16, fp16, fp32)"),
+    "num_experts": (lambda v: not v, "dense models (no mixture of experts)"),
+    "num_local_experts": (lambda v: not v, "dense models (no mixture of experts)"),
+    "n_routed_experts": (lambda v: not v, "dense models (no mixture of experts)"),
+}
+MODELLED_COMMON = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "vocab_size", "intermediate_size", "rms_norm_eps",
+                   "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
+                   "tie_word_embeddings", "hidden_act", "head_dim")
+
+
+class ConfigError(ValueError):
+    """A config.json phantom does not model: its message names the field and what is supported."""
+
+
+def _refuse(path, key: str, value, supported: str):
+    raise ConfigError(f"{path}: {key}={json.dumps(value)} is not supported (supported: {supported})")
+
+
+def _rope_scaling(rs: dict, path, max_pos: int) -> RopeScaling | None:
+    """A rope_scaling (or rope_parameters) dict as phantom's RopeScaling; refused unless its type is modelled.
+    original_max_position_embeddings defaults to max_pos, as transformers fills it in."""
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    rs = {"original_max_position_embeddings": max_pos, **rs}
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling(rope_type="linear", factor=rs["factor"])
+    if kind == "yarn":
+        return _yarn(rs, path)
+    if kind == "llama3":
+        return RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
+                           high_freq_factor=rs["high_freq_factor"],
+                           original_max_seq_len=rs["original_max_position_embeddings"])
+    _refuse(path, "rope_scaling.rope_type", kind, "'default', " + ", ".join(repr(t) for t in ROPE_TYPES))
+
+
+def _yarn(rs: dict, path) -> RopeScaling:
+    """YaRN's fields as transformers reads them (its attention factor from factor unless given)."""
+    factor = rs["factor"]
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    gain = rs.get("attention_factor")
+    if gain is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        gain = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(rope_type="yarn", factor=factor, original_max_seq_len=rs["original_max_position_embeddings"],
+                       beta_fast=rs.get("beta_fast") or 32.0, beta_slow=rs.get("beta_slow") or 1.0,
+                       attention_factor=float(gain), truncate=rs.get("truncate", True))
+
+
+def _read_rope(c: dict, path) -> tuple[float, RopeScaling | None]:
+    """One RoPE for every layer: rope_theta + rope_scaling (older files) or rope_parameters (transformers >= 5)."""
+    rope = c.get("rope_parameters") or {}
+    if "full_attention" in rope:  # per layer type: the family's reader says what it means
+        return c.get("rope_theta", 10000.0), None
+    return (c.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            _rope_scaling(c.get("rope_scaling") or rope, path, c["max_position_embeddings"]))
+
+
+def _read_gemma3_rope(c: dict, path) -> dict:
+    """Gemma-3: global layers at rope_theta (1e6), scaled; sliding layers at rope_local_base_freq (1e4), unscaled."""
+    rope = c.get("rope_parameters") or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    scaling = c.get("rope_scaling") or full
+    if local.get("rope_type", "default") != "default":
+        _refuse(path, "rope_parameters.sliding_attention.rope_type", local["rope_type"], "'default'")
+    return {"rope_theta": c.get("rope_theta", full.get("rope_theta", 1e6)),
+            "rope_scaling": _rope_scaling(scaling, path, c["max_position_embeddings"]),
+            "local_rope_theta": c.get("rope_local_base_freq", local.get("rope_theta", 1e4))}
+
+
+def _read_attention_bias(c: dict, path) -> dict:
+    bias = bool(c.get("attention_bias"))
+    return {"qkv_bias": bias, "o_bias": bias}
+
+
+def _read_mlp_bias(c: dict, path) -> dict:
+    return {"mlp_bias": bool(c.get("mlp_bias"))}
+
+
+def _read_mistral_window(c: dict, path) -> dict:
+    """Mistral: every layer attends to the last sliding_window keys (None: plain causal)."""
+    return {"sliding_window": c.get("sliding_window")}
+
+
+def _read_qwen_window(c: dict, path) -> dict:
+    """Qwen: the window applies only with use_sliding_window, to layers from max_window_layers on
+    (or as layer_types says), as transformers' Qwen2Config/Qwen3Config decide."""
+    window = c.get("sliding_window") if c.get("use_sliding_window") else None
+    if window is None:
+        return {"sliding_window": None, "layer_types": None}
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention"
+                                     for i in range(n)]
+    return {"sliding_window": window, "layer_types": tuple(types)}
+
+
+def _read_gemma_activation(c: dict, path) -> dict:
+    act = c.get("hidden_activation")
+    if act not in ACTIVATIONS:
+        _refuse(path, "hidden_activation", act, ", ".join(ACTIVATIONS))
+    return {"activation": act}
+
+
+def _read_gemma_attention(c: dict, path) -> dict:
+    return {"query_pre_attn_scalar": c.get("query_pre_attn_scalar"), "attn_softcap": c.get("attn_logit_softcapping"),
+            "final_softcap": c.get("final_logit_softcapping")}
+
+
+def _read_gemma_window(c: dict, path) -> dict:
+    """Gemma: layer_types as written, else Gemma-2's alternation (sliding first) or Gemma-3's one global
+    layer in sliding_window_pattern (6), as transformers' config classes fill them in."""
+    period = c.get("sliding_window_pattern", 6 if c.get("model_type") == "gemma3_text" else 2)
+    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % period else "full_attention"
+                                     for i in range(c["num_hidden_layers"])]
+    return {"sliding_window": c.get("sliding_window"), "layer_types": tuple(types)}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: how its config.json and tensor names map onto phantom's.
+
+    readers: config field -> function (config, path) -> ModelConfig fields, for the fields beyond
+    MODELLED_COMMON this family has; fixed: ModelConfig fields the family always sets; defaults:
+    the values transformers' config class gives fields a config.json leaves out; irrelevant:
+    family-specific fields that do not change the maths, with why.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    model_type: str
+    keys: dict[str, str]
+    readers: dict[str, Callable[[dict, object], dict]] = field(default_factory=dict)
+    fixed: dict = field(default_factory=dict)
+    defaults: dict = field(default_factory=dict)
+    irrelevant: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def hf_class(self) -> str:
+        return self.architectures[0]
+
+    def modelled(self) -> set[str]:
+        return set(MODELLED_COMMON) | set(self.readers)
+
+    def hf_names(self) -> dict[tuple[bool, str], str]:
+        """(in a block?, store name) -> Hugging Face name."""
+        return {("{}" in hf, name): hf for hf, name in self.keys.items()}
+
+
+COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
+QWEN_WINDOW = {"sliding_window": _read_qwen_window, "use_sliding_window": _read_qwen_window,
+               "layer_types": _read_qwen_window}
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", ("LlamaForCausalLM",), "llama", {**LLAMA_KEYS, **BIAS_KEYS},
+           readers={"attention_bias": _read_attention_bias, "mlp_bias": _read_mlp_bias},
+           defaults={**COMMON_DEFAULTS, "max_position_embeddings": 2048}),
+    Family("mistral", ("MistralForCausalLM",), "mistral", LLAMA_KEYS,
+           readers={"sliding_window": _read_mistral_window},
+           defaults={**COMMON_DEFAULTS, "max_position_embeddings": 4096 * 32, "sliding_window": 4096}),
+    Family("qwen2", ("Qwen2ForCausalLM",), "qwen2", {**LLAMA_KEYS, **BIAS_KEYS}, readers=QWEN_WINDOW,
+           fixed={"qkv_bias": True},
+           defaults={**COMMON_DEFAULTS, "max_position_embeddings": 32768, "max_window_layers": 28}),
+    Family("qwen3", ("Qwen3ForCausalLM",), "qwen3", {**LLAMA_KEYS, **BIAS_KEYS, **QK_NORM_KEYS},
+           readers={"attention_bias": _read_attention_bias, **QWEN_WINDOW}, fixed={"qk_norm": True},
+           defaults={**COMMON_DEFAULTS, "max_position_embeddings": 32768, "max_window_layers": 28,
+                     "head_dim": 128}),
+)}
+GEMMA_KEYS = {**{hf: name for hf, name in LLAMA_KEYS.items() if "layernorm" not in hf}, **BIAS_KEYS,
+              "model.layers.{}.input_layernorm.weight": "attention_norm.weight",
+              "model.layers.{}.post_attention_layernorm.weight": "attention_post_norm.weight",
+              "model.layers.{}.pre_feedforward_layernorm.weight": "ffn_norm.weight",
+              "model.layers.{}.post_feedforward_layernorm.weight": "ffn_post_norm.weight"}
+GEMMA_READERS = {"attention_bias": _read_attention_bias, "hidden_activation": _read_gemma_activation,
+                 "query_pre_attn_scalar": _read_gemma_attention, "attn_logit_softcapping": _read_gemma_attention,
+                 "final_logit_softcapping": _read_gemma_attention, "sliding_window": _read_gemma_window,
+                 "layer_types": _read_gemma_window}
+GEMMA_FIXED = {"norm_offset": 1.0, "embed_scale": True, "post_norms": True}
+GEMMA_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256, "hidden_activation":
+                  "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096}
+
+FAMILIES.update({f.name: f for f in (
+    Family("gemma2", ("Gemma2ForCausalLM",), "gemma2", GEMMA_KEYS, readers=GEMMA_READERS, fixed=GEMMA_FIXED,
+           defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
+                     "final_logit_softcapping": 30.0}),
+    Family("gemma3", ("Gemma3ForCausalLM",), "gemma3_text", {**GEMMA_KEYS, **QK_NORM_KEYS},
+           readers={**GEMMA_READERS, "rope_parameters": _read_gemma3_rope}, fixed={**GEMMA_FIXED, "qk_norm": True},
+           defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 131072},
+           irrelevant={"_sliding_window_pattern": "Gemma-3's older way to say layer_types, which are read"}),
+)})
+BIAS_FIELDS = ("attention_bias", "mlp_bias")  # a family without the field has no such biases
+
+
+def family_of(c: dict, path) -> Family:
+    archs = c.get("architectures") or []
+    for fam in FAMILIES.values():
+        if set(archs) & set(fam.architectures) or (not archs and c.get("model_type") == fam.model_type):
+            return fam
+    supported = ", ".join(f.hf_class for f in FAMILIES.values())
+    named = archs[0] if archs else c.get("model_type", "?")
+    raise ConfigError(f"{path}: architecture {named} is not supported (architectures={json.dumps(archs)}; "
+                      f"supported: {supported})")
+
+
+def check_fields(c: dict, fam: Family, path) -> None:
+    """Refuse what this family's maths in phantom would silently compute otherwise."""
+    for key, (allowed, supported) in REFUSED_WHEN_SET.items():
+        if key in c and not allowed(c[key]):
+            _refuse(path, key, c[key], supported)
+    for key in BIAS_FIELDS:
+        if c.get(key) and key not in fam.readers:
+            _refuse(path, key, c[key], f"false: {fam.hf_class} has no such biases")
+    if (act := c.get("hidden_act", "silu")) not in ACTIVATIONS:
+        _refuse(path, "hidden_act", act, ", ".join(ACTIVATIONS))
+
+
+def config_from_hf(c: dict, path="config.json") -> ModelConfig:
+    """ModelConfig from a parsed Hugging Face config.json of a supported family.
+
+    Raises:
+        ConfigError: an architecture or a field phantom does not model (one line naming it).
+        KeyError, TypeError: a config.json that lacks a field every family has.
+    """
+    fam = family_of(c, path)
+    c = {**fam.defaults, **c}
+    check_fields(c, fam, path)
+    theta, scaling = _read_rope(c, path)
+    kw = dict(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
+              vocab_size=c["vocab_size"], n_kv_heads=c.get("num_key_value_heads"),
+              intermediate_size=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope_theta=theta,
+              rope_scaling=scaling, max_seq_len=c["max_position_embeddings"], family=fam.name,
+              activation=c.get("hidden_act", "silu"), tie_embeddings=bool(c["tie_word_embeddings"]))
+    head_dim = c.get("head_dim")
+    if head_dim and head_dim * c["num_attention_heads"] != c["hidden_size"]:
+        kw["explicit_head_dim"] = head_dim
+    for read in dict.fromkeys(fam.readers.values()):  # each reader once, in the table's order
+        kw.update(read(c, path))
+    kw.update(fam.fixed)
+    try:
+        return ModelConfig(**kw)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def from_hf_config(path: Path) -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json file (see config_from_hf)."""
+    return config_from_hf(json.loads(Path(path).read_text()), path)
+
+
+def family(cfg: ModelConfig) -> Family:
+    return FAMILIES[cfg.family]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from phantom import hub
 from phantom.config import PRESETS, ModelConfig, preset
 from phantom.lora import LoraConfig
 from phantom.model import MODES, PhantomModel
@@ -29,8 +30,9 @@ def weights_dir() -> Path:
     return repo if repo.is_dir() else Path.cwd() / "weights"
 
 
-def resolve_model(model: str | Path) -> Path:
-    """A store path from a path or a preset name; generates `tiny` on first use."""
+def resolve_model(model: str | Path, revision: str = "main") -> Path:
+    """A store path from a path, a preset name (generates `tiny` on first use) or a Hugging Face hub id
+    found in the local hub cache (converted on first use, linked: phantom.hub)."""
     path = Path(model)
     if path.is_dir():
         return path
@@ -45,6 +47,8 @@ def resolve_model(model: str | Path) -> Path:
                 f"model {name} is not prepared at {path}; run python scripts/prepare_model.py --src "
                 f"CHECKPOINT_DIR --out {path} (or --synthetic --preset {name} for random weights)")
         return path
+    if hub.is_hub_id(name):
+        return hub.ensure_store(name, weights_dir(), revision)
     if os.sep in name or name.startswith("."):
         raise FileNotFoundError(f"no phantom store at {name}")
     raise ValueError(f"unknown model {name!r}: not a folder and not a preset ({', '.join(PRESETS)})")

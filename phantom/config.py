@@ -11,14 +11,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+ROPE_TYPES = ("llama3", "linear", "yarn")  # RoPE scalings phantom computes (transformers' rope_type names)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1's frequency-dependent RoPE scaling (rope_type "llama3")."""
+    """RoPE scaling: "llama3" (Llama-3.1's frequency-dependent one), "linear" (every frequency over
+    factor; Gemma-3's global layers) or "yarn" (YaRN: low frequencies interpolated, high ones kept,
+    a ramp between beta_fast and beta_slow rotations, cos and sin times attention_factor; Qwen2.5's
+    long-context configs). Each type reads the fields its transformers function reads."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
 
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the MLP's gate activation (transformers' names)
@@ -58,6 +73,13 @@ class ModelConfig:
     # per layer, one of LAYER_TYPES, repeating (a preset gives one period; a cut-down model keeps it);
     # None: every layer slides when sliding_window is set (Mistral), else none does
     layer_types: tuple[str, ...] | None = None
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma's (1 + w)
+    embed_scale: bool = False  # embeddings times sqrt(dim) (Gemma)
+    post_norms: bool = False  # an RMSNorm on attention's and the MLP's outputs too, before each residual add
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power instead of head_dim's (Gemma)
+    attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma-2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
+    local_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma-3); None: shared
 
     def __post_init__(self):
         if self.explicit_head_dim is None and self.dim % self.n_heads:
@@ -128,6 +150,10 @@ class ModelConfig:
         return cls(**d)
 
 
+GEMMA2 = dict(family="gemma2", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0, embed_scale=True,
+              post_norms=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,
+              layer_types=("sliding_attention", "full_attention"))
+
 # Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
 PRESETS: dict[str, ModelConfig] = {
     # Generated on first use (convert.ensure_tiny); small enough to train in a minute on 2 CPU cores.
@@ -153,6 +179,51 @@ PRESETS: dict[str, ModelConfig] = {
     # mistralai/Mistral-7B-v0.1 config.json (max_position_embeddings 32768; planned at 4096 tokens)
     "mistral-7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
                               intermediate_size=14336, max_seq_len=4096, family="mistral", sliding_window=4096),
+    # Each from the config.json of the Hugging Face repo named (for the Gemma-3 and multimodal repos,
+    # its text_config); max_seq_len is max_position_embeddings.
+    # Qwen/Qwen2.5-7B, Qwen/Qwen2.5-72B (use_sliding_window false: no window)
+    "qwen2.5-7B": ModelConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
+                              intermediate_size=18944, norm_eps=1e-6, rope_theta=1e6, max_seq_len=131072,
+                              family="qwen2", qkv_bias=True),
+    "qwen2.5-72B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064,
+                               intermediate_size=29568, norm_eps=1e-5, rope_theta=1e6, max_seq_len=131072,
+                               family="qwen2", qkv_bias=True),
+    # Qwen/Qwen3-8B, Qwen/Qwen3-32B (head_dim 128)
+    "qwen3-8B": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, vocab_size=151936,
+                            intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                            family="qwen3", qk_norm=True),
+    "qwen3-32B": ModelConfig(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, vocab_size=151936,
+                             intermediate_size=25600, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                             family="qwen3", qk_norm=True, explicit_head_dim=128),
+    # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-70B (rope_scaling llama3, factor 8)
+    "llama3.1-8B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=14336, rope_theta=500000.0, rope_scaling=RopeScaling(),
+                               max_seq_len=131072),
+    "llama3.1-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                                intermediate_size=28672, rope_theta=500000.0, rope_scaling=RopeScaling(),
+                                max_seq_len=131072),
+    # meta-llama/Llama-3.2-1B, meta-llama/Llama-3.2-3B (tied embeddings, rope_scaling llama3, factor 32)
+    "llama3.2-1B": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
+                               max_seq_len=131072, tie_embeddings=True),
+    "llama3.2-3B": ModelConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
+                               max_seq_len=131072, tie_embeddings=True),
+    # google/gemma-2-9b, google/gemma-2-27b (sliding 4096 on every other layer, soft-caps 50 and 30)
+    "gemma2-9B": ModelConfig(dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, vocab_size=256000,
+                             intermediate_size=14336, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=256,
+                             **GEMMA2, query_pre_attn_scalar=256),
+    "gemma2-27B": ModelConfig(dim=4608, n_layers=46, n_heads=32, n_kv_heads=16, vocab_size=256000,
+                              intermediate_size=36864, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=128,
+                              **GEMMA2, query_pre_attn_scalar=144),
+    # google/gemma-3-27b-pt text_config (sliding 1024 on five layers of six; RoPE 1e6 linear x8 / local 1e4)
+    "gemma3-27B": ModelConfig(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, vocab_size=262208,
+                              intermediate_size=21504, norm_eps=1e-6, max_seq_len=131072, explicit_head_dim=128,
+                              family="gemma3", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0,
+                              embed_scale=True, post_norms=True, qk_norm=True, query_pre_attn_scalar=168,
+                              rope_theta=1e6, rope_scaling=RopeScaling(rope_type="linear", factor=8.0),
+                              local_rope_theta=1e4, sliding_window=1024,
+                              layer_types=("sliding_attention",) * 5 + ("full_attention",)),
 }
 
 
@@ -204,6 +275,8 @@ def block_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                        "feed_forward.w3.bias": (cfg.hidden_dim,)})
     if cfg.qk_norm:
         shapes.update({"attention.q_norm.weight": (cfg.head_dim,), "attention.k_norm.weight": (cfg.head_dim,)})
+    if cfg.post_norms:
+        shapes.update({"attention_post_norm.weight": (cfg.dim,), "ffn_post_norm.weight": (cfg.dim,)})
     return shapes
 
 

@@ -168,7 +168,9 @@ class HFCheckpoint:
 
     format = "hf"
 
-    def __init__(self, src: Path):
+    def __init__(self, src: Path, root: Path | None = None):
+        """root: a folder the shards may be links into (the hub cache's repository: snapshots link to
+        its blobs); each shard is then read through its resolved path. None: no shard may leave src."""
         config = src / "config.json"
         if not config.is_file():
             raise FileNotFoundError(f"{config}: missing; a Hugging Face checkpoint folder holds config.json")
@@ -180,8 +182,9 @@ class HFCheckpoint:
             raise ValueError(str(e)) from None
         weight_map = self._weight_map(src)
         headers = {}
+        files = {}
         for file in sorted(set(weight_map.values())):
-            path = safe_join(src, file)
+            path = files[file] = safe_join(src, file) if root is None else linked_shard(src, file, root)
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: shard missing from the set (listed in model.safetensors.index.json)")
             specs, start = read_header(path)
@@ -195,7 +198,7 @@ class HFCheckpoint:
                 if key not in weight_map:
                     raise ValueError(f"{src}: tensor {key} is in no shard; the checkpoint is incomplete")
                 specs, start = headers[weight_map[key]]
-                spec, path = specs.get(key), src / weight_map[key]
+                spec, path = specs.get(key), files[weight_map[key]]
                 if spec is None:
                     raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
                 if spec.shape != shape:
@@ -246,15 +249,23 @@ class HFCheckpoint:
         return out
 
 
-def open_checkpoint(src: Path | str) -> MetaCheckpoint | HFCheckpoint:
-    """Detect the checkpoint format of a folder and open it (nothing is read beyond headers)."""
+def linked_shard(src: Path, file: str, root: Path) -> Path:
+    """src/file resolved, where it may be a link that stays inside root (a hub cache repository)."""
+    if os.path.isabs(file) or ".." in Path(file).parts or not (src / file).resolve().is_relative_to(root.resolve()):
+        raise StoreError(f"{src}: shard path {file!r} leads outside {root}")
+    return (src / file).resolve()
+
+
+def open_checkpoint(src: Path | str, root: Path | None = None) -> MetaCheckpoint | HFCheckpoint:
+    """Detect the checkpoint format of a folder and open it (nothing is read beyond headers); root:
+    see HFCheckpoint."""
     src = Path(src)
     if not src.is_dir():
         raise FileNotFoundError(f"{src}: no such checkpoint folder")
     if (src / "params.json").is_file() or any(src.glob("consolidated.*.pth")):
         return MetaCheckpoint(src)
     if (src / "config.json").is_file() or any(src.glob("*.safetensors")):
-        return HFCheckpoint(src)
+        return HFCheckpoint(src, root)
     raise ValueError(f"{src}: unknown checkpoint format (expected Meta's params.json + consolidated.NN.pth or "
                      f"Hugging Face's config.json + *.safetensors)")
 
@@ -286,7 +297,8 @@ def _write_part(w: StoreWriter, ckpt, part: str | int, link: bool) -> int:
 
 
 def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | None = None, link: bool = False,
-                       overwrite: bool = False, progress: bool = True, quant: QuantFormat | None = None) -> dict:
+                       overwrite: bool = False, progress: bool = True, quant: QuantFormat | None = None,
+                       root: Path | None = None) -> dict:
     """Convert a Meta or Hugging Face checkpoint folder into a block store, one block at a time.
 
     Args:
@@ -303,6 +315,7 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         progress: a tqdm bar over the blocks.
         quant: store every block's linear weights quantized (phantom.quant; the rest in dtype, bf16
             unless the checkpoint is 16-bit).
+        root: Hugging Face folders whose shards are links (the hub cache): the folder they may lead into.
 
     Returns:
         {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes"}.
@@ -310,7 +323,7 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
     Raises:
         FileNotFoundError: a missing file. ValueError (StoreError): a corrupt or unsupported checkpoint.
     """
-    ckpt = open_checkpoint(src)
+    ckpt = open_checkpoint(src, root)
     if quant is not None and link:
         raise ValueError("--link and --quantize: a quantized store holds its own (quantized) copy; drop one")
     dtype = dtype or (ckpt.dtype if quant is None or ckpt.dtype.itemsize == 2 else torch.bfloat16)
@@ -374,11 +387,14 @@ def tokenizer_files(store: BlockStore) -> dict[str, Path]:
 
 
 def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std,
-                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Norm weights 1, matrices N(0, std^2); std is a number or a function of the shape."""
+                    dtype: torch.dtype, offset: float = 0.0) -> dict[str, torch.Tensor]:
+    """Norm weights 1 (0 where the norm scales by 1 + w: the same identity), biases 0, matrices N(0, std^2);
+    std is a number or a function of the shape."""
     out = {}
     for name, shape in shapes.items():
-        if len(shape) == 1:  # norm weights
+        if name.endswith(".bias") or (len(shape) == 1 and offset):
+            out[name] = torch.zeros(shape, dtype=dtype)
+        elif len(shape) == 1:  # norm weights
             out[name] = torch.ones(shape, dtype=dtype)
         else:
             out[name] = (torch.randn(shape, generator=gen) * (std(shape) if callable(std) else std)).to(dtype)
@@ -410,12 +426,12 @@ def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bflo
         w.write_embed(_random_tensors(embed_tensor_shapes(cfg), gen, 0.02, dtype))
         for i in tqdm(range(cfg.n_layers), desc="writing blocks", unit="block", disable=not progress or None):
             gen = torch.Generator().manual_seed(seed * 1000003 + i + 1)
-            block = _random_tensors(block_tensor_shapes(cfg), gen, std, dtype)
+            block = _random_tensors(block_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset)
             for name in ("attention.wo.weight", "feed_forward.w2.weight"):
                 block[name] = (block[name].float() * (resid_std / 0.02)).to(dtype)
             w.write_block(i, block)
         gen = torch.Generator().manual_seed(seed * 1000003)
-        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype))
+        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset))
         if tokenizer is not None:
             w.add_tokenizer(tokenizer)
         kept = keep_tokenizer_files(w, ([w.tmp / w.tokenizer] if tokenizer is not None else []) + list(tokenizer_extra))

@@ -11,12 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from phantom.config import ModelConfig
-from phantom.placement import Activations, Placement, assign_tiers, loads_per_step, ram_budget
+from phantom.placement import Activations, Placement, assign_tiers, loads_per_step, loss_budget, ram_budget
 
 ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 ALIGN = 4096  # phantom.store.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
 HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.scheduler's: host buffers from HUGE_MIN get huge pages
-FIXED_BYTES = 256 << 20  # loss chunks, LoRA and optimizer state, allocator slack
+FIXED_BYTES = 256 << 20  # LoRA and its optimizer state, allocator slack
 MARGIN = 0.15  # keep this fraction of free memory unused
 PREFETCH = (0, 1, 2, 3, 4, 6, 8)
 GB = 1e9
@@ -61,6 +61,7 @@ class Shape:
     seq_len: int
     converts: bool  # store and compute dtypes differ: the RAM tier cannot be used in place
     store_bytes: int  # the store's files: blocks, embedding, head (headers of a few KiB left out)
+    dequant_bytes: int = 0  # a quantized store: the compute-dtype bytes each load dequantizes into
 
 
 def keep_elems_per_token(cfg: ModelConfig) -> float:
@@ -74,24 +75,47 @@ def keep_elems_per_token(cfg: ModelConfig) -> float:
     return 8.5 * cfg.dim + 3 * cfg.hidden_dim + 2 * cfg.kv_heads * cfg.head_dim + 16
 
 
-def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", seq_len: int = 1024) -> Shape:
-    """The cost model's view of a model from its config alone: no store needed."""
+def quant_block_bytes(cfg: ModelConfig, method: str, itemsize: int, double_quant: bool = True,
+                      blocksize: int = 64) -> int:
+    """Bytes of one block stored quantized (phantom.quant.block_layout): each linear weight of n values as
+    nf4 codes (n/2) and scales (one uint8 per block of values, fp32 per 256 of those and an offset; or an
+    fp32 per block), or int8 codes and an fp32 scale per row; the rest (norms, biases) in `itemsize`."""
+    kv = cfg.kv_heads * cfg.head_dim
+    mats = [(cfg.q_dim, cfg.dim), (kv, cfg.dim), (kv, cfg.dim), (cfg.dim, cfg.q_dim)] + \
+        [(cfg.hidden_dim, cfg.dim), (cfg.dim, cfg.hidden_dim), (cfg.hidden_dim, cfg.dim)]
+    total = (cfg.block_params() - sum(rows * cols for rows, cols in mats)) * itemsize
+    for rows, cols in mats:
+        n = rows * cols
+        blocks = -(-n // blocksize)
+        if method == "int8":
+            total += n + 4 * rows
+        else:
+            total += (n + 1) // 2 + (blocks + 4 * -(-blocks // 256) + 4 if double_quant else 4 * blocks)
+    return total
+
+
+def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", seq_len: int = 1024,
+             quant: str | None = None) -> Shape:
+    """The cost model's view of a model from its config alone: no store needed. quant ("nf4", "int8"):
+    a quantized store of it (its other tensors in store_dtype), dequantized into `dtype` at each load."""
     s, c = ITEMSIZE[store_dtype], ITEMSIZE[dtype]
     params = cfg.block_params()
-    block = params * s
-    converts = s != c
+    block = params * s if quant is None else quant_block_bytes(cfg, quant, s)
+    converts = s != c or quant is not None
     head_params = cfg.vocab_size * cfg.dim + cfg.dim
+    embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
     return Shape(
         n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
         slot_bytes=block + (params * c if converts else 0),
-        tier_bytes=block * max(1, c // s),  # as BlockScheduler budgets tiers
-        head_bytes=head_params * c, embed_bytes=cfg.vocab_size * cfg.dim * s,
-        flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.dim),  # matmuls + causal attention
+        tier_bytes=block * max(1, c // s) if quant is None else block,  # as BlockScheduler budgets tiers
+        head_bytes=head_params * c, embed_bytes=embed_params * s,
+        flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.q_dim),  # matmuls + causal attention
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
         act_bytes_per_row=seq_len * cfg.dim * c,
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),
         seq_len=seq_len, converts=converts,
-        store_bytes=cfg.n_layers * block + (head_params + cfg.vocab_size * cfg.dim) * s)
+        store_bytes=cfg.n_layers * block + (head_params + embed_params) * s,
+        dequant_bytes=params * c if quant is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -112,6 +136,7 @@ class MachineProfile:
     disk_gbps: float = 2.0  # cold reads (the page cache does not help a store larger than it)
     disk_warm_gbps: float | None = None
     h2d_gbps: float = 25.0  # pinned host -> device (on a CPU: a host memcpy)
+    dequant_gbps: float = 4.0  # quantized stores: compute-dtype GB/s a loader dequantizes (tune.measure_dequant)
     fwd_flops: float = 100e12
     fwd_grad_ratio: float = 1.0
     bwd_ratio: float = 1.0  # LoRA: input gradients only, about the forward's FLOPs
@@ -241,7 +266,8 @@ def block_tiers(shape: Shape, profile: MachineProfile, placement: Placement) -> 
     """Each block's tier, exactly as BlockScheduler assigns them from the same placement and memory."""
     cpu = profile.host_is_device
     tiers = assign_tiers(shape.n_blocks, shape.tier_bytes, placement, None if cpu else profile.free_device_bytes,
-                         profile.free_host_bytes, zero_copy=cpu)
+                         profile.free_host_bytes, zero_copy=cpu, slot_bytes=shape.slot_bytes,
+                         device_block_bytes=shape.dequant_bytes or None)  # quantized: held dequantized there
     return tuple("ram" if t == "device" else t for t in tiers) if cpu else tiers
 
 
@@ -262,6 +288,7 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
         Cf = m * call + N * flops_per_row / rate     forward (the graph-building one if kept)
         Cb = backward, + a graph forward if recomputed
         X  = block_bytes / disk (disk tier) + block_bytes / h2d (unless it is read into a CPU slot)
+             + dequant_bytes / dequant rate (a quantized store: the loader dequantizes each load)
     Streamed blocks S (disk, and RAM unless used in place) pass through K + 1 slots; each pass
     loads L of them (`loads_per_step`: the blocks still in slots at each turn are reused), so
         pipe(C) = S * C + sum(X)                                     K = 0: load, then compute
@@ -293,11 +320,12 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
         (profile.free_host_bytes or 0) * (1 - margin) - host
     disk_s = shape.block_bytes / ((profile.disk_gbps if cold else profile.disk_warm_gbps) * GB)
     link_s = shape.block_bytes / (profile.h2d_gbps * GB)
+    dequant_s = shape.dequant_bytes / (profile.dequant_gbps * GB)
 
     def x(i: int) -> float:
         if tiers[i] == "disk":
-            return disk_s + (0.0 if profile.host_is_device else link_s)  # a CPU reads straight into the slot
-        return link_s
+            return disk_s + (0.0 if profile.host_is_device else link_s) + dequant_s  # a CPU reads into the slot
+        return link_s + dequant_s
 
     m = min(placement.prefetch + 1, len(streams))
     fwd_loads, bwd_loads = streams[m:], streams[:len(streams) - m]
@@ -345,11 +373,13 @@ def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int
 
 def device_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, keep: int,
                   rows: int, micro_batch: int) -> int:
-    """Device bytes at the peak: slots, resident blocks, activations, head, fixed slack (0 on a CPU)."""
+    """Device bytes at the peak: slots, resident blocks, activations, head, one loss chunk at its peak
+    (phantom.placement.loss_budget, as PhantomModel sizes it), fixed slack (0 on a CPU)."""
     if profile.host_is_device:
         return 0
     blocks = slots * shape.slot_bytes + tiers.count("device") * shape.resident_bytes
-    return blocks + activation_bytes(shape, profile, keep, rows, micro_batch) + shape.head_bytes + FIXED_BYTES
+    return blocks + activation_bytes(shape, profile, keep, rows, micro_batch) + shape.head_bytes + \
+        loss_budget(profile.free_device_bytes) + FIXED_BYTES
 
 
 def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, placement: Placement,

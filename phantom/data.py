@@ -304,12 +304,13 @@ def tokenize(path: Path, tok: Tokenizer, recipe: Recipe | None = None
 
 
 def cache_key(path: Path, tok: Tokenizer, recipe: Recipe | None = None) -> str:
-    """The source files' paths, sizes and mtimes, the tokenizer and the recipe (when not the default
-    and the data are records: plain text is tokenized the same under every recipe)."""
-    recipe = recipe if recipe is not None and is_records(path) else Recipe()
+    """The source files' paths, sizes and mtimes, the tokenizer and, for records, the recipe (when not
+    the default; plain text is read the same whatever it says)."""
+    recipe = recipe or Recipe()
     files = [path] if path.is_file() else sources.data_files(path, recipe.split)
     stats = "|".join(f"{f.resolve()}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in files)
-    ident = f"{CACHE_VERSION}|{tok.fingerprint}|{stats}" + (f"|{recipe.key}" if recipe != Recipe() else "")
+    counts = is_records(path) and recipe != Recipe()
+    ident = f"{CACHE_VERSION}|{tok.fingerprint}|{stats}" + (f"|{recipe.key}" if counts else "")
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

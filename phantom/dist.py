@@ -71,6 +71,16 @@ def _weighted(tensors: list[torch.Tensor], n_tokens: float):
     return wait
 
 
+def all_finite(*values: torch.Tensor) -> bool:
+    """Whether every value is finite on every rank. Ranks must agree before one of them skips a
+    backward or leaves the loop, or the others wait in a collective it never joins (until NCCL's
+    watchdog aborts the job). One all-reduce of one number on the values' device, one host sync."""
+    bad = torch.stack([(~torch.isfinite(v.detach())).sum() for v in values]).sum().float().reshape(1)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad)
+    return not bool(bad.item())
+
+
 def average_gradients(params: list[torch.Tensor], n_tokens: float) -> None:
     """Replace each param's .grad (a per-rank mean over its n_tokens) by the global token mean."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -78,9 +88,31 @@ def average_gradients(params: list[torch.Tensor], n_tokens: float) -> None:
         _weighted(grads, n_tokens)()
 
 
+def _weighted_in_place(tensors: list[torch.Tensor], n_tokens: float):
+    """As _weighted, on the tensors themselves: each scaled by n_tokens and all-reduced where it is;
+    the wait divides them by the total in place. A block's gradients are large: no flat copy of them,
+    no divided temporaries (the flat form made two block-sized ones)."""
+    total = torch.full((1,), float(n_tokens), dtype=torch.float32, device=tensors[0].device)
+    works = [dist.all_reduce(total, async_op=True)]
+    for t in tensors:
+        t.mul_(n_tokens)
+        works.append(dist.all_reduce(t, async_op=True))
+
+    def wait():
+        for work in works:
+            work.wait()
+        if total.is_cuda:  # read on the caller's stream: not reused before that read is done
+            total.record_stream(torch.cuda.current_stream(total.device))
+        for t in tensors:
+            t.div_(total)
+    return wait
+
+
 def block_grad_sync(n_tokens_fn):
-    """A `PhantomModel.grad_sync` for full finetuning: starts each block's all-reduce in backward;
-    the block's update waits for it on the write-back thread."""
+    """A `PhantomModel.grad_sync` for full finetuning: starts each block's all-reduce in backward and
+    returns the wait. On CUDA a Work's wait makes the *current* stream wait for the reduction, so the
+    caller (phantom.optim.FullFinetune) calls it on its own stream, never the compute stream: block i's
+    reduction then overlaps block i-1's backward."""
     def sync(grads: list[torch.Tensor]):
-        return _weighted(grads, n_tokens_fn())
+        return _weighted_in_place(grads, n_tokens_fn())
     return sync

@@ -261,9 +261,10 @@ class BlockExecutor:
         return x.split(self.micro_batch) if self.micro_batch else (x,)
 
     def rows(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
-        """(x, rope, mask) per micro-batch; a per-row rope (B, T, D/2, 2) and mask are split with x."""
+        """(x, rope, mask) per micro-batch; packed rows' per-row rope (B, T, ..) and mask (packed_layout
+        gives both or neither) are split with x."""
         xs = self.split_batch(x)
-        ropes = self.split_batch(rope) if rope.dim() == 4 else [rope] * len(xs)
+        ropes = self.split_batch(rope) if mask is not None else [rope] * len(xs)
         masks = self.split_batch(mask) if mask is not None else [None] * len(xs)
         return zip(xs, ropes, masks)
 

@@ -88,11 +88,32 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                                 for i in range(cfg.n_layers)]
     elif "sliding_window" in fam.readers:
         c["sliding_window"] = cfg.sliding_window
-    if (s := cfg.rope_scaling) is not None:
-        c["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                             "high_freq_factor": s.high_freq_factor,
-                             "original_max_position_embeddings": s.original_max_seq_len}
+    if "hidden_activation" in fam.readers:  # Gemma
+        c.update(hidden_activation=cfg.activation, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                 attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+                 sliding_window=cfg.sliding_window, attention_bias=cfg.qkv_bias,
+                 layer_types=["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)])
+    if "rope_parameters" in fam.readers:  # a RoPE per layer type (Gemma-3)
+        del c["rope_theta"]
+        c["rope_parameters"] = {"full_attention": {**rope_scaling_json(cfg), "rope_theta": cfg.rope_theta},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}
+    elif cfg.rope_scaling is not None:
+        c["rope_scaling"] = rope_scaling_json(cfg)
     return c
+
+
+def rope_scaling_json(cfg: ModelConfig) -> dict:
+    s = cfg.rope_scaling
+    if s is None:
+        return {"rope_type": "default"}
+    if s.rope_type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    if s.rope_type == "yarn":
+        return {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
+                "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "attention_factor": s.attention_factor,
+                "truncate": s.truncate}
+    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
 
 
 def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -194,7 +215,8 @@ def meta_unsupported(cfg: ModelConfig) -> list[str]:
     """The ModelConfig fields Meta's Llama format cannot express (a model that has them exports as hf)."""
     llama = ModelConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, vocab_size=cfg.vocab_size)
     fields = ("explicit_head_dim", "qkv_bias", "o_bias", "mlp_bias", "activation", "qk_norm", "tie_embeddings",
-              "sliding_window")
+              "sliding_window", "norm_offset", "embed_scale", "post_norms", "query_pre_attn_scalar", "attn_softcap",
+              "final_softcap", "local_rope_theta")
     return [f for f in fields if getattr(cfg, f) != getattr(llama, f)]
 
 
@@ -208,6 +230,9 @@ def meta_params(cfg: ModelConfig) -> dict:
         p.update(multiple_of=1, ffn_dim_multiplier=(cfg.intermediate_size + 0.5) / base)
         assert int(p["ffn_dim_multiplier"] * base) == cfg.intermediate_size
     if cfg.rope_scaling is not None:
+        if cfg.rope_scaling.rope_type != "llama3":
+            raise ValueError(f"Meta's params.json has Llama-3.1's RoPE scaling only, not "
+                             f"{cfg.rope_scaling.rope_type!r}; use --format hf")
         p.update(use_scaled_rope=True, rope_scaling_factor=cfg.rope_scaling.factor)
     return p
 

@@ -8,11 +8,12 @@ ModelConfig's fields; the converter, exporter and LoRA writer read these tables.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from phantom.config import ACTIVATIONS, ModelConfig, RopeScaling
+from phantom.config import ACTIVATIONS, ROPE_TYPES, ModelConfig, RopeScaling
 
 # ---------------------------------------------------------------------------------------------
 # Tensor names: Hugging Face name -> store name ({} is the layer index)
@@ -82,18 +83,57 @@ def _refuse(path, key: str, value, supported: str):
     raise ConfigError(f"{path}: {key}={json.dumps(value)} is not supported (supported: {supported})")
 
 
+def _rope_scaling(rs: dict, path, max_pos: int) -> RopeScaling | None:
+    """A rope_scaling (or rope_parameters) dict as phantom's RopeScaling; refused unless its type is modelled.
+    original_max_position_embeddings defaults to max_pos, as transformers fills it in."""
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    rs = {"original_max_position_embeddings": max_pos, **rs}
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling(rope_type="linear", factor=rs["factor"])
+    if kind == "yarn":
+        return _yarn(rs, path)
+    if kind == "llama3":
+        return RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
+                           high_freq_factor=rs["high_freq_factor"],
+                           original_max_seq_len=rs["original_max_position_embeddings"])
+    _refuse(path, "rope_scaling.rope_type", kind, "'default', " + ", ".join(repr(t) for t in ROPE_TYPES))
+
+
+def _yarn(rs: dict, path) -> RopeScaling:
+    """YaRN's fields as transformers reads them (its attention factor from factor unless given)."""
+    factor = rs["factor"]
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    gain = rs.get("attention_factor")
+    if gain is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        gain = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(rope_type="yarn", factor=factor, original_max_seq_len=rs["original_max_position_embeddings"],
+                       beta_fast=rs.get("beta_fast") or 32.0, beta_slow=rs.get("beta_slow") or 1.0,
+                       attention_factor=float(gain), truncate=rs.get("truncate", True))
+
+
 def _read_rope(c: dict, path) -> tuple[float, RopeScaling | None]:
-    rope = c.get("rope_parameters") or {}  # transformers >= 5 writes theta and scaling here
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rs = c.get("rope_scaling") or (rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None)
-    if not rs:
-        return theta, None
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind != "llama3":
-        _refuse(path, "rope_scaling.rope_type", kind, "'default', 'llama3'")
-    return theta, RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
-                              high_freq_factor=rs["high_freq_factor"],
-                              original_max_seq_len=rs["original_max_position_embeddings"])
+    """One RoPE for every layer: rope_theta + rope_scaling (older files) or rope_parameters (transformers >= 5)."""
+    rope = c.get("rope_parameters") or {}
+    if "full_attention" in rope:  # per layer type: the family's reader says what it means
+        return c.get("rope_theta", 10000.0), None
+    return (c.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            _rope_scaling(c.get("rope_scaling") or rope, path, c["max_position_embeddings"]))
+
+
+def _read_gemma3_rope(c: dict, path) -> dict:
+    """Gemma-3: global layers at rope_theta (1e6), scaled; sliding layers at rope_local_base_freq (1e4), unscaled."""
+    rope = c.get("rope_parameters") or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    scaling = c.get("rope_scaling") or full
+    if local.get("rope_type", "default") != "default":
+        _refuse(path, "rope_parameters.sliding_attention.rope_type", local["rope_type"], "'default'")
+    return {"rope_theta": c.get("rope_theta", full.get("rope_theta", 1e6)),
+            "rope_scaling": _rope_scaling(scaling, path, c["max_position_embeddings"]),
+            "local_rope_theta": c.get("rope_local_base_freq", local.get("rope_theta", 1e4))}
 
 
 def _read_attention_bias(c: dict, path) -> dict:
@@ -120,6 +160,27 @@ def _read_qwen_window(c: dict, path) -> dict:
     types = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention"
                                      for i in range(n)]
     return {"sliding_window": window, "layer_types": tuple(types)}
+
+
+def _read_gemma_activation(c: dict, path) -> dict:
+    act = c.get("hidden_activation")
+    if act not in ACTIVATIONS:
+        _refuse(path, "hidden_activation", act, ", ".join(ACTIVATIONS))
+    return {"activation": act}
+
+
+def _read_gemma_attention(c: dict, path) -> dict:
+    return {"query_pre_attn_scalar": c.get("query_pre_attn_scalar"), "attn_softcap": c.get("attn_logit_softcapping"),
+            "final_softcap": c.get("final_logit_softcapping")}
+
+
+def _read_gemma_window(c: dict, path) -> dict:
+    """Gemma: layer_types as written, else Gemma-2's alternation (sliding first) or Gemma-3's one global
+    layer in sliding_window_pattern (6), as transformers' config classes fill them in."""
+    period = c.get("sliding_window_pattern", 6 if c.get("model_type") == "gemma3_text" else 2)
+    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % period else "full_attention"
+                                     for i in range(c["num_hidden_layers"])]
+    return {"sliding_window": c.get("sliding_window"), "layer_types": tuple(types)}
 
 
 @dataclass(frozen=True)
@@ -172,6 +233,28 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            defaults={**COMMON_DEFAULTS, "max_position_embeddings": 32768, "max_window_layers": 28,
                      "head_dim": 128}),
 )}
+GEMMA_KEYS = {**{hf: name for hf, name in LLAMA_KEYS.items() if "layernorm" not in hf}, **BIAS_KEYS,
+              "model.layers.{}.input_layernorm.weight": "attention_norm.weight",
+              "model.layers.{}.post_attention_layernorm.weight": "attention_post_norm.weight",
+              "model.layers.{}.pre_feedforward_layernorm.weight": "ffn_norm.weight",
+              "model.layers.{}.post_feedforward_layernorm.weight": "ffn_post_norm.weight"}
+GEMMA_READERS = {"attention_bias": _read_attention_bias, "hidden_activation": _read_gemma_activation,
+                 "query_pre_attn_scalar": _read_gemma_attention, "attn_logit_softcapping": _read_gemma_attention,
+                 "final_logit_softcapping": _read_gemma_attention, "sliding_window": _read_gemma_window,
+                 "layer_types": _read_gemma_window}
+GEMMA_FIXED = {"norm_offset": 1.0, "embed_scale": True, "post_norms": True}
+GEMMA_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "head_dim": 256, "hidden_activation":
+                  "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096}
+
+FAMILIES.update({f.name: f for f in (
+    Family("gemma2", ("Gemma2ForCausalLM",), "gemma2", GEMMA_KEYS, readers=GEMMA_READERS, fixed=GEMMA_FIXED,
+           defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
+                     "final_logit_softcapping": 30.0}),
+    Family("gemma3", ("Gemma3ForCausalLM",), "gemma3_text", {**GEMMA_KEYS, **QK_NORM_KEYS},
+           readers={**GEMMA_READERS, "rope_parameters": _read_gemma3_rope}, fixed={**GEMMA_FIXED, "qk_norm": True},
+           defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 131072},
+           irrelevant={"_sliding_window_pattern": "Gemma-3's older way to say layer_types, which are read"}),
+)})
 BIAS_FIELDS = ("attention_bias", "mlp_bias")  # a family without the field has no such biases
 
 
@@ -181,9 +264,9 @@ def family_of(c: dict, path) -> Family:
         if set(archs) & set(fam.architectures) or (not archs and c.get("model_type") == fam.model_type):
             return fam
     supported = ", ".join(f.hf_class for f in FAMILIES.values())
-    name = "/".join(archs) or c.get("model_type")
-    raise ConfigError(f"{path}: architecture {name} is not supported (architectures={json.dumps(archs)}, "
-                      f"model_type={json.dumps(c.get('model_type'))}; supported: {supported})")
+    named = archs[0] if archs else c.get("model_type", "?")
+    raise ConfigError(f"{path}: architecture {named} is not supported (architectures={json.dumps(archs)}; "
+                      f"supported: {supported})")
 
 
 def check_fields(c: dict, fam: Family, path) -> None:
@@ -213,11 +296,11 @@ def config_from_hf(c: dict, path="config.json") -> ModelConfig:
               vocab_size=c["vocab_size"], n_kv_heads=c.get("num_key_value_heads"),
               intermediate_size=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope_theta=theta,
               rope_scaling=scaling, max_seq_len=c["max_position_embeddings"], family=fam.name,
-              activation=c["hidden_act"], tie_embeddings=bool(c["tie_word_embeddings"]))
+              activation=c.get("hidden_act", "silu"), tie_embeddings=bool(c["tie_word_embeddings"]))
     head_dim = c.get("head_dim")
     if head_dim and head_dim * c["num_attention_heads"] != c["hidden_size"]:
         kw["explicit_head_dim"] = head_dim
-    for key, read in fam.readers.items():
+    for read in dict.fromkeys(fam.readers.values()):  # each reader once, in the table's order
         kw.update(read(c, path))
     kw.update(fam.fixed)
     try:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from phantom.chat import ChatTemplate, end_of_turn_ids, prompt_ids
-from phantom.layers import KVCache, rms_norm
+from phantom.layers import KVCache
 from phantom.model import PhantomModel
 from phantom.tokenizer import Tokenizer
 
@@ -22,7 +22,7 @@ def next_logits(model: PhantomModel, tokens: torch.Tensor, caches: list[KVCache]
     rope = model.rope[pos:pos + tokens.shape[1]]
     with torch.autocast(**model.autocast_args()):
         h = model.blocks(h, rope, caches=caches, start_pos=pos)
-        return F.linear(rms_norm(h[:, -1], model.norm_weight, model.cfg.norm_eps), model.output_weight).float()
+        return model.logits(h[:, -1])
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:

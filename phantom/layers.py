@@ -19,27 +19,39 @@ from phantom.config import FUSED_PROJECTIONS, ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x / rms(x) * (offset + weight); offset 1 is Gemma's norm, whose zero weight is the identity."""
     xf = x.float()  # normalise in fp32 whatever the activation dtype, as Meta's reference does
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+    scale = weight + offset if offset else weight
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * scale
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap): scores or logits squashed smoothly into (-cap, cap) (Gemma-2); None: x."""
+    return x if cap is None else cap * torch.tanh(x / cap)
 
 
 # ---------------------------------------------------------------------------------------------
 # RoPE, in Meta's layout: dimensions (2i, 2i+1) of each head form one rotating pair.
 
-def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+def rope_frequencies(cfg: ModelConfig, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
+    """Rotation frequencies of each pair: base cfg.rope_theta (or theta), with cfg's scaling if scaled."""
     d = cfg.head_dim
-    freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s = cfg.rope_scaling
+    freqs = 1.0 / ((theta or cfg.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling if scaled else None
+    if s is not None and s.rope_type == "linear":
+        return freqs / s.factor
+    if s is not None and s.rope_type == "yarn":
+        return yarn_frequencies(freqs, d, theta or cfg.rope_theta, s)
     if s is not None:  # Llama-3.1: slow down low frequencies, keep high ones, blend in between
         wavelen = 2 * math.pi / freqs
         low_wavelen = s.original_max_seq_len / s.low_freq_factor
@@ -51,10 +63,31 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return freqs
 
 
+def yarn_frequencies(freqs: torch.Tensor, d: int, theta: float, s) -> torch.Tensor:
+    """YaRN: pairs turning fewer than beta_slow times over the original context are interpolated
+    (freq / factor), more than beta_fast kept, a linear ramp between (transformers' yarn, as written)."""
+    def pair_of(rotations: float) -> float:
+        return d * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = pair_of(s.beta_fast), pair_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+    return freqs / s.factor * ramp + freqs * (1 - ramp)
+
+
 def rope_table(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
-    """(seq_len, head_dim/2, 2) table of cos and sin, fp32."""
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), rope_frequencies(cfg))
-    return torch.stack([angles.cos(), angles.sin()], -1).float().to(device)
+    """(seq_len, head_dim/2, 2) table of cos and sin, fp32; with a local RoPE base (Gemma-3),
+    (seq_len, 2, head_dim/2, 2): the global table, then the sliding layers' (see Attention.rope_index)."""
+    gain = cfg.rope_scaling.attention_factor if cfg.rope_scaling is not None else 1.0  # yarn's; else 1
+
+    def table(freqs, gain=gain):
+        angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
+        return (torch.stack([angles.cos(), angles.sin()], -1) * gain).float()
+    if cfg.local_rope_theta is None:
+        return table(rope_frequencies(cfg)).to(device)
+    local = table(rope_frequencies(cfg, cfg.local_rope_theta, scaled=False), gain=1.0)
+    return torch.stack([table(rope_frequencies(cfg)), local], 1).to(device)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -135,10 +168,20 @@ def attention_mask(q_len: int, start_pos: int, window: int | None, device=None) 
     return seen & (pos_k > pos_q - window) if window is not None else seen
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v over (B, heads, T, D); k, v may have fewer heads (GQA)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None = None, cap: float | None = None) -> torch.Tensor:
+    """softmax(softcap(q k^T * scale, cap) + mask) v over (B, heads, T, D), scale 1/sqrt(D) unless
+    given; k, v may have fewer heads (GQA). mask None: causal. Soft-capped scores are written out
+    (sdpa has no such step); everything else is sdpa's."""
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = softcap(q @ k.transpose(-2, -1) * (scale or q.shape[-1] ** -0.5), cap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return F.softmax(scores.float(), dim=-1).type_as(q) @ v
 
 
 def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -168,10 +211,14 @@ def _finish(proj: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None, window: int | None = None):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.window = window  # keys each query sees (itself included); None: all before it
+        self.window = cfg.window(layer)  # keys each query sees (itself included); None: all before it
+        self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None  # None: sdpa's
+        self.softcap = cfg.attn_softcap
+        # which of a two-base RoPE table this layer reads (rope_table); None: the table is one base
+        self.rope_index = None if cfg.local_rope_theta is None else int(self.window is not None)
         kv = cfg.kv_heads * cfg.head_dim
         self.wq = linear(cfg.dim, cfg.q_dim, device, dtype, cfg.qkv_bias)
         self.wk = linear(cfg.dim, kv, device, dtype, cfg.qkv_bias)
@@ -179,8 +226,8 @@ class Attention(nn.Module):
         self.wo = linear(cfg.q_dim, cfg.dim, device, dtype, cfg.o_bias)
         self.register_parameter("wqkv", None)  # a view over wq, wk, wv when bound adjacent (fuse_adjacent)
         if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype, cfg.norm_offset)
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
@@ -196,6 +243,8 @@ class Attention(nn.Module):
         """mask: None (causal), or (B, 1, T, T) bool for packed rows (packed_layout)."""
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)
+        if self.rope_index is not None:  # (.., 2, D/2, 2): the table of this layer's RoPE base
+            rope = rope.select(-3, self.rope_index)
         q = apply_rope(self.q_norm(q.view(B, T, self.n_heads, self.head_dim)), rope)  # (B, T, H, D)
         k = apply_rope(self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim)), rope)  # (B, T, KV, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
@@ -209,7 +258,7 @@ class Attention(nn.Module):
             mask = window
         elif window is not None:  # a packed row under a sliding window: both apply
             mask = mask & window
-        out = attend(q, k, v, mask)
+        out = attend(q, k, v, mask, self.scale, self.softcap)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -236,10 +285,13 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None, layer: int = 0):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
-        self.attention = Attention(cfg, device, dtype, window=cfg.window(layer))
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device, dtype)
+        norm = lambda: RMSNorm(cfg.dim, cfg.norm_eps, device, dtype, cfg.norm_offset)  # noqa: E731
+        self.attention_norm = norm()
+        self.attention = Attention(cfg, device, dtype, layer)
+        self.attention_post_norm = norm() if cfg.post_norms else nn.Identity()
+        self.ffn_norm = norm()
         self.feed_forward = FeedForward(cfg, device, dtype)
+        self.ffn_post_norm = norm() if cfg.post_norms else nn.Identity()
         self.checkpoint_inner = False
         self.mlp_chunk = 1024  # tokens per MLP slice under checkpoint_inner
 
@@ -251,14 +303,14 @@ class TransformerBlock(nn.Module):
             # one slice's (B, chunk, hidden) activations at a time
             return h + torch.cat([checkpoint(self._mlp, hc, use_reentrant=False)
                                   for hc in h.split(self.mlp_chunk, dim=1)], dim=1)
-        h = x + self.attention(self.attention_norm(x), rope, cache, start_pos, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.attention_post_norm(self.attention(self.attention_norm(x), rope, cache, start_pos, mask))
+        return h + self._mlp(h)
 
     def _attention(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.attention(self.attention_norm(x), rope, mask=mask)
+        return self.attention_post_norm(self.attention(self.attention_norm(x), rope, mask=mask))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(self.ffn_norm(h))
+        return self.ffn_post_norm(self.feed_forward(self.ffn_norm(h)))
 
 
 # ---------------------------------------------------------------------------------------------

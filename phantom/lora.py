@@ -40,7 +40,8 @@ class LoraConfig:
         rank: r, the inner dimension of A (r x in) and B (out x r).
         alpha: the update is scaled by alpha / rank.
         dropout: dropout on the LoRA branch's input (replayed exactly in the recompute).
-        targets: any of q, k, v, o, gate, up, down.
+        targets: any of q, k, v, o, gate, up, down, or ("all-linear",): every one (peft's all-linear:
+            each projection of every block, not the head).
         seed: seeds the init of A, per layer, so two models built alike start alike.
     """
 
@@ -51,9 +52,11 @@ class LoraConfig:
     seed: int = 0
 
     def __post_init__(self):
+        if tuple(self.targets) == ("all-linear",):
+            object.__setattr__(self, "targets", tuple(TARGETS))
         bad = [t for t in self.targets if t not in TARGETS]
         if bad:
-            raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join(TARGETS)}")
+            raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join(TARGETS)} or all-linear")
         if self.rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
         if not 0 <= self.dropout < 1:

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from phantom.config import ModelConfig, head_tensor_shapes
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
 from phantom.layers import TransformerBlock, fuse_adjacent, lora_disabled, packed_layout, rms_norm, rope_table, \
-    KVCache
+    softcap, KVCache
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
-from phantom.placement import Activations, Placement
+from phantom.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement, loss_budget
 from phantom.scheduler import BlockScheduler, HostBuffer, free_device_bytes, free_host_bytes
 from phantom.store import BlockStore, packed_empty
 
@@ -41,7 +41,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int):
+    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int, *head):
+        norm_offset, cap = head + (0.0, None)[len(head):]  # optional: the final norm's offset, the logits' soft-cap
         hf, tf = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         n_valid = (tf != IGNORE_INDEX).sum().clamp(min=1)
         wants = [ctx.needs_input_grad[0], norm_w.requires_grad, out_w.requires_grad]
@@ -51,7 +52,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         for s in range(0, hf.shape[0], chunk):
             hc = hf[s:s + chunk].detach().requires_grad_(wants[0])
             with torch.enable_grad():
-                logits = F.linear(rms_norm(hc, norm_w, eps), out_w).float()  # (chunk, vocab)
+                logits = softcap(F.linear(rms_norm(hc, norm_w, eps, norm_offset), out_w).float(), cap)  # (chunk, vocab)
                 loss = F.cross_entropy(logits, tf[s:s + chunk], ignore_index=IGNORE_INDEX, reduction="sum")
             if any(wants):
                 inputs = [t for t, w in zip((hc, norm_w, out_w), wants) if w]
@@ -64,13 +65,15 @@ class ChunkedHeadLoss(torch.autograd.Function):
             total += loss.detach()
         ctx.save_for_backward(*(g / n_valid if g is not None else None for g in grads))
         ctx.h_shape = h.shape
+        ctx.n_args = 6 + len(head)  # backward answers each argument apply was given
         return total / n_valid
 
     @staticmethod
     def backward(ctx, g):
         gh, gn, go = ctx.saved_tensors
-        return (gh.view(ctx.h_shape) * g if gh is not None else None, gn * g if gn is not None else None,
-                go * g if go is not None else None, None, None, None)
+        grads = (gh.view(ctx.h_shape) * g if gh is not None else None, gn * g if gn is not None else None,
+                 go * g if go is not None else None)
+        return grads + (None,) * (ctx.n_args - 3)
 
 
 class ChunkedHeadLogps(torch.autograd.Function):
@@ -83,7 +86,8 @@ class ChunkedHeadLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int):
+    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int, norm_offset: float = 0.0,
+                cap: float | None = None):
         if norm_w.requires_grad or out_w.requires_grad:
             raise ValueError("sequence log-probabilities need a frozen head (train a LoRA, not --mode full)")
         hf, tf = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
@@ -92,7 +96,7 @@ class ChunkedHeadLogps(torch.autograd.Function):
         for s in range(0, hf.shape[0], chunk):
             hc = hf[s:s + chunk].detach().requires_grad_(grad is not None)
             with torch.enable_grad():
-                logits = F.linear(rms_norm(hc, norm_w, eps), out_w).float()  # (chunk, vocab)
+                logits = softcap(F.linear(rms_norm(hc, norm_w, eps, norm_offset), out_w).float(), cap)  # (chunk, vocab)
                 lp = -F.cross_entropy(logits, tf[s:s + chunk], ignore_index=IGNORE_INDEX, reduction="none")
                 total = lp.sum()
             if grad is not None:
@@ -107,7 +111,7 @@ class ChunkedHeadLogps(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         B, T = ctx.shape
         gh = grad.view(B, T, -1) * g.view(B, 1, 1).to(grad.dtype)
-        return gh, None, None, None, None, None
+        return gh, None, None, None, None, None, None, None
 
 
 class PhantomModel(nn.Module):
@@ -144,9 +148,11 @@ class PhantomModel(nn.Module):
         activations = self._check(placement, activations)
         self.placement, self.activations = placement, activations
         self.amp = dtype != torch.float32
-        # Slots hold the compute dtype: fp32 runs get lower-precision stores upcast in the prefetch
-        # pipeline (never on the compute thread); AMP runs use the stored weights as they are.
-        self.weight_dtype = torch.float32 if not self.amp else store.dtype
+        # Slots hold the compute dtype: a store in another dtype is converted once per load in the
+        # prefetch pipeline (never on the compute thread). Left to autocast, every weight would be cast
+        # at every use, and with recompute="none" autograd would keep the cast copies (kept blocks
+        # holding their weights); an fp16 store at bf16 would also promote the hidden state to fp32.
+        self.weight_dtype = dtype
         self.micro_batch = activations.micro_batch
         self.loss_chunk = activations.loss_chunk or default_loss_chunk(self.cfg.vocab_size, self.device)
         self.layers = self._build_layers(activations)
@@ -172,21 +178,30 @@ class PhantomModel(nn.Module):
                 self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
             self._load_resident_blocks()
         else:
-            self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype)
-            self.offload = self.scheduler.offload  # what "auto" resolved to
-            if not self.cfg.tie_embeddings:
-                self.embed_table = self._place_embed(head_dtype)
-            keep_budget = activations.keep_budget if activations.keep_budget is not None else \
-                default_keep_budget(self.device)
-            self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
-                                          activations.micro_batch, self._on_block_grads if self.full else None)
-            if self.full:
-                self.full_ft = self._full_finetune(optim, store.path.parent / "optim")
-                self.block_optimizer = self.full_ft.optimizer
+            self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype,
+                                            device_reserve=self.device_reserve())
+            try:  # a failed setup stops the loader threads (and frees the pinned memory they hold)
+                self._stream(activations, optim, head_dtype)
+            except BaseException:
+                self.scheduler.close()
+                raise
         if self.cfg.tie_embeddings:
             self.embed_table = self.output_weight  # one parameter: trained once, by both uses' gradients
         elif self.full:
             self.embed_table = nn.Parameter(self.embed_table)
+
+    def _stream(self, activations: Activations, optim: AdamWConfig | None, head_dtype: torch.dtype) -> None:
+        """The streamed model's parts beside its scheduler: embedding, executor, block optimizer."""
+        self.offload = self.scheduler.offload  # what "auto" resolved to
+        if not self.cfg.tie_embeddings:
+            self.embed_table = self._place_embed(head_dtype)
+        keep_budget = activations.keep_budget if activations.keep_budget is not None else \
+            default_keep_budget(self.device)
+        self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
+                                      activations.micro_batch, self._on_block_grads if self.full else None)
+        if self.full:
+            self.full_ft = self._full_finetune(optim, self.store.path.parent / "optim")
+            self.block_optimizer = self.full_ft.optimizer
 
     def _check(self, placement: Placement, activations: Activations) -> Activations:
         """Refuse what cannot work together; resolve the activation choices that depend on the run."""
@@ -204,6 +219,18 @@ class PhantomModel(nn.Module):
         if placement.shared_ram and self.full:
             raise ValueError("shared_ram is read-only: full finetuning needs private RAM blocks")
         return activations
+
+    def device_reserve(self) -> int:
+        """Device bytes this model needs beside blocks and activations, kept out of the blocks' budget:
+        one loss chunk at its peak; in full mode also the head's three fp32 head-sized buffers
+        (ChunkedHeadLoss: its gradient, one chunk's, the scaled copy it saves) and the fp32 gradients
+        of the two blocks in flight (the one updating, the one the backward produces)."""
+        if self.device.type != "cuda":
+            return 0
+        reserve = self.loss_chunk * LOSS_BYTES_PER_LOGIT * self.cfg.vocab_size
+        if self.full:
+            reserve += 3 * 4 * self.cfg.vocab_size * self.cfg.dim + 2 * 4 * self.cfg.block_params()
+        return reserve
 
     def _build_layers(self, activations: Activations) -> nn.ModuleList:
         """The blocks, base weights as meta placeholders (frozen unless full), LoRA applied."""
@@ -273,6 +300,7 @@ class PhantomModel(nn.Module):
                 segments: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar).
 
+        Tokens and targets may be on the host (pinned: their uploads overlap) or the device.
         segments: (B, T) example ids of packed rows (phantom.data.Packed): each example attends only to
         itself and its positions start at 0, so a packed row computes what its examples do alone."""
         if tokens.dim() != 2:
@@ -289,11 +317,13 @@ class PhantomModel(nn.Module):
         with torch.autocast(**self.autocast_args()):
             h = self.blocks(h, rope, mask=mask)
             if targets is None:
-                return F.linear(rms_norm(h, self.norm_weight, self.cfg.norm_eps), self.output_weight).float()
+                return self.logits(h)
             if targets.shape != tokens.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} differs from tokens {tuple(tokens.shape)}")
-            return ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, targets.to(self.device),
-                                         self.cfg.norm_eps, self.loss_chunk)
+            targets = targets.to(self.device, non_blocking=targets.device.type == "cpu")
+            return ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, targets,
+                                         self.cfg.norm_eps, self.loss_chunk, self.cfg.norm_offset,
+                                         self.cfg.final_softcap)
 
     def sequence_logps(self, tokens: torch.Tensor, targets: torch.Tensor,
                        reference: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -311,7 +341,8 @@ class PhantomModel(nn.Module):
             raise ValueError("sequence log-probabilities are for LoRA training (the reference is the base model)")
         h = self.embed(tokens)
         rope = self.rope[:tokens.shape[1]]
-        head = (self.norm_weight, self.output_weight, targets.to(self.device), self.cfg.norm_eps, self.loss_chunk)
+        head = (self.norm_weight, self.output_weight, targets.to(self.device), self.cfg.norm_eps, self.loss_chunk,
+                self.cfg.norm_offset, self.cfg.final_softcap)
         with torch.autocast(**self.autocast_args()):
             out = self.blocks(h, rope, reference=h.detach() if reference else None)
             h, h_ref = out if reference else (out, None)
@@ -388,14 +419,26 @@ class PhantomModel(nn.Module):
         return dict(device_type=self.device.type, dtype=self.dtype if self.amp else torch.bfloat16,
                     enabled=self.amp)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, output projection and soft-cap of hidden states h (..., dim): fp32 logits."""
+        cfg = self.cfg
+        normed = rms_norm(h, self.norm_weight, cfg.norm_eps, cfg.norm_offset)
+        return softcap(F.linear(normed, self.output_weight).float(), cfg.final_softcap)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states (B, T, dim) on the device. Pass host ids (the training loop does): a table
+        kept on the host then takes them as they are. Ids on the device come back to a host table with
+        a blocking copy: a non-blocking device-to-host copy returns before the ids land, and
+        F.embedding would read whatever the buffer held (the previous batch's ids)."""
         table = self.embed_table
         if tokens.device.type == "cpu":  # checked before the upload: no device sync for it
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got [{lo}, {hi}]")
-        h = F.embedding(tokens.to(table.device, non_blocking=True), table)  # (B, T, dim)
-        return h.to(self.device, self.weight_dtype, non_blocking=True)
+        ids = tokens.to(table.device, non_blocking=tokens.device.type == "cpu")  # only uploads overlap
+        h = F.embedding(ids, table)  # (B, T, dim)
+        h = h.to(self.device, self.weight_dtype, non_blocking=True)
+        return h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype) if self.cfg.embed_scale else h
 
     def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,
                start_pos: int = 0, mask: torch.Tensor | None = None, reference: torch.Tensor | None = None):
@@ -409,7 +452,7 @@ class PhantomModel(nn.Module):
             if caches is not None:
                 h = block(h, rope, caches[i], start_pos)
             else:
-                ropes = split(rope) if rope.dim() == 4 else [rope] * len(split(h))
+                ropes = split(rope) if mask is not None else [rope] * len(split(h))  # packed rows: a rope per row
                 masks = split(mask) if mask is not None else [None] * len(split(h))
                 h = torch.cat([block(hc, rc, mask=mc) for hc, rc, mc in zip(split(h), ropes, masks)])
                 if reference is not None:
@@ -420,20 +463,18 @@ class PhantomModel(nn.Module):
 
 
 def default_loss_chunk(vocab_size: int, device: torch.device) -> int:
-    """Tokens per chunk of the fused head + loss: ~64 MB of fp32 logits on a CPU; on CUDA an eighth
-    of free memory (at most 2 GB), so a 128k vocabulary runs a few large matmuls, not hundreds of thin ones."""
-    budget = 64 << 20
+    """Tokens per chunk of the fused head + loss: ~64 MB of fp32 logits on a CPU; on CUDA a chunk whose
+    peak (LOSS_BYTES_PER_LOGIT: ~4.5x its fp32 logits) takes phantom.placement.loss_budget, an eighth
+    of free memory (at most 2 GiB), so a 128k vocabulary runs a few large matmuls, not hundreds of thin
+    ones. The model keeps that peak out of the blocks' device budget (device_reserve)."""
     if device.type == "cuda":
-        budget = max(budget, min(2 << 30, torch.cuda.mem_get_info(device)[0] // 8))
-    return max(16, budget // (4 * vocab_size))
+        return max(16, loss_budget(torch.cuda.mem_get_info(device)[0]) // (LOSS_BYTES_PER_LOGIT * vocab_size))
+    return max(16, (64 << 20) // (4 * vocab_size))
 
 
 def default_keep_budget(device: torch.device) -> int:
+    """Bytes of kept activations under recompute "auto": half of what is free on the compute side."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 2
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024 // 2
-    except (OSError, KeyError, ValueError):
-        return 4 << 30
+    free = free_host_bytes()  # this rank's share of the host
+    return free // 2 if free is not None else 4 << 30

@@ -20,6 +20,7 @@ parameters (head, embedding) form one more group under the same rule.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import time
@@ -88,8 +89,9 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
     its for-each form elsewhere), the gradients scaled by `coef` inside the kernel (which leaves them
     scaled: they are consumed). Equals torch.optim.AdamW on gradients multiplied by coef, to rounding."""
     fused = params[0].device.type in ("cpu", "cuda")
-    steps = [torch.tensor(float(step - 1), device=params[0].device if fused else "cpu") for _ in params]
-    scale = torch.tensor(1.0 / coef, device=params[0].device) if coef < 1.0 else None
+    # filled where they are used: a torch.tensor(..., device="cuda") is a blocking copy from the host
+    steps = [torch.full((), float(step - 1), device=params[0].device if fused else "cpu") for _ in params]
+    scale = torch.full((), 1.0 / coef, device=params[0].device) if coef < 1.0 else None
     if scale is not None and not fused:
         grads = torch._foreach_mul(grads, coef)
         scale = None
@@ -237,9 +239,12 @@ class HostGradients:
             self._free.put(None)  # allocated on first use, at the size of the block that needs it
         self.pinned_bytes = 0
 
-    def start(self, grads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object, Callable[[], None]]:
-        """Queue the copy of `grads` (training thread). Returns the host tensors, the copy's event
-        (read them only after `event.synchronize()`) and `release`, to call once they are used."""
+    def start(self, grads: dict[str, torch.Tensor], synced: Callable[[], None] | None = None
+              ) -> tuple[dict[str, torch.Tensor], object, Callable[[], None]]:
+        """Queue the copy of `grads` (training thread), after their data-parallel reduction when
+        `synced` (its wait) is given: that wait runs on this stream too, so the compute stream waits
+        for neither. Returns the host tensors, the copy's event (read them only after
+        `event.synchronize()`) and `release`, to call once they are used."""
         nbytes = sum(g.numel() * g.element_size() for g in grads.values())
         owner = self._free.get()  # back-pressure: waits for an update to release its buffer
         if owner is None or owner.tensor.numel() < nbytes:
@@ -249,6 +254,8 @@ class HostGradients:
         host, offset = {}, 0
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            if synced is not None:
+                synced()
             for k, g in grads.items():
                 n = g.numel() * g.element_size()
                 host[k] = owner.tensor[offset:offset + n].view(g.dtype).view(g.shape)
@@ -278,41 +285,60 @@ class FullFinetune:
 
     def __init__(self, optimizer: BlockAdamW, scheduler, store, host_grads: HostGradients | None = None):
         self.optimizer, self.scheduler, self.store, self.host_grads = optimizer, scheduler, store, host_grads
+        # CUDA: the updates' device work (AdamW on device-held state, the reduction's wait, copies of the
+        # new weights) runs on a stream of its own, never queued behind or in front of the compute
+        self.stream = torch.cuda.Stream(scheduler.device) if scheduler.device.type == "cuda" else None
 
     def on_block_grads(self, i: int, grads: dict[str, torch.Tensor], grad_sync=None) -> None:
         """Block i's backward is done (training thread): its update is queued and backward goes on.
 
         `grad_sync` (data parallel) starts the reduction of these gradients and returns a function
-        that waits for it; the update calls it, so the all-reduce of block i overlaps the backward
-        of block i-1."""
+        that waits for it; the wait runs on the host-gradient copier's stream or on the update's
+        stream, so the all-reduce of block i overlaps the backward of block i-1."""
         synced = grad_sync(list(grads.values())) if grad_sync else None
         ready = release = None
-        if self.host_grads is not None:
-            if synced is not None:  # copy the reduced values: wait for the reduction first
-                synced()
-                synced = None
-            grads, ready, release = self.host_grads.start(grads)
-        elif next(iter(grads.values())).is_cuda:  # device-placed state: the update waits for the backward
+        if self.host_grads is not None:  # the copies to the host wait for the reduction, on their stream
+            grads, ready, release = self.host_grads.start(grads, synced)
+            synced = None
+        elif self.stream is not None:  # device-held state: the update's stream waits for the backward
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.scheduler.device))
         self.scheduler.writeback.submit(self.update, i, grads, synced, ready, release, name=f"update {i}")
 
     def update(self, i: int, grads: dict[str, torch.Tensor], synced=None, ready=None, release=None) -> None:
         """Block i's optimizer step (write-back thread): new weights to host RAM, or to the store."""
-        if synced is not None:
-            synced()
-        if ready is not None:  # CUDA: the gradients are complete (copied, or computed) from here on
-            ready.synchronize()
-        try:
-            new = self.optimizer.step_block(i, lambda: self.scheduler.host_weights(i), grads)
-            if ready is not None and release is None:  # device gradients: freed only once the update has read them
-                torch.cuda.current_stream(self.scheduler.device).synchronize()
-        finally:
-            if release is not None:
-                release()
-        self.scheduler.update_block(i, new)
+        if self.optimizer.tier == "device" and self.stream is not None:
+            new = self._update_on_device(i, grads, synced, ready)
+        else:
+            if synced is not None:
+                synced()
+            if ready is not None:  # CUDA: the gradients' copies to the host have landed
+                ready.synchronize()
+            try:
+                new = self.optimizer.step_block(i, lambda: self.scheduler.host_weights(i), grads)
+            finally:
+                if release is not None:
+                    release()
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                self.scheduler.update_block(i, new)
         if self.scheduler.tiers[i] != "ram":  # RAM-tier blocks are written by save
             self.store.write_block(i, new)
+
+    def _update_on_device(self, i: int, grads: dict[str, torch.Tensor], synced, ready) -> dict[str, torch.Tensor]:
+        """Device-held state: the step on this component's stream after the backward (and the
+        reduction), the new weights converted to the store's dtype on the device and copied into the
+        RAM tier's pinned memory without blocking. update_block waits for those copies on this thread,
+        which also keeps the gradients alive until the stream is done with them."""
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            if synced is not None:
+                synced()
+            master = self.optimizer.step_block(i, lambda: self.scheduler.host_weights(i), grads)
+            new = {k: v.to(self.store.dtype) for k, v in master.items()}
+            self.scheduler.update_block(i, new)
+            if self.scheduler.tiers[i] != "ram":  # written to the store's file by the caller
+                new = {k: v.to("cpu") for k, v in new.items()}
+        return new
 
     def finish(self) -> None:
         """Wait for the queued block updates and re-raise any error they hit."""

@@ -91,7 +91,8 @@ def split_knobs(knobs: dict, *configs):
 
 
 def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_device: int | None,
-                 free_host: int | None, zero_copy: bool = False) -> tuple[str, ...]:
+                 free_host: int | None, zero_copy: bool = False, slot_bytes: int | None = None,
+                 device_block_bytes: int | None = None) -> tuple[str, ...]:
     """Each block's tier ("device", "ram" or "disk"), from the placement and the free memory.
 
     The device tier takes the first blocks (which ones does not change the bytes moved). Of the
@@ -105,14 +106,18 @@ def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_dev
         n_blocks, block_bytes: the store's blocks.
         placement: the requested placement; its budgets override the free-memory defaults.
         free_device, free_host: measured free bytes (None: unknown, treated as unlimited).
+        slot_bytes: device bytes of one streaming slot (default block_bytes): a slot of a store in
+            another dtype holds the stored bytes and the converted copy.
+        device_block_bytes: device bytes of one resident block (default block_bytes): a quantized
+            store's blocks are held dequantized there, larger than in RAM.
     """
-    slots = (placement.prefetch + 1) * block_bytes
+    slots = (placement.prefetch + 1) * (slot_bytes or block_bytes)
     if placement.offload == "none":
         return ("device",) * n_blocks
     n_device = placement.resident or 0
     if placement.offload == "auto" and placement.resident is None and not zero_copy:
         budget = placement.device_budget if placement.device_budget is not None else device_budget(free_device)
-        n_device = max(0, (budget - slots) // block_bytes) if budget is not None else n_blocks
+        n_device = max(0, (budget - slots) // (device_block_bytes or block_bytes)) if budget is not None else n_blocks
     n_device = min(n_device, n_blocks)
     if placement.offload == "ram":
         n_ram = n_blocks - n_device
@@ -132,6 +137,15 @@ def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_dev
 def device_budget(free_device: int | None) -> int | None:
     """Default device budget for blocks: free memory less a quarter (activations, workspace) and 2 GiB."""
     return None if free_device is None else max(0, int(free_device * 0.75) - 2 * GiB)
+
+
+LOSS_BYTES_PER_LOGIT = 18  # a loss chunk's peak: bf16 and fp32 logits, log-softmax, fp32 and bf16 gradient
+
+
+def loss_budget(free_device: int | None) -> int:
+    """Device bytes for one chunk of the fused head + loss at its peak: an eighth of the free memory
+    (measured before blocks are placed, and kept out of their budget), between 64 MiB and 2 GiB."""
+    return 64 << 20 if free_device is None else max(64 << 20, min(2 * GiB, free_device // 8))
 
 
 def ram_budget(free_host: int | None) -> int | None:

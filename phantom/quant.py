@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import contextlib
+
 import torch
 
 METHODS = ("nf4", "int8")
-CHUNK = 1 << 22  # values dequantized per piece: bounds the temporaries (a multiple of every block size)
+CHUNK = 1 << 18  # values dequantized per piece: temporaries of 1 MiB stay in L2 (a multiple of every block size;
+#                  fastest of 2^16..2^22 on the CPU of notes/bench-quant.md)
 
 # QLoRA's NF4 levels as bitsandbytes stores them (float32), code k for k = 0..15.
 NF4_CODE = torch.tensor([
@@ -19,8 +22,9 @@ NF4_CODE = torch.tensor([
     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
     0.7229568362236023, 1.0], dtype=torch.float32)
-# Each packed byte (first value in the high nibble) to its two levels: one gather per byte.
-NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=1)
+# Each packed byte (first value in the high nibble) to its two levels, the pair read as one 8-byte
+# element: one 1-D gather per byte (4x faster than gathering rows of two floats on a CPU).
+NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=1).contiguous().view(torch.float64)
 
 
 def dynamic_map() -> torch.Tensor:
@@ -210,19 +214,16 @@ def dequantize_nf4_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: t
     out's dtype. One gather per packed byte and one multiply per value, CHUNK values at a time."""
     absmax = nf4_absmax(fmt, parts, name)
     codes, flat, bs = parts["nf4"], out.view(-1), fmt.blocksize
-    pairs = NF4_PAIRS.to(codes.device)
+    pairs = NF4_PAIRS.to(codes.device).view(-1)
     n = flat.numel()
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
-        vals = pairs.index_select(0, codes[a // 2:(b + 1) // 2].int()).view(-1)[:b - a]
+        vals = pairs.index_select(0, codes[a // 2:(b + 1) // 2].int()).view(torch.float32)[:b - a]
         nb, rem = (b - a) // bs, (b - a) % bs
         dst = flat[a:b]
         if nb:
             scale = absmax[a // bs:a // bs + nb].view(-1, 1)
-            if dst.dtype == torch.float32:
-                torch.mul(vals[:nb * bs].view(-1, bs), scale, out=dst[:nb * bs].view(-1, bs))
-            else:
-                dst[:nb * bs].view(-1, bs).copy_(vals[:nb * bs].view(-1, bs).mul_(scale))
+            torch.mul(vals[:nb * bs].view(-1, bs), scale, out=dst[:nb * bs].view(-1, bs))  # fp32, rounded once
         if rem:
             dst[nb * bs:].copy_(vals[nb * bs:] * absmax[(a + nb * bs) // bs])
     return out
@@ -234,8 +235,7 @@ def dequantize_int8_into(parts: dict[str, torch.Tensor], out: torch.Tensor, name
     check_scales(f"{name}.absmax", absmax)
     rows = max(1, CHUNK // max(1, q.shape[1]))
     for a in range(0, q.shape[0], rows):
-        piece = (q[a:a + rows] * absmax[a:a + rows, None]).mul_(7.874015718698502e-3)
-        out[a:a + rows].copy_(piece)
+        torch.mul(q[a:a + rows] * absmax[a:a + rows, None], 7.874015718698502e-3, out=out[a:a + rows])
     return out
 
 
@@ -244,6 +244,20 @@ def dequantize_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch
     if fmt.method == "int8":
         return dequantize_int8_into(parts, out, name)
     return dequantize_nf4_into(fmt, parts, out, name)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """This thread's torch ops on one core (OpenMP's thread count is per calling thread), restored after.
+
+    A CPU loader dequantizes beside the compute, which has the cores: on a busy 2-core machine two
+    OpenMP threads spinning at each op's barrier made a dim-2048 block take 5-9 s, one thread 0.18 s."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def dequantize_block(fmt: QuantFormat, stored: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:

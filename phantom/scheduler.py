@@ -11,21 +11,23 @@ device (LIFO). A write-back queue carries data the other way.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
+import os
 import queue
 import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from phantom import faults, fileio
+from phantom import faults, fileio, quant
 from phantom.placement import Placement, assign_tiers
 from phantom.placement import ram_budget as default_ram_budget
 from phantom.store import DATA_ALIGN, BlockStore, packed_empty
@@ -89,13 +91,31 @@ class Metrics:
         return pending
 
 
-def free_host_bytes() -> int | None:
+def mem_available() -> int | None:
+    """The machine's available host memory (Linux: MemAvailable), or None where unknown."""
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
         return int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
+
+
+def local_ranks() -> int:
+    """Processes of this job on this machine (torchrun's LOCAL_WORLD_SIZE; 1 when run alone)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def free_host_bytes(shared: bool = False) -> int | None:
+    """This process's share of the available host memory: local ranks size their RAM tiers (and host
+    optimizer state) from the same MemAvailable, so each takes 1 / local_ranks() of it, or N ranks
+    would pin N machine-sized tiers (cudaHostRegister fails, or the OOM killer fires). `shared`: for
+    what one copy serves every local rank (the shared RAM tier), the whole of it."""
+    free = mem_available()
+    return free if free is None or shared else free // local_ranks()
 
 
 def free_device_bytes(device: torch.device) -> int | None:
@@ -108,9 +128,9 @@ HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64; arm64 with 4 KiB base pa
 HUGE_MIN = 16 << 20  # host buffers from this size are backed by huge pages (phantom.store.READ_CHUNK: O_DIRECT)
 
 
-def huge_page_memory(nbytes: int) -> torch.Tensor | None:
+def huge_page_memory(nbytes: int, dontfork: bool = False) -> torch.Tensor | None:
     """nbytes of fresh anonymous memory, 2 MiB aligned and advised for transparent huge pages, or None
-    where the platform has no madvise(MADV_HUGEPAGE) (macOS, Windows).
+    where the platform has no madvise(MADV_HUGEPAGE) (macOS, Windows). `dontfork`: see mapped_memory.
 
     Why: an O_DIRECT read DMAs straight into the destination's pages. Over 4 KiB pages scattered in
     physical memory each request is split into many segments (a virtio disk takes 254 a request), and
@@ -121,13 +141,25 @@ def huge_page_memory(nbytes: int) -> torch.Tensor | None:
     """
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched
-    except OSError:  # a kernel built without THP (EINVAL): 4 KiB pages, still 2 MiB aligned
-        pass
+    return mapped_memory(nbytes, huge=True, dontfork=dontfork)
+
+
+def mapped_memory(nbytes: int, huge: bool, dontfork: bool) -> torch.Tensor:
+    """nbytes of a fresh anonymous mapping (page aligned; 2 MiB aligned and advised for huge pages when
+    `huge`). `dontfork` marks it MADV_DONTFORK: a forked child (a DataLoader worker) gets none of it.
+    Pinned memory needs that: drivers pin long-term, and since Linux 5.9 fork copies every pinned
+    anonymous page into the child at once (huge pages split first), so each worker would hold a copy
+    of the pinned RAM tier."""
+    pad = HUGE_PAGE if huge else 0
+    mapping = mmap.mmap(-1, max(1, nbytes + pad), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for advice, wanted in ((getattr(mmap, "MADV_HUGEPAGE", None), huge), (getattr(mmap, "MADV_DONTFORK", None), dontfork)):
+        if wanted and advice is not None:
+            try:
+                mapping.madvise(advice)  # before any page is touched
+            except OSError:  # a kernel built without THP (EINVAL): 4 KiB pages, still aligned
+                pass
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping: unmapped with the last tensor
-    skip = -raw.data_ptr() % HUGE_PAGE
+    skip = -raw.data_ptr() % HUGE_PAGE if huge else 0
     return raw[skip: skip + nbytes]
 
 
@@ -140,7 +172,7 @@ def aligned_memory(nbytes: int) -> torch.Tensor:
 
 class HostBuffer:
     """A host allocation of exactly `nbytes` (4 KiB aligned; huge pages from HUGE_MIN), page-locked for
-    CUDA when `pin`.
+    CUDA when `pin`, and then marked MADV_DONTFORK (see mapped_memory).
 
     `torch.empty(..., pin_memory=True)` goes through the caching host allocator, which rounds each
     request up to a power of two (pytorch#150517): 80 blocks of 1.71 GB would pin 160 GiB for 137 GB.
@@ -149,23 +181,43 @@ class HostBuffer:
     """
 
     def __init__(self, nbytes: int, pin: bool):
-        huge = huge_page_memory(nbytes) if nbytes >= HUGE_MIN else None
+        huge = huge_page_memory(nbytes, dontfork=pin) if nbytes >= HUGE_MIN else None
+        if huge is None and pin and hasattr(mmap, "MADV_DONTFORK"):  # a mapping of its own: no fork copies it
+            huge = mapped_memory(nbytes, huge=False, dontfork=True)
         self.tensor = huge if huge is not None else aligned_memory(nbytes)  # a view: it keeps the memory
         self.pinned = False
         if pin and nbytes:
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed (error {int(err)}): "
                                    f"lower the RAM budget (--ram-budget)")
             self.pinned = True
-            ptr = self.tensor.data_ptr()
-            self._unregister = weakref.finalize(self, lambda: torch.cuda.cudart().cudaHostUnregister(ptr))
+            self._unregister = weakref.finalize(self, cudart.cudaHostUnregister, self.tensor.data_ptr())
 
     def block(self, offset: int, nbytes: int) -> torch.Tensor:
         """A tensor over bytes [offset, offset + nbytes) that is not a view: it has a version counter
         of its own, so autograd does not see block j's update (full finetuning) as a change of block i."""
         t = torch.empty(0, dtype=torch.uint8)
         return t.set_(self.tensor.untyped_storage(), self.tensor.storage_offset() + offset, (nbytes,))
+
+
+CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly (CUDA >= 11.1)
+
+
+def register_read_only(t: torch.Tensor):
+    """Page-lock the pages under a read-only tensor (a file mapping shared by the local ranks) for
+    CUDA copies; returns the finalizer that unregisters them, or None where the driver refuses (then
+    copies from it stay pageable: slower, correct)."""
+    start = t.data_ptr() - t.data_ptr() % DATA_ALIGN
+    nbytes = -(-(t.data_ptr() + t.numel() * t.element_size() - start) // DATA_ALIGN) * DATA_ALIGN
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(start, nbytes, CUDA_HOST_REGISTER_READ_ONLY))
+    if err != 0:
+        log.warning("cudaHostRegister (read-only) of a shared RAM-tier block failed (error %d): its copies "
+                    "go through pageable memory", err)
+        return None
+    return weakref.finalize(t, cudart.cudaHostUnregister, start)
 
 
 @dataclass
@@ -198,10 +250,13 @@ class BlockScheduler:
             loading.
         zero_copy: on a CPU the RAM tier is used where it lies (no slot copy). False forces the
             slot path that CUDA takes (tests); None: whenever the dtypes allow it.
+        device_reserve: device bytes the caller needs beside blocks and activations (the loss chunk,
+            gradients in flight): taken from the free memory before the default device budget.
     """
 
     def __init__(self, store: BlockStore, device: torch.device | str = "cpu", placement: Placement = Placement(),
-                 trace: bool = False, dtype: torch.dtype | None = None, zero_copy: bool | None = None):
+                 trace: bool = False, dtype: torch.dtype | None = None, zero_copy: bool | None = None,
+                 device_reserve: int = 0):
         self.store, self.device, self.prefetch = store, torch.device(device), placement.prefetch
         self.n_blocks = store.n_blocks
         self.dtype = dtype or store.dtype
@@ -209,7 +264,10 @@ class BlockScheduler:
         self._zero_copy = cpu and self.dtype == store.dtype and zero_copy is not False and store.quant is None
         nbytes = store.block_nbytes
         self.placement = placement  # as asked; `tiers` and `offload` say what it resolved to
-        self.tiers = self._choose_tiers(placement, cpu)
+        converts = self.dtype != store.dtype or store.quant is not None  # a slot also holds the converted block
+        self.slot_bytes = store.block_nbytes + (store.dense_nbytes // store.dtype.itemsize * self.dtype.itemsize
+                                                if converts else 0)
+        self.tiers = self._choose_tiers(placement, cpu, device_reserve)
         self.offload = placement.offload if placement.offload != "auto" else \
             ("ram" if "disk" not in self.tiers else "disk" if "ram" not in self.tiers else "mixed")
         self.resident = self.tiers.count("device")
@@ -225,13 +283,12 @@ class BlockScheduler:
         self._verifier = ThreadPoolExecutor(2, thread_name_prefix="phantom-verify")
 
         self._fill_ram_tier(placement.shared_ram)
+        self._load_device_tier()  # before the streaming slots: its loader slot is gone when they come
         # Streaming slots. On CPU with the RAM tier the host buffer is the device buffer: no copy.
         streamed = [i for i, t in enumerate(self.tiers) if t == "disk" or (t == "ram" and not self._zero_copy)]
         self.slots: list[Slot] = [self._new_slot(any(self.tiers[i] == "disk" for i in streamed))
                                   for _ in range(placement.prefetch + 1 if streamed else 0)]
         self.pinned_bytes += sum(s.staging.numel() for s in self.slots if s.staging is not None and self._pin)
-
-        self._load_device_tier()
         self.metrics = Metrics()  # loading at start-up is not a step's traffic
 
         self._plan: list[int] = []
@@ -243,22 +300,24 @@ class BlockScheduler:
                          for k in range(n_loaders)]
         for t in self._threads:
             t.start()
-        self.writeback = WriteBackQueue(self.tracer, self.metrics)
+        self.writeback = WriteBackQueue(self.tracer, self.metrics, device=self.device)
         log.info("placement: %d blocks on the device, %d in RAM (%.1f GiB pinned), %d read from disk; "
                  "%d slots", self.resident, self.tiers.count("ram"), self.pinned_bytes / 2**30,
                  self.tiers.count("disk"), len(self.slots))
 
-    def _choose_tiers(self, placement: Placement, cpu: bool) -> tuple[str, ...]:
+    def _choose_tiers(self, placement: Placement, cpu: bool, device_reserve: int) -> tuple[str, ...]:
         """Each block's tier by budget (phantom.placement.assign_tiers), from measured free memory."""
         tier_bytes = self.store.block_nbytes * max(1, self.dtype.itemsize // self.store.dtype.itemsize)
-        free_host, free_device = free_host_bytes(), free_device_bytes(self.device)
+        free_host = free_host_bytes(shared=placement.shared_ram)
+        free_device = free_device_bytes(self.device)
+        if free_device is not None:
+            free_device = max(0, free_device - device_reserve)
+        device_block = None
         if self.store.quant is not None:  # RAM holds the stored bytes, the device dequantized blocks
             tier_bytes = self.store.block_nbytes
-            dense = -(-self.store.dense_nbytes * self.dtype.itemsize // self.store.dtype.itemsize // tier_bytes)
-            free_device = free_device // dense if free_device is not None else None
-            if placement.device_budget is not None:
-                placement = replace(placement, device_budget=placement.device_budget // dense)
-        tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device, free_host, zero_copy=cpu)
+            device_block = self.store.dense_nbytes // self.store.dtype.itemsize * self.dtype.itemsize
+        tiers = assign_tiers(self.n_blocks, tier_bytes, placement, free_device, free_host, zero_copy=cpu,
+                             slot_bytes=self.slot_bytes, device_block_bytes=device_block)
         ram_cap = placement.ram_budget if placement.ram_budget is not None else default_ram_budget(free_host)
         if placement.offload == "auto" and "disk" in tiers and ram_cap is not None and ram_cap < tier_bytes:
             log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "
@@ -274,9 +333,12 @@ class BlockScheduler:
         nbytes = self.store.block_nbytes
         self._ram: list[torch.Tensor | None] = [None] * self.n_blocks
         ram_blocks = [i for i, t in enumerate(self.tiers) if t == "ram"]
+        self._registered = []  # finalizers of registered file mappings (the shared tier on CUDA)
         if shared:
             for i in ram_blocks:
                 self._ram[i] = self.store.map_block(i)
+                if self._pin:  # else every copy from it goes through pageable memory: staged, synchronous
+                    self._registered.append(register_read_only(self._ram[i]))
         elif ram_blocks:
             self._ram_buffer = HostBuffer(self._stride * len(ram_blocks), self._pin)
             for k, i in enumerate(tqdm(ram_blocks, desc="loading blocks to RAM", unit="block", disable=None,
@@ -291,16 +353,20 @@ class BlockScheduler:
         own (in the file's layout, so its projections still fuse)."""
         self._resident_views: dict[int, dict] = {}
         loader = self._new_slot(True) if "device" in self.tiers else None
+        copied = None  # CUDA: the compute stream is done reading the loader's converted tensors
         for i in (i for i, t in enumerate(self.tiers) if t == "device"):
-            self._load(loader, i, None)
+            self._load(loader, i, copied)
             self._sync_ready(loader)
             if loader.converted is None:  # the slot's buffer becomes the block's; the slot gets a new one
                 views = loader.views
                 loader.buf = torch.empty_like(loader.buf)
-            else:
+            else:  # copied on this thread's stream; the next load (copy stream) overwrites them after it
                 views = packed_empty(loader.views, self.dtype, self.device)
                 for k, v in loader.views.items():
                     views[k].copy_(v)
+                if self._cuda:
+                    copied = torch.cuda.Event()
+                    copied.record(torch.cuda.current_stream(self.device))
             self._resident_views[i] = views
             loader.block, loader.state, loader.views = None, "empty", None
 
@@ -399,11 +465,18 @@ class BlockScheduler:
 
     def update_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
         """New values of a block (full finetuning): into the RAM tier and device copies; any slot
-        still holding the old version is dropped so the next acquire loads the new one."""
+        still holding the old version is dropped so the next acquire loads the new one.
+
+        On CUDA the copies are queued on the caller's current stream (phantom.optim's update stream)
+        without blocking, and the calling thread, not the compute stream, waits for them."""
         for views in ([self.store.block_views(self._ram[block])] if self._ram[block] is not None else []) + \
                 ([self._resident_views[block]] if block in self._resident_views else []):
             for k, v in views.items():
-                v.copy_(tensors[k])
+                v.copy_(tensors[k], non_blocking=self._cuda)
+        if self._cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
         with self._cv:
             for s in self.slots:
                 if s.block == block and s.state in ("ready", "failed"):
@@ -431,6 +504,9 @@ class BlockScheduler:
             t.join()
         if self._cuda:
             torch.cuda.synchronize(self.device)  # no copy may still target a buffer we free
+        for unregister in self._registered:
+            if unregister is not None:
+                unregister()
         self._verifier.shutdown(wait=True)
         self.writeback.close()
 
@@ -505,6 +581,8 @@ class BlockScheduler:
         return None
 
     def _prefetch_loop(self) -> None:
+        if self._cuda:  # the current device is per thread: else cuda:1's copies make a context on GPU 0
+            torch.cuda.set_device(self.device)
         while True:
             with self._cv:
                 while not self._closed and (self._load_error is not None or (task := self._next_load()) is None):
@@ -599,7 +677,8 @@ class BlockScheduler:
         dequantized (on the device after the copy; on a CPU here, in the loader thread)."""
         if self.store.quant is not None:
             t0 = time.perf_counter()
-            self.store.dequantize_block(block, self.store.block_views(slot.buf), slot.converted)
+            with quant.one_thread() if self.device.type == "cpu" else contextlib.nullcontext():
+                self.store.dequantize_block(block, self.store.block_views(slot.buf), slot.converted)
             t1 = time.perf_counter()
             with self._cv:
                 self.metrics.dequant_s += t1 - t0
@@ -625,8 +704,9 @@ class WriteBackQueue:
     """
 
     def __init__(self, tracer: Tracer | None = None, metrics: Metrics | None = None, maxsize: int = 4,
-                 name: str = "phantom-writeback"):
+                 name: str = "phantom-writeback", device: torch.device | str = "cpu"):
         self.tracer, self.metrics = tracer or Tracer(False), metrics
+        self.device = torch.device(device)  # CUDA: made the worker thread's current device
         self._q: queue.Queue = queue.Queue(maxsize)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -654,6 +734,8 @@ class WriteBackQueue:
             raise err
 
     def _loop(self):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
             item = self._q.get()
             if item is None:

@@ -35,12 +35,13 @@ def scalars(rec: dict) -> dict[str, float]:
 
 
 class TensorBoard:
-    """Event files in OUT/tensorboard, one scalar tag per metrics.jsonl key; the config as text."""
+    """Event files in OUT/tensorboard, one scalar tag per metrics.jsonl key; the config as text. A resumed
+    run purges what an interrupted one logged past its checkpoint, as metrics.jsonl is cut back."""
 
-    def __init__(self, out: Path, config: dict, name: str):
+    def __init__(self, out: Path, config: dict, name: str, first_step: int = 1):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=first_step if first_step > 1 else None)
         self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.items()))
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -55,7 +56,7 @@ class TensorBoard:
 class WandB:
     """A wandb run in OUT/wandb: online when logged in (or WANDB_MODE says), else offline (`wandb sync`)."""
 
-    def __init__(self, out: Path, config: dict, name: str):
+    def __init__(self, out: Path, config: dict, name: str, first_step: int = 1):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False) else "offline")
@@ -74,7 +75,7 @@ class MLflow:
     """An MLflow run in experiment MLFLOW_EXPERIMENT_NAME (default phantom) at MLFLOW_TRACKING_URI,
     default a file store in ./mlruns (mlflow 3 asks MLFLOW_ALLOW_FILE_STORE=true for it, set here)."""
 
-    def __init__(self, out: Path, config: dict, name: str):
+    def __init__(self, out: Path, config: dict, name: str, first_step: int = 1):
         from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -115,14 +116,15 @@ CLASSES = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 
 class Reporter:
-    """The trackers of a run. `log(rec)` takes each metrics.jsonl record; a tracker that raises is
-    warned about once and dropped, so the run goes on as it would without it."""
+    """The trackers of a run (`first_step` > 1: a resumed run's first new step). `log(rec)` takes each
+    metrics.jsonl record; a tracker that raises is warned about once and dropped, so the run goes on
+    as it would without it."""
 
-    def __init__(self, names: tuple[str, ...], out: Path, config: dict, name: str):
+    def __init__(self, names: tuple[str, ...], out: Path, config: dict, name: str, first_step: int = 1):
         self.trackers = {}
         for tracker in names:
             try:
-                self.trackers[tracker] = CLASSES[tracker](Path(out), config, name)
+                self.trackers[tracker] = CLASSES[tracker](Path(out), config, name, first_step)
             except ImportError as e:
                 self.warn(tracker, f"{e.name or e} is not installed (pip install {PACKAGES[tracker]})")
             except Exception as e:  # noqa: BLE001 - a tracker never stops training

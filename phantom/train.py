@@ -146,38 +146,45 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
 # -- steps, eval, samples -----------------------------------------------------------------------
 
 def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-               sync=None, segments: torch.Tensor | None = None, loss_fn=None) -> tuple[float, float | None]:
-    """One optimizer step over a (K * B, T) batch; returns (loss, grad norm).
+               sync=None, segments: torch.Tensor | None = None, loss_fn=None) -> tuple[float, float | None, bool]:
+    """One optimizer step over a (K * B, T) batch; returns (loss, grad norm, finite).
 
-    LoRA: the update is skipped if the loss or the gradient norm is not finite, leaving the weights as
-    they were. Full mode: the model updates each block inside backward (with this step's lr and its
-    per-block clipping) and `opt` updates the rest; the norm is not known (None). `sync`, if given,
-    runs after backward (data parallel: averages the gradients over the ranks). `loss_fn(model, x, y)`,
-    if given, is the loss instead of the model's cross-entropy (preference training).
+    `finite` is False when the loss or the gradient norm is not finite on any rank: every rank then
+    skips the update and the loop stops on all of them together (a rank that stopped alone would
+    leave the others waiting in an all-reduce). LoRA: backward runs whatever the loss, and the loss
+    and norm are checked at once after it (one host sync a step, the one reading them needs anyway).
+    Full mode: the model updates each block inside backward (with this step's lr and its per-block
+    clipping), so the loss is checked before it; `opt` updates the rest; the norm is not known (None).
+    `sync`, if given, runs after backward (data parallel: averages the gradients over the ranks).
+    `loss_fn(model, x, y)`, if given, is the loss instead of the model's cross-entropy (preference
+    training). x and y may stay on the host (the model uploads them without waiting).
     """
     full = getattr(model, "full", False)
     if full:
         model.set_lr(opt.param_groups[0]["lr"])
     loss = model(x, targets=y, **packing(segments)) if loss_fn is None else loss_fn(model, x, y)
-    if not torch.isfinite(loss):
-        return loss.item(), None
+    if full and not pdist.all_finite(loss):
+        return loss.item(), None, False
     loss.backward()
     if sync is not None:
         sync()
+    norm = None
     if full:
         model.clip_grad_norm_(cfg.grad_clip or None)
-        norm = None
+        finite = True
     else:
         params = [p for g in opt.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")).item()
-    if norm is None or math.isfinite(norm):
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        finite = pdist.all_finite(loss, norm)
+        norm = norm.item()
+    if finite:
         opt.step()
         faults.point("optimizer.step")  # crash tests: weights updated in memory only
         sched.step()
     opt.zero_grad(set_to_none=True)
     if full:
         model.finish_step()
-    return loss.item(), norm
+    return loss.item(), norm, finite
 
 
 @torch.no_grad()
@@ -559,18 +566,18 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
                 batch = [t[ddp.rank * run.rows:(ddp.rank + 1) * run.rows] for t in batch]
                 run.n_tokens = float(len(batch[0]) if run.objective else (batch[1] != D.IGNORE_INDEX).sum())
             t_data = time.perf_counter()
-            x, y = (t.to(model.device, non_blocking=True) for t in batch[:2])
+            x, y = batch[:2]  # on the host: the model uploads them (a host-side embedding reads them there)
             loss_fn = functools.partial(run.objective, ref=batch[2]) if run.objective else None
             seg = batch[2:] if not run.objective else []
             lr = run.opt.param_groups[0]["lr"]
-            loss, norm = train_step(model, run.opt, run.sched, x, y, cfg, sync, *seg, loss_fn=loss_fn)
+            loss, norm, finite = train_step(model, run.opt, run.sched, x, y, cfg, sync, *seg, loss_fn=loss_fn)
             step, dt = step + 1, time.perf_counter() - t0
             n = x.numel() * ddp.world_size
             tokens += n
             rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n, "tokens_per_s": n / dt,
                    "step_s": dt, "data_s": t_data - t0, **(run.objective.figures if run.objective else {}),
                    **tier_metrics(model, sched_metrics(), dt)}
-            if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
+            if not finite:  # on any rank: all of them stop here
                 status = "nan"
                 mfile.append(to_json(rec))
                 run.emit(rec)

@@ -9,6 +9,7 @@ the clocks, the reader thread and the files are here.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -27,9 +28,11 @@ from pathlib import Path
 import torch
 
 from phantom import costmodel as cm
+from phantom import quant
 from phantom import placement as P
 from phantom.convert import write_synthetic
 from phantom.model import ChunkedHeadLoss, PhantomModel, WeightHandles
+from phantom.quant import QuantFormat
 from phantom.scheduler import HostBuffer
 from phantom.store import BlockStore, atomic_write_json, dtype_name, parse_dtype, readinto_exact
 
@@ -129,6 +132,23 @@ def free_device_bytes(device: torch.device) -> int | None:
     if device.type == "mps":
         return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
     return None
+
+
+def store_quant(store: BlockStore) -> str | None:
+    """The cost model's name of how a store's linear weights are stored: None (16-bit), "nf4", "int8"."""
+    return store.quant.method if store.quant is not None else None
+
+
+def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype, repeats: int = 3) -> float:
+    """GB/s of compute-dtype weights a loader produces dequantizing a quantized block, as the scheduler
+    does it (the block's stored bytes already where it computes; on a CPU on one thread)."""
+    raw = HostBuffer(store.block_nbytes, pin=False).tensor
+    store.read_block_into(0, raw)
+    stored = store.block_views(raw.to(device))
+    out = store.dense_empty(dtype, device)
+    with quant.one_thread() if device.type == "cpu" else contextlib.nullcontext():  # as the scheduler's loader
+        t = _timed(lambda: store.dequantize_block(0, stored, out), device, repeats)
+    return sum(v.numel() for v in out.values()) * dtype.itemsize / t / 1e9
 
 
 def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool) -> tuple[float, float]:
@@ -262,18 +282,20 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     h2d, _ = measure_link(device, store.block_nbytes, repeats)
     free_dev = free_device_bytes(device)
     c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, disk, True)
+    dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
+        cm.MachineProfile.dequant_gbps
     log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)
-    shape = cm.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len)
+    shape = cm.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store_quant(store))
     return cm.MachineProfile(
         machine=machine_key(device), device=device.type, dtype=dtype_name(dtype), disk_gbps=disk,
-        disk_warm_gbps=None, h2d_gbps=h2d, fwd_flops=shape.flops_per_row / c["fwd_row_s"],
+        disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, fwd_flops=shape.flops_per_row / c["fwd_row_s"],
         fwd_grad_ratio=c["fwd_grad_row_s"] / c["fwd_row_s"], bwd_ratio=c["bwd_row_s"] / c["fwd_row_s"],
         fwd_call_s=c["fwd_call_s"], fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],
         head_flops=shape.head_flops_per_row / c["head_row_s"],
         keep_scale=c["keep_bytes_per_row"] / shape.keep_bytes_per_row, disk_jitter=jitter,
         busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"],
         free_device_bytes=free_dev, free_host_bytes=free_host_bytes(), quick=quick,
-        measured_on=f"{shape_key(store.cfg, store.manifest['dtype'])} x {seq_len} tokens",
+        measured_on=f"{shape_key(store.cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens",
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
@@ -310,10 +332,11 @@ def machine_key(device: torch.device | str) -> str:
     return _slug(f"{socket.gethostname()}-{name}")
 
 
-def shape_key(cfg, store_dtype: str) -> str:
-    """What a block's cost depends on, not the depth: e.g. `d8192-f28672-h64-kv8-v32000-bfloat16-1a2b3c`."""
+def shape_key(cfg, store_dtype: str, quant: str | None = None) -> str:
+    """What a block's cost depends on, not the depth: e.g. `d8192-f28672-h64-kv8-v32000-bfloat16-1a2b3c`
+    (a quantized store: `...-nf4-...`)."""
     parts = dict(dim=cfg.dim, hidden=cfg.hidden_dim, heads=cfg.n_heads, kv=cfg.kv_heads, vocab=cfg.vocab_size,
-                 dtype=dtype_name(parse_dtype(store_dtype)))
+                 dtype=dtype_name(parse_dtype(store_dtype)) + (f"-{quant}" if quant else ""))
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:6]
     return _slug(f"d{cfg.dim}-f{cfg.hidden_dim}-h{cfg.n_heads}-kv{cfg.kv_heads}-v{cfg.vocab_size}-"
                  f"{parts['dtype']}-{digest}")
@@ -323,17 +346,18 @@ def profile_dir_default() -> Path:
     return Path(os.environ.get("PHANTOM_CACHE") or Path.home() / ".cache" / "phantom") / "profiles"
 
 
-def profile_path(model, device, dtype, profile_dir: Path | str | None = None, store_dtype: str | None = None) -> Path:
+def profile_path(model, device, dtype, profile_dir: Path | str | None = None, store_dtype: str | None = None,
+                 quant: str | None = None) -> Path:
     """<profile_dir or $PHANTOM_CACHE/profiles or ~/.cache/phantom/profiles>/<machine>-<dtype>-<shape>.json
 
     Args:
-        model: a BlockStore, or a ModelConfig (with store_dtype: the dtype its store would have).
+        model: a BlockStore, or a ModelConfig (with store_dtype and quant: how its store would be stored).
     """
     if isinstance(model, BlockStore):
-        cfg, store_dtype = model.cfg, model.manifest["dtype"]
+        cfg, store_dtype, quant = model.cfg, model.manifest["dtype"], store_quant(model)
     else:
         cfg, store_dtype = model, store_dtype or "bf16"
-    name = f"{machine_key(device)}-{dtype_name(parse_dtype(dtype))}-{shape_key(cfg, store_dtype)}.json"
+    name = f"{machine_key(device)}-{dtype_name(parse_dtype(dtype))}-{shape_key(cfg, store_dtype, quant)}.json"
     return Path(profile_dir or profile_dir_default()) / name
 
 
@@ -373,22 +397,22 @@ def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
 
 def probe(cfg, device, dtype, batch_size: int, seq_len: int, store_dtype: str = "bf16",
           profile_dir: Path | str | None = None, quick: bool = True, remeasure: bool = False,
-          blocks: int = PROBE_BLOCKS) -> cm.MachineProfile:
+          blocks: int = PROBE_BLOCKS, quant: str | None = None) -> cm.MachineProfile:
     """The profile for a model that has no weights here: measured on `blocks` synthetic blocks of its shape.
 
     The blocks are written to a temporary folder beside the profiles (the disk a store would use)
     and removed after; the profile is saved, so the next plan for this shape measures nothing.
     """
-    path = profile_path(cfg, device, dtype, profile_dir, store_dtype)
+    path = profile_path(cfg, device, dtype, profile_dir, store_dtype, quant)
     profile = None if remeasure else load_profile(path)
     if profile is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="probe-", dir=path.parent) as tmp:
             small = dataclasses.replace(cfg, n_layers=min(blocks, cfg.n_layers))
             log.info("writing %d synthetic blocks of this shape to measure them (%.1f GiB)", small.n_layers,
-                     cm.shape_of(small, store_dtype).store_bytes / 2**30)
-            store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False),
-                               verify="none")
+                     cm.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
+            store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,
+                                               quant=QuantFormat(quant) if quant else None), verify="none")
             profile = measure(store, device, dtype, batch_size, seq_len, quick=quick)
         save_profile(profile, path)
     return with_free_memory(profile, device)
@@ -399,14 +423,14 @@ def probe(cfg, device, dtype, batch_size: int, seq_len: int, store_dtype: str = 
 
 def plan(profile: cm.MachineProfile, cfg, rows: int, seq_len: int, store_dtype: str, dtype: str,
          budgets: P.Placement | None = None, offloads: tuple[str, ...] = ("auto",),
-         micro_batch: int | None = None, recompute: tuple[str, ...] = ("auto", "all", "none")
-         ) -> tuple[cm.Prediction, list[cm.Prediction], cm.Shape]:
+         micro_batch: int | None = None, recompute: tuple[str, ...] = ("auto", "all", "none"),
+         quant: str | None = None) -> tuple[cm.Prediction, list[cm.Prediction], cm.Shape]:
     """The chosen prediction for a whole model, every candidate, and the shape they were made for.
 
     Raises:
         ValueError: nothing fits; the message says how many bytes are missing and where.
     """
-    shape = cm.shape_of(cfg, dtype_name(parse_dtype(store_dtype)), dtype_name(parse_dtype(dtype)), seq_len)
+    shape = pred_shape(cfg, store_dtype, dtype, seq_len, quant)
     cands = cm.search(profile, shape, rows, offloads=offloads, recompute=recompute,
                       micro_batches=(micro_batch,) if micro_batch else None, budgets=budgets)
     return cm.choose(cands), cands, shape
@@ -442,7 +466,7 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
     profile = profile_for(store, device, dtype, batch_size, seq_len, profile_dir)
     best, _, shape = plan(profile, store.cfg, batch_size, seq_len, store.manifest["dtype"],
                           dtype_name(parse_dtype(dtype)), offloads=offloads, micro_batch=micro_batch,
-                          recompute=recompute)
+                          recompute=recompute, quant=store_quant(store))
     log.info("the tuner's plan:\n%s", cm.describe_plan(best, shape, profile, store.path.name))
     return best
 
@@ -511,7 +535,7 @@ def timed_steps(store_path: Path | str, device, dtype, placement: P.Placement, a
 
 
 def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, store_dtype: str, dtype: str, device,
-               n_blocks: int, seq_len: int, steps: int, path: Path) -> dict:
+               n_blocks: int, seq_len: int, steps: int, path: Path, quant: str | None = None) -> dict:
     """The full model's plan run on `n_blocks` blocks of its shape (a synthetic store at `path`, written
     if absent), budgets at the plan's fractions: the measured step (median) against the prediction.
 
@@ -522,15 +546,19 @@ def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, store_dtype
         raise ValueError("--check needs at least 2 blocks and --steps >= 1")
     small = dataclasses.replace(cfg, n_layers=n_blocks)
     if not (path / "manifest.json").is_file():
-        need, free = cm.shape_of(small, store_dtype).store_bytes, free_disk_bytes(path)
+        need, free = cm.shape_of(small, store_dtype, quant=quant).store_bytes, free_disk_bytes(path)
         if need > free:
             raise ValueError(f"--check {n_blocks} needs {cm.gib(need)} under {path}, {cm.gib(free)} free: "
                              f"use fewer blocks")
         log.info("writing %d synthetic blocks to %s (%s)", n_blocks, path, cm.gib(need))
-        write_synthetic(path, small, parse_dtype(store_dtype), progress=False)
-    place, acts = scaled_placement(full, cm.shape_of(cfg, store_dtype, dtype, seq_len), n_blocks)
-    pred = cm.predict(profile, pred_shape(small, store_dtype, dtype, seq_len), place, acts, full.rows)
+        write_synthetic(path, small, parse_dtype(store_dtype), progress=False,
+                        quant=QuantFormat(quant) if quant else None)
+    place, acts = scaled_placement(full, cm.shape_of(cfg, store_dtype, dtype, seq_len, quant), n_blocks)
+    pred = cm.predict(profile, pred_shape(small, store_dtype, dtype, seq_len, quant), place, acts, full.rows)
     store = BlockStore(path, verify="none")
+    if store_quant(store) != quant:
+        raise ValueError(f"{path} holds a {store_quant(store) or 'bf16'} store, the plan is for {quant or 'bf16'}: "
+                         f"give another --check-dir")
     disk_before = measure_disk(store) if "disk" in pred.tiers else None
     times, metrics, tiers = timed_steps(path, device, dtype, place, acts, full.rows, seq_len, steps)
     measured = statistics.median(times)
@@ -543,11 +571,12 @@ def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, store_dtype
         disk_after = measure_disk(store)
         now = dataclasses.replace(profile, disk_gbps=(disk_before[0] + disk_after[0]) / 2,
                                   disk_jitter=(disk_before[1] + disk_after[1]) / 2)
-        step_now = cm.predict(now, pred_shape(small, store_dtype, dtype, seq_len), place, acts, full.rows).step_s
+        step_now = cm.predict(now, pred_shape(small, store_dtype, dtype, seq_len, quant), place, acts,
+                              full.rows).step_s
         out.update(disk_gbps_profile=profile.disk_gbps, disk_gbps_around=[disk_before[0], disk_after[0]],
                    predicted_with_disk_now_s=step_now, error_with_disk_now=measured / step_now - 1)
     return out
 
 
-def pred_shape(cfg, store_dtype: str, dtype: str, seq_len: int) -> cm.Shape:
-    return cm.shape_of(cfg, dtype_name(parse_dtype(store_dtype)), dtype_name(parse_dtype(dtype)), seq_len)
+def pred_shape(cfg, store_dtype: str, dtype: str, seq_len: int, quant: str | None = None) -> cm.Shape:
+    return cm.shape_of(cfg, dtype_name(parse_dtype(store_dtype)), dtype_name(parse_dtype(dtype)), seq_len, quant)

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import shutil
 import sys
@@ -79,7 +80,9 @@ def parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--config", default=None, metavar="RUN.yaml", help="YAML run file: its keys are these flags (see below); "
                                                          "flags given here override it")
-    a("--model", default="tiny", help="preset name (prepared under weights/) or a store folder (default: tiny)")
+    a("--model", default="tiny", help="preset name (prepared under weights/), a store folder, or a Hugging Face "
+                                      "hub id in the local hub cache, converted on first use (default: tiny)")
+    a("--revision", default="main", help="with a hub id: the branch, tag or commit in the cache (default: main)")
     a("--synthetic", action="store_true", help="random weights with the shapes of the preset --model and the tiny "
                                                "tokenizer: a smoke test of real shapes without downloading them")
     a("--layers", type=int, default=None, help="with --synthetic: this many blocks (default: the preset's)")
@@ -105,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
            "(once before training, cached in --out: one extra read of the weights in all; default: together)")
     a("--lora-rank", type=int, default=8, help="LoRA rank r (default: 8)")
     a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r (default: 16)")
-    a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down (default: q,v)")
+    a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down, or all-linear "
+                                             "(every one, as peft's all-linear; default: q,v)")
     a("--data", default=None, help="plain text, JSONL (prompt/response, Alpaca, chat messages), or token ids already "
                                    "tokenized (.bin, .npy); default: the shipped tiny text")
     a("--val-data", default=None, help="held-out data file (default: split off --val-split of --data)")
@@ -198,7 +202,7 @@ def model_path(args) -> Path:
     shapes. Generation takes a machine-wide lock, so ranks and concurrent runs make it once."""
     if not args.synthetic:
         if args.model not in phantom.PRESETS:
-            return phantom.resolve_model(args.model)
+            return phantom.resolve_model(args.model, args.revision)
         with fileio.locked(phantom.weights_dir() / ".generate.lock"):
             return phantom.resolve_model(args.model)
     if args.model not in phantom.PRESETS:
@@ -294,7 +298,8 @@ def run(argv=None) -> int:
             best, placement = tuned(args, path, device, dtype, placement)
             cfg = dataclasses.replace(cfg, check_step=functools.partial(tune.check_prediction, best))
         try:
-            with trackers.Reporter(report_to if ddp.is_main else (), out, settings, out.resolve().name) as reporter:
+            with trackers.Reporter(report_to if ddp.is_main else (), out, settings, out.resolve().name,
+                                   first_step(out) if args.resume else 1) as reporter:
                 s = train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, (reporter.log,))
             if ddp.is_main:
                 write_card(args, argv, s, store, dtype, device)
@@ -347,7 +352,7 @@ def resolved_knobs(args, placement: P.Placement, activations: P.Activations) -> 
 def write_run_file(args, store: BlockStore, out: Path, **resolved) -> dict:
     """OUT/config.yaml: every flag as this run resolved it (`resolved`, by dest: lr, dtype, placement), the
     phantom and torch versions and the store's fingerprint, so `--config OUT/config.yaml` repeats the run.
-    Returns the flags (for the trackers)."""
+    Returns all of it as one flat mapping (the config the trackers are given)."""
     p = parser()
     flat = runfile.settings(p, args, **resolved, resume=False)  # a run file starts a run; --resume continues one
     record = {"phantom": phantom.__version__, "torch": torch.__version__, "store": str(store.path),
@@ -359,7 +364,12 @@ def write_run_file(args, store: BlockStore, out: Path, **resolved) -> dict:
     header = f"# phantom run file, resolved at the start of the run in {out}.\n" \
              f"# Repeat it: python scripts/finetune.py --config {out / 'config.yaml'} (flags given there win).\n"
     runfile.write(out / "config.yaml", runfile.dump(p, flat, run_file_sections(p), record, header))
-    return flat
+    return {**flat, **{f"recorded-{k}": v for k, v in record.items()}}
+
+
+def first_step(out: Path) -> int:
+    """The first step a --resume run trains: one past its checkpoint's."""
+    return int(json.loads((find_checkpoint(out) / "meta.json").read_text())["step"]) + 1
 
 
 def run_file_sections(p: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:

@@ -4,7 +4,10 @@ Measures this machine once per block shape (on a few synthetic blocks when the m
 here: a preset, or a config.json / params.json), then prints the placement it would choose for the
 whole model (blocks on the device / in RAM / on disk, prefetch, activations, micro-batch), the memory
 it needs, the predicted step, tokens/s and what bounds it; or how much is missing when nothing fits.
-The profile it saves is what `finetune.py --prefetch auto` reads.
+The profile it saves is what `finetune.py --prefetch auto` reads. With --quantize nf4|int8 it plans the
+model stored quantized (prepare_model.py --quantize) and prints the 16-bit store's plan beside it:
+
+    python scripts/tune.py --preset 70B --quantize nf4 --host-memory 64G --device cpu
 """
 import argparse
 import dataclasses
@@ -19,6 +22,7 @@ import phantom  # noqa: E402
 from phantom import cli, config, family, tune  # noqa: E402
 from phantom import costmodel as cm  # noqa: E402
 from phantom.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
+from phantom.quant import METHODS  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 
 
@@ -33,6 +37,10 @@ def parse_args(argv=None):
     a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto")
     a("--dtype", default="auto", choices=cli.DTYPES, help="compute dtype (auto: bf16 on CUDA)")
     a("--store-dtype", default="bf16", choices=cli.STORE_DTYPES, help="the dtype a store would be prepared in")
+    a("--quantize", default=None, choices=METHODS, help="plan the model stored quantized (prepare_model.py "
+                                                         "--quantize), beside its --store-dtype plan")
+    a("--host-memory", type=parse_bytes, default=None, help="plan for a host with this much free memory, e.g. 64G "
+                                                           "(default: what is free here)")
     a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")
     a("--grad-accum", type=int, default=1, help="calls per block per step (rows per step = batch size x this)")
     a("--seq-len", type=int, default=128, help="tokens per row")
@@ -56,17 +64,36 @@ def parse_args(argv=None):
 
 
 def model_and_profile(args, device, dtype):
-    """(name, ModelConfig, store dtype, profile, free disk bytes or None) for what the user named."""
+    """(name, ModelConfig, store dtype, quantization or None, profile, free disk bytes or None) for what the
+    user named."""
     if args.preset or args.config:
         cfg = config.preset(args.preset) if args.preset else read_config(Path(args.config), args.vocab_size)
         profile = tune.probe(cfg, device, dtype, args.batch_size, args.seq_len, args.store_dtype, args.profile_dir,
-                             args.quick, args.remeasure)
+                             args.quick, args.remeasure, quant=args.quantize)
         disk = args.disk_budget if args.disk_budget is not None else tune.free_disk_bytes(phantom.weights_dir())
-        return args.preset or args.config, cfg, args.store_dtype, profile, disk
+        return args.preset or args.config, cfg, args.store_dtype, args.quantize, profile, disk
     store = BlockStore(phantom.resolve_model(args.model or "tiny"), verify="none")
+    if args.quantize and tune.store_quant(store) != args.quantize:
+        raise ValueError(f"{store.path} is stored {tune.store_quant(store) or store.manifest['dtype']}; --quantize "
+                         f"plans a preset or config (prepare a {args.quantize} store to plan it)")
     profile = tune.profile_for(store, device, dtype, args.batch_size, args.seq_len, args.profile_dir, args.quick,
                                args.remeasure)
-    return str(store.path), store.cfg, store.manifest["dtype"], profile, args.disk_budget
+    return str(store.path), store.cfg, store.manifest["dtype"], tune.store_quant(store), profile, args.disk_budget
+
+
+def beside_16bit(args, cfg, store_dtype: str, dtype: str, profile, budgets, rows: int, best) -> str:
+    """The same model's plan with a 16-bit store on the same machine, and how the quantized one compares."""
+    shape = cm.shape_of(cfg, store_dtype, dtype, args.seq_len)
+    cands = cm.search(profile, shape, rows, offloads=(args.offload,), micro_batches=(args.batch_size,),
+                      budgets=budgets)
+    fits = [c for c in cands if c.fits]
+    if not fits:
+        return f"{store_dtype} store: nothing fits ({min(cands, key=lambda c: c.missing_bytes).missing_text()})"
+    other = cm.choose(fits)
+    s = other.split
+    return (f"{store_dtype} store ({cm.gib(shape.store_bytes)}): {s['device']} blocks on the device, {s['ram']} in "
+            f"RAM, {s['disk']} on disk; {other.bytes_read / 1e9:.1f} GB read per step; predicted "
+            f"{other.step_s:.3f} s/step against {best.step_s:.3f} s quantized ({other.step_s / best.step_s:.2f}x)")
 
 
 def read_config(path: Path, vocab_size: int | None):
@@ -75,14 +102,16 @@ def read_config(path: Path, vocab_size: int | None):
     return config.from_meta_params(path, vocab_size) if path.name == "params.json" else family.from_hf_config(path)
 
 
-def check(args, name: str, cfg, store_dtype: str, dtype: str, device, profile, best) -> int:
+def check(args, name: str, cfg, store_dtype: str, quant, dtype: str, device, profile, best) -> int:
     """Run the plan's fractions on N blocks of the shape; print the measured step beside the prediction."""
-    path = Path(args.check_dir or phantom.weights_dir() / f"{Path(name).stem}-synthetic-{args.check}L")
-    r = tune.check_plan(best, profile, cfg, store_dtype, dtype, device, args.check, args.seq_len, args.steps, path)
+    path = Path(args.check_dir or phantom.weights_dir() / f"{Path(name).stem}{'-' + quant if quant else ''}"
+                f"-synthetic-{args.check}L")
+    r = tune.check_plan(best, profile, cfg, store_dtype, dtype, device, args.check, args.seq_len, args.steps, path,
+                        quant)
     if args.json:
         print(json.dumps({"model": name, "plan": best.to_dict(), "check": r}))
         return 0 if r["within_15"] else 1
-    print(cm.describe_plan(best, cm.shape_of(cfg, store_dtype, dtype, args.seq_len), profile, name))
+    print(cm.describe_plan(best, cm.shape_of(cfg, store_dtype, dtype, args.seq_len, quant), profile, name))
     s = r["split"]
     print(f"check      {r['blocks']} blocks at {path}: {s['device']} on the device, {s['ram']} in RAM, {s['disk']} "
           f"on disk (the scheduler {'agrees' if r['tiers_match'] else 'chose otherwise: ' + str(r['tiers'])}); "
@@ -107,18 +136,20 @@ def main(argv=None) -> int:
             raise ValueError("--batch-size, --grad-accum and --seq-len must be >= 1")
         device = phantom.resolve_device(args.device)
         dtype = cli.resolve_dtype(args.dtype, device)
-        name, cfg, store_dtype, profile, disk = model_and_profile(args, device, dtype)
+        name, cfg, store_dtype, quant, profile, disk = model_and_profile(args, device, dtype)
         if args.seq_len > cfg.max_seq_len:
             raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
         profile = dataclasses.replace(profile, free_disk_bytes=disk)
+        if args.host_memory is not None:
+            profile = dataclasses.replace(profile, free_host_bytes=args.host_memory)
         budgets = Placement(device_budget=args.device_budget, ram_budget=args.ram_budget)
         rows = args.batch_size * args.grad_accum
-        shape = cm.shape_of(cfg, store_dtype, dtype, args.seq_len)
+        shape = cm.shape_of(cfg, store_dtype, dtype, args.seq_len, quant)
         cands = cm.search(profile, shape, rows, offloads=(args.offload,), micro_batches=(args.batch_size,),
                           budgets=budgets)
         best = cm.choose(cands)
         if args.check:
-            return check(args, name, cfg, store_dtype, dtype, device, profile, best)
+            return check(args, name, cfg, store_dtype, quant, dtype, device, profile, best)
     except (OSError, ValueError) as e:  # nothing fits, bad flags, a bad config file; a bug keeps its traceback
         line = cli.user_error(e)
         if line is None:
@@ -133,6 +164,8 @@ def main(argv=None) -> int:
         print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict()}))
         return 0
     print(cm.describe_plan(best, shape, profile, name))
+    if args.quantize:
+        print(beside_16bit(args, cfg, store_dtype, dtype, profile, budgets, rows, best))
     if (more := cm.faster_if_more_memory(cands, best)) is not None:
         print(f"more memory: {more.describe()} would take {more.step_s:.3f} s/step (needs {more.missing_text()})")
     if args.table:

@@ -39,12 +39,15 @@ def loss_and_grads(model, seed=0):
     return loss.detach().cpu(), [p.grad.detach().cpu() for p in model.trainable_parameters()]
 
 
-def run(store, dtype, **knobs):
-    with phantom.load(store, device="cuda", dtype=dtype, compile=False, **knobs) as model:
+def run(store, dtype, compile=False, **knobs):
+    with phantom.load(store, device="cuda", dtype=dtype, compile=compile, **knobs) as model:
+        if knobs.get("offload", "auto") != "none":  # a streamed placement must stream something
+            assert set(model.scheduler.tiers) - {"device"}, model.scheduler.tiers
         return loss_and_grads(model)
 
 
-@pytest.mark.parametrize("offload,extra", [("ram", {}), ("disk", {}), ("auto", {"ram_budget": 0}),
+# ("auto", ram_budget=0) alone keeps every block on a GPU with room: resident=0 makes it read from disk
+@pytest.mark.parametrize("offload,extra", [("ram", {}), ("disk", {}), ("auto", {"resident": 0, "ram_budget": 0}),
                                            ("auto", {"resident": 2, "ram_budget": 1})])
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 4])
 @pytest.mark.parametrize("recompute", ["all", "none"])
@@ -93,16 +96,15 @@ def test_ram_tier_pins_exactly_the_blocks(stores):
     store = BlockStore(write_synthetic(stores[torch.float32].parent / "big", big, torch.bfloat16, seed=0,
                                        progress=False))
     want = store.n_blocks * store.block_nbytes
-    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})
-    before_alloc = stats().get("allocated_bytes.all.current", 0)
     torch.cuda.init()
+    before_alloc = torch.cuda.host_memory_stats()["allocated_bytes.current"]  # the key must exist
     before = rss_bytes()
     with BlockScheduler(store, "cuda", Placement(offload="ram", prefetch=1)) as sched:
         grown = rss_bytes() - before
         assert sched._ram_buffer.pinned
         assert want <= sched.pinned_bytes <= 1.01 * want
         assert grown <= 1.01 * want + (64 << 20), (grown, want)  # + the process's own small allocations
-        assert stats().get("allocated_bytes.all.current", 0) == before_alloc
+        assert torch.cuda.host_memory_stats()["allocated_bytes.current"] == before_alloc
 
 
 def test_a_huge_page_host_buffer_pins_and_copies_both_ways():
@@ -137,3 +139,82 @@ def test_no_host_sync_in_a_block_forward(stores):
                 model.executor.run_block(0, weights, h, rope)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_compiled_streamed_equals_compiled_resident(stores, dtype, tol):
+    """Compiling is the CUDA default: the compiled block over streamed weights (slot views) against
+    the compiled resident model."""
+    ref_loss, ref_grads = run(stores[dtype], dtype, compile=True, offload="none")
+    loss, grads = run(stores[dtype], dtype, compile=True, offload="disk", prefetch=1)
+    assert max_rel_err(loss, ref_loss) <= tol
+    assert all(max_rel_err(g, r) <= tol for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("state", ["ram", "device"])
+def test_full_finetune_on_cuda_with_the_default_compile_equals_the_resident_model(stores, tmp_path, state):
+    """Full finetuning streamed from disk (state in RAM: gradients to pinned buffers; on the device:
+    the update on its own stream), compiled as CUDA's default: two AdamW steps equal the resident model's."""
+    store = stores[torch.float32]
+    tokens, targets = batch(WIDE, b=4, t=32, seed=1)
+
+    def two_steps(model):
+        opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3, weight_decay=0.0)  # AdamWConfig's
+        for _ in range(2):
+            model(tokens, targets=targets).backward()
+            opt.step()
+            opt.zero_grad()
+            model.finish_step()
+    with phantom.load(store, device="cuda", offload="none", mode="full") as ref:
+        two_steps(ref)
+        want = [{k: v.detach().cpu() for k, v in block.state_dict().items()} for block in ref.layers]
+    with phantom.load(store, device="cuda", offload="disk", prefetch=1, mode="full", work_dir=tmp_path,
+                      optim=phantom.AdamWConfig(lr=1e-3, state=state)) as model:
+        two_steps(model)
+        model.save_full()
+    got = BlockStore(tmp_path / "store", verify="full")
+    for i, block in enumerate(want):
+        trained = got.load_block(i)
+        assert all(max_rel_err(trained[k], v) <= 1e-4 for k, v in block.items()), i
+
+
+def test_a_host_side_embedding_trains_on_each_batch_s_own_tokens(stores, monkeypatch):
+    """The embedding table kept in host memory (as for a large vocabulary on a small GPU), three steps
+    with different batches in a row: each loss equals the resident model's for the same batch (reading
+    ids from an unfinished device-to-host copy gave the previous batch's)."""
+    from phantom.model import PhantomModel
+    monkeypatch.setattr(PhantomModel, "_place_embed",
+                        lambda self, dtype: self.store.load_embed()["tok_embeddings.weight"].to(dtype))
+    store = stores[torch.float32]
+    with phantom.load(store, device="cuda", offload="ram", prefetch=1) as model, \
+            phantom.load(store, device="cuda", offload="none") as ref:
+        assert model.embed_table.device.type == "cpu"
+        for seed in range(3):
+            tokens, targets = batch(WIDE, b=4, t=32, seed=seed)
+            with torch.no_grad():
+                got = model(tokens.cuda(), targets=targets.cuda())  # ids on the device, table on the host
+                want = ref(tokens, targets=targets)
+            assert max_rel_err(got.cpu(), want.cpu()) <= 1e-5, seed
+
+
+def test_a_fork_after_pinning_leaves_the_pinned_tier_out_of_the_child(stores):
+    """DataLoader workers fork after the RAM tier is pinned: the child does not get the pinned pages
+    (MADV_DONTFORK), so it neither copies them at fork nor can touch them."""
+    import os
+    with BlockScheduler(BlockStore(stores[torch.float32]), "cuda", Placement(offload="ram", prefetch=1)) as sched:
+        assert sched._ram_buffer.pinned
+        ptr = sched._ram_buffer.tensor.data_ptr()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: is the pinned buffer mapped here?
+            mapped = False
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                    mapped |= lo <= ptr < hi
+            os.write(write, b"1" if mapped else b"0")
+            os._exit(0)
+        os.close(write)
+        answer = os.read(read, 1)
+        os.waitpid(pid, 0)
+        assert answer == b"0", "the child has the pinned RAM tier mapped"

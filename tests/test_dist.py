@@ -10,6 +10,8 @@ full-finetune AdamW the weights agree to ~3e-5 of their largest entry; that case
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -79,3 +81,51 @@ def test_two_ranks_equal_one_process_with_the_global_batch(small_store, tmp_path
         assert max_rel_err(single["0.attention.wq.weight"], base) > 100 * tol
     else:
         assert all(single[k].abs().max() > 0 for k in single if "lora_B" in k)
+
+
+def nan_worker(rank, world, store, init_file, out, result_file):
+    """Trains with phantom.train on two ranks; rank 1's loss turns NaN at its third step."""
+    import datetime
+    import json
+
+    import numpy as np
+
+    from phantom import data as D
+    from phantom.train import TrainConfig, train as train_loop
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # a hang fails the test, not CI
+    try:
+        model = phantom.load(store, offload="ram", prefetch=1, micro_batch=2, lora=phantom.LoraConfig(rank=4))
+        forward, calls = model.forward, [0]
+
+        def forward_nan_on_rank1(x, targets=None):
+            calls[0] += 1
+            loss = forward(x, targets=targets)
+            return loss * float("nan") if rank == 1 and calls[0] == 3 else loss
+        model.forward = forward_nan_on_rank1
+        tokens = np.random.default_rng(0).integers(0, SMALL.vocab_size, 4096).astype(np.int64)
+        data = D.TokenData(tokens, tokens.copy(), np.array([0]), "text", "synthetic")
+        cfg = TrainConfig(iters=6, batch_size=2, seq_len=16, warmup=1, eval_every=0, save_every=0, workers=0,
+                          progress=False, out=f"{out}/rank{rank}")
+        summary = train_loop(model, data, None, cfg)
+        model.close()
+        with open(f"{result_file}.{rank}", "w") as f:
+            json.dump({"status": summary["status"], "steps": summary["steps"]}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_nan_on_one_rank_stops_every_rank(small_store, tmp_path):
+    """The ranks agree on finiteness before any of them skips or stops: a NaN loss on rank 1 stops both
+    at the same step, instead of rank 0 waiting in an all-reduce rank 1 never joins."""
+    import json
+    ctx = mp.spawn(nan_worker, args=(2, str(small_store), str(tmp_path / "rdv"), str(tmp_path), str(tmp_path / "r")),
+                   nprocs=2, join=False)
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the ranks still run after 300 s: one waits in a collective the other left")
+    got = [json.loads((tmp_path / f"r.{rank}").read_text()) for rank in range(2)]
+    assert got == [{"status": "nan", "steps": 3}] * 2

@@ -9,14 +9,17 @@ naming the field, exit 2, and no store.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from phantom.family import FAMILIES, IRRELEVANT, REFUSED_WHEN_SET, ConfigError, config_from_hf
 from family_check import hf_model, prepare, transformers
 from test_convert import load_script
 
-CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
 
 
 def test_every_family_has_its_config_class_listed():
@@ -48,7 +51,8 @@ def small(config_class: str, **fields) -> dict:
 
 
 CONFIG_CLASSES_TO_ARCH = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
-                          "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM"}
+                          "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
+                          "Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM"}
 
 REFUSALS = [  # (config class, fields, the field the error must name)
     ("LlamaConfig", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
@@ -59,6 +63,11 @@ REFUSALS = [  # (config class, fields, the field the error must name)
     ("Qwen2Config", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
     ("MistralConfig", {"mlp_bias": True}, "mlp_bias"),
     ("Qwen2Config", {"attention_bias": True}, "attention_bias"),
+    ("Gemma2Config", {"hidden_activation": "relu"}, "hidden_activation"),
+    ("Gemma3TextConfig", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "rope_type"),
+    ("Gemma3TextConfig", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
 ]
 
 
@@ -126,3 +135,21 @@ def test_llama_biases_and_gelu_match_transformers(llama_extras, tmp_path):
     check_logits(model, store, tokens, targets, runs=[("disk", 0, "all"), ("ram", 2, "none")])
     check_lora(model, store, tmp_path, tokens, targets, runs=[("disk", 2, "none"), ("ram", 0, "all")])
     assert any(n.endswith("o_proj.bias") for n, _ in model.named_parameters())
+
+
+def test_synthetic_stores_of_every_family_preset_shape_run(tmp_path):
+    """--synthetic with a family preset's fields (cut to tiny widths): written, loaded, streamed, finite."""
+    import dataclasses
+
+    import phantom
+    from phantom.config import PRESETS
+    from phantom.convert import write_synthetic
+    for name in ("qwen2.5-7B", "qwen3-8B", "llama3.2-1B", "gemma2-9B", "gemma3-27B"):
+        cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
+                                  intermediate_size=96, n_layers=3, max_seq_len=64,
+                                  sliding_window=8 if PRESETS[name].sliding_window else None)
+        store = write_synthetic(tmp_path / name, cfg, torch.float32, progress=False)
+        with phantom.load(store, offload="disk", prefetch=1) as pm:
+            loss = pm(torch.randint(0, 97, (1, 24)), targets=torch.randint(0, 97, (1, 24)))
+            loss.backward()
+        assert torch.isfinite(loss) and abs(loss.item() - math.log(97)) < 1.0, name

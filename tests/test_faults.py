@@ -33,9 +33,10 @@ COMMON = ["--iters", "8", "--save-every", "2", "--batch-size", "2", "--seq-len",
 LORA = [*COMMON, "--eval-every", "4", "--eval-iters", "1"]
 FULL = [*COMMON, "--mode", "full", "--offload", "disk", "--lr", "1e-3", "--eval-every", "0", "--val-split", "0"]
 
-# Counts on the tiny model (4 blocks; 8 steps, a checkpoint every 2). A LoRA checkpoint writes 5 files
-# (adapter weights + config, trainable.safetensors, state.pt, meta.json), so file.write 6..10 are the
-# second checkpoint's and 21 is the final adapter, written after the last checkpoint.
+# Counts on the tiny model (4 blocks; 8 steps, a checkpoint every 2). The run writes config.yaml and then
+# metrics.jsonl whole at its start (file.write 1 and 2); a LoRA checkpoint writes 5 files (adapter
+# weights + config, trainable.safetensors, state.pt, meta.json), so file.write 8..12 are the second
+# checkpoint's and 23 is the final adapter, written after the last checkpoint.
 LORA_POINTS = [
     "optimizer.step:3",  # mid-run, weights updated in memory only
     "optimizer.step:8",  # the last step, before its checkpoint
@@ -43,11 +44,11 @@ LORA_POINTS = [
     "prefetch.load:13",  # the prefetch thread, in step 3
     "checkpoint.rename:2",  # between the two renames: only checkpoint.old exists
     "checkpoint.rename:4",  # the same for the last checkpoint
-    "file.write:7",  # adapter_config.json of checkpoint 2, written, not renamed
-    "file.write:8",  # trainable.safetensors with its header and no data
-    "file.write:9",  # state.pt written, not renamed
-    "file.write:10",  # meta.json, the last file before the renames
-    "file.write:21",  # the final adapter, after the last checkpoint
+    "file.write:9",  # adapter_config.json of checkpoint 2, written, not renamed
+    "file.write:10",  # trainable.safetensors with its header and no data
+    "file.write:11",  # state.pt written, not renamed
+    "file.write:12",  # meta.json, the last file before the renames
+    "file.write:23",  # the final adapter, after the last checkpoint
 ]
 FULL_POINTS = [
     "writeback.item:14",  # the write-back worker, about to update a block (step 4)

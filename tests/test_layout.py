@@ -20,7 +20,7 @@ RANK = {
     "fileio": 1, "chat": 1, "layers": 1, "costmodel": 1, "family": 1, "trackers": 1,
     "store": 2, "runfile": 2, "runcard": 2,
     "lora": 3, "optim": 3, "scheduler": 3, "convert": 3, "data": 3, "dist": 3,
-    "executor": 4, "export": 4, "preference": 4,
+    "executor": 4, "export": 4, "hub": 4, "preference": 4,
     "model": 5,
     "generate": 6, "tune": 6,
     "train": 7, "cli": 7,

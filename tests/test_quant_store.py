@@ -271,3 +271,38 @@ def test_generate_runs_the_quantized_store(stores, trained, tmp_path, capsys):
                                         "--tokenizer", str(ref / "tokenizer.model")]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and len(texts[0]) > len("the \n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model counts quantized bytes and the dequantization
+
+def test_cost_model_counts_quantized_bytes_and_dequantization(stores):
+    from phantom import costmodel as cm
+    from phantom.placement import Activations, loads_per_step
+    for name, path in stores.items():
+        store, fmt = BlockStore(path), FORMATS[name]
+        assert cm.quant_block_bytes(CFG, fmt.method, 2, fmt.double_quant) == store.block_nbytes
+    store = BlockStore(stores["nf4"])
+    shape, plain = cm.shape_of(CFG, "bf16", "fp32", 16, "nf4"), cm.shape_of(CFG, "bf16", "fp32", 16)
+    assert shape.block_bytes == store.block_nbytes and shape.converts and shape.dequant_bytes == plain.resident_bytes
+    fast, slow = (cm.MachineProfile(machine="t", device="cpu", dequant_gbps=g) for g in (100.0, 0.01))
+    place = Placement(offload="disk", prefetch=0)
+    a, b = (cm.predict(p, shape, place, Activations(), rows=2) for p in (fast, slow))
+    loads = loads_per_step(a.tiers, 0, ram_streams=True)["disk"]
+    assert a.bytes_read == b.bytes_read == loads * store.block_nbytes
+    dequant = shape.dequant_bytes / 1e9 * (1 / 0.01 - 1 / 100.0)
+    assert b.step_s - a.step_s == pytest.approx(loads * dequant, rel=1e-6)  # prefetch 0: in series
+    # with the same RAM budget the quantized store holds about 3.6x the blocks a bf16 one does
+    ram = Placement(offload="auto", prefetch=1, ram_budget=6 * store.block_nbytes)
+    q, bf = (cm.predict(fast, cm.shape_of(CFG, "bf16", "bf16", 16, qt), ram, Activations(), rows=2) for qt in ("nf4", None))
+    assert q.split["ram"] == 6 and bf.split["ram"] == 1
+
+
+def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf16, tmp_path):
+    from phantom import tune
+    store = BlockStore(stores["nf4"])
+    assert tune.measure_dequant(store, torch.device("cpu"), torch.float32, repeats=1) > 0
+    paths = {tune.profile_path(BlockStore(p), "cpu", "fp32", tmp_path) for p in (bf16, stores["nf4"], stores["int8"])}
+    assert len(paths) == 3
+    assert tune.profile_path(CFG, "cpu", "fp32", tmp_path, "bf16", "nf4") == \
+        tune.profile_path(store, "cpu", "fp32", tmp_path)

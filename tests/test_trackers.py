@@ -125,6 +125,8 @@ def test_every_tracker_holds_the_metrics_and_the_weights_do_not_change(cli, plai
     (run,) = client.search_runs([client.get_experiment_by_name("phantom").experiment_id])
     assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
     assert run.data.params["lora-rank"] == "8" and run.data.params["iters"] == "4"
+    assert run.data.params["recorded-torch"] == torch.__version__
+    assert len(run.data.params["recorded-store-fingerprint"]) == 64
     for key, points in want.items():
         assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] == points, key
 
@@ -189,3 +191,23 @@ def test_under_torchrun_rank_0_alone_reports(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, f32(v)) for s, v in series(out)["loss"]]
     assert (out / "config.yaml").is_file() and (out / "README.md").is_file()
+
+
+def test_a_resumed_run_replaces_what_tensorboard_got_past_the_checkpoint(cli, tmp_path):
+    """A run killed after its checkpoint at step 2 had logged steps 3 and 4 (written here with other
+    values); --resume trains 3 and 4 again: TensorBoard holds each step once, as metrics.jsonl does."""
+    event_accumulator = need("tensorboard.backend.event_processing.event_accumulator")
+    from torch.utils.tensorboard import SummaryWriter
+
+    out = tmp_path / "run"
+    base = [*TINY, "--report-to", "tensorboard", "--out", str(out)]
+    assert cli.main([*base, "--iters", "2"]) == 0
+    stale = SummaryWriter(log_dir=str(out / "tensorboard"))
+    for step in (3, 4):
+        stale.add_scalar("loss", 99.0, step)
+    stale.close()
+    assert cli.main([*base, "--resume"]) == 0
+    acc = event_accumulator.EventAccumulator(str(out / "tensorboard"), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, f32(v)) for s, v in series(out)["loss"]]
+    assert [s for s, _ in series(out)["loss"]] == [1, 2, 3, 4]

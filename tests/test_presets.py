@@ -1,0 +1,70 @@
+"""Presets of the models people finetune, each from its config.json (see phantom/config.py).
+
+Each preset goes through the exporter's config.json and back through phantom.family unchanged, and the
+family's transformers class built from that config.json (on the meta device: shapes, no memory) has
+exactly the parameters phantom counts. `scripts/tune.py --preset qwen2.5-72B` plans like the 70B.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from phantom import tune
+from phantom.config import PRESETS, ModelConfig
+from phantom.export import hf_config
+from phantom.family import FAMILIES, config_from_hf
+from family_check import transformers
+from test_tune import script
+
+FAMILY_PRESETS = ["qwen2.5-7B", "qwen2.5-72B", "qwen3-8B", "qwen3-32B", "llama3.1-8B", "llama3.1-70B", "llama3.2-1B",
+                  "llama3.2-3B", "gemma2-9B", "gemma2-27B", "gemma3-27B", "mistral-7B"]
+# parameters as the model cards state them (billions)
+PUBLISHED = {"qwen2.5-7B": 7.61, "qwen2.5-72B": 72.7, "qwen3-8B": 8.2, "qwen3-32B": 32.8, "llama3.1-8B": 8.03,
+             "llama3.1-70B": 70.6, "llama3.2-1B": 1.24, "llama3.2-3B": 3.21, "gemma2-9B": 9.24, "gemma2-27B": 27.2}
+
+
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
+def test_a_preset_round_trips_through_its_config_json(name):
+    cfg = PRESETS[name]
+    back = config_from_hf(json.loads(json.dumps(hf_config(cfg, torch.bfloat16))))
+    assert [back.window(i) for i in range(cfg.n_layers)] == [cfg.window(i) for i in range(cfg.n_layers)]
+    same = dict(layer_types=None, multiple_of=cfg.multiple_of, ffn_dim_multiplier=cfg.ffn_dim_multiplier)
+    assert dataclasses.replace(back, **same) == dataclasses.replace(cfg, intermediate_size=cfg.hidden_dim, **same)
+
+
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
+def test_the_family_class_has_the_parameters_phantom_counts(name):
+    cfg = PRESETS[name]
+    c = hf_config(cfg, torch.bfloat16)
+    config = transformers.AutoConfig.for_model(c.pop("model_type"), **c)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == FAMILIES[cfg.family].hf_class
+    assert sum(p.numel() for p in model.parameters()) == cfg.n_params()
+    if name in PUBLISHED:
+        assert abs(cfg.n_params() / 1e9 - PUBLISHED[name]) < 0.01 * PUBLISHED[name]  # cards round either way
+
+
+def test_tune_plans_qwen2_5_72b_like_the_70b(tmp_path, monkeypatch, capsys):
+    """One machine profile (measured on a small shape; 256 GiB of host memory free) for both: the 72B is
+    planned as the 70B is, each block a little larger."""
+    small = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+    profile = dataclasses.replace(tune.probe(small, "cpu", "fp32", 1, 16, "bf16", tmp_path, quick=True),
+                                  free_device_bytes=None, free_host_bytes=256 << 30)
+    monkeypatch.setattr(tune, "probe", lambda *a, **k: profile)  # no 70B-shaped blocks written to measure
+    plans = {}
+    for name in ("qwen2.5-72B", "llama3.1-70B"):
+        argv = ["--preset", name, "--device", "cpu", "--batch-size", "1", "--seq-len", "1024", "--json",
+                "--ram-budget", "64GiB", "--disk-budget", "1TB"]
+        assert script().main(argv) == 0
+        plans[name] = json.loads(capsys.readouterr().out)
+    qwen, llama = plans["qwen2.5-72B"], plans["llama3.1-70B"]
+    assert qwen["fits"] and len(qwen["tiers"]) == len(llama["tiers"]) == 80
+    placement = lambda plan: {k: v for k, v in plan["placement"].items() if k != "ram_budget"}  # noqa: E731
+    assert placement(qwen) == placement(llama) and qwen["activations"] == llama["activations"]
+    assert abs(qwen["split"]["ram"] - llama["split"]["ram"]) <= 1  # the same RAM budget, blocks 2.5% larger
+    ratio = PRESETS["qwen2.5-72B"].block_params() / PRESETS["llama3.1-70B"].block_params()
+    assert 0.9 * ratio < qwen["step_s"] / llama["step_s"] < 1.1 * ratio

@@ -229,7 +229,8 @@ class BlockExecutor:
                     if caches:
                         h = self.run_block(i, weights, h, rope, caches[i], start_pos, mask)
                     else:
-                        h = torch.cat([self.run_block(i, weights, hc, rc, mask=mc) for hc, rc, mc in self.rows(h, rope, mask)])
+                        h = torch.cat([self.run_block(i, weights, hc, rc, mask=mc)
+                                       for hc, rc, mc in self.rows(h, rope, mask)])
                     self.run_reference(i, weights, rope, mask)
         reference, self.reference = self.reference, None
         return h if reference is None else (h, reference)

@@ -335,7 +335,8 @@ class PhantomModel(nn.Module):
             raise ValueError(f"tokens and targets must be (batch, seq_len) alike, got {tuple(tokens.shape)} and "
                              f"{tuple(targets.shape)}")
         if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len "
+                             f"{self.cfg.max_seq_len}")
         if self.full:
             raise ValueError("sequence log-probabilities are for LoRA training (the reference is the base model)")
         h = self.embed(tokens)
@@ -456,7 +457,8 @@ class PhantomModel(nn.Module):
                 h = torch.cat([block(hc, rc, mask=mc) for hc, rc, mc in zip(split(h), ropes, masks)])
                 if reference is not None:
                     with torch.no_grad(), lora_disabled(block):
-                        reference = torch.cat([block(r, rc, mask=mc) for r, rc, mc in zip(split(reference), ropes, masks)])
+                        reference = torch.cat([block(r, rc, mask=mc)
+                                               for r, rc, mc in zip(split(reference), ropes, masks)])
         return h if reference is None else (h, reference)
 
 

@@ -245,7 +245,7 @@ def load_model(args, path: Path, device, dtype: str, ddp, placement, activations
         full = dict(mode="full", work_dir=work_dir, optim=phantom.AdamWConfig(
             lr=lr, betas=D.betas, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None))
     shared = ddp.local_world_size > 1 and placement.offload == "ram" and args.mode != "full"
-    rows = args.batch_size * (2 if args.mode == "dpo" else 1)  # dpo: --batch-size pairs, a chosen and a rejected row each
+    rows = args.batch_size * (2 if args.mode == "dpo" else 1)  # dpo: --batch-size pairs of two rows
     return phantom.load(path, device=device, dtype=dtype, placement=dataclasses.replace(placement, shared_ram=shared),
                         activations=dataclasses.replace(activations, micro_batch=rows), lora=lora,
                         trace=args.trace, **full)

@@ -42,7 +42,7 @@ log = logging.getLogger("finetune")
 # Run-file sections (--config): where a flag sits in OUT/config.yaml; a flag named SECTION-x (--lora-dropout)
 # or in the Placement/Activations groups goes to its section by itself, any other new flag to the top level.
 SECTIONS = {
-    "model": ("model", "synthetic", "layers", "device", "dtype", "mode"),
+    "model": ("model", "revision", "synthetic", "layers", "device", "dtype", "mode"),
     "placement": ("prefetch", "compile"),
     "lora": (),
     "data": ("data", "val-data", "val-split", "data-dtype", "data-split", "columns", "chat-template", "train-on",

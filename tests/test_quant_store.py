@@ -306,3 +306,20 @@ def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf1
     assert len(paths) == 3
     assert tune.profile_path(CFG, "cpu", "fp32", tmp_path, "bf16", "nf4") == \
         tune.profile_path(store, "cpu", "fp32", tmp_path)
+
+
+def test_cost_model_places_a_quantized_store_as_the_scheduler_does(stores, monkeypatch):
+    """CUDA's budgets (a CPU has no device tier): the device tier counts dequantized blocks, RAM stored ones."""
+    from phantom import costmodel as cm
+    store = BlockStore(stores["nf4"])
+    shape = cm.shape_of(CFG, "bf16", "bf16", 16, "nf4")
+    place = Placement(offload="auto", prefetch=1, device_budget=2 * store.block_nbytes + 3 * store.dense_nbytes,
+                      ram_budget=3 * store.block_nbytes + 100)
+    profile = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=1 << 40, free_host_bytes=1 << 40)
+    planned = cm.block_tiers(shape, profile, place)
+    monkeypatch.setattr(phantom.scheduler, "free_device_bytes", lambda device: 1 << 40)
+    sched = BlockScheduler.__new__(BlockScheduler)  # its tier choice alone, without allocating on a device
+    sched.store, sched.n_blocks, sched.dtype, sched._zero_copy = store, store.n_blocks, torch.bfloat16, False
+    sched.device, sched.slot_bytes = torch.device("cuda"), shape.slot_bytes
+    assert sched._choose_tiers(place, cpu=False, device_reserve=0) == planned
+    assert planned.count("ram") == 3 and 0 < planned.count("device") <= 3

@@ -177,7 +177,8 @@ def test_every_flag_round_trips_through_a_written_run_file(cli, tmp_path):
             "--lora-targets", "q,o", "--lr", "1e-05", "--min-lr", "0", "--val-split", "0", "--data-dtype", "uint32",
             "--sequential", "--trace", "--prompt", "a: b # c", "--report-to", "tensorboard,mlflow", "--out", "x y",
             "--data-split", "validation", "--columns", "prompt=q,response=a", "--chat-template", "none",
-            "--train-on", "last", "--show-data", "3"]
+            "--train-on", "last", "--show-data", "3", "--revision", "v2", "--loss-type", "ipo", "--beta", "0.25",
+            "--label-smoothing", "0.1", "--reference", "precompute"]
     args = runfile.parse_args(p, argv)
     path = tmp_path / "all.yaml"
     path.write_text(runfile.dump(p, runfile.settings(p, args), cli.run_file_sections(p), {"torch": "x"}))

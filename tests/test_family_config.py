@@ -64,7 +64,7 @@ REFUSALS = [  # (config class, fields, the field the error must name)
     ("MistralConfig", {"mlp_bias": True}, "mlp_bias"),
     ("Qwen2Config", {"attention_bias": True}, "attention_bias"),
     ("Gemma2Config", {"hidden_activation": "relu"}, "hidden_activation"),
-    ("Gemma3TextConfig", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+    ("Gemma3TextConfig", {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6},
                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
      "rope_type"),
     ("Gemma3TextConfig", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from phantom import runfile
 from test_convert import load_script
+from test_finetune_cli import metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--iters", "3", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",
@@ -48,12 +49,8 @@ def cli():
     return load_script("finetune")
 
 
-def steps(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def losses(out: Path) -> list:
-    return [(m["step"], m.get("loss"), m.get("val_loss")) for m in steps(out)]
+    return [(m["step"], m.get("loss"), m.get("val_loss")) for m in metrics(out)]
 
 
 def adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -115,7 +112,7 @@ def test_command_line_flags_override_the_file(cli, tmp_path):
     out = tmp_path / "o"
     assert cli.main(["--config", str(tmp_path / "run.yaml"), "--iters", "2", "--lora-rank", "2",
                      "--out", str(out)]) == 0
-    assert [m["step"] for m in steps(out)] == [0, 1, 2]
+    assert [m["step"] for m in metrics(out)] == [0, 1, 2]
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == 2
     written = yaml.safe_load((out / "config.yaml").read_text())
     assert written["optim"]["iters"] == 2 and written["lora"]["rank"] == 2 and written["lora"]["alpha"] == 8.0
@@ -123,7 +120,7 @@ def test_command_line_flags_override_the_file(cli, tmp_path):
 
 def test_run_card(cli, flag_run):
     card = (flag_run / "README.md").read_text()
-    recs = steps(flag_run)
+    recs = metrics(flag_run)
     assert "`tiny`" in card and written_fingerprint(flag_run)[:16] in card
     assert f"| final train loss | {recs[-1]['loss']:.4f} |" in card
     assert f"| final eval loss | {recs[-1]['val_loss']:.4f} (step 3) |" in card
@@ -213,7 +210,7 @@ def test_the_tiny_example_runs(cli, tmp_path):
     out = tmp_path / "tiny"
     assert cli.main(["--config", str(REPO / "examples" / "tiny.yaml"), "--iters", "2", "--seq-len", "32",
                      "--eval-every", "0", "--sample-every", "0", "-q", "--out", str(out)]) == 0
-    assert [m["step"] for m in steps(out)] == [0, 1, 2] and (out / "README.md").is_file()
+    assert [m["step"] for m in metrics(out)] == [0, 1, 2] and (out / "README.md").is_file()
 
 
 def test_help_shows_the_yaml_form(cli, capsys):

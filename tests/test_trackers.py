@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from phantom import trackers
 from test_convert import load_script
+from test_finetune_cli import metrics
 
 
 def need(module: str):
@@ -56,14 +57,10 @@ def cli():
     return load_script("finetune")
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def series(out: Path) -> dict[str, list[tuple[int, float]]]:
     """metrics.jsonl as key -> [(step, value)], the scalars a tracker is given."""
     out_: dict[str, list] = {}
-    for rec in records(out):
+    for rec in metrics(out):
         for key, value in trackers.scalars(rec).items():
             out_.setdefault(key, []).append((rec["step"], value))
     return out_
@@ -108,7 +105,7 @@ def test_every_tracker_holds_the_metrics_and_the_weights_do_not_change(cli, plai
     out = tmp_path / "tracked"
     assert cli.main([*TINY, "--report-to", "tensorboard,wandb,mlflow", "--out", str(out)]) == 0
     assert "--report-to" not in capsys.readouterr().err  # no tracker failed
-    assert [r.get("loss") for r in records(out)] == [r.get("loss") for r in records(plain)]
+    assert [r.get("loss") for r in metrics(out)] == [r.get("loss") for r in metrics(plain)]
     assert same_weights(out, plain)
     want = series(out)
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "stall_frac", "bytes_h2d", "val_loss"} <= want.keys()
@@ -155,7 +152,7 @@ def test_a_tracker_raising_mid_run_is_one_warning_and_the_run_ends_the_same(cli,
     warnings = [line for line in capsys.readouterr().err.splitlines() if "--report-to" in line]
     assert warnings == ["--report-to tensorboard: failed (ConnectionError: disk of the dashboard went away); "
                         "training goes on without it"]
-    assert [r.get("loss") for r in records(out)] == [r.get("loss") for r in records(plain)]
+    assert [r.get("loss") for r in metrics(out)] == [r.get("loss") for r in metrics(plain)]
     assert same_weights(out, plain) and (out / "README.md").is_file()
 
 

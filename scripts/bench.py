@@ -420,14 +420,12 @@ def tier_pass_gbps(store: BlockStore, prefetch: int) -> float:
     return n * store.block_nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def tier_steps(store_path: str, placement, args) -> dict:
-    """Step times and per-step tier traffic of LoRA steps after one warm-up step (recompute none: every
-    block keeps its activations, as the cost model is told)."""
-    store = BlockStore(store_path)
+def lora_steps(store: BlockStore, placement, rows: int, seq: int, args) -> tuple[list, list, tuple]:
+    """(step times, scheduler metrics, tiers) of LoRA steps after one warm-up step (recompute none:
+    every block keeps its activations, as the cost model is told); the warm-up is left out."""
     model = phantom.PhantomModel(store, torch.device("cpu"), store.dtype, placement,
                                  phantom.Activations(recompute="none"), lora=phantom.LoraConfig(rank=args.lora_rank))
-    tokens = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, model.cfg.vocab_size, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
     times, metrics = [], []
     with model:
         for s in range(args.steps + 1):
@@ -436,8 +434,14 @@ def tier_steps(store_path: str, placement, args) -> dict:
             model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
             times.append(time.perf_counter() - t0)
             metrics.append(model.scheduler.take_metrics())
-        return {"times": times[1:], "tiers": model.scheduler.tiers, "stall": [m["stall_s"] for m in metrics[1:]],
-                "bytes_read": [m["bytes_read"] for m in metrics[1:]], "bytes_ram": [m["bytes_ram"] for m in metrics[1:]]}
+        return times[1:], metrics[1:], model.scheduler.tiers
+
+
+def tier_steps(store_path: str, placement, args) -> dict:
+    """Step times and per-step tier traffic of LoRA steps (lora_steps)."""
+    times, metrics, tiers = lora_steps(BlockStore(store_path), placement, args.batch_size, args.seq_len, args)
+    return {"times": times, "tiers": tiers, "stall": [m["stall_s"] for m in metrics],
+            "bytes_read": [m["bytes_read"] for m in metrics], "bytes_ram": [m["bytes_ram"] for m in metrics]}
 
 
 def shell(cmd: str) -> str:
@@ -578,20 +582,10 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
 
 
 def quant_steps(store: BlockStore, placement, rows: int, seq: int, args) -> dict:
-    """Median step time and per-step metrics of LoRA steps (recompute none) after one warm-up step."""
-    model = phantom.PhantomModel(store, torch.device("cpu"), store.dtype, placement,
-                                 phantom.Activations(recompute="none"), lora=phantom.LoraConfig(rank=args.lora_rank))
-    tokens = torch.randint(0, model.cfg.vocab_size, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
-    times, metrics = [], []
-    with model:
-        for s in range(args.steps + 1):
-            model.scheduler.take_metrics()
-            t0 = time.perf_counter()
-            model(tokens[:, :-1], targets=tokens[:, 1:]).backward()
-            times.append(time.perf_counter() - t0)
-            metrics.append(model.scheduler.take_metrics())
-    med = {k: statistics.median(m[k] for m in metrics[1:]) for k in ("bytes_read", "dequant_s", "stall_s", "loads")}
-    return {"step_s": statistics.median(times[1:]), "times": times[1:], **med}
+    """Median step time and per-step metrics of LoRA steps (lora_steps)."""
+    times, metrics, _ = lora_steps(store, placement, rows, seq, args)
+    med = {k: statistics.median(m[k] for m in metrics) for k in ("bytes_read", "dequant_s", "stall_s", "loads")}
+    return {"step_s": statistics.median(times), "times": times, **med}
 
 
 def quant_bench(args, store: BlockStore) -> str:

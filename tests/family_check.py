@@ -23,6 +23,7 @@ from phantom.lora import TARGETS, lora_modules
 from phantom.store import BlockStore
 from test_convert import load_script
 from test_export_hf import llama3_style_tokenizer_json
+from test_reference import peft_lora_grads
 
 
 def need(module: str):
@@ -118,12 +119,7 @@ def peft_step(model, adapter_dir, tokens, targets):
     logits = pmodel(tokens).logits
     loss = cross_entropy(logits, targets)
     loss.backward()
-    params = dict(pmodel.named_parameters())
-    grads = {}
-    for i in range(model.config.num_hidden_layers):
-        for t, (_, hf_name) in TARGETS.items():
-            key = f"base_model.model.model.layers.{i}.{hf_name}"
-            grads[(i, t)] = (params[f"{key}.lora_A.default.weight"].grad, params[f"{key}.lora_B.default.weight"].grad)
+    grads = peft_lora_grads(pmodel, model.config.num_hidden_layers)
     pmodel.unload()
     for p in model.parameters():
         p.grad = None

@@ -152,6 +152,18 @@ def peft_step(model, adapter_dir, tokens, targets):
     return logits.detach(), loss.detach(), grads
 
 
+def peft_lora_grads(pmodel, n_layers: int) -> dict:
+    """(A, B) LoRA gradients of every block and target of a peft model, keyed (block, phantom target);
+    a target the adapter lacks is a KeyError."""
+    params = dict(pmodel.named_parameters())
+    grads = {}
+    for i in range(n_layers):
+        for t, (_, hf_name) in TARGETS.items():
+            key = f"base_model.model.model.layers.{i}.{hf_name}"
+            grads[(i, t)] = (params[f"{key}.lora_A.default.weight"].grad, params[f"{key}.lora_B.default.weight"].grad)
+    return grads
+
+
 @pytest.mark.parametrize("offload", ["none", "disk"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_lora_gradients_match_peft(stores, tmp_path, name, offload):

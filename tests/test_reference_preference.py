@@ -25,7 +25,7 @@ def need(module: str):
 
 transformers, peft = need("transformers"), need("peft")
 
-from test_reference import CONFIGS, hf_permute, rel_err, stores  # noqa: E402, F401, F811 (stores: fixture)
+from test_reference import CONFIGS, hf_permute, peft_lora_grads, rel_err, stores  # noqa: E402, F401, F811 (stores: fixture)
 
 P, T = 3, 24  # pairs, tokens per row
 
@@ -64,12 +64,7 @@ def dpo_reference(model, adapter, x, y, cfg: PreferenceConfig):
     else:
         loss = ((logits - 1 / (2 * cfg.beta)) ** 2).mean()
     loss.backward()
-    params = dict(pmodel.named_parameters())
-    grads = {}
-    for i in range(model.config.num_hidden_layers):
-        for t, (_, hf_name) in TARGETS.items():
-            key = f"base_model.model.model.layers.{i}.{hf_name}"
-            grads[(i, t)] = (params[f"{key}.lora_A.default.weight"].grad, params[f"{key}.lora_B.default.weight"].grad)
+    grads = peft_lora_grads(pmodel, model.config.num_hidden_layers)
     chosen_rewards = cfg.beta * (policy[:, 0] - ref[:, 0]).detach()
     pmodel.unload()
     return loss.detach(), grads, chosen_rewards.mean().item()

@@ -743,8 +743,9 @@ def finish(out: Path, model, cfg: TrainConfig, status: str, step: int, loss: flo
         model.scheduler.tracer.write(out / "trace.json")
     adapter = weights = None
     if status == "nan":
-        log.error("the loss or gradient became %s at step %d; stopped. The last good checkpoint is %s; lower --lr "
-                  "(or check the data) and --resume", loss, step, find_checkpoint(out) or "none")
+        log.error("the loss or gradient became not finite (on this rank or another; the loss here: %s) at step %d; "
+                  "stopped. The last good checkpoint is %s; lower --lr (or check the data) and --resume",
+                  loss, step, find_checkpoint(out) or "none")
     elif getattr(model, "lora_cfg", None) is not None:
         adapter = model.save_adapter(out / "adapter")
         write_tokenizer_files(model.store, adapter)  # PeftModel + AutoTokenizer load from this one folder

@@ -111,6 +111,7 @@ def nan_worker(rank, world, store, init_file, out, result_file):
         model.close()
         with open(f"{result_file}.{rank}", "w") as f:
             json.dump({"status": summary["status"], "steps": summary["steps"]}, f)
+        dist.barrier()  # both ranks done before either tears gloo down (an abort in teardown seen in CI)
     finally:
         dist.destroy_process_group()
 

@@ -11,11 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from phantom.config import ModelConfig
-from phantom.placement import Activations, Placement, assign_tiers, loads_per_step, loss_budget, ram_budget
+from phantom import placement as P
+from phantom.placement import Activations, Layout, Placement, loss_budget, ram_budget
 
 ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 ALIGN = 4096  # phantom.store.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
-HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.scheduler's: host buffers from HUGE_MIN get huge pages
+HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.hostmem's: host buffers from HUGE_MIN get huge pages
 FIXED_BYTES = 256 << 20  # LoRA and its optimizer state, allocator slack
 MARGIN = 0.15  # keep this fraction of free memory unused
 PREFETCH = (0, 1, 2, 3, 4, 6, 8)
@@ -31,7 +32,7 @@ def align(n: int) -> int:
 
 
 def host_buffer_bytes(n: int) -> int:
-    """Resident bytes of a phantom.scheduler.HostBuffer of n bytes, at most: from HUGE_MIN it is
+    """Resident bytes of a phantom.hostmem.HostBuffer of n bytes, at most: from HUGE_MIN it is
     backed by huge pages, and the last one is resident whole."""
     step = HUGE_PAGE if n >= HUGE_MIN else ALIGN
     return -(-n // step) * step
@@ -62,6 +63,13 @@ class Shape:
     converts: bool  # store and compute dtypes differ: the RAM tier cannot be used in place
     store_bytes: int  # the store's files: blocks, embedding, head (headers of a few KiB left out)
     dequant_bytes: int = 0  # a quantized store: the compute-dtype bytes each load dequantizes into
+
+    @property
+    def sizes(self) -> P.BlockBytes:
+        """One block's bytes in each tier, as phantom.placement.resolve takes them (and the scheduler
+        gives them from a store: a quantized block is held dequantized on the device)."""
+        return P.BlockBytes(stored=self.block_bytes, budget=self.tier_bytes, slot=self.slot_bytes,
+                            resident=self.dequant_bytes or self.tier_bytes, converts=self.converts)
 
 
 def keep_elems_per_token(cfg: ModelConfig) -> float:
@@ -175,7 +183,7 @@ class MachineProfile:
 class Prediction:
     """A placement and activation policy, and what the cost model predicts for them.
 
-    tiers: each block's tier. bytes_read: read from the store's files per step (the scheduler's
+    layout: where each block lives (phantom.placement.resolve; `tiers` is its tiers). bytes_read: read from the store's files per step (the scheduler's
     `bytes_read`); bytes_h2d: copied into device slots per step. pinned_bytes: page-locked host
     memory (RAM tier and staging, each buffer rounded to 4 KiB as HostBuffer allocates it).
     device_bytes, host_bytes: peak use (on a CPU, host_bytes holds everything). missing: what more
@@ -186,7 +194,7 @@ class Prediction:
     placement: Placement
     activations: Activations
     rows: int
-    tiers: tuple[str, ...]
+    layout: Layout
     step_s: float
     compute_s: float
     transfer_s: float
@@ -224,8 +232,12 @@ class Prediction:
         return self.rows * self.seq_len / self.step_s if self.step_s > 0 else 0.0
 
     @property
+    def tiers(self) -> tuple[str, ...]:
+        return self.layout.tiers
+
+    @property
     def split(self) -> dict[str, int]:
-        return {t: self.tiers.count(t) for t in ("device", "ram", "disk")}
+        return self.layout.split
 
     # What scripts/finetune.py reads of the tuner's answer.
     @property
@@ -243,6 +255,7 @@ class Prediction:
     def to_dict(self) -> dict:
         """Plain JSON types (what `scripts/tune.py --json` prints), with the derived figures beside them."""
         d = dataclasses.asdict(self)
+        d["layout"].update(tiers=list(self.tiers), streamed=list(self.layout.streamed))
         d.update(tiers=list(self.tiers), missing=dict(self.missing), fits=self.fits, split=self.split,
                  tokens_per_s=self.tokens_per_s)
         return d
@@ -251,8 +264,11 @@ class Prediction:
     def from_dict(cls, d: dict) -> "Prediction":
         names = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
+        lay = d["layout"]
+        layout = Layout(**{**lay, "tiers": tuple(lay["tiers"]), "streamed": tuple(lay["streamed"]),
+                           "sizes": P.BlockBytes(**lay["sizes"])})
         return cls(**{**d, "placement": Placement(**d["placement"]), "activations": Activations(**d["activations"]),
-                      "tiers": tuple(d["tiers"]), "missing": tuple(d["missing"].items())})
+                      "layout": layout, "missing": tuple(d["missing"].items())})
 
     def describe(self) -> str:
         s, a = self.split, self.activations
@@ -262,17 +278,18 @@ class Prediction:
                 f"{ {True: 'on', False: 'off', None: 'default'}[a.compile] }")
 
 
-def block_tiers(shape: Shape, profile: MachineProfile, placement: Placement) -> tuple[str, ...]:
-    """Each block's tier, exactly as BlockScheduler assigns them from the same placement and memory."""
-    cpu = profile.host_is_device
-    tiers = assign_tiers(shape.n_blocks, shape.tier_bytes, placement, None if cpu else profile.free_device_bytes,
-                         profile.free_host_bytes, zero_copy=cpu, slot_bytes=shape.slot_bytes,
-                         device_block_bytes=shape.dequant_bytes or None)  # quantized: held dequantized there
-    return tuple("ram" if t == "device" else t for t in tiers) if cpu else tiers
+def layout(shape: Shape, profile: MachineProfile, placement: Placement,
+           tiers: tuple[str, ...] | None = None) -> Layout:
+    """The run's layout as the scheduler resolves it (phantom.placement.resolve) from the same placement
+    and memory; `tiers` fixes each block's tier instead (a plan being checked)."""
+    free = P.FreeMemory(device=None if profile.host_is_device else profile.free_device_bytes,
+                        host=profile.free_host_bytes, unified=profile.device == "mps")
+    return P.resolve(shape.n_blocks, shape.sizes, placement, free, host_is_device=profile.host_is_device,
+                     tiers=tiers)
 
 
 def kept_blocks(shape: Shape, profile: MachineProfile, activations: Activations, rows: int) -> int:
-    """Blocks whose activations are kept, as PhantomModel.keeps decides (the first ones, in order)."""
+    """Blocks whose activations are kept, as BlockExecutor.keeps decides (the first ones, in order)."""
     if activations.recompute != "auto":
         return shape.n_blocks if activations.recompute == "none" else 0
     per_block = rows * shape.keep_bytes_per_row * profile.keep_scale
@@ -297,12 +314,10 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
         step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
     Memory: see `device_memory` and `host_memory`.
     """
-    tiers = tiers or block_tiers(shape, profile, placement)
+    lay = layout(shape, profile, placement, tiers)
+    tiers, streams, slots = lay.tiers, list(lay.streamed), lay.slots
     n, b = shape.n_blocks, activations.micro_batch or rows
     calls = -(-rows // b)
-    in_place = profile.host_is_device and not shape.converts
-    streams = [i for i, t in enumerate(tiers) if t == "disk" or (t == "ram" and not in_place)]
-    slots = placement.prefetch + 1 if streams else 0
     keep = kept_blocks(shape, profile, activations, rows)
     speed = profile.compile_speedup if activations.compile and profile.compile_speedup else 1.0
 
@@ -349,13 +364,13 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     still = set(range(n)) - set(streams)
     step = sum(cf[i] + cb[i] for i in still) + pipe(cf, fwd_loads) + pipe(cb, bwd_loads) + head
     compute = sum(cf) + sum(cb) + head
-    loads = loads_per_step(tiers, placement.prefetch, ram_streams=not in_place)
+    loads = lay.loads_per_step()
     transfer = sum(x(i) for i in fwd_loads + bwd_loads)
     bound = "compute" if step <= 1.1 * compute or transfer == 0 else \
         "disk" if loads["disk"] * disk_s >= (loads["disk"] + loads["ram"]) * link_s else "link"
     missing = shortfall(shape, profile, device, host, margin)
     return Prediction(
-        placement=placement, activations=activations, rows=rows, tiers=tiers, step_s=step, compute_s=compute,
+        placement=placement, activations=activations, rows=rows, layout=lay, step_s=step, compute_s=compute,
         transfer_s=transfer, bound=bound, device_bytes=device, host_bytes=host, pinned_bytes=pinned,
         bytes_read=loads["disk"] * shape.block_bytes,
         bytes_h2d=(loads["ram"] + (0 if profile.host_is_device else loads["disk"])) * shape.block_bytes,
@@ -391,7 +406,8 @@ def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], s
     one aligned block when any streamed block comes from disk. On a CPU the slots are aligned host
     buffers and everything else lives there too.
     """
-    ram = 0 if placement.shared_ram else tiers.count("ram") * align(shape.block_bytes)
+    held = tiers.count("ram") + (tiers.count("device") if profile.host_is_device else 0)  # a CPU's device is RAM
+    ram = 0 if placement.shared_ram else held * align(shape.block_bytes)
     slot = host_buffer_bytes(align(shape.block_bytes))
     if profile.host_is_device:
         rest = slots * slot + (slots * shape.resident_bytes if shape.converts else 0)
@@ -473,10 +489,9 @@ def search(profile: MachineProfile, shape: Shape, rows: int, offloads: tuple[str
                         (R + K + 1) * shape.tier_bytes > max(budgets.device_budget, (K + 1) * shape.tier_bytes):
                     continue  # more resident blocks than the device budget holds beside the slots
                 base = Placement(offload=offload, prefetch=K, resident=R)
-                tiers = block_tiers(shape, profile, dataclasses.replace(base, ram_budget=ram))
+                tiers = layout(shape, profile, dataclasses.replace(base, ram_budget=ram)).tiers
                 place = dataclasses.replace(base, ram_budget=tiers.count("ram") * shape.tier_bytes)
-                streamed = sum(t == "disk" or (t == "ram" and (shape.converts or not profile.host_is_device))
-                               for t in tiers)
+                streamed = len(layout(shape, profile, place, tiers).streamed)
                 if K > max(0, streamed - 1) and K != min(prefetch):
                     continue  # deeper than the streamed blocks: the same as a shallower one
                 for b in micros:

@@ -23,7 +23,9 @@ from phantom.layers import TransformerBlock, fuse_adjacent, lora_disabled, packe
 from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement, loss_budget
-from phantom.scheduler import BlockScheduler, HostBuffer, free_device_bytes, free_host_bytes
+from phantom.hostmem import HostBuffer
+from phantom.memory import free_device_bytes, free_host_bytes
+from phantom.scheduler import BlockScheduler
 from phantom.store import BlockStore, packed_empty
 
 log = logging.getLogger(__name__)
@@ -288,7 +290,7 @@ class PhantomModel(nn.Module):
         """The embedding table for a streamed model: on the device when it fits easily (no token
         round trip through the host), else in host memory (memory-mapped for a disk-tier model)."""
         nbytes = self.cfg.vocab_size * self.cfg.dim * dtype.itemsize
-        if self.device.type == "cuda" and nbytes < torch.cuda.mem_get_info(self.device)[0] // 8:
+        if self.device.type == "cuda" and nbytes < free_device_bytes(self.device) // 8:
             return self.store.load_embed()["tok_embeddings.weight"].to(self.device, dtype)
         if self.offload == "disk" and not self.full:
             return self.store.mmap_embed()
@@ -468,13 +470,13 @@ def default_loss_chunk(vocab_size: int, device: torch.device) -> int:
     of free memory (at most 2 GiB), so a 128k vocabulary runs a few large matmuls, not hundreds of thin
     ones. The model keeps that peak out of the blocks' device budget (device_reserve)."""
     if device.type == "cuda":
-        return max(16, loss_budget(torch.cuda.mem_get_info(device)[0]) // (LOSS_BYTES_PER_LOGIT * vocab_size))
+        return max(16, loss_budget(free_device_bytes(device)) // (LOSS_BYTES_PER_LOGIT * vocab_size))
     return max(16, (64 << 20) // (4 * vocab_size))
 
 
 def default_keep_budget(device: torch.device) -> int:
     """Bytes of kept activations under recompute "auto": half of what is free on the compute side."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] // 2
+        return free_device_bytes(device) // 2
     free = free_host_bytes()  # this rank's share of the host
     return free // 2 if free is not None else 4 << 30

@@ -227,7 +227,7 @@ class HostGradients:
     Args:
         device: the CUDA device the gradients are on.
         alloc: nbytes -> an owner of exactly that many pinned host bytes, whose `.tensor` is a flat
-            uint8 view (phantom.scheduler.HostBuffer); the owner is kept while the buffer is used.
+            uint8 view (phantom.hostmem.HostBuffer); the owner is kept while the buffer is used.
         slots: buffers in flight.
     """
 

@@ -90,10 +90,113 @@ def split_knobs(knobs: dict, *configs):
     return out
 
 
+@dataclass(frozen=True)
+class BlockBytes:
+    """One block's bytes where each tier holds it.
+
+    stored: in the store's files and in host RAM (quantized bytes for a quantized store).
+    budget: the size the RAM tier is budgeted with (the stored block in the compute dtype when that
+        is wider: the budget a RAM tier was always planned with).
+    slot: one device streaming slot (the stored bytes, and the converted copy when dtypes differ).
+    resident: one block kept on the device (compute dtype; dequantized for a quantized store).
+    converts: the compute dtype differs from the stored one (or the store is quantized), so the
+        RAM tier cannot be used in place on a CPU.
+    """
+
+    stored: int
+    budget: int
+    slot: int
+    resident: int
+    converts: bool = False
+
+
+@dataclass(frozen=True)
+class FreeMemory:
+    """Free bytes as the probes measured them (phantom.memory); None: unknown, not a limit.
+
+    `unified`: the device and the host share one memory (Apple silicon, `mps`): what the device tier
+    and the slots take is not there for the RAM tier."""
+
+    device: int | None = None
+    host: int | None = None
+    unified: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where every block of a run lives, resolved once (`resolve`) and read by the scheduler, the cost
+    model, the tuner and the benchmarks: nothing else decides any of it.
+
+    tiers: each block's tier ("device", "ram", "disk"). streamed: the blocks that pass through the
+    device slots (disk, and RAM unless the RAM tier is used in place). slots: prefetch + 1 where any
+    block streams. in_place: the RAM tier is the device memory (a CPU computing in the stored dtype).
+    offload: what "auto" resolved to ("none", "ram", "disk" or "mixed"; others as asked).
+    """
+
+    tiers: tuple[str, ...]
+    streamed: tuple[int, ...]
+    slots: int
+    prefetch: int
+    in_place: bool
+    offload: str
+    sizes: BlockBytes
+
+    @property
+    def split(self) -> dict[str, int]:
+        return {t: self.tiers.count(t) for t in TIERS}
+
+    @property
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes each tier holds: resident blocks on the device (and the slots), the RAM tier, the files."""
+        s = self.split
+        return {"device": s["device"] * self.sizes.resident + self.slots * self.sizes.slot,
+                "ram": s["ram"] * self.sizes.stored, "disk": s["disk"] * self.sizes.stored}
+
+    def streams(self, block: int) -> bool:
+        return block in self.streamed
+
+    def loads_per_step(self) -> dict[str, int]:
+        """Blocks loaded into device slots per training step, by tier (see `loads_per_step`)."""
+        return loads_per_step(self.tiers, self.prefetch, ram_streams=not self.in_place)
+
+
+def resolve(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMemory,
+            host_is_device: bool = False, in_place: bool | None = None,
+            tiers: tuple[str, ...] | None = None) -> Layout:
+    """The whole layout of a run: each block's tier by budget, what streams, the slots.
+
+    host_is_device: a CPU run, whose device memory is host memory: no device tier by budget (only
+    offload "none" keeps every block "on the device", in buffers of its own; a CPU converting blocks
+    streams those from RAM instead). The RAM tier is used where it lies on a CPU whenever a block needs
+    no conversion; in_place=False forces the slot path a GPU takes (tests). `tiers` fixes each
+    block's tier instead of the budgets (a plan being checked, a test); the rest follows from them.
+    """
+    in_place = host_is_device and not sizes.converts and in_place is not False
+    if tiers is not None:
+        if len(tiers) != n_blocks or set(tiers) - set(TIERS):
+            raise ValueError(f"tiers must name one of {', '.join(TIERS)} for each of the {n_blocks} blocks")
+        return _layout(tuple(tiers), placement, sizes, in_place)
+    tiers = assign_tiers(n_blocks, sizes.budget, placement, None if host_is_device else free.device, free.host,
+                         zero_copy=host_is_device, slot_bytes=sizes.slot, device_block_bytes=sizes.resident,
+                         unified=free.unified)
+    if host_is_device and not in_place:  # a CPU converting blocks: what it keeps goes through slots
+        tiers = tuple("ram" if t == "device" else t for t in tiers)
+    return _layout(tiers, placement, sizes, in_place)
+
+
+def _layout(tiers: tuple[str, ...], placement: Placement, sizes: BlockBytes, in_place: bool) -> Layout:
+    streamed = tuple(i for i, t in enumerate(tiers) if t == "disk" or (t == "ram" and not in_place))
+    offload = placement.offload if placement.offload != "auto" else \
+        "ram" if "disk" not in tiers else "disk" if "ram" not in tiers else "mixed"
+    return Layout(tiers=tiers, streamed=streamed, slots=placement.prefetch + 1 if streamed else 0,
+                  prefetch=placement.prefetch, in_place=in_place, offload=offload, sizes=sizes)
+
+
 def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_device: int | None,
                  free_host: int | None, zero_copy: bool = False, slot_bytes: int | None = None,
-                 device_block_bytes: int | None = None) -> tuple[str, ...]:
-    """Each block's tier ("device", "ram" or "disk"), from the placement and the free memory.
+                 device_block_bytes: int | None = None, unified: bool = False) -> tuple[str, ...]:
+    """Each block's tier ("device", "ram" or "disk"), from the placement and the free memory (`resolve`
+    calls it; nothing else should).
 
     The device tier takes the first blocks (which ones does not change the bytes moved). Of the
     streamed blocks, the last prefetch + 1 are still in device slots at the turn from forward to
@@ -101,6 +204,8 @@ def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_dev
     once per step, every other streamed block twice. So the disk tier takes those ends (the last
     ones first) and the RAM set sits in the middle: the fewest bytes read from disk per step. On a
     CPU (`zero_copy`) the RAM tier is used in place, not streamed, and the device tier is the RAM tier.
+    `unified` (Apple silicon): the device tier and the slots come out of the same memory as the RAM
+    tier, so the RAM budget is what the host has left after them.
 
     Args:
         n_blocks, block_bytes: the store's blocks.
@@ -124,6 +229,8 @@ def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_dev
     elif placement.offload == "disk":
         n_ram = 0
     else:
+        if unified and free_host is not None:
+            free_host = max(0, free_host - n_device * (device_block_bytes or block_bytes) - slots)
         budget = placement.ram_budget if placement.ram_budget is not None else ram_budget(free_host)
         n_ram = min(n_blocks - n_device, budget // block_bytes if budget is not None else n_blocks)
     if zero_copy:  # a CPU: blocks in RAM are used where they lie; there is no separate device tier

@@ -33,7 +33,8 @@ from phantom import placement as P
 from phantom.convert import write_synthetic
 from phantom.model import ChunkedHeadLoss, PhantomModel, WeightHandles
 from phantom.quant import QuantFormat
-from phantom.scheduler import HostBuffer
+from phantom.hostmem import HostBuffer
+from phantom.memory import free_device_bytes, free_host_bytes
 from phantom.store import BlockStore, atomic_write_json, dtype_name, parse_dtype, readinto_exact
 
 log = logging.getLogger(__name__)
@@ -114,24 +115,6 @@ def measure_link(device: torch.device, nbytes: int, repeats: int = 3) -> tuple[f
     h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats)
     d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device, repeats)
     return nbytes / h2d / 1e9, nbytes / d2h / 1e9
-
-
-def free_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2  # macOS: half of RAM
-
-
-def free_device_bytes(device: torch.device) -> int | None:
-    """Free device memory; None on a CPU (its blocks live in host memory, counted there)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "mps":
-        return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
-    return None
 
 
 def store_quant(store: BlockStore) -> str | None:

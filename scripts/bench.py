@@ -200,7 +200,7 @@ def hf_steps(model, store: BlockStore, args) -> dict:
 
 def h2d_worker(args) -> dict:
     """Pinned host -> device copies of one block (exactly pinned, as the RAM tier is): the link's peak."""
-    from phantom.scheduler import HostBuffer
+    from phantom.hostmem import HostBuffer
     store = BlockStore(args.store)
     host = HostBuffer(store.block_nbytes, pin=True)
     dev = torch.empty(store.block_nbytes, dtype=torch.uint8, device=args.device)
@@ -372,7 +372,7 @@ def raw_read_gbps(store: BlockStore, threads: int, chunk: int, huge: bool = True
     bytes in flight, no checksum and no scheduler. Only the 4 KiB-aligned part of each block is read,
     into fresh memory as the tier's HostBuffers (huge pages), or with huge=False into 4 KiB pages."""
     from concurrent.futures import ThreadPoolExecutor
-    from phantom.scheduler import HostBuffer, aligned_memory
+    from phantom.hostmem import HostBuffer, aligned_memory
     from phantom.store import DATA_ALIGN
     sizes = [e.nbytes // DATA_ALIGN * DATA_ALIGN for e in store.blocks]
     # fresh memory, as a tier pass's fresh slots

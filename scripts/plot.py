@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-LANES = ["compute", "read", "copy", "stall", "write-back"]
+LANES = ["compute", "read", "copy", "dequant", "stall", "write-back"]
 
 
 def parse_args(argv=None):

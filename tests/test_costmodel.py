@@ -12,6 +12,8 @@ import torch
 
 import phantom
 import phantom.model
+import phantom.hostmem
+import phantom.placement
 import phantom.scheduler
 from phantom import costmodel as cm
 from phantom.config import ModelConfig, preset
@@ -86,7 +88,7 @@ def test_shape_from_the_config_is_the_stores(store):
     assert shape.block_bytes == s.block_nbytes
     assert abs(shape.store_bytes - sum(e.nbytes for e in [s.embed, s.head, *s.blocks])) == 0
     assert cm.ALIGN == DATA_ALIGN
-    assert (cm.HUGE_PAGE, cm.HUGE_MIN) == (phantom.scheduler.HUGE_PAGE, phantom.scheduler.HUGE_MIN)
+    assert (cm.HUGE_PAGE, cm.HUGE_MIN) == (phantom.hostmem.HUGE_PAGE, phantom.hostmem.HUGE_MIN)
     assert shape.converts == (s.dtype != torch.float32)
 
 
@@ -132,7 +134,7 @@ def test_a_host_buffer_is_resident_within_the_cost_models_bytes():
     """A huge-page HostBuffer, touched whole, holds at least its bytes and at most host_buffer_bytes."""
     n = cm.HUGE_MIN + 3 * cm.ALIGN + 5
     torch.zeros(1 << 20).fill_(1)  # the first fill's own allocations (thread pool) not counted
-    buf = phantom.scheduler.HostBuffer(n, pin=False)
+    buf = phantom.hostmem.HostBuffer(n, pin=False)
     before = rss_bytes()
     buf.tensor.fill_(1)
     grown = rss_bytes() - before
@@ -198,8 +200,8 @@ def test_the_scheduler_reads_what_the_split_disk_tier_predicts(store, prefetch, 
     s = BlockStore(store)
     if s.dtype != torch.float32:
         pytest.skip("one store dtype is enough")
-    real = phantom.scheduler.assign_tiers
-    monkeypatch.setattr(phantom.scheduler, "assign_tiers", lambda *a, **k: real(*a, **{**k, "zero_copy": False}))
+    real = phantom.placement.assign_tiers
+    monkeypatch.setattr(phantom.placement, "assign_tiers", lambda *a, **k: real(*a, **{**k, "zero_copy": False}))
     monkeypatch.setattr(phantom.model, "BlockScheduler", functools.partial(BlockScheduler, zero_copy=False))
     shape = cm.shape_of(CFG, "fp32", "fp32", seq_len=16)
     place = Placement(offload="auto", resident=0, prefetch=prefetch, ram_budget=3 * shape.tier_bytes)

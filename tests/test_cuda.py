@@ -108,9 +108,9 @@ def test_ram_tier_pins_exactly_the_blocks(stores):
 
 
 def test_a_huge_page_host_buffer_pins_and_copies_both_ways():
-    """Buffers from HUGE_MIN are huge-page mappings (phantom.scheduler.huge_page_memory): registered with
+    """Buffers from HUGE_MIN are huge-page mappings (phantom.hostmem.huge_page_memory): registered with
     cudaHostRegister like any host memory, copied asynchronously on a side stream, byte for byte."""
-    from phantom.scheduler import HUGE_MIN, HostBuffer
+    from phantom.hostmem import HUGE_MIN, HostBuffer
     n = HUGE_MIN + 4096 + 7
     buf = HostBuffer(n, pin=True)
     assert buf.pinned

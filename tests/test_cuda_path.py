@@ -14,7 +14,8 @@ import torch
 import phantom
 from phantom.convert import write_synthetic
 from phantom.placement import Placement
-from phantom.scheduler import HUGE_MIN, BlockScheduler, HostBuffer
+from phantom.hostmem import HUGE_MIN, HostBuffer
+from phantom.scheduler import BlockScheduler
 from phantom.store import BlockStore
 from conftest import SMALL, batch
 from fake_cuda import fake_cuda
@@ -131,7 +132,7 @@ def test_local_ranks_split_the_host_memory_for_their_ram_tiers(fc, monkeypatch, 
     """Under torchrun with 4 ranks on a machine each rank sizes its pinned RAM tier from a quarter of
     MemAvailable (sized from all of it, 4 ranks would pin 4 machine-sized tiers); a shared tier is one
     copy for all of them and keeps the whole."""
-    import phantom.scheduler as S
+    import phantom.memory as S
     store = BlockStore(small_store)
     block = -(-store.block_nbytes // 4096) * 4096
     per_rank = int((4 << 30) + 2.5 * store.block_nbytes)  # default_ram_budget: 85% less 4 GiB -> ~2 blocks
@@ -240,7 +241,7 @@ def test_the_device_budget_holds_what_the_scheduler_allocates(fc, small_store_bf
         profile = cm.MachineProfile(machine="t", device="cuda")
         blocks = 2 * shape.slot_bytes + sched.resident * shape.resident_bytes
         assert abs(device_bytes(sched) - blocks) <= 2 * 4096  # the model counts what the tensors hold
-        assert cm.block_tiers(shape, profile, sched.placement) == sched.tiers
+        assert cm.layout(shape, profile, sched.placement) == sched.layout
     finally:
         sched.close()
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import phantom
+import phantom.memory
 import phantom.model
+import phantom.placement
 from phantom import quant
 from phantom.config import block_tensor_shapes
 from phantom.convert import quantize_store, write_synthetic
@@ -115,7 +117,8 @@ def test_streamed_quantized_model_equals_resident_dequantized(stores, resident, 
 def test_device_tier_and_resident_load_dequantize_too(stores, resident, monkeypatch):
     """A quantized block kept on the device (dequantized once), and offload="none", equal the reference."""
     three = ("device",) * 2 + ("ram",) * 3 + ("disk",) * 3  # as CUDA places them (a CPU has no device tier)
-    monkeypatch.setattr(BlockScheduler, "_choose_tiers", lambda *a, **k: three)
+    real = phantom.placement.resolve
+    monkeypatch.setattr(phantom.placement, "resolve", lambda *a, **k: real(*a, **{**k, "tiers": three}))
     with phantom.load(stores["nf4"], placement=Placement(prefetch=1)) as model:
         randomize_lora(model)
         assert model.scheduler.tiers == three
@@ -316,10 +319,10 @@ def test_cost_model_places_a_quantized_store_as_the_scheduler_does(stores, monke
     place = Placement(offload="auto", prefetch=1, device_budget=2 * store.block_nbytes + 3 * store.dense_nbytes,
                       ram_budget=3 * store.block_nbytes + 100)
     profile = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=1 << 40, free_host_bytes=1 << 40)
-    planned = cm.block_tiers(shape, profile, place)
-    monkeypatch.setattr(phantom.scheduler, "free_device_bytes", lambda device: 1 << 40)
+    planned = cm.layout(shape, profile, place).tiers
+    monkeypatch.setattr(phantom.memory, "free_device_bytes", lambda device: 1 << 40)
     sched = BlockScheduler.__new__(BlockScheduler)  # its tier choice alone, without allocating on a device
-    sched.store, sched.n_blocks, sched.dtype, sched._zero_copy = store, store.n_blocks, torch.bfloat16, False
-    sched.device, sched.slot_bytes = torch.device("cuda"), shape.slot_bytes
-    assert sched._choose_tiers(place, cpu=False, device_reserve=0) == planned
+    sched.store, sched.n_blocks, sched.dtype = store, store.n_blocks, torch.bfloat16
+    sched.device = torch.device("cuda")
+    assert sched._resolve(place, zero_copy=None, device_reserve=0).tiers == planned
     assert planned.count("ram") == 3 and 0 < planned.count("device") <= 3

@@ -11,7 +11,8 @@ import torch
 
 import phantom
 from phantom.convert import write_synthetic
-from phantom.scheduler import BlockScheduler, WriteBackQueue
+from phantom.scheduler import BlockScheduler
+from phantom.writeback import WriteBackQueue
 from phantom.placement import Placement
 from phantom.store import BlockStore
 from conftest import SMALL, batch

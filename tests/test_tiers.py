@@ -17,6 +17,8 @@ import torch
 
 import phantom
 import phantom.model
+import phantom.hostmem
+import phantom.placement
 import phantom.scheduler
 import phantom.store
 from phantom import costmodel as cm
@@ -112,7 +114,7 @@ def test_device_ram_and_disk_equal_resident(store, resident, prefetch, monkeypat
     """All three tiers at once, as on CUDA: a CPU merges its device tier into RAM, so the tiers are
     given here; resident blocks are kept in buffers of their own, RAM ones used in place, disk streamed."""
     three = ("device",) * 2 + ("ram",) * 3 + ("disk",) * 3
-    monkeypatch.setattr(phantom.scheduler, "assign_tiers", lambda *a, **k: three)
+    monkeypatch.setattr(phantom.placement, "assign_tiers", lambda *a, **k: three)
     first, metrics, tiers, nbytes = run(store, Placement(offload="auto", prefetch=prefetch))
     assert tiers == three
     assert_same(first, resident)
@@ -195,12 +197,12 @@ def advised_huge(t: torch.Tensor) -> bool:
 def test_o_direct_reads_into_huge_page_slots(store, resident, direct_reads, monkeypatch):
     """Slots and the RAM tier from HUGE_MIN bytes are 2 MiB-aligned memory advised for huge pages (an
     O_DIRECT request over scattered 4 KiB pages splits into many segments); reads into them train alike."""
-    monkeypatch.setattr(phantom.scheduler, "HUGE_MIN", phantom.store.DATA_ALIGN)
+    monkeypatch.setattr(phantom.hostmem, "HUGE_MIN", phantom.store.DATA_ALIGN)
     nbytes = phantom.store.BlockStore(store).block_nbytes
     with phantom.load(store, placement=budgets(nbytes, 2, n_ram=3)) as model:
         randomize_lora(model)
         buffers = [s.buf for s in model.scheduler.slots] + [model.scheduler._ram_buffer.tensor]
-        assert all(b.data_ptr() % phantom.scheduler.HUGE_PAGE == 0 and advised_huge(b) for b in buffers)
+        assert all(b.data_ptr() % phantom.hostmem.HUGE_PAGE == 0 and advised_huge(b) for b in buffers)
         assert_same(step(model), resident)
     assert len(direct_reads) > 1
 
@@ -211,18 +213,18 @@ def test_a_kernel_without_huge_pages_still_gets_its_buffer(monkeypatch):
         def madvise(self, *args):
             raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(phantom.scheduler.mmap, "mmap", NoAdvice)
-    buf = phantom.scheduler.HostBuffer(phantom.scheduler.HUGE_MIN, pin=False)
+    monkeypatch.setattr(phantom.hostmem.mmap, "mmap", NoAdvice)
+    buf = phantom.hostmem.HostBuffer(phantom.hostmem.HUGE_MIN, pin=False)
     buf.tensor.fill_(1)
-    assert buf.tensor.numel() == phantom.scheduler.HUGE_MIN and int(buf.tensor[-1]) == 1
+    assert buf.tensor.numel() == phantom.hostmem.HUGE_MIN and int(buf.tensor[-1]) == 1
 
 
 def test_host_buffer_memory_outlives_the_buffer_object_while_a_block_uses_it(monkeypatch):
     """The RAM tier hands out blocks over one allocation: the memory (a mapping, from HUGE_MIN) stays
     mapped as long as a block tensor does, and the exact size asked is what the tensor covers."""
     for huge_min in (phantom.store.DATA_ALIGN, 1 << 40):
-        monkeypatch.setattr(phantom.scheduler, "HUGE_MIN", huge_min)
-        buf = phantom.scheduler.HostBuffer(5 * phantom.store.DATA_ALIGN + 3, pin=False)
+        monkeypatch.setattr(phantom.hostmem, "HUGE_MIN", huge_min)
+        buf = phantom.hostmem.HostBuffer(5 * phantom.store.DATA_ALIGN + 3, pin=False)
         assert buf.tensor.numel() == 5 * phantom.store.DATA_ALIGN + 3
         assert buf.tensor.data_ptr() % phantom.store.DATA_ALIGN == 0
         block = buf.block(phantom.store.DATA_ALIGN, 100)

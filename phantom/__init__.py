@@ -15,7 +15,8 @@ from phantom.lora import LoraConfig
 from phantom.model import MODES, PhantomModel
 from phantom.optim import AdamWConfig
 from phantom.placement import Activations, Placement, split_knobs
-from phantom.store import BlockStore, StoreError, clone_store, parse_dtype
+from phantom.store import BlockStore, StoreError, clone_store
+from phantom.tensorfile import parse_dtype
 
 __all__ = ["load", "Placement", "Activations", "resolve_model", "weights_dir", "LoraConfig", "AdamWConfig", "ModelConfig", "PhantomModel", "BlockStore",
            "StoreError", "PRESETS", "preset"]

@@ -25,7 +25,8 @@ from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shape
 from phantom.family import LLAMA_KEYS, family, from_hf_config
 from phantom.layers import permute_from_hf
 from phantom.quant import QuantFormat
-from phantom.store import BlockStore, StoreError, StoreWriter, block_file, read_header, safe_join
+from phantom.store import BlockStore, StoreError, StoreWriter, block_file, safe_join
+from phantom.tensorfile import read_header
 from phantom.tokenizer import train_tiny_tokenizer
 
 log = logging.getLogger(__name__)

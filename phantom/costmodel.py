@@ -15,7 +15,7 @@ from phantom import placement as P
 from phantom.placement import Activations, Layout, Placement, loss_budget, ram_budget
 
 ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-ALIGN = 4096  # phantom.store.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
+ALIGN = 4096  # phantom.tensorfile.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
 HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.hostmem's: host buffers from HUGE_MIN get huge pages
 FIXED_BYTES = 256 << 20  # LoRA and its optimizer state, allocator slack
 MARGIN = 0.15  # keep this fraction of free memory unused

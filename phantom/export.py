@@ -27,7 +27,9 @@ from phantom.convert import part_shapes, release_pages, tokenizer_files
 from phantom.family import family
 from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
 from phantom.lora import TARGETS, apply_lora, load_adapter, lora_modules, read_adapter_config
-from phantom.store import BlockStore, atomic_write_bytes, fsync_dir, write_safetensors
+from phantom.fileio import atomic_write as atomic_write_bytes, fsync_dir
+from phantom.store import BlockStore
+from phantom.tensorfile import write_safetensors
 from phantom.tokenizer import Tokenizer, sentencepiece_to_json
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,13 @@
-"""Durable files: the one rule every file phantom writes follows, and one line when a write fails.
+"""Durable files: the one rule every file and folder phantom writes follows, and one line when a
+write fails. Every replace in phantom goes through here (tests/test_layout.py checks it).
 
 The rule: a file is either replaced whole (written under a temporary name in its own folder, fsynced,
-renamed over the old one, then the folder fsynced) or appended by whole records (one write of a
-complete line, cut back if it fails part-way; a tail torn by a crash is cut on the next read). A
-reader sees the old or the new version, never a mix. Also: an advisory lock for things made once per
-machine or per folder.
+renamed over the old one, then the folder fsynced: `atomic_write`, `replacing`) or appended by whole
+records (one write of a complete line, cut back if it fails part-way; a tail torn by a crash is cut
+on the next read: `RecordLog`). A folder is built whole under a temporary name and then swapped in
+(`replacing_folder`); a crash between its two renames leaves NAME.old, which `current_folder` finds.
+A reader sees the old or the new version, never a mix. Also: an advisory lock for things made once
+per machine or per folder.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -76,6 +80,101 @@ def atomic_write(path: Path | str, data: bytes | Callable) -> Path:
             Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+@contextlib.contextmanager
+def replacing(path: Path | str):
+    """For writers that need a file name (safetensors, torch.save): yields a temporary path in path's
+    folder; when the block ends, the file is fsynced and renamed over `path`, and the folder fsynced.
+    On an error the temporary file is removed (and an OSError names `path`)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise _named(e, path) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def old_folder(path: Path) -> Path:
+    """Where `replacing_folder` keeps the previous version of path between its two renames."""
+    return path.with_name(f"{path.name}.old")
+
+
+def current_folder(path: Path | str) -> Path | None:
+    """path, or its previous version where a crash fell between replacing_folder's two renames."""
+    path = Path(path)
+    return path if path.exists() else old_folder(path) if old_folder(path).exists() else None
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under root (cheap for files their writer already synced)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(folder)
+
+
+def temp_folder(path: Path | str) -> Path:
+    """A fresh, empty folder beside path, for building what `swap_folder` will put in its place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+
+
+def swap_folder(tmp: Path | str, path: Path | str, crash_point: str = "folder.rename") -> Path:
+    """Put the complete folder tmp in path's place: its contents fsynced, then path -> NAME.old,
+    tmp -> path, NAME.old removed. `crash_point` names the moment between the renames (crash tests)."""
+    tmp, path = Path(tmp), Path(path)
+    fsync_tree(tmp)
+    old = old_folder(path)
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)  # kept until the new one is in place
+    faults.point(crash_point)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+@contextlib.contextmanager
+def replacing_folder(path: Path | str, tmp: Path | str | None = None, crash_point: str = "folder.rename"):
+    """Build a folder that replaces `path` whole: yields a temporary folder beside it (`tmp`, emptied
+    first, or a fresh one); when the block ends it is swapped in (`swap_folder`). On an error the
+    temporary folder is removed and path stays as it was."""
+    path = Path(path)
+    if tmp is None:
+        tmp = temp_folder(path)
+    else:
+        tmp = Path(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        swap_folder(tmp, path, crash_point)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def atomic_write_text(path: Path | str, text: str) -> Path:

@@ -11,12 +11,12 @@ import weakref
 
 import torch
 
-from phantom.store import DATA_ALIGN
+from phantom.tensorfile import DATA_ALIGN
 
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64; arm64 with 4 KiB base pages)
-HUGE_MIN = 16 << 20  # host buffers from this size are backed by huge pages (phantom.store.READ_CHUNK: O_DIRECT)
+HUGE_MIN = 16 << 20  # host buffers from this size are backed by huge pages (phantom.directio.READ_CHUNK: O_DIRECT)
 
 
 def huge_page_memory(nbytes: int, dontfork: bool = False) -> torch.Tensor | None:

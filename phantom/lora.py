@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 
 from phantom.config import ModelConfig
 from phantom.layers import LoraLinear, permute_for_hf, permute_from_hf
-from phantom.store import atomic_write_json, safe_join, write_safetensors, StoreError
+from phantom.fileio import atomic_write_json
+from phantom.store import StoreError, safe_join
+from phantom.tensorfile import write_safetensors
 
 # short target name -> (module path inside a block, PEFT/HF module name, HF parent)
 TARGETS = {

@@ -26,7 +26,8 @@ from phantom.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement, loss
 from phantom.hostmem import HostBuffer
 from phantom.memory import free_device_bytes, free_host_bytes
 from phantom.scheduler import BlockScheduler
-from phantom.store import BlockStore, packed_empty
+from phantom.store import BlockStore
+from phantom.tensorfile import packed_empty
 
 log = logging.getLogger(__name__)
 

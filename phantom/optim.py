@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from torch.optim.adamw import adamw as adamw_functional
 
 from phantom import faults
-from phantom.store import write_safetensors
+from phantom.tensorfile import write_safetensors
 
 TIERS = ("ram", "disk", "device")  # where a block's master weights and moments live
 

@@ -21,7 +21,8 @@ from phantom import placement as P
 from phantom.hostmem import HostBuffer, register_read_only
 from phantom.memory import free_memory
 from phantom.placement import Placement
-from phantom.store import BlockStore, packed_empty
+from phantom.store import BlockStore
+from phantom.tensorfile import packed_empty
 from phantom.trace import Metrics, Tracer
 from phantom.transfer import Slot, transfer_for
 from phantom.writeback import WriteBackQueue
@@ -167,7 +168,7 @@ class BlockScheduler:
                 self._advance_plan_to(block)
                 self._pos += 1
             return self._resident_views[block]
-        if self._zero_copy and self.tiers[block] == "ram":
+        if not self._streams(block):  # the RAM tier used where it lies (a CPU)
             with self._cv:
                 self._advance_plan_to(block)
                 self._pos += 1
@@ -202,7 +203,7 @@ class BlockScheduler:
 
         A deferred checksum of the block's bytes is checked here: a corrupt file stops training in the
         training thread, and the slot is not reused before its bytes were hashed."""
-        if block in self._resident_views or (self._zero_copy and self.tiers[block] == "ram"):
+        if not self._streams(block):
             return
         with self._cv:
             slot = self._slot_holding(block)

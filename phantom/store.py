@@ -2,404 +2,40 @@
 
 A store is written into a temporary folder and renamed into place, every file fsynced, so a crash
 leaves no half-written store. It is read back block by block into reusable flat byte buffers:
-one read per block, tensor views by offset.
+one read per block (phantom.directio), tensor views by offset (phantom.tensorfile), each file's
+checksum checked on its first read (phantom.checksum).
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
 import math
 import os
 import shutil
-import struct
-import tempfile
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from phantom.config import (FUSED_PROJECTIONS, ModelConfig, block_tensor_shapes, embed_tensor_shapes,
-                            head_tensor_shapes)
 from phantom import faults, fileio, quant
+from phantom.checksum import Checksums, crc32_chunks, crc32_impl
+from phantom.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.directio import readinto_exact
+from phantom.fileio import atomic_write_json
 from phantom.quant import QuantError, QuantFormat
+from phantom.tensorfile import (CODE_DTYPES, DTYPE_CODES, StoreError, TensorSpec, check_specs, dtype_name,
+                                header_digest, packed_empty, parse_dtype, read_header, tensor_order, views,
+                                write_safetensors)
 
 log = logging.getLogger(__name__)
 
 FORMAT = "phantom-store"
 VERSION = 1
 MANIFEST = "manifest.json"
-MAX_HEADER_BYTES = 100 << 20  # a safetensors header is a few KB; refuse absurd claims before reading
-DATA_ALIGN = 4096  # file offset and buffer alignment of O_DIRECT reads
-READ_CHUNK = 16 << 20  # bytes per read request; several are in flight at once
-READ_THREADS = 8  # requests in flight, all loaders together (a deep queue rides out threads waiting for a CPU)
-CHECK_CHUNK = 16 << 20  # verify "fast": one crc32 per this many bytes of a file's data section (see Checksums)
-CHECK_THREADS = 2  # crc32 of a block's chunks in parallel where the read did not hash them (crc32_chunks)
-try:  # ISA-L's crc32 (isal, a dependency): zlib's values, several times faster; both release the GIL
-    from isal.isal_zlib import crc32
-    CRC32 = "isal"
-except ImportError:
-    from zlib import crc32
-    CRC32 = "zlib"
-
-DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-               torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
-DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
-               "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-
-class StoreError(ValueError):
-    """A store (or a file in it) is missing, corrupt or does not match its manifest."""
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16")
-    return DTYPE_NAMES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# ---------------------------------------------------------------------------------------------
-# Atomic files
-
-# One rule for every file written (phantom.fileio): temp in the same folder, fsync, rename, fsync the folder.
-fsync_dir, atomic_write_bytes, atomic_write_json = fileio.fsync_dir, fileio.atomic_write, fileio.atomic_write_json
-
-
-# ---------------------------------------------------------------------------------------------
-# safetensors, written and read directly so a block is one contiguous byte range we control
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # byte offset inside the data section
-    end: int
-
-
-_GROUP_RANK = {n: k for k, n in enumerate(n for group in FUSED_PROJECTIONS.values() for n in group)}
-
-
-def tensor_order(itemsize: dict[str, int]) -> list[str]:
-    """The order tensors are laid out in a file written by phantom (name -> element size in bytes).
-
-    Larger elements first keeps every tensor aligned to its element size inside the data section;
-    then each group of FUSED_PROJECTIONS back to back, in its order, so a block reads them as one
-    matrix (older stores, ordered by name alone, still load: unfused)."""
-    return sorted(itemsize, key=lambda n: (-itemsize[n], _GROUP_RANK.get(n, len(_GROUP_RANK)), n))
-
-
-def _order(tensors: dict[str, torch.Tensor]) -> list[str]:
-    return tensor_order({n: t.element_size() for n, t in tensors.items()})
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> dict:
-    """Write a safetensors file (fsynced); returns {"size", "sha256", "crc32"} of the bytes written
-    (the manifest's entry for it: see Checksums)."""
-    header, offset = {}, 0
-    for name in _order(tensors):
-        t = tensors[name]
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    if metadata:
-        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
-    hbytes = json.dumps(header, separators=(",", ":")).encode()
-    # Pad (spaces are valid JSON whitespace) so the data section starts on a 4 KiB boundary: block
-    # reads can then bypass the page cache with O_DIRECT, which needs aligned file offsets.
-    hbytes += b" " * (-(len(hbytes) + 8) % DATA_ALIGN)
-    digest = Checksums()
-    try:
-        _write_safetensors(path, hbytes, tensors, digest)
-    except OSError as e:  # disk full: no half-written file stays, and the error names the file
-        Path(path).unlink(missing_ok=True)
-        raise e if e.filename else OSError(e.errno, e.strerror, str(path)) from None
-    return {"size": 8 + len(hbytes) + offset, **digest.record()}
-
-
-def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tensor], digest) -> None:
-    with open(path, "wb") as f:
-        faults.io_point(path)  # tests: a full disk here
-        for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
-            f.write(chunk)
-            digest.update_header(chunk)
-        faults.point("file.write")  # crash tests: a file with its header and no data
-        for name in _order(tensors):
-            t = tensors[name].detach().contiguous().cpu()
-            raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
-            f.write(raw)
-            digest.update(raw)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-# ---------------------------------------------------------------------------------------------
-# Checksums
-#
-# A file's manifest entry carries two checksums of the same bytes:
-#   "sha256": of the whole file (a linked file: of its data section). verify "full" checks it, and
-#       verify "fast" does on stores written before "crc32" was recorded (they open and verify as ever).
-#   "crc32": {"chunk": C, "header": crc32 of the bytes before the data section (absent for a linked
-#       file, which has no header of its own), "data": [crc32 of data bytes [k*C, (k+1)*C), for every k]}:
-#       what verify "fast" checks on a file's first read. crc32 releases the GIL and is cheaper than
-#       sha256, ISA-L's far cheaper where `isal` is installed (same values; one core of the AMD EPYC of
-#       notes/bench-tiers.md, 256 MiB: sha256 1.8 GB/s, zlib 2.9-4.2, isal 17-28): each read request's
-#       thread hashes its pieces as they land, beside the requests still in flight (readinto_exact), so
-#       checking takes a fraction of the CPU that sha256 took from the compute. Linked files, and mapped
-#       ones, are hashed after the read, their pieces in parallel (crc32_chunks).
-# crc32 finds every error burst of up to 32 bits and other damage but for a 2^-32 chance per chunk; it
-# is no defence against deliberate tampering (sha256, verify "full", is).
-
-class Checksums:
-    """A file's checksums as it is written: sha256 of every byte (unless sha256=False), crc32 of the
-    header (bytes given to update_header) and of each `chunk` bytes of the data (given to update)."""
-
-    def __init__(self, chunk: int | None = None, sha256: bool = True):
-        self.sha = hashlib.sha256() if sha256 else None
-        self.chunk, self.header, self.data = chunk or CHECK_CHUNK, None, []
-        self._crc, self._fill = 0, 0
-
-    def update_header(self, b) -> None:
-        if self.sha is not None:
-            self.sha.update(b)
-        self.header = crc32(b, self.header or 0)
-
-    def update(self, b) -> None:
-        if self.sha is not None:
-            self.sha.update(b)
-        mv = memoryview(b).cast("B")
-        while len(mv):
-            take = min(self.chunk - self._fill, len(mv))
-            self._crc = crc32(mv[:take], self._crc)
-            self._fill += take
-            mv = mv[take:]
-            if self._fill == self.chunk:
-                self.data.append(self._crc)
-                self._crc, self._fill = 0, 0
-
-    def crc32(self) -> dict:
-        """The manifest's "crc32" record of the bytes so far."""
-        data = self.data + ([self._crc] if self._fill else [])
-        return {"chunk": self.chunk, **({"header": self.header} if self.header is not None else {}), "data": data}
-
-    def record(self) -> dict:
-        return {"sha256": self.sha.hexdigest(), "crc32": self.crc32()}
-
-
-_check_pool: ThreadPoolExecutor | None = None
-
-
-def crc32_chunks(mv: memoryview, chunk: int) -> list[int]:
-    """crc32 of each `chunk` bytes of mv (the last piece may be shorter), CHECK_THREADS at once."""
-    global _check_pool
-    pieces = [mv[a:a + chunk] for a in range(0, len(mv), chunk)]
-    if len(pieces) <= 1 or CHECK_THREADS <= 1:
-        return [crc32(p) for p in pieces]
-    with _pool_lock:
-        if _check_pool is None:
-            _check_pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="phantom-crc32")
-    return list(_check_pool.map(crc32, pieces))
-
-
-def read_header(path: Path) -> tuple[list[TensorSpec], int]:
-    """Tensor specs and the byte offset of the data section; raises StoreError on a bad header."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise StoreError(f"{path}: truncated (no safetensors header)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise StoreError(f"{path}: corrupt safetensors header (claims {n} bytes in a {size}-byte file)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise StoreError(f"{path}: corrupt safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise StoreError(f"{path}: corrupt safetensors header (not a JSON object)")
-    specs = []
-    try:
-        for name, h in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = CODE_DTYPES[h["dtype"]]
-            start, end = (int(x) for x in h["data_offsets"])
-            shape = tuple(int(s) for s in h["shape"])
-            numel = 1
-            for s in shape:
-                numel *= s
-            if start < 0 or end - start != numel * torch.empty((), dtype=dtype).element_size():
-                raise StoreError(f"{path}: tensor {name} has offsets {start}..{end} that do not fit its shape")
-            specs.append(TensorSpec(name, dtype, shape, start, end))
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, StoreError):
-            raise
-        raise StoreError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
-    data_start = 8 + n
-    data_len = max((s.end for s in specs), default=0)
-    if data_start + data_len > size:
-        raise StoreError(f"{path}: truncated ({size} bytes, header needs {data_start + data_len})")
-    return sorted(specs, key=lambda s: s.start), data_start
-
-
-def check_specs(path: Path, specs: list[TensorSpec], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                dtypes: dict[str, torch.dtype] | None = None):
-    """Refuse a file whose tensors are not expected's names and shapes, each in dtype (or dtypes[name])."""
-    got = {s.name: s.shape for s in specs}
-    if got != expected:
-        missing = sorted(set(expected) - set(got))
-        extra = sorted(set(got) - set(expected))
-        wrong = sorted(n for n in set(got) & set(expected) if got[n] != expected[n])
-        detail = "; ".join(x for x in (missing and f"missing {missing}", extra and f"unexpected {extra}",
-                                       wrong and f"wrong shape {[(n, got[n], expected[n]) for n in wrong]}") if x)
-        raise StoreError(f"{path}: tensors do not match the model config ({detail})")
-    bad = [s.name for s in specs if s.dtype != (dtypes or {}).get(s.name, dtype)]
-    if bad:
-        want = sorted({dtype_name((dtypes or {}).get(n, dtype)) for n in bad})
-        raise StoreError(f"{path}: tensors {bad} are not {'/'.join(want)} as the manifest says")
-
-
-def views(buf: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
-    """Tensor views into a flat uint8 buffer holding a file's data section."""
-    return {s.name: buf[s.start:s.end].view(s.dtype).view(s.shape) for s in specs}
-
-
-def packed_empty(like: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Uninitialized tensors shaped as `like`, back to back in one buffer in like's order: a block
-    converted to another dtype or device keeps its file layout (and so its fused groups)."""
-    flat = torch.empty(sum(t.numel() for t in like.values()), dtype=dtype, device=device)
-    out, start = {}, 0
-    for name, t in like.items():
-        out[name] = flat[start:start + t.numel()].view(t.shape)
-        start += t.numel()
-    return out
-
-
-_read_pool: ThreadPoolExecutor | None = None
-_direct_ok: dict[int, bool] = {}  # st_dev -> O_DIRECT works there
-_pool_lock = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _read_pool
-    with _pool_lock:
-        if _read_pool is None:
-            _read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="phantom-read")
-        return _read_pool
-
-
-def _open_direct(path: Path) -> int | None:
-    """An O_DIRECT descriptor of path, or None where the filesystem refuses it (tmpfs, some FUSE)."""
-    if not hasattr(os, "O_DIRECT"):
-        return None
-    dev = path.stat().st_dev
-    if _direct_ok.get(dev) is False:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-        log.info("%s: O_DIRECT not supported on this filesystem; reading through the page cache", path)
-        _direct_ok[dev] = False
-        return None
-    _direct_ok[dev] = True
-    return fd
-
-
-def _pread_exact(fd: int, mv: memoryview, offset: int, path: Path, crc_chunk: int = 0) -> list[int] | None:
-    got = 0
-    while got < len(mv):
-        n = os.preadv(fd, [mv[got:]], offset + got)
-        if not n:
-            raise StoreError(f"{path}: truncated while reading ({got} of {len(mv)} bytes at offset {offset})")
-        got += n
-    if crc_chunk:  # hashed by this request's thread while the other requests are still in flight
-        return [crc32(mv[a:a + crc_chunk]) for a in range(0, len(mv), crc_chunk)]
-    return None
-
-
-def _read_jobs(jobs: list[tuple[int, int, int, int]], mv: memoryview, offset: int, path: Path) -> list:
-    """Run (fd, start, end, crc_chunk) reads into mv, in parallel; every read has ended before an error
-    is raised, so a caller may reuse (or re-read into) the buffer at once. Returns each job's crc32s."""
-    if len(jobs) == 1:
-        fd, a, b, c = jobs[0]
-        return [_pread_exact(fd, mv[a:b], offset + a, path, c)]
-    futures = [_pool().submit(_pread_exact, f, mv[a:b], offset + a, path, c) for f, a, b, c in jobs]
-    errors = [fut.exception() for fut in futures]
-    if err := next((e for e in errors if e is not None), None):
-        raise err
-    return [fut.result() for fut in futures]
-
-
-def readinto_exact(path: Path, offset: int, buf: torch.Tensor, drop_cache: bool = False,
-                   direct: bool = True, crc_chunk: int = 0) -> list[int] | None:
-    """Read len(buf) bytes at offset into a contiguous CPU uint8 tensor, several requests in flight.
-
-    Where the file offset and the buffer are 4 KiB aligned the aligned part is read with O_DIRECT:
-    no copy through the page cache, and a model larger than RAM does not evict everything else (the
-    block tier's access is cyclic, the worst case for an LRU cache). Elsewhere, buffered reads;
-    drop_cache then asks the kernel to forget the pages afterwards (cold-read benchmarks).
-    `os.preadv` releases the GIL, so the chunks are read in parallel by a small thread pool.
-
-    With crc_chunk, returns the crc32 of each crc_chunk bytes of buf (the last piece may be shorter):
-    each request covers whole pieces and its thread hashes them as soon as its bytes are in, beside
-    the requests still in flight, so checking adds about one piece's hash to the read (crc32 releases
-    the GIL). A crc_chunk that is not a multiple of 4 KiB or exceeds READ_CHUNK is hashed after the read.
-    """
-    mv = memoryview(buf.numpy()).cast("B")
-    n = len(mv)
-    if crc_chunk and (crc_chunk % DATA_ALIGN or crc_chunk > READ_CHUNK):
-        readinto_exact(path, offset, buf, drop_cache, direct)
-        return crc32_chunks(mv, crc_chunk)
-    step = READ_CHUNK // crc_chunk * crc_chunk if crc_chunk else READ_CHUNK  # requests hold whole pieces
-    aligned = (n // DATA_ALIGN * DATA_ALIGN) if direct and offset % DATA_ALIGN == 0 and \
-        buf.data_ptr() % DATA_ALIGN == 0 else 0
-    dfd = _open_direct(Path(path)) if aligned >= READ_CHUNK else None
-    if dfd is None:
-        aligned = 0
-    fd = os.open(path, os.O_RDONLY)
-    tail = 0 < aligned < n  # the last few bytes past O_DIRECT's reach, hashed below onto their piece's crc32
-    try:
-        jobs = [(dfd, a, min(a + step, aligned), crc_chunk) for a in range(0, aligned, step)]
-        jobs += [(fd, a, min(a + step, n), 0 if tail else crc_chunk) for a in range(aligned, n, step)]
-        try:
-            sums = _read_jobs(jobs, mv, offset, path)
-        except OSError as e:  # open accepted O_DIRECT but reads refuse it (some FUSE, network filesystems)
-            if dfd is None or e.errno != errno.EINVAL:
-                raise
-            log.info("%s: O_DIRECT reads refused (%s); reading through the page cache", path, e)
-            _direct_ok[os.fstat(dfd).st_dev] = False
-            sums, tail = _read_jobs([(fd, a, min(a + step, n), crc_chunk) for a in range(0, n, step)], mv, offset,
-                                    path), False
-        if drop_cache and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-        if dfd is not None:
-            os.close(dfd)
-    if not crc_chunk:
-        return None
-    crcs = [c for job in sums if job for c in job]
-    if tail:  # under 4 KiB, inside one piece (pieces are 4 KiB multiples): continue that piece's crc32
-        if aligned % crc_chunk:
-            crcs[-1] = crc32(mv[aligned:], crcs[-1])
-        else:
-            crcs.append(crc32(mv[aligned:]))
-    return crcs
-
 
 def safe_join(root: Path, rel: str) -> Path:
     """root/rel, refusing absolute paths, '..' and symbolic links that leave root."""
@@ -435,7 +71,7 @@ class StoreWriter:
         if self.out.exists() and not overwrite:
             raise FileExistsError(f"{self.out} already exists; remove it or choose another --out")
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.", suffix=".tmp"))
+        self.tmp = fileio.temp_folder(self.out)
         (self.tmp / "blocks").mkdir()
         self.files: dict[str, dict] = {}
         self.tokenizer: str | None = None
@@ -524,17 +160,7 @@ class StoreWriter:
                     **({"quantization": quant_record(self.quant, self.cfg, self.dtype)} if self.quant else {}),
                     **(extra or {})}
         atomic_write_json(self.tmp / MANIFEST, manifest)
-        fsync_dir(self.tmp / "blocks")
-        if self.out.exists():  # overwrite: move the old store aside only once the new one is complete
-            old = self.out.with_name(f".{self.out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(self.out, old)
-            os.replace(self.tmp, self.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.out)
-        fsync_dir(self.out.parent)
-        return self.out
+        return fileio.swap_folder(self.tmp, self.out)  # overwrite: the old store goes only once this one is complete
 
 
 def quant_record(fmt: QuantFormat, cfg: ModelConfig, dtype: torch.dtype) -> dict:
@@ -568,11 +194,14 @@ class BlockStore:
             first time it is read (its crc32 record, or its sha256 where the manifest has none: see
             Checksums); "full" checks every file's sha256 on open; "none" skips checksums.
         drop_cache: evict each block file from the page cache after reading it (cold reads).
+        crc32: the crc32 implementation reads check with (phantom.checksum.CRC32_IMPLS; default the
+            fastest here): the values are the same, the speed is not (benchmarks compare them).
     """
 
-    def __init__(self, path: Path | str, verify: str = "fast", drop_cache: bool = False):
+    def __init__(self, path: Path | str, verify: str = "fast", drop_cache: bool = False, crc32: str | None = None):
         self.path = Path(path)
         self.drop_cache = drop_cache
+        self.crc = crc32_impl(crc32)
         if verify not in ("fast", "full", "none"):
             raise ValueError(f"verify must be fast, full or none, not {verify!r}")
         mpath = self.path / MANIFEST
@@ -748,7 +377,7 @@ class BlockStore:
         """A file's data section into buf: one read, or one per linked range. Under verify "fast" a
         file with a crc32 record is checked by the read itself on its first read (readinto_exact)."""
         if self.verify == "fast" and e.crc is not None and not e.segments and str(e.path) not in self._verified:
-            self._check_crc(e, readinto_exact(e.path, e.data_start, buf, drop_cache, crc_chunk=e.crc[0]))
+            self._check_crc(e, readinto_exact(e.path, e.data_start, buf, drop_cache, crc_chunk=e.crc[0], crc=self.crc))
             self._verified.add(str(e.path))
             return
         pos = 0
@@ -791,9 +420,9 @@ class BlockStore:
         its header (read again: a few KB, in the page cache since open)."""
         chunk = e.crc[0]
         if data is not None:
-            got = crc32_chunks(memoryview(data.numpy()).cast("B"), chunk)
+            got = crc32_chunks(memoryview(data.numpy()).cast("B"), chunk, self.crc)
         else:
-            sums = Checksums(chunk, sha256=False)
+            sums = Checksums(chunk, sha256=False, crc=self.crc)
             for piece in segment_pieces(e.segments or ((e.path, e.data_start, e.nbytes),)):
                 sums.update(piece)
             got = sums.crc32()["data"]
@@ -808,7 +437,7 @@ class BlockStore:
             bad = f"data ({len(got)} pieces, not {len(expected)})"
         if bad is None and header is not None:
             with open(e.path, "rb") as f:
-                if crc32(f.read(e.data_start)) != header:
+                if self.crc(f.read(e.data_start)) != header:
                     bad = "header"
         if bad is None:
             return
@@ -894,10 +523,8 @@ class BlockStore:
         got = {k: tuple(v.shape) for k, v in tensors.items()}
         if got != {s.name: s.shape for s in old.specs}:
             raise ValueError(f"{rel}: new tensors {got} do not match the file's layout")
-        tmp = old.path.with_name(f".{old.path.name}.tmp")
-        info = write_safetensors(tmp, {k: v.to(self.dtype) for k, v in tensors.items()})
-        os.replace(tmp, old.path)
-        fsync_dir(old.path.parent)
+        with fileio.replacing(old.path) as tmp:
+            info = write_safetensors(tmp, {k: v.to(self.dtype) for k, v in tensors.items()})
         faults.point("store.rewrite")  # crash tests: new file in place, manifest not yet updated
         with self._manifest_lock:
             self.manifest["files"][rel] = info
@@ -941,9 +568,7 @@ def link_tree(src: Path, dst: Path) -> Path:
     create new files and leave the other's untouched. Built under a temporary name, then renamed.
     """
     src, dst = Path(src), Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp"))
-    try:
+    with fileio.replacing_folder(dst) as tmp:
         for f in sorted(src.rglob("*")):
             if f.is_symlink():
                 raise StoreError(f"{f}: symbolic links are not allowed in a store")
@@ -958,18 +583,6 @@ def link_tree(src: Path, dst: Path) -> Path:
                 os.link(f, target)
             except OSError:
                 shutil.copyfile(f, target)
-        if dst.exists():
-            old = dst.with_name(f".{dst.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(dst.parent)
     return dst
 
 
@@ -987,14 +600,6 @@ def link_tree(src: Path, dst: Path) -> Path:
 # (so the recorded offsets still hold); a linked file's sha256 and crc32 record (no "header") are of its
 # data section, checked as any file's. Sources are only ever read. A name in "files" takes precedence
 # over a link of the same name.
-
-def header_digest(path: Path) -> str:
-    """sha256 of a safetensors file's length prefix and JSON header (what fixes its tensors' offsets)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
-        return hashlib.sha256(raw + f.read(min(n, MAX_HEADER_BYTES))).hexdigest()
-
 
 def segment_pieces(segments):
     """The bytes of (file, offset, nbytes) ranges, in order, 16 MB at a time."""

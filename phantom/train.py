@@ -38,7 +38,8 @@ from phantom.generate import generate
 from phantom.model import default_keep_budget
 from phantom.preference import REFERENCE_FILE, PairRows, Preference, PreferenceConfig, cached_reference, \
     compute_reference, reference_key
-from phantom.store import link_tree, write_safetensors
+from phantom.store import link_tree
+from phantom.tensorfile import write_safetensors
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ import torch
 
 from phantom import quant
 from phantom.hostmem import HostBuffer
-from phantom.store import DATA_ALIGN, BlockStore, packed_empty
+from phantom.store import BlockStore
+from phantom.tensorfile import DATA_ALIGN, packed_empty
 from phantom.trace import LoadStats, Tracer
 
 

@@ -35,7 +35,10 @@ from phantom.model import ChunkedHeadLoss, PhantomModel, WeightHandles
 from phantom.quant import QuantFormat
 from phantom.hostmem import HostBuffer
 from phantom.memory import free_device_bytes, free_host_bytes
-from phantom.store import BlockStore, atomic_write_json, dtype_name, parse_dtype, readinto_exact
+from phantom.directio import readinto_exact
+from phantom.fileio import atomic_write_json
+from phantom.store import BlockStore
+from phantom.tensorfile import dtype_name, parse_dtype
 
 log = logging.getLogger(__name__)
 

@@ -42,13 +42,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
+import phantom.checksum  # noqa: E402
+import phantom.directio  # noqa: E402
+import phantom.fileio  # noqa: E402
 from phantom import cli  # noqa: E402
 from phantom import costmodel as cm  # noqa: E402
 from phantom import tune  # noqa: E402
@@ -56,7 +58,8 @@ from phantom.config import ModelConfig, block_tensor_shapes  # noqa: E402
 from phantom.convert import write_synthetic  # noqa: E402
 from phantom.placement import parse_bytes, split_knobs  # noqa: E402
 from phantom.preference import Preference, PreferenceConfig  # noqa: E402
-from phantom.store import BlockStore, dtype_name  # noqa: E402
+from phantom.store import BlockStore  # noqa: E402
+from phantom.tensorfile import dtype_name  # noqa: E402
 
 MODES = {  # name -> load arguments
     "resident": dict(offload="none"),
@@ -373,7 +376,7 @@ def raw_read_gbps(store: BlockStore, threads: int, chunk: int, huge: bool = True
     into fresh memory as the tier's HostBuffers (huge pages), or with huge=False into 4 KiB pages."""
     from concurrent.futures import ThreadPoolExecutor
     from phantom.hostmem import HostBuffer, aligned_memory
-    from phantom.store import DATA_ALIGN
+    from phantom.tensorfile import DATA_ALIGN
     sizes = [e.nbytes // DATA_ALIGN * DATA_ALIGN for e in store.blocks]
     # fresh memory, as a tier pass's fresh slots
     host = HostBuffer(sum(sizes), pin=False).tensor if huge else aligned_memory(sum(sizes))
@@ -460,20 +463,20 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
     alternate the contenders, and medians are compared. The cost model gets this run's disk-tier
     rate and a compute rate fitted to the all-RAM row; its two streamed predictions are out of sample."""
     from phantom import costmodel as cm
-    from phantom.store import dtype_name
+    from phantom.tensorfile import dtype_name
     k, n, nb = int(args.prefetch.split(",")[0]), store.n_blocks, store.block_nbytes
-    if not hasattr(os, "O_DIRECT") or phantom.store._open_direct(store.blocks[0].path) is None:
+    if not hasattr(os, "O_DIRECT") or phantom.directio._open_direct(store.blocks[0].path) is None:
         print(f"error: {store.path} is on a filesystem without O_DIRECT; put the store (--store, or run from a "
               f"folder) on the drive to measure", file=sys.stderr)
         sys.exit(2)
-    if nb < phantom.store.READ_CHUNK:
-        print(f"note: blocks of {nb >> 20} MiB are read buffered (O_DIRECT from {phantom.store.READ_CHUNK >> 20} "
+    if nb < phantom.directio.READ_CHUNK:
+        print(f"note: blocks of {nb >> 20} MiB are read buffered (O_DIRECT from {phantom.directio.READ_CHUNK >> 20} "
               f"MiB); use a larger --dim to measure the drive", file=sys.stderr)
     load = [shell("uptime")]
     grid = {(t, c << 20): raw_read_gbps(store, t, c << 20) for t in (1, 2, 4, 8) for c in (4, 16)}
     best = max(grid, key=grid.get)  # the raw read's best configuration, then raced against the tier
     crc = store.blocks[0].crc
-    checked = (f"crc32 ({phantom.store.CRC32}) of each {crc[0] >> 20} MiB, hashed by the read's threads"
+    checked = (f"crc32 ({phantom.checksum.CRC32}) of each {crc[0] >> 20} MiB, hashed by the read's threads"
                if crc is not None else "sha256 (this store's manifest has no crc32)")
     old = Path(tempfile.mkdtemp(dir=store.path.parent, prefix=".diskread-")) if crc is not None else None
     try:
@@ -482,17 +485,13 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
             m = json.loads((old / "store" / phantom.store.MANIFEST).read_text())
             for info in [*m["files"].values(), *m.get("links", {}).get("files", {}).values()]:
                 info.pop("crc32", None)
-            phantom.store.atomic_write_json(old / "store" / phantom.store.MANIFEST, m)  # a new file, not the link
+            phantom.fileio.atomic_write_json(old / "store" / phantom.store.MANIFEST, m)  # a new file, not the link
         def with_zlib() -> float:  # the first pass where the isal package is not installed
-            isal, phantom.store.crc32 = phantom.store.crc32, zlib.crc32
-            try:
-                return tier_pass_gbps(BlockStore(store.path, verify="fast"), k)
-            finally:
-                phantom.store.crc32 = isal
+            return tier_pass_gbps(BlockStore(store.path, verify="fast", crc32="zlib"), k)
         contenders = {"raw": lambda: raw_read_gbps(store, *best),
                       "plain": lambda: raw_read_gbps(store, *best, huge=False),  # into 4 KiB pages
                       "first": lambda: tier_pass_gbps(BlockStore(store.path, verify="fast"), k)}  # reads + checksums
-        if old is not None and phantom.store.CRC32 != "zlib":
+        if old is not None and phantom.checksum.CRC32 != "zlib":
             contenders["zlib"] = with_zlib
         if old is not None:
             contenders["sha256"] = lambda: tier_pass_gbps(BlockStore(old / "store", verify="fast"), k)  # + sha256
@@ -773,7 +772,7 @@ def main(argv=None):
             else:
                 cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                                   vocab_size=args.vocab, max_seq_len=max(args.seq_len, 256))
-            args.store = str(write_synthetic(Path(tmp) / "bench", cfg, phantom.store.parse_dtype(args.dtype)))
+            args.store = str(write_synthetic(Path(tmp) / "bench", cfg, phantom.tensorfile.parse_dtype(args.dtype)))
         store = BlockStore(args.store)
         block_mb = store.block_nbytes / 2**20
         if args.modes in ("diskread", "quant"):  # their own tables, in notes/bench-tiers.md, notes/bench-quant.md

@@ -16,7 +16,7 @@ from phantom import cli  # noqa: E402
 from phantom.cli import STORE_DTYPES  # noqa: E402
 from phantom.convert import disk_usage  # noqa: E402
 from phantom.export import export  # noqa: E402
-from phantom.store import parse_dtype  # noqa: E402
+from phantom.tensorfile import parse_dtype  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

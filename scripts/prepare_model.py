@@ -19,7 +19,7 @@ from phantom.cli import STORE_DTYPES  # noqa: E402
 from phantom.config import PRESETS, preset  # noqa: E402
 from phantom.convert import convert_checkpoint, disk_usage, quantize_store, write_synthetic  # noqa: E402
 from phantom.quant import METHODS, QuantFormat  # noqa: E402
-from phantom.store import parse_dtype  # noqa: E402
+from phantom.tensorfile import parse_dtype  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+import phantom.directio
 import phantom.store
 from phantom.convert import write_synthetic
 from test_convert import load_script
@@ -16,7 +17,7 @@ from test_tiers import CFG  # 8 blocks: room for a RAM half and a disk half
 
 def test_diskread_races_every_contender_and_predicts_the_bytes_read(tmp_path):
     store = write_synthetic(tmp_path / "s8", CFG, torch.float32, seed=0, progress=False)
-    fd = phantom.store._open_direct(store / "manifest.json")
+    fd = phantom.directio._open_direct(store / "manifest.json")
     if fd is None:
         pytest.skip("this filesystem refuses O_DIRECT (the bench refuses it too)")
     os.close(fd)

@@ -20,7 +20,8 @@ from phantom.config import ModelConfig, preset
 from phantom.convert import write_synthetic
 from phantom.placement import Activations, Placement
 from phantom.scheduler import BlockScheduler
-from phantom.store import DATA_ALIGN, BlockStore
+from phantom.store import BlockStore
+from phantom.tensorfile import DATA_ALIGN
 from conftest import rss_bytes
 
 # 8 blocks, so a placement can have blocks in every tier and streamed blocks both reused and reloaded

@@ -15,16 +15,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK = {
-    # pure foundations: shapes, knobs, fault points, tokenizers
-    "faults": 0, "config": 0, "placement": 0, "tokenizer": 0, "sources": 0, "quant": 0,
-    "fileio": 1, "chat": 1, "layers": 1, "costmodel": 1, "family": 1, "trackers": 1,
-    "store": 2, "runfile": 2, "runcard": 2,
-    "lora": 3, "optim": 3, "scheduler": 3, "convert": 3, "data": 3, "dist": 3,
-    "executor": 4, "export": 4, "hub": 4, "preference": 4,
-    "model": 5,
-    "generate": 6, "tune": 6,
-    "train": 7, "cli": 7,
-    "__init__": 8,
+    # pure foundations: shapes, knobs, fault points, tokenizers, checksums
+    "faults": 0, "config": 0, "placement": 0, "tokenizer": 0, "sources": 0, "quant": 0, "checksum": 0,
+    "fileio": 1, "chat": 1, "layers": 1, "costmodel": 1, "family": 1, "trackers": 1, "memory": 1, "tensorfile": 1,
+    "directio": 2, "hostmem": 2, "trace": 2, "runfile": 2, "runcard": 2,
+    "store": 3, "writeback": 3, "optim": 3, "data": 3, "dist": 3,
+    "lora": 4, "convert": 4, "transfer": 4,
+    "scheduler": 5, "export": 5, "hub": 5, "preference": 5,
+    "executor": 6,
+    "model": 7,
+    "generate": 8, "tune": 8,
+    "train": 9, "cli": 9,
+    "__init__": 10,
 }
 
 

@@ -220,7 +220,7 @@ def test_accumulation_of_four_micro_batches_equals_one_batch_of_four(small_store
 def test_projections_run_fused_and_equal_an_unfused_store(small_store, tmp_path, monkeypatch):
     """Stores lay q,k,v and gate,up back to back, so each group runs as one matmul over a view of the
     slot; a store in the older name order (no adjacent groups) runs unfused and gives the same model."""
-    import phantom.store as store_mod
+    import phantom.tensorfile as store_mod
     from phantom.convert import write_synthetic
     from phantom.layers import fuse_adjacent
 
@@ -281,7 +281,7 @@ def test_weight_handles_are_relative_to_the_block_not_the_storage():
     must be relative to the block's buffer (else backward reads shifted bytes: seen as garbage
     gradients when a block came back in another slot)."""
     from phantom.executor import WeightHandles
-    from phantom.store import packed_empty
+    from phantom.tensorfile import packed_empty
     like = {"a": torch.empty(3, 5), "b": torch.empty(7)}
 
     def block_at(page: int) -> dict[str, torch.Tensor]:  # the same block, `page` pages into an allocation

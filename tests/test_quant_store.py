@@ -20,7 +20,8 @@ from phantom.placement import Placement
 from phantom.quant import QuantFormat
 from phantom.scheduler import BlockScheduler
 from phantom.tokenizer import train_tiny_tokenizer
-from phantom.store import MANIFEST, BlockStore, StoreError, StoreWriter, block_file, read_header, write_safetensors
+from phantom.store import BlockStore, MANIFEST, StoreError, StoreWriter, block_file
+from phantom.tensorfile import read_header, write_safetensors
 from conftest import max_rel_err, randomize_lora
 from test_bad_inputs import check, script
 from test_tiers import CFG, assert_same, one_thread, step  # noqa: F401 (one_thread: a module fixture)

@@ -12,6 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 import phantom
+import phantom.checksum
+import phantom.directio
+import phantom.tensorfile
 from phantom.convert import write_synthetic
 from phantom.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
 from phantom.store import BlockStore, StoreError, StoreWriter, block_file
@@ -134,7 +137,7 @@ def test_failed_write_leaves_nothing(tmp_path):
 def test_checksums_chunk_the_data_whatever_the_writes():
     data = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     raw = bytes(data.numpy())
-    sums = phantom.store.Checksums(chunk=1000)
+    sums = phantom.checksum.Checksums(chunk=1000)
     sums.update_header(b"head")
     for a, b in ((0, 7), (7, 2500), (2500, 2500), (2500, 9999), (9999, 10_000)):  # across chunk ends, empty
         sums.update(raw[a:b])
@@ -142,13 +145,13 @@ def test_checksums_chunk_the_data_whatever_the_writes():
     assert rec["sha256"] == hashlib.sha256(b"head" + raw).hexdigest()
     assert rec["crc32"] == {"chunk": 1000, "header": zlib.crc32(b"head"),
                             "data": [zlib.crc32(raw[a:a + 1000]) for a in range(0, 10_000, 1000)]}
-    assert phantom.store.crc32_chunks(memoryview(raw), 3000) == [zlib.crc32(raw[a:a + 3000]) for a in range(0, 10_000, 3000)]
+    assert phantom.checksum.crc32_chunks(memoryview(raw), 3000) == [zlib.crc32(raw[a:a + 3000]) for a in range(0, 10_000, 3000)]
 
 
 @pytest.fixture
 def chunked_store(tmp_path, monkeypatch):
     """A store whose blocks span several crc32 chunks (the first and last chunk's bytes are flipped below)."""
-    monkeypatch.setattr(phantom.store, "CHECK_CHUNK", 4096)
+    monkeypatch.setattr(phantom.checksum, "CHECK_CHUNK", 4096)
     return write_synthetic(tmp_path / "s", SMALL, torch.float32, seed=1, progress=False)
 
 
@@ -170,7 +173,7 @@ def test_new_store_records_sha256_and_crc32(chunked_store):
 def test_fast_verify_finds_a_flipped_byte_by_crc32_on_first_read(chunked_store, where, monkeypatch):
     path = chunked_store / block_file(2)
     data = bytearray(path.read_bytes())
-    start = phantom.store.read_header(path)[1]
+    start = phantom.tensorfile.read_header(path)[1]
     if where == "header":  # in the header's padding: still valid JSON, same tensors, only the checksum sees it
         assert data[start - 1:start] == b" "
         data[start - 1] = ord("\t")
@@ -239,8 +242,8 @@ def test_read_hashes_each_piece_as_it_lands(tmp_path, monkeypatch, crc_chunk, re
     import errno
     import fcntl
     import os
-    monkeypatch.setattr(phantom.store, "READ_CHUNK", 8 * 4096)
-    monkeypatch.setattr(phantom.store, "_direct_ok", {})
+    monkeypatch.setattr(phantom.directio, "READ_CHUNK", 8 * 4096)
+    monkeypatch.setattr(phantom.directio, "_direct_ok", {})
     gen = torch.Generator().manual_seed(crc_chunk)
     raw = bytes(torch.randint(0, 256, (5 * 8 * 4096 + 3 * 4096 + 1234,), dtype=torch.uint8, generator=gen).numpy())
     path = tmp_path / "f"
@@ -258,22 +261,21 @@ def test_read_hashes_each_piece_as_it_lands(tmp_path, monkeypatch, crc_chunk, re
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
-    got = phantom.store.readinto_exact(path, 4096, buf, crc_chunk=crc_chunk)
+    got = phantom.directio.readinto_exact(path, 4096, buf, crc_chunk=crc_chunk)
     assert bytes(buf.numpy()) == raw
     assert got == [zlib.crc32(raw[a:a + crc_chunk]) for a in range(0, len(raw), crc_chunk)]
-    if phantom.store._direct_ok:  # this filesystem takes O_DIRECT
+    if phantom.directio._direct_ok:  # this filesystem takes O_DIRECT
         assert direct
 
 
 def test_crc32_records_do_not_depend_on_the_implementation(chunked_store, monkeypatch):
     """ISA-L's crc32 (isal installed) and zlib's give the same values: a store written with one verifies
     with the other, and a flipped byte is found by either."""
-    other = zlib.crc32
-    if phantom.store.CRC32 == "zlib":
-        isal_zlib = pytest.importorskip("isal.isal_zlib")
-        other = isal_zlib.crc32
-    monkeypatch.setattr(phantom.store, "crc32", other)
-    store = BlockStore(chunked_store)
+    other = "zlib"
+    if phantom.checksum.CRC32 == "zlib":
+        pytest.importorskip("isal.isal_zlib")
+        other = "isal"
+    store = BlockStore(chunked_store, crc32=other)
     buf = torch.empty(store.block_nbytes, dtype=torch.uint8)
     for i in range(store.n_blocks):
         store.read_block_into(i, buf)

@@ -20,7 +20,9 @@ import phantom.model
 import phantom.hostmem
 import phantom.placement
 import phantom.scheduler
+import phantom.directio
 import phantom.store
+import phantom.tensorfile
 from phantom import costmodel as cm
 from phantom.config import ModelConfig
 from phantom.convert import write_synthetic
@@ -155,8 +157,8 @@ def test_ram_budget_below_one_block_falls_back_to_disk_and_says_so(store, reside
 def direct_reads(monkeypatch):
     """Small read chunks, so tiny blocks take the O_DIRECT path (it is used from READ_CHUNK bytes on),
     a fresh per-filesystem cache of whether O_DIRECT works, and a record of O_DIRECT descriptors."""
-    monkeypatch.setattr(phantom.store, "READ_CHUNK", 4 * phantom.store.DATA_ALIGN)
-    monkeypatch.setattr(phantom.store, "_direct_ok", {})
+    monkeypatch.setattr(phantom.directio, "READ_CHUNK", 4 * phantom.tensorfile.DATA_ALIGN)
+    monkeypatch.setattr(phantom.directio, "_direct_ok", {})
     opened, real_open = [], os.open
 
     def spy(path, flags, *a, **k):
@@ -170,7 +172,7 @@ def direct_reads(monkeypatch):
 
 
 def test_o_direct_is_used_where_the_filesystem_has_it(store, resident, direct_reads):
-    fd = phantom.store._open_direct(store / "manifest.json")
+    fd = phantom.directio._open_direct(store / "manifest.json")
     if fd is None:
         pytest.skip("this filesystem refuses O_DIRECT")
     os.close(fd)
@@ -197,7 +199,7 @@ def advised_huge(t: torch.Tensor) -> bool:
 def test_o_direct_reads_into_huge_page_slots(store, resident, direct_reads, monkeypatch):
     """Slots and the RAM tier from HUGE_MIN bytes are 2 MiB-aligned memory advised for huge pages (an
     O_DIRECT request over scattered 4 KiB pages splits into many segments); reads into them train alike."""
-    monkeypatch.setattr(phantom.hostmem, "HUGE_MIN", phantom.store.DATA_ALIGN)
+    monkeypatch.setattr(phantom.hostmem, "HUGE_MIN", phantom.tensorfile.DATA_ALIGN)
     nbytes = phantom.store.BlockStore(store).block_nbytes
     with phantom.load(store, placement=budgets(nbytes, 2, n_ram=3)) as model:
         randomize_lora(model)
@@ -222,12 +224,12 @@ def test_a_kernel_without_huge_pages_still_gets_its_buffer(monkeypatch):
 def test_host_buffer_memory_outlives_the_buffer_object_while_a_block_uses_it(monkeypatch):
     """The RAM tier hands out blocks over one allocation: the memory (a mapping, from HUGE_MIN) stays
     mapped as long as a block tensor does, and the exact size asked is what the tensor covers."""
-    for huge_min in (phantom.store.DATA_ALIGN, 1 << 40):
+    for huge_min in (phantom.tensorfile.DATA_ALIGN, 1 << 40):
         monkeypatch.setattr(phantom.hostmem, "HUGE_MIN", huge_min)
-        buf = phantom.hostmem.HostBuffer(5 * phantom.store.DATA_ALIGN + 3, pin=False)
-        assert buf.tensor.numel() == 5 * phantom.store.DATA_ALIGN + 3
-        assert buf.tensor.data_ptr() % phantom.store.DATA_ALIGN == 0
-        block = buf.block(phantom.store.DATA_ALIGN, 100)
+        buf = phantom.hostmem.HostBuffer(5 * phantom.tensorfile.DATA_ALIGN + 3, pin=False)
+        assert buf.tensor.numel() == 5 * phantom.tensorfile.DATA_ALIGN + 3
+        assert buf.tensor.data_ptr() % phantom.tensorfile.DATA_ALIGN == 0
+        block = buf.block(phantom.tensorfile.DATA_ALIGN, 100)
         del buf
         gc.collect()
         block.fill_(7)
@@ -245,7 +247,7 @@ def test_o_direct_refused_at_open_falls_back_to_buffered_reads(store, resident, 
         return spy(path, flags, *a, **k)
 
     monkeypatch.setattr(os, "open", refuse_direct)
-    with caplog.at_level(logging.INFO, logger="phantom.store"):
+    with caplog.at_level(logging.INFO, logger="phantom.directio"):
         first, _, _, _ = run(store, budgets(phantom.store.BlockStore(store).block_nbytes, 2, n_ram=3))
     assert_same(first, resident)
     assert len(tried) == 1  # asked once per filesystem, then buffered reads only
@@ -263,7 +265,7 @@ def test_o_direct_refused_at_read_falls_back_to_buffered_reads(store, resident, 
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
-    with caplog.at_level(logging.INFO, logger="phantom.store"):
+    with caplog.at_level(logging.INFO, logger="phantom.directio"):
         first, _, _, _ = run(store, budgets(phantom.store.BlockStore(store).block_nbytes, 2, n_ram=3))
     if not direct_reads:
         pytest.skip("this filesystem refuses O_DIRECT at open")

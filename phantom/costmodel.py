@@ -39,6 +39,31 @@ def host_buffer_bytes(n: int) -> int:
 
 
 @dataclass(frozen=True)
+class Workload:
+    """What one training step computes: `rows` rows of `seq_len` tokens in the compute dtype, over a store
+    in `store_dtype` (its linear weights quantized as `quant`: "nf4", "int8", or None)."""
+
+    rows: int
+    seq_len: int
+    dtype: str = "bf16"
+    store_dtype: str = "bf16"
+    quant: str | None = None
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What `search` may choose from: offload modes, recompute policies, micro-batches (None: the powers
+    of two that divide the rows, and the rows), prefetch depths; `budgets` (a Placement's device_budget
+    and ram_budget, when given) cap the device tier with its slots and the RAM tier."""
+
+    offloads: tuple[str, ...] = ("auto",)
+    recompute: tuple[str, ...] = ("auto", "all", "none")
+    micro_batches: tuple[int, ...] | None = None
+    prefetch: tuple[int, ...] = PREFETCH
+    budgets: Placement | None = None
+
+
+@dataclass(frozen=True)
 class Shape:
     """What the cost model needs of a model, derived from its config and dtypes (see `shape_of`).
 
@@ -364,7 +389,7 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     still = set(range(n)) - set(streams)
     step = sum(cf[i] + cb[i] for i in still) + pipe(cf, fwd_loads) + pipe(cb, bwd_loads) + head
     compute = sum(cf) + sum(cb) + head
-    loads = lay.loads_per_step()
+    loads = lay.loads()
     transfer = sum(x(i) for i in fwd_loads + bwd_loads)
     bound = "compute" if step <= 1.1 * compute or transfer == 0 else \
         "disk" if loads["disk"] * disk_s >= (loads["disk"] + loads["ram"]) * link_s else "link"
@@ -464,10 +489,8 @@ def activation_choices(shape: Shape, profile: MachineProfile, tiers: tuple[str, 
     return out
 
 
-def search(profile: MachineProfile, shape: Shape, rows: int, offloads: tuple[str, ...] = ("auto",),
-           recompute: tuple[str, ...] = ("auto", "all", "none"), micro_batches: tuple[int, ...] | None = None,
-           prefetch: tuple[int, ...] = PREFETCH, margin: float = MARGIN,
-           budgets: Placement | None = None) -> list[Prediction]:
+def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace = SearchSpace(),
+           margin: float = MARGIN) -> list[Prediction]:
     """Every candidate, fitting ones first, each group by predicted time.
 
     Candidates: each offload mode; blocks resident on the device 0..n (a CPU has no device tier);
@@ -475,14 +498,13 @@ def search(profile: MachineProfile, shape: Shape, rows: int, offloads: tuple[str
     reads); prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
     of two and the rows); the activation policies of `activation_choices`. Compile is not a candidate:
     the tuner does not measure its speed-up, and the model's default stands (on for CUDA).
-    `budgets` (a Placement's device_budget and ram_budget, when given) cap the device tier with its
-    slots and the RAM tier, as the scheduler would.
+    `space.budgets` cap the device tier with its slots and the RAM tier, as the scheduler would.
     """
-    micros = micro_batches or tuple(sorted({b for b in pow2_upto(rows) if rows % b == 0} | {rows}))
+    micros = space.micro_batches or tuple(sorted({b for b in pow2_upto(rows) if rows % b == 0} | {rows}))
     n, out, seen = shape.n_blocks, [], set()
-    budgets = budgets or Placement()
+    budgets, prefetch, recompute = space.budgets or Placement(), space.prefetch, space.recompute
     ram = budgets.ram_budget if budgets.ram_budget is not None else ram_budget(profile.free_host_bytes)
-    for offload in offloads:
+    for offload in space.offloads:
         for R in ([0] if profile.host_is_device or offload == "none" else range(n + 1)):
             for K in prefetch:
                 if budgets.device_budget is not None and offload != "none" and \

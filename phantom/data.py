@@ -10,7 +10,6 @@ import errno
 import hashlib
 import json
 import logging
-import os
 import shutil
 import signal
 from array import array
@@ -376,21 +375,15 @@ def write_cache(folder: Path, data: TokenData) -> None:
 
     A failed write (disk full) removes the temporary folder; the caller tokenizes again next time.
     """
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = fileio.temp_folder(folder)
     try:
         for name in ("tokens", "labels", "starts"):
             fileio.atomic_write(tmp / f"{name}.npy", lambda f, a=getattr(data, name): np.save(f, a))
         fileio.atomic_write_json(tmp / "meta.json", {"format": data.fmt, "tokens": len(data),
                                                      "examples": len(data.starts)})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        tmp.rename(folder)
-        fileio.fsync_dir(folder.parent)
-    except OSError:  # another process wrote it first
-        shutil.rmtree(tmp, ignore_errors=True)
+        fileio.publish_folder(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # failed, or another process wrote it first
 
 
 # -- pre-tokenized files ---------------------------------------------------------------------------

@@ -12,8 +12,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +25,8 @@ from phantom.convert import part_shapes, release_pages, tokenizer_files
 from phantom.family import family
 from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
 from phantom.lora import TARGETS, apply_lora, load_adapter, lora_modules, read_adapter_config
-from phantom.fileio import atomic_write as atomic_write_bytes, fsync_dir
+from phantom import fileio
+from phantom.fileio import atomic_write as atomic_write_bytes
 from phantom.store import BlockStore
 from phantom.tensorfile import write_safetensors
 from phantom.tokenizer import Tokenizer, sentencepiece_to_json
@@ -291,9 +290,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         raise ValueError(f"{model}: Meta's format holds Llama's maths only, and this {store.cfg.family} model sets "
                          f"{', '.join(fields)}; use --format hf")
     dtype = dtype or store.dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
+    with fileio.replacing_folder(out) as tmp:  # the old folder (overwrite) goes only once this one is complete
         parts = merged_parts(store, Path(adapter) if adapter else None, dtype, progress)
         (write_hf if fmt == "hf" else write_meta)(tmp, store.cfg, parts, dtype)
         if fmt == "hf":
@@ -303,11 +300,4 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         elif store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone
             main = store.tokenizer_path.name
             atomic_write_bytes(tmp / main, tokenizer_files(store)[main].read_bytes())
-        fsync_dir(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

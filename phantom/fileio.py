@@ -153,6 +153,19 @@ def swap_folder(tmp: Path | str, path: Path | str, crash_point: str = "folder.re
     return path
 
 
+def publish_folder(tmp: Path | str, path: Path | str) -> bool:
+    """Put the complete folder tmp at path unless something is there already (a cache another process
+    wrote first: same contents); True if tmp became path."""
+    tmp, path = Path(tmp), Path(path)
+    fsync_tree(tmp)
+    try:
+        os.rename(tmp, path)  # fails on an existing non-empty folder: never replaces one
+    except OSError:
+        return False
+    fsync_dir(path.parent)
+    return True
+
+
 @contextlib.contextmanager
 def replacing_folder(path: Path | str, tmp: Path | str | None = None, crash_point: str = "folder.rename"):
     """Build a folder that replaces `path` whole: yields a temporary folder beside it (`tmp`, emptied

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from phantom.config import ModelConfig
 from phantom.layers import LoraLinear, permute_for_hf, permute_from_hf
+from phantom import fileio
 from phantom.fileio import atomic_write_json
 from phantom.store import StoreError, safe_join
 from phantom.tensorfile import write_safetensors
@@ -111,9 +112,8 @@ def save_adapter(layers: nn.ModuleList, model_cfg: ModelConfig, lora_cfg: LoraCo
     """Write adapter_config.json + adapter_model.safetensors (PEFT layout), each atomically."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{ADAPTER_WEIGHTS}.tmp"
-    write_safetensors(tmp, adapter_tensors(layers, model_cfg), metadata={"format": "pt"})
-    tmp.replace(out / ADAPTER_WEIGHTS)
+    with fileio.replacing(out / ADAPTER_WEIGHTS) as tmp:
+        write_safetensors(tmp, adapter_tensors(layers, model_cfg), metadata={"format": "pt"})
     atomic_write_json(out / ADAPTER_CONFIG, {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file
 from torch.optim.adamw import adamw as adamw_functional
 
-from phantom import faults
+from phantom import faults, fileio
 from phantom.tensorfile import write_safetensors
 
 TIERS = ("ram", "disk", "device")  # where a block's master weights and moments live
@@ -171,9 +171,8 @@ class BlockAdamW:
     def _store_state(self, i: int, state: dict[str, torch.Tensor]) -> None:
         if self.tier == "disk":
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self._path(i).with_suffix(".tmp")
-            write_safetensors(tmp, state)
-            tmp.replace(self._path(i))
+            with fileio.replacing(self._path(i)) as tmp:
+                write_safetensors(tmp, state)
 
     def step_block(self, i: int, weights, grads: dict[str, torch.Tensor],
                    lr: float | None = None) -> dict[str, torch.Tensor]:
@@ -209,9 +208,8 @@ class BlockAdamW:
         state_dir = Path(state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         for i, state in self._held.items():
-            tmp = state_dir / f".{i:03d}.tmp"
-            write_safetensors(tmp, state)
-            tmp.replace(state_dir / f"{i:03d}.safetensors")
+            with fileio.replacing(state_dir / f"{i:03d}.safetensors") as tmp:
+                write_safetensors(tmp, state)
 
 
 class HostGradients:

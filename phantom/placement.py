@@ -155,7 +155,7 @@ class Layout:
     def streams(self, block: int) -> bool:
         return block in self.streamed
 
-    def loads_per_step(self) -> dict[str, int]:
+    def loads(self) -> dict[str, int]:
         """Blocks loaded into device slots per training step, by tier (see `loads_per_step`)."""
         return loads_per_step(self.tiers, self.prefetch, ram_streams=not self.in_place)
 
@@ -176,9 +176,7 @@ def resolve(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMe
         if len(tiers) != n_blocks or set(tiers) - set(TIERS):
             raise ValueError(f"tiers must name one of {', '.join(TIERS)} for each of the {n_blocks} blocks")
         return _layout(tuple(tiers), placement, sizes, in_place)
-    tiers = assign_tiers(n_blocks, sizes.budget, placement, None if host_is_device else free.device, free.host,
-                         zero_copy=host_is_device, slot_bytes=sizes.slot, device_block_bytes=sizes.resident,
-                         unified=free.unified)
+    tiers = assign_tiers(n_blocks, sizes, placement, free, zero_copy=host_is_device)
     if host_is_device and not in_place:  # a CPU converting blocks: what it keeps goes through slots
         tiers = tuple("ram" if t == "device" else t for t in tiers)
     return _layout(tiers, placement, sizes, in_place)
@@ -192,9 +190,8 @@ def _layout(tiers: tuple[str, ...], placement: Placement, sizes: BlockBytes, in_
                   prefetch=placement.prefetch, in_place=in_place, offload=offload, sizes=sizes)
 
 
-def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_device: int | None,
-                 free_host: int | None, zero_copy: bool = False, slot_bytes: int | None = None,
-                 device_block_bytes: int | None = None, unified: bool = False) -> tuple[str, ...]:
+def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMemory,
+                 zero_copy: bool = False) -> tuple[str, ...]:
     """Each block's tier ("device", "ram" or "disk"), from the placement and the free memory (`resolve`
     calls it; nothing else should).
 
@@ -204,33 +201,33 @@ def assign_tiers(n_blocks: int, block_bytes: int, placement: Placement, free_dev
     once per step, every other streamed block twice. So the disk tier takes those ends (the last
     ones first) and the RAM set sits in the middle: the fewest bytes read from disk per step. On a
     CPU (`zero_copy`) the RAM tier is used in place, not streamed, and the device tier is the RAM tier.
-    `unified` (Apple silicon): the device tier and the slots come out of the same memory as the RAM
-    tier, so the RAM budget is what the host has left after them.
+    With unified memory (Apple silicon) the device tier and the slots come out of the same memory as
+    the RAM tier, so the RAM budget is what the host has left after them.
 
     Args:
-        n_blocks, block_bytes: the store's blocks.
+        n_blocks, sizes: the store's blocks: the RAM tier is budgeted by sizes.budget, a streaming slot
+            takes sizes.slot of the device (the stored bytes and a converted copy), a resident block
+            sizes.resident (dequantized, for a quantized store).
         placement: the requested placement; its budgets override the free-memory defaults.
-        free_device, free_host: measured free bytes (None: unknown, treated as unlimited).
-        slot_bytes: device bytes of one streaming slot (default block_bytes): a slot of a store in
-            another dtype holds the stored bytes and the converted copy.
-        device_block_bytes: device bytes of one resident block (default block_bytes): a quantized
-            store's blocks are held dequantized there, larger than in RAM.
+        free: measured free bytes (None: unknown, treated as unlimited); a CPU's device is ignored.
     """
-    slots = (placement.prefetch + 1) * (slot_bytes or block_bytes)
+    block_bytes, device_block_bytes = sizes.budget, sizes.resident
+    free_device, free_host = None if zero_copy else free.device, free.host
+    slots = (placement.prefetch + 1) * sizes.slot
     if placement.offload == "none":
         return ("device",) * n_blocks
     n_device = placement.resident or 0
     if placement.offload == "auto" and placement.resident is None and not zero_copy:
         budget = placement.device_budget if placement.device_budget is not None else device_budget(free_device)
-        n_device = max(0, (budget - slots) // (device_block_bytes or block_bytes)) if budget is not None else n_blocks
+        n_device = max(0, (budget - slots) // device_block_bytes) if budget is not None else n_blocks
     n_device = min(n_device, n_blocks)
     if placement.offload == "ram":
         n_ram = n_blocks - n_device
     elif placement.offload == "disk":
         n_ram = 0
     else:
-        if unified and free_host is not None:
-            free_host = max(0, free_host - n_device * (device_block_bytes or block_bytes) - slots)
+        if free.unified and free_host is not None:
+            free_host = max(0, free_host - n_device * device_block_bytes - slots)
         budget = placement.ram_budget if placement.ram_budget is not None else ram_budget(free_host)
         n_ram = min(n_blocks - n_device, budget // block_bytes if budget is not None else n_blocks)
     if zero_copy:  # a CPU: blocks in RAM are used where they lie; there is no separate device tier

@@ -381,14 +381,15 @@ def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
     return with_free_memory(profile, device)
 
 
-def probe(cfg, device, dtype, batch_size: int, seq_len: int, store_dtype: str = "bf16",
-          profile_dir: Path | str | None = None, quick: bool = True, remeasure: bool = False,
-          blocks: int = PROBE_BLOCKS, quant: str | None = None) -> cm.MachineProfile:
-    """The profile for a model that has no weights here: measured on `blocks` synthetic blocks of its shape.
+def probe(cfg, device, work: cm.Workload, profile_dir: Path | str | None = None, quick: bool = True,
+          remeasure: bool = False, blocks: int = PROBE_BLOCKS) -> cm.MachineProfile:
+    """The profile for a model that has no weights here: measured on `blocks` synthetic blocks of its shape
+    (stored as work.store_dtype and work.quant), computing in work.dtype.
 
     The blocks are written to a temporary folder beside the profiles (the disk a store would use)
     and removed after; the profile is saved, so the next plan for this shape measures nothing.
     """
+    dtype, store_dtype, quant = work.dtype, work.store_dtype, work.quant
     path = profile_path(cfg, device, dtype, profile_dir, store_dtype, quant)
     profile = None if remeasure else load_profile(path)
     if profile is None:
@@ -399,7 +400,7 @@ def probe(cfg, device, dtype, batch_size: int, seq_len: int, store_dtype: str = 
                      cm.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
             store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,
                                                quant=QuantFormat(quant) if quant else None), verify="none")
-            profile = measure(store, device, dtype, batch_size, seq_len, quick=quick)
+            profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick)
         save_profile(profile, path)
     return with_free_memory(profile, device)
 
@@ -407,25 +408,21 @@ def probe(cfg, device, dtype, batch_size: int, seq_len: int, store_dtype: str = 
 # ---------------------------------------------------------------------------------------------
 # Choosing
 
-def plan(profile: cm.MachineProfile, cfg, rows: int, seq_len: int, store_dtype: str, dtype: str,
-         budgets: P.Placement | None = None, offloads: tuple[str, ...] = ("auto",),
-         micro_batch: int | None = None, recompute: tuple[str, ...] = ("auto", "all", "none"),
-         quant: str | None = None) -> tuple[cm.Prediction, list[cm.Prediction], cm.Shape]:
+def plan(profile: cm.MachineProfile, cfg, work: cm.Workload, space: cm.SearchSpace = cm.SearchSpace()
+         ) -> tuple[cm.Prediction, list[cm.Prediction], cm.Shape]:
     """The chosen prediction for a whole model, every candidate, and the shape they were made for.
 
     Raises:
         ValueError: nothing fits; the message says how many bytes are missing and where.
     """
-    shape = pred_shape(cfg, store_dtype, dtype, seq_len, quant)
-    cands = cm.search(profile, shape, rows, offloads=offloads, recompute=recompute,
-                      micro_batches=(micro_batch,) if micro_batch else None, budgets=budgets)
+    shape = pred_shape(cfg, work.store_dtype, work.dtype, work.seq_len, work.quant)
+    cands = cm.search(profile, shape, work.rows, space)
     return cm.choose(cands), cands, shape
 
 
 def auto_placement(store_path: Path | str, device: torch.device | str, batch_size: int, seq_len: int,
                    dtype: torch.dtype | str, profile_dir: Path | str | None = None,
-                   offloads: tuple[str, ...] = ("auto",), micro_batch: int | None = None,
-                   recompute: tuple[str, ...] = ("auto", "all", "none")) -> cm.Prediction:
+                   space: cm.SearchSpace = cm.SearchSpace()) -> cm.Prediction:
     """The prediction for `--prefetch auto`: from the saved profile, or a quick one measured (and saved) now.
 
     Free memory is read again at each call (it changes between runs); the rates are reused. Rows per
@@ -439,20 +436,18 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
         seq_len: tokens per row.
         dtype: compute dtype.
         profile_dir: where profiles live (default $PHANTOM_CACHE/profiles or ~/.cache/phantom/profiles).
-        offloads: the offload modes it may choose from; ("ram", "disk") means the mixed "auto".
-        micro_batch: keep this micro-batch (it changes the order of sums); None lets the tuner choose.
-        recompute: the recompute policies it may choose from.
+        space: what it may choose from (offload modes: ("ram", "disk") means the mixed "auto"; a
+            micro-batch kept as given, since it changes the order of sums; recompute policies).
 
     Raises:
         ValueError: nothing fits in free memory.
     """
-    if set(offloads) == {"ram", "disk"}:
-        offloads = ("auto",)
+    if set(space.offloads) == {"ram", "disk"}:
+        space = dataclasses.replace(space, offloads=("auto",))
     store = BlockStore(store_path, verify="none")
     profile = profile_for(store, device, dtype, batch_size, seq_len, profile_dir)
-    best, _, shape = plan(profile, store.cfg, batch_size, seq_len, store.manifest["dtype"],
-                          dtype_name(parse_dtype(dtype)), offloads=offloads, micro_batch=micro_batch,
-                          recompute=recompute, quant=store_quant(store))
+    work = cm.Workload(batch_size, seq_len, dtype_name(parse_dtype(dtype)), store.manifest["dtype"], store_quant(store))
+    best, _, shape = plan(profile, store.cfg, work, space)
     log.info("the tuner's plan:\n%s", cm.describe_plan(best, shape, profile, store.path.name))
     return best
 
@@ -520,16 +515,18 @@ def timed_steps(store_path: Path | str, device, dtype, placement: P.Placement, a
         return times, metrics, model.scheduler.tiers
 
 
-def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, store_dtype: str, dtype: str, device,
-               n_blocks: int, seq_len: int, steps: int, path: Path, quant: str | None = None) -> dict:
+def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, work: cm.Workload, device,
+               n_blocks: int, steps: int, path: Path) -> dict:
     """The full model's plan run on `n_blocks` blocks of its shape (a synthetic store at `path`, written
-    if absent), budgets at the plan's fractions: the measured step (median) against the prediction.
+    if absent), budgets at the plan's fractions: the measured step (median) against the prediction
+    (work: the plan's seq_len, dtypes and quantization; its rows are the plan's).
 
     Raises:
         ValueError: fewer than 2 blocks or 1 step, or no disk space for the store.
     """
     if n_blocks < 2 or steps < 1:
         raise ValueError("--check needs at least 2 blocks and --steps >= 1")
+    store_dtype, dtype, seq_len, quant = work.store_dtype, work.dtype, work.seq_len, work.quant
     small = dataclasses.replace(cfg, n_layers=n_blocks)
     if not (path / "manifest.json").is_file():
         need, free = cm.shape_of(small, store_dtype, quant=quant).store_bytes, free_disk_bytes(path)

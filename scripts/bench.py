@@ -821,9 +821,9 @@ def main(argv=None):
         if profile is not None:
             offloads = tuple(m for m in ("ram", "disk") if m in args.modes.split(","))
             name = dtype_name(store.dtype)
-            best = tune.plan(profile, store.cfg, args.batch_size, args.seq_len, name, name,
-                             budgets=phantom.Placement(resident=0), offloads=offloads,
-                             recompute=tuple(policies))[0]
+            best = tune.plan(profile, store.cfg, cm.Workload(args.batch_size, args.seq_len, name, name),
+                             cm.SearchSpace(offloads=offloads, recompute=tuple(policies),
+                                            budgets=phantom.Placement(resident=0)))[0]
             p, a = best.placement, best.activations
             rows.append(run_worker(f"tuned-{p.offload}:{a.recompute}:{a.micro_batch or '-'}:{p.prefetch}",
                                    argv, args))

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import phantom  # noqa: E402
 import torch  # noqa: E402
 from phantom import chat, cli, data, fileio, preference, runcard, runfile, trackers, tune  # noqa: E402
+from phantom import costmodel as cm  # noqa: E402
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
@@ -226,7 +227,7 @@ def tuned(args, path: Path, device, dtype: str, placement: P.Placement):
     with fileio.locked(tune.profile_path(BlockStore(path, verify="none"), device, dtype).parent / ".measure.lock"):
         rows = args.batch_size * args.grad_accum * (2 if args.mode == "dpo" else 1)
         best = tune.auto_placement(path, device, rows, args.seq_len, dtype,
-                                   offloads=offloads)
+                                   space=cm.SearchSpace(offloads=offloads))
     return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident)
 
 

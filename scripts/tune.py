@@ -68,8 +68,8 @@ def model_and_profile(args, device, dtype):
     user named."""
     if args.preset or args.config:
         cfg = config.preset(args.preset) if args.preset else read_config(Path(args.config), args.vocab_size)
-        profile = tune.probe(cfg, device, dtype, args.batch_size, args.seq_len, args.store_dtype, args.profile_dir,
-                             args.quick, args.remeasure, quant=args.quantize)
+        work = cm.Workload(args.batch_size, args.seq_len, dtype, args.store_dtype, args.quantize)
+        profile = tune.probe(cfg, device, work, args.profile_dir, args.quick, args.remeasure)
         disk = args.disk_budget if args.disk_budget is not None else tune.free_disk_bytes(phantom.weights_dir())
         return args.preset or args.config, cfg, args.store_dtype, args.quantize, profile, disk
     store = BlockStore(phantom.resolve_model(args.model or "tiny"), verify="none")
@@ -84,8 +84,7 @@ def model_and_profile(args, device, dtype):
 def beside_16bit(args, cfg, store_dtype: str, dtype: str, profile, budgets, rows: int, best) -> str:
     """The same model's plan with a 16-bit store on the same machine, and how the quantized one compares."""
     shape = cm.shape_of(cfg, store_dtype, dtype, args.seq_len)
-    cands = cm.search(profile, shape, rows, offloads=(args.offload,), micro_batches=(args.batch_size,),
-                      budgets=budgets)
+    cands = cm.search(profile, shape, rows, search_space(args, budgets))
     fits = [c for c in cands if c.fits]
     if not fits:
         return f"{store_dtype} store: nothing fits ({min(cands, key=lambda c: c.missing_bytes).missing_text()})"
@@ -94,6 +93,11 @@ def beside_16bit(args, cfg, store_dtype: str, dtype: str, profile, budgets, rows
     return (f"{store_dtype} store ({cm.gib(shape.store_bytes)}): {s['device']} blocks on the device, {s['ram']} in "
             f"RAM, {s['disk']} on disk; {other.bytes_read / 1e9:.1f} GB read per step; predicted "
             f"{other.step_s:.3f} s/step against {best.step_s:.3f} s quantized ({other.step_s / best.step_s:.2f}x)")
+
+
+def search_space(args, budgets: Placement) -> cm.SearchSpace:
+    """The candidates the flags allow: their offload mode and micro-batch, within the budgets."""
+    return cm.SearchSpace(offloads=(args.offload,), micro_batches=(args.batch_size,), budgets=budgets)
 
 
 def read_config(path: Path, vocab_size: int | None):
@@ -106,8 +110,8 @@ def check(args, name: str, cfg, store_dtype: str, quant, dtype: str, device, pro
     """Run the plan's fractions on N blocks of the shape; print the measured step beside the prediction."""
     path = Path(args.check_dir or phantom.weights_dir() / f"{Path(name).stem}{'-' + quant if quant else ''}"
                 f"-synthetic-{args.check}L")
-    r = tune.check_plan(best, profile, cfg, store_dtype, dtype, device, args.check, args.seq_len, args.steps, path,
-                        quant)
+    r = tune.check_plan(best, profile, cfg, cm.Workload(best.rows, args.seq_len, dtype, store_dtype, quant), device,
+                        args.check, args.steps, path)
     if args.json:
         print(json.dumps({"model": name, "plan": best.to_dict(), "check": r}))
         return 0 if r["within_15"] else 1
@@ -145,8 +149,7 @@ def main(argv=None) -> int:
         budgets = Placement(device_budget=args.device_budget, ram_budget=args.ram_budget)
         rows = args.batch_size * args.grad_accum
         shape = cm.shape_of(cfg, store_dtype, dtype, args.seq_len, quant)
-        cands = cm.search(profile, shape, rows, offloads=(args.offload,), micro_batches=(args.batch_size,),
-                          budgets=budgets)
+        cands = cm.search(profile, shape, rows, search_space(args, budgets))
         best = cm.choose(cands)
         if args.check:
             return check(args, name, cfg, store_dtype, quant, dtype, device, profile, best)

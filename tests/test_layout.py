@@ -127,3 +127,83 @@ def test_a_knob_added_to_placement_reaches_the_cli_the_api_the_tuner_and_the_che
     assert api.returncode == 0, api.stderr[-3000:]
     where, *depths = api.stdout.split()
     assert Path(where).is_relative_to(copy) and depths == ["7", "7"], api.stdout
+
+
+# -- rules of structure ------------------------------------------------------------------------
+
+def calls_to(src: str, names: set[str]) -> set[str]:
+    """The names of `names` a module's source refers to (a call, an import, an attribute)."""
+    found = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Name) and node.id in names:
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            found.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            found |= {a.name for a in node.names if a.name in names}
+    return found
+
+
+def decides_streaming(src: str) -> bool:
+    """A test of the form `t == "disk" or (t == "ram" and ...)`: deciding which blocks stream."""
+    def compares_to(node, word):
+        return any(isinstance(n, ast.Compare) and any(isinstance(c, ast.Constant) and c.value == word
+                                                      for c in [n.left, *n.comparators]) for n in ast.walk(node))
+    return any(isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or)
+               and compares_to(node, "disk") and compares_to(node, "ram") for node in ast.walk(ast.parse(src)))
+
+
+def test_only_placement_decides_where_blocks_live_and_which_stream():
+    """Tiers, streamed blocks and loads per step come from placement.resolve; no other module computes
+    them (the scheduler, the cost model, the tuner and bench read its Layout)."""
+    sources = {**modules(), **{f"scripts/{p.stem}": p.read_text() for p in (ROOT / "scripts").rglob("*.py")}}
+    bad = {name: sorted(used) for name, src in sources.items() if name != "placement"
+           if (used := calls_to(src, {"assign_tiers", "loads_per_step", "_layout"}))}
+    assert not bad, f"only phantom.placement may call these (use placement.resolve / Layout): {bad}"
+    deciding = [name for name, src in sources.items() if name != "placement" and decides_streaming(src)]
+    assert not deciding, f"which blocks stream is Layout.streamed; computed again in {deciding}"
+    assert decides_streaming(modules()["placement"])  # the check sees the rule where it is
+
+
+def test_every_replace_goes_through_fileio():
+    """Temporary names, renames and folder swaps live in phantom.fileio alone: one rule for every
+    file and folder phantom writes."""
+    bad = {}
+    for name, src in modules().items():
+        if name == "fileio":
+            continue
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                f = node.func
+                owner = f.value.id if isinstance(f.value, ast.Name) else ""
+                if (owner == "os" and f.attr in ("replace", "rename")) or f.attr == "rename" or \
+                        (owner == "tempfile" and f.attr in ("mkdtemp", "mkstemp")):
+                    bad.setdefault(name, []).append(f"{owner or '...'}.{f.attr} (line {node.lineno})")
+    assert not bad, f"use phantom.fileio (atomic_write, replacing, replacing_folder, swap_folder): {bad}"
+
+
+MAX_LINES, MAX_PARAMS = 60, 8
+EXCEPTIONS = {
+    # name: why it may be longer or take more parameters than the rule allows (at most three)
+    "__init__.load": "the public entry point: the store, where it computes, and one argument per config "
+                     "(placement, activations, lora, mode, optim), each also reachable as a keyword",
+}
+
+
+def functions():
+    for name, src in modules().items():
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                params = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                yield f"{name}.{node.name}", node, params
+
+
+def test_functions_are_short_and_take_few_parameters():
+    assert len(EXCEPTIONS) <= 3
+    long = [f"{q} ({n.end_lineno - n.lineno + 1} lines)" for q, n, _ in functions()
+            if n.end_lineno - n.lineno + 1 > MAX_LINES and q not in EXCEPTIONS]
+    wide = [f"{q} ({len(p)} parameters)" for q, n, p in functions()
+            if len(p) > MAX_PARAMS and (not n.name.startswith("_") or n.name == "__init__") and q not in EXCEPTIONS]
+    assert not long, f"functions over {MAX_LINES} lines: {long}"
+    assert not wide, f"public functions and constructors over {MAX_PARAMS} parameters: {wide}"

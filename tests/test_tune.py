@@ -37,20 +37,20 @@ def no_measuring(*a, **k):
 
 
 def test_a_config_without_weights_plans_as_a_store_of_its_shape(tmp_path, monkeypatch):
-    probed = dataclasses.replace(tune.probe(CFG, "cpu", "fp32", 2, 16, "bf16", tmp_path, quick=True), **FIXED)
+    probed = dataclasses.replace(tune.probe(CFG, "cpu", cm.Workload(2, 16, "fp32", "bf16"), tmp_path, quick=True), **FIXED)
     assert list(tmp_path.glob("probe-*")) == []  # the synthetic blocks are gone, the profile stays
     assert probed.measured_on.startswith(tune.shape_key(CFG, "bf16"))
     store = BlockStore(write_synthetic(tmp_path / "s", CFG, torch.bfloat16, seed=1, progress=False))
     monkeypatch.setattr(tune, "measure", no_measuring)  # same block shape: the same profile file
     stored = dataclasses.replace(tune.profile_for(store, "cpu", "fp32", 2, 16, tmp_path), **FIXED)
     assert stored == probed
-    from_cfg = tune.plan(probed, CFG, 2, 16, "bf16", "fp32")
-    from_store = tune.plan(stored, store.cfg, 2, 16, store.manifest["dtype"], "fp32")
+    from_cfg = tune.plan(probed, CFG, cm.Workload(2, 16, "fp32", "bf16"))
+    from_store = tune.plan(stored, store.cfg, cm.Workload(2, 16, "fp32", store.manifest["dtype"]))
     assert from_cfg[0] == from_store[0] and from_cfg[2] == from_store[2]
     assert from_cfg[2].block_bytes == store.block_nbytes
     assert from_cfg[2].store_bytes == sum(e.nbytes for e in [store.embed, store.head, *store.blocks])
     # deeper model of the same shape: the same profile, twice the blocks to place
-    deep = tune.plan(probed, dataclasses.replace(CFG, n_layers=12), 2, 16, "bf16", "fp32")[0]
+    deep = tune.plan(probed, dataclasses.replace(CFG, n_layers=12), cm.Workload(2, 16, "fp32", "bf16"))[0]
     assert len(deep.tiers) == 12 and deep.compute_s > from_cfg[0].compute_s
 
 
@@ -122,7 +122,8 @@ def test_auto_placement_measures_once_then_reads_the_profile(small_store, tmp_pa
     monkeypatch.setattr(tune, "measure", no_measuring)
     again = tune.auto_placement(small_store, "cpu", batch_size=4, seq_len=32, dtype="fp32", profile_dir=tmp_path)
     assert again.rows == 4 and again.resident == 0  # a CPU has no device tier
-    disk = tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path, offloads=("disk",), micro_batch=2)
+    disk = tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path,
+                                cm.SearchSpace(offloads=("disk",), micro_batches=(2,)))
     assert disk.offload == "disk" and disk.split["disk"] == 4 and disk.activations.micro_batch == 2
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
     assert tune.profile_path(BlockStore(small_store), "cpu", "fp32").parent == tmp_path / "cache" / "profiles"

@@ -341,66 +341,84 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     """
     lay = layout(shape, profile, placement, tiers)
     tiers, streams, slots = lay.tiers, list(lay.streamed), lay.slots
-    n, b = shape.n_blocks, activations.micro_batch or rows
-    calls = -(-rows // b)
     keep = kept_blocks(shape, profile, activations, rows)
-    speed = profile.compile_speedup if activations.compile and profile.compile_speedup else 1.0
-
-    def secs(call_s: float, ratio: float) -> float:
-        return (calls * call_s + rows * shape.flops_per_row * ratio / profile.fwd_flops) / speed
-    fwd, fwd_grad, bwd = secs(profile.fwd_call_s, 1.0), secs(profile.fwd_grad_call_s, profile.fwd_grad_ratio), \
-        secs(profile.bwd_call_s, profile.bwd_ratio)
-    cf = [fwd_grad if i < keep else fwd for i in range(n)]
-    cb = [bwd if i < keep else fwd_grad + bwd for i in range(n)]
-    head = rows * shape.head_flops_per_row / (profile.head_flops or profile.fwd_flops)
-
+    cf, cb, head = block_compute(profile, shape, activations, rows, keep)
+    b = activations.micro_batch or rows
     device, host, pinned = device_memory(shape, profile, tiers, slots, keep, rows, b), \
         *host_memory(shape, profile, tiers, slots, placement, keep, rows, b)
     cold = profile.disk_warm_gbps is None or tiers.count("disk") * shape.block_bytes > \
         (profile.free_host_bytes or 0) * (1 - margin) - host
-    disk_s = shape.block_bytes / ((profile.disk_gbps if cold else profile.disk_warm_gbps) * GB)
-    link_s = shape.block_bytes / (profile.h2d_gbps * GB)
-    dequant_s = shape.dequant_bytes / (profile.dequant_gbps * GB)
-
-    def x(i: int) -> float:
-        if tiers[i] == "disk":
-            return disk_s + (0.0 if profile.host_is_device else link_s) + dequant_s  # a CPU reads into the slot
-        return link_s + dequant_s
-
+    t = LoadTimes(disk_s=shape.block_bytes / ((profile.disk_gbps if cold else profile.disk_warm_gbps) * GB),
+                  link_s=shape.block_bytes / (profile.h2d_gbps * GB),
+                  dequant_s=shape.dequant_bytes / (profile.dequant_gbps * GB), host_is_device=profile.host_is_device)
     m = min(placement.prefetch + 1, len(streams))
     fwd_loads, bwd_loads = streams[m:], streams[:len(streams) - m]
-
-    def pipe(c: list[float], loads: list[int]) -> float:
-        if not streams:
-            return 0.0
-        total, c_avg = sum(c[i] for i in streams), sum(c[i] for i in streams) / len(streams)
-        xs = [x(i) for i in loads]
-        if not xs:
-            return total
-        if placement.prefetch == 0:
-            return total + sum(xs)
-        x_avg = sum(xs) / len(xs)
-        c_busy = c_avg * (1 + (profile.busy_compute_slowdown - 1) * min(1.0, x_avg / c_avg)) if c_avg else 0.0
-        reads = sum(disk_s for i in loads if tiers[i] == "disk")
-        x_busy = sum(xs) + reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg)
-        jitter = len(xs) * profile.disk_jitter * min(c_avg, x_avg) / placement.prefetch
-        return max(total + len(xs) * (c_busy - c_avg), 2 * c_avg + x_busy) + jitter
-
-    still = set(range(n)) - set(streams)
-    step = sum(cf[i] + cb[i] for i in still) + pipe(cf, fwd_loads) + pipe(cb, bwd_loads) + head
+    still = set(range(shape.n_blocks)) - set(streams)
+    step = sum(cf[i] + cb[i] for i in still) + head + \
+        pipe_s(cf, fwd_loads, lay, t, profile) + pipe_s(cb, bwd_loads, lay, t, profile)
     compute = sum(cf) + sum(cb) + head
     loads = lay.loads()
-    transfer = sum(x(i) for i in fwd_loads + bwd_loads)
+    transfer = sum(t.of(tiers[i]) for i in fwd_loads + bwd_loads)
     bound = "compute" if step <= 1.1 * compute or transfer == 0 else \
-        "disk" if loads["disk"] * disk_s >= (loads["disk"] + loads["ram"]) * link_s else "link"
-    missing = shortfall(shape, profile, device, host, margin)
+        "disk" if loads["disk"] * t.disk_s >= (loads["disk"] + loads["ram"]) * t.link_s else "link"
     return Prediction(
         placement=placement, activations=activations, rows=rows, layout=lay, step_s=step, compute_s=compute,
         transfer_s=transfer, bound=bound, device_bytes=device, host_bytes=host, pinned_bytes=pinned,
         bytes_read=loads["disk"] * shape.block_bytes,
         bytes_h2d=(loads["ram"] + (0 if profile.host_is_device else loads["disk"])) * shape.block_bytes,
         loads=loads["disk"] + loads["ram"], kept_blocks=keep, seq_len=shape.seq_len,
-        missing=missing)
+        missing=shortfall(shape, profile, device, host, margin))
+
+
+def block_compute(profile: MachineProfile, shape: Shape, activations: Activations, rows: int,
+                  keep: int) -> tuple[list[float], list[float], float]:
+    """Seconds of each block's forward (Cf) and backward (Cb, with the recomputed forward unless kept),
+    and of the head, for `rows` rows in calls of micro_batch rows."""
+    calls = -(-rows // (activations.micro_batch or rows))
+    speed = profile.compile_speedup if activations.compile and profile.compile_speedup else 1.0
+
+    def secs(call_s: float, ratio: float) -> float:
+        return (calls * call_s + rows * shape.flops_per_row * ratio / profile.fwd_flops) / speed
+    fwd, fwd_grad, bwd = secs(profile.fwd_call_s, 1.0), secs(profile.fwd_grad_call_s, profile.fwd_grad_ratio), \
+        secs(profile.bwd_call_s, profile.bwd_ratio)
+    cf = [fwd_grad if i < keep else fwd for i in range(shape.n_blocks)]
+    cb = [bwd if i < keep else fwd_grad + bwd for i in range(shape.n_blocks)]
+    return cf, cb, rows * shape.head_flops_per_row / (profile.head_flops or profile.fwd_flops)
+
+
+@dataclass(frozen=True)
+class LoadTimes:
+    """Seconds one block load takes: read from disk, copied over the link, dequantized."""
+
+    disk_s: float
+    link_s: float
+    dequant_s: float
+    host_is_device: bool
+
+    def of(self, tier: str) -> float:
+        """X of a block of this tier: a CPU reads a disk block straight into its slot (no copy)."""
+        if tier == "disk":
+            return self.disk_s + (0.0 if self.host_is_device else self.link_s) + self.dequant_s
+        return self.link_s + self.dequant_s
+
+
+def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile: MachineProfile) -> float:
+    """One pass over the streamed blocks with `loads` of them loaded (see `predict`)."""
+    streams, prefetch = lay.streamed, lay.prefetch
+    if not streams:
+        return 0.0
+    total, c_avg = sum(c[i] for i in streams), sum(c[i] for i in streams) / len(streams)
+    xs = [t.of(lay.tiers[i]) for i in loads]
+    if not xs:
+        return total
+    if prefetch == 0:
+        return total + sum(xs)
+    x_avg = sum(xs) / len(xs)
+    c_busy = c_avg * (1 + (profile.busy_compute_slowdown - 1) * min(1.0, x_avg / c_avg)) if c_avg else 0.0
+    reads = sum(t.disk_s for i in loads if lay.tiers[i] == "disk")
+    x_busy = sum(xs) + reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg)
+    jitter = len(xs) * profile.disk_jitter * min(c_avg, x_avg) / prefetch
+    return max(total + len(xs) * (c_busy - c_avg), 2 * c_avg + x_busy) + jitter
 
 
 def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, micro_batch: int) -> int:

@@ -160,78 +160,105 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
     return t, got[0] / got[1] / 1e9
 
 
+class BlockTimer:
+    """Times block 0 of a model as training runs it: held and bound as StreamedBlock holds it, called
+    through the executor (the model's default LoRA), with the saved tensors counted."""
+
+    def __init__(self, model: PhantomModel, seq_len: int, repeats: int, disk: tuple[float, bool] | None):
+        self.model, self.seq_len, self.repeats, self.disk = model, seq_len, repeats, disk
+        self.device = model.device
+        self.held = model.executor.block_weights(0)  # acquired and bound, as StreamedBlock holds it
+        self.weights = self.held.__enter__()
+        self.params = [p for name, p in model.layers[0].named_parameters() if "lora_" in name]
+        self.rope, self.amp = model.rope[:seq_len], model.autocast_args()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def close(self) -> None:
+        self.held.__exit__(None, None, None)
+
+    def point(self, b: int, with_head: bool) -> dict:
+        """Seconds of the forward, graph forward and backward of b rows (and the head per row), kept
+        bytes per row; with a disk rate, how much a concurrent read slows the forward and the read."""
+        model, device, weights, repeats, gen = self.model, self.device, self.weights, self.repeats, self.gen
+        x = torch.randn(b, self.seq_len, model.cfg.dim, generator=gen).to(device, model.weight_dtype)
+        hooks = WeightHandles(weights)
+        hooks.bind(weights)
+        graphs = []
+
+        def fwd():
+            with torch.no_grad(), torch.autocast(**self.amp):
+                return model.executor.run_block(0, weights, x, self.rope)
+
+        def fwd_grad():
+            xg = x.detach().requires_grad_()
+            with torch.enable_grad(), torch.autocast(**self.amp), \
+                    torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                graphs.append((xg, model.executor.run_block(0, weights, xg, self.rope)))
+
+        out = fwd()
+        g = torch.randn(out.shape, generator=gen).to(device, out.dtype)
+        t_fwd, t_grad = _timed(fwd, device, repeats), _timed(fwd_grad, device, repeats)
+        t_bwd = []
+        for xg, o in graphs:
+            t0 = time.perf_counter()
+            torch.autograd.grad(o, [xg] + self.params, g)
+            _sync(device)
+            t_bwd.append(time.perf_counter() - t0)
+        busy = (1.0, 1.0)
+        if self.disk is not None and self.disk[0]:
+            t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.disk[1])
+            busy = (max(1.0, t_busy / t_fwd), max(1.0, self.disk[0] / gbps_busy))
+        return dict(fwd=t_fwd, fwd_grad=t_grad, bwd=statistics.median(t_bwd[1:]), busy=busy,
+                    head=self.head_s(b) / b if with_head else None,
+                    keep=hooks.kept_bytes // len(graphs) // b, act=out.element_size() * self.seq_len * model.cfg.dim)
+
+    def head_s(self, b: int) -> float:
+        """Seconds of the fused head + loss (and its backward's inputs) over b rows."""
+        model = self.model
+        h = torch.randn(b, self.seq_len, model.cfg.dim, generator=self.gen).to(self.device, model.weight_dtype)
+        h.requires_grad_()
+        tgt = torch.randint(0, model.cfg.vocab_size, (b, self.seq_len), generator=self.gen).to(self.device)
+
+        def head():
+            with torch.autocast(**self.amp):
+                ChunkedHeadLoss.apply(h, model.norm_weight, model.output_weight, tgt, model.cfg.norm_eps,
+                                      model.loss_chunk)
+        return _timed(head, self.device, self.repeats)
+
+
 def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype, seq_len: int, max_rows: int,
-                    free_bytes: int | None, repeats: int = 3, read_gbps: float | None = None,
-                    cold: bool = False) -> dict:
+                    free_bytes: int | None, repeats: int = 3, disk: tuple[float, bool] | None = None) -> dict:
     """One block's forward, graph forward and backward per call of b rows, plus the head per row.
 
     Runs the model's own block call (PhantomModel's default LoRA) on block 0, acquired and bound as
     StreamedBlock holds it, at b = 1 and at the largest power of two dividing `max_rows` whose graphs
-    fit well inside `free_bytes`, and fits `call + row * b` through the two points. With `read_gbps`
-    (block reads alone, cold or not) it also times the largest forward while a thread reads blocks:
-    how much reading and computing slow each other down.
+    fit well inside `free_bytes`, and fits `call + row * b` through the two points. With `disk`
+    ((GB/s of block reads alone, whether cold)) it also times the largest forward while a thread reads
+    blocks: how much reading and computing slow each other down.
     """
     model = PhantomModel(store, device, dtype, P.Placement(offload="disk", prefetch=0),
                          P.Activations(recompute="all", compile=False))
     try:
-        held = model.executor.block_weights(0)  # acquired and bound, as StreamedBlock holds it
-        weights = held.__enter__()
-        params = [p for name, p in model.layers[0].named_parameters() if "lora_" in name]
-        rope, dim, amp = model.rope[:seq_len], model.cfg.dim, model.autocast_args()
-        gen = torch.Generator().manual_seed(0)
-
-        def point(b: int, with_head: bool, overlap: bool) -> dict:
-            x = torch.randn(b, seq_len, dim, generator=gen).to(device, model.weight_dtype)
-            hooks = WeightHandles(weights)
-            hooks.bind(weights)
-            graphs = []
-
-            def fwd():
-                with torch.no_grad(), torch.autocast(**amp):
-                    return model.executor.run_block(0, weights, x, rope)
-
-            def fwd_grad():
-                xg = x.detach().requires_grad_()
-                with torch.enable_grad(), torch.autocast(**amp), \
-                        torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                    graphs.append((xg, model.executor.run_block(0, weights, xg, rope)))
-
-            out = fwd()
-            g = torch.randn(out.shape, generator=gen).to(device, out.dtype)
-            t_fwd = _timed(fwd, device, repeats)
-            t_grad = _timed(fwd_grad, device, repeats)
-            t_bwd = []
-            for xg, o in graphs:
-                t0 = time.perf_counter()
-                torch.autograd.grad(o, [xg] + params, g)
-                _sync(device)
-                t_bwd.append(time.perf_counter() - t0)
-            h = torch.randn(b, seq_len, dim, generator=gen).to(device, model.weight_dtype).requires_grad_()
-            tgt = torch.randint(0, model.cfg.vocab_size, (b, seq_len), generator=gen).to(device)
-
-            def head():
-                with torch.autocast(**amp):
-                    ChunkedHeadLoss.apply(h, model.norm_weight, model.output_weight, tgt, model.cfg.norm_eps,
-                                          model.loss_chunk)
-            busy = (1.0, 1.0)
-            if overlap and read_gbps:
-                t_busy, gbps_busy = measure_overlap(store, fwd, device, repeats, cold)
-                busy = (max(1.0, t_busy / t_fwd), max(1.0, read_gbps / gbps_busy))
-            return dict(fwd=t_fwd, fwd_grad=t_grad, bwd=statistics.median(t_bwd[1:]), busy=busy,
-                        head=_timed(head, device, repeats) / b if with_head else None,
-                        keep=hooks.kept_bytes // len(graphs) // b, act=out.element_size() * seq_len * dim)
-
-        points = {1: point(1, with_head=True, overlap=True)}  # the head's cost is per token: one size is enough
+        timer = BlockTimer(model, seq_len, repeats, disk)
+        points = {1: timer.point(1, with_head=True)}  # the head's cost is per token: one size is enough
         hi = max(b for b in pow2_upto(max_rows) if max_rows % b == 0)
         free = free_bytes if free_bytes is not None else free_host_bytes()
-        while hi > 1 and hi * points[1]["keep"] * (repeats + 2) > free // 4:
+        while hi > 1 and hi * points[1]["keep"] * (repeats + 2) > (free or 0) // 4:
             hi //= 2  # the measurement holds repeats + 1 graphs at once: keep it well inside memory
         if hi > 1:
-            points[hi] = point(hi, with_head=False, overlap=True)
+            points[hi] = timer.point(hi, with_head=False)
         head_bytes = model.output_weight.numel() * model.output_weight.element_size()
-        held.__exit__(None, None, None)
+        timer.close()
     finally:
         model.close()
+    hi = max(points)
+    return dict(fit_call_and_row(points), head_row_s=points[1]["head"], keep_bytes_per_row=points[hi]["keep"],
+                busy_compute_slowdown=points[hi]["busy"][0], busy_read_slowdown=points[hi]["busy"][1],
+                act_bytes_per_row=points[hi]["act"], head_bytes=head_bytes)
+
+
+def fit_call_and_row(points: dict[int, dict]) -> dict:
+    """`call + row * b` through the smallest and largest b measured, for each kind of block call."""
     lo, hi = min(points), max(points)
     fit = {}
     for name in ("fwd", "fwd_grad", "bwd"):
@@ -240,9 +267,7 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
             row = points[hi][name] / hi
         fit[f"{name}_row_s"] = row
         fit[f"{name}_call_s"] = max(0.0, points[lo][name] - row * lo)
-    return dict(fit, head_row_s=points[1]["head"], keep_bytes_per_row=points[hi]["keep"],
-                busy_compute_slowdown=points[hi]["busy"][0], busy_read_slowdown=points[hi]["busy"][1],
-                act_bytes_per_row=points[hi]["act"], head_bytes=head_bytes)
+    return fit
 
 
 def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | str, batch_size: int,
@@ -267,7 +292,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     disk, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
     h2d, _ = measure_link(device, store.block_nbytes, repeats)
     free_dev = free_device_bytes(device)
-    c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, disk, True)
+    c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, (disk, True))
     dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
         cm.MachineProfile.dequant_gbps
     log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)

@@ -466,9 +466,10 @@ def shortfall(shape: Shape, profile: MachineProfile, device: int, host: int,
     """(where, bytes missing) for the store on disk, device and host memory (less `margin`) that are short."""
     def over(need: int, free: int | None, keep: float) -> int:
         return 0 if free is None else max(0, need - int(free * (1 - keep)))
+    unified = profile.device == "mps"  # Apple silicon: what the device holds comes out of the host's memory
     short = (("disk", over(shape.store_bytes, profile.free_disk_bytes, 0.0)),
              ("device", over(device, profile.free_device_bytes, margin)),
-             ("host", over(host, profile.free_host_bytes, margin)))
+             ("host", over(host + (device if unified else 0), profile.free_host_bytes, margin)))
     return tuple((where, b) for where, b in short if b)
 
 

@@ -84,10 +84,14 @@ def test_the_ram_tier_counts_what_the_device_tier_took(m1):
 
 
 def test_the_tuner_plans_a_70b_on_the_m1_within_its_memory(m1):
-    """The tuner's choice for the 70B fits the one memory (its slots included) and reads from disk."""
+    """The tuner's choice for the 70B in bf16 fits the one memory (its slots and the host's share
+    included) and reads from disk; in fp32 (a bf16 block and its fp32 copy per slot, an fp32 head) it
+    finds that nothing fits, and says what is missing."""
     cfg = config.preset("70B")
-    profile = cm.MachineProfile(machine="m1", device="mps", dtype="fp32", free_device_bytes=M1_RECOMMENDED,
+    profile = cm.MachineProfile(machine="m1", device="mps", dtype="bf16", free_device_bytes=M1_RECOMMENDED,
                                 free_host_bytes=M1_AVAILABLE, free_disk_bytes=1 << 42)
-    best = cm.choose(cm.search(profile, cm.shape_of(cfg, "bf16", "fp32", seq_len=256), rows=1))
+    best = cm.choose(cm.search(profile, cm.shape_of(cfg, "bf16", "bf16", seq_len=256), rows=1))
     assert best.fits and best.split["disk"] > 0 and best.split["device"] < cfg.n_layers, best.describe()
     assert best.device_bytes <= M1_RECOMMENDED and best.device_bytes + best.host_bytes <= M1_AVAILABLE
+    with pytest.raises(ValueError, match="no placement fits: even the smallest needs .* more host memory"):
+        cm.choose(cm.search(profile, cm.shape_of(cfg, "bf16", "fp32", seq_len=256), rows=1))

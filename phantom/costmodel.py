@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from phantom.config import ModelConfig
 from phantom import placement as P
-from phantom.placement import Activations, Layout, Placement, loss_budget, ram_budget
+from phantom.placement import Activations, Layout, Placement, loss_budget
 
 ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 ALIGN = 4096  # phantom.tensorfile.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
@@ -514,7 +514,7 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
 
     Candidates: each offload mode; blocks resident on the device 0..n (a CPU has no device tier);
     the RAM tier filled to the default RAM budget of the free host memory (more RAM, fewer disk
-    reads); prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
+    reads), and where that leaves the host short, smaller by what is missing; prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
     of two and the rows); the activation policies of `activation_choices`. Compile is not a candidate:
     the tuner does not measure its speed-up, and the model's default stands (on for CUDA).
     `space.budgets` cap the device tier with its slots and the RAM tier, as the scheduler would.
@@ -522,7 +522,6 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
     micros = space.micro_batches or tuple(sorted({b for b in pow2_upto(rows) if rows % b == 0} | {rows}))
     n, out, seen = shape.n_blocks, [], set()
     budgets, prefetch, recompute = space.budgets or Placement(), space.prefetch, space.recompute
-    ram = budgets.ram_budget if budgets.ram_budget is not None else ram_budget(profile.free_host_bytes)
     for offload in space.offloads:
         for R in ([0] if profile.host_is_device or offload == "none" else range(n + 1)):
             for K in prefetch:
@@ -530,18 +529,22 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
                         (R + K + 1) * shape.tier_bytes > max(budgets.device_budget, (K + 1) * shape.tier_bytes):
                     continue  # more resident blocks than the device budget holds beside the slots
                 base = Placement(offload=offload, prefetch=K, resident=R)
-                tiers = layout(shape, profile, dataclasses.replace(base, ram_budget=ram)).tiers
-                place = dataclasses.replace(base, ram_budget=tiers.count("ram") * shape.tier_bytes)
-                streamed = len(layout(shape, profile, place, tiers).streamed)
-                if K > max(0, streamed - 1) and K != min(prefetch):
-                    continue  # deeper than the streamed blocks: the same as a shallower one
-                for b in micros:
-                    for acts in activation_choices(shape, profile, tiers, K + 1 if streamed else 0, rows, b,
-                                                   recompute, margin):
-                        key = (tiers, K, acts)
-                        if key not in seen:
-                            seen.add(key)
-                            out.append(predict(profile, shape, place, acts, rows, tiers, margin))
+                n_ram = layout(shape, profile, dataclasses.replace(base, ram_budget=budgets.ram_budget)).split["ram"]
+                while n_ram is not None:  # the RAM tier the budget allows; less if the host is then short
+                    place = dataclasses.replace(base, ram_budget=n_ram * shape.tier_bytes)
+                    lay = layout(shape, profile, place)
+                    if K > max(0, len(lay.streamed) - 1) and K != min(prefetch):
+                        break  # deeper than the streamed blocks: the same as a shallower one
+                    short = 0
+                    for b in micros:
+                        for acts in activation_choices(shape, profile, lay.tiers, lay.slots, rows, b, recompute,
+                                                       margin):
+                            if (lay.tiers, K, acts) not in seen:
+                                seen.add((lay.tiers, K, acts))
+                                out.append(predict(profile, shape, place, acts, rows, lay.tiers, margin))
+                                short = max(short, dict(out[-1].missing).get("host", 0))
+                    fewer = n_ram - -(-short // align(shape.block_bytes))
+                    n_ram = max(0, fewer) if short and n_ram > 0 else None
     out.sort(key=lambda c: (not c.fits, c.step_s))
     return out
 

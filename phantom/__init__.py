@@ -78,11 +78,18 @@ def load(model: str | Path, device: str | torch.device = "cpu", dtype: str | tor
         verify: store integrity checks, "fast", "full" or "none" (see BlockStore).
         trace: record a Chrome trace of the scheduler's work.
         **knobs: any field of Placement or Activations by name (`offload="disk", prefetch=1,
-            recompute="none"`), applied over `placement` and `activations`.
+            recompute="none"`), applied over `placement` and `activations`. `prefetch="auto"` takes
+            the tuner's tiers, prefetch and resident blocks (as `finetune.py --prefetch auto`), planned
+            for `batch_size` rows (default 1) of `seq_len` tokens (default min(1024, the model's
+            max_seq_len)) per step: a saved profile of this machine, or a quick one measured now.
 
     Raises:
         FileNotFoundError: the model is not prepared. ValueError: a bad argument. StoreError: a corrupt store.
     """
+    workload = None  # prefetch="auto": the rows and tokens per step the tuner plans for
+    if knobs.get("prefetch") == "auto":
+        knobs.pop("prefetch")
+        workload = (knobs.pop("batch_size", 1), knobs.pop("seq_len", None))
     try:
         placement, activations = split_knobs(knobs, placement, activations)
     except TypeError as e:
@@ -106,7 +113,13 @@ def load(model: str | Path, device: str | torch.device = "cpu", dtype: str | tor
     else:
         optim = None
     store = BlockStore(path, verify=verify)
-    return PhantomModel(store, resolve_device(device), parse_dtype(dtype), placement, activations, lora, optim, trace)
+    device, dtype = resolve_device(device), parse_dtype(dtype)
+    if workload is not None and placement.offload != "none":
+        from phantom import tune  # measuring a machine: imported only when asked for
+        rows, seq_len = workload
+        _, placement = tune.tuned_placement(path, device, dtype, placement, rows,
+                                            seq_len or min(1024, store.cfg.max_seq_len))
+    return PhantomModel(store, device, dtype, placement, activations, lora, optim, trace)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from phantom import costmodel as cm
+from phantom import fileio
 from phantom import quant
 from phantom import placement as P
 from phantom.convert import write_synthetic
@@ -475,6 +476,19 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
     best, _, shape = plan(profile, store.cfg, work, space)
     log.info("the tuner's plan:\n%s", cm.describe_plan(best, shape, profile, store.path.name))
     return best
+
+
+def tuned_placement(store_path: Path | str, device: torch.device | str, dtype: torch.dtype | str,
+                    placement: P.Placement, rows: int, seq_len: int) -> tuple[cm.Prediction, P.Placement]:
+    """`prefetch="auto"`: the tuner's tiers, prefetch depth and resident blocks put into `placement` (what
+    cannot change the numbers: micro-batch and recompute stay the caller's). An offload of "auto" lets
+    the tuner mix RAM and disk; another offload is kept. One process measures at a time (a lock beside
+    the profiles), so ranks or runs started together measure once."""
+    offloads = ("ram", "disk") if placement.offload == "auto" else (placement.offload,)
+    store = BlockStore(store_path, verify="none")
+    with fileio.locked(profile_path(store, device, dtype).parent / ".measure.lock"):
+        best = auto_placement(store_path, device, rows, seq_len, dtype, space=cm.SearchSpace(offloads=offloads))
+    return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident)
 
 
 def format_table(candidates: list[cm.Prediction], top: int = 12, chosen: cm.Prediction | None = None) -> str:

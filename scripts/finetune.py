@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import phantom  # noqa: E402
 import torch  # noqa: E402
 from phantom import chat, cli, data, fileio, preference, runcard, runfile, trackers, tune  # noqa: E402
-from phantom import costmodel as cm  # noqa: E402
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
@@ -223,12 +222,8 @@ def model_path(args) -> Path:
 def tuned(args, path: Path, device, dtype: str, placement: P.Placement):
     """`--prefetch auto`: the tuner's tier, prefetch and resident blocks (what cannot change the
     numbers; the micro-batch and recompute stay as given). One rank or run measures at a time."""
-    offloads = ("ram", "disk") if placement.offload == "auto" else (placement.offload,)
-    with fileio.locked(tune.profile_path(BlockStore(path, verify="none"), device, dtype).parent / ".measure.lock"):
-        rows = args.batch_size * args.grad_accum * (2 if args.mode == "dpo" else 1)
-        best = tune.auto_placement(path, device, rows, args.seq_len, dtype,
-                                   space=cm.SearchSpace(offloads=offloads))
-    return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident)
+    rows = args.batch_size * args.grad_accum * (2 if args.mode == "dpo" else 1)
+    return tune.tuned_placement(path, device, dtype, placement, rows, args.seq_len)
 
 
 def load_model(args, path: Path, device, dtype: str, ddp, placement, activations, lr: float):

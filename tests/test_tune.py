@@ -129,6 +129,23 @@ def test_auto_placement_measures_once_then_reads_the_profile(small_store, tmp_pa
     assert tune.profile_path(BlockStore(small_store), "cpu", "fp32").parent == tmp_path / "cache" / "profiles"
 
 
+def test_load_with_prefetch_auto_takes_the_tuners_placement(small_store, tmp_path, monkeypatch):
+    """phantom.load(prefetch="auto") from Python: the tuner's plan for the workload given, as
+    finetune.py --prefetch auto gets it; the micro-batch and recompute stay the caller's."""
+    import phantom
+    monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
+    best = tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path / "cache" / "profiles",
+                               cm.SearchSpace(offloads=("auto",)))  # measures and saves the profile
+    monkeypatch.setattr(tune, "measure", no_measuring)  # the load reads that profile
+    with phantom.load(small_store, offload="auto", prefetch="auto", batch_size=4, seq_len=32, recompute="all",
+                      micro_batch=2) as model:
+        assert model.placement.prefetch == best.prefetch and model.placement.offload == best.offload
+        assert model.scheduler.layout.tiers == best.tiers
+        assert model.activations.recompute == "all" and model.activations.micro_batch == 2
+    with pytest.raises(ValueError, match="unknown option"):
+        phantom.load(small_store, batch_size=4)  # only with prefetch="auto"
+
+
 def test_check_prediction_speaks_only_beyond_20_percent():
     shape = cm.shape_of(CFG, "fp32", "fp32", 16)
     p = cm.predict(cm.MachineProfile(machine="t", device="cpu", fwd_flops=1e7), shape, cm.Placement(),

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 PROFILE_VERSION = 2  # 1: per-model times (before the cost model took rates)
 PROBE_BLOCKS = 2  # synthetic blocks `probe` writes to measure a shape without weights
 MARGIN = cm.MARGIN
-check_prediction = cm.check_prediction  # what finetune.py calls at each step
+check_prediction = cm.check_prediction  # what the training loop calls once, on the median of steps 2-4
 describe_measured = cm.describe_measured  # what finetune.py prints at the end
 pow2_upto = cm.pow2_upto
 

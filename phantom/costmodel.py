@@ -514,7 +514,7 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
 
     Candidates: each offload mode; blocks resident on the device 0..n (a CPU has no device tier);
     the RAM tier filled to the default RAM budget of the free host memory (more RAM, fewer disk
-    reads), and where that leaves the host short, smaller by what is missing; prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
+    reads), and where every policy with it leaves the host short, smaller by what is missing; prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
     of two and the rows); the activation policies of `activation_choices`. Compile is not a candidate:
     the tuner does not measure its speed-up, and the model's default stands (on for CUDA).
     `space.budgets` cap the device tier with its slots and the RAM tier, as the scheduler would.
@@ -530,21 +530,21 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
                     continue  # more resident blocks than the device budget holds beside the slots
                 base = Placement(offload=offload, prefetch=K, resident=R)
                 n_ram = layout(shape, profile, dataclasses.replace(base, ram_budget=budgets.ram_budget)).split["ram"]
-                while n_ram is not None:  # the RAM tier the budget allows; less if the host is then short
+                while n_ram is not None:  # the RAM tier the budget allows; less if none of it fits the host
                     place = dataclasses.replace(base, ram_budget=n_ram * shape.tier_bytes)
                     lay = layout(shape, profile, place)
                     if K > max(0, len(lay.streamed) - 1) and K != min(prefetch):
                         break  # deeper than the streamed blocks: the same as a shallower one
-                    short = 0
+                    short = []
                     for b in micros:
                         for acts in activation_choices(shape, profile, lay.tiers, lay.slots, rows, b, recompute,
                                                        margin):
                             if (lay.tiers, K, acts) not in seen:
                                 seen.add((lay.tiers, K, acts))
                                 out.append(predict(profile, shape, place, acts, rows, lay.tiers, margin))
-                                short = max(short, dict(out[-1].missing).get("host", 0))
-                    fewer = n_ram - -(-short // align(shape.block_bytes))
-                    n_ram = max(0, fewer) if short and n_ram > 0 else None
+                                short.append(dict(out[-1].missing).get("host", 0))
+                    least = min(short, default=0)
+                    n_ram = max(0, n_ram - -(-least // align(shape.block_bytes))) if least and n_ram > 0 else None
     out.sort(key=lambda c: (not c.fits, c.step_s))
     return out
 

@@ -213,3 +213,14 @@ def test_the_scheduler_reads_what_the_split_disk_tier_predicts(store, prefetch, 
         assert model.scheduler.tiers == pred.tiers
         for m in steady_step_metrics(model):
             assert m["bytes_read"] == pred.bytes_read and m["loads"] == pred.loads
+
+
+def test_a_host_short_with_the_default_ram_tier_gets_a_smaller_one():
+    """A 70B on a 20 GiB CPU: every policy with the RAM tier the default budget allows leaves the host
+    short (activations live there too); a smaller RAM tier fits, and the tuner finds it."""
+    from phantom import config
+    cpu = cm.MachineProfile(machine="c", device="cpu", free_host_bytes=20 * GiB, fwd_flops=2e11, disk_gbps=1.5)
+    shape = cm.shape_of(config.preset("70B"), "bf16", "bf16", 512)
+    default_ram = cm.layout(shape, cpu, Placement()).split["ram"]
+    best = cm.choose(cm.search(cpu, shape, 8))
+    assert best.fits and best.split["ram"] < default_ram

@@ -86,10 +86,13 @@ def atomic_write(path: Path | str, data: bytes | Callable) -> Path:
 def replacing(path: Path | str):
     """For writers that need a file name (safetensors, torch.save): yields a temporary path in path's
     folder; when the block ends, the file is fsynced and renamed over `path`, and the folder fsynced.
-    On an error the temporary file is removed (and an OSError names `path`)."""
+    On an error the temporary file is removed (and an OSError names `path`).
+
+    The temporary name is fixed (.NAME.tmp): a file has one writer at a time (the store's rewrites,
+    the optimizer's state, the adapter), and what a killed run left there is overwritten by the next
+    write of that file instead of staying behind under a name nothing will use again."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
         yield Path(tmp)
         fd = os.open(tmp, os.O_RDONLY)

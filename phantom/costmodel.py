@@ -15,6 +15,7 @@ from phantom import placement as P
 from phantom.placement import Activations, Layout, Placement, loss_budget
 
 ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+DTYPE_NAME = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 ALIGN = 4096  # phantom.tensorfile.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
 HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.hostmem's: host buffers from HUGE_MIN get huge pages
 FIXED_BYTES = 256 << 20  # LoRA and its optimizer state, allocator slack
@@ -76,8 +77,7 @@ class Shape:
     n_blocks: int
     block_bytes: int
     resident_bytes: int
-    slot_bytes: int
-    tier_bytes: int
+    sizes: P.BlockBytes  # one block in each tier (phantom.placement.block_sizes: the scheduler's rule)
     head_bytes: int
     embed_bytes: int
     flops_per_row: float
@@ -85,16 +85,21 @@ class Shape:
     act_bytes_per_row: int
     keep_bytes_per_row: int
     seq_len: int
-    converts: bool  # store and compute dtypes differ: the RAM tier cannot be used in place
     store_bytes: int  # the store's files: blocks, embedding, head (headers of a few KiB left out)
     dequant_bytes: int = 0  # a quantized store: the compute-dtype bytes each load dequantizes into
 
     @property
-    def sizes(self) -> P.BlockBytes:
-        """One block's bytes in each tier, as phantom.placement.resolve takes them (and the scheduler
-        gives them from a store: a quantized block is held dequantized on the device)."""
-        return P.BlockBytes(stored=self.block_bytes, budget=self.tier_bytes, slot=self.slot_bytes,
-                            resident=self.dequant_bytes or self.tier_bytes, converts=self.converts)
+    def slot_bytes(self) -> int:
+        return self.sizes.slot
+
+    @property
+    def tier_bytes(self) -> int:
+        return self.sizes.budget
+
+    @property
+    def converts(self) -> bool:
+        """Store and compute dtypes differ (or the store is quantized): the RAM tier is not used in place."""
+        return self.sizes.converts
 
 
 def keep_elems_per_token(cfg: ModelConfig) -> float:
@@ -134,19 +139,17 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
     s, c = ITEMSIZE[store_dtype], ITEMSIZE[dtype]
     params = cfg.block_params()
     block = params * s if quant is None else quant_block_bytes(cfg, quant, s)
-    converts = s != c or quant is not None
     head_params = cfg.vocab_size * cfg.dim + cfg.dim
     embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
     return Shape(
         n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
-        slot_bytes=block + (params * c if converts else 0),
-        tier_bytes=block * max(1, c // s) if quant is None else block,  # as BlockScheduler budgets tiers
+        sizes=P.block_sizes(block, params, s, c, quant is not None, DTYPE_NAME[store_dtype] == DTYPE_NAME[dtype]),
         head_bytes=head_params * c, embed_bytes=embed_params * s,
         flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.q_dim),  # matmuls + causal attention
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
         act_bytes_per_row=seq_len * cfg.dim * c,
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),
-        seq_len=seq_len, converts=converts,
+        seq_len=seq_len,
         store_bytes=cfg.n_layers * block + (head_params + embed_params) * s,
         dequant_bytes=params * c if quant is not None else 0)
 

@@ -110,6 +110,18 @@ class BlockBytes:
     converts: bool = False
 
 
+def block_sizes(stored: int, params: int, store_itemsize: int, itemsize: int, quantized: bool,
+                same_dtype: bool) -> BlockBytes:
+    """A block's BlockBytes from its stored bytes and parameter count, the store's and the compute's
+    element sizes (and whether the two dtypes are one: fp16 and bf16 are not): what the scheduler reads
+    off a store and the cost model off a config, one rule."""
+    dense = params * itemsize  # the block in the compute dtype
+    converts = not same_dtype or quantized
+    budget = stored if quantized else stored * max(1, itemsize // store_itemsize)  # RAM: a quantized block's bytes
+    return BlockBytes(stored=stored, budget=budget, slot=stored + (dense if converts else 0),
+                      resident=dense if quantized else budget, converts=converts)
+
+
 @dataclass(frozen=True)
 class FreeMemory:
     """Free bytes as the probes measured them (phantom.memory); None: unknown, not a limit.

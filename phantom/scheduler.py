@@ -89,15 +89,9 @@ class BlockScheduler:
 
     def _resolve(self, placement: Placement, zero_copy: bool | None, device_reserve: int) -> P.Layout:
         """The run's layout (phantom.placement.resolve) from this store's block sizes and the free memory."""
-        store, itemsize = self.store, self.dtype.itemsize
-        converts = self.dtype != store.dtype or store.quant is not None
-        dense = store.dense_nbytes // store.dtype.itemsize * itemsize  # a block in the compute dtype
-        sizes = P.BlockBytes(
-            stored=store.block_nbytes, slot=store.block_nbytes + (dense if converts else 0),
-            budget=store.block_nbytes * max(1, itemsize // store.dtype.itemsize) if store.quant is None
-            else store.block_nbytes,  # RAM holds a quantized store's stored bytes
-            resident=dense if store.quant is not None else store.block_nbytes * max(1, itemsize // store.dtype.itemsize),
-            converts=converts)
+        store = self.store
+        sizes = P.block_sizes(store.block_nbytes, store.dense_nbytes // store.dtype.itemsize, store.dtype.itemsize,
+                              self.dtype.itemsize, store.quant is not None, self.dtype == store.dtype)
         free = free_memory(self.device, shared=placement.shared_ram, reserve=device_reserve)
         layout = P.resolve(self.n_blocks, sizes, placement, free, host_is_device=self.device.type == "cpu",
                            in_place=zero_copy)

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK = {
@@ -223,3 +224,22 @@ def test_functions_are_short_and_take_few_parameters():
             if len(p) > MAX_PARAMS and (not n.name.startswith("_") or n.name == "__init__") and not excepted(q)]
     assert not long, f"functions over {MAX_LINES} lines: {long}"
     assert not wide, f"public functions and constructors over {MAX_PARAMS} parameters: {wide}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offload,prefetch", [("auto", 1), ("disk", 2), ("ram", 0)])
+def test_the_scheduler_and_the_cost_model_resolve_one_layout(small_store, small_store_bf16, dtype, offload, prefetch):
+    """The scheduler's layout (from a store) and the cost model's (from the config alone) are the same
+    placement.Layout for stores in fp32 and bf16 computed in fp32, bf16 and fp16."""
+    from phantom import costmodel as cm
+    from phantom.placement import Layout, Placement
+    from phantom.scheduler import BlockScheduler
+    from phantom.store import BlockStore
+    from phantom.tensorfile import dtype_name
+    for path in (small_store, small_store_bf16):
+        store = BlockStore(path)
+        place = Placement(offload=offload, prefetch=prefetch, ram_budget=3 * store.block_nbytes * 2)
+        with BlockScheduler(store, "cpu", place, dtype=dtype) as sched:
+            shape = cm.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype))
+            planned = cm.layout(shape, cm.MachineProfile(machine="t", device="cpu"), place)
+            assert isinstance(sched.layout, Layout) and sched.layout == planned, (path.name, dtype)

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import functools
-import hashlib
-import io
 import json
 import logging
 import math
 import os
 import random
-import shutil
 import signal
 import threading
 import time
@@ -27,26 +23,21 @@ from statistics import median
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from tqdm import tqdm
 
 from phantom import data as D
 from phantom import dist as pdist
 from phantom import faults, fileio
+from phantom.checkpoint import (check_free_space, find_checkpoint, planned_bytes, restore, run_identity,
+                                save_checkpoint)
 from phantom.export import write_tokenizer_files
 from phantom.generate import generate
 from phantom.model import default_keep_budget
 from phantom.preference import REFERENCE_FILE, PairRows, Preference, PreferenceConfig, cached_reference, \
     compute_reference, reference_key
-from phantom.store import link_tree
-from phantom.tensorfile import write_safetensors
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT = "checkpoint"
-# A resumed run must match these, or it could not end where an uninterrupted one would.
-RUN_KEYS = ("model", "lora", "dtype", "mode", "data", "seq_len", "batch_size", "grad_accum", "seed", "shuffle")
-ACTIVATION_KEYS = ("recompute", "compile", "checkpoint_inner")
 
 
 @dataclass(frozen=True)
@@ -62,7 +53,10 @@ class TrainConfig:
         lr, min_lr: peak learning rate and the floor of the cosine decay (None: lr / 10).
         warmup: steps of linear warmup from 0.
         weight_decay, betas: AdamW's.
-        grad_clip: max global gradient norm (0: no clipping).
+        grad_clip: max gradient norm (0: no clipping): the global norm of the LoRA weights; in full mode
+            each block (and the embedding, norm and head together) is clipped to grad_clip * sqrt(its
+            share of the parameters) as its gradients arrive (phantom.optim.clip_coefficient), since
+            a streamed block is updated before the global norm could be known.
         eval_every, eval_iters: evaluate the held-out set every N steps (0: only at the end), on at
             most this many batches.
         save_every: checkpoint every N steps (0: only at the end or on Ctrl-C).
@@ -146,9 +140,10 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.
 
 # -- steps, eval, samples -----------------------------------------------------------------------
 
-def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-               sync=None, segments: torch.Tensor | None = None, loss_fn=None) -> tuple[float, float | None, bool]:
-    """One optimizer step over a (K * B, T) batch; returns (loss, grad norm, finite).
+def train_step(model, opt, sched, batch: tuple, cfg: TrainConfig, sync=None,
+               loss_fn=None) -> tuple[float, float | None, bool]:
+    """One optimizer step over a batch (x, y) or packed rows (x, y, segment ids) of (K * B, T) tokens;
+    returns (loss, grad norm, finite).
 
     `finite` is False when the loss or the gradient norm is not finite on any rank: every rank then
     skips the update and the loop stops on all of them together (a rank that stopped alone would
@@ -160,10 +155,11 @@ def train_step(model, opt, sched, x: torch.Tensor, y: torch.Tensor, cfg: TrainCo
     `loss_fn(model, x, y)`, if given, is the loss instead of the model's cross-entropy (preference
     training). x and y may stay on the host (the model uploads them without waiting).
     """
+    x, y, *segments = batch
     full = getattr(model, "full", False)
     if full:
         model.set_lr(opt.param_groups[0]["lr"])
-    loss = model(x, targets=y, **packing(segments)) if loss_fn is None else loss_fn(model, x, y)
+    loss = model(x, targets=y, **packing(*segments)) if loss_fn is None else loss_fn(model, x, y)
     if full and not pdist.all_finite(loss):
         return loss.item(), None, False
     loss.backward()
@@ -227,196 +223,6 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 32) -> str:
     return tokenizer.decode(new)
 
 
-# -- checkpoints --------------------------------------------------------------------------------
-
-def run_identity(model, train_data: D.TokenData, cfg: TrainConfig) -> dict:
-    """What a checkpoint must share with the run that resumes it."""
-    lora = getattr(model, "lora_cfg", None)
-    ident = {"model": dataclasses.asdict(model.cfg), "lora": dataclasses.asdict(lora) if lora else None,
-             "dtype": str(model.dtype), "mode": cfg.mode, "data": f"{train_data.key}:{len(train_data)}",
-             **{k: getattr(cfg, k) for k in ("seq_len", "batch_size", "grad_accum", "seed", "shuffle")},
-             "activations": recorded_activations(model), "weights": weights_fingerprint(model, cfg.mode),
-             "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "progress", "check_step")}}
-    return json.loads(json.dumps(ident))  # as meta.json will read back (tuples become lists)
-
-
-def weights_fingerprint(model, mode: str) -> str | None:
-    """Which base weights a LoRA (or DPO) run trains on: a sha256 over the store manifest's per-file sha256s
-    (a store converted again in another layout differs too). None for full finetuning, whose resume
-    restores the weights themselves from the checkpoint."""
-    store = getattr(model, "store", None)
-    if mode not in ("lora", "dpo") or store is None:
-        return None
-    return store_fingerprint(store)
-
-
-def store_fingerprint(store) -> str:
-    """sha256 over a store manifest's per-file sha256s: which weights these are."""
-    files = {**store.manifest.get("files", {}), **store.manifest.get("links", {}).get("files", {})}
-    listing = sorted((rel, str(info.get("sha256", ""))) for rel, info in files.items())
-    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
-
-
-def recorded_activations(model) -> dict | None:
-    """The choices that can change a run's last bits (compile, recompute) as the model resolved them;
-    a checkpoint records them so --resume reuses them unless a flag says otherwise."""
-    acts = getattr(model, "activations", None)
-    return None if acts is None else {k: getattr(acts, k) for k in ACTIVATION_KEYS}
-
-
-def checkpoint_activations(out: Path) -> dict:
-    """What the checkpoint in `out` recorded of recorded_activations ({} if none)."""
-    ckpt = find_checkpoint(Path(out))
-    if ckpt is None:
-        return {}
-    try:
-        return json.loads((ckpt / "meta.json").read_text()).get("activations") or {}
-    except (OSError, ValueError):
-        return {}  # load_checkpoint reports a damaged checkpoint
-
-
-def rng_states() -> dict:
-    np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-            "python": random.getstate()}
-
-
-def set_rng_states(s: dict) -> None:
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-    kind, key, *rest = s["numpy"]
-    np.random.set_state((kind, key.numpy().astype(np.uint32), *rest))
-    random.setstate(s["python"])
-
-
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def save_checkpoint(out: Path, model, opt, sched, step: int, identity: dict, extra: dict) -> Path:
-    """Write out/checkpoint atomically: a complete new folder replaces the old one in one rename.
-
-    Holds the PEFT adapter, the raw fp32 trainable tensors (for an exact resume), the optimizer and
-    LR-scheduler states, the RNG states and the data position (the step).
-    """
-    final, tmp, old = out / CHECKPOINT, out / f"{CHECKPOINT}.tmp", out / f"{CHECKPOINT}.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _write_checkpoint(tmp, model, opt, sched, step, identity, extra)
-    except OSError as e:  # disk full: the previous checkpoint stays; no half-written folder is left
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise e if e.filename else OSError(e.errno, e.strerror, str(tmp)) from None
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)  # kept until the new one is in place
-    faults.point("checkpoint.rename")  # crash tests: between the two renames
-    tmp.rename(final)
-    fileio.fsync_dir(out)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _write_checkpoint(tmp: Path, model, opt, sched, step: int, identity: dict, extra: dict) -> None:
-    tmp.mkdir(parents=True)
-    if getattr(model, "lora_cfg", None) is not None:
-        model.save_adapter(tmp / "adapter")
-    if getattr(model, "full", False) and model.scheduler is not None:
-        # streamed full finetuning: the working store and the block optimizer's state, as hard
-        # links (a snapshot that costs no copy: their files are only ever replaced by rename)
-        model.save_full()
-        link_tree(model.store.path, tmp / "store")
-        link_tree(model.block_optimizer.state_dir, tmp / "optim")
-    write_safetensors(tmp / "trainable.safetensors", trainable_state(model))
-    state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_states(),
-             "data_position": step, "extra": extra}
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    fileio.atomic_write(tmp / "state.pt", buf.getvalue())
-    # the placement is recorded, not checked: tiers and prefetch never change the numbers (tests/test_tiers.py)
-    placement = getattr(model, "placement", None)
-    fileio.atomic_write_json(tmp / "meta.json", {"step": step, "time": time.time(), **identity,
-                                                 "placement": dataclasses.asdict(placement) if placement else None})
-    fileio.fsync_dir(tmp)
-
-
-def restore_full_snapshot(out: Path, work_dir: Path) -> bool:
-    """Before a streamed full-finetune model is loaded with --resume: put the checkpoint's store and
-    optimizer state back into work_dir, rolling back whatever a crashed step wrote after it."""
-    ckpt = find_checkpoint(Path(out))
-    if ckpt is None or not (ckpt / "store" / "manifest.json").is_file():
-        return False
-    link_tree(ckpt / "store", Path(work_dir) / "store")
-    link_tree(ckpt / "optim", Path(work_dir) / "optim")
-    return True
-
-
-def find_checkpoint(out: Path) -> Path | None:
-    """The newest complete checkpoint (a crash between the two renames leaves checkpoint.old)."""
-    for p in (out / CHECKPOINT, out / f"{CHECKPOINT}.old"):
-        if (p / "meta.json").is_file() and (p / "state.pt").is_file():
-            return p
-    return None
-
-
-def io_error_line(e: OSError, out: Path, store: Path | None = None) -> str | None:
-    """The one line for a failed read or write the user can fix: what failed, on which file (and
-    store), and the way on from the last checkpoint. None: not the user's to fix (a bug).
-
-    'no space left on device writing out/checkpoint.tmp/state.pt; the last checkpoint (step 20) is
-    intact: free space and rerun with --resume'
-    """
-    name = Path(e.filename).resolve() if e.filename else None
-    inside = lambda root: root is not None and name is not None and Path(root).resolve() in name.parents  # noqa: E731
-    writing = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) or inside(out)
-    line = fileio.describe(e, "writing" if writing else "reading")
-    if line is None:
-        return None
-    if inside(store) and not inside(out):
-        line += f" (a file of the store {store})"
-    fix = {errno.ENOSPC: "free space", errno.EDQUOT: "free space or raise the quota",
-           errno.EIO: "check the disk (dmesg) or copy the files elsewhere"}.get(e.errno, "make it writable or "
-                                                                                     "choose another --out")
-    ckpt = find_checkpoint(Path(out))
-    if ckpt is None:
-        return f"{line}; no checkpoint was written yet: {fix} and run again"
-    step = json.loads((ckpt / "meta.json").read_text()).get("step")
-    return f"{line}; the last checkpoint (step {step}) is intact: {fix} and rerun with --resume"
-
-
-def load_checkpoint(path: Path, model, opt, sched, identity: dict) -> dict:
-    """Restore weights, optimizer, schedule and RNGs from `path`; returns its state (step, extra)."""
-    meta = json.loads((path / "meta.json").read_text())
-    diff = [k for k in RUN_KEYS if meta.get(k) != identity[k]]
-    if diff:
-        k = diff[0]
-        raise ValueError(f"--resume: the checkpoint in {path} comes from a different run ({k}: {meta.get(k)} "
-                         f"here {identity[k]}); use the same model, data and batch settings, or another --out")
-    if meta.get("weights") and identity.get("weights") and meta["weights"] != identity["weights"]:
-        raise ValueError(f"--resume: the checkpoint in {path} was trained on other weights than "
-                         f"{getattr(model.store, 'path', 'this model')} (its files differ: another checkpoint, or "
-                         f"converted again); use the same model, or another --out")
-    changed = [k for k, v in identity["config"].items() if meta["config"].get(k) != v and k not in RUN_KEYS]
-    changed += [k for k, v in (identity.get("activations") or {}).items()
-                if k in (meta.get("activations") or {}) and meta["activations"][k] != v]
-    if changed:
-        log.warning("resuming with changed settings %s: the run will differ from one that never stopped", changed)
-    tensors = load_file(str(path / "trainable.safetensors"))
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if set(tensors) != set(params):
-        raise ValueError(f"--resume: {path} holds other trainable tensors than the model")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(tensors[n])
-    state = torch.load(path / "state.pt", weights_only=True)
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    set_rng_states(state["rng"])
-    return state
-
-
 # -- the loop -----------------------------------------------------------------------------------
 
 class StopFlag:
@@ -458,45 +264,6 @@ def read_metrics(path: Path, upto: int) -> list[dict]:
     """Records of metrics.jsonl up to step `upto` (what a resumed run keeps); a torn last line (a run
     stopped mid-write) is dropped with a warning, and the resumed run rewrites the file without it."""
     return [r for r in fileio.read_records(path) if isinstance(r, dict) and r.get("step", 0) <= upto]
-
-
-METRICS_BYTES_PER_STEP = 600  # one metrics.jsonl record, with room for a sample now and then
-
-
-def planned_bytes(model, cfg: TrainConfig) -> dict[str, int]:
-    """What the run will hold in cfg.out at its peak, by kind (bytes).
-
-    A checkpoint replaces the previous one only when complete, so two exist for a moment; a full
-    finetune rewrites every file of its working store while the checkpoint's snapshot keeps the
-    previous version (two stores, whether the base could be hard-linked or not), and its AdamW state
-    (fp32 master + two moments: 12 bytes per parameter) is held the same way.
-    """
-    trainable = sum(p.numel() for p in model.trainable_parameters())
-    plan = {"metrics": METRICS_BYTES_PER_STEP * (cfg.iters + 1), "adapter": 4 * trainable,
-            "checkpoints": 2 * 4 * 4 * trainable}  # fp32 weights + 2 moments + the adapter, twice
-    store = getattr(model, "store", None)
-    if getattr(model, "full", False) and getattr(model, "scheduler", None) is not None and store is not None:
-        files = [store.embed, store.head, *store.blocks]
-        plan["working store"] = 2 * sum(e.nbytes for e in files)
-        n_block_params = sum(e.nbytes for e in store.blocks) // store.dtype.itemsize
-        plan["optimizer state"] = 2 * 12 * n_block_params
-    return plan
-
-
-def free_bytes(path: Path) -> int:
-    return shutil.disk_usage(path).free
-
-
-def check_free_space(out: Path, plan: dict[str, int]) -> None:
-    """Refuse, before any work, a run that cannot fit in cfg.out's filesystem; warn under a 10% margin."""
-    need, free = sum(plan.values()), free_bytes(out)
-    parts = ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in plan.items() if v)
-    if need > free:
-        raise ValueError(f"{out} has {free / 1e6:,.1f} MB free but this run will write about {need / 1e6:,.1f} MB "
-                         f"({parts}); free space or choose an --out on a larger disk")
-    if need > 0.9 * free:
-        log.warning("%s: this run will write about %.1f MB of the %.1f MB free (%s); a full disk stops it "
-                    "(resume with --resume)", out, need / 1e6, free / 1e6, parts)
 
 
 @dataclass
@@ -549,11 +316,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         FileNotFoundError: --resume with no checkpoint in cfg.out.
     """
     run, ddp = start_run(model, train_data, val_data, cfg, tokenizer, sinks), pdist.current()
-    sync = None
-    if ddp.enabled:  # gradients averaged by target tokens, so N ranks give the global batch's gradient
-        sync = lambda: pdist.average_gradients(model.trainable_parameters(), run.n_tokens)  # noqa: E731
-        if getattr(model, "full", False):
-            model.grad_sync = pdist.block_grad_sync(lambda: run.n_tokens)
+    sync = data_parallel_sync(model, run)
     sched_metrics = model.scheduler.take_metrics if model.scheduler is not None else dict
     sched_metrics()
     status, step, loss, t_start, tokens = "done", run.start, float("nan"), time.perf_counter(), 0
@@ -561,23 +324,8 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
                disable=not (cfg.progress and ddp.is_main) or None, dynamic_ncols=True)
     with StopFlag().installed() as stop, fileio.RecordLog(run.metrics_path) as mfile:
         while step < cfg.iters:
-            t0 = time.perf_counter()
-            batch = next(run.batches)  # (x, y), packed rows (x, y, segment ids) or pairs (x, y, reference)
-            if ddp.enabled:  # every rank draws the same global batch and keeps its own rows (or pairs)
-                batch = [t[ddp.rank * run.rows:(ddp.rank + 1) * run.rows] for t in batch]
-                run.n_tokens = float(len(batch[0]) if run.objective else (batch[1] != D.IGNORE_INDEX).sum())
-            t_data = time.perf_counter()
-            x, y = batch[:2]  # on the host: the model uploads them (a host-side embedding reads them there)
-            loss_fn = functools.partial(run.objective, ref=batch[2]) if run.objective else None
-            seg = batch[2:] if not run.objective else []
-            lr = run.opt.param_groups[0]["lr"]
-            loss, norm, finite = train_step(model, run.opt, run.sched, x, y, cfg, sync, *seg, loss_fn=loss_fn)
-            step, dt = step + 1, time.perf_counter() - t0
-            n = x.numel() * ddp.world_size
-            tokens += n
-            rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n, "tokens_per_s": n / dt,
-                   "step_s": dt, "data_s": t_data - t0, **(run.objective.figures if run.objective else {}),
-                   **tier_metrics(model, sched_metrics(), dt)}
+            rec, finite = one_step(run, sync, sched_metrics, step + 1)
+            step, loss, tokens = step + 1, rec["loss"], tokens + rec["tokens"]
             if not finite:  # on any rank: all of them stop here
                 status = "nan"
                 mfile.append(to_json(rec))
@@ -595,6 +343,38 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
     if not ddp.is_main:
         return {**summary, "adapter": None, "weights": None, "checkpoint": None, "metrics": None, "out": str(run.out)}
     return {**summary, **finish(run.out, model, cfg, status, step, loss)}
+
+
+def data_parallel_sync(model, run: "Run"):
+    """Under torchrun: gradients averaged by target tokens, so N ranks give the global batch's gradient
+    (full finetuning: each block's all-reduce started in its backward). None in one process."""
+    if not pdist.current().enabled:
+        return None
+    if getattr(model, "full", False):
+        model.grad_sync = pdist.block_grad_sync(lambda: run.n_tokens)
+    return lambda: pdist.average_gradients(model.trainable_parameters(), run.n_tokens)
+
+
+def one_step(run: "Run", sync, sched_metrics, step: int) -> tuple[dict, bool]:
+    """Draw the next batch (this rank's rows of it), run one optimizer step; its metrics record and
+    whether the loss and gradient were finite on every rank."""
+    model, cfg, ddp = run.model, run.cfg, pdist.current()
+    t0 = time.perf_counter()
+    batch = next(run.batches)  # (x, y), packed rows (x, y, segment ids) or pairs (x, y, reference)
+    if ddp.enabled:  # every rank draws the same global batch and keeps its own rows (or pairs)
+        batch = [t[ddp.rank * run.rows:(ddp.rank + 1) * run.rows] for t in batch]
+        run.n_tokens = float(len(batch[0]) if run.objective else (batch[1] != D.IGNORE_INDEX).sum())
+    t_data = time.perf_counter()
+    x, y = batch[:2]  # on the host: the model uploads them (a host-side embedding reads them there)
+    loss_fn = functools.partial(run.objective, ref=batch[2]) if run.objective else None
+    seg = batch[2:] if not run.objective else []
+    lr = run.opt.param_groups[0]["lr"]
+    loss, norm, finite = train_step(model, run.opt, run.sched, (x, y, *seg), cfg, sync, loss_fn=loss_fn)
+    dt, n = time.perf_counter() - t0, x.numel() * ddp.world_size
+    rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n, "tokens_per_s": n / dt,
+           "step_s": dt, "data_s": t_data - t0, **(run.objective.figures if run.objective else {}),
+           **tier_metrics(model, sched_metrics(), dt)}
+    return rec, finite
 
 
 def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg: TrainConfig, tokenizer,
@@ -623,7 +403,7 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     model.train()
     opt, identity = make_optimizer(model, cfg), run_identity(model, train_data, cfg)
     sched = make_scheduler(opt, cfg)
-    start, best_val = restore(out, model, opt, sched, identity, cfg)
+    start, best_val = restore(out, model, opt, sched, identity, cfg.resume)
     history = read_metrics(out / "metrics.jsonl", start) if cfg.resume else []
     first = {"step": 0}
     if objective is not None:  # after restore: a resumed run finds its reference in the cache
@@ -722,20 +502,6 @@ def tier_postfix(rec: dict) -> dict:
     """MB a step took from host RAM and from disk, for the progress bar (nothing when nothing streamed)."""
     ram, disk = rec.get("bytes_ram", 0), rec.get("bytes_read", 0)
     return {"ram_MB": f"{ram / 1e6:.0f}", "disk_MB": f"{disk / 1e6:.0f}"} if ram or disk else {}
-
-
-def restore(out: Path, model, opt, sched, identity: dict, cfg: TrainConfig) -> tuple[int, float]:
-    """(start step, best eval loss) of the run: from out/checkpoint with cfg.resume, else (0, inf)."""
-    if not cfg.resume:
-        if find_checkpoint(out):
-            log.warning("%s holds a checkpoint that this run will replace; pass --resume to continue it", out)
-        return 0, float("inf")
-    ckpt = find_checkpoint(out)
-    if ckpt is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINT}; run without --resume to start")
-    state = load_checkpoint(ckpt, model, opt, sched, identity)
-    log.info("resumed from %s at step %d", ckpt, state["step"])
-    return state["step"], state["extra"].get("best_val", float("inf"))
 
 
 def finish(out: Path, model, cfg: TrainConfig, status: str, step: int, loss: float) -> dict:

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 import logging
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,8 +27,9 @@ from phantom.dist import init_from_env  # noqa: E402
 from phantom.model import MODES  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
-from phantom.train import ACTIVATION_KEYS, TrainConfig, checkpoint_activations, find_checkpoint, \
-    io_error_line, read_metrics, restore_full_snapshot, store_fingerprint, train  # noqa: E402
+from phantom.checkpoint import ACTIVATION_KEYS, checkpoint_activations, find_checkpoint, io_error_line, \
+    prepare_work_dir, store_fingerprint  # noqa: E402
+from phantom.train import TrainConfig, read_metrics, train  # noqa: E402
 
 D = TrainConfig()
 PC = preference.PreferenceConfig()
@@ -232,12 +232,7 @@ def load_model(args, path: Path, device, dtype: str, ddp, placement, activations
     full = {}
     if args.mode == "full":  # blocks are updated inside backward; the working copy of the store is --out/store
         work_dir = args.out if not ddp.enabled else f"{args.out}/rank{ddp.rank}"  # one working store per rank
-        if args.resume and placement.offload != "none":
-            restore_full_snapshot(Path(args.out), Path(work_dir))
-        elif (Path(work_dir) / "store").exists():  # a new run starts from the base model, not the last run's
-            log.warning("%s holds a previous run's weights; starting again from %s", Path(work_dir) / "store", path)
-            for sub in ("store", "optim"):
-                shutil.rmtree(Path(work_dir) / sub, ignore_errors=True)
+        prepare_work_dir(Path(args.out), Path(work_dir), args.resume and placement.offload != "none", path)
         full = dict(mode="full", work_dir=work_dir, optim=phantom.AdamWConfig(
             lr=lr, betas=D.betas, weight_decay=args.weight_decay, max_grad_norm=args.grad_clip or None))
     shared = ddp.local_world_size > 1 and placement.offload == "ram" and args.mode != "full"

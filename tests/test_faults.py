@@ -24,7 +24,7 @@ from phantom import faults
 from phantom.convert import ensure_tiny
 from phantom.store import BlockStore
 from phantom.tokenizer import TINY_TEXT
-from phantom.train import find_checkpoint
+from phantom.checkpoint import find_checkpoint
 from test_convert import load_script
 
 REPO = Path(__file__).resolve().parent.parent

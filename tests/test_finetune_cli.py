@@ -180,8 +180,8 @@ FULL_SHORT = ["--iters", "4", "--batch-size", "2", "--seq-len", "32", "--mode", 
 
 
 def test_preflight_refuses_a_run_that_cannot_fit(cli, tmp_path, capsys, monkeypatch):
-    import phantom.train
-    monkeypatch.setattr(phantom.train, "free_bytes", lambda path: 5_000_000)  # 5 MB free
+    import phantom.checkpoint
+    monkeypatch.setattr(phantom.checkpoint, "free_bytes", lambda path: 5_000_000)  # 5 MB free
     assert cli.main([*FULL_SHORT, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "5.0 MB free but this run will write about" in err[0] and "working store" in err[0], err
@@ -210,6 +210,7 @@ def test_preflight_estimate_is_within_20_percent_of_a_full_runs_peak(tmp_path):
     there (between the two renames of its third checkpoint), so the folder is measured as it was at
     that instant, not sampled while it changes."""
     import phantom
+    import phantom.checkpoint
     import phantom.train
     store_dir = phantom.resolve_model("tiny")
     base = {p.stat().st_ino for p in store_dir.rglob("*") if p.is_file()}
@@ -218,7 +219,7 @@ def test_preflight_estimate_is_within_20_percent_of_a_full_runs_peak(tmp_path):
     assert (out / "checkpoint.old").is_dir() and (out / "checkpoint.tmp").is_dir()  # both checkpoints held
     peak = written_bytes(out, base)
     with phantom.load(store_dir, device="cpu", offload="disk", mode="full", work_dir=tmp_path / "plan") as model:
-        plan = phantom.train.planned_bytes(model, phantom.train.TrainConfig(iters=4, out=str(out)))
+        plan = phantom.checkpoint.planned_bytes(model, phantom.train.TrainConfig(iters=4, out=str(out)))
     assert abs(sum(plan.values()) - peak) <= 0.2 * peak, (plan, peak, os.environ.get("PHANTOM_WEIGHTS"))
 
 

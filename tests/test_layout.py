@@ -22,6 +22,7 @@ RANK = {
     "fileio": 1, "chat": 1, "layers": 1, "costmodel": 1, "family": 1, "trackers": 1, "memory": 1, "tensorfile": 1,
     "directio": 2, "hostmem": 2, "trace": 2, "runfile": 2, "runcard": 2,
     "store": 3, "writeback": 3, "optim": 3, "data": 3, "dist": 3,
+    "checkpoint": 4,
     "lora": 4, "convert": 4, "transfer": 4,
     "scheduler": 5, "export": 5, "hub": 5, "preference": 5,
     "executor": 6,

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 import phantom
 from phantom import data as D
 from phantom.tokenizer import Tokenizer
-from phantom.train import TrainConfig, lr_factor, sample, train, trainable_state
+from phantom.checkpoint import trainable_state
+from phantom.train import TrainConfig, lr_factor, sample, train
 
 
 def tiny(dropout=0.0, micro_batch=4, offload="disk"):

@@ -40,19 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
+
+from benchlib.measure import matmul_rate, peak_rss_gb  # noqa: E402
+
 NEEDED = ("llama2.py", "llama2_loader.py", "blackbox.py", "model_config.py", "utils.py")
 SLOWLLAMA_SEED = 54321  # conf.py's seed, set by its prepare_model.py and finetune.py
-
-
-def peak_rss_gb() -> float:
-    """This process's own peak RSS. Not ru_maxrss: a child started by subprocess reports its parent's
-    peak there until it exceeds it (Linux keeps the high-water mark across exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
-    except (OSError, StopIteration, ValueError):
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def parse_args(argv=None):
@@ -136,17 +129,6 @@ def phase_prepare(args, info: dict):
     prepare_model(llama2_path=str(work / "meta"), frozen_path=str(work / "frozen"), compute_dtype=torch.float32,
                   lora_rank=args.lora_rank, frozen_dtype=dtype_of(info["frozen_dtype"]),
                   vocab_size_override=info["vocab"], cached_data_path=str(work / "cache"))
-
-
-def matmul_rate(tokens: int, dim: int, hidden: int, reps: int = 10) -> float:
-    """fp32 FLOP/s of the block's largest matmul (tokens x dim @ dim x hidden), as bench.py's matmul mode."""
-    import torch
-    a, w = torch.randn(tokens, dim), torch.randn(dim, hidden)
-    a @ w
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ w
-    return 2 * tokens * dim * hidden * reps / (time.perf_counter() - t0)
 
 
 def iter_flops(info: dict, batch: int, seq: int) -> float:

@@ -1,0 +1,1 @@
+"""The benchmarks behind scripts/bench.py (and bench_slowllama.py's shared helpers)."""

@@ -27,7 +27,7 @@ def quant_steps(store: BlockStore, placement, rows: int, seq: int, args) -> dict
 def quant_bench(args, store: BlockStore) -> str:
     """Mode quant: the bench model stored bf16 (this store), NF4 (double-quantized scales) and int8, each
     read from disk (prefetch K, cold: O_DIRECT and the page cache dropped) at each of --quant-batches.
-    The cost model's profile is measured once on the bf16 store (tune.measure: disk, compute); each
+    The cost model's profile is measured once on the bf16 store (a full tune.measure: disk, compute); each
     quantized store adds its own measured dequantization rate (tune.measure_dequant: the loader's work).
     """
     from phantom.convert import quantize_store
@@ -36,6 +36,10 @@ def quant_bench(args, store: BlockStore) -> str:
         print("error: --modes quant needs a 16-bit store to quantize (--dtype bf16)", file=sys.stderr)
         sys.exit(2)
     k = int(args.prefetch.split(",")[0])
+    if store.n_blocks <= k + 1:  # every block stays in a slot after the warm-up: no step would read
+        print(f"error: --modes quant needs more blocks than the {k + 1} slots of prefetch {k} (the steps would read "
+              f"nothing); use --layers {k + 2} or more", file=sys.stderr)
+        sys.exit(2)
     batches = [tuple(int(x) for x in b.split("x")) for b in args.quant_batches.split(",")]
     load = [shell("cat /proc/loadavg")]
     t0 = time.perf_counter()
@@ -48,7 +52,7 @@ def quant_bench(args, store: BlockStore) -> str:
     stores["bf16"] = BlockStore(store.path, drop_cache=args.cold)
     quantize_s = time.perf_counter() - t0
     big = max(batches)
-    profile = tune.measure(stores["bf16"], torch.device("cpu"), store.dtype, big[0], big[1], quick=True)
+    profile = tune.measure(stores["bf16"], torch.device("cpu"), store.dtype, big[0], big[1])  # a full profile
     rates = {m: tune.measure_dequant(stores[m], torch.device("cpu"), store.dtype) for m in ("nf4", "int8")}
     place = phantom.Placement(offload="disk", prefetch=k)
     acts = phantom.Activations(recompute="none")

@@ -79,6 +79,23 @@ def checkpoint_activations(out: Path) -> dict:
         return {}  # load_checkpoint reports a damaged checkpoint
 
 
+def resume_point(out: Path, activations, flags: dict):
+    """Before a --resume run loads anything (the working store of a killed run included): the
+    activations as out's checkpoint recorded them, except those a flag sets (`flags[name]` not None),
+    and the first step the run trains (one past the checkpoint's).
+
+    Raises:
+        FileNotFoundError: out holds no checkpoint.
+    """
+    ckpt = find_checkpoint(Path(out))
+    if ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {Path(out) / CHECKPOINT}; run without --resume to start")
+    recorded = checkpoint_activations(out)
+    activations = dataclasses.replace(activations, **{k: recorded[k] for k in ACTIVATION_KEYS
+                                                      if k in recorded and flags.get(k) is None})
+    return activations, int(json.loads((ckpt / "meta.json").read_text())["step"]) + 1
+
+
 def rng_states() -> dict:
     np_state = np.random.get_state()
     return {"torch": torch.get_rng_state(),

@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import sys
 from pathlib import Path
@@ -27,8 +26,7 @@ from phantom.dist import init_from_env  # noqa: E402
 from phantom.model import MODES  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
-from phantom.checkpoint import ACTIVATION_KEYS, checkpoint_activations, find_checkpoint, io_error_line, \
-    prepare_work_dir, store_fingerprint  # noqa: E402
+from phantom.checkpoint import io_error_line, prepare_work_dir, resume_point, store_fingerprint  # noqa: E402
 from phantom.train import TrainConfig, read_metrics, train  # noqa: E402
 
 D = TrainConfig()
@@ -275,12 +273,9 @@ def run(argv=None) -> int:
     lock = fileio.locked(out / ".lock", wait=False, what=f"{out} is in use by another finetune run; wait for it to "
                          f"end or choose another --out") if ddp.is_main else contextlib.nullcontext()
     with lock:
-        if args.resume and find_checkpoint(out) is None:  # before the working store of a killed run is opened
-            raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoint'}; run without --resume to start")
+        first = 1  # the first step this run trains (for the trackers)
         if args.resume:  # compile and recompute as the checkpoint recorded them, unless a flag says otherwise
-            recorded = checkpoint_activations(out)
-            activations = dataclasses.replace(activations, **{k: recorded[k] for k in ACTIVATION_KEYS
-                                                              if k in recorded and getattr(args, k) is None})
+            activations, first = resume_point(out, activations, vars(args))  # before a killed run's store opens
         dtype = cli.resolve_dtype(args.dtype, device)
         knobs = resolved_knobs(args, placement, activations)
         settings = write_run_file(args, store, out, lr=cfg.lr, dtype=dtype, **knobs) if ddp.is_main else {}
@@ -290,7 +285,7 @@ def run(argv=None) -> int:
             cfg = dataclasses.replace(cfg, check_step=functools.partial(tune.check_prediction, best))
         try:
             with trackers.Reporter(report_to if ddp.is_main else (), out, settings, out.resolve().name,
-                                   first_step(out) if args.resume else 1) as reporter:
+                                   first) as reporter:
                 s = train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, (reporter.log,))
             if ddp.is_main:
                 write_card(args, argv, s, store, dtype, device)
@@ -356,11 +351,6 @@ def write_run_file(args, store: BlockStore, out: Path, **resolved) -> dict:
              f"# Repeat it: python scripts/finetune.py --config {out / 'config.yaml'} (flags given there win).\n"
     runfile.write(out / "config.yaml", runfile.dump(p, flat, run_file_sections(p), record, header))
     return {**flat, **{f"recorded-{k}": v for k, v in record.items()}}
-
-
-def first_step(out: Path) -> int:
-    """The first step a --resume run trains: one past its checkpoint's."""
-    return int(json.loads((find_checkpoint(out) / "meta.json").read_text())["step"]) + 1
 
 
 def run_file_sections(p: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:

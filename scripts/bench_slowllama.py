@@ -197,43 +197,59 @@ def main(argv=None):
     args = parse_args(argv)
     slow = check_slowllama(args.slowllama)
     if args.phase:
-        name, info = args.phase.split(":", 1)
-        info = json.loads(info)
-        sys.path.insert(0, str(slow))
-        import warnings
-        warnings.filterwarnings("ignore", message="Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
-        if name == "prepare":
-            phase_prepare(args, info)
-        else:
-            print(json.dumps(phase_train(args, info)))
+        run_in_phase(args, slow)
         return
     own = args.work is None
     args.work = str(Path(args.work or tempfile.mkdtemp(prefix="bench-slowllama-", dir="/tmp")).resolve())
     Path(args.work).mkdir(parents=True, exist_ok=True)
     try:
-        import torch
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from phantom.config import ModelConfig
-        from phantom.convert import write_synthetic
-        t0 = time.perf_counter()
-        store = args.store
-        if store is None:
-            cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                              vocab_size=args.vocab, max_seq_len=max(args.seq_len, 256))  # as scripts/bench.py
-            store = write_synthetic(Path(args.work) / "store", cfg, dtype_of(args.dtype), seed=args.seed,
-                                    progress=False)
-        info = write_meta(Path(store), Path(args.work) / "meta")
-        info["frozen_dtype"] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[info["dtype"]] \
-            if args.frozen_dtype == "store" else args.frozen_dtype
-        if args.store is None:
-            shutil.rmtree(Path(args.work) / "store")
-        print(f"store -> Meta checkpoint: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        info = prepare_checkpoint(args)
         run_phase("prepare", args, info, slow)
         shutil.rmtree(Path(args.work) / "meta")  # slowllama's frozen/ copy is all it reads from here on
         r = json.loads(run_phase("train", args, info, slow).strip().splitlines()[-1])
     finally:
         if own:
             shutil.rmtree(args.work, ignore_errors=True)
+    report(args, info, r, slow)
+
+
+def run_in_phase(args, slow: Path) -> None:
+    """--phase NAME:INFO: this process is one of slowllama's phases (prepare, train)."""
+    name, info = args.phase.split(":", 1)
+    info = json.loads(info)
+    sys.path.insert(0, str(slow))
+    import warnings
+    warnings.filterwarnings("ignore", message="Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    if name == "prepare":
+        phase_prepare(args, info)
+    else:
+        print(json.dumps(phase_train(args, info)))
+
+
+def prepare_checkpoint(args) -> dict:
+    """The store (--store, or bench.py's synthetic one) as a Meta checkpoint in WORK/meta; its shapes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from phantom.config import ModelConfig
+    from phantom.convert import write_synthetic
+    t0 = time.perf_counter()
+    store = args.store
+    if store is None:
+        cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                          vocab_size=args.vocab, max_seq_len=max(args.seq_len, 256))  # as scripts/bench.py
+        store = write_synthetic(Path(args.work) / "store", cfg, dtype_of(args.dtype), seed=args.seed,
+                                progress=False)
+    info = write_meta(Path(store), Path(args.work) / "meta")
+    info["frozen_dtype"] = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[info["dtype"]] \
+        if args.frozen_dtype == "store" else args.frozen_dtype
+    if args.store is None:
+        shutil.rmtree(Path(args.work) / "store")
+    print(f"store -> Meta checkpoint: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return info
+
+
+def report(args, info: dict, r: dict, slow: Path) -> None:
+    """What was run, each iteration, and the median against the matmul floor."""
+    import torch
     med = statistics.median(r["times"])
     commit = ""
     try:

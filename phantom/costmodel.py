@@ -184,6 +184,7 @@ class MachineProfile:
     disk_jitter: float = 0.0  # relative std of one block read
     busy_compute_slowdown: float = 1.0  # compute while blocks are read / alone
     busy_read_slowdown: float = 1.0  # reads while a block computes / alone
+    compute_threads: int = 0  # a CPU: threads a block computes on (0: unknown; loader work is taken to be free)
     compile_speedup: float | None = None
     compile_s: float | None = None
     free_device_bytes: int | None = None
@@ -338,7 +339,8 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     loads L of them (`loads_per_step`: the blocks still in slots at each turn are reused), so
         pipe(C) = S * C + sum(X)                                     K = 0: load, then compute
         pipe(C) = max(S * C + L * (C' - C), 2 * C + sum(X')) + jitter   K >= 1
-    with C', X' slowed by the measured contention for the fraction of time they overlap, and
+    with C', X' slowed by the measured contention for the fraction of time they overlap (on a CPU, C'
+    also loses a load's dequantization time over the compute's threads: the loader takes one of them), and
         step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
     Memory: see `device_memory` and `host_memory`.
     """
@@ -418,6 +420,8 @@ def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile:
         return total + sum(xs)
     x_avg = sum(xs) / len(xs)
     c_busy = c_avg * (1 + (profile.busy_compute_slowdown - 1) * min(1.0, x_avg / c_avg)) if c_avg else 0.0
+    if profile.host_is_device and profile.compute_threads:  # a CPU's loader dequantizes on one of the cores
+        c_busy += t.dequant_s / profile.compute_threads     # the block computes on: that share of it is lost
     reads = sum(t.disk_s for i in loads if lay.tiers[i] == "disk")
     x_busy = sum(xs) + reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg)
     jitter = len(xs) * profile.disk_jitter * min(c_avg, x_avg) / prefetch

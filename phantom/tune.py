@@ -306,6 +306,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
         head_flops=shape.head_flops_per_row / c["head_row_s"],
         keep_scale=c["keep_bytes_per_row"] / shape.keep_bytes_per_row, disk_jitter=jitter,
         busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"],
+        compute_threads=torch.get_num_threads() if device.type == "cpu" else 0,
         free_device_bytes=free_dev, free_host_bytes=free_host_bytes(), quick=quick,
         measured_on=f"{shape_key(store.cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens",
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))

@@ -224,3 +224,16 @@ def test_a_host_short_with_the_default_ram_tier_gets_a_smaller_one():
     default_ram = cm.layout(shape, cpu, Placement()).split["ram"]
     best = cm.choose(cm.search(cpu, shape, 8))
     assert best.fits and best.split["ram"] < default_ram
+
+
+def test_a_cpu_loader_dequantizing_takes_its_share_of_the_compute_cores():
+    """On a CPU the loader dequantizes on one of the cores the block computes on: in a compute-bound step
+    each load's dequantization time, over the compute's threads, is added; with the threads unknown (0)
+    the loader's work is taken to be free, as before."""
+    shape = cm.shape_of(CFG, "bf16", "bf16", 128, "nf4")
+    free = cm.MachineProfile(machine="c", device="cpu", fwd_flops=1e8, dequant_gbps=1.0, disk_gbps=100.0)
+    two = dataclasses.replace(free, compute_threads=2)
+    place = Placement(offload="disk", prefetch=2)
+    a, b = (cm.predict(p, shape, place, Activations(recompute="none"), 2) for p in (free, two))
+    per_load = shape.dequant_bytes / 1e9
+    assert a.loads > 0 and abs((b.step_s - a.step_s) - a.loads * per_load / 2) < 1e-9 * b.step_s

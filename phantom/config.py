@@ -224,6 +224,14 @@ PRESETS: dict[str, ModelConfig] = {
                               rope_theta=1e6, rope_scaling=RopeScaling(rope_type="linear", factor=8.0),
                               local_rope_theta=1e4, sliding_window=1024,
                               layer_types=("sliding_attention",) * 5 + ("full_attention",)),
+    # microsoft/phi-4, microsoft/Phi-3-mini-4k-instruct (Phi3ForCausalLM: qkv_proj and gate_up_proj fused
+    # in the checkpoint; Phi-3-mini's window of 2047 keys)
+    "phi4-14B": ModelConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=10, vocab_size=100352,
+                            intermediate_size=17920, norm_eps=1e-5, rope_theta=250000.0, max_seq_len=16384,
+                            family="phi3"),
+    "phi3-mini-4k": ModelConfig(dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32064,
+                                intermediate_size=8192, norm_eps=1e-5, max_seq_len=4096, family="phi3",
+                                sliding_window=2047),
 }
 
 

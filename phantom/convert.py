@@ -5,6 +5,7 @@ Every writer streams one block at a time into a `StoreWriter`, so peak memory is
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,7 +27,7 @@ from phantom.family import LLAMA_KEYS, family, from_hf_config
 from phantom.layers import permute_from_hf
 from phantom.quant import QuantFormat
 from phantom.store import BlockStore, StoreError, StoreWriter, block_file, safe_join
-from phantom.tensorfile import read_header
+from phantom.tensorfile import TensorSpec, read_header
 from phantom.tokenizer import train_tiny_tokenizer
 
 log = logging.getLogger(__name__)
@@ -190,11 +191,13 @@ class HFCheckpoint:
                 raise FileNotFoundError(f"{path}: shard missing from the set (listed in model.safetensors.index.json)")
             specs, start = read_header(path)
             headers[file] = ({s.name: s for s in specs}, start)
-        self.src, self.index = src, {}  # store name or (layer, store name) -> (path, TensorSpec, data start)
+        # (part, store name) -> (path, TensorSpec, data start); a part of a fused tensor has a spec of its rows
+        self.src, self.index = src, {}
         hf_names = family(self.cfg).hf_names()
         self.permuted = rope_rows(self.cfg)
         for part in (*PARTS, *range(self.cfg.n_layers)):
-            for name, shape in part_shapes(self.cfg, part).items():
+            shapes = part_shapes(self.cfg, part)
+            for name, shape in shapes.items():
                 key = hf_names[(isinstance(part, int), name)].format(part)
                 if key not in weight_map:
                     raise ValueError(f"{src}: tensor {key} is in no shard; the checkpoint is incomplete")
@@ -202,9 +205,7 @@ class HFCheckpoint:
                 spec, path = specs.get(key), files[weight_map[key]]
                 if spec is None:
                     raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
-                if spec.shape != shape:
-                    raise ValueError(f"{path}: {key} has shape {spec.shape}, config.json implies {shape}")
-                self.index[(part, name)] = (path, spec, start)
+                self.index[(part, name)] = (path, fused_rows(self.cfg, spec, name, shapes, path), start)
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
         self.tokenizer = next((p for p in (src / "tokenizer.model", src / "tokenizer.json") if p.is_file()), None)
         self.tokenizer_files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
@@ -234,7 +235,8 @@ class HFCheckpoint:
         for path, names in by_file.items():
             with safe_open(path, framework="pt") as f:  # opened per part: its mapping is dropped on close
                 for name, key in names:
-                    out[name] = f.get_tensor(key)
+                    rows = self.index[(part, name)][1].rows
+                    out[name] = f.get_tensor(key) if rows is None else f.get_slice(key)[rows[0]:rows[1]]
         for name, heads in self.permuted.items():
             if name in out:
                 out[name] = permute_from_hf(out[name], heads)
@@ -248,6 +250,31 @@ class HFCheckpoint:
             if name not in self.permuted and spec.dtype == dtype:
                 out[name] = (path, start + spec.start, spec.dtype, spec.shape)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec(TensorSpec):
+    """A tensor's spec inside the checkpoint's: the whole of it (rows None), or rows [r0, r1) of a
+    fused tensor (phantom.family.Family.fused), whose bytes are contiguous: linkable in place."""
+
+    rows: tuple[int, int] | None = None
+
+
+def fused_rows(cfg: ModelConfig, spec: TensorSpec, name: str, shapes: dict, path: Path) -> RowSpec:
+    """spec as name's: itself, or name's rows of the fused tensor spec names (checked against config.json)."""
+    group = next((names for names in family(cfg).fused.values() if name in names), None)
+    if group is None:
+        if spec.shape != shapes[name]:
+            raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {shapes[name]}")
+        return RowSpec(spec.name, spec.dtype, spec.shape, spec.start, spec.end)
+    fused = (sum(shapes[n][0] for n in group), *shapes[name][1:])
+    if spec.shape != fused:
+        raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {fused}")
+    r0 = sum(shapes[n][0] for n in group[:group.index(name)])
+    r1 = r0 + shapes[name][0]
+    row_bytes = math.prod(fused[1:]) * spec.dtype.itemsize
+    return RowSpec(spec.name, spec.dtype, shapes[name], spec.start + r0 * row_bytes, spec.start + r1 * row_bytes,
+                   rows=(r0, r1))
 
 
 def linked_shard(src: Path, file: str, root: Path) -> Path:

@@ -24,7 +24,7 @@ from phantom.config import ModelConfig, rope_rows
 from phantom.convert import part_shapes, release_pages, tokenizer_files
 from phantom.family import family
 from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
-from phantom.lora import TARGETS, apply_lora, load_adapter, lora_modules, read_adapter_config
+from phantom.lora import TARGETS, apply_lora, for_family, load_adapter, lora_modules, read_adapter_config
 from phantom import fileio
 from phantom.fileio import atomic_write as atomic_write_bytes
 from phantom.store import BlockStore
@@ -39,7 +39,7 @@ HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16:
 
 def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLinear]]:
     """{layer: {store weight name: its LoRA (A, B in Meta's layout)}} from a PEFT adapter folder."""
-    lora_cfg = read_adapter_config(adapter)
+    lora_cfg = for_family(read_adapter_config(adapter), cfg)
     layers = nn.ModuleList(TransformerBlock(cfg, device="meta", layer=i) for i in range(cfg.n_layers))
     for i, block in enumerate(layers):
         apply_lora(block, lora_cfg, i)
@@ -76,7 +76,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
          "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
          "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
          "max_position_embeddings": cfg.max_seq_len, "hidden_act": cfg.activation,
-         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": HF_DTYPES[dtype]}
+         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": HF_DTYPES[dtype],
+         "pad_token_id": None}  # the tokenizer's files say it; a class default (Phi-3's 32000) may exceed the vocab
     if "attention_bias" in fam.readers:
         c["attention_bias"] = cfg.qkv_bias
     if "mlp_bias" in fam.readers:
@@ -94,7 +95,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                  attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
                  sliding_window=cfg.sliding_window, attention_bias=cfg.qkv_bias,
                  layer_types=["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)])
-    if "rope_parameters" in fam.readers:  # a RoPE per layer type (Gemma-3)
+    if cfg.local_rope_theta is not None:  # a RoPE per layer type (Gemma-3)
         del c["rope_theta"]
         c["rope_parameters"] = {"full_attention": {**rope_scaling_json(cfg), "rope_theta": cfg.rope_theta},
                                 "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}
@@ -118,14 +119,18 @@ def rope_scaling_json(cfg: ModelConfig) -> dict:
 
 
 def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Store names and q/k layout -> the family's Hugging Face names and layout (its conversion script's permute)."""
-    hf_names, permuted = family(cfg).hf_names(), rope_rows(cfg)
+    """Store names and q/k layout -> the family's Hugging Face names and layout (its conversion script's
+    permute); the parts of a fused tensor (Phi-3's qkv_proj) stacked by rows, in the family's order."""
+    fam, permuted = family(cfg), rope_rows(cfg)
+    hf = {name: permute_for_hf(t, permuted[name]) if name in permuted else t for name, t in tensors.items()}
     out = {}
-    for name, t in tensors.items():
-        if name in permuted:
-            t = permute_for_hf(t, permuted[name])
-        out[hf_names[(isinstance(part, int), name)].format(part)] = t.contiguous()
-    return out
+    for key, names in fam.fused.items() if isinstance(part, int) else ():
+        if present := [n for n in names if n in hf]:
+            if len(present) != len(names):
+                raise ValueError(f"{key.format(part)} fuses {', '.join(names)}: {', '.join(present)} alone given")
+            out[key.format(part)] = torch.cat([hf.pop(n) for n in names])
+    hf_names = fam.hf_names()
+    return out | {hf_names[(isinstance(part, int), name)].format(part): t.contiguous() for name, t in hf.items()}
 
 
 def write_hf(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:

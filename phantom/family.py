@@ -68,6 +68,9 @@ REFUSED_WHEN_SET = {  # field -> (allowed value check, what phantom supports)
     "num_experts": (lambda v: not v, "dense models (no mixture of experts)"),
     "num_local_experts": (lambda v: not v, "dense models (no mixture of experts)"),
     "n_routed_experts": (lambda v: not v, "dense models (no mixture of experts)"),
+    "partial_rotary_factor": (lambda v: v in (None, 1, 1.0), "1.0 (RoPE over the whole head)"),
+    "resid_pdrop": (lambda v: not v, "0 (no dropout on the residual stream)"),
+    "embd_pdrop": (lambda v: not v, "0 (no dropout on the embeddings)"),
 }
 MODELLED_COMMON = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "vocab_size", "intermediate_size", "rms_norm_eps",
@@ -87,6 +90,8 @@ def _rope_scaling(rs: dict, path, max_pos: int) -> RopeScaling | None:
     """A rope_scaling (or rope_parameters) dict as phantom's RopeScaling; refused unless its type is modelled.
     original_max_position_embeddings defaults to max_pos, as transformers fills it in."""
     kind = rs.get("rope_type", rs.get("type", "default"))
+    if rs.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
+        _refuse(path, "rope_parameters.partial_rotary_factor", rs["partial_rotary_factor"], "1.0 (RoPE over the whole head)")
     rs = {"original_max_position_embeddings": max_pos, **rs}
     if kind == "default":
         return None
@@ -118,8 +123,6 @@ def _yarn(rs: dict, path) -> RopeScaling:
 def _read_rope(c: dict, path) -> tuple[float, RopeScaling | None]:
     """One RoPE for every layer: rope_theta + rope_scaling (older files) or rope_parameters (transformers >= 5)."""
     rope = c.get("rope_parameters") or {}
-    if "full_attention" in rope:  # per layer type: the family's reader says what it means
-        return c.get("rope_theta", 10000.0), None
     return (c.get("rope_theta", rope.get("rope_theta", 10000.0)),
             _rope_scaling(c.get("rope_scaling") or rope, path, c["max_position_embeddings"]))
 
@@ -162,6 +165,16 @@ def _read_qwen_window(c: dict, path) -> dict:
     return {"sliding_window": window, "layer_types": tuple(types)}
 
 
+def _read_phi3_rope(c: dict, path) -> dict:
+    """Phi-3: transformers' Phi3Config knows RoPE "default" and "longrope" alone (it reads "su" and "yarn"
+    as longrope, which phantom does not model: Phi-3-*-128k, Phi-3.5)."""
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        _refuse(path, "rope_scaling.rope_type", kind, "'default' (Phi3Config reads 'su' and 'yarn' as 'longrope')")
+    return {"rope_theta": _read_rope(c, path)[0], "rope_scaling": None}
+
+
 def _read_gemma_activation(c: dict, path) -> dict:
     act = c.get("hidden_activation")
     if act not in ACTIVATIONS:
@@ -190,7 +203,10 @@ class Family:
     readers: config field -> function (config, path) -> ModelConfig fields, for the fields beyond
     MODELLED_COMMON this family has; fixed: ModelConfig fields the family always sets; defaults:
     the values transformers' config class gives fields a config.json leaves out; irrelevant:
-    family-specific fields that do not change the maths, with why.
+    family-specific fields that do not change the maths, with why; fused: a checkpoint tensor that
+    holds several of phantom's, stacked by rows in this order (Phi-3's qkv_proj: q, k, v). The
+    store keeps them apart (and back to back, so a block still runs them as one matmul); a LoRA on
+    the fused module is one A shared by its parts (phantom.lora).
     """
 
     name: str
@@ -201,6 +217,7 @@ class Family:
     fixed: dict = field(default_factory=dict)
     defaults: dict = field(default_factory=dict)
     irrelevant: dict[str, str] = field(default_factory=dict)
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def hf_class(self) -> str:
@@ -210,8 +227,9 @@ class Family:
         return set(MODELLED_COMMON) | set(self.readers)
 
     def hf_names(self) -> dict[tuple[bool, str], str]:
-        """(in a block?, store name) -> Hugging Face name."""
-        return {("{}" in hf, name): hf for hf, name in self.keys.items()}
+        """(in a block?, store name) -> Hugging Face name (of the fused tensor holding it, where fused)."""
+        return {**{("{}" in hf, name): hf for hf, name in self.keys.items()},
+                **{(True, name): hf for hf, names in self.fused.items() for name in names}}
 
 
 COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
@@ -255,6 +273,16 @@ FAMILIES.update({f.name: f for f in (
            defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 131072},
            irrelevant={"_sliding_window_pattern": "Gemma-3's older way to say layer_types, which are read"}),
 )})
+PHI3_FUSED = {"model.layers.{}.self_attn.qkv_proj.weight": ("attention.wq.weight", "attention.wk.weight",
+                                                            "attention.wv.weight"),
+              "model.layers.{}.mlp.gate_up_proj.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight")}
+FAMILIES["phi3"] = Family(
+    "phi3", ("Phi3ForCausalLM",), "phi3",
+    {hf: name for hf, name in LLAMA_KEYS.items() if name not in {n for ns in PHI3_FUSED.values() for n in ns}},
+    readers={"sliding_window": _read_mistral_window, "rope_scaling": _read_phi3_rope,
+             "rope_parameters": _read_phi3_rope},
+    defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+    irrelevant={"original_max_position_embeddings": "read by longrope alone, which is refused"}, fused=PHI3_FUSED)
 BIAS_FIELDS = ("attention_bias", "mlp_bias")  # a family without the field has no such biases
 
 
@@ -291,17 +319,18 @@ def config_from_hf(c: dict, path="config.json") -> ModelConfig:
     fam = family_of(c, path)
     c = {**fam.defaults, **c}
     check_fields(c, fam, path)
-    theta, scaling = _read_rope(c, path)
     kw = dict(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
               vocab_size=c["vocab_size"], n_kv_heads=c.get("num_key_value_heads"),
-              intermediate_size=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope_theta=theta,
-              rope_scaling=scaling, max_seq_len=c["max_position_embeddings"], family=fam.name,
+              intermediate_size=c["intermediate_size"], norm_eps=c["rms_norm_eps"],
+              max_seq_len=c["max_position_embeddings"], family=fam.name,
               activation=c.get("hidden_act", "silu"), tie_embeddings=bool(c["tie_word_embeddings"]))
     head_dim = c.get("head_dim")
     if head_dim and head_dim * c["num_attention_heads"] != c["hidden_size"]:
         kw["explicit_head_dim"] = head_dim
     for read in dict.fromkeys(fam.readers.values()):  # each reader once, in the table's order
         kw.update(read(c, path))
+    if "rope_theta" not in kw:  # one RoPE for every layer, unless the family reads its own
+        kw["rope_theta"], kw["rope_scaling"] = _read_rope(c, path)
     kw.update(fam.fixed)
     try:
         return ModelConfig(**kw)

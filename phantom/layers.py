@@ -202,12 +202,28 @@ def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _finish(proj: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y (x times proj's weight, computed fused) plus proj's bias and LoRA update, where it has them
-    (and the LoRA is on)."""
-    if proj.bias is not None:
-        y = y + proj.bias
-    return y + proj.lora_update(x) if isinstance(proj, LoraLinear) and proj.enabled else y
+def project(x: torch.Tensor, projs: list[nn.Module], fused: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each projection of x: one matmul over `fused` (their weights back to back, fuse_adjacent) or
+    one per weight, then each one's bias and LoRA update (where it has them and the LoRA is on).
+    Projections that share a LoRA A (the parts of a module the checkpoint fuses: peft's one LoRA on
+    Phi-3's qkv_proj) share dropout(x) A^T, computed once as peft computes it."""
+    if fused is None:
+        ys = [F.linear(x, p.weight) for p in projs]
+    else:
+        ys = F.linear(x, fused).split([p.weight.shape[0] for p in projs], dim=-1)
+    inputs: list[tuple[nn.Parameter, torch.Tensor]] = []  # (A, dropout(x) A^T), one per distinct A
+    out = []
+    for p, y in zip(projs, ys):
+        if p.bias is not None:
+            y = y + p.bias
+        if isinstance(p, LoraLinear) and p.enabled:
+            xa = next((xa for a, xa in inputs if a is p.lora_A), None)
+            if xa is None:
+                xa = p.lora_input(x)
+                inputs.append((p.lora_A, xa))
+            y = y + p.lora_output(xa)
+        out.append(y)
+    return out
 
 
 class Attention(nn.Module):
@@ -231,18 +247,11 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.wqkv is None:
-            return self.wq(x), self.wk(x), self.wv(x)
-        kv = self.n_kv_heads * self.head_dim
-        q, k, v = F.linear(x, self.wqkv).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
-        return _finish(self.wq, x, q), _finish(self.wk, x, k), _finish(self.wv, x, v)
-
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         """mask: None (causal), or (B, 1, T, T) bool for packed rows (packed_layout)."""
         B, T, _ = x.shape
-        q, k, v = self.project_qkv(x)
+        q, k, v = project(x, [self.wq, self.wk, self.wv], self.wqkv)
         if self.rope_index is not None:  # (.., 2, D/2, 2): the table of this layer's RoPE base
             rope = rope.select(-3, self.rope_index)
         q = apply_rope(self.q_norm(q.view(B, T, self.n_heads, self.head_dim)), rope)  # (B, T, H, D)
@@ -272,10 +281,8 @@ class FeedForward(nn.Module):
         self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w13 is None:
-            return self.w2(self.act(self.w1(x)) * self.w3(x))
-        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-        return self.w2(self.act(_finish(self.w1, x, gate)) * _finish(self.w3, x, up))
+        gate, up = project(x, [self.w1, self.w3], self.w13)
+        return self.w2(self.act(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -327,7 +334,7 @@ class LoraLinear(nn.Module):
     enabled = True
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, lora_A: nn.Parameter | None = None):
         super().__init__()
         self.weight = base.weight
         self.weight.requires_grad_(False)
@@ -335,11 +342,14 @@ class LoraLinear(nn.Module):
         if self.bias is not None:
             self.bias.requires_grad_(False)
         self.rank, self.scale = rank, alpha / rank
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank))
-        bound = 1 / math.sqrt(base.in_features)  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and PEFT
-        with torch.no_grad():
-            self.lora_A.uniform_(-bound, bound, generator=generator)
+        if lora_A is not None:  # one A for the parts of a fused module (phantom.lora.apply_lora)
+            self.lora_A = lora_A
+        else:
+            self.lora_A = nn.Parameter(torch.empty(rank, base.in_features))
+            bound = 1 / math.sqrt(base.in_features)  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and PEFT
+            with torch.no_grad():
+                self.lora_A.uniform_(-bound, bound, generator=generator)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank))  # after A: the parameters' order
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     @property
@@ -350,8 +360,14 @@ class LoraLinear(nn.Module):
     def out_features(self) -> int:
         return self.lora_B.shape[0]
 
+    def lora_input(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.dropout(x), self.lora_A)
+
+    def lora_output(self, xa: torch.Tensor) -> torch.Tensor:
+        return F.linear(xa, self.lora_B) * self.scale
+
     def lora_update(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
+        return self.lora_output(self.lora_input(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)

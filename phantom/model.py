@@ -20,7 +20,7 @@ from phantom.config import ModelConfig, head_tensor_shapes
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
 from phantom.layers import TransformerBlock, fuse_adjacent, lora_disabled, packed_layout, rms_norm, rope_table, \
     softcap, KVCache
-from phantom.lora import LoraConfig, apply_lora, load_adapter, save_adapter
+from phantom.lora import LoraConfig, apply_lora, for_family, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement, loss_budget
 from phantom.hostmem import HostBuffer
@@ -146,7 +146,8 @@ class PhantomModel(nn.Module):
                  lora: LoraConfig | None = LoraConfig(), optim: AdamWConfig | None = None, trace: bool = False):
         super().__init__()
         self.cfg: ModelConfig = store.cfg
-        self.store, self.device, self.dtype, self.lora_cfg = store, torch.device(device), dtype, lora
+        self.store, self.device, self.dtype = store, torch.device(device), dtype
+        self.lora_cfg = None if lora is None else for_family(lora, store.cfg)  # targets as the family's modules
         self.full = optim is not None
         activations = self._check(placement, activations)
         self.placement, self.activations = placement, activations

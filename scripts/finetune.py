@@ -106,8 +106,9 @@ def parser() -> argparse.ArgumentParser:
            "(once before training, cached in --out: one extra read of the weights in all; default: together)")
     a("--lora-rank", type=int, default=8, help="LoRA rank r (default: 8)")
     a("--lora-alpha", type=float, default=16.0, help="LoRA scale is alpha / r (default: 16)")
-    a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down, or all-linear "
-                                             "(every one, as peft's all-linear; default: q,v)")
+    a("--lora-targets", default="q,v", help="comma-separated projections: q,k,v,o,gate,up,down (qkv, gate_up: "
+                                             "those together), or all-linear (every one, as peft's all-linear); on "
+                                             "Phi-3 any of q,k,v is its fused qkv_proj, as peft has it (default: q,v)")
     a("--data", default=None, help="plain text, JSONL (prompt/response, Alpaca, chat messages), or token ids already "
                                    "tokenized (.bin, .npy); default: the shipped tiny text")
     a("--val-data", default=None, help="held-out data file (default: split off --val-split of --data)")

@@ -19,11 +19,22 @@ from family_check import hf_model, prepare, transformers
 from test_convert import load_script
 
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
+                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config"}
 
 
 def test_every_family_has_its_config_class_listed():
     assert set(CONFIG_CLASSES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("name", list(CONFIG_CLASSES))
+def test_a_fused_tensor_is_one_lora_module_named_as_peft_names_it(name):
+    """Each module peft_modules derives from the family's table is a LoRA target or group phantom knows."""
+    from phantom.config import ModelConfig
+    from phantom.lora import GROUPS, TARGETS, peft_modules
+    modules = peft_modules(ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=10, family=name))
+    assert sorted(t for _, parts in modules.values() for t in parts) == sorted(TARGETS)  # each target once
+    for short, (module, parts) in modules.items():
+        assert parts == GROUPS.get(short, (short,)) and module.endswith(f"{short}_proj")
 
 
 @pytest.mark.parametrize("name", list(CONFIG_CLASSES))
@@ -52,7 +63,8 @@ def small(config_class: str, **fields) -> dict:
 
 CONFIG_CLASSES_TO_ARCH = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                           "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
-                          "Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM"}
+                          "Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM",
+                          "Phi3Config": "Phi3ForCausalLM"}
 
 REFUSALS = [  # (config class, fields, the field the error must name)
     ("LlamaConfig", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
@@ -68,6 +80,15 @@ REFUSALS = [  # (config class, fields, the field the error must name)
                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
      "rope_type"),
     ("Gemma3TextConfig", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    # Phi-3-mini-128k, Phi-3.5-mini: longrope; Phi-4-mini: RoPE over 3/4 of each head
+    ("Phi3Config", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                        "long_factor": [1.0] * 8}}, "longrope"),
+    ("Phi3Config", {"rope_scaling": {"type": "yarn", "factor": 2.0}}, "longrope"),  # Phi3Config's yarn is longrope
+    ("Phi3Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor"),
+    ("Phi3Config", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+    ("Phi3Config", {"resid_pdrop": 0.1}, "resid_pdrop"),
+    ("Phi3Config", {"attention_bias": True}, "attention_bias"),
 ]
 
 
@@ -88,7 +109,7 @@ def test_every_refused_field_is_refused():
     """Each entry of REFUSED_WHEN_SET refuses a value that would change the maths (no dead entries)."""
     bad = {"attention_dropout": 0.1, "is_encoder_decoder": True, "use_bidirectional_attention": True,
            "quantization_config": {"quant_method": "awq"}, "num_experts": 8, "num_local_experts": 8,
-           "n_routed_experts": 8}
+           "n_routed_experts": 8, "partial_rotary_factor": 0.5, "resid_pdrop": 0.1, "embd_pdrop": 0.1}
     assert set(bad) == set(REFUSED_WHEN_SET)
     for key, value in bad.items():
         with pytest.raises(ConfigError, match=key):
@@ -100,6 +121,9 @@ def test_llama_fields_once_ignored_are_now_modelled():
     assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.activation, cfg.head_dim) == (True, True, True, "gelu", 32)
     cfg = config_from_hf(small("MistralConfig", sliding_window=16))
     assert [cfg.window(i) for i in range(2)] == [16, 16]
+
+    cfg = config_from_hf(small("Phi3Config", sliding_window=2047))
+    assert [cfg.window(i) for i in range(2)] == [2047, 2047] and cfg.rope_scaling is None
 
 
 def test_refusal_through_prepare_model_is_one_error_line_exit_2(tmp_path, capsys):
@@ -144,7 +168,7 @@ def test_synthetic_stores_of_every_family_preset_shape_run(tmp_path):
     import phantom
     from phantom.config import PRESETS
     from phantom.convert import write_synthetic
-    for name in ("qwen2.5-7B", "qwen3-8B", "llama3.2-1B", "gemma2-9B", "gemma3-27B"):
+    for name in ("qwen2.5-7B", "qwen3-8B", "llama3.2-1B", "gemma2-9B", "gemma3-27B", "phi4-14B", "phi3-mini-4k"):
         cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
                                   intermediate_size=96, n_layers=3, max_seq_len=64,
                                   sliding_window=8 if PRESETS[name].sliding_window else None)

@@ -1,0 +1,112 @@
+"""Phi-3 / Phi-4 (Phi3ForCausalLM): q, k, v fused in one qkv_proj and gate, up in one gate_up_proj in the
+checkpoint, against transformers' own class (tests/family_check.py).
+
+The store keeps the parts apart (back to back: a block still runs each group as one matmul), the
+converter reads each part as its rows of the fused tensor (in place with --link where no permutation
+is needed), the exporter stacks them again, and a LoRA on a fused module is peft's: one A for the
+module, its B the parts' rows stacked.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import phantom
+from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model, prepare,
+                          rel_err)
+from phantom.config import ModelConfig, preset
+from phantom.layers import LoraLinear, TransformerBlock, project
+from phantom.lora import apply_lora, for_family
+from phantom.store import BlockStore
+
+SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, pad_token_id=None)  # Phi3Config's pad id 32000 is past a tiny vocabulary
+CASES = {  # name -> fields of Phi3Config
+    # Phi-3-mini's shape: as many kv heads as heads, a sliding window (2047 there) shorter than the sequence
+    "phi3-mini": dict(SHAPES, num_key_value_heads=4, sliding_window=16),
+    # Phi-4's: grouped-query attention, rope_theta 250000, no window
+    "phi4": dict(SHAPES, num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 250000.0}),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    built = {}
+
+    def get(name: str, link: bool = False):
+        if (name, link) not in built:
+            model = hf_model("Phi3Config", **CASES[name])
+            built[(name, link)] = model, prepare(model, tmp_path_factory.mktemp(name), link=link)
+        return built[(name, link)]
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_and_loss_match_transformers_streamed_every_way(models, name):
+    model, store = models(name)
+    assert BlockStore(store).cfg.family == "phi3"
+    check_logits(model, store, *batch())  # 40 tokens: past phi3-mini's window of 16
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lora_on_the_fused_modules_matches_peft_and_the_merged_export_loads(models, name, tmp_path):
+    model, store = models(name)
+    tokens, targets = batch()
+    adapter, logits = check_lora(model, store, tmp_path, tokens, targets)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    check_merged_export(store, adapter, tmp_path, tokens, logits, "Phi3ForCausalLM")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_full_step_matches_adamw_resident_and_streamed(models, name, tmp_path):
+    model, store = models(name)
+    check_full_step(model, store, *batch())
+    fresh = hf_model("Phi3Config", **CASES[name])  # the step above moved the shared model
+    check_full_step(fresh, store, *batch(), work_dir=tmp_path / "work")
+
+
+def test_a_linked_store_reads_unpermuted_parts_in_place(models):
+    """v, gate and up are rows of the fused tensors, read where they lie; q and k need their rows permuted
+    (Meta's RoPE layout) and are the only block tensors copied."""
+    model, store = models("phi4", link=True)
+    linked = json.loads((store / "manifest.json").read_text())["links"]["files"]["blocks/000.safetensors"]["tensors"]
+    copied = sorted(t["name"] for t in linked if t["file"].endswith(".local.safetensors"))
+    assert copied == ["attention.wk.weight", "attention.wq.weight"]
+    assert {t["name"] for t in linked} >= {"attention.wv.weight", "feed_forward.w1.weight", "feed_forward.w3.weight"}
+    check_logits(model, store, *batch(), runs=[("disk", 1, "all")])
+
+
+def test_q_and_v_on_phi3_is_its_qkv_proj_and_says_so(models, caplog):
+    """peft has one LoRA on qkv_proj, so the default targets (q, v) become it, with a line saying k is in."""
+    _, store = models("phi4")
+    cfg = BlockStore(store).cfg
+    with caplog.at_level(logging.INFO, logger="phantom.lora"):
+        assert for_family(phantom.LoraConfig(), cfg).targets == ("qkv",)
+    assert "covers k too" in caplog.text
+    assert for_family(phantom.LoraConfig(targets=("all-linear",)), cfg).targets == ("qkv", "o", "gate_up", "down")
+    llama = preset("tiny")
+    assert for_family(phantom.LoraConfig(targets=("qkv", "o")), llama).targets == ("q", "k", "v", "o")
+
+
+def test_the_parts_of_a_fused_lora_share_one_a_and_one_dropout_mask():
+    """With dropout, peft drops x once for qkv_proj's LoRA: with equal B rows, q's, k's and v's updates
+    must be equal (three masks would make them differ)."""
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=50, family="phi3")
+    block = TransformerBlock(cfg)
+    apply_lora(block, phantom.LoraConfig(rank=4, dropout=0.5, targets=("qkv",)), 0)
+    att = block.attention
+    assert isinstance(att.wq, LoraLinear) and att.wq.lora_A is att.wk.lora_A is att.wv.lora_A
+    assert len([n for n, _ in block.named_parameters() if "lora_A" in n]) == 1
+    for w in (att.wq, att.wk, att.wv):
+        torch.nn.init.zeros_(w.weight)
+        w.lora_B.data = torch.ones_like(w.lora_B)
+    block.train()
+    torch.manual_seed(0)
+    q, k, v = project(torch.randn(3, 5, 32), [att.wq, att.wk, att.wv], None)
+    assert rel_err(q, k) == 0 and rel_err(q, v) == 0
+    assert q.abs().sum() > 0
+

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-ROPE_TYPES = ("llama3", "linear", "yarn")  # RoPE scalings phantom computes (transformers' rope_type names)
+ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")  # RoPE scalings phantom computes (transformers' names)
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,9 @@ class RopeScaling:
     """RoPE scaling: "llama3" (Llama-3.1's frequency-dependent one), "linear" (every frequency over
     factor; Gemma-3's global layers) or "yarn" (YaRN: low frequencies interpolated, high ones kept,
     a ramp between beta_fast and beta_slow rotations, cos and sin times attention_factor; Qwen2.5's
-    long-context configs). Each type reads the fields its transformers function reads."""
+    long-context configs) or "longrope" (each frequency over its own factor: short_factor for
+    sequences up to original_max_seq_len, long_factor past it; cos and sin times attention_factor;
+    Phi-3-*-128k, Phi-3.5). Each type reads the fields its transformers function reads."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -30,8 +32,12 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float = 1.0
     truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self):
+        for name in ("short_factor", "long_factor"):  # JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
 

@@ -101,6 +101,9 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                                 "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}
     elif cfg.rope_scaling is not None:
         c["rope_scaling"] = rope_scaling_json(cfg)
+    if "original_max_position_embeddings" in fam.readers:  # Phi-3: read before rope_scaling's own
+        c["original_max_position_embeddings"] = rope_scaling_json(cfg).get("original_max_position_embeddings",
+                                                                           cfg.max_seq_len)
     return c
 
 
@@ -110,6 +113,9 @@ def rope_scaling_json(cfg: ModelConfig) -> dict:
         return {"rope_type": "default"}
     if s.rope_type == "linear":
         return {"rope_type": "linear", "factor": s.factor}
+    if s.rope_type == "longrope":  # factor: max_position_embeddings over the original context, as it was read
+        return {"rope_type": "longrope", "short_factor": list(s.short_factor), "long_factor": list(s.long_factor),
+                "attention_factor": s.attention_factor, "original_max_position_embeddings": s.original_max_seq_len}
     if s.rope_type == "yarn":
         return {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
                 "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "attention_factor": s.attention_factor,

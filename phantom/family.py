@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from phantom.config import ACTIVATIONS, ROPE_TYPES, ModelConfig, RopeScaling
+from phantom.config import ACTIVATIONS, ModelConfig, RopeScaling
 
 # ---------------------------------------------------------------------------------------------
 # Tensor names: Hugging Face name -> store name ({} is the layer index)
@@ -86,10 +86,15 @@ def _refuse(path, key: str, value, supported: str):
     raise ConfigError(f"{path}: {key}={json.dumps(value)} is not supported (supported: {supported})")
 
 
-def _rope_scaling(rs: dict, path, max_pos: int) -> RopeScaling | None:
-    """A rope_scaling (or rope_parameters) dict as phantom's RopeScaling; refused unless its type is modelled.
-    original_max_position_embeddings defaults to max_pos, as transformers fills it in."""
+SCALED_ROPES = ("llama3", "linear", "yarn")  # what transformers' Llama, Mistral, Qwen and Gemma classes read
+
+
+def _rope_scaling(rs: dict, path, max_pos: int, kinds: tuple[str, ...] = SCALED_ROPES) -> RopeScaling | None:
+    """A rope_scaling (or rope_parameters) dict as phantom's RopeScaling; refused unless its type is one of
+    kinds. original_max_position_embeddings defaults to max_pos, as transformers fills it in."""
     kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind != "default" and kind not in kinds:
+        _refuse(path, "rope_scaling.rope_type", kind, "'default', " + ", ".join(repr(t) for t in kinds))
     if rs.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
         _refuse(path, "rope_parameters.partial_rotary_factor", rs["partial_rotary_factor"], "1.0 (RoPE over the whole head)")
     rs = {"original_max_position_embeddings": max_pos, **rs}
@@ -99,11 +104,13 @@ def _rope_scaling(rs: dict, path, max_pos: int) -> RopeScaling | None:
         return RopeScaling(rope_type="linear", factor=rs["factor"])
     if kind == "yarn":
         return _yarn(rs, path)
+    if kind == "longrope":
+        return _longrope(rs, path, max_pos)
     if kind == "llama3":
         return RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
                            high_freq_factor=rs["high_freq_factor"],
                            original_max_seq_len=rs["original_max_position_embeddings"])
-    _refuse(path, "rope_scaling.rope_type", kind, "'default', " + ", ".join(repr(t) for t in ROPE_TYPES))
+    raise AssertionError(f"{kind}: in ROPE_TYPES but not read")
 
 
 def _yarn(rs: dict, path) -> RopeScaling:
@@ -118,6 +125,18 @@ def _yarn(rs: dict, path) -> RopeScaling:
     return RopeScaling(rope_type="yarn", factor=factor, original_max_seq_len=rs["original_max_position_embeddings"],
                        beta_fast=rs.get("beta_fast") or 32.0, beta_slow=rs.get("beta_slow") or 1.0,
                        attention_factor=float(gain), truncate=rs.get("truncate", True))
+
+
+def _longrope(rs: dict, path, max_pos: int) -> RopeScaling:
+    """LongRoPE's fields as transformers reads them: its attention factor from max_pos over the original
+    context (sqrt(1 + ln f / ln original)) unless given."""
+    original = rs["original_max_position_embeddings"]
+    factor = rs.get("factor") or max_pos / original
+    gain = rs.get("attention_factor")
+    if gain is None:
+        gain = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type="longrope", factor=factor, original_max_seq_len=original, attention_factor=float(gain),
+                       short_factor=rs["short_factor"], long_factor=rs["long_factor"])
 
 
 def _read_rope(c: dict, path) -> tuple[float, RopeScaling | None]:
@@ -166,13 +185,19 @@ def _read_qwen_window(c: dict, path) -> dict:
 
 
 def _read_phi3_rope(c: dict, path) -> dict:
-    """Phi-3: transformers' Phi3Config knows RoPE "default" and "longrope" alone (it reads "su" and "yarn"
-    as longrope, which phantom does not model: Phi-3-*-128k, Phi-3.5)."""
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    """Phi-3: RoPE "default" or "longrope" (transformers' Phi3Config reads "su" and "yarn" as longrope),
+    a scaled one counting from the top-level original_max_position_embeddings, which Phi3Config puts
+    before the one inside rope_scaling."""
+    rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "longrope", "su", "yarn"):
+        _refuse(path, "rope_scaling.rope_type", kind, "'default', 'longrope' (Phi3Config reads 'su' and 'yarn' as "
+                                                      "'longrope')")
     if kind != "default":
-        _refuse(path, "rope_scaling.rope_type", kind, "'default' (Phi3Config reads 'su' and 'yarn' as 'longrope')")
-    return {"rope_theta": _read_rope(c, path)[0], "rope_scaling": None}
+        rope["rope_type"] = "longrope"
+        rope["original_max_position_embeddings"] = c["original_max_position_embeddings"]
+    return {"rope_theta": c.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            "rope_scaling": _rope_scaling(rope, path, c["max_position_embeddings"], ("longrope",))}
 
 
 def _read_gemma_activation(c: dict, path) -> dict:
@@ -280,9 +305,9 @@ FAMILIES["phi3"] = Family(
     "phi3", ("Phi3ForCausalLM",), "phi3",
     {hf: name for hf, name in LLAMA_KEYS.items() if name not in {n for ns in PHI3_FUSED.values() for n in ns}},
     readers={"sliding_window": _read_mistral_window, "rope_scaling": _read_phi3_rope,
-             "rope_parameters": _read_phi3_rope},
-    defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
-    irrelevant={"original_max_position_embeddings": "read by longrope alone, which is refused"}, fused=PHI3_FUSED)
+             "rope_parameters": _read_phi3_rope, "original_max_position_embeddings": _read_phi3_rope},
+    defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+              "original_max_position_embeddings": 4096}, fused=PHI3_FUSED)
 BIAS_FIELDS = ("attention_bias", "mlp_bias")  # a family without the field has no such biases
 
 

@@ -19,7 +19,7 @@ from phantom.tokenizer import Tokenizer
 def next_logits(model: PhantomModel, tokens: torch.Tensor, caches: list[KVCache], pos: int) -> torch.Tensor:
     """Logits (B, vocab) after tokens (B, T) at positions pos.., appending their keys/values to caches."""
     h = model.embed(tokens)  # (B, T, dim)
-    rope = model.rope[pos:pos + tokens.shape[1]]
+    rope = model.rope_for(pos + tokens.shape[1])[pos:pos + tokens.shape[1]]
     with torch.autocast(**model.autocast_args()):
         h = model.blocks(h, rope, caches=caches, start_pos=pos)
         return model.logits(h[:, -1])

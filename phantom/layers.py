@@ -43,13 +43,20 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # RoPE, in Meta's layout: dimensions (2i, 2i+1) of each head form one rotating pair.
 
-def rope_frequencies(cfg: ModelConfig, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
-    """Rotation frequencies of each pair: base cfg.rope_theta (or theta), with cfg's scaling if scaled."""
+def rope_frequencies(cfg: ModelConfig, theta: float | None = None, scaled: bool = True,
+                     long: bool = False) -> torch.Tensor:
+    """Rotation frequencies of each pair: base cfg.rope_theta (or theta), with cfg's scaling if scaled
+    (longrope: its long factors if long, else its short ones)."""
     d = cfg.head_dim
     freqs = 1.0 / ((theta or cfg.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     s = cfg.rope_scaling if scaled else None
     if s is not None and s.rope_type == "linear":
         return freqs / s.factor
+    if s is not None and s.rope_type == "longrope":
+        factors = torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float64)
+        if factors.shape != freqs.shape:
+            raise ValueError(f"longrope has {len(factors)} factors; head_dim {d} has {d // 2} rotating pairs")
+        return freqs / factors
     if s is not None and s.rope_type == "yarn":
         return yarn_frequencies(freqs, d, theta or cfg.rope_theta, s)
     if s is not None:  # Llama-3.1: slow down low frequencies, keep high ones, blend in between
@@ -76,16 +83,17 @@ def yarn_frequencies(freqs: torch.Tensor, d: int, theta: float, s) -> torch.Tens
     return freqs / s.factor * ramp + freqs * (1 - ramp)
 
 
-def rope_table(cfg: ModelConfig, seq_len: int, device=None) -> torch.Tensor:
+def rope_table(cfg: ModelConfig, seq_len: int, device=None, long: bool = False) -> torch.Tensor:
     """(seq_len, head_dim/2, 2) table of cos and sin, fp32; with a local RoPE base (Gemma-3),
-    (seq_len, 2, head_dim/2, 2): the global table, then the sliding layers' (see Attention.rope_index)."""
-    gain = cfg.rope_scaling.attention_factor if cfg.rope_scaling is not None else 1.0  # yarn's; else 1
+    (seq_len, 2, head_dim/2, 2): the global table, then the sliding layers' (see Attention.rope_index).
+    long: longrope's table for sequences past its original context (see rope_frequencies)."""
+    gain = cfg.rope_scaling.attention_factor if cfg.rope_scaling is not None else 1.0  # yarn's, longrope's; else 1
 
     def table(freqs, gain=gain):
         angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
         return (torch.stack([angles.cos(), angles.sin()], -1) * gain).float()
     if cfg.local_rope_theta is None:
-        return table(rope_frequencies(cfg)).to(device)
+        return table(rope_frequencies(cfg, long=long)).to(device)
     local = table(rope_frequencies(cfg, cfg.local_rope_theta, scaled=False), gain=1.0)
     return torch.stack([table(rope_frequencies(cfg)), local], 1).to(device)
 
@@ -97,6 +105,16 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     r = rope if rope.dim() == 4 else rope[None]
     cos, sin = r[:, :, None, :, 0], r[:, :, None, :, 1]
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2).type_as(x)
+
+
+def longest_example(segments: torch.Tensor) -> int:
+    """Tokens in the longest example of rows packed with segment ids (B, T) (runs of one id)."""
+    B, T = segments.shape
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    idx = torch.arange(T, device=segments.device).expand(B, T)
+    first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+    return int((idx - first).max()) + 1
 
 
 def packed_layout(table: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from phantom.config import ModelConfig, head_tensor_shapes
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
-from phantom.layers import TransformerBlock, fuse_adjacent, lora_disabled, packed_layout, rms_norm, rope_table, \
-    softcap, KVCache
+from phantom.layers import TransformerBlock, fuse_adjacent, longest_example, lora_disabled, packed_layout, rms_norm, \
+    rope_table, softcap, KVCache
 from phantom.lora import LoraConfig, apply_lora, for_family, load_adapter, save_adapter
 from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement, loss_budget
@@ -169,6 +169,9 @@ class PhantomModel(nn.Module):
         self.output_weight = nn.Parameter(head["output.weight"].to(self.device, head_dtype),
                                           requires_grad=self.full)
         self.register_buffer("rope", rope_table(self.cfg, self.cfg.max_seq_len, self.device), persistent=False)
+        longrope = self.cfg.rope_scaling is not None and self.cfg.rope_scaling.rope_type == "longrope"
+        self.register_buffer("rope_long", rope_table(self.cfg, self.cfg.max_seq_len, self.device, long=True)
+                             if longrope else None, persistent=False)
 
         self.scheduler: BlockScheduler | None = None
         self.executor: BlockExecutor | None = None
@@ -315,9 +318,11 @@ class PhantomModel(nn.Module):
         if self.full and self.scheduler is not None:
             self.finish_step()  # the previous step's block updates must land before blocks are read
         h = self.embed(tokens)
-        rope, mask = self.rope[:T], None
+        rope, mask = self.rope_for(T)[:T], None
         if segments is not None:
-            rope, mask = packed_layout(self.rope, segments.to(self.device))
+            segments = segments.to(self.device)
+            rope, mask = packed_layout(self.rope_for(longest_example(segments) if self.rope_long is not None else T),
+                                       segments)
         with torch.autocast(**self.autocast_args()):
             h = self.blocks(h, rope, mask=mask)
             if targets is None:
@@ -344,7 +349,7 @@ class PhantomModel(nn.Module):
         if self.full:
             raise ValueError("sequence log-probabilities are for LoRA training (the reference is the base model)")
         h = self.embed(tokens)
-        rope = self.rope[:tokens.shape[1]]
+        rope = self.rope_for(tokens.shape[1])[:tokens.shape[1]]
         head = (self.norm_weight, self.output_weight, targets.to(self.device), self.cfg.norm_eps, self.loss_chunk,
                 self.cfg.norm_offset, self.cfg.final_softcap)
         with torch.autocast(**self.autocast_args()):
@@ -355,6 +360,14 @@ class PhantomModel(nn.Module):
                 return logps, None
             with torch.no_grad():
                 return logps, ChunkedHeadLogps.apply(h_ref, *head)
+
+    def rope_for(self, positions: int) -> torch.Tensor:
+        """The RoPE table of a forward over positions 0 .. positions-1: longrope's long one past its
+        original context (as transformers picks it by the batch's last position), else `rope`."""
+        s = self.cfg.rope_scaling
+        if self.rope_long is not None and positions > s.original_max_seq_len:
+            return self.rope_long
+        return self.rope
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What the caller's optimizer updates: LoRA parameters, or in full mode everything that is

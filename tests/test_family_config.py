@@ -80,10 +80,8 @@ REFUSALS = [  # (config class, fields, the field the error must name)
                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
      "rope_type"),
     ("Gemma3TextConfig", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-    # Phi-3-mini-128k, Phi-3.5-mini: longrope; Phi-4-mini: RoPE over 3/4 of each head
-    ("Phi3Config", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                                        "long_factor": [1.0] * 8}}, "longrope"),
-    ("Phi3Config", {"rope_scaling": {"type": "yarn", "factor": 2.0}}, "longrope"),  # Phi3Config's yarn is longrope
+    # Phi3Config knows default and longrope alone; Phi-4-mini: RoPE over 3/4 of each head
+    ("Phi3Config", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type"),
     ("Phi3Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
      "partial_rotary_factor"),
     ("Phi3Config", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
@@ -124,6 +122,13 @@ def test_llama_fields_once_ignored_are_now_modelled():
 
     cfg = config_from_hf(small("Phi3Config", sliding_window=2047))
     assert [cfg.window(i) for i in range(2)] == [2047, 2047] and cfg.rope_scaling is None
+    # Phi-3-mini-128k's first config.json said "su"; Phi3Config reads it (and "yarn") as longrope, counting
+    # from the top-level original_max_position_embeddings
+    c = small("Phi3Config", max_position_embeddings=131072, original_max_position_embeddings=4096)
+    c["rope_scaling"] = {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    s = config_from_hf(c).rope_scaling
+    assert (s.rope_type, s.original_max_seq_len, s.long_factor) == ("longrope", 4096, (2.0,) * 8)
+    assert s.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
 
 
 def test_refusal_through_prepare_model_is_one_error_line_exit_2(tmp_path, capsys):

@@ -110,3 +110,43 @@ def test_the_parts_of_a_fused_lora_share_one_a_and_one_dropout_mask():
     assert rel_err(q, k) == 0 and rel_err(q, v) == 0
     assert q.abs().sum() > 0
 
+
+
+LONGROPE = dict(CASES["phi4"], max_position_embeddings=64, original_max_position_embeddings=16,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                 "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                 "long_factor": [1.0 + 0.7 * i for i in range(8)]})
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory):
+    model = hf_model("Phi3Config", **LONGROPE)
+    return model, prepare(model, tmp_path_factory.mktemp("longrope"))
+
+
+@pytest.mark.parametrize("t", [12, 40])
+def test_longrope_picks_short_or_long_factors_by_the_last_position_as_transformers_does(longrope, tmp_path, t):
+    """Phi-3-*-128k and Phi-3.5's RoPE: short factors up to the original context (16 here), long ones past it,
+    cos and sin scaled by sqrt(1 + ln(64/16) / ln 16); the top-level original_max_position_embeddings counts."""
+    model, store = longrope
+    cfg = BlockStore(store).cfg
+    assert cfg.rope_scaling.rope_type == "longrope" and cfg.rope_scaling.original_max_seq_len == 16
+    tokens, targets = batch(t=t)
+    check_logits(model, store, tokens, targets, runs=[("disk", 1, "all"), ("none", 0, "none")])
+    if t == 40:
+        adapter, logits = check_lora(model, store, tmp_path, tokens, targets, runs=[("disk", 1, "all")])
+        check_merged_export(store, adapter, tmp_path, tokens, logits, "Phi3ForCausalLM")
+
+
+def test_longrope_in_packed_rows_follows_the_longest_example(longrope):
+    """A 40-token row of two 12-token examples and padding: each example is below the original context, so
+    each gets the short factors, as each would alone in transformers."""
+    model, store = longrope
+    tokens, _ = batch(b=1, t=40)
+    segments = torch.tensor([[0] * 12 + [1] * 12 + [2] * 16])
+    with torch.no_grad():
+        ref = [model(tokens[:, a:b]).logits for a, b in ((0, 12), (12, 24), (24, 40))]
+        with phantom.load(store, offload="none", lora=None) as pm:
+            out = pm(tokens, segments=segments)
+    for (a, b), r in zip(((0, 12), (12, 24), (24, 40)), ref):
+        assert rel_err(out[:, a:b], r) < 1e-5, (a, b)

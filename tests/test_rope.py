@@ -1,7 +1,8 @@
 """RoPE scaling types of the released checkpoints, against transformers: llama3 (Llama-3.1/3.2), linear
 (Gemma-3's global layers; any family), yarn (Qwen2.5's long-context configs), each on 40-token rows past
 an original context of 16 where the scaling changes the angles. Types phantom does not compute (dynamic
-NTK, whose angles change with each batch's length; longrope) are refused naming the type.
+NTK, whose angles change with each batch's length; longrope outside Phi-3, tests/test_phi3.py) are refused
+naming the type.
 """
 from __future__ import annotations
 

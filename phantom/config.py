@@ -86,6 +86,7 @@ class ModelConfig:
     attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma-2)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
     local_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma-3); None: shared
+    rotary_dim: int | None = None  # the leading dims of each q/k head RoPE turns (Phi-4-mini's 3/4); None: all
 
     def __post_init__(self):
         if self.explicit_head_dim is None and self.dim % self.n_heads:
@@ -94,6 +95,8 @@ class ModelConfig:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim {self.head_dim}]")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         if self.layer_types is not None:
@@ -116,6 +119,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The leading dims of each q/k head RoPE turns (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def q_dim(self) -> int:
@@ -298,8 +306,8 @@ def rope_rows(cfg: ModelConfig) -> dict[str, int]:
     """Block tensors whose rows (per head) are in RoPE's pair layout -> heads they split into.
 
     Phantom keeps Meta's interleaved pairs; Hugging Face checkpoints hold half-split pairs, so the
-    converter, the exporter and the adapter writer permute these rows (a per-head norm's weight is
-    one head's row order)."""
+    converter, the exporter and the adapter writer permute these rows (the leading cfg.rope_dim of
+    each head; a per-head norm's weight is one head's row order)."""
     return {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads,
             "attention.wq.bias": cfg.n_heads, "attention.wk.bias": cfg.kv_heads,
             "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}

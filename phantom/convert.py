@@ -239,7 +239,7 @@ class HFCheckpoint:
                     out[name] = f.get_tensor(key) if rows is None else f.get_slice(key)[rows[0]:rows[1]]
         for name, heads in self.permuted.items():
             if name in out:
-                out[name] = permute_from_hf(out[name], heads)
+                out[name] = permute_from_hf(out[name], heads, self.cfg.rope_dim)
         return out
 
     def located(self, part: str | int, dtype: torch.dtype) -> dict[str, tuple[Path, int, torch.dtype, tuple]]:

@@ -101,6 +101,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                                 "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}
     elif cfg.rope_scaling is not None:
         c["rope_scaling"] = rope_scaling_json(cfg)
+    if cfg.rotary_dim is not None:  # Phi-4-mini
+        c["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     if "original_max_position_embeddings" in fam.readers:  # Phi-3: read before rope_scaling's own
         c["original_max_position_embeddings"] = rope_scaling_json(cfg).get("original_max_position_embeddings",
                                                                            cfg.max_seq_len)
@@ -128,7 +130,8 @@ def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor]) -
     """Store names and q/k layout -> the family's Hugging Face names and layout (its conversion script's
     permute); the parts of a fused tensor (Phi-3's qkv_proj) stacked by rows, in the family's order."""
     fam, permuted = family(cfg), rope_rows(cfg)
-    hf = {name: permute_for_hf(t, permuted[name]) if name in permuted else t for name, t in tensors.items()}
+    hf = {name: permute_for_hf(t, permuted[name], cfg.rope_dim) if name in permuted else t
+          for name, t in tensors.items()}
     out = {}
     for key, names in fam.fused.items() if isinstance(part, int) else ():
         if present := [n for n in names if n in hf]:
@@ -228,7 +231,7 @@ def meta_unsupported(cfg: ModelConfig) -> list[str]:
     llama = ModelConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, vocab_size=cfg.vocab_size)
     fields = ("explicit_head_dim", "qkv_bias", "o_bias", "mlp_bias", "activation", "qk_norm", "tie_embeddings",
               "sliding_window", "norm_offset", "embed_scale", "post_norms", "query_pre_attn_scalar", "attn_softcap",
-              "final_softcap", "local_rope_theta")
+              "final_softcap", "local_rope_theta", "rotary_dim")
     return [f for f in fields if getattr(cfg, f) != getattr(llama, f)]
 
 

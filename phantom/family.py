@@ -95,8 +95,6 @@ def _rope_scaling(rs: dict, path, max_pos: int, kinds: tuple[str, ...] = SCALED_
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind != "default" and kind not in kinds:
         _refuse(path, "rope_scaling.rope_type", kind, "'default', " + ", ".join(repr(t) for t in kinds))
-    if rs.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
-        _refuse(path, "rope_parameters.partial_rotary_factor", rs["partial_rotary_factor"], "1.0 (RoPE over the whole head)")
     rs = {"original_max_position_embeddings": max_pos, **rs}
     if kind == "default":
         return None
@@ -198,6 +196,15 @@ def _read_phi3_rope(c: dict, path) -> dict:
         rope["original_max_position_embeddings"] = c["original_max_position_embeddings"]
     return {"rope_theta": c.get("rope_theta", rope.get("rope_theta", 10000.0)),
             "rope_scaling": _rope_scaling(rope, path, c["max_position_embeddings"], ("longrope",))}
+
+
+def _read_phi3_rotary(c: dict, path) -> dict:
+    """Phi-4-mini: RoPE turns int(head_dim * partial_rotary_factor) leading dims of each head (the one in
+    rope_parameters first, as transformers' standardize_rope_params keeps it)."""
+    factor = (c.get("rope_parameters") or {}).get("partial_rotary_factor") or c.get("partial_rotary_factor") or 1.0
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    rotary = int(head_dim * factor)
+    return {"rotary_dim": rotary if rotary != head_dim else None}
 
 
 def _read_gemma_activation(c: dict, path) -> dict:
@@ -305,7 +312,8 @@ FAMILIES["phi3"] = Family(
     "phi3", ("Phi3ForCausalLM",), "phi3",
     {hf: name for hf, name in LLAMA_KEYS.items() if name not in {n for ns in PHI3_FUSED.values() for n in ns}},
     readers={"sliding_window": _read_mistral_window, "rope_scaling": _read_phi3_rope,
-             "rope_parameters": _read_phi3_rope, "original_max_position_embeddings": _read_phi3_rope},
+             "rope_parameters": _read_phi3_rope, "original_max_position_embeddings": _read_phi3_rope,
+             "partial_rotary_factor": _read_phi3_rotary},
     defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
               "original_max_position_embeddings": 4096}, fused=PHI3_FUSED)
 BIAS_FIELDS = ("attention_bias", "mlp_bias")  # a family without the field has no such biases
@@ -325,8 +333,12 @@ def family_of(c: dict, path) -> Family:
 def check_fields(c: dict, fam: Family, path) -> None:
     """Refuse what this family's maths in phantom would silently compute otherwise."""
     for key, (allowed, supported) in REFUSED_WHEN_SET.items():
-        if key in c and not allowed(c[key]):
+        if key in c and key not in fam.readers and not allowed(c[key]):
             _refuse(path, key, c[key], supported)
+    allowed, supported = REFUSED_WHEN_SET["partial_rotary_factor"]  # transformers >= 5 keeps it in rope_parameters
+    if "partial_rotary_factor" not in fam.readers and not allowed(f := (c.get("rope_parameters") or {}).get(
+            "partial_rotary_factor")):
+        _refuse(path, "rope_parameters.partial_rotary_factor", f, supported)
     for key in BIAS_FIELDS:
         if c.get(key) and key not in fam.readers:
             _refuse(path, key, c[key], f"false: {fam.hf_class} has no such biases")

@@ -47,7 +47,7 @@ def rope_frequencies(cfg: ModelConfig, theta: float | None = None, scaled: bool 
                      long: bool = False) -> torch.Tensor:
     """Rotation frequencies of each pair: base cfg.rope_theta (or theta), with cfg's scaling if scaled
     (longrope: its long factors if long, else its short ones)."""
-    d = cfg.head_dim
+    d = cfg.rope_dim
     freqs = 1.0 / ((theta or cfg.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     s = cfg.rope_scaling if scaled else None
     if s is not None and s.rope_type == "linear":
@@ -55,7 +55,7 @@ def rope_frequencies(cfg: ModelConfig, theta: float | None = None, scaled: bool 
     if s is not None and s.rope_type == "longrope":
         factors = torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float64)
         if factors.shape != freqs.shape:
-            raise ValueError(f"longrope has {len(factors)} factors; head_dim {d} has {d // 2} rotating pairs")
+            raise ValueError(f"longrope has {len(factors)} factors; {d} rotating dims have {d // 2} pairs")
         return freqs / factors
     if s is not None and s.rope_type == "yarn":
         return yarn_frequencies(freqs, d, theta or cfg.rope_theta, s)
@@ -99,7 +99,10 @@ def rope_table(cfg: ModelConfig, seq_len: int, device=None, long: bool = False) 
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); rope: (T, D/2, 2) for x's positions, or (B, T, D/2, 2) for each row's own."""
+    """x: (B, T, H, D); rope: (T, R/2, 2) for x's positions, or (B, T, R/2, 2) for each row's own; the
+    leading R dims of each head turn (R < D: partial rotary), the rest pass through."""
+    if (turned := 2 * rope.shape[-2]) < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :turned], rope), x[..., turned:]], dim=-1)
     xp = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
     x0, x1 = xp[..., 0], xp[..., 1]
     r = rope if rope.dim() == 4 else rope[None]
@@ -138,16 +141,24 @@ def packed_layout(table: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Te
     return rope, ((first[:, :, None] == first[:, None, :]) & causal)[:, None]
 
 
-def permute_for_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta's interleaved q/k rows -> Hugging Face's half-split rows (its conversion script's permute)."""
-    out_dim = w.shape[0]
-    return w.view(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def permute_for_hf(w: torch.Tensor, n_heads: int, rotary: int | None = None) -> torch.Tensor:
+    """Meta's interleaved q/k rows -> Hugging Face's half-split rows (its conversion script's permute),
+    over the leading `rotary` rows of each head (None: all)."""
+    return _permute_heads(w, n_heads, rotary, to_hf=True)
 
 
-def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def permute_from_hf(w: torch.Tensor, n_heads: int, rotary: int | None = None) -> torch.Tensor:
     """Inverse of permute_for_hf."""
-    out_dim = w.shape[0]
-    return w.view(n_heads, 2, out_dim // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return _permute_heads(w, n_heads, rotary, to_hf=False)
+
+
+def _permute_heads(w: torch.Tensor, n_heads: int, rotary: int | None, to_hf: bool) -> torch.Tensor:
+    head = w.shape[0] // n_heads
+    r = rotary or head
+    heads = w.reshape(n_heads, head, *w.shape[1:])
+    split = (r // 2, 2) if to_hf else (2, r // 2)
+    turned = heads[:, :r].reshape(n_heads, *split, *w.shape[1:]).transpose(1, 2).reshape(n_heads, r, *w.shape[1:])
+    return torch.cat([turned, heads[:, r:]], dim=1).reshape(w.shape) if r < head else turned.reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ def adapter_tensors(layers: nn.ModuleList, cfg: ModelConfig) -> dict[str, torch.
         bs = []
         for t, m in parts:
             b = m.lora_B.detach().float().cpu()
-            bs.append(permute_for_hf(b, heads) if (heads := _hf_heads(cfg, t)) is not None else b)
+            bs.append(permute_for_hf(b, heads, cfg.rope_dim) if (heads := _hf_heads(cfg, t)) is not None else b)
         out[_peft_key(i, module, "A")] = parts[0][1].lora_A.detach().float().cpu().contiguous()
         out[_peft_key(i, module, "B")] = torch.cat(bs).contiguous()
     return out
@@ -224,4 +224,5 @@ def load_adapter(layers: nn.ModuleList, cfg: ModelConfig, path: Path) -> None:
                                  f"match {tuple(first.lora_A.shape)}, {(sum(rows), first.lora_B.shape[1])}")
             first.lora_A.copy_(a)  # the parts of a fused module share it
             for (t, m), part in zip(parts, b.split(rows)):
-                m.lora_B.copy_(permute_from_hf(part, heads) if (heads := _hf_heads(cfg, t)) is not None else part)
+                m.lora_B.copy_(permute_from_hf(part, heads, cfg.rope_dim) if (heads := _hf_heads(cfg, t)) is not None
+                               else part)

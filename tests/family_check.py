@@ -118,7 +118,7 @@ def lora_grads(pm) -> dict:
     heads = {"q": pm.cfg.n_heads, "k": pm.cfg.kv_heads}
     out = {}
     for i, module, parts in adapted_modules(pm.layers, pm.cfg):
-        bs = [to_hf_rows(m.lora_B.grad, heads[t]) if t in heads else m.lora_B.grad for t, m in parts]
+        bs = [to_hf_rows(m.lora_B.grad, heads[t], pm.cfg.rope_dim) if t in heads else m.lora_B.grad for t, m in parts]
         out[(i, module)] = (parts[0][1].lora_A.grad.clone(), torch.cat(bs))
     return out
 
@@ -166,9 +166,13 @@ def check_lora(model, store, tmp_path, tokens, targets, runs=STREAMED):
     return adapter, ref_logits
 
 
-def to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta's interleaved RoPE rows -> HF's half split, as transformers' convert_llama_weights_to_hf.py does."""
-    return w.view(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def to_hf_rows(w: torch.Tensor, n_heads: int, rotary: int) -> torch.Tensor:
+    """Meta's interleaved RoPE rows -> HF's half split, over the leading `rotary` rows of each head (the rest
+    stay): rows 0, 2, 4, .. then 1, 3, 5, .. of each head, as transformers' convert_llama_weights_to_hf.py
+    orders them (written here by index, apart from phantom's permute)."""
+    head = w.shape[0] // n_heads
+    order = torch.cat([torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head)])
+    return w[(torch.arange(n_heads)[:, None] * head + order).flatten()]
 
 
 def check_merged_export(store, adapter, tmp_path, tokens, expected_logits, hf_class: str):

@@ -80,11 +80,11 @@ REFUSALS = [  # (config class, fields, the field the error must name)
                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
      "rope_type"),
     ("Gemma3TextConfig", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-    # Phi3Config knows default and longrope alone; Phi-4-mini: RoPE over 3/4 of each head
+    # Phi3Config knows default and longrope alone; partial rotary is Phi-3's alone
     ("Phi3Config", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type"),
-    ("Phi3Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+    ("LlamaConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
      "partial_rotary_factor"),
-    ("Phi3Config", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+    ("Qwen2Config", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
     ("Phi3Config", {"resid_pdrop": 0.1}, "resid_pdrop"),
     ("Phi3Config", {"attention_bias": True}, "attention_bias"),
 ]

@@ -29,6 +29,12 @@ CASES = {  # name -> fields of Phi3Config
     "phi3-mini": dict(SHAPES, num_key_value_heads=4, sliding_window=16),
     # Phi-4's: grouped-query attention, rope_theta 250000, no window
     "phi4": dict(SHAPES, num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 250000.0}),
+    # Phi-4-mini's: RoPE over 3/4 of each head (12 of 16 dims here), longrope past an original context of 16,
+    # tied embeddings
+    "phi4-mini": dict(SHAPES, num_key_value_heads=2, tie_word_embeddings=True, original_max_position_embeddings=16,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+                                       "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                       "long_factor": [1.0 + 0.7 * i for i in range(6)]}),
 }
 
 
@@ -47,7 +53,8 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_and_loss_match_transformers_streamed_every_way(models, name):
     model, store = models(name)
-    assert BlockStore(store).cfg.family == "phi3"
+    cfg = BlockStore(store).cfg
+    assert cfg.family == "phi3" and cfg.rope_dim == (12 if name == "phi4-mini" else 16)
     check_logits(model, store, *batch())  # 40 tokens: past phi3-mini's window of 16
 
 

@@ -223,6 +223,19 @@ def write_tokenizer_files(store: BlockStore, folder: Path) -> list[str]:
     return sorted(files)
 
 
+def carry_token_ids(folder: Path) -> None:
+    """config.json's bos/eos/pad token ids from the generation_config.json beside it (the model's own,
+    or the one derived from its tokenizer), not the config class's defaults (Phi3Config's eos 32000,
+    LlamaConfig's 2), which name other tokens of this vocabulary."""
+    gen_path = folder / "generation_config.json"
+    if not gen_path.is_file():
+        return
+    gen = json.loads(gen_path.read_text())
+    config = json.loads((folder / "config.json").read_text())
+    config.update({k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in gen})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 # ---------------------------------------------------------------------------------------------
 # Meta: params.json + consolidated.00.pth (one shard: model parallelism of 1)
 
@@ -309,6 +322,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         (write_hf if fmt == "hf" else write_meta)(tmp, store.cfg, parts, dtype)
         if fmt == "hf":
             write_tokenizer_files(store, tmp)
+            carry_token_ids(tmp)
             if caveat := tokenizer_caveat(store):
                 log.info("%s", caveat)
         elif store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone

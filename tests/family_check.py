@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import os
 
 import pytest
@@ -180,6 +181,9 @@ def check_merged_export(store, adapter, tmp_path, tokens, expected_logits, hf_cl
     out = export(store, tmp_path / "merged", adapter, "hf", progress=False)
     merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(merged).__name__ == hf_class
+    generation = json.loads((out / "generation_config.json").read_text())  # the tokenizer's ids, in config.json too
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(merged.config, key) == generation.get(key), key
     with torch.no_grad():
         assert rel_err(merged(tokens).logits, expected_logits) < 1e-5
     tok = transformers.AutoTokenizer.from_pretrained(out)

@@ -20,6 +20,7 @@ from family_check import (batch, check_full_step, check_logits, check_lora, chec
 from phantom.config import ModelConfig, preset
 from phantom.layers import LoraLinear, TransformerBlock, project
 from phantom.lora import apply_lora, for_family
+from phantom.export import export
 from phantom.store import BlockStore
 
 SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -157,3 +158,13 @@ def test_longrope_in_packed_rows_follows_the_longest_example(longrope):
             out = pm(tokens, segments=segments)
     for (a, b), r in zip(((0, 12), (12, 24), (24, 40)), ref):
         assert rel_err(out[:, a:b], r) < 1e-5, (a, b)
+
+
+def test_the_export_names_the_models_own_token_ids(tmp_path):
+    """config.json carries the generation_config.json's bos/eos ids, not Phi3Config's defaults (1, 32000)."""
+    model = hf_model("Phi3Config", **CASES["phi4"])
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 5, 7
+    store = prepare(model, tmp_path)
+    out = export(store, tmp_path / "out", None, "hf", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (5, 7)

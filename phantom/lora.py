@@ -97,14 +97,18 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     return out
 
 
+def family_targets(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
+    """targets named as the family's modules, in the order given: on Phi-3 any of q, k, v is its fused
+    qkv_proj, which peft gives one LoRA; on a family that keeps them apart, qkv is q, k, v."""
+    owner = {t: m for m, (_, parts) in peft_modules(cfg).items() for t in parts}
+    return tuple(dict.fromkeys(owner[t] for name in targets for t in GROUPS.get(name, (name,))))
+
+
 def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
-    """lora with its targets named as the family's modules (in the order given): on Phi-3 any of q, k,
-    v is its fused qkv_proj, which peft gives one LoRA (logged where that adds a projection); on a
-    family that keeps them apart, qkv is q, k, v."""
+    """lora with its targets as family_targets names them (logged where that adds a projection)."""
     modules = peft_modules(cfg)
-    owner = {t: m for m, (_, parts) in modules.items() for t in parts}
     wanted = [t for name in lora.targets for t in GROUPS.get(name, (name,))]
-    targets = tuple(dict.fromkeys(owner[t] for t in wanted))
+    targets = family_targets(lora.targets, cfg)
     added = [t for m in targets for t in modules[m][1] if t not in wanted]
     if added:
         fused = "; ".join(f"{modules[m][0].rsplit('.', 1)[1]} holds {', '.join(modules[m][1])}"

@@ -23,6 +23,7 @@ from phantom import chat, cli, data, fileio, preference, runcard, runfile, track
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
+from phantom.lora import family_targets  # noqa: E402
 from phantom.model import MODES  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
@@ -370,7 +371,10 @@ def write_card(args, argv, s: dict, store: BlockStore, dtype: str, device) -> No
     changed = {d: getattr(args, d) for d in given if d in defaults and getattr(args, d) != defaults[d]}
     evals = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
     host, dev = runcard.peak_memory(device)
-    lora = f"rank {args.lora_rank}, alpha {args.lora_alpha:g}, targets {args.lora_targets}"
+    given_targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    targets = ",".join(family_targets(phantom.LoraConfig(targets=given_targets).targets, store.cfg))
+    lora = f"rank {args.lora_rank}, alpha {args.lora_alpha:g}, targets {targets}" + (
+        f" (given {args.lora_targets})" if targets != args.lora_targets else "")
     card = runcard.RunCard(
         out=s["out"], model=args.model, store=str(store.path), fingerprint=store_fingerprint(store),
         n_params=store.cfg.n_params(), dtype=dtype, device=str(device), mode=args.mode, lora=lora,

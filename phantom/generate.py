@@ -25,6 +25,14 @@ def next_logits(model: PhantomModel, tokens: torch.Tensor, caches: list[KVCache]
         return model.logits(h[:, -1])
 
 
+def short_keys_cached(model: PhantomModel, pos: int, n_new: int) -> bool:
+    """Whether the cache holds keys turned by longrope's short factors (positions < pos, all within its
+    original context) while the next tokens reach past it: transformers' Phi-3 then computes the whole
+    sequence again with the long factors, once (its prepare_inputs_for_generation), and so does this."""
+    s = model.cfg.rope_scaling
+    return model.rope_long is not None and 0 < pos <= s.original_max_seq_len < pos + n_new
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
     """(B,) token ids: argmax at temperature 0, else a draw from softmax(logits / T) over the top k."""
     if temperature <= 0:
@@ -60,12 +68,15 @@ def _sample_loop(model, prompt, max_new_tokens, temperature, top_k, stop, seed) 
     caches = [KVCache.empty(model.cfg, 1, len(prompt) + max_new_tokens, model.device, model.dtype)
               for _ in range(model.cfg.n_layers)]
     gen = torch.Generator().manual_seed(seed)
-    tokens, pos = torch.tensor([prompt], device=model.device), 0
+    tokens, pos, seen = torch.tensor([prompt], device=model.device), 0, list(prompt)
     for _ in range(max_new_tokens):
+        if short_keys_cached(model, pos, tokens.shape[1]):
+            tokens, pos = torch.tensor([seen], device=model.device), 0
         logits = next_logits(model, tokens, caches, pos)
         pos += tokens.shape[1]
         tokens = sample(logits, temperature, top_k, gen)[:, None]  # (1, 1)
         token = int(tokens[0, 0])
+        seen.append(token)
         yield token
         if token in stop:
             return

@@ -168,3 +168,18 @@ def test_the_export_names_the_models_own_token_ids(tmp_path):
     out = export(store, tmp_path / "out", None, "hf", progress=False)
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (5, 7)
+
+
+def test_cached_generation_crossing_the_original_context_matches_transformers(longrope):
+    """Greedy decoding from 10 tokens to 30: when the sequence first passes the original context of 16,
+    transformers' Phi-3 drops the cache (keys turned by the short factors) and computes the whole sequence
+    again with the long ones; phantom's KV-cached generation does the same."""
+    from phantom.generate import generate
+    model, store = longrope
+    prompt = batch(b=1, t=10)[0]
+    model.generation_config.update(eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    with torch.no_grad():
+        ref = model.generate(prompt, max_new_tokens=20, do_sample=False, use_cache=True)[0, 10:].tolist()
+    with phantom.load(store, offload="disk", prefetch=1, lora=None) as pm:
+        ours = list(generate(pm, prompt[0].tolist(), max_new_tokens=20, temperature=0))
+    assert ours == ref

@@ -66,6 +66,19 @@ def prepare(model, root, link: bool = False):
     return root / "store"
 
 
+def model_stores(tmp_path_factory, make):
+    """get(name, link=False) -> (the transformers model make(name) builds, its store), each made once (a
+    module-scoped fixture's body)."""
+    built = {}
+
+    def get(name: str, link: bool = False):
+        if (name, link) not in built:
+            model = make(name)
+            built[(name, link)] = model, prepare(model, tmp_path_factory.mktemp(name), link=link)
+        return built[(name, link)]
+    return get
+
+
 def batch(b: int = 2, t: int = 40, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (b, t), generator=gen)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model, prepare,
-                          rel_err)
+from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model,
+                          model_stores, rel_err)
 
 SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=32, query_pre_attn_scalar=24, sliding_window=16, max_position_embeddings=64)
@@ -26,15 +26,7 @@ CASES = {  # name -> (config class, fields, the family's class)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            config_class, fields, _ = CASES[name]
-            model = hf_model(config_class, **fields)
-            built[name] = model, prepare(model, tmp_path_factory.mktemp(name))
-        return built[name]
-    return get
+    return model_stores(tmp_path_factory, lambda name: hf_model(CASES[name][0], **CASES[name][1]))
 
 
 @pytest.mark.parametrize("field,value", [("attn_logit_softcapping", None), ("final_logit_softcapping", None),

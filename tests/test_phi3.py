@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import phantom
-from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model, prepare,
-                          rel_err)
+from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model,
+                          model_stores, prepare, rel_err)
 from phantom.config import ModelConfig, preset
 from phantom.layers import LoraLinear, TransformerBlock, project
 from phantom.lora import apply_lora, for_family
@@ -41,14 +41,7 @@ CASES = {  # name -> fields of Phi3Config
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    built = {}
-
-    def get(name: str, link: bool = False):
-        if (name, link) not in built:
-            model = hf_model("Phi3Config", **CASES[name])
-            built[(name, link)] = model, prepare(model, tmp_path_factory.mktemp(name), link=link)
-        return built[(name, link)]
-    return get
+    return model_stores(tmp_path_factory, lambda name: hf_model("Phi3Config", **CASES[name]))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model, prepare)
+from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model,
+                          model_stores)
 from phantom.store import BlockStore
 
 SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -22,15 +23,7 @@ CASES = {  # name -> (config class, fields, the family's class)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    built = {}
-
-    def get(name: str, link: bool = False):
-        if (name, link) not in built:
-            config_class, fields, _ = CASES[name]
-            model = hf_model(config_class, **fields)
-            built[(name, link)] = model, prepare(model, tmp_path_factory.mktemp(name), link=link)
-        return built[(name, link)]
-    return get
+    return model_stores(tmp_path_factory, lambda name: hf_model(CASES[name][0], **CASES[name][1]))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -69,7 +69,10 @@ def test_tune_plans_qwen2_5_72b_like_the_70b(tmp_path, monkeypatch, capsys):
     # the same policy; what is kept is budgeted from the host memory the (larger) RAM tier leaves
     policy = lambda plan: {k: v for k, v in plan["activations"].items() if k != "keep_budget"}  # noqa: E731
     assert placement(qwen) == placement(llama) and policy(qwen) == policy(llama)
-    assert abs(qwen["activations"]["keep_budget"] / llama["activations"]["keep_budget"] - 1) < 0.05
+    if qwen["activations"]["recompute"] == "auto":  # "all" and "none" (as the measured speeds choose) carry no budget
+        assert abs(qwen["activations"]["keep_budget"] / llama["activations"]["keep_budget"] - 1) < 0.05
+    else:
+        assert qwen["activations"]["keep_budget"] is llama["activations"]["keep_budget"] is None
     assert abs(qwen["split"]["ram"] - llama["split"]["ram"]) <= 1  # the same RAM budget, blocks 2.5% larger
     ratio = PRESETS["qwen2.5-72B"].block_params() / PRESETS["llama3.1-70B"].block_params()
     assert 0.9 * ratio < qwen["step_s"] / llama["step_s"] < 1.1 * ratio

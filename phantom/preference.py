@@ -79,11 +79,12 @@ def preference_loss(policy: torch.Tensor, reference: torch.Tensor, cfg: Preferen
 
     Returns:
         (loss, {"rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy"}), the
-        rewards being beta * (policy - reference), means over the pairs.
+        rewards being beta * (policy - reference) of the summed log-probabilities whatever the loss
+        (as TRL logs them: IPO's averaging is the loss's, not the reward's), means over the pairs.
     """
+    rewards = cfg.beta * (policy - reference.to(policy.dtype)).detach()
     if cfg.loss == "ipo":
         policy, reference = policy / lengths, reference / lengths
-    rewards = cfg.beta * (policy - reference.to(policy.dtype)).detach()
     margin = (policy[:, 0] - policy[:, 1]) - (reference[:, 0] - reference[:, 1]).to(policy.dtype)
     if cfg.loss == "sigmoid":
         losses = -F.logsigmoid(cfg.beta * margin) * (1 - cfg.label_smoothing) \

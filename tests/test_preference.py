@@ -10,7 +10,8 @@ import torch
 import phantom
 from conftest import SMALL, randomize_lora
 from phantom import chat
-from phantom.preference import PairRows, Preference, PreferenceConfig, fit, load_pairs, pair_encoder, split_pairs
+from phantom.preference import (PairRows, Preference, PreferenceConfig, fit, load_pairs, pair_encoder,
+                                preference_loss, split_pairs)
 from phantom.tokenizer import Tokenizer
 from phantom.convert import ensure_tiny
 
@@ -140,3 +141,19 @@ def test_identical_responses_are_counted_in_a_warning(tmp_path, tok, caplog):
     assert len(pairs) == 3 and "2 of 3 pairs have identical chosen and rejected" in caplog.text
     train, val = split_pairs(pairs, 0.34)
     assert (len(train), len(val)) == (2, 1)
+
+
+def test_reward_figures_are_trls_summed_log_ratios_for_every_loss():
+    """TRL logs rewards as beta * (summed policy - reference log-probabilities) whatever the loss;
+    IPO averages over each response for its loss alone. Here the averaged ratios would flip the
+    accuracy (chosen 0.1/10 > rejected 1.5/30 per token, 1.0 < 1.5 summed)."""
+    p, r, n = torch.tensor([[-10.0, -10.5]]), torch.tensor([[-11.0, -12.0]]), torch.tensor([[10.0, 30.0]])
+    beta = 0.1
+    trl = {"rewards_chosen": beta * (-10 - -11), "rewards_rejected": beta * (-10.5 - -12),
+           "reward_margin": beta * ((-10 - -11) - (-10.5 - -12)), "reward_accuracy": 0.0}
+    figures = {loss: preference_loss(p, r, PreferenceConfig(loss=loss, beta=beta), n)[1] for loss in ("sigmoid", "ipo")}
+    for loss, got in figures.items():
+        assert got == pytest.approx(trl, rel=1e-6), loss
+    ipo_loss, _ = preference_loss(p, r, PreferenceConfig(loss="ipo", beta=beta), n)
+    margin = (-10 / 10 - -10.5 / 30) - (-11 / 10 - -12 / 30)  # the loss still averages per token
+    assert ipo_loss.item() == pytest.approx((margin - 1 / (2 * beta)) ** 2, rel=1e-6)

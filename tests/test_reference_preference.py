@@ -54,6 +54,7 @@ def dpo_reference(model, adapter, x, y, cfg: PreferenceConfig):
     policy = sequence_logps(pmodel(tokens).logits, targets).view(P, 2)
     with pmodel.disable_adapter(), torch.no_grad():
         ref = sequence_logps(pmodel(tokens).logits, targets).view(P, 2)
+    chosen_rewards = cfg.beta * (policy[:, 0] - ref[:, 0]).detach()  # TRL: summed log-ratios, any loss
     if cfg.loss == "ipo":
         n = (y != -100).sum(-1)
         policy, ref = policy / n, ref / n
@@ -65,7 +66,6 @@ def dpo_reference(model, adapter, x, y, cfg: PreferenceConfig):
         loss = ((logits - 1 / (2 * cfg.beta)) ** 2).mean()
     loss.backward()
     grads = peft_lora_grads(pmodel, model.config.num_hidden_layers)
-    chosen_rewards = cfg.beta * (policy[:, 0] - ref[:, 0]).detach()
     pmodel.unload()
     return loss.detach(), grads, chosen_rewards.mean().item()
 

@@ -356,8 +356,7 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     t = LoadTimes(disk_s=shape.block_bytes / ((profile.disk_gbps if cold else profile.disk_warm_gbps) * GB),
                   link_s=shape.block_bytes / (profile.h2d_gbps * GB),
                   dequant_s=shape.dequant_bytes / (profile.dequant_gbps * GB), host_is_device=profile.host_is_device)
-    m = min(placement.prefetch + 1, len(streams))
-    fwd_loads, bwd_loads = streams[m:], streams[:len(streams) - m]
+    fwd_loads, bwd_loads = (list(x) for x in lay.loaded())
     still = set(range(shape.n_blocks)) - set(streams)
     step = sum(cf[i] + cb[i] for i in still) + head + \
         pipe_s(cf, fwd_loads, lay, t, profile) + pipe_s(cb, bwd_loads, lay, t, profile)

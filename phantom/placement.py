@@ -51,6 +51,11 @@ class Placement:
             if (v := getattr(self, name)) is not None and v < 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
 
+    @property
+    def slots(self) -> int:
+        """Device slots a streaming run cycles through: the block computing and `prefetch` ahead of it."""
+        return self.prefetch + 1
+
 
 @dataclass(frozen=True)
 class Activations:
@@ -140,8 +145,8 @@ class Layout:
     model, the tuner and the benchmarks: nothing else decides any of it.
 
     tiers: each block's tier ("device", "ram", "disk"). streamed: the blocks that pass through the
-    device slots (disk, and RAM unless the RAM tier is used in place). slots: prefetch + 1 where any
-    block streams. in_place: the RAM tier is the device memory (a CPU computing in the stored dtype).
+    device slots (disk, and RAM unless the RAM tier is used in place). slots: `Placement.slots` where
+    any block streams. in_place: the RAM tier is the device memory (a CPU computing in the stored dtype).
     offload: what "auto" resolved to ("none", "ram", "disk" or "mixed"; others as asked).
     """
 
@@ -169,7 +174,13 @@ class Layout:
 
     def loads(self) -> dict[str, int]:
         """Blocks loaded into device slots per training step, by tier (see `loads_per_step`)."""
-        return loads_per_step(self.tiers, self.prefetch, ram_streams=not self.in_place)
+        fwd, bwd = self.loaded()
+        loaded = [self.tiers[i] for i in fwd + bwd]
+        return {"disk": loaded.count("disk"), "ram": loaded.count("ram")}
+
+    def loaded(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The streamed blocks the forward and the backward load, in order (see `turn_loads`)."""
+        return turn_loads(self.streamed, self.slots)
 
 
 def resolve(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMemory,
@@ -198,7 +209,7 @@ def _layout(tiers: tuple[str, ...], placement: Placement, sizes: BlockBytes, in_
     streamed = tuple(i for i, t in enumerate(tiers) if t == "disk" or (t == "ram" and not in_place))
     offload = placement.offload if placement.offload != "auto" else \
         "ram" if "disk" not in tiers else "disk" if "ram" not in tiers else "mixed"
-    return Layout(tiers=tiers, streamed=streamed, slots=placement.prefetch + 1 if streamed else 0,
+    return Layout(tiers=tiers, streamed=streamed, slots=placement.slots if streamed else 0,
                   prefetch=placement.prefetch, in_place=in_place, offload=offload, sizes=sizes)
 
 
@@ -208,8 +219,8 @@ def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: F
     calls it; nothing else should).
 
     The device tier takes the first blocks (which ones does not change the bytes moved). Of the
-    streamed blocks, the last prefetch + 1 are still in device slots at the turn from forward to
-    backward, and the first prefetch + 1 at the turn from backward to the next forward: each is read
+    streamed blocks, the last `slots` are still in device slots at the turn from forward to
+    backward, and the first `slots` at the turn from backward to the next forward: each is read
     once per step, every other streamed block twice. So the disk tier takes those ends (the last
     ones first) and the RAM set sits in the middle: the fewest bytes read from disk per step. On a
     CPU (`zero_copy`) the RAM tier is used in place, not streamed, and the device tier is the RAM tier.
@@ -225,7 +236,7 @@ def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: F
     """
     block_bytes, device_block_bytes = sizes.budget, sizes.resident
     free_device, free_host = None if zero_copy else free.device, free.host
-    slots = (placement.prefetch + 1) * sizes.slot
+    slots = placement.slots * sizes.slot
     if placement.offload == "none":
         return ("device",) * n_blocks
     n_device = placement.resident or 0
@@ -245,7 +256,7 @@ def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: F
     if zero_copy:  # a CPU: blocks in RAM are used where they lie; there is no separate device tier
         n_ram, n_device = min(n_blocks, n_ram + n_device), 0
     n_disk = n_blocks - n_device - n_ram
-    ends = placement.prefetch + 1  # streamed blocks reused at each turn
+    ends = placement.slots  # streamed blocks reused at each turn
     head = 0 if zero_copy or not n_ram else min(ends, max(0, n_disk - ends))
     return ("device",) * n_device + ("disk",) * head + ("ram",) * n_ram + ("disk",) * (n_disk - head)
 
@@ -283,15 +294,19 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def loads_per_step(tiers: tuple[str, ...], prefetch: int, ram_streams: bool) -> dict[str, int]:
-    """Blocks loaded into device slots per training step, by tier, once the run is in its rhythm.
-
-    The streamed blocks S (disk, and RAM unless the RAM tier is used in place as on a CPU) go
-    forward then backward through prefetch + 1 slots with eviction by next use, so the last
-    m = min(prefetch + 1, |S|) of the forward are reused by the backward, and the first m of the
-    backward by the next forward: the forward loads S[m:], the backward S[:|S| - m].
-    """
-    streamed = [t for t in tiers if t == "disk" or (t == "ram" and ram_streams)]
-    m = min(prefetch + 1, len(streamed))
-    loaded = streamed[m:] + streamed[:len(streamed) - m]
+def loads_per_step(tiers: tuple[str, ...], slots: int, ram_streams: bool) -> dict[str, int]:
+    """Blocks loaded into device slots per training step, by tier, once the run is in its rhythm: the
+    streamed blocks are disk, and RAM unless the RAM tier is used in place as on a CPU (`turn_loads`)."""
+    streamed = tuple(i for i, t in enumerate(tiers) if t == "disk" or (t == "ram" and ram_streams))
+    fwd, bwd = turn_loads(streamed, slots)
+    loaded = [tiers[i] for i in fwd + bwd]
     return {"disk": loaded.count("disk"), "ram": loaded.count("ram")}
+
+
+def turn_loads(streamed: tuple[int, ...], slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The blocks the forward and the backward load: the streamed blocks S go forward then backward
+    through `slots` device slots with eviction by next use, so the last m = min(slots, |S|) of the
+    forward are reused by the backward, and the first m of the backward by the next forward: the
+    forward loads S[m:], the backward S[:|S| - m]."""
+    m = min(slots, len(streamed))
+    return tuple(streamed[m:]), tuple(streamed[:len(streamed) - m])

@@ -317,7 +317,7 @@ class BlockScheduler:
             if not self._streams(block):
                 continue
             ahead += 1
-            if ahead > self.prefetch + 1:
+            if ahead > self.layout.slots:
                 return None
             if self._slot_holding(block) is not None:
                 continue

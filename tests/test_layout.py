@@ -168,6 +168,24 @@ def test_only_placement_decides_where_blocks_live_and_which_stream():
     assert decides_streaming(modules()["placement"])  # the check sees the rule where it is
 
 
+def adds_one_to_prefetch(src: str) -> list[int]:
+    """Lines of `<...>prefetch + 1` (or `1 + <...>prefetch`): the device slots computed from the knob."""
+    def is_prefetch(n):
+        return (isinstance(n, ast.Attribute) and n.attr == "prefetch") or (isinstance(n, ast.Name) and n.id == "prefetch")
+    return [node.lineno for node in ast.walk(ast.parse(src)) if isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Add) and {type(node.left), type(node.right)} & {ast.Constant}
+            and (is_prefetch(node.left) or is_prefetch(node.right))]
+
+
+def test_slots_are_derived_once():
+    """The device slots of a streaming run are `Placement.slots` (and `Layout.slots`); nothing else
+    adds one to the prefetch depth."""
+    sources = {**modules(), **{f"scripts/{p.stem}": p.read_text() for p in (ROOT / "scripts").rglob("*.py")}}
+    found = {name: lines for name, src in sources.items() if (lines := adds_one_to_prefetch(src))}
+    assert list(found) == ["placement"] and len(found["placement"]) == 1, \
+        f"use Placement.slots / Layout.slots instead of prefetch + 1: {found}"
+
+
 def test_every_replace_goes_through_fileio():
     """Temporary names, renames and folder swaps live in phantom.fileio alone: one rule for every
     file and folder phantom writes."""

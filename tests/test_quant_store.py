@@ -292,7 +292,7 @@ def test_cost_model_counts_quantized_bytes_and_dequantization(stores):
     fast, slow = (cm.MachineProfile(machine="t", device="cpu", dequant_gbps=g) for g in (100.0, 0.01))
     place = Placement(offload="disk", prefetch=0)
     a, b = (cm.predict(p, shape, place, Activations(), rows=2) for p in (fast, slow))
-    loads = loads_per_step(a.tiers, 0, ram_streams=True)["disk"]
+    loads = loads_per_step(a.tiers, 1, ram_streams=True)["disk"]  # prefetch 0: one slot
     assert a.bytes_read == b.bytes_read == loads * store.block_nbytes
     dequant = shape.dequant_bytes / 1e9 * (1 / 0.01 - 1 / 100.0)
     assert b.step_s - a.step_s == pytest.approx(loads * dequant, rel=1e-6)  # prefetch 0: in series

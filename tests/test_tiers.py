@@ -102,7 +102,7 @@ def test_ram_and_disk_by_budget_equal_resident_and_read_what_the_planner_predict
     first, metrics, tiers, _ = run(store, place)
     assert tiers == ("ram",) * 3 + ("disk",) * 5
     assert_same(first, resident)
-    planned = loads_per_step(tiers, prefetch, ram_streams=False)  # a CPU uses its RAM tier in place
+    planned = loads_per_step(tiers, prefetch + 1, ram_streams=False)  # a CPU uses its RAM tier in place
     pred = cm.predict(cm.MachineProfile(machine="test", device="cpu"), cm.shape_of(CFG, "fp32", "fp32", T),
                       place, Activations(), rows=B)
     assert pred.tiers == tiers and pred.bytes_read == planned["disk"] * nbytes
@@ -123,7 +123,7 @@ def test_device_ram_and_disk_equal_resident(store, resident, prefetch, monkeypat
     pred = cm.predict(cm.MachineProfile(machine="test", device="cpu"), cm.shape_of(CFG, "fp32", "fp32", T),
                       Placement(offload="auto", prefetch=prefetch), Activations(), rows=B, tiers=three)
     for m in metrics:
-        assert m["bytes_read"] == pred.bytes_read == loads_per_step(three, prefetch, False)["disk"] * nbytes
+        assert m["bytes_read"] == pred.bytes_read == loads_per_step(three, prefetch + 1, False)["disk"] * nbytes
         assert m["bytes_ram"] == 2 * 3 * nbytes
 
 
@@ -135,7 +135,7 @@ def test_ram_tier_through_slots_equals_resident(store, resident, prefetch, monke
     first, metrics, tiers, _ = run(store, budgets(nbytes, prefetch, n_ram=4))
     assert tiers == ("ram",) * 4 + ("disk",) * 4
     assert_same(first, resident)
-    planned = loads_per_step(tiers, prefetch, ram_streams=True)
+    planned = loads_per_step(tiers, prefetch + 1, ram_streams=True)
     for m in metrics:
         assert m["bytes_read"] == planned["disk"] * nbytes
         assert m["bytes_ram"] == planned["ram"] * nbytes

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from phantom import provenance
 from phantom.chat import TINY_CHAT_TEMPLATE
 from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_meta_params,
                             head_tensor_shapes, preset, rope_rows)
@@ -344,6 +345,8 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         quant: store every block's linear weights quantized (phantom.quant; the rest in dtype, bf16
             unless the checkpoint is 16-bit).
         root: Hugging Face folders whose shards are links (the hub cache): the folder they may lead into.
+            The manifest's origin (phantom.provenance) is the hub id and commit when src is a snapshot
+            under a hub cache root (models--OWNER--NAME), else src's folder.
 
     Returns:
         {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes"}.
@@ -364,7 +367,8 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
             linked += _write_part(w, ckpt, part, link and ckpt.format == "hf")
         if ckpt.tokenizer is not None:
             w.add_tokenizer(ckpt.tokenizer)
-        path = w.finish({"source": ckpt.format, "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files)})
+        path = w.finish({"source": ckpt.format, "origin": provenance.of_checkpoint(src, ckpt.format, root),
+                         "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files)})
     return {"out": path, "format": ckpt.format, "config": cfg, "dtype": dtype, "disk_bytes": disk_usage(path),
             "linked_bytes": linked}
 
@@ -463,8 +467,8 @@ def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bflo
         if tokenizer is not None:
             w.add_tokenizer(tokenizer)
         kept = keep_tokenizer_files(w, ([w.tmp / w.tokenizer] if tokenizer is not None else []) + list(tokenizer_extra))
-        return w.finish({"source": "synthetic", "seed": seed, **({"init": init} if init != "normal" else {}),
-                         "tokenizer_files": kept, **(extra or {})})
+        return w.finish({"source": "synthetic", "origin": provenance.SYNTHETIC, "seed": seed,
+                         **({"init": init} if init != "normal" else {}), "tokenizer_files": kept, **(extra or {})})
 
 
 TINY_RECIPE = 3  # in the tiny store's manifest; a weights/tiny made by another recipe is made again
@@ -522,7 +526,7 @@ def quantize_store(src: Path | str, out: Path | str, quant: QuantFormat, dtype: 
     if store.quant is not None:
         raise ValueError(f"{src}: already quantized ({store.quant.method}); quantize the 16-bit store it came from")
     dtype = dtype or (store.dtype if store.dtype.itemsize == 2 else torch.bfloat16)
-    keep = {k: v for k, v in store.manifest.items() if k in ("source", "seed", "init")}
+    keep = {k: v for k, v in store.manifest.items() if k in ("source", "origin", "seed", "init")}
     with StoreWriter(out, store.cfg, dtype, overwrite=overwrite, quant=quant) as w:
         w.write_embed(store.load_embed())
         for i in tqdm(range(store.n_blocks), desc="quantizing", unit="block", disable=not progress or None):

@@ -175,14 +175,18 @@ def adapter_tensors(layers: nn.ModuleList, cfg: ModelConfig) -> dict[str, torch.
 
 
 def save_adapter(layers: nn.ModuleList, model_cfg: ModelConfig, lora_cfg: LoraConfig, out: Path,
-                 base_model: str = "") -> Path:
-    """Write adapter_config.json + adapter_model.safetensors (PEFT layout), each atomically."""
+                 base_model: str = "", revision: str | None = None) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors (PEFT layout), each atomically.
+
+    base_model and revision are what peft's AutoPeftModel loads the base from (a Hub id and its
+    commit, or a folder; phantom.provenance.base_model)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with fileio.replacing(out / ADAPTER_WEIGHTS) as tmp:
         write_safetensors(tmp, adapter_tensors(layers, model_cfg), metadata={"format": "pt"})
     atomic_write_json(out / ADAPTER_CONFIG, {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "revision": revision,
         "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
         "target_modules": sorted(peft_modules(model_cfg)[t][0].split(".")[1] for t in lora_cfg.targets),
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from phantom import provenance
 from phantom.config import ModelConfig, head_tensor_shapes
 from phantom.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.tune)
 from phantom.layers import TransformerBlock, fuse_adjacent, longest_example, lora_disabled, packed_layout, rms_norm, \
@@ -413,7 +414,9 @@ class PhantomModel(nn.Module):
     def save_adapter(self, out: Path | str, base_model: str = "") -> Path:
         if self.lora_cfg is None:
             raise ValueError("this model has no LoRA to save")
-        return save_adapter(self.layers, self.cfg, self.lora_cfg, Path(out), base_model or str(self.store.path))
+        base, revision = (base_model, None) if base_model else provenance.base_model(self.store.manifest,
+                                                                                      self.store.path)
+        return save_adapter(self.layers, self.cfg, self.lora_cfg, Path(out), base, revision)
 
     def load_adapter(self, path: Path | str) -> None:
         load_adapter(self.layers, self.cfg, Path(path))

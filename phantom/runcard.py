@@ -42,6 +42,9 @@ class RunCard:
     adapter: str | None  # OUT/adapter (LoRA)
     weights: str | None  # the trained store (full)
     versions: str  # "phantom X, torch Y"
+    origin: str = ""  # what the store was prepared from (phantom.provenance.describe)
+    base_model: str | None = None  # what peft loads the adapter onto (a Hub id or folder), None: none loadable
+    base_revision: str | None = None  # the Hub commit of base_model
 
     def markdown(self) -> str:
         return "\n".join([f"# Run card: {Path(self.out).name}", "", *self.table(), "", *self.flag_lines(), "",
@@ -52,6 +55,7 @@ class RunCard:
         device = f", device {gib(self.peak_device_bytes)}" if self.peak_device_bytes is not None else ""
         rows = [("model", f"`{self.model}` ({self.n_params / 1e6:,.1f}M parameters, store `{self.store}`, "
                           f"fingerprint `{self.fingerprint[:16]}`)"),
+                *([("prepared from", self.origin)] if self.origin else []),
                 ("training", f"{self.mode}" + (f": {self.lora}" if self.mode == "lora" else "") +
                  f", {self.dtype} on {self.device}"),
                 ("data", self.data), ("status", f"{self.status} after {self.steps} step{'s' * (self.steps != 1)}"),
@@ -77,14 +81,25 @@ class RunCard:
                     f"model = phantom.load({str(self.weights)!r})", "```", "",
                     "In Hugging Face's layout (transformers, vLLM): "
                     f"`python scripts/merge_lora.py --model {self.weights} --out merged --format hf`."]
+        if self.base_model is not None:
+            return ["## Loading the adapter", "", *self.peft_auto(), "", *self.phantom_lines()]
         base = f"{self.out}/hf-base"
         return ["## Loading the adapter", "", f"With peft, onto the base model in Hugging Face's layout (the "
                 f"checkpoint the store was prepared from, or `python scripts/merge_lora.py --model {self.store} "
                 f"--out {base} --format hf`):", "", "```python", "from peft import PeftModel",
                 "from transformers import AutoModelForCausalLM", "",
                 f"base = AutoModelForCausalLM.from_pretrained({base!r})",
-                f"model = PeftModel.from_pretrained(base, {self.adapter!r})", "```", "", "With phantom:", "",
-                "```python", "import phantom", "from phantom.lora import read_adapter_config", "",
+                f"model = PeftModel.from_pretrained(base, {self.adapter!r})", "```", "", *self.phantom_lines()]
+
+    def peft_auto(self) -> list[str]:
+        """peft alone: adapter_config.json names the base model (and its Hub commit) the store came from."""
+        at = f" at revision `{self.base_revision}`" if self.base_revision else ""
+        return [f"With peft, which loads the base model the adapter names (`{self.base_model}`{at}):", "",
+                "```python", "from peft import AutoPeftModelForCausalLM", "",
+                f"model = AutoPeftModelForCausalLM.from_pretrained({self.adapter!r})", "```"]
+
+    def phantom_lines(self) -> list[str]:
+        return ["With phantom:", "", "```python", "import phantom", "from phantom.lora import read_adapter_config", "",
                 f"model = phantom.load({self.store!r}, lora=read_adapter_config({self.adapter!r}))",
                 f"model.load_adapter({self.adapter!r})", "```"]
 

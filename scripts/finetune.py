@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import phantom  # noqa: E402
 import torch  # noqa: E402
 from phantom import chat, cli, data, fileio, preference, runcard, runfile, trackers, tune  # noqa: E402
+from phantom import provenance  # noqa: E402
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
@@ -382,8 +383,15 @@ def write_card(args, argv, s: dict, store: BlockStore, dtype: str, device) -> No
         final_loss=s["final_loss"], final_eval=evals[-1] if evals else None, best_eval=s["best_val_loss"],
         tokens_per_s=s["tokens"] / max(s["time_s"], 1e-9), peak_host_bytes=host, peak_device_bytes=dev,
         adapter=s["adapter"], weights=s["weights"],
-        versions=f"phantom {phantom.__version__}, torch {torch.__version__}")
+        versions=f"phantom {phantom.__version__}, torch {torch.__version__}",
+        origin=provenance.describe(store.manifest), **loadable_base(store))
     runcard.write(Path(s["out"]) / "README.md", card)
+
+
+def loadable_base(store: BlockStore) -> dict:
+    """The run card's base model for peft: what the adapter names when transformers can load it."""
+    base, revision = provenance.base_model(store.manifest, store.path)
+    return {} if base == str(store.path) else {"base_model": base, "base_revision": revision}
 
 
 def describe_data(args) -> str:

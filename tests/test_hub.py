@@ -5,6 +5,7 @@ links into blobs/); nothing touches the network.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 import phantom
+from phantom.convert import convert_checkpoint, write_synthetic
 from phantom.store import BlockStore
+from conftest import randomize_lora
 from family_check import batch, hf_model, peft, rel_err
 from test_convert import REPO, load_script
 from test_export_hf import llama3_style_tokenizer_json
@@ -101,6 +104,64 @@ def test_finetune_takes_a_hub_id_a_revision_and_all_linear_targets(cache, capsys
         theirs = peft.PeftModel.from_pretrained(models["v1"], adapter).eval()(tokens).logits
     assert rel_err(ours, base) > 1e-4  # two steps at lr 1e-2 moved it
     assert rel_err(ours, theirs) < 1e-5
+    card = (root / "out" / "README.md").read_text()  # the run card loads what the adapter names
+    assert f"| prepared from | Hub model `{REPO_ID}` at revision `{commits['v1']}` |" in card
+    assert f"AutoPeftModelForCausalLM.from_pretrained({str(adapter)!r})" in card and "merge_lora" not in card
+
+
+PEFT_LOAD = """
+import sys, torch
+from peft import AutoPeftModelForCausalLM
+tokens = torch.load(sys.argv[1], weights_only=True)
+with torch.no_grad():
+    out = {a: AutoPeftModelForCausalLM.from_pretrained(a).eval()(tokens).logits for a in sys.argv[3:]}
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_an_adapter_names_its_base_so_peft_loads_it_with_no_other_step(cache):
+    """adapter_config.json names what the store came from: the hub id and the commit converted, or
+    the Hugging Face folder; peft's AutoPeftModelForCausalLM then loads the adapter alone, offline,
+    in a fresh process, and gives phantom's logits."""
+    root, models, commits = cache
+    folder = root / "hf-folder"
+    models["v1"].save_pretrained(folder)
+    llama3_style_tokenizer_json(folder)
+    stores = {"hub": phantom.resolve_model(REPO_ID),
+              "folder": convert_checkpoint(folder, root / "weights" / "from-folder", progress=False)["out"]}
+    assert BlockStore(stores["hub"]).manifest["origin"] == {"kind": "hub", "id": REPO_ID, "revision": commits["main"]}
+    assert BlockStore(stores["folder"]).manifest["origin"] == {"kind": "hf", "path": str(folder.resolve())}
+    tokens, _ = batch()
+    ours = {}
+    for name, store in stores.items():
+        with phantom.load(store, offload="none", lora=phantom.LoraConfig(targets=("q", "v"))) as pm, torch.no_grad():
+            randomize_lora(pm)
+            pm.save_adapter(root / name)
+            ours[name] = pm(tokens)
+    config = {n: json.loads((root / n / "adapter_config.json").read_text()) for n in stores}
+    assert (config["hub"]["base_model_name_or_path"], config["hub"]["revision"]) == (REPO_ID, commits["main"])
+    assert (config["folder"]["base_model_name_or_path"], config["folder"]["revision"]) == (str(folder.resolve()), None)
+    torch.save(tokens, root / "tokens.pt")
+    env = {**os.environ, "HF_HUB_CACHE": str(root / "hub"), "HF_HOME": str(root / "hf-home"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", PEFT_LOAD, str(root / "tokens.pt"), str(root / "theirs.pt"),
+                          str(root / "hub"), str(root / "folder")], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    theirs = torch.load(root / "theirs.pt", weights_only=True)
+    with torch.no_grad():
+        assert rel_err(ours["hub"], models["main"](tokens).logits) > 1e-3  # the adapter moved the logits
+    assert rel_err(theirs[str(root / "hub")], ours["hub"]) < 1e-5
+    assert rel_err(theirs[str(root / "folder")], ours["folder"]) < 1e-5
+    shutil.rmtree(folder)  # gone: nothing transformers loads, so the adapter names the store itself
+    with phantom.load(stores["folder"], offload="none", lora=phantom.LoraConfig(targets=("q", "v"))) as pm:
+        pm.save_adapter(root / "orphan")
+    assert json.loads((root / "orphan" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(stores["folder"])
+
+
+def test_synthetic_stores_say_so(tmp_path):
+    cfg = dataclasses.replace(phantom.preset("tiny"), n_layers=1)
+    store = write_synthetic(tmp_path / "s", cfg, progress=False)
+    assert BlockStore(store).manifest["origin"] == {"kind": "synthetic"}
 
 
 def test_a_missing_model_is_one_line_saying_how_to_get_it(cache, capsys):

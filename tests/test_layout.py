@@ -18,9 +18,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 RANK = {
     # pure foundations: shapes, knobs, fault points, tokenizers, checksums
-    "faults": 0, "config": 0, "placement": 0, "tokenizer": 0, "sources": 0, "quant": 0, "checksum": 0,
+    "faults": 0, "dtypes": 0, "provenance": 0, "config": 0, "placement": 0, "tokenizer": 0, "sources": 0, "quant": 0, "checksum": 0,
     "fileio": 1, "chat": 1, "layers": 1, "costmodel": 1, "family": 1, "trackers": 1, "memory": 1, "tensorfile": 1,
-    "directio": 2, "hostmem": 2, "trace": 2, "runfile": 2, "runcard": 2,
+    "directio": 2, "hostmem": 2, "trace": 2, "runfile": 2, "runcard": 2, "runfolder": 2, "seal": 2,
     "store": 3, "writeback": 3, "optim": 3, "data": 3, "dist": 3,
     "checkpoint": 4,
     "lora": 4, "convert": 4, "transfer": 4,
@@ -184,6 +184,24 @@ def test_slots_are_derived_once():
     found = {name: lines for name, src in sources.items() if (lines := adds_one_to_prefetch(src))}
     assert list(found) == ["placement"] and len(found["placement"]) == 1, \
         f"use Placement.slots / Layout.slots instead of prefetch + 1: {found}"
+
+
+DTYPE_WORDS = {"fp32", "bf16", "fp16", "float32", "bfloat16", "float16", "F32", "BF16", "F16"}
+
+
+def dtype_tables(src: str) -> list[int]:
+    """Lines of dict literals keyed or valued by two or more dtype names: a table of dtypes."""
+    def words(nodes):
+        return {n.value for n in nodes if isinstance(n, ast.Constant) and n.value in DTYPE_WORDS}
+    return [node.lineno for node in ast.walk(ast.parse(src)) if isinstance(node, ast.Dict)
+            and len(words(node.keys) | words(node.values)) >= 2]
+
+
+def test_one_dtype_table():
+    """Names, sizes and file codes of dtypes live in phantom.dtypes alone."""
+    found = {name: lines for name, src in modules().items() if name != "dtypes" and (lines := dtype_tables(src))}
+    assert not found, f"read phantom.dtypes instead of another table of dtypes: {found}"
+    assert dtype_tables("{'fp32': 4, 'bf16': 2}")  # the check sees a table where there is one
 
 
 def test_every_replace_goes_through_fileio():

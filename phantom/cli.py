@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from phantom import fileio
+from phantom import dtypes, fileio
 from phantom.placement import parse_bytes
 
-DTYPES = ("auto", "fp32", "bf16", "fp16")  # compute dtypes; auto: resolve_dtype
-STORE_DTYPES = DTYPES[1:]  # what a store holds
+STORE_DTYPES = dtypes.NAMES  # what a store holds
+DTYPES = ("auto",) + STORE_DTYPES  # compute dtypes; auto: resolve_dtype
 
 
 def flag(name: str) -> str:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from phantom import dtypes
 from phantom.config import ModelConfig
 from phantom import placement as P
 from phantom.placement import Activations, Layout, Placement, loss_budget
 
-ITEMSIZE = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-DTYPE_NAME = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
 ALIGN = 4096  # phantom.tensorfile.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
 HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.hostmem's: host buffers from HUGE_MIN get huge pages
 FIXED_BYTES = 256 << 20  # LoRA and its optimizer state, allocator slack
@@ -136,14 +135,15 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
              quant: str | None = None) -> Shape:
     """The cost model's view of a model from its config alone: no store needed. quant ("nf4", "int8"):
     a quantized store of it (its other tensors in store_dtype), dequantized into `dtype` at each load."""
-    s, c = ITEMSIZE[store_dtype], ITEMSIZE[dtype]
+    stored, computed = dtypes.lookup(store_dtype), dtypes.lookup(dtype)
+    s, c = stored.itemsize, computed.itemsize
     params = cfg.block_params()
     block = params * s if quant is None else quant_block_bytes(cfg, quant, s)
     head_params = cfg.vocab_size * cfg.dim + cfg.dim
     embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
     return Shape(
         n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
-        sizes=P.block_sizes(block, params, s, c, quant is not None, DTYPE_NAME[store_dtype] == DTYPE_NAME[dtype]),
+        sizes=P.block_sizes(block, params, s, c, quant is not None, stored == computed),
         head_bytes=head_params * c, embed_bytes=embed_params * s,
         flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.q_dim),  # matmuls + causal attention
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient

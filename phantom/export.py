@@ -23,18 +23,18 @@ from phantom.chat import read_template
 from phantom.config import ModelConfig, rope_rows
 from phantom.convert import part_shapes, release_pages, tokenizer_files
 from phantom.family import family
+from phantom.family_moe import FUSED_EXPERTS, MOE_FIELDS
 from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
 from phantom.lora import TARGETS, apply_lora, for_family, load_adapter, lora_modules, read_adapter_config
-from phantom import fileio
+from phantom import fileio, runfolder
 from phantom.fileio import atomic_write as atomic_write_bytes
 from phantom.store import BlockStore
-from phantom.tensorfile import write_safetensors
+from phantom.tensorfile import dtype_name, write_safetensors
 from phantom.tokenizer import Tokenizer, sentencepiece_to_json
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("hf", "meta")
-HF_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLinear]]:
@@ -76,12 +76,14 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
          "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
          "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
          "max_position_embeddings": cfg.max_seq_len, "hidden_act": cfg.activation,
-         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": HF_DTYPES[dtype],
+         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype_name(dtype),
          "pad_token_id": None}  # the tokenizer's files say it; a class default (Phi-3's 32000) may exceed the vocab
     if "attention_bias" in fam.readers:
         c["attention_bias"] = cfg.qkv_bias
     if "mlp_bias" in fam.readers:
         c["mlp_bias"] = cfg.mlp_bias
+    if "qkv_bias" in fam.readers:  # Qwen2-MoE
+        c["qkv_bias"] = cfg.qkv_bias
     if "use_sliding_window" in fam.readers:  # Qwen: the window and the layers it applies to
         c.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                  max_window_layers=cfg.n_layers)
@@ -101,6 +103,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                                 "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}
     elif cfg.rope_scaling is not None:
         c["rope_scaling"] = rope_scaling_json(cfg)
+    if fam.moe is not None:  # the experts' fields, as the family's config class names them
+        c.update({f: getattr(cfg, MOE_FIELDS[f]) for f in fam.moe.fields})
     if cfg.rotary_dim is not None:  # Phi-4-mini
         c["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     if "original_max_position_embeddings" in fam.readers:  # Phi-3: read before rope_scaling's own
@@ -126,19 +130,23 @@ def rope_scaling_json(cfg: ModelConfig) -> dict:
             "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
 
 
-def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor],
+          fused_experts: bool = False) -> dict[str, torch.Tensor]:
     """Store names and q/k layout -> the family's Hugging Face names and layout (its conversion script's
-    permute); the parts of a fused tensor (Phi-3's qkv_proj) stacked by rows, in the family's order."""
+    permute); the parts of a fused tensor (Phi-3's qkv_proj) stacked by rows, in the family's order.
+    Experts one tensor each (what save_pretrained writes), or transformers 5's 3-D tensors."""
     fam, permuted = family(cfg), rope_rows(cfg)
     hf = {name: permute_for_hf(t, permuted[name], cfg.rope_dim) if name in permuted else t
           for name, t in tensors.items()}
     out = {}
-    for key, names in fam.fused.items() if isinstance(part, int) else ():
+    hf_names, fused = fam.layout(cfg, fused_experts)
+    for key, names in fused.items() if isinstance(part, int) else ():
         if present := [n for n in names if n in hf]:
             if len(present) != len(names):
                 raise ValueError(f"{key.format(part)} fuses {', '.join(names)}: {', '.join(present)} alone given")
             out[key.format(part)] = torch.cat([hf.pop(n) for n in names])
-    hf_names = fam.hf_names()
+            if fused_experts and key in FUSED_EXPERTS:  # (experts, rows of each, columns)
+                out[key.format(part)] = out[key.format(part)].unflatten(0, (cfg.n_experts, -1))
     return out | {hf_names[(isinstance(part, int), name)].format(part): t.contiguous() for name, t in hf.items()}
 
 
@@ -312,6 +320,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; remove it or choose another --out")
+    runfolder.check_replaceable(out, "export")  # overwrite: only an export phantom wrote goes
     store = BlockStore(model)
     if fmt == "meta" and (fields := meta_unsupported(store.cfg)):
         raise ValueError(f"{model}: Meta's format holds Llama's maths only, and this {store.cfg.family} model sets "
@@ -328,4 +337,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         elif store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone
             main = store.tokenizer_path.name
             atomic_write_bytes(tmp / main, tokenizer_files(store)[main].read_bytes())
+        fileio.atomic_write_json(tmp / runfolder.EXPORT_MARKER, {"format": runfolder.EXPORT_FORMAT, "model": str(model),
+                                                                 "adapter": str(adapter) if adapter else None,
+                                                                 "checkpoint_format": fmt})
     return out

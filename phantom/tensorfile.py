@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -14,18 +15,15 @@ from pathlib import Path
 
 import torch
 
-from phantom import faults
+from phantom import dtypes, faults, safejson
 from phantom.checksum import Checksums
 from phantom.config import FUSED_PROJECTIONS
 
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header is a few KB; refuse absurd claims before reading
 DATA_ALIGN = 4096  # file offset and buffer alignment of O_DIRECT reads
 
-DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-               torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}
+DTYPE_CODES = {getattr(torch, t.torch_name): t.code for t in dtypes.ALL}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
-DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
-               "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
 class StoreError(ValueError):
@@ -35,9 +33,7 @@ class StoreError(ValueError):
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16")
-    return DTYPE_NAMES[name]
+    return getattr(torch, dtypes.lookup(name).torch_name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -122,35 +118,49 @@ def read_header(path: Path) -> tuple[list[TensorSpec], int]:
         (n,) = struct.unpack("<Q", raw)
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise StoreError(f"{path}: corrupt safetensors header (claims {n} bytes in a {size}-byte file)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise StoreError(f"{path}: corrupt safetensors header ({e})") from None
+        header = safejson.loads(f.read(n), f"{path}: corrupt safetensors header", line=None, error=StoreError)
     if not isinstance(header, dict):
         raise StoreError(f"{path}: corrupt safetensors header (not a JSON object)")
-    specs = []
     try:
-        for name, h in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = CODE_DTYPES[h["dtype"]]
-            start, end = (int(x) for x in h["data_offsets"])
-            shape = tuple(int(s) for s in h["shape"])
-            numel = 1
-            for s in shape:
-                numel *= s
-            if start < 0 or end - start != numel * torch.empty((), dtype=dtype).element_size():
-                raise StoreError(f"{path}: tensor {name} has offsets {start}..{end} that do not fit its shape")
-            specs.append(TensorSpec(name, dtype, shape, start, end))
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, StoreError):
-            raise
+        specs = [_spec(path, name, h) for name, h in header.items() if name != "__metadata__"]
+    except (KeyError, TypeError) as e:
         raise StoreError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
+    specs.sort(key=lambda s: (s.start, s.end))
+    check_disjoint(path, [(s.name, s.start, s.end) for s in specs])
     data_start = 8 + n
     data_len = max((s.end for s in specs), default=0)
     if data_start + data_len > size:
         raise StoreError(f"{path}: truncated ({size} bytes, header needs {data_start + data_len})")
-    return sorted(specs, key=lambda s: s.start), data_start
+    return specs, data_start
+
+
+def _spec(path: Path, name: str, h: dict) -> TensorSpec:
+    """One header entry, as safetensors reads it: offsets and shape are lists of non-negative
+    integers (not 1.5, "2" or true), and the offsets span exactly the shape's bytes."""
+    offsets, shape = h["data_offsets"], h["shape"]
+    if not (_naturals(offsets) and len(offsets) == 2 and _naturals(shape)):
+        raise StoreError(f"{path}: tensor {name} has offsets {offsets!r:.60} or shape {shape!r:.60} that are not "
+                         f"non-negative integers")
+    dtype, (start, end), shape = CODE_DTYPES[h["dtype"]], offsets, tuple(shape)
+    if end - start != math.prod(shape) * dtype.itemsize:
+        raise StoreError(f"{path}: tensor {name} has offsets {start}..{end} that do not fit its shape")
+    return TensorSpec(name, dtype, shape, start, end)
+
+
+def _naturals(v) -> bool:
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+
+
+def check_disjoint(path: Path, ranges: list[tuple[str, int, int]]) -> None:
+    """Refuse byte ranges (name, start, end), sorted by start, that overlap: two tensors reading the
+    same bytes (safetensors refuses them too; each tensor of a store has bytes of its own)."""
+    last, last_end = None, 0
+    for name, start, end in ranges:
+        if end > start:
+            if start < last_end:
+                raise StoreError(f"{path}: tensors {last} and {name} overlap in bytes (..{last_end} and "
+                                 f"{start}..{end}); each tensor needs bytes of its own")
+            last, last_end = name, end
 
 
 def check_specs(path: Path, specs: list[TensorSpec], expected: dict[str, tuple[int, ...]], dtype: torch.dtype,

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from phantom import costmodel as cm
-from phantom import fileio
+from phantom import dtypes, fileio
 from phantom import quant
 from phantom import placement as P
 from phantom.convert import write_synthetic
@@ -45,10 +45,6 @@ log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 2  # 1: per-model times (before the cost model took rates)
 PROBE_BLOCKS = 2  # synthetic blocks `probe` writes to measure a shape without weights
-MARGIN = cm.MARGIN
-check_prediction = cm.check_prediction  # what the training loop calls once, on the median of steps 2-4
-describe_measured = cm.describe_measured  # what finetune.py prints at the end
-pow2_upto = cm.pow2_upto
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +238,7 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
     try:
         timer = BlockTimer(model, seq_len, repeats, disk)
         points = {1: timer.point(1, with_head=True)}  # the head's cost is per token: one size is enough
-        hi = max(b for b in pow2_upto(max_rows) if max_rows % b == 0)
+        hi = max(b for b in cm.pow2_upto(max_rows) if max_rows % b == 0)
         free = free_bytes if free_bytes is not None else free_host_bytes()
         while hi > 1 and hi * points[1]["keep"] * (repeats + 2) > (free or 0) // 4:
             hi //= 2  # the measurement holds repeats + 1 graphs at once: keep it well inside memory
@@ -349,7 +345,7 @@ def shape_key(cfg, store_dtype: str, quant: str | None = None) -> str:
     """What a block's cost depends on, not the depth: e.g. `d8192-f28672-h64-kv8-v32000-bfloat16-1a2b3c`
     (a quantized store: `...-nf4-...`)."""
     parts = dict(dim=cfg.dim, hidden=cfg.hidden_dim, heads=cfg.n_heads, kv=cfg.kv_heads, vocab=cfg.vocab_size,
-                 dtype=dtype_name(parse_dtype(store_dtype)) + (f"-{quant}" if quant else ""))
+                 dtype=dtypes.lookup(store_dtype).torch_name + (f"-{quant}" if quant else ""))
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:6]
     return _slug(f"d{cfg.dim}-f{cfg.hidden_dim}-h{cfg.n_heads}-kv{cfg.kv_heads}-v{cfg.vocab_size}-"
                  f"{parts['dtype']}-{digest}")
@@ -370,7 +366,7 @@ def profile_path(model, device, dtype, profile_dir: Path | str | None = None, st
         cfg, store_dtype, quant = model.cfg, model.manifest["dtype"], store_quant(model)
     else:
         cfg, store_dtype = model, store_dtype or "bf16"
-    name = f"{machine_key(device)}-{dtype_name(parse_dtype(dtype))}-{shape_key(cfg, store_dtype, quant)}.json"
+    name = f"{machine_key(device)}-{dtypes.lookup(dtype).torch_name}-{shape_key(cfg, store_dtype, quant)}.json"
     return Path(profile_dir or profile_dir_default()) / name
 
 
@@ -473,7 +469,7 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
         space = dataclasses.replace(space, offloads=("auto",))
     store = BlockStore(store_path, verify="none")
     profile = profile_for(store, device, dtype, batch_size, seq_len, profile_dir)
-    work = cm.Workload(batch_size, seq_len, dtype_name(parse_dtype(dtype)), store.manifest["dtype"], store_quant(store))
+    work = cm.Workload(batch_size, seq_len, dtypes.lookup(dtype).torch_name, store.manifest["dtype"], store_quant(store))
     best, _, shape = plan(profile, store.cfg, work, space)
     log.info("the tuner's plan:\n%s", cm.describe_plan(best, shape, profile, store.path.name))
     return best
@@ -602,4 +598,4 @@ def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, work: cm.Wo
 
 
 def pred_shape(cfg, store_dtype: str, dtype: str, seq_len: int, quant: str | None = None) -> cm.Shape:
-    return cm.shape_of(cfg, dtype_name(parse_dtype(store_dtype)), dtype_name(parse_dtype(dtype)), seq_len, quant)
+    return cm.shape_of(cfg, store_dtype, dtype, seq_len, quant)

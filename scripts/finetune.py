@@ -19,8 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import phantom  # noqa: E402
 import torch  # noqa: E402
-from phantom import chat, cli, data, fileio, preference, runcard, runfile, trackers, tune  # noqa: E402
-from phantom import provenance  # noqa: E402
+from phantom import chat, cli, data, fileio, preference, runcard, runfile, runfolder, trackers, tune  # noqa: E402
+from phantom import provenance, showdata  # noqa: E402
+from phantom import costmodel as cm  # noqa: E402
 from phantom import placement as P  # noqa: E402
 from phantom.convert import ensure_tiny, write_synthetic  # noqa: E402
 from phantom.dist import init_from_env  # noqa: E402
@@ -46,10 +47,10 @@ SECTIONS = {
     "placement": ("prefetch", "compile"),
     "lora": (),
     "data": ("data", "val-data", "val-split", "data-dtype", "data-split", "columns", "chat-template", "train-on",
-             "show-data", "seq-len", "batch-size", "grad-accum", "sequential", "workers"),
+             "show-data", "show-data-ids", "seq-len", "batch-size", "grad-accum", "sequential", "workers"),
     "optim": ("iters", "lr", "min-lr", "warmup", "weight-decay", "grad-clip", "seed", "loss-type", "beta",
               "label-smoothing", "reference"),
-    "output": ("out", "resume", "eval-every", "eval-iters", "save-every", "sample-every", "prompt", "trace",
+    "output": ("out", "resume", "overwrite", "eval-every", "eval-iters", "save-every", "sample-every", "prompt", "trace",
                "report-to", "quiet"),
 }
 RUN_FILE_HELP = """
@@ -125,7 +126,8 @@ def parser() -> argparse.ArgumentParser:
     a("--train-on", default="all", choices=chat.TRAIN_ON, help="what carries loss in a chat: all assistant turns, the "
       "last one, or prompt-too (every token) (default: all)")
     a("--show-data", type=int, default=0, metavar="N", help="print the first N training rows as the model sees them "
-      "(loss spans in [[ ]], packed examples on their own lines) and exit")
+      "(every token, special tokens by their text; loss spans in [[ ]], packed examples on their own lines) and exit")
+    a("--show-data-ids", action="store_true", help="with --show-data: each token's id beside it, in ⟨ ⟩")
     a("--iters", type=int, default=D.iters, help=f"optimizer steps (default: {D.iters})")
     a("--batch-size", type=int, default=D.batch_size, help=f"rows per micro-batch (default: {D.batch_size})")
     a("--grad-accum", type=int, default=D.grad_accum, help="micro-batches per step, layer-major (default: 1)")
@@ -146,6 +148,8 @@ def parser() -> argparse.ArgumentParser:
     a("--workers", type=int, default=D.workers, help="DataLoader worker processes")
     a("--out", default=D.out, help=f"output folder (default: {D.out})")
     a("--resume", action="store_true", help="continue from --out/checkpoint")
+    a("--overwrite", action="store_true", help="start a new run in --out although another phantom run's files are "
+                                               "there (only the files phantom writes are replaced)")
     a("--seed", type=int, default=D.seed, help="seed of the LoRA init, batch order and dropout")
     a("--trace", action="store_true", help="write --out/trace.json (Chrome trace of the scheduler)")
     a("--report-to", default="none", metavar="TRACKERS", help="comma-separated experiment trackers fed the "
@@ -267,15 +271,14 @@ def run(argv=None) -> int:
     check_seq_len(cfg, store.cfg)
     if args.show_data:
         tok, _, train_data, _ = load_data(args, path, store)
-        print(data.show_rows(data.rows(train_data, cfg.seq_len, tok.eos_id if tok else 0, segments=True),
-                             tok, args.show_data))
+        print(showdata.show_rows(data.rows(train_data, cfg.seq_len, tok.pad_or_eos if tok else 0, segments=True),
+                                 tok, args.show_data, ids=args.show_data_ids))
         return 0
     if args.lr is None:
         cfg = dataclasses.replace(cfg, lr=DEFAULT_LR[args.mode, store.cfg.n_params() < SMALL_MODEL])
     out = Path(args.out)
-    lock = fileio.locked(out / ".lock", wait=False, what=f"{out} is in use by another finetune run; wait for it to "
-                         f"end or choose another --out") if ddp.is_main else contextlib.nullcontext()
-    with lock:
+    claim = runfolder.claimed(out, args.resume, args.overwrite, args.mode) if ddp.is_main else contextlib.nullcontext()
+    with claim:  # checked, locked and marked as this run's before anything is written there
         first = 1  # the first step this run trains (for the trackers)
         if args.resume:  # compile and recompute as the checkpoint recorded them, unless a flag says otherwise
             activations, first = resume_point(out, activations, vars(args))  # before a killed run's store opens
@@ -285,7 +288,7 @@ def run(argv=None) -> int:
         best = None  # the tuner's prediction, where it chose the placement
         if prefetch == "auto" and placement.offload != "none":
             best, placement = tuned(args, path, device, dtype, placement)
-            cfg = dataclasses.replace(cfg, check_step=functools.partial(tune.check_prediction, best))
+            cfg = dataclasses.replace(cfg, check_step=functools.partial(cm.check_prediction, best))
         try:
             with trackers.Reporter(report_to if ddp.is_main else (), out, settings, out.resolve().name,
                                    first) as reporter:
@@ -299,7 +302,7 @@ def run(argv=None) -> int:
     if ddp.is_main:
         print_summary(s)
         if best is not None and s["median_step_s"] is not None:  # the tuner's plan was logged at the start
-            print(tune.describe_measured(best, s["median_step_s"]))
+            print(cm.describe_measured(best, s["median_step_s"]))
     return {"done": 0, "interrupted": 0}.get(s["status"], 1)
 
 
@@ -343,7 +346,7 @@ def write_run_file(args, store: BlockStore, out: Path, **resolved) -> dict:
     phantom and torch versions and the store's fingerprint, so `--config OUT/config.yaml` repeats the run.
     Returns all of it as one flat mapping (the config the trackers are given)."""
     p = parser()
-    flat = runfile.settings(p, args, **resolved, resume=False)  # a run file starts a run; --resume continues one
+    flat = runfile.settings(p, args, **resolved, resume=False, overwrite=False)  # a run file starts a run
     record = {"phantom": phantom.__version__, "torch": torch.__version__, "store": str(store.path),
               "store-fingerprint": store_fingerprint(store)}
     for key, was in runfile.recorded(args.config).items():

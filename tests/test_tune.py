@@ -151,11 +151,11 @@ def test_check_prediction_speaks_only_beyond_20_percent():
     p = cm.predict(cm.MachineProfile(machine="t", device="cpu", fwd_flops=1e7), shape, cm.Placement(),
                    cm.Activations(), 4)
     assert p.step_s > 0.1
-    assert tune.check_prediction(p, p.step_s * 1.15) is None and tune.check_prediction(p, p.step_s * 0.85) is None
-    assert "+30%" in tune.check_prediction(p, p.step_s * 1.3)
-    assert "-40%" in tune.check_prediction(p, p.step_s * 0.6)
+    assert cm.check_prediction(p, p.step_s * 1.15) is None and cm.check_prediction(p, p.step_s * 0.85) is None
+    assert "+30%" in cm.check_prediction(p, p.step_s * 1.3)
+    assert "-40%" in cm.check_prediction(p, p.step_s * 0.6)
     short = dataclasses.replace(p, step_s=0.008)
-    assert tune.check_prediction(short, 0.05) is None  # both are Python-overhead-sized
+    assert cm.check_prediction(short, 0.05) is None  # both are Python-overhead-sized
     assert "+" in cm.describe_measured(p, p.step_s * 1.1)
 
 

@@ -2,6 +2,11 @@
 (a folder replaced whole through phantom.fileio, RNG states included, so a resumed run ends where an
 uninterrupted one would), the disk space a run will need, the one line for a failed read or write,
 and full finetuning's working folder (the store copy and optimizer state a run rewrites).
+
+A checkpoint is sealed (phantom.seal): its files' sha256 and the run's id (phantom.runfolder's marker)
+in checkpoint/manifest.json, written last. --resume checks the seal before reading anything else, so a
+file copied in from another run, a damaged one, or another run's checkpoint is refused naming it; a
+checkpoint without a seal (an older phantom's) is refused with a line saying to start again.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from phantom import fileio
+from phantom import fileio, runfolder, seal
 from phantom.store import link_tree
 from phantom.tensorfile import write_safetensors
 
@@ -90,6 +95,7 @@ def resume_point(out: Path, activations, flags: dict):
     ckpt = find_checkpoint(Path(out))
     if ckpt is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {Path(out) / CHECKPOINT}; run without --resume to start")
+    check_sealed(ckpt, Path(out))
     recorded = checkpoint_activations(out)
     activations = dataclasses.replace(activations, **{k: recorded[k] for k in ACTIVATION_KEYS
                                                       if k in recorded and flags.get(k) is None})
@@ -127,6 +133,7 @@ def save_checkpoint(out: Path, model, opt, sched, step: int, identity: dict, ext
     try:  # a crash between the swap's two renames leaves checkpoint.old, which find_checkpoint takes
         with fileio.replacing_folder(final, tmp, crash_point="checkpoint.rename"):
             _write_checkpoint(tmp, model, opt, sched, step, identity, extra)
+            seal.write_seal(tmp, runfolder.run_id(out), step=step)  # last: lists every file above
     except OSError as e:  # disk full: the previous checkpoint stays; no half-written folder is left
         raise e if e.filename else OSError(e.errno, e.strerror, str(tmp)) from None
     return final
@@ -174,6 +181,9 @@ def prepare_work_dir(out: Path, work_dir: Path, restore: bool, base: Path) -> No
     if restore:
         restore_full_snapshot(Path(out), work_dir)
     elif (work_dir / "store").exists():
+        if not runfolder.made_work_folders(out):
+            raise runfolder.RunFolderError(f"{work_dir / 'store'} was not written by a full finetune run of phantom; "
+                                           f"move it away or choose another --out")
         log.warning("%s holds a previous run's weights; starting again from %s", work_dir / "store", base)
         for sub in ("store", "optim"):
             shutil.rmtree(work_dir / sub, ignore_errors=True)
@@ -212,6 +222,38 @@ def io_error_line(e: OSError, out: Path, store: Path | None = None) -> str | Non
     return f"{line}; the last checkpoint (step {step}) is intact: {fix} and rerun with --resume"
 
 
+def check_sealed(ckpt: Path, out: Path) -> None:
+    """The checkpoint is the one this run wrote, file for file (seal.SealError, one line, otherwise)."""
+    try:
+        seal.check_seal(ckpt, runfolder.run_id(out))
+    except seal.SealError as e:
+        raise seal.SealError(f"--resume: {e}") from None
+
+
+def read_state(path: Path) -> dict:
+    """state.pt, tensors and plain values only (weights_only): anything else is one line naming it."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:  # truncated, not a torch file, or a pickle of other objects  # noqa: BLE001
+        raise seal.SealError(f"--resume: {path} is not a checkpoint state phantom wrote ({type(e).__name__}); "
+                             f"start the run again in a new --out") from None
+    if not isinstance(state, dict) or not {"step", "optimizer", "scheduler", "rng"} <= state.keys():
+        raise seal.SealError(f"--resume: {path} is not a checkpoint state phantom wrote (its keys differ)")
+    return state
+
+
+def check_optimizer_shapes(opt) -> None:
+    """Each parameter's optimizer state has its shape (load_state_dict takes any: a moment of another
+    LoRA rank would fail only at the next step)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, v in opt.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape != p.shape:
+                    raise ValueError(f"its {key} has shape {tuple(v.shape)} for a parameter of {tuple(p.shape)}")
+
+
 def load_checkpoint(path: Path, model, opt, sched, identity: dict) -> dict:
     """Restore weights, optimizer, schedule and RNGs from `path`; returns its state (step, extra)."""
     meta = json.loads((path / "meta.json").read_text())
@@ -229,17 +271,26 @@ def load_checkpoint(path: Path, model, opt, sched, identity: dict) -> dict:
                 if k in (meta.get("activations") or {}) and meta["activations"][k] != v]
     if changed:
         log.warning("resuming with changed settings %s: the run will differ from one that never stopped", changed)
-    tensors = load_file(str(path / "trainable.safetensors"))
+    try:
+        tensors = load_file(str(path / "trainable.safetensors"))
+    except OSError:
+        raise
+    except Exception as e:  # safetensors' own error for a damaged file  # noqa: BLE001
+        raise seal.SealError(f"--resume: {path / 'trainable.safetensors'} is damaged ({e})") from None
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if set(tensors) != set(params):
-        raise ValueError(f"--resume: {path} holds other trainable tensors than the model")
+    if set(tensors) != set(params) or any(tensors[n].shape != p.shape for n, p in params.items()):
+        raise ValueError(f"--resume: {path / 'trainable.safetensors'} holds other trainable tensors than the model")
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(tensors[n])
-    state = torch.load(path / "state.pt", weights_only=True)
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    set_rng_states(state["rng"])
+    state = read_state(path / "state.pt")
+    try:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_states(state["rng"])
+        check_optimizer_shapes(opt)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise seal.SealError(f"--resume: {path / 'state.pt'} does not fit this run's optimizer ({e})") from None
     return state
 
 
@@ -291,6 +342,7 @@ def restore(out: Path, model, opt, sched, identity: dict, resume: bool) -> tuple
     ckpt = find_checkpoint(out)
     if ckpt is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {out / CHECKPOINT}; run without --resume to start")
+    check_sealed(ckpt, out)
     state = load_checkpoint(ckpt, model, opt, sched, identity)
     log.info("resumed from %s at step %d", ckpt, state["step"])
     return state["step"], state["extra"].get("best_val", float("inf"))

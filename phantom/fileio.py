@@ -8,6 +8,11 @@ on the next read: `RecordLog`). A folder is built whole under a temporary name a
 (`replacing_folder`); a crash between its two renames leaves NAME.old, which `current_folder` finds.
 A reader sees the old or the new version, never a mix. Also: an advisory lock for things made once
 per machine or per folder.
+
+Nothing is written through a link: temporary files are created exclusively (O_EXCL | O_NOFOLLOW; a
+fixed temporary name a killed run left is unlinked first), and a file to be replaced, a lock or a log
+that is a symbolic link is refused (LinkError) naming it, since writing there would change a file
+outside the folder given (a planted `.lock -> ../file`).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -32,6 +38,42 @@ log = logging.getLogger(__name__)
 USER_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EROFS: "read-only file system", errno.EIO: "I/O error", errno.EACCES: "permission denied",
                errno.EPERM: "operation not permitted"}
+
+class LinkError(ValueError):
+    """A file phantom would write is a symbolic link (or a hard link, for files written in place)."""
+
+
+def refuse_link(path: Path | str) -> None:
+    """LinkError if path is a symbolic link: phantom writes only files it creates."""
+    if os.path.islink(path):
+        raise LinkError(f"{path} is a symbolic link: phantom writes only files it creates, never through a link; "
+                        f"remove it or choose another folder")
+
+
+def create_exclusive(path: Path | str) -> int:
+    """A new file at path, open for writing: fails if anything (a link included) is there already."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise _named(e, Path(path)) from None
+
+
+def open_own(path: Path | str, flags: int) -> int:
+    """Open (or create) a file phantom writes in place (a lock, an append-only log): never through a
+    symbolic link, and refused where it is not a regular file of its own (a hard link to another file)."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_link(path)
+        raise _named(e, Path(path)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        raise LinkError(f"{path} is not a file of its own ({'a hard link' if st.st_nlink > 1 else 'not a regular file'}"
+                        f"): phantom writes only files it creates; remove it or choose another folder")
+    return fd
+
 
 def _named(e: OSError, path: Path) -> OSError:
     """The error with the file it concerns (a failed write() carries no file name)."""
@@ -60,8 +102,9 @@ def atomic_write(path: Path | str, data: bytes | Callable) -> Path:
         OSError: with the file name set (disk full, quota, permissions); nothing is left behind.
     """
     path = Path(path)
+    refuse_link(path)
     fd, tmp = -1, None
-    try:
+    try:  # mkstemp: a random name, created O_EXCL | O_NOFOLLOW
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             faults.io_point(path)
@@ -90,10 +133,15 @@ def replacing(path: Path | str):
 
     The temporary name is fixed (.NAME.tmp): a file has one writer at a time (the store's rewrites,
     the optimizer's state, the adapter), and what a killed run left there is overwritten by the next
-    write of that file instead of staying behind under a name nothing will use again."""
+    write of that file instead of staying behind under a name nothing will use again: it is unlinked
+    (a link planted there goes, never followed) and the temporary file created exclusively."""
     path = Path(path)
+    refuse_link(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
+        if os.path.islink(tmp) or os.path.isfile(tmp):
+            os.unlink(tmp)
+        os.close(create_exclusive(tmp))
         yield Path(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -179,6 +227,8 @@ def replacing_folder(path: Path | str, tmp: Path | str | None = None, crash_poin
         tmp = temp_folder(path)
     else:
         tmp = Path(tmp)
+        if tmp.is_symlink():  # planted: unlinked, never followed (rmtree refuses links)
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     try:
@@ -211,10 +261,7 @@ class RecordLog:
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
-        try:
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise _named(e, self.path) from None
+        self.fd = open_own(self.path, os.O_WRONLY | os.O_APPEND)
 
     def append(self, line: str) -> None:
         raw = line.encode() if line.endswith("\n") else (line + "\n").encode()
@@ -305,7 +352,7 @@ def locked(path: Path | str, wait: bool = True, what: str = ""):
     if not local.acquire(blocking=wait):
         raise ValueError(what or f"{path} is locked by another run")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_own(path, os.O_RDWR)
         try:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from phantom import faults, fileio, quant
+from phantom import faults, fileio, quant, runfolder
 from phantom.checksum import Checksums, crc32_chunks, crc32_impl
 from phantom.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
 from phantom.directio import readinto_exact
@@ -70,6 +70,7 @@ class StoreWriter:
                              f"not {dtype_name(dtype)}")
         if self.out.exists() and not overwrite:
             raise FileExistsError(f"{self.out} already exists; remove it or choose another --out")
+        runfolder.check_replaceable(self.out, "store")  # overwrite: only a store phantom wrote goes
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = fileio.temp_folder(self.out)
         (self.tmp / "blocks").mkdir()

@@ -33,10 +33,11 @@ COMMON = ["--iters", "8", "--save-every", "2", "--batch-size", "2", "--seq-len",
 LORA = [*COMMON, "--eval-every", "4", "--eval-iters", "1"]
 FULL = [*COMMON, "--mode", "full", "--offload", "disk", "--lr", "1e-3", "--eval-every", "0", "--val-split", "0"]
 
-# Counts on the tiny model (4 blocks; 8 steps, a checkpoint every 2). The run writes config.yaml and then
-# metrics.jsonl whole at its start (file.write 1 and 2); a LoRA checkpoint writes 5 files (adapter
-# weights + config, trainable.safetensors, state.pt, meta.json), so file.write 8..12 are the second
-# checkpoint's and 23 is the final adapter, written after the last checkpoint.
+# Counts on the tiny model (4 blocks; 8 steps, a checkpoint every 2). The run writes its marker
+# (phantom-run.json), config.yaml and metrics.jsonl whole at its start (file.write 1 to 3); a LoRA
+# checkpoint writes 6 files (adapter weights + config, trainable.safetensors, state.pt, meta.json and
+# last the seal, manifest.json), so file.write 10..15 are the second checkpoint's and 28 is the final
+# adapter, written after the last checkpoint.
 LORA_POINTS = [
     "optimizer.step:3",  # mid-run, weights updated in memory only
     "optimizer.step:8",  # the last step, before its checkpoint
@@ -44,11 +45,12 @@ LORA_POINTS = [
     "prefetch.load:13",  # the prefetch thread, in step 3
     "checkpoint.rename:2",  # between the two renames: only checkpoint.old exists
     "checkpoint.rename:4",  # the same for the last checkpoint
-    "file.write:9",  # adapter_config.json of checkpoint 2, written, not renamed
-    "file.write:10",  # trainable.safetensors with its header and no data
-    "file.write:11",  # state.pt written, not renamed
-    "file.write:12",  # meta.json, the last file before the renames
-    "file.write:23",  # the final adapter, after the last checkpoint
+    "file.write:11",  # adapter_config.json of checkpoint 2, written, not renamed
+    "file.write:12",  # trainable.safetensors with its header and no data
+    "file.write:13",  # state.pt written, not renamed
+    "file.write:14",  # meta.json
+    "file.write:15",  # the seal (manifest.json), the last file before the renames
+    "file.write:28",  # the final adapter, after the last checkpoint
 ]
 FULL_POINTS = [
     "writeback.item:14",  # the write-back worker, about to update a block (step 4)

@@ -60,7 +60,7 @@ def compile_template(source: str):
         def _mark(self, caller):
             text = caller()
             if self.spans is not None:
-                start = sum(map(len, self.blocks))
+                start = self.blocks.length
                 self.spans.append((start, start + len(text)))
             return text
 
@@ -119,7 +119,7 @@ class ChatTemplate:
         """
         import jinja2
         compiled = compile_template(self.source)
-        blocks, spans = [], []
+        blocks, spans = _Blocks(), []
         try:
             with compiled.environment.track_generation(blocks, spans):
                 for block in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -130,6 +130,16 @@ class ChatTemplate:
         except (TypeError, KeyError, AttributeError, IndexError, ValueError) as e:
             raise ValueError(f"the chat template failed on it ({type(e).__name__}: {e})") from None
         return "".join(blocks), spans
+
+
+class _Blocks(list):
+    """The rendered pieces so far and their total length (a {% generation %} block's start, in O(1))."""
+
+    length = 0
+
+    def append(self, piece: str) -> None:
+        super().append(piece)
+        self.length += len(piece)
 
 
 def _token_text(value) -> str | None:
@@ -194,6 +204,7 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a list of {\"role\", \"content\"} objects")
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers drops them
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"a message needs a role and a string content, got {sorted(m)}")
@@ -221,52 +232,77 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
 
 # -- a conversation to ids and labels ---------------------------------------------------------------
 
-def assistant_spans(template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of the assistant's turns.
+def assistant_spans(template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]], bool]:
+    """The rendered conversation, the character spans of what the assistant says, and whether those
+    spans are the template's own {% generation %} blocks (which then decide what is trained).
 
-    With {% generation %} markers the spans are theirs (as transformers' return_assistant_tokens_mask);
-    else each assistant turn i spans from the end of messages[:i] rendered with the generation prompt
-    to the end of messages[:i+1] (its content and end of turn), where each agrees with the whole.
+    Without generation blocks the conversation is rendered once more with each assistant content
+    replaced by a unique marker; the text between the markers must then equal the real rendering
+    around each content (as written, or with the whitespace the template trims), which gives each
+    content's span exactly, whatever the template does with the other turns.
+
+    Raises:
+        ValueError: the template refused the conversation, or renders it so that the assistant's
+            words cannot be located exactly (it rewrites them, or its text depends on them).
     """
     text, spans = template.render(messages)
     if template.has_generation:
-        return text, spans
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] == "assistant":
-            before = template.render(messages[:i], add_generation_prompt=True)[0]
-            through = template.render(messages[:i + 1])[0]
-            start, end = common_prefix(before, text), common_prefix(through, text)
-            if end > start:
-                spans.append((start, end))
-    return text, spans
+        return text, spans, True
+    nonce = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    marks = {k: f"PHANTOM{nonce}M{k}E" for k, m in enumerate(messages) if m["role"] == "assistant"}
+    marked = template.render([{**m, "content": marks[k]} if k in marks else m for k, m in enumerate(messages)])[0]
+    found = list(re.finditer(f"PHANTOM{nonce}M(\\d+)E", marked))
+    literals = [marked[a.end() if a else 0:b.start() if b else len(marked)]
+                for a, b in zip([None, *found], [*found, None])]
+    if not text.startswith(literals[0]):
+        raise _unmapped(template, "the text before the first answer differs")
+    at, spans = len(literals[0]), []
+    for mark, after in zip(found, literals[1:]):
+        content = messages[int(mark.group(1))]["content"]
+        for shown in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+            if text.startswith(shown + after, at):
+                spans.append((at, at + len(shown)))
+                at += len(shown) + len(after)
+                break
+        else:
+            raise _unmapped(template, f"message {int(mark.group(1))}'s words do not appear as written")
+    if at != len(text):
+        raise _unmapped(template, "the rendering differs after the last answer")
+    return text, spans, False
 
 
-def common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = next((k for k in range(n) if a[k] != b[k]), n)
-    return i
+def _unmapped(template: ChatTemplate, why: str) -> ValueError:
+    return ValueError(f"the chat template {template.origin} cannot be mapped exactly ({why}); phantom does not "
+                      f"guess which tokens to train: add {{% generation %}} markers around the assistant's turns "
+                      f"(--chat-template FILE)")
+
+
+def with_end_of_turn(tok: Tokenizer, template: ChatTemplate, text: str, ids: list[int],
+                     offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each span carried through the template's end-of-turn token where one follows the content (past
+    whitespace only): EOS, a generation stop id, or the special token the template writes after an
+    answer. Not the newline or the next turn's header after it."""
+    ends, starts, out = end_of_turn_ids(tok, template), [s for s, _ in offsets], []
+    for a, b in spans:
+        k = bisect.bisect_left(starts, b)
+        while k < len(ids) and ids[k] not in ends and not tok.is_special(ids[k]) \
+                and not text[offsets[k][0]:offsets[k][1]].strip():
+            k += 1
+        out.append((a, max(b, offsets[k][1]) if k < len(ids) and ids[k] in ends else b))
+    return out
 
 
 def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
-    """Tokens covering the spans, as transformers maps generation indices with char_to_token."""
-    starts = [s for s, _ in offsets]
-    mask = [False] * len(offsets)
-
-    def char_to_token(c: int) -> int | None:
-        k = bisect.bisect_right(starts, c) - 1
-        while k >= 0 and offsets[k][0] <= c:
-            if c < offsets[k][1]:
-                return k
-            k -= 1
-        return None
-
-    for a, b in spans:
-        first, last = char_to_token(a), char_to_token(b - 1)
-        if first is None:
+    """Tokens any of whose characters lies in a span, as transformers' return_assistant_tokens_mask marks
+    them (char_to_token over the span). One pass: offsets and spans both run left to right."""
+    spans = sorted((a, b) for a, b in spans if b > a)
+    mask, j = [False] * len(offsets), 0
+    for t, (s, e) in enumerate(offsets):
+        while j < len(spans) and spans[j][1] <= s:
+            j += 1
+        if j == len(spans):
             break
-        for t in range(first, last + 1 if last else len(mask)):
-            mask[t] = True
+        mask[t] = e > s and spans[j][0] < e
     return mask
 
 
@@ -274,20 +310,24 @@ def encode_chat(tok: Tokenizer, template: ChatTemplate, messages: list[dict], tr
                 ) -> tuple[list[int], list[int]]:
     """Token ids and labels (-100 where nothing is trained) of one conversation through its template.
 
+    Trained: each assistant content and the end-of-turn token after it (see with_end_of_turn), or what
+    the template's {% generation %} blocks enclose; a token is trained when any of its characters is.
     train_on: "all" assistant turns, the "last" one, or "prompt-too" (every token).
 
     Raises:
-        ValueError: no assistant turn, or the template refused the conversation.
+        ValueError: no assistant turn, or the template refused the conversation or cannot be mapped.
     """
     if train_on not in TRAIN_ON:
         raise ValueError(f"--train-on must be one of {', '.join(TRAIN_ON)}, not {train_on!r}")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("a chat needs at least one assistant message to train on")
-    text, spans = assistant_spans(template, messages)
+    text, spans, marked = assistant_spans(template, messages)
     ids, offsets = tok.encode_rendered(text)
     if train_on == "prompt-too":
         trained = [True] * len(ids)
     else:
+        if not marked:
+            spans = with_end_of_turn(tok, template, text, ids, offsets, spans)
         trained = token_mask(offsets, spans[-1:] if train_on == "last" else spans)
     labels = [i if t else IGNORE_INDEX for i, t in zip(ids, trained)]
     if labels:
@@ -301,13 +341,25 @@ def prompt_ids(tok: Tokenizer, template: ChatTemplate, prompt: str, system: str 
     return tok.encode_rendered(template.render(messages, add_generation_prompt=True)[0])[0]
 
 
+_END_OF_TURN: dict[tuple, frozenset] = {}
+
+
 def end_of_turn_ids(tok: Tokenizer, template: ChatTemplate) -> set[int]:
-    """The token the template writes after an assistant's words (its end of turn), and EOS."""
-    probe = "Fine."
-    text, _ = template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}])
-    at = text.rfind(probe) + len(probe)
-    ids, offsets = tok.encode_rendered(text)
-    after = [i for i, (s, _) in zip(ids, offsets) if s >= at]
-    eos = template.special.get("eos_token")
-    eos_ids = tok.encode_rendered(eos)[0] if eos else [tok.eos_id]
-    return {*after[:1], *eos_ids[:1]}
+    """The ids that end an assistant's turn: the special token the template writes right after an
+    answer (in a conversation that goes on after it), EOS and the generation stop ids."""
+    key = (tok.fingerprint, template.fingerprint)
+    if key not in _END_OF_TURN:
+        probe, after = "Fine.", []
+        for tail in ([{"role": "user", "content": "Thanks"}], []):
+            try:
+                text, _ = template.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe},
+                                           *tail])
+            except ValueError:
+                continue
+            at = text.rfind(probe) + len(probe)
+            ids, offsets = tok.encode_rendered(text)
+            after = [i for i, (s, _) in zip(ids, offsets) if s >= at][:1]
+            break
+        _END_OF_TURN[key] = frozenset([i for i in after if tok.is_special(i)] + tok.stop_ids +
+                                      ([tok.eos_id] if tok.eos_id is not None else []))
+    return set(_END_OF_TURN[key])

@@ -87,6 +87,17 @@ class ModelConfig:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
     local_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma-3); None: shared
     rotary_dim: int | None = None  # the leading dims of each q/k head RoPE turns (Phi-4-mini's 3/4); None: all
+    qk_norm_over: str = "head"  # q/k norms over each head ("head": Qwen3) or the whole projection (OLMoE)
+    # mixture of experts (phantom.moe): every block's MLP is n_experts experts of width expert_dim, each
+    # token run through the experts_per_token its router ranks first, their outputs weighted by the
+    # router's softmax (renormalised over those chosen with norm_topk_prob); shared_expert_dim: one more
+    # expert every token runs, scaled by sigmoid of its own gate (Qwen2-MoE). 0 experts: a dense MLP.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_dim: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_dim: int = 0
+    router_aux_coef: float = 0.0  # the router's load-balancing loss weight in full finetuning
 
     def __post_init__(self):
         if self.explicit_head_dim is None and self.dim % self.n_heads:
@@ -105,6 +116,11 @@ class ModelConfig:
                                  f"got {list(self.layer_types)}")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a sliding_window")
+        if self.qk_norm_over not in ("head", "projection"):
+            raise ValueError(f"qk_norm_over must be head or projection, not {self.qk_norm_over!r}")
+        if self.n_experts and not (0 < self.experts_per_token <= self.n_experts and self.expert_dim > 0):
+            raise ValueError(f"a mixture of {self.n_experts} experts needs 0 < experts_per_token "
+                             f"({self.experts_per_token}) <= n_experts and expert_dim > 0 ({self.expert_dim})")
 
     def window(self, layer: int) -> int | None:
         """How many keys (itself included) a query of this layer sees; None: all before it."""
@@ -246,6 +262,25 @@ PRESETS: dict[str, ModelConfig] = {
     "phi3-mini-4k": ModelConfig(dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32064,
                                 intermediate_size=8192, norm_eps=1e-5, max_seq_len=4096, family="phi3",
                                 sliding_window=2047),
+    # Mixtures of experts: Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B (128 experts, 8 per token, head_dim 128),
+    # mistralai/Mixtral-8x7B-v0.1 (8 experts, 2 per token), allenai/OLMoE-1B-7B-0924 (64 experts, 8 per
+    # token, q/k norms over the whole projection)
+    "qwen3-30B-A3B": ModelConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
+                                 intermediate_size=6144, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                                 family="qwen3_moe", qk_norm=True, explicit_head_dim=128, n_experts=128,
+                                 experts_per_token=8, expert_dim=768, norm_topk_prob=True, router_aux_coef=0.001),
+    "qwen3-235B-A22B": ModelConfig(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, vocab_size=151936,
+                                   intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                                   family="qwen3_moe", qk_norm=True, explicit_head_dim=128, n_experts=128,
+                                   experts_per_token=8, expert_dim=1536, norm_topk_prob=True, router_aux_coef=0.001),
+    "mixtral-8x7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                                intermediate_size=14336, rope_theta=1e6, max_seq_len=32768, family="mixtral",
+                                n_experts=8, experts_per_token=2, expert_dim=14336, norm_topk_prob=True,
+                                router_aux_coef=0.02),
+    "olmoe-1B-7B": ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=50304,
+                               intermediate_size=1024, max_seq_len=4096, family="olmoe", qk_norm=True,
+                               qk_norm_over="projection", n_experts=64, experts_per_token=8, expert_dim=1024,
+                               router_aux_coef=0.01),
 }
 
 
@@ -295,10 +330,34 @@ def block_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.mlp_bias:
         shapes.update({"feed_forward.w1.bias": (cfg.hidden_dim,), "feed_forward.w2.bias": (cfg.dim,),
                        "feed_forward.w3.bias": (cfg.hidden_dim,)})
+    if cfg.n_experts:
+        for name in ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight"):
+            del shapes[name]
+        shapes.update(moe_tensor_shapes(cfg))
     if cfg.qk_norm:
-        shapes.update({"attention.q_norm.weight": (cfg.head_dim,), "attention.k_norm.weight": (cfg.head_dim,)})
+        per_head = cfg.qk_norm_over == "head"
+        shapes.update({"attention.q_norm.weight": (cfg.head_dim if per_head else cfg.q_dim,),
+                       "attention.k_norm.weight": (cfg.head_dim if per_head else kv,)})
     if cfg.post_norms:
         shapes.update({"attention_post_norm.weight": (cfg.dim,), "ffn_post_norm.weight": (cfg.dim,)})
+    return shapes
+
+
+def expert_shapes(dim: int, width: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One gated MLP's weights (gate w1, down w2, up w3) under prefix, no biases."""
+    return {f"{prefix}.w1.weight": (width, dim), f"{prefix}.w2.weight": (dim, width),
+            f"{prefix}.w3.weight": (width, dim)}
+
+
+def moe_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts MLP's tensors: the router, each expert (its three weights named alike, so they
+    lie back to back in the file: tensorfile.tensor_order sorts by name), the shared expert and its gate."""
+    shapes = {"feed_forward.gate.weight": (cfg.n_experts, cfg.dim)}
+    for e in range(cfg.n_experts):
+        shapes.update(expert_shapes(cfg.dim, cfg.expert_dim, f"feed_forward.experts.{e}"))
+    if cfg.shared_expert_dim:
+        shapes.update(expert_shapes(cfg.dim, cfg.shared_expert_dim, "feed_forward.shared_expert"))
+        shapes["feed_forward.shared_expert_gate.weight"] = (1, cfg.dim)
     return shapes
 
 
@@ -307,10 +366,13 @@ def rope_rows(cfg: ModelConfig) -> dict[str, int]:
 
     Phantom keeps Meta's interleaved pairs; Hugging Face checkpoints hold half-split pairs, so the
     converter, the exporter and the adapter writer permute these rows (the leading cfg.rope_dim of
-    each head; a per-head norm's weight is one head's row order)."""
+    each head; a per-head norm's weight is one head's row order, a whole-projection norm's (OLMoE) is
+    the projection's)."""
+    per_head = cfg.qk_norm_over == "head"
     return {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads,
             "attention.wq.bias": cfg.n_heads, "attention.wk.bias": cfg.kv_heads,
-            "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}
+            "attention.q_norm.weight": 1 if per_head else cfg.n_heads,
+            "attention.k_norm.weight": 1 if per_head else cfg.kv_heads}
 
 
 # Projections that read the same input, run as one matmul (as gpt-fast does) when their weights lie

@@ -238,7 +238,8 @@ class Family:
     family-specific fields that do not change the maths, with why; fused: a checkpoint tensor that
     holds several of phantom's, stacked by rows in this order (Phi-3's qkv_proj: q, k, v). The
     store keeps them apart (and back to back, so a block still runs them as one matmul); a LoRA on
-    the fused module is one A shared by its parts (phantom.lora).
+    the fused module is one A shared by its parts (phantom.lora). moe: a mixture of experts' names
+    and config fields (MoeKeys); None for a dense family.
     """
 
     name: str
@@ -250,6 +251,7 @@ class Family:
     defaults: dict = field(default_factory=dict)
     irrelevant: dict[str, str] = field(default_factory=dict)
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    moe: "MoeKeys | None" = None
 
     @property
     def hf_class(self) -> str:
@@ -262,6 +264,25 @@ class Family:
         """(in a block?, store name) -> Hugging Face name (of the fused tensor holding it, where fused)."""
         return {**{("{}" in hf, name): hf for hf, name in self.keys.items()},
                 **{(True, name): hf for hf, names in self.fused.items() for name in names}}
+
+    def layout(self, cfg: ModelConfig, fused_experts: bool = False) -> tuple[dict, dict]:
+        """cfg's checkpoint names: ((in a block?, store name) -> Hugging Face name, fused Hugging Face name ->
+        the store names it stacks by rows). A mixture of experts is one tensor per expert and projection
+        (as the Hub's files and transformers' save_pretrained hold them), or with fused_experts the 3-D
+        tensors of transformers' modules ((experts, 2 * width, dim) gate and up; (experts, dim, width) down),
+        read as their experts' rows stacked, expert after expert."""
+        keys, fused = dict(self.keys), dict(self.fused)
+        if self.moe is not None:
+            m, each = self.moe, range(cfg.n_experts)
+            if fused_experts:
+                keys = {m.fused_renames.get(hf, hf): name for hf, name in keys.items()}
+                fused |= {hf: tuple(p.replace("<e>", str(e)) for e in each for p in parts)
+                          for hf, parts in m.fused.items()}
+            else:
+                keys |= {hf.replace("<e>", str(e)): name.replace("<e>", str(e)) for e in each
+                         for hf, name in m.experts.items()}
+        return ({**{("{}" in hf, name): hf for hf, name in keys.items()},
+                 **{(True, name): hf for hf, names in fused.items() for name in names}}, fused)
 
 
 COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
@@ -316,6 +337,7 @@ FAMILIES["phi3"] = Family(
              "partial_rotary_factor": _read_phi3_rotary},
     defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
               "original_max_position_embeddings": 4096}, fused=PHI3_FUSED)
+
 BIAS_FIELDS = ("attention_bias", "mlp_bias")  # a family without the field has no such biases
 
 
@@ -382,3 +404,6 @@ def from_hf_config(path: Path) -> ModelConfig:
 
 def family(cfg: ModelConfig) -> Family:
     return FAMILIES[cfg.family]
+
+
+import phantom.family_moe  # noqa: E402,F401 (adds the mixture-of-experts families to FAMILIES)

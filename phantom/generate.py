@@ -85,7 +85,8 @@ def _sample_loop(model, prompt, max_new_tokens, temperature, top_k, stop, seed) 
 def generate_text(model: PhantomModel, tokenizer: Tokenizer, prompt: str, **kwargs) -> Iterator[str]:
     """The completion of prompt as text pieces, yielded as they are sampled (kwargs: see generate)."""
     ids = tokenizer.encode(prompt, bos=True)
-    return _pieces(tokenizer, ids, generate(model, list(ids), eos_id=tokenizer.eos_id, **kwargs))
+    stop = set(tokenizer.stop_ids)  # generation_config.json's eos_token_id, else EOS
+    return _pieces(tokenizer, ids, generate(model, list(ids), eos_id=stop, **kwargs), stop)
 
 
 def generate_chat(model: PhantomModel, tokenizer: Tokenizer, template: ChatTemplate, prompt: str,
@@ -99,7 +100,7 @@ def generate_chat(model: PhantomModel, tokenizer: Tokenizer, template: ChatTempl
 
 def _pieces(tokenizer: Tokenizer, ids: list[int], tokens: Iterator[int], stop: set[int] | None = None
             ) -> Iterator[str]:
-    stop = stop or {tokenizer.eos_id}
+    stop = stop if stop is not None else set(tokenizer.stop_ids)
     text = tokenizer.decode(ids)
     for token in tokens:
         if token in stop:

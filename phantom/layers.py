@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from phantom.config import FUSED_PROJECTIONS, ModelConfig
+from phantom.moe import MoeFeedForward
 
 
 class RMSNorm(nn.Module):
@@ -270,9 +271,12 @@ class Attention(nn.Module):
         self.wv = linear(cfg.dim, kv, device, dtype, cfg.qkv_bias)
         self.wo = linear(cfg.q_dim, cfg.dim, device, dtype, cfg.o_bias)
         self.register_parameter("wqkv", None)  # a view over wq, wk, wv when bound adjacent (fuse_adjacent)
-        if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype, cfg.norm_offset)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, device, dtype, cfg.norm_offset)
+        self.norm_heads = cfg.qk_norm_over == "head"  # else q/k norms span the whole projection (OLMoE)
+        if cfg.qk_norm:  # RMSNorm of q and k (per head, or over the projection) before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim if self.norm_heads else cfg.q_dim, cfg.norm_eps, device, dtype,
+                                  cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim if self.norm_heads else kv, cfg.norm_eps, device, dtype,
+                                  cfg.norm_offset)
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
@@ -283,8 +287,12 @@ class Attention(nn.Module):
         q, k, v = project(x, [self.wq, self.wk, self.wv], self.wqkv)
         if self.rope_index is not None:  # (.., 2, D/2, 2): the table of this layer's RoPE base
             rope = rope.select(-3, self.rope_index)
-        q = apply_rope(self.q_norm(q.view(B, T, self.n_heads, self.head_dim)), rope)  # (B, T, H, D)
-        k = apply_rope(self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim)), rope)  # (B, T, KV, D)
+        if not self.norm_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.norm_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)  # (B, T, H, D), (B, T, KV, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         if cache is not None:  # queries at start_pos.. see the cached keys before them
@@ -326,7 +334,8 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg, device, dtype, layer)
         self.attention_post_norm = norm() if cfg.post_norms else nn.Identity()
         self.ffn_norm = norm()
-        self.feed_forward = FeedForward(cfg, device, dtype)
+        self.feed_forward = MoeFeedForward(cfg, ACTIVATIONS[cfg.activation], device, dtype) if cfg.n_experts else \
+            FeedForward(cfg, device, dtype)
         self.ffn_post_norm = norm() if cfg.post_norms else nn.Identity()
         self.checkpoint_inner = False
         self.mlp_chunk = 1024  # tokens per MLP slice under checkpoint_inner

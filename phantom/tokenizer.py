@@ -7,11 +7,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import re
 import struct
 from pathlib import Path
 
 import sentencepiece as spm
+
+from phantom.special_tokens import NAMES, SideFiles, nested_repeat, post_processor_ids, split_patterns
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_TEXT = ASSETS / "tiny.txt"
@@ -36,6 +39,14 @@ def is_tiktoken_file(path: Path) -> bool:
         return False
 
 
+# Meta's tokenizer.py numbers its special tokens after the BPE ranks, in LLAMA3_SPECIAL's order: BOS is the
+# first, EOS the second; its generation stops at EOS, <|eom_id|> (the ninth) and <|eot_id|> (the tenth).
+LLAMA3_BOS, LLAMA3_EOS, LLAMA3_STOPS = 0, 1, (1, 8, 9)
+# transformers' LlamaTokenizer rebuilds the tokenizer.json it reads with no normalizer and a Metaspace
+# pre-tokenizer (tokenization_llama.py); these classes are read that way.
+METASPACE_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast")
+
+
 def llama3_encoding(path: Path, name: str = "llama3"):
     """The tiktoken Encoding of a Llama-3 tokenizer.model (ranks from the file, Llama-3's pattern and specials)."""
     try:
@@ -43,67 +54,147 @@ def llama3_encoding(path: Path, name: str = "llama3"):
         from tiktoken.load import load_tiktoken_bpe
     except ImportError:
         raise ValueError(f"{path} is a tiktoken (Llama-3) tokenizer; pip install tiktoken to use it") from None
-    ranks = load_tiktoken_bpe(str(path))
-    special = {tok: len(ranks) + i for i, tok in enumerate(LLAMA3_SPECIAL)}
-    return tiktoken.Encoding(name=name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+    try:
+        ranks = load_tiktoken_bpe(str(path))
+    except ValueError as e:  # a line that is not `base64 rank` (binascii.Error is one too)
+        raise ValueError(f"{path}: not a tiktoken tokenizer.model ({' '.join(str(e).split())[:200]})") from None
+    if not ranks:
+        raise ValueError(f"{path}: not a tiktoken tokenizer.model (no ranks)")
+    n = max(ranks.values()) + 1
+    special = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL)}
+    try:
+        return tiktoken.Encoding(name=name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a tiktoken tokenizer.model ({e})") from None
 
 
 class Tokenizer:
-    """Encodes text to ids and back, with BOS/EOS as the model was trained with.
+    """Encodes text to ids and back, with the special tokens the model's own files name.
 
     Reads a sentencepiece `tokenizer.model`, a tiktoken (Llama-3) `tokenizer.model` or a Hugging Face
-    `tokenizer.json`; `kind` says which ("sentencepiece", "tiktoken" or "hf").
+    `tokenizer.json`; `kind` says which ("sentencepiece", "tiktoken" or "hf"). BOS, EOS, PAD and UNK come
+    from the tokenizer_config.json (and special_tokens_map.json) beside it, as transformers reads them,
+    else from the tokenizer file itself; the ids put around a text (`prefix`, `suffix`) from tokenizer.json's
+    post-processor; the generation stop ids from generation_config.json's eos_token_id, else EOS. A
+    token the files do not name is None (Qwen has no BOS).
     """
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"tokenizer not found at {self.path}")
+        side = SideFiles.read(self.path.parent)
+        self.prefix: list[int] = []
+        self.suffix: list[int] = []
         if self.path.suffix == ".json":
             self.kind = "hf"
-            self._open_hf()
+            defaults = self._open_hf(side)
         elif is_tiktoken_file(self.path):
             self.kind = "tiktoken"
-            self._tt = llama3_encoding(self.path)
-            self.vocab_size = self._tt.n_vocab
-            self.bos_id, self.eos_id = self._tt.encode_single_token("<|begin_of_text|>"), \
-                self._tt.encode_single_token("<|end_of_text|>")
-            self.bos_token, self.eos_token = "<|begin_of_text|>", "<|end_of_text|>"
+            defaults = self._open_tiktoken()
         else:
             self.kind = "sentencepiece"
-            try:
-                self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
-            except (RuntimeError, OSError) as e:
-                raise ValueError(f"{self.path}: not a sentencepiece, tiktoken or tokenizer.json file ({e})") from None
-            self.vocab_size = self._sp.vocab_size()
-            self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
-            self.bos_token, self.eos_token = self._sp.id_to_piece(self.bos_id), self._sp.id_to_piece(self.eos_id)
-            self.unk_token = self._sp.id_to_piece(self._sp.unk_id())
-        self.fingerprint = hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+            defaults = self._open_sentencepiece(side)
+        for name in NAMES:
+            text = side.token_text(name) if side.has(name) else defaults.get(name)
+            setattr(self, f"{name}_token", text)
+            setattr(self, f"{name}_id", None if text is None else self._id_of(text, name))
+        if self.kind != "hf":  # tokenizer.json's post-processor says what it adds; the others add BOS
+            self.prefix = [self.bos_id] if self.bos_id is not None and side.config.get("add_bos_token", True) else []
+            self.suffix = [self.eos_id] if self.eos_id is not None and side.config.get("add_eos_token") else []
+        stops = side.stop_ids()
+        self.stop_ids: list[int] = stops if stops is not None else (
+            defaults.get("stops") or ([self.eos_id] if self.eos_id is not None else []))
+        self.fingerprint = hashlib.sha256(self.path.read_bytes() + side.raw).hexdigest()[:16]
 
-    def _open_hf(self) -> None:
+    def _open_tiktoken(self) -> dict:
+        self._tt = llama3_encoding(self.path)
+        self.vocab_size = self._tt.n_vocab
+        self._n_ranks = self._tt.n_vocab - len(LLAMA3_SPECIAL)
+        return {"bos": LLAMA3_SPECIAL[LLAMA3_BOS], "eos": LLAMA3_SPECIAL[LLAMA3_EOS],
+                "stops": [self._n_ranks + k for k in LLAMA3_STOPS]}
+
+    def _open_sentencepiece(self, side) -> dict:
         try:
-            from tokenizers import Tokenizer as HFTokenizer
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"{self.path}: not a sentencepiece, tiktoken or tokenizer.json file ({e})") from None
+        self.vocab_size = self._sp.vocab_size()
+        ids = {"bos": self._sp.bos_id(), "eos": self._sp.eos_id(), "pad": self._sp.pad_id(), "unk": self._sp.unk_id()}
+        return {k: self._sp.id_to_piece(i) for k, i in ids.items() if i >= 0}
+
+    def _open_hf(self, side) -> dict:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer, pre_tokenizers
         except ImportError:
             raise ValueError(f"{self.path} is a Hugging Face tokenizer.json; pip install tokenizers to use it") from None
         try:
+            spec = json.loads(self.path.read_text(encoding="utf-8"))
             self._hf = HFTokenizer.from_file(str(self.path))
         except Exception as e:  # tokenizers raises its own exception type for a bad file
-            raise ValueError(f"{self.path}: not a readable tokenizer.json ({e})") from None
+            raise ValueError(f"{self.path}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
+        for pattern in split_patterns([spec.get("normalizer"), spec.get("pre_tokenizer")]):
+            if nested_repeat(pattern):
+                raise ValueError(f"{self.path}: its pattern {pattern[:80]!r} repeats a repeated group, which "
+                                 f"backtracks without end on some texts; not a tokenizer phantom reads")
+        if side.config.get("tokenizer_class") in METASPACE_CLASSES and (spec.get("model") or {}).get("type") == "BPE":
+            add_prefix = side.config.get("add_prefix_space")
+            scheme = "never" if add_prefix is False else ("always" if side.config.get("legacy", False) else "first")
+            self._hf.normalizer = None
+            self._hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
         self.vocab_size = self._hf.get_vocab_size()
-        self.bos_token = next((t for t in ("<|begin_of_text|>", "<s>") if self._hf.token_to_id(t) is not None), None)
-        self.eos_token = next((t for t in ("<|end_of_text|>", "</s>") if self._hf.token_to_id(t) is not None), None)
-        self.bos_id = self._hf.token_to_id(self.bos_token) if self.bos_token else 0
-        self.eos_id = self._hf.token_to_id(self.eos_token) if self.eos_token else 0
+        self._special = {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+        self.prefix, self.suffix = post_processor_ids(spec)
+        first = self._hf.id_to_token(self.prefix[0]) if self.prefix else None
+        return {"bos": first}  # no config: BOS is what the post-processor puts first; no EOS is known
+
+    def _id_of(self, text: str, name: str) -> int:
+        if self.kind == "hf":
+            i = self._hf.token_to_id(text)
+        elif self.kind == "tiktoken":
+            try:
+                i = self._tt.encode_single_token(text)
+            except KeyError:
+                i = None
+        else:
+            i = self._sp.piece_to_id(text)
+            i = i if self._sp.id_to_piece(i) == text else None
+        if i is None:
+            raise ValueError(f"{self.path.parent}: the {name}_token {text!r} of tokenizer_config.json is not in the "
+                             f"vocabulary of {self.path.name}")
+        return i
+
+    @property
+    def pad_or_eos(self) -> int:
+        """The id that pads rows: the model's pad token, else EOS (as TRL pads a model without one), else 0."""
+        return next((i for i in (self.pad_id, self.eos_id) if i is not None), 0)
+
+    def is_special(self, i: int) -> bool:
+        """Whether id i is a special (control) token: written by a template, never by text."""
+        if self.kind == "hf":
+            return i in self._special
+        if self.kind == "tiktoken":
+            return i >= self._n_ranks
+        return self._sp.is_control(i)
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """text's ids; bos: with what the model puts before a text (its BOS, where it adds one); eos: with EOS
+        after (a document's end), where the model has one. Special-token text in text is plain text."""
         if self.kind == "sentencepiece":
             ids = self._sp.encode(text)
         elif self.kind == "tiktoken":
             ids = self._tt.encode(text, disallowed_special=())  # special-token text in data is plain text
         else:
-            ids = self._hf.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+            ids = self._hf_encode(text).ids
+        return (self.prefix if bos else []) + ids + ([self.eos_id] if eos and self.eos_id is not None else [])
+
+    def _hf_encode(self, text: str):
+        try:
+            return self._hf.encode(text, add_special_tokens=False)
+        except BaseException as e:  # the regex engine's panic is a BaseException (pyo3's PanicException)
+            if type(e).__name__ != "PanicException":
+                raise
+            raise ValueError(f"{self.path}: the tokenizer failed on a text ({' '.join(str(e).split())[:120]})") from None
 
     def special_tokens(self) -> list[str]:
         """The text of the tokens a rendered chat names by their text (BOS, EOS, added and control tokens)."""
@@ -118,8 +209,8 @@ class Tokenizer:
         """Ids and (start, end) character offsets of a rendered chat, read as transformers'
         `tokenizer(text, add_special_tokens=False)` reads it: a special token's text is that token."""
         if self.kind == "hf":
-            enc = self._hf.encode(text, add_special_tokens=False)
-            return enc.ids, [tuple(o) for o in enc.offsets]
+            enc = self._hf_encode(text)
+            return enc.ids, enc.offsets
         if self.kind == "tiktoken":
             ids = self._tt.encode(text, allowed_special="all")
             _, starts = self._tt.decode_with_offsets(ids)
@@ -137,13 +228,23 @@ class Tokenizer:
             at += len(piece)
         return ids, offsets
 
-    def decode(self, ids: list[int]) -> str:
-        ids = [i for i in ids if i < self.vocab_size]
-        if self.kind == "sentencepiece":
-            return self._sp.decode(ids)
-        if self.kind == "tiktoken":  # special tokens (numbered after the BPE ranks) are dropped, as the others do
-            return self._tt.decode([i for i in ids if i < self._tt.max_token_value - len(LLAMA3_SPECIAL) + 1])
-        return self._hf.decode(ids)
+    def decode(self, ids: list[int], specials: bool = False) -> str:
+        """The text of ids; specials: with special tokens by their text (else they are dropped)."""
+        ids = [i for i in ids if 0 <= i < self.vocab_size]
+        if self.kind == "hf":
+            return self._hf.decode(ids, skip_special_tokens=not specials)
+        if self.kind == "tiktoken":
+            return self._tt.decode(ids if specials else [i for i in ids if i < self._n_ranks])
+        out, run = [], []
+        for i in ids + [None]:
+            if i is None or self._sp.is_control(i):
+                out.append(self._sp.decode(run))
+                run = []
+                if i is not None and specials:
+                    out.append(self._sp.id_to_piece(i))
+            else:
+                run.append(i)
+        return "".join(out)
 
 
 def _align(pieces: list[str], text: str) -> list[tuple[int, int]]:

@@ -111,7 +111,7 @@ def test_user_errors(tok, tmp_path):
 class CountingTokenizer:
     def __init__(self, tok):
         self.tok, self.calls = tok, 0
-        self.fingerprint, self.bos_id, self.eos_id = tok.fingerprint, tok.bos_id, tok.eos_id
+        self.fingerprint, self.bos_id, self.eos_id, self.prefix = tok.fingerprint, tok.bos_id, tok.eos_id, tok.prefix
         self.vocab_size = tok.vocab_size
 
     def encode(self, *a, **k):

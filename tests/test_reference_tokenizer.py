@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+import json
 import os
 
 import pytest
@@ -78,7 +79,7 @@ def test_tiktoken_model_encodes_as_transformers_converter(tiktoken_file):
 
 @pytest.mark.parametrize("specials", [("<s>", "</s>"), ("<|begin_of_text|>", "<|end_of_text|>")])
 def test_tokenizer_json_encodes_as_tokenizers(tmp_path, specials):
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, processors, trainers
     hf = HF(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
@@ -87,10 +88,19 @@ def test_tokenizer_json_encodes_as_tokenizers(tmp_path, specials):
     hf.train_from_iterator(TINY_TEXT.read_text().splitlines(), trainer)
     path = tmp_path / "tokenizer.json"
     hf.save(str(path))
+    bare = Tokenizer(path)  # no tokenizer_config.json, no post-processor: no token is guessed from its text
+    assert (bare.bos_id, bare.eos_id, bare.prefix) == (None, None, [])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": specials[0], "eos_token": specials[1]}))
     tok = Tokenizer(path)
     assert tok.kind == "hf" and (tok.bos_id, tok.eos_id) == (1, 2) and tok.vocab_size == hf.get_vocab_size()
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (ref.bos_token_id, ref.eos_token_id) == (1, 2) and tok.stop_ids == [2]
+    hf.post_processor = processors.TemplateProcessing(single=f"{specials[0]} $A", special_tokens=[(specials[0], 1)])
+    hf.save(str(path))
+    tok = Tokenizer(path)
     for text in TEXTS:
         assert tok.encode(text, bos=True, eos=True) == [1] + hf.encode(text, add_special_tokens=False).ids + [2]
+        assert tok.encode(text) == transformers.AutoTokenizer.from_pretrained(tmp_path)(text).input_ids
         assert tok.decode(tok.encode(text, bos=False)) == hf.decode(hf.encode(text).ids)
 
 

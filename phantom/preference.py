@@ -117,12 +117,12 @@ def encode_pair(record: dict, tok: Tokenizer) -> tuple[list[int], list[int], lis
     if isinstance(prompt, list):
         prompt = " ".join(p for p, _ in D.segments({"messages": prompt + [{"role": "assistant", "content": ""}]},
                                                   "chat") if p)
-    out = [[tok.bos_id] + tok.encode(_text(prompt, "prompt"), bos=False)]
+    out = [tok.encode(_text(prompt, "prompt"), bos=True)]
     for side in ("chosen", "rejected"):
         ids = tok.encode(_text(record[side], side), bos=False)
         if not ids:
             raise ValueError(f"the {side} response is empty; every pair needs two non-empty responses")
-        out.append(ids + [tok.eos_id])
+        out.append(ids + tok.encode("", bos=False, eos=True))
     return out[0], out[1], out[2]
 
 

@@ -217,8 +217,8 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 32) -> str:
     was_training = model.training
     model.eval()
     ids = tokenizer.encode(prompt, bos=True)[-(model.cfg.max_seq_len - max_new_tokens):]
-    new = [t for t in generate(model, ids, max_new_tokens, temperature=0, eos_id=tokenizer.eos_id)
-           if t != tokenizer.eos_id]
+    stop = set(tokenizer.stop_ids)
+    new = [t for t in generate(model, ids, max_new_tokens, temperature=0, eos_id=stop) if t not in stop]
     model.train(was_training)
     return tokenizer.decode(new)
 
@@ -388,7 +388,7 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
         check_free_space(out, planned_bytes(model, cfg))
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
-    pad = tokenizer.eos_id if tokenizer is not None else 0
+    pad = tokenizer.pad_or_eos if tokenizer is not None else 0
     objective = Preference(cfg.preference) if cfg.mode == "dpo" else None
     if objective is None:
         train_ds = D.rows(train_data, cfg.seq_len, pad, "training data", segments=True)

@@ -26,7 +26,7 @@ from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shape
                             head_tensor_shapes, preset, rope_rows)
 from phantom.family import LLAMA_KEYS, family, from_hf_config
 from phantom.layers import permute_from_hf
-from phantom.quant import QuantFormat
+from phantom.quantformat import QuantFormat
 from phantom.store import BlockStore, StoreError, StoreWriter, block_file, safe_join
 from phantom.tensorfile import TensorSpec, read_header
 from phantom.tokenizer import train_tiny_tokenizer
@@ -194,7 +194,7 @@ class HFCheckpoint:
             headers[file] = ({s.name: s for s in specs}, start)
         # (part, store name) -> (path, TensorSpec, data start); a part of a fused tensor has a spec of its rows
         self.src, self.index = src, {}
-        hf_names = family(self.cfg).hf_names()
+        hf_names, fused = family(self.cfg).layout(self.cfg, fused_experts=self._fused_experts(weight_map))
         self.permuted = rope_rows(self.cfg)
         for part in (*PARTS, *range(self.cfg.n_layers)):
             shapes = part_shapes(self.cfg, part)
@@ -206,10 +206,15 @@ class HFCheckpoint:
                 spec, path = specs.get(key), files[weight_map[key]]
                 if spec is None:
                     raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
-                self.index[(part, name)] = (path, fused_rows(self.cfg, spec, name, shapes, path), start)
+                self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path), start)
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
         self.tokenizer = next((p for p in (src / "tokenizer.model", src / "tokenizer.json") if p.is_file()), None)
         self.tokenizer_files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+
+    def _fused_experts(self, weight_map: dict[str, str]) -> bool:
+        """Whether a mixture of experts is stored as transformers 5's 3-D tensors (else one per expert)."""
+        fused = family(self.cfg).moe.fused if family(self.cfg).moe else {}
+        return any(key.format(0) in weight_map for key in fused)
 
     @staticmethod
     def _weight_map(src: Path) -> dict[str, str]:
@@ -236,8 +241,7 @@ class HFCheckpoint:
         for path, names in by_file.items():
             with safe_open(path, framework="pt") as f:  # opened per part: its mapping is dropped on close
                 for name, key in names:
-                    rows = self.index[(part, name)][1].rows
-                    out[name] = f.get_tensor(key) if rows is None else f.get_slice(key)[rows[0]:rows[1]]
+                    out[name] = read_rows(f, key, self.index[(part, name)][1])
         for name, heads in self.permuted.items():
             if name in out:
                 out[name] = permute_from_hf(out[name], heads, self.cfg.rope_dim)
@@ -261,19 +265,36 @@ class RowSpec(TensorSpec):
     rows: tuple[int, int] | None = None
 
 
-def fused_rows(cfg: ModelConfig, spec: TensorSpec, name: str, shapes: dict, path: Path) -> RowSpec:
-    """spec as name's: itself, or name's rows of the fused tensor spec names (checked against config.json)."""
-    group = next((names for names in family(cfg).fused.values() if name in names), None)
+def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
+    """spec's tensor from an open safetensors file: all of key, or its rows [r0, r1), counted over its
+    leading two dims where it is 3-D (one expert's part of transformers 5's fused experts)."""
+    if spec.rows is None:
+        return f.get_tensor(key)
+    r0, r1 = spec.rows
+    shape = f.get_slice(key).get_shape()
+    if len(shape) == 2:
+        return f.get_slice(key)[r0:r1]
+    e, r = divmod(r0, shape[1])  # a part never crosses an expert
+    return f.get_slice(key)[e:e + 1, r:r + r1 - r0][0]
+
+
+def fused_rows(groups: dict[str, tuple[str, ...]], spec: TensorSpec, name: str, shapes: dict, path: Path) -> RowSpec:
+    """spec as name's: itself, or name's rows of the fused tensor spec names (checked against config.json);
+    groups: the checkpoint's fused tensors (phantom.family.Family.layout). A 3-D fused tensor's rows are
+    counted over its leading two dims (its experts' rows, expert after expert)."""
+    group = next((names for names in groups.values() if name in names), None)
     if group is None:
         if spec.shape != shapes[name]:
             raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {shapes[name]}")
         return RowSpec(spec.name, spec.dtype, spec.shape, spec.start, spec.end)
     fused = (sum(shapes[n][0] for n in group), *shapes[name][1:])
+    if len(spec.shape) == 3 and (spec.shape[0] * spec.shape[1], spec.shape[2]) == fused:
+        fused = spec.shape  # (experts, rows of each, columns)
     if spec.shape != fused:
         raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {fused}")
     r0 = sum(shapes[n][0] for n in group[:group.index(name)])
     r1 = r0 + shapes[name][0]
-    row_bytes = math.prod(fused[1:]) * spec.dtype.itemsize
+    row_bytes = math.prod(shapes[name][1:]) * spec.dtype.itemsize
     return RowSpec(spec.name, spec.dtype, shapes[name], spec.start + r0 * row_bytes, spec.start + r1 * row_bytes,
                    rows=(r0, r1))
 
@@ -459,7 +480,7 @@ def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bflo
         for i in tqdm(range(cfg.n_layers), desc="writing blocks", unit="block", disable=not progress or None):
             gen = torch.Generator().manual_seed(seed * 1000003 + i + 1)
             block = _random_tensors(block_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset)
-            for name in ("attention.wo.weight", "feed_forward.w2.weight"):
+            for name in [n for n in block if n == "attention.wo.weight" or n.endswith(".w2.weight")]:  # experts' too
                 block[name] = (block[name].float() * (resid_std / 0.02)).to(dtype)
             w.write_block(i, block)
         gen = torch.Generator().manual_seed(seed * 1000003)

@@ -26,7 +26,7 @@ from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shape
                             head_tensor_shapes, preset, rope_rows)
 from phantom.family import LLAMA_KEYS, family, from_hf_config
 from phantom.layers import permute_from_hf
-from phantom.quantformat import QuantFormat
+from phantom.quant import QuantFormat
 from phantom.store import BlockStore, StoreError, StoreWriter, block_file, safe_join
 from phantom.tensorfile import TensorSpec, read_header
 from phantom.tokenizer import train_tiny_tokenizer

@@ -36,11 +36,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return getattr(torch, dtypes.lookup(name).torch_name)
 
 
-def parse_stored(name: str) -> torch.dtype:
-    """Any element type a file may hold (integer codes and scales included), by torch's name."""
-    return getattr(torch, dtypes.stored(name).torch_name)
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

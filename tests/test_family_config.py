@@ -19,7 +19,9 @@ from family_check import hf_model, prepare, transformers
 from test_convert import load_script
 
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config"}
+                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config",
+                  "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
+                  "olmoe": "OlmoeConfig"}
 
 
 def test_every_family_has_its_config_class_listed():
@@ -64,7 +66,9 @@ def small(config_class: str, **fields) -> dict:
 CONFIG_CLASSES_TO_ARCH = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                           "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
                           "Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM",
-                          "Phi3Config": "Phi3ForCausalLM"}
+                          "Phi3Config": "Phi3ForCausalLM", "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
+                          "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "MixtralConfig": "MixtralForCausalLM",
+                          "OlmoeConfig": "OlmoeForCausalLM"}
 
 REFUSALS = [  # (config class, fields, the field the error must name)
     ("LlamaConfig", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
@@ -87,6 +91,12 @@ REFUSALS = [  # (config class, fields, the field the error must name)
     ("Qwen2Config", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
     ("Phi3Config", {"resid_pdrop": 0.1}, "resid_pdrop"),
     ("Phi3Config", {"attention_bias": True}, "attention_bias"),
+    # mixtures of experts: dense layers among sparse ones (one layout per store), jitter, clipped q/k/v
+    ("Qwen3MoeConfig", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("Qwen2MoeConfig", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("MixtralConfig", {"router_jitter_noise": 0.01}, "router_jitter_noise"),
+    ("OlmoeConfig", {"clip_qkv": 8.0}, "clip_qkv"),
+    ("OlmoeConfig", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
 ]
 
 

@@ -1,0 +1,168 @@
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral with a sliding window, OLMoE
+with q/k norms over the whole projection) against transformers' own classes (tests/family_check.py).
+
+Tiny random models saved by save_pretrained (one tensor per expert and projection) and, written from
+their state_dict, transformers 5's fused 3-D expert tensors; both converted by scripts/prepare_model.py
+and compared streamed every way; each expert's bytes lie back to back where the manifest says.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import phantom
+from family_check import batch, check_logits, hf_model, model_stores, prepare, rel_err, transformers
+from phantom.config import PRESETS, ModelConfig
+from phantom.export import export
+from phantom.moe import load_balancing_loss, mix, route
+from phantom.store import BlockStore
+from phantom.tensorfile import read_header
+
+SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+CASES = {  # name -> (config class, fields)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True, head_dim=24)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48)),
+    "mixtral": ("MixtralConfig", dict(SHAPES, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
+    "olmoe": ("OlmoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=2, eos_token_id=None, pad_token_id=None)),
+}
+HF_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+              "olmoe": "OlmoeForCausalLM"}
+RUNS = [("none", 0, "none"), ("disk", 0, "all"), ("disk", 2, "none"), ("ram", 0, "none"), ("ram", 2, "all")]
+
+
+def make(name: str):
+    config_class, fields = CASES[name]
+    return hf_model(config_class, **fields)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return model_stores(tmp_path_factory, make)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_and_loss_match_transformers_streamed_from_disk_and_ram(models, name):
+    model, store = models(name)
+    cfg = BlockStore(store).cfg
+    assert cfg.family == name and cfg.n_experts == CASES[name][1].get("num_experts", 4)
+    check_logits(model, store, *batch(), runs=RUNS)  # 40 tokens: past Mixtral's window of 16
+
+
+def test_the_experts_and_the_shared_expert_matter(models):
+    """Each part the checks above compare changes the logits: the routing (k), the shared expert's gate,
+    Mixtral's window, OLMoE's whole-projection q norm."""
+    tokens, _ = batch()
+    for name, change in (("qwen3_moe", dict(num_experts_per_tok=1)), ("mixtral", dict(sliding_window=None)),
+                         ("qwen2_moe", None), ("olmoe", None)):
+        model, _ = models(name)
+        config_class, fields = CASES[name]
+        other = hf_model(config_class, **{**fields, **(change or {})})
+        other.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            for pname, p in other.named_parameters():
+                if change is None and ("shared_expert_gate" in pname or "q_norm" in pname):
+                    p.fill_(1.0 if "norm" in pname else -30.0)
+            assert rel_err(other(tokens).logits, model(tokens).logits) > 1e-3, name
+
+
+def save_fused(model, root):
+    """transformers 5's own layout: the modules' state_dict (3-D gate_up_proj and down_proj per layer)."""
+    root.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") and v.dim() == 3 for k, v in state.items())
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(root)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("link", [False, True])
+def test_the_fused_expert_layout_converts_to_the_same_model(models, name, link, tmp_path):
+    """Both checkpoint layouts give the same store; with --link each expert's gate, up and down are read in
+    place, as rows of the 3-D tensors (only q and k and their biases, whose rows are permuted, are copied)."""
+    model, store = models(name)
+    save_fused(model, tmp_path / "hf")
+    args = ["--src", str(tmp_path / "hf"), "--out", str(tmp_path / "store"), "--quiet"] + (["--link"] if link else [])
+    from test_convert import load_script
+    assert load_script("prepare_model").main(args) == 0
+    ours, theirs = BlockStore(tmp_path / "store"), BlockStore(store)
+    for i in range(ours.n_blocks):
+        a, b = ours.load_block(i), theirs.load_block(i)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if link:
+        linked = json.loads((tmp_path / "store" / "manifest.json").read_text())["links"]["files"]
+        copied = {t["name"] for t in linked["blocks/000.safetensors"]["tensors"] if ".local." in t["file"]}
+        assert copied == {"attention.wq.weight", "attention.wk.weight"} | (
+            {"attention.wq.bias", "attention.wk.bias"} if name == "qwen2_moe" else set())
+        check_logits(model, tmp_path / "store", *batch(), runs=[("disk", 1, "all")])
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_each_expert_is_one_byte_range_the_manifest_records(models, name):
+    """The manifest's range of expert e holds its gate, down and up weights, back to back, as the
+    transformers model has them."""
+    model, store = models(name)
+    cfg = BlockStore(store).cfg
+    entry = json.loads((store / "manifest.json").read_text())["files"]["blocks/001.safetensors"]
+    _, start = read_header(store / "blocks" / "001.safetensors")
+    raw = (store / "blocks" / "001.safetensors").read_bytes()
+    experts = dict(model.named_parameters())
+    gate_up = experts["model.layers.1.mlp.experts.gate_up_proj"].detach()
+    down = experts["model.layers.1.mlp.experts.down_proj"].detach()
+    assert len(entry["experts"]) == cfg.n_experts
+    for e, (a, b) in enumerate(entry["experts"]):
+        got = torch.frombuffer(bytearray(raw[start + a:start + b]), dtype=torch.float32)
+        w1, w3 = gate_up[e].split(cfg.expert_dim)
+        assert torch.equal(got, torch.cat([w1.flatten(), down[e].flatten(), w3.flatten()]))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_export_loads_in_transformers_with_equal_logits(models, name, tmp_path):
+    model, store = models(name)
+    out = export(store, tmp_path / "hf", None, "hf", progress=False)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(back).__name__ == HF_CLASSES[name]
+    tokens, _ = batch()
+    with torch.no_grad():
+        assert rel_err(back(tokens).logits, model(tokens).logits) < 1e-5
+
+
+def test_grouped_experts_equal_a_loop_over_tokens():
+    """mix groups tokens by expert; the sum it computes is, token by token, sum_j w_j * expert_j(x)."""
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(5))
+    x = torch.randn(11, 8)
+    weights, chosen = route(torch.randn(11, 5), 2, renormalise=False)
+    want = torch.stack([sum(weights[t, j] * experts[int(chosen[t, j])](x[t]) for j in range(2)) for t in range(11)])
+    torch.testing.assert_close(mix(x, weights, chosen, experts), want)
+
+
+def test_the_router_loss_is_transformers_load_balancing_loss():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    logits = [torch.randn(13, 8), torch.randn(13, 8)]
+    torch.testing.assert_close(load_balancing_loss(logits, 8, 3), load_balancing_loss_func(tuple(logits), 8, 3))
+
+
+@pytest.mark.parametrize("name", ["qwen3-30B-A3B", "mixtral-8x7B", "olmoe-1B-7B"])
+def test_a_synthetic_store_of_a_moe_preset_shape_streams(name, tmp_path):
+    import dataclasses
+    import math
+    from phantom.convert import write_synthetic
+    cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
+                              intermediate_size=96, n_layers=2, max_seq_len=64, n_experts=6, experts_per_token=2,
+                              expert_dim=32)
+    store = write_synthetic(tmp_path / name, cfg, torch.float32, progress=False)
+    with phantom.load(store, offload="disk", prefetch=1) as pm:
+        loss = pm(torch.randint(0, 97, (1, 24)), targets=torch.randint(0, 97, (1, 24)))
+        loss.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - math.log(97)) < 1.0
+
+
+def test_moe_config_checks():
+    with pytest.raises(ValueError, match="experts_per_token"):
+        ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=10, n_experts=4, experts_per_token=5, expert_dim=8)

@@ -38,8 +38,29 @@ class RopeScaling:
     def __post_init__(self):
         for name in ("short_factor", "long_factor"):  # JSON gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        check_numbers(self)
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def check_numbers(cfg, positive: tuple[str, ...] = ()) -> None:
+    """Refuse a field that is not a number of its declared kind: a NaN or infinite float (a norm_eps
+    of NaN would only show as a NaN loss at step 1), a float, bool or negative value where an int is
+    declared, 0 for a size named in positive. Tuples are checked element by element."""
+    for f in dataclasses.fields(cfg):
+        kind, value = str(f.type), getattr(cfg, f.name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if kind.startswith("bool"):
+                ok, what = isinstance(v, bool), "true or false"
+            elif kind.startswith("int"):
+                ok, what = v is None or (type(v) is int and v >= (f.name in positive)), \
+                    "an integer >= 1" if f.name in positive else "an integer >= 0"
+            elif "float" in kind:
+                ok, what = v is None or (type(v) in (int, float) and math.isfinite(v)), "a finite number"
+            else:
+                continue
+            if not ok:
+                raise ValueError(f"{f.name} {value!r:.40} is not {what}")
 
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the MLP's gate activation (transformers' names)
@@ -100,6 +121,7 @@ class ModelConfig:
     router_aux_coef: float = 0.0  # the router's load-balancing loss weight in full finetuning
 
     def __post_init__(self):
+        check_numbers(self, positive=("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"))
         if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import logging
-import shutil
 import signal
 from array import array
 from collections.abc import Iterator
@@ -21,7 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from phantom import chat, fileio, sources
+from phantom import chat, sources, tokencache
+from phantom.safejson import read_lines, read_records  # noqa: F401 - data.read_records is their API
 from phantom.tokenizer import TINY_TEXT, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -116,37 +115,6 @@ class TokenData:
 
 
 # -- reading and tokenizing ----------------------------------------------------------------------
-
-def read_lines(path: Path):
-    """(line number, line) of a UTF-8 text file, streamed; errors say which line is bad."""
-    n = 0
-    try:
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                yield n, line
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}:{n + 1}: not UTF-8 text ({e.reason}); convert the file, e.g. with "
-                         f"iconv -f latin1 -t utf-8") from None
-
-
-def read_records(path: Path):
-    """(line number, record) of a JSONL file, or of a .json file that holds one list."""
-    if path.suffix == ".json":
-        text = "".join(line for _, line in read_lines(path))
-        if text.lstrip().startswith("["):
-            try:
-                yield from enumerate(json.loads(text), 1)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-            return
-    for n, line in read_lines(path):
-        if line.strip():
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}); JSONL needs one JSON object per "
-                                 f"line") from None
-
 
 def detect_format(record: dict) -> str:
     if "messages" in record:
@@ -352,38 +320,21 @@ def load(path: Path | str | None, tok: Tokenizer | None, cache: bool = True, voc
     cache = cache and path.resolve() != DEFAULT_DATA.resolve()  # the shipped text is small: never cached
     folder = path.parent / CACHE_DIR / f"{path.name}.{key}"
     if cache and (folder / "meta.json").is_file():
-        meta = json.loads((folder / "meta.json").read_text())
-        arrays = [np.load(folder / f"{n}.npy", mmap_mode="r") for n in ("tokens", "labels", "starts")]
+        fmt, *arrays = tokencache.read_cache(folder, tok.vocab_size)
         log.info("using the token cache %s (%d tokens)", folder, len(arrays[0]))
-        return TokenData(*arrays, fmt=meta["format"], key=key)
+        return TokenData(*arrays, fmt=fmt, key=key)
     log.info("tokenizing %s", path)
     fmt, tokens, labels, starts = tokenize(path, tok, recipe)
     tokens = tokens.astype(np.uint16 if tok.vocab_size <= 1 << 16 else np.int32)
     data = TokenData(tokens, labels, starts, fmt, key)
     if cache:
         try:
-            write_cache(folder, data)
+            tokencache.write_cache(folder, fmt, tokens, labels, starts)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the run's own outputs would fail next: stop now
                 raise
             log.warning("cannot write the token cache next to %s (%s); tokenizing again next time", path, e)
     return data
-
-
-def write_cache(folder: Path, data: TokenData) -> None:
-    """All three arrays and meta.json into a temporary folder, renamed into place when complete.
-
-    A failed write (disk full) removes the temporary folder; the caller tokenizes again next time.
-    """
-    tmp = fileio.temp_folder(folder)
-    try:
-        for name in ("tokens", "labels", "starts"):
-            fileio.atomic_write(tmp / f"{name}.npy", lambda f, a=getattr(data, name): np.save(f, a))
-        fileio.atomic_write_json(tmp / "meta.json", {"format": data.fmt, "tokens": len(data),
-                                                     "examples": len(data.starts)})
-        fileio.publish_folder(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # failed, or another process wrote it first
 
 
 # -- pre-tokenized files ---------------------------------------------------------------------------

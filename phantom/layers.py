@@ -372,14 +372,14 @@ class LoraLinear(nn.Module):
     enabled = True
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
-                 generator: torch.Generator | None = None, lora_A: nn.Parameter | None = None):
+                 generator: torch.Generator | None = None, lora_A: nn.Parameter | None = None, rslora: bool = False):
         super().__init__()
         self.weight = base.weight
         self.weight.requires_grad_(False)
         self.bias = base.bias  # frozen with the weight, or None
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        self.rank, self.scale = rank, alpha / rank
+        self.rank, self.scale = rank, alpha / (math.sqrt(rank) if rslora else rank)  # rslora: peft's use_rslora
         if lora_A is not None:  # one A for the parts of a fused module (phantom.lora.apply_lora)
             self.lora_A = lora_A
         else:

@@ -9,8 +9,9 @@ module: phantom's parts of it then share one A, each with its rows of B.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +22,10 @@ from safetensors.torch import load_file
 from phantom.config import ModelConfig
 from phantom.family import family
 from phantom.layers import LoraLinear, permute_for_hf, permute_from_hf
-from phantom import fileio
+from phantom import fileio, safejson
 from phantom.fileio import atomic_write_json
 from phantom.store import StoreError, safe_join
-from phantom.tensorfile import write_safetensors
+from phantom.tensorfile import read_header, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,11 @@ class LoraConfig:
             checkpoint fuses q, k, v (or gate, up) into one module, naming any of them targets the module
             (see for_family).
         seed: seeds the init of A, per layer, so two models built alike start alike.
+        rslora: scale by alpha / sqrt(rank) instead (peft's use_rslora).
+        rank_pattern, alpha_pattern: (regex, value) pairs, in order: a module whose peft name
+            ("model.layers.3.self_attn.q_proj") the first regex matches at its end takes that rank
+            (alpha) instead of rank (alpha), as peft's rank_pattern and alpha_pattern.
+        layers: the blocks that get a LoRA (peft's layers_to_transform); None: every one.
     """
 
     rank: int = 8
@@ -64,6 +70,10 @@ class LoraConfig:
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "v")
     seed: int = 0
+    rslora: bool = False
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if tuple(self.targets) == ("all-linear",):
@@ -71,10 +81,41 @@ class LoraConfig:
         bad = [t for t in self.targets if t not in TARGETS and t not in GROUPS]
         if bad:
             raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join([*TARGETS, *GROUPS])} or all-linear")
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+        for name in ("rank_pattern", "alpha_pattern"):  # JSON and YAML give dicts and lists
+            object.__setattr__(self, name, tuple(tuple(kv) for kv in dict(getattr(self, name)).items()))
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+            if not all(type(i) is int and i >= 0 for i in self.layers):
+                raise ValueError(f"LoRA layers must be block indices, got {list(self.layers)!r:.60}")
+        for rank in (self.rank, *dict(self.rank_pattern).values()):
+            if type(rank) is not int or rank < 1:
+                raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        for alpha in (self.alpha, *dict(self.alpha_pattern).values()):
+            if type(alpha) not in (int, float) or not math.isfinite(alpha):
+                raise ValueError(f"LoRA alpha must be a finite number, got {alpha!r}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        for pattern, _ in self.rank_pattern + self.alpha_pattern:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"LoRA rank or alpha pattern {pattern!r} is not a regular expression ({e})") from None
+
+    def module_rank(self, layer: int, module: str) -> tuple[int, float] | None:
+        """(rank, alpha) of the LoRA on a layer's Hugging Face module ("self_attn.q_proj"), as peft
+        picks them from rank_pattern and alpha_pattern; None where `layers` leaves the layer out."""
+        if self.layers is not None and layer not in self.layers:
+            return None
+        key = f"model.layers.{layer}.{module}"
+        return _pattern_value(self.rank_pattern, key, self.rank), _pattern_value(self.alpha_pattern, key, self.alpha)
+
+
+def _pattern_value(patterns: tuple, key: str, default):
+    """peft's get_pattern_key: the first pattern matching the end of key at a dot; else key's own entry."""
+    for pattern, value in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return dict(patterns).get(key, default)
 
 
 def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -105,7 +146,11 @@ def family_targets(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...
 
 
 def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
-    """lora with its targets as family_targets names them (logged where that adds a projection)."""
+    """lora with its targets as family_targets names them (logged where that adds a projection). On a
+    mixture of experts only attention projections take a LoRA (routers and experts stay frozen)."""
+    if cfg.n_experts and (mlp := [t for t in lora.targets if t not in ("q", "k", "v", "o", "qkv")]):
+        raise ValueError(f"LoRA targets {', '.join(mlp)}: a mixture of experts takes LoRA on its attention "
+                         f"projections only (q, k, v, o); its router and experts stay frozen")
     modules = peft_modules(cfg)
     wanted = [t for name in lora.targets for t in GROUPS.get(name, (name,))]
     targets = family_targets(lora.targets, cfg)
@@ -118,16 +163,32 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     return dataclasses.replace(lora, targets=targets)
 
 
+def hf_module(target: str) -> str:
+    """The Hugging Face module a target (or a fused GROUPS name) is: "q" -> "self_attn.q_proj",
+    "qkv" -> "self_attn.qkv_proj"."""
+    if target in GROUPS:
+        return f"{TARGETS[GROUPS[target][0]][1].rsplit('.', 1)[0]}.{target}_proj"
+    return TARGETS[target][1]
+
+
 def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int) -> None:
     """Replace the target linears of one block by LoraLinear (in place); cfg's targets as for_family
-    names them. The parts of a fused module (GROUPS) share one A."""
+    names them, each with the rank and alpha cfg.module_rank gives it. The parts of a fused module
+    (GROUPS) share one A."""
     gen = torch.Generator().manual_seed(cfg.seed * 100003 + layer)
     for target in cfg.targets:
-        shared = None
+        shared, rank_alpha = None, cfg.module_rank(layer, hf_module(target))
+        if rank_alpha is None:
+            continue
         for t in GROUPS.get(target, (target,)):
             parent_path, name = TARGETS[t][0].rsplit(".", 1)
             parent = block.get_submodule(parent_path)
-            lora = LoraLinear(getattr(parent, name), cfg.rank, cfg.alpha, cfg.dropout, generator=gen, lora_A=shared)
+            base = getattr(parent, name)
+            if rank_alpha[0] > max(base.in_features, base.out_features):  # checked before allocating A and B
+                raise ValueError(f"LoRA rank {rank_alpha[0]} of layer {layer} {hf_module(target)} exceeds both sides "
+                                 f"of its {base.out_features}x{base.in_features} weight")
+            lora = LoraLinear(base, *rank_alpha, cfg.dropout, generator=gen, lora_A=shared,
+                              rslora=cfg.rslora)
             setattr(parent, name, lora)
             shared = lora.lora_A
 
@@ -190,23 +251,87 @@ def save_adapter(layers: nn.ModuleList, model_cfg: ModelConfig, lora_cfg: LoraCo
         "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
         "target_modules": sorted(peft_modules(model_cfg)[t][0].split(".")[1] for t in lora_cfg.targets),
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-        "modules_to_save": None, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "use_dora": False, **peft_fields(lora_cfg),
     })
     return out
 
 
+def peft_fields(cfg: LoraConfig) -> dict:
+    """The adapter_config.json fields that say how cfg departs from one rank and alpha everywhere."""
+    return {"use_rslora": cfg.rslora, "rank_pattern": dict(cfg.rank_pattern), "alpha_pattern": dict(cfg.alpha_pattern),
+            "layers_to_transform": list(cfg.layers) if cfg.layers is not None else None}
+
+
+# adapter_config.json fields that change what an adapter computes and that phantom does not model: a
+# value other than a neutral one (NEUTRAL) is refused, naming the field
+UNMODELLED = ("use_dora", "bias", "fan_in_fan_out", "modules_to_save", "lora_bias", "layer_replication",
+              "target_parameters", "trainable_token_indices", "alora_invocation_tokens", "use_qalora",
+              "exclude_modules", "use_bdlora", "arrow_config", "kasa_config", "monteclora_config")
+NEUTRAL = (None, False, "none", [], {}, "")
+_WEIGHT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight")
+
+
 def read_adapter_config(path: Path) -> LoraConfig:
+    """The LoraConfig of a peft adapter folder, as peft reads adapter_config.json (use_rslora,
+    rank_pattern, alpha_pattern, layers_to_transform), checked against its weights' header before
+    anything is allocated.
+
+    Raises:
+        FileNotFoundError: no adapter_config.json or no weights.
+        StoreError: a field phantom does not model (named), a value out of range, or a rank the
+            weights do not have.
+    """
     cpath = Path(path) / ADAPTER_CONFIG
     if not cpath.is_file():
         raise FileNotFoundError(f"no LoRA adapter at {path} (missing {ADAPTER_CONFIG})")
+    c = safejson.load(cpath, what="LoRA adapter config", error=StoreError)
     try:
-        c = json.loads(cpath.read_text())
-        by_hf = {v[1].split(".")[1]: k for k, v in TARGETS.items()} | {f"{g}_proj": g for g in GROUPS}
-        targets = tuple(by_hf[m] for m in c["target_modules"])
-        return LoraConfig(rank=int(c["r"]), alpha=float(c["lora_alpha"]), dropout=float(c.get("lora_dropout", 0)),
-                          targets=targets)
-    except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+        cfg = _lora_config(cpath, c)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, StoreError):
+            raise
         raise StoreError(f"{cpath}: not a LoRA adapter config phantom can load ({type(e).__name__}: {e})") from None
+    check_adapter_ranks(Path(path), cfg)
+    return cfg
+
+
+def _lora_config(cpath: Path, c) -> LoraConfig:
+    if not isinstance(c, dict):
+        raise StoreError(f"{cpath}: not a LoRA adapter config phantom can load (not a JSON object)")
+    if c.get("peft_type", "LORA") != "LORA":
+        raise StoreError(f"{cpath}: peft_type {c['peft_type']!r:.40} is not LORA; phantom loads LoRA adapters")
+    for field in UNMODELLED:
+        if c.get(field) not in NEUTRAL:
+            raise StoreError(f"{cpath}: {field} {c[field]!r:.60} changes what the adapter computes, and phantom "
+                             f"does not model it")
+    if c.get("layers_pattern") not in (*NEUTRAL, "layers", ["layers"]):
+        raise StoreError(f"{cpath}: layers_pattern {c['layers_pattern']!r:.60} is not supported (phantom's "
+                         f"blocks are model.layers)")
+    by_hf = {v[1].split(".")[1]: k for k, v in TARGETS.items()} | {f"{g}_proj": g for g in GROUPS}
+    modules, layers = c["target_modules"], c.get("layers_to_transform")
+    if not isinstance(modules, list) or any(m not in by_hf for m in modules):
+        raise StoreError(f"{cpath}: target_modules {modules!r:.80} is not a list of modules phantom adapts "
+                         f"({', '.join(by_hf)})")
+    if not isinstance(c.get("use_rslora", False), bool):
+        raise StoreError(f"{cpath}: use_rslora {c['use_rslora']!r:.40} is not true or false")
+    return LoraConfig(rank=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout") or 0.0,
+                      targets=tuple(by_hf[m] for m in modules), rslora=c.get("use_rslora", False),
+                      rank_pattern=c.get("rank_pattern") or {}, alpha_pattern=c.get("alpha_pattern") or {},
+                      layers=[layers] if type(layers) is int else (layers or None))
+
+
+def check_adapter_ranks(folder: Path, cfg: LoraConfig) -> None:
+    """Refuse weights whose lora_A or lora_B do not have the rank cfg gives their module, read from the
+    safetensors header alone (a config claiming r = 10**12 is refused before anything is allocated)."""
+    wpath = safe_join(Path(folder), ADAPTER_WEIGHTS)
+    if not wpath.is_file():
+        raise FileNotFoundError(f"no LoRA weights at {wpath}")
+    for spec in read_header(wpath)[0]:
+        key = _WEIGHT_KEY.fullmatch(spec.name)
+        rank_alpha = cfg.module_rank(int(key[1]), key[2]) if key and len(spec.shape) == 2 else None
+        if rank_alpha is not None and spec.shape[key[3] == "B"] != rank_alpha[0]:
+            raise StoreError(f"{wpath}: {spec.name} has rank {spec.shape[key[3] == 'B']}, but {ADAPTER_CONFIG} gives "
+                             f"its module rank {rank_alpha[0]} (r, rank_pattern)")
 
 
 def load_adapter(layers: nn.ModuleList, cfg: ModelConfig, path: Path) -> None:

@@ -8,7 +8,6 @@ checksum checked on its first read (phantom.checksum).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -21,15 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from phantom import faults, fileio, quant, runfolder
+from phantom import faults, fileio, quant, runfolder, safejson
 from phantom.checksum import Checksums, crc32_chunks, crc32_impl
 from phantom.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
 from phantom.directio import readinto_exact
 from phantom.fileio import atomic_write_json
 from phantom.moe import expert_ranges
 from phantom.quant import QuantError, QuantFormat
-from phantom.tensorfile import (CODE_DTYPES, DTYPE_CODES, StoreError, TensorSpec, check_specs, dtype_name,
-                                header_digest, packed_empty, parse_dtype, read_header, tensor_order, views,
+from phantom.tensorfile import (CODE_DTYPES, DTYPE_CODES, StoreError, TensorSpec, check_disjoint, check_specs,
+                                dtype_name, header_digest, packed_empty, parse_dtype, read_header, tensor_order, views,
                                 write_safetensors)
 
 log = logging.getLogger(__name__)
@@ -212,11 +211,7 @@ class BlockStore:
         if not mpath.is_file():
             raise FileNotFoundError(f"no phantom store at {self.path} (missing {MANIFEST}); create it with "
                                     f"python scripts/prepare_model.py --src CHECKPOINT_DIR --out {self.path}")
-        try:
-            self.manifest = json.loads(mpath.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise StoreError(f"{mpath}: not valid JSON ({e})") from None
-        m = self.manifest
+        self.manifest = m = safejson.load(mpath, what="store manifest", error=StoreError)
         if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise StoreError(f"{mpath}: not a phantom store manifest")
         if m.get("version") != VERSION:
@@ -336,7 +331,7 @@ class BlockStore:
 
     def _linked_entry(self, rel: str, expected: dict[str, tuple[int, ...]]) -> FileEntry:
         """A file that the manifest's "links" section assembles from byte ranges of (checked) safetensors files."""
-        info, specs, segments, pos = self.manifest["links"]["files"][rel], [], [], 0
+        info, specs, segments, pos, ranges = self.manifest["links"]["files"][rel], [], [], 0, {}
         try:
             for t in info["tensors"]:
                 dtype, shape = CODE_DTYPES[t["dtype"]], tuple(int(x) for x in t["shape"])
@@ -345,6 +340,7 @@ class BlockStore:
                 path, offset = self._link_source(t["file"]), int(t["offset"])
                 if offset < 0 or offset + n > path.stat().st_size:
                     raise StoreError(f"{path}: linked tensor {t['name']} lies outside the file")
+                ranges.setdefault(path, []).append((t["name"], offset, offset + n))
                 if segments and segments[-1][0] == path and segments[-1][1] + segments[-1][2] == offset:
                     segments[-1] = (path, segments[-1][1], segments[-1][2] + n)  # adjacent: one read
                 else:
@@ -352,6 +348,8 @@ class BlockStore:
                 pos += n
             sha256 = str(info["sha256"])
             crc = self._crc_record(rel, info, pos, header=False)
+            for path, r in ranges.items():
+                check_disjoint(path, sorted(r, key=lambda x: x[1:]))
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, StoreError):
                 raise

@@ -324,8 +324,8 @@ def test_merge_mismatched_adapter(tiny, adapter, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", ["corrupt_weights", "bad_config", "missing"])
 def test_generate_bad_adapter(tiny, adapter, tmp_path, capsys, case):
-    words = {"corrupt_weights": ["adapter_model.safetensors", "cannot read adapter weights"],
-             "bad_config": ["adapter_config.json", "not a LoRA adapter config"],
+    words = {"corrupt_weights": ["adapter_model.safetensors", "corrupt safetensors header"],
+             "bad_config": ["adapter_config.json:1: not valid JSON"],
              "missing": ["no LoRA adapter"]}[case]
     if case == "corrupt_weights":
         (adapter / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")

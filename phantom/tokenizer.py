@@ -129,8 +129,9 @@ class Tokenizer:
         except ImportError:
             raise ValueError(f"{self.path} is a Hugging Face tokenizer.json; pip install tokenizers to use it") from None
         try:
-            spec = json.loads(self.path.read_text(encoding="utf-8"))
-            self._hf = HFTokenizer.from_file(str(self.path))
+            text = self.path.read_text(encoding="utf-8")
+            spec = json.loads(text)
+            self._hf = HFTokenizer.from_str(text)
         except Exception as e:  # tokenizers raises its own exception type for a bad file
             raise ValueError(f"{self.path}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
         for pattern in split_patterns([spec.get("normalizer"), spec.get("pre_tokenizer")]):

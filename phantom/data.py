@@ -163,14 +163,17 @@ def segments(record, fmt: str) -> list[tuple[str, bool]]:
 
 
 def encode_example(tok: Tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
-    """Tokens and labels of one example: BOS, the pieces, EOS after the last trained piece."""
-    tokens, labels = [tok.bos_id], [IGNORE_INDEX]
+    """Tokens and labels of one example: what the model puts first (its BOS, where it has one), the
+    pieces, EOS after the last trained piece. The first token is never a target."""
+    tokens, labels = list(tok.prefix), [IGNORE_INDEX] * len(tok.prefix)
     for k, (text, trained) in enumerate(pieces):
         if not isinstance(text, str):
             raise ValueError(f"expected a string, got {type(text).__name__}")
         ids = tok.encode(text, bos=False, eos=trained and k == len(pieces) - 1)
         tokens += ids
         labels += ids if trained else [IGNORE_INDEX] * len(ids)
+    if labels:
+        labels[0] = IGNORE_INDEX  # not a target of anything in its example (packed: of the one before)
     return tokens, labels
 
 
@@ -239,21 +242,22 @@ def tokenize(path: Path, tok: Tokenizer, recipe: Recipe | None = None
              ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
     """Format, tokens, labels and example starts of a data file (no cache).
 
-    Plain text is one example: BOS, every non-empty line (sentencepiece turns the line break into a
-    word boundary), EOS. Records (JSONL, tables, dataset folders) are one example each.
+    Plain text is one example: the model's BOS (where it has one), every non-empty line (sentencepiece
+    turns the line break into a word boundary), its EOS.
+    Records (JSONL, tables, dataset folders) are one example each.
     """
     recipe = recipe or Recipe()
     tokens, labels, starts = array("i"), array("i"), array("q")
     if not is_records(path):
         fmt = "text"
         starts.append(0)
-        tokens.append(tok.bos_id)
+        tokens.extend(tok.prefix)  # the model's BOS, where it puts one before a text
         for _, line in read_lines(path):
             if line.strip():
                 tokens.extend(tok.encode(line, bos=False))
-        if len(tokens) == 1:
+        if len(tokens) == len(tok.prefix):
             raise ValueError(f"{path} is empty; give a data file with some text in it")
-        tokens.append(tok.eos_id)
+        tokens.extend(tok.encode("", bos=False, eos=True))  # the document ends with the model's EOS
         labels = array("i", [IGNORE_INDEX]) + tokens[1:]
     else:
         fmt = None
@@ -568,55 +572,3 @@ def render_prompt(prompt: str, fmt: str, template: chat.ChatTemplate | None = No
     if fmt == "chat":
         return f"User: {prompt} Assistant:"
     return prompt
-
-
-# -- looking at the data ---------------------------------------------------------------------------
-
-def show_rows(ds: Windows | Packed, tok: Tokenizer | None, n: int) -> str:
-    """The first n rows as the model sees them: decoded text (special tokens shown), the tokens that
-    carry loss inside [[ ]], each packed example on its own line."""
-    lines = []
-    for i in range(min(n, len(ds) if isinstance(ds, Packed) else ds.n_sequential)):
-        x, y, *seg = ds[i if isinstance(ds, Packed) else i * ds.seq_len]
-        seg = seg[0].tolist() if seg else [0] * len(x)
-        trained = [False] + (y[:-1] != IGNORE_INDEX).tolist()  # token t is the target of position t - 1
-        n_ex = len(set(seg)) - (isinstance(ds, Packed) and any(s == len(ds.rows[i]) for s in seg))
-        lines.append(f"-- row {i}: {len(x)} tokens, {int((y != IGNORE_INDEX).sum())} trained, {n_ex} example(s)")
-        ids = x.tolist()
-        if y[-1] != IGNORE_INDEX:  # the row's last target is a token of its own
-            ids, trained, seg = ids + [int(y[-1])], trained + [True], seg + seg[-1:]
-        for k in sorted(set(seg)):
-            at = [t for t in range(len(ids)) if seg[t] == k]
-            pad = isinstance(ds, Packed) and k == len(ds.rows[i])
-            text = f"(padding: {len(at)} tokens)" if pad else _marked(tok, [ids[t] for t in at], [trained[t] for t in at])
-            lines.append(f"   {text}")
-    return "\n".join(lines)
-
-
-def _marked(tok: Tokenizer | None, ids: list[int], trained: list[bool]) -> str:
-    """ids decoded, runs of trained tokens inside [[ ]] (ids themselves without a tokenizer)."""
-    out, k = [], 0
-    while k < len(ids):
-        j = k
-        while j < len(ids) and trained[j] == trained[k]:
-            j += 1
-        text = _visible(tok, ids[k:j])
-        out.append(f"[[{text}]]" if trained[k] else text)
-        k = j
-    return "".join(out)
-
-
-def _visible(tok: Tokenizer | None, ids: list[int]) -> str:
-    if tok is None:
-        return " ".join(map(str, ids))
-    special = {tok.bos_id: tok.bos_token, tok.eos_id: tok.eos_token}
-    out, run = [], []
-    for i in ids + [None]:
-        if i is None or i in special:
-            out.append(tok.decode(run))
-            run = []
-            if i is not None:
-                out.append(special[i] or "")
-        else:
-            run.append(i)
-    return "".join(out)

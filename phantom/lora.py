@@ -198,7 +198,8 @@ def lora_modules(layers: nn.ModuleList) -> dict[tuple[int, str], LoraLinear]:
     out = {}
     for i, block in enumerate(layers):
         for t, (path, _) in TARGETS.items():
-            m = block.get_submodule(path)
+            parent, _, leaf = path.rpartition(".")
+            m = getattr(block.get_submodule(parent), leaf, None)  # a mixture of experts has no feed_forward.w1
             if isinstance(m, LoraLinear):
                 out[(i, t)] = m
     return out

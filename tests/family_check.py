@@ -109,9 +109,10 @@ def check_logits(model, store, tokens, targets, runs=STREAMED):
     return ref
 
 
-def lora_step(store, tokens, targets, adapter_dir=None, **knobs):
-    """A LoRA on every projection, B random (so A gets gradients): logits, loss, {(layer, target): grads}."""
-    lora = phantom.LoraConfig(rank=4, alpha=8, targets=ALL_TARGETS)
+def lora_step(store, tokens, targets, adapter_dir=None, lora_targets=ALL_TARGETS, **knobs):
+    """A LoRA on every projection (or lora_targets), B random (so A gets gradients): logits, loss,
+    {(layer, target): grads}."""
+    lora = phantom.LoraConfig(rank=4, alpha=8, targets=lora_targets)
     with phantom.load(store, lora=lora, loss_chunk=7, **knobs) as pm:
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
@@ -162,14 +163,14 @@ def peft_step(model, adapter_dir, tokens, targets):
     return logits.detach(), loss.detach(), grads
 
 
-def check_lora(model, store, tmp_path, tokens, targets, runs=STREAMED):
+def check_lora(model, store, tmp_path, tokens, targets, runs=STREAMED, lora_targets=ALL_TARGETS):
     """LoRA logits, loss and every A/B gradient equal peft's, streamed every way; the adapter loads in peft."""
     adapter = tmp_path / "adapter"
-    lora_step(store, tokens, targets, adapter, offload="none")
+    lora_step(store, tokens, targets, adapter, lora_targets, offload="none")
     ref_logits, ref_loss, ref_grads = peft_step(model, adapter, tokens, targets)
     for offload, prefetch, recompute in runs:
-        logits, loss, grads = lora_step(store, tokens, targets, offload=offload, prefetch=prefetch,
-                                        recompute=recompute)
+        logits, loss, grads = lora_step(store, tokens, targets, lora_targets=lora_targets, offload=offload,
+                                        prefetch=prefetch, recompute=recompute)
         assert rel_err(logits, ref_logits) < 1e-5, (offload, prefetch, recompute)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
         assert grads.keys() == ref_grads.keys()

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 import phantom
-from family_check import batch, check_logits, hf_model, model_stores, prepare, rel_err, transformers
+from family_check import (batch, check_logits, check_lora, check_merged_export, hf_model, model_stores, rel_err,
+                          transformers)
 from phantom.config import PRESETS, ModelConfig
 from phantom.export import export
 from phantom.moe import load_balancing_loss, mix, route
@@ -29,7 +30,7 @@ CASES = {  # name -> (config class, fields)
     "qwen2_moe": ("Qwen2MoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=48)),
     "mixtral": ("MixtralConfig", dict(SHAPES, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
-    "olmoe": ("OlmoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=2, eos_token_id=None, pad_token_id=None)),
+    "olmoe": ("OlmoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=2, eos_token_id=2)),  # 50279: past 400
 }
 HF_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
               "olmoe": "OlmoeForCausalLM"}
@@ -166,3 +167,23 @@ def test_a_synthetic_store_of_a_moe_preset_shape_streams(name, tmp_path):
 def test_moe_config_checks():
     with pytest.raises(ValueError, match="experts_per_token"):
         ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=10, n_experts=4, experts_per_token=5, expert_dim=8)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lora_on_attention_matches_peft_and_the_merged_export_loads(models, name, tmp_path):
+    """LoRA on q, k, v, o (routers and experts frozen): logits, loss and every A/B gradient equal peft's on
+    the transformers model, streamed; the adapter loads in peft; the merged export loads in transformers."""
+    model, store = models(name)
+    tokens, targets = batch()
+    adapter, logits = check_lora(model, store, tmp_path, tokens, targets, runs=[("disk", 1, "all"), ("ram", 0, "none")],
+                                 lora_targets=("q", "k", "v", "o"))
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == ["k_proj", "o_proj",
+                                                                                          "q_proj", "v_proj"]
+    check_merged_export(store, adapter, tmp_path, tokens, logits, HF_CLASSES[name])
+
+
+def test_lora_on_experts_is_refused_naming_the_targets(models):
+    _, store = models("mixtral")
+    for targets in (("q", "gate"), ("all-linear",)):
+        with pytest.raises(ValueError, match="attention projections only"):
+            phantom.load(store, lora=phantom.LoraConfig(targets=targets))

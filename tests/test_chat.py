@@ -65,7 +65,7 @@ FAMILIES = {  # template, bos, eos, end of turn
 }
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
             "<|im_start|>", "<|im_end|>", "<s>", "</s>", "[INST]", "[/INST]", "<bos>", "<eos>", "<start_of_turn>",
-            "<end_of_turn>"]
+            "<end_of_turn>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"]
 CORPUS = ["The keeper lit the lamp at dusk and watched the ships pass the pier.",
           "Which bird nests on the cliff? A tern, and the gulls below it.",
           "You are a helpful assistant. Answer briefly, in one sentence.",
@@ -214,3 +214,72 @@ def test_read_template_from_a_folder(tmp_path, tokenizer_file):
     (tmp_path / "chat_template.jinja").write_text(CHATML.replace("GEN_OPEN", "").replace("GEN_CLOSE", ""))
     assert "<|im_start|>" in chat.read_template(tmp_path, tok).source  # transformers 5's file wins
     assert chat.read_template(tmp_path / "nothing", tok) is None
+
+
+# Templates that do not render a conversation as the sum of its turns, in the published templates' styles:
+# Mistral-Nemo puts the system prompt into the last user message, and only when that message is the last;
+# Phi-3.5 ends a turn with <|end|> (which shares "<|" with the next turn's <|user|>) and the conversation
+# with <|endoftext|>. GEN_OPEN/GEN_CLOSE: where TRL-style markers go (the answer and its end of turn).
+NEMO = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}"
+    "{{- '[INST]' + system_message + '\n\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message.tool_calls is defined %}{%- for call in message.tool_calls %}{{- call.name }}{%- endfor %}"
+    "{%- elif message['role'] == 'assistant' %}GEN_OPEN{{- message['content'] + eos_token }}GEN_CLOSE"
+    "{%- endif %}{%- endfor %}")
+PHI35 = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n'}}GEN_OPEN{{message['content'] + '<|end|>'}}GEN_CLOSE{{'\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+STYLES = {"nemo": (NEMO, "<s>", "</s>"), "phi35": (PHI35, None, "<|endoftext|>"),
+          "chatml": (FAMILIES["chatml"][0], None, "<|im_end|>"), "gemma": (FAMILIES["gemma"][0], "<bos>", "<eos>")}
+
+
+def styled(name: str, marked: bool) -> str:
+    return STYLES[name][0].replace("GEN_OPEN", OPEN if marked else "").replace("GEN_CLOSE", CLOSE if marked else "")
+
+
+@pytest.mark.parametrize("name", STYLES)
+@pytest.mark.parametrize("system", [False, True])
+def test_masks_of_templates_that_are_not_the_sum_of_their_turns(tokenizer_file, name, system):
+    """The published template (no markers) trains what transformers' return_assistant_tokens_mask marks on
+    it with markers around each answer and its end of turn: not the user's words (Nemo's system prompt
+    moves), not the next turn's <|user|> (Phi), not the newline after the end of turn (ChatML, Gemma,
+    Phi) nor Phi's closing <|endoftext|>."""
+    _, bos, eos = STYLES[name]
+    tok, messages = Tokenizer(tokenizer_file), ([SYSTEM] if system else []) + CHATS["multi"]
+    ref = reference(tokenizer_file, bos, eos, styled(name, marked=True))
+    out = ref.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, labels = chat.encode_chat(tok, ours(styled(name, marked=False), bos, eos), messages)
+    assert ids == out["input_ids"]
+    assert [int(label != chat.IGNORE_INDEX) for label in labels] == out["assistant_masks"]
+    trained = ref.decode([i for i, label in zip(ids, labels) if label != chat.IGNORE_INDEX])
+    assert "\n" not in trained and "<|user|>" not in trained and "<|endoftext|>" not in trained
+    assert "Which bird" not in trained and "Answer briefly" not in trained
+
+
+def test_token_mask_marks_every_token_a_span_touches():
+    """An answer starting with a multi-byte character: its byte tokens share the character's offsets."""
+    assert chat.token_mask([(0, 5), (5, 6), (5, 6), (5, 6), (6, 7)], [(5, 7)]) == [False, True, True, True, True]
+    assert chat.token_mask([(0, 2), (2, 4), (4, 6)], [(3, 3), (5, 9)]) == [False, False, True]
+
+
+def test_null_fields_are_dropped_before_rendering(tokenizer_file):
+    """Chat UIs export `"tool_calls": null`; transformers renders such a message as one without the key."""
+    tok, template = Tokenizer(tokenizer_file), ours(styled("nemo", False), "<s>", "</s>")
+    record = {"messages": [{"role": "user", "content": "Who lit the lamp?", "name": None},
+                           {"role": "assistant", "content": "The keeper.", "tool_calls": None}]}
+    assert chat.encode_chat(tok, template, chat.to_messages(record, "chat")) == \
+        chat.encode_chat(tok, template, CHATS["single"])
+
+
+def test_a_template_that_rewrites_the_answer_is_refused(tokenizer_file):
+    tok = Tokenizer(tokenizer_file)
+    upper = ours("{% for m in messages %}{{ m['content'] | upper }}{{ eos_token }}{% endfor %}", None, "</s>")
+    with pytest.raises(ValueError, match="cannot be mapped exactly"):
+        chat.encode_chat(tok, upper, CHATS["single"])

@@ -34,26 +34,25 @@ def show_rows(ds: Windows | Packed, tok: Tokenizer | None, n: int, ids: bool = F
 def marked(tok: Tokenizer | None, row: list[int], trained: list[bool], ids: bool = False) -> str:
     """row decoded with its special tokens, runs of trained tokens inside [[ ]] (the ids themselves
     without a tokenizer)."""
-    texts = [str(i) + " " for i in row] if tok is None else token_texts(tok, row)
-    if ids and tok is not None:
-        texts = [f"{t}⟨{i}⟩" for t, i in zip(texts, row)]
     out, k = [], 0
     while k < len(row):
         j = k
         while j < len(row) and trained[j] == trained[k]:
             j += 1
-        text = "".join(texts[k:j])
+        if tok is None:
+            text = " ".join(map(str, row[k:j]))
+        elif ids:
+            text = "".join(f"{tok.decode([i], specials=True)}⟨{i}⟩" for i in row[k:j])
+        else:
+            text = span_text(tok, row, k, j)
         out.append(f"[[{text}]]" if trained[k] else text)
         k = j
-    return "".join(out).rstrip(" ") if tok is None else "".join(out)
+    return ("" if tok is not None else " ").join(out)
 
 
-def token_texts(tok: Tokenizer, row: list[int], context: int = 8) -> list[str]:
-    """Each token's text as it reads in the row: the decoding of the tokens before it and itself, less
-    that of the tokens before it (so a word's leading space stays with it), special tokens by their text."""
-    out = []
-    for k in range(len(row)):
-        before = row[max(0, k - context):k]
-        whole, head = tok.decode(before + [row[k]], specials=True), tok.decode(before, specials=True)
-        out.append(whole[len(head):] if whole.startswith(head) else tok.decode([row[k]], specials=True))
-    return out
+def span_text(tok: Tokenizer, row: list[int], a: int, b: int, context: int = 8) -> str:
+    """The text of row[a:b] as it reads in the row: the decoding of a few tokens before it and the span,
+    less that of the tokens before it (so a word keeps its leading space and a character its bytes)."""
+    before = row[max(0, a - context):a]
+    whole, head = tok.decode(before + row[a:b], specials=True), tok.decode(before, specials=True)
+    return whole[len(head):] if whole.startswith(head) else tok.decode(row[a:b], specials=True)

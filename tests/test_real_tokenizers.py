@@ -180,3 +180,37 @@ def test_plain_text_rows_begin_with_bos_where_the_model_has_one(tmp_path):
         shown = showdata.show_rows(data.rows(d, len(tokens) - 1), tok, 1)
         assert shown.splitlines()[1].strip().startswith(first or "The[[ keeper")  # the first token is no target
         assert shown.rstrip().endswith(tok.eos_token + "]]")
+
+
+@pytest.fixture(scope="module")
+def qwen_store(tmp_path_factory):
+    """A tiny random Qwen3 with the real Qwen3 vocabulary (hidden size 64), prepared by prepare_model.py
+    from a folder holding the published tokenizer files."""
+    import torch
+    from test_convert import load_script
+    root = tmp_path_factory.mktemp("qwen3")
+    src = root / "hf"
+    shutil.copytree(real_tokenizer("qwen3"), src)
+    config = transformers.Qwen3Config(vocab_size=151669, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                      max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(src)
+    assert load_script("prepare_model").main(["--src", str(src), "--out", str(root / "store"), "--quiet"]) == 0
+    return root / "store"
+
+
+def test_show_data_shows_the_template_and_the_trained_end_of_turn(qwen_store, tmp_path, capsys):
+    from test_convert import load_script
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Who lit the lamp?"},
+                                             {"role": "assistant", "content": "The keeper."}]}) + "\n")
+    finetune = load_script("finetune")
+    assert finetune.main(["--model", str(qwen_store), "--data", str(path), "--show-data", "1", "--seq-len", "64",
+                          "--val-split", "0", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "<|im_start|>user\nWho lit the lamp?<|im_end|>\n<|im_start|>assistant\n" in out
+    assert "[[The keeper.<|im_end|>]]" in out and "<s>" not in out
+    assert finetune.main(["--model", str(qwen_store), "--data", str(path), "--show-data", "1", "--show-data-ids",
+                          "--seq-len", "64", "--val-split", "0", "-q"]) == 0
+    assert "<|im_start|>⟨151644⟩" in capsys.readouterr().out

@@ -522,6 +522,8 @@ def ensure_tiny(out: Path) -> Path:
     tok = out.parent / f".{out.name}.tokenizer.model"
     template = out.parent / f".{out.name}.chat" / "chat_template.jinja"
     cfg = preset("tiny")
+    for stale in (tok, template.parent):  # a killed run's leftovers; a link planted there goes, never followed
+        stale.unlink() if stale.is_symlink() or stale.is_file() else shutil.rmtree(stale, ignore_errors=True)
     try:
         train_tiny_tokenizer(tok, vocab_size=cfg.vocab_size)
         template.parent.mkdir(exist_ok=True)

@@ -11,9 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from phantom import dtypes
-from phantom.config import ModelConfig
+from phantom.config import ModelConfig, block_tensor_shapes
 from phantom import placement as P
 from phantom.placement import Activations, Layout, Placement, loss_budget
+from phantom.quantformat import QuantFormat, as_format, block_nbytes
 
 ALIGN = 4096  # phantom.tensorfile.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
 HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.hostmem's: host buffers from HUGE_MIN get huge pages
@@ -41,13 +42,14 @@ def host_buffer_bytes(n: int) -> int:
 @dataclass(frozen=True)
 class Workload:
     """What one training step computes: `rows` rows of `seq_len` tokens in the compute dtype, over a store
-    in `store_dtype` (its linear weights quantized as `quant`: "nf4", "int8", or None)."""
+    in `store_dtype` (its linear weights quantized as `quant`: a store's QuantFormat, or "nf4" / "int8" for
+    prepare_model.py's format of that method, or None)."""
 
     rows: int
     seq_len: int
     dtype: str = "bf16"
     store_dtype: str = "bf16"
-    quant: str | None = None
+    quant: str | QuantFormat | None = None
 
 
 @dataclass(frozen=True)
@@ -112,33 +114,17 @@ def keep_elems_per_token(cfg: ModelConfig) -> float:
     return 8.5 * cfg.dim + 3 * cfg.hidden_dim + 2 * cfg.kv_heads * cfg.head_dim + 16
 
 
-def quant_block_bytes(cfg: ModelConfig, method: str, itemsize: int, double_quant: bool = True,
-                      blocksize: int = 64) -> int:
-    """Bytes of one block stored quantized (phantom.quant.block_layout): each linear weight of n values as
-    nf4 codes (n/2) and scales (one uint8 per block of values, fp32 per 256 of those and an offset; or an
-    fp32 per block), or int8 codes and an fp32 scale per row; the rest (norms, biases) in `itemsize`."""
-    kv = cfg.kv_heads * cfg.head_dim
-    mats = [(cfg.q_dim, cfg.dim), (kv, cfg.dim), (kv, cfg.dim), (cfg.dim, cfg.q_dim)] + \
-        [(cfg.hidden_dim, cfg.dim), (cfg.dim, cfg.hidden_dim), (cfg.hidden_dim, cfg.dim)]
-    total = (cfg.block_params() - sum(rows * cols for rows, cols in mats)) * itemsize
-    for rows, cols in mats:
-        n = rows * cols
-        blocks = -(-n // blocksize)
-        if method == "int8":
-            total += n + 4 * rows
-        else:
-            total += (n + 1) // 2 + (blocks + 4 * -(-blocks // 256) + 4 if double_quant else 4 * blocks)
-    return total
-
-
 def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", seq_len: int = 1024,
-             quant: str | None = None) -> Shape:
-    """The cost model's view of a model from its config alone: no store needed. quant ("nf4", "int8"):
-    a quantized store of it (its other tensors in store_dtype), dequantized into `dtype` at each load."""
+             quant: str | QuantFormat | None = None) -> Shape:
+    """The cost model's view of a model from its config alone: no store needed. quant (a QuantFormat, or
+    "nf4" / "int8" as prepare_model.py writes them): a quantized store of it (its other tensors in
+    store_dtype), its block bytes counted by the store's own layout rule, dequantized into `dtype` at
+    each load."""
     stored, computed = dtypes.lookup(store_dtype), dtypes.lookup(dtype)
     s, c = stored.itemsize, computed.itemsize
     params = cfg.block_params()
-    block = params * s if quant is None else quant_block_bytes(cfg, quant, s)
+    fmt = as_format(quant)
+    block = params * s if fmt is None else block_nbytes(fmt, block_tensor_shapes(cfg), stored.torch_name)
     head_params = cfg.vocab_size * cfg.dim + cfg.dim
     embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
     return Shape(

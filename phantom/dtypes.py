@@ -34,3 +34,11 @@ def lookup(name) -> ElementType:
         return _FLOAT_BY_NAME[str(name).removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(NAMES)}") from None
+
+
+def stored(torch_name: str) -> ElementType:
+    """Any element type a file may hold, by torch's name ("uint8", "bfloat16")."""
+    try:
+        return next(t for t in ALL if t.torch_name == str(torch_name).removeprefix("torch."))
+    except StopIteration:
+        raise ValueError(f"unknown element type {torch_name!r}") from None

@@ -28,6 +28,7 @@ from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
 from phantom.lora import TARGETS, apply_lora, for_family, load_adapter, lora_modules, read_adapter_config
 from phantom import fileio, runfolder
 from phantom.fileio import atomic_write as atomic_write_bytes
+from phantom.hfshards import DEFAULT_MAX_SHARD_SIZE, ShardWriter, parse_size
 from phantom.store import BlockStore
 from phantom.tensorfile import dtype_name, write_safetensors
 from phantom.tokenizer import Tokenizer, sentencepiece_to_json
@@ -66,7 +67,7 @@ def merged_parts(store: BlockStore, adapter: Path | None, dtype: torch.dtype,
 
 
 # ---------------------------------------------------------------------------------------------
-# Hugging Face: config.json + one safetensors shard per part + model.safetensors.index.json
+# Hugging Face: config.json + safetensors shards by size (+ model.safetensors.index.json past one)
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """config.json for the family's own transformers class (the fields phantom.family reads back)."""
@@ -150,18 +151,25 @@ def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor],
     return out | {hf_names[(isinstance(part, int), name)].format(part): t.contiguous() for name, t in hf.items()}
 
 
-def write_hf(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
-    n = cfg.n_layers + 2
-    weight_map, total = {}, 0
-    for k, (part, tensors) in enumerate(parts, start=1):
-        name = f"model-{k:05d}-of-{n:05d}.safetensors"
+def hf_specs(cfg: ModelConfig, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(Hugging Face name, dtype, shape) of every tensor, from shapes alone (meta tensors through
+    to_hf): the shard plan is made before any weight is read."""
+    out = []
+    for part in ("embed", *range(cfg.n_layers), "head"):
+        hf = to_hf(cfg, part, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in part_shapes(cfg, part).items()})
+        out += [(name, t.dtype, tuple(t.shape)) for name, t in hf.items()]
+    return out
+
+
+def write_hf(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype, max_shard_size: str | int) -> None:
+    """Shards by size as save_pretrained writes them (phantom.hfshards), one part in memory at a time."""
+    writer = ShardWriter(tmp, hf_specs(cfg, dtype), parse_size(max_shard_size))
+    for part, tensors in parts:
         hf = to_hf(cfg, part, tensors)
-        write_safetensors(tmp / name, hf, metadata={"format": "pt"})
-        weight_map.update({key: name for key in hf})
-        total += sum(t.numel() * t.element_size() for t in hf.values())
-        del tensors, hf  # before the next part is made: one part in memory at a time
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        for name in list(hf):
+            writer.write(name, hf.pop(name))
+        del tensors, hf  # before the next part is made
+    writer.finish()
     (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
 
 
@@ -300,7 +308,8 @@ def write_meta(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
 
 
 def export(model: Path | str, out: Path | str, adapter: Path | str | None = None, fmt: str = "hf",
-           dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = True) -> Path:
+           dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = True,
+           max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Write a store (plus a LoRA adapter, merged) as a full checkpoint in Hugging Face's or Meta's format.
 
     Args:
@@ -311,12 +320,15 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         dtype: the checkpoint's dtype (default: the store's).
         overwrite: replace an existing folder at out.
         progress: a tqdm bar over the blocks.
+        max_shard_size: "hf": the most bytes of one safetensors shard (int, or like "5GB"; transformers'
+            save_pretrained default): model.safetensors alone, or shards and an index past it.
 
     Raises:
         FileNotFoundError, ValueError, StoreError: a missing or mismatched store or adapter, a bad argument.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose hf or meta")
+    parse_size(max_shard_size)  # a bad size is refused before any work
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; remove it or choose another --out")
@@ -328,7 +340,10 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
     dtype = dtype or store.dtype
     with fileio.replacing_folder(out) as tmp:  # the old folder (overwrite) goes only once this one is complete
         parts = merged_parts(store, Path(adapter) if adapter else None, dtype, progress)
-        (write_hf if fmt == "hf" else write_meta)(tmp, store.cfg, parts, dtype)
+        if fmt == "hf":
+            write_hf(tmp, store.cfg, parts, dtype, max_shard_size)
+        else:
+            write_meta(tmp, store.cfg, parts, dtype)
         if fmt == "hf":
             write_tokenizer_files(store, tmp)
             carry_token_ids(tmp)

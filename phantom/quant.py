@@ -6,13 +6,12 @@ value (tests/test_quant.py checks codes, scales and dequantized weights against 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import contextlib
 
 import torch
 
-METHODS = ("nf4", "int8")
+from phantom.quantformat import QuantError, QuantFormat, quantized
+
 CHUNK = 1 << 18  # values dequantized per piece: temporaries of 1 MiB stay in L2 (a multiple of every block size;
 #                  fastest of 2^16..2^22 on the CPU of notes/bench-quant.md)
 
@@ -39,79 +38,6 @@ def dynamic_map() -> torch.Tensor:
 
 
 DYNAMIC_CODE = dynamic_map()
-
-
-class QuantError(ValueError):
-    """Quantized tensors that do not match their record, or scales no quantizer writes."""
-
-
-@dataclass(frozen=True)
-class QuantFormat:
-    """How a store's linear weights are stored: the manifest's "quantization" record, less its tensors.
-
-    nf4: 4-bit codes of `blocksize` consecutive values per absmax scale (row-major, as bitsandbytes'
-    quantize_4bit); with double_quant the fp32 scales are themselves stored as 8-bit dynamic codes of
-    `absmax_blocksize` scales each, an fp32 scale per group and one fp32 offset (QLoRA's "double
-    quantization"). int8: LLM.int8's row-wise absmax, round(w * 127 / absmax) in [-127, 127].
-    """
-
-    method: str
-    blocksize: int = 64
-    double_quant: bool = True
-    absmax_blocksize: int = 256
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise QuantError(f"unknown quantization {self.method!r}; use one of {', '.join(METHODS)}")
-        if self.method == "nf4" and (self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096)
-                                     or self.absmax_blocksize != 256):
-            raise QuantError(f"nf4 needs a block size of 32..4096 (a power of two) and 256 scales per "
-                             f"double-quantized group, not {self.blocksize} and {self.absmax_blocksize}")
-
-    def record(self) -> dict:
-        if self.method == "int8":
-            return {"method": "int8"}
-        return {"method": "nf4", "blocksize": self.blocksize, "double_quant": self.double_quant,
-                "absmax_blocksize": self.absmax_blocksize}
-
-    @classmethod
-    def from_record(cls, rec: dict) -> "QuantFormat":
-        try:
-            if rec["method"] == "int8":
-                if set(rec) - {"method", "tensors"}:
-                    raise QuantError(f"int8 takes no settings, got {sorted(set(rec) - {'method', 'tensors'})}")
-                return cls("int8")
-            return cls(rec["method"], int(rec["blocksize"]), bool(rec["double_quant"]), int(rec["absmax_blocksize"]))
-        except (KeyError, TypeError) as e:
-            raise QuantError(f"bad quantization record ({type(e).__name__}: {e})") from None
-
-
-def quantized(name: str, shape: tuple[int, ...]) -> bool:
-    """Which tensors of a block are quantized: the linear weights (matrices); norms stay 16-bit."""
-    return len(shape) == 2
-
-
-def stored_layout(fmt: QuantFormat, name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The tensors (name -> shape, dtype) a quantized weight of `shape` is stored as."""
-    n = shape[0] * shape[1]
-    if fmt.method == "int8":
-        return {f"{name}.int8": (tuple(shape), torch.int8), f"{name}.absmax": ((shape[0],), torch.float32)}
-    blocks = -(-n // fmt.blocksize)
-    out = {f"{name}.nf4": (((n + 1) // 2,), torch.uint8)}
-    if not fmt.double_quant:
-        return {**out, f"{name}.absmax": ((blocks,), torch.float32)}
-    return {**out, f"{name}.absmax": ((blocks,), torch.uint8),
-            f"{name}.absmax2": ((-(-blocks // fmt.absmax_blocksize),), torch.float32),
-            f"{name}.offset": ((1,), torch.float32)}
-
-
-def block_layout(fmt: QuantFormat, shapes: dict[str, tuple[int, ...]],
-                 dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """A block's stored tensors: each quantized weight's parts, the rest as they are in `dtype`."""
-    out = {}
-    for name, shape in shapes.items():
-        out.update(stored_layout(fmt, name, shape) if quantized(name, shape) else {name: (tuple(shape), dtype)})
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

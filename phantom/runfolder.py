@@ -66,7 +66,8 @@ def check_replaceable(path: Path | str, kind: str) -> None:
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return
     if not path.is_dir():
-        raise RunFolderError(f"--overwrite: {path} is a file, not a phantom {kind}; move it away or choose another --out")
+        raise RunFolderError(f"--overwrite: {path} is a file, not a phantom {kind}; move it away or choose "
+                             f"another --out")
     if folder_kind(path) != kind:
         raise RunFolderError(f"--overwrite: {path} is not a phantom {kind} (its manifest does not say so) and phantom "
                              f"removes only folders it wrote; it holds {listing(path)}: move it away or choose "

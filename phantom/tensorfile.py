@@ -36,6 +36,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return getattr(torch, dtypes.lookup(name).torch_name)
 
 
+def parse_stored(name: str) -> torch.dtype:
+    """Any element type a file may hold (integer codes and scales included), by torch's name."""
+    return getattr(torch, dtypes.stored(name).torch_name)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -93,7 +98,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 
 def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tensor], digest) -> None:
-    with open(path, "wb") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)  # never through a link
+    with os.fdopen(fd, "wb") as f:
         faults.io_point(path)  # tests: a full disk here
         for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
             f.write(chunk)

@@ -33,7 +33,7 @@ from phantom import quant
 from phantom import placement as P
 from phantom.convert import write_synthetic
 from phantom.model import ChunkedHeadLoss, PhantomModel, WeightHandles
-from phantom.quant import QuantFormat
+from phantom.quantformat import as_format
 from phantom.hostmem import HostBuffer
 from phantom.memory import free_device_bytes, free_host_bytes
 from phantom.directio import readinto_exact
@@ -293,7 +293,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
         cm.MachineProfile.dequant_gbps
     log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)
-    shape = cm.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store_quant(store))
+    shape = cm.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     return cm.MachineProfile(
         machine=machine_key(device), device=device.type, dtype=dtype_name(dtype), disk_gbps=disk,
         disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, fwd_flops=shape.flops_per_row / c["fwd_row_s"],
@@ -345,7 +345,7 @@ def shape_key(cfg, store_dtype: str, quant: str | None = None) -> str:
     """What a block's cost depends on, not the depth: e.g. `d8192-f28672-h64-kv8-v32000-bfloat16-1a2b3c`
     (a quantized store: `...-nf4-...`)."""
     parts = dict(dim=cfg.dim, hidden=cfg.hidden_dim, heads=cfg.n_heads, kv=cfg.kv_heads, vocab=cfg.vocab_size,
-                 dtype=dtypes.lookup(store_dtype).torch_name + (f"-{quant}" if quant else ""))
+                 dtype=dtypes.lookup(store_dtype).torch_name + (f"-{as_format(quant).method}" if quant else ""))
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:6]
     return _slug(f"d{cfg.dim}-f{cfg.hidden_dim}-h{cfg.n_heads}-kv{cfg.kv_heads}-v{cfg.vocab_size}-"
                  f"{parts['dtype']}-{digest}")
@@ -422,7 +422,7 @@ def probe(cfg, device, work: cm.Workload, profile_dir: Path | str | None = None,
             log.info("writing %d synthetic blocks of this shape to measure them (%.1f GiB)", small.n_layers,
                      cm.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
             store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,
-                                               quant=QuantFormat(quant) if quant else None), verify="none")
+                                               quant=as_format(quant)), verify="none")
             profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick)
         save_profile(profile, path)
     return with_free_memory(profile, device)
@@ -469,7 +469,7 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
         space = dataclasses.replace(space, offloads=("auto",))
     store = BlockStore(store_path, verify="none")
     profile = profile_for(store, device, dtype, batch_size, seq_len, profile_dir)
-    work = cm.Workload(batch_size, seq_len, dtypes.lookup(dtype).torch_name, store.manifest["dtype"], store_quant(store))
+    work = cm.Workload(batch_size, seq_len, dtypes.lookup(dtype).torch_name, store.manifest["dtype"], store.quant)
     best, _, shape = plan(profile, store.cfg, work, space)
     log.info("the tuner's plan:\n%s", cm.describe_plan(best, shape, profile, store.path.name))
     return best
@@ -571,7 +571,7 @@ def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, work: cm.Wo
                              f"use fewer blocks")
         log.info("writing %d synthetic blocks to %s (%s)", n_blocks, path, cm.gib(need))
         write_synthetic(path, small, parse_dtype(store_dtype), progress=False,
-                        quant=QuantFormat(quant) if quant else None)
+                        quant=as_format(quant))
     place, acts = scaled_placement(full, cm.shape_of(cfg, store_dtype, dtype, seq_len, quant), n_blocks)
     pred = cm.predict(profile, pred_shape(small, store_dtype, dtype, seq_len, quant), place, acts, full.rows)
     store = BlockStore(path, verify="none")

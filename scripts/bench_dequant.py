@@ -29,7 +29,7 @@ from phantom import quant  # noqa: E402
 from phantom.config import ModelConfig  # noqa: E402
 from phantom.convert import quantize_store, write_synthetic  # noqa: E402
 from phantom.hostmem import HostBuffer  # noqa: E402
-from phantom.quant import QuantFormat  # noqa: E402
+from phantom.quantformat import METHODS, QuantFormat  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--method", choices=quant.METHODS, default="nf4")
+    p.add_argument("--method", choices=METHODS, default="nf4")
     p.add_argument("--batches", default="1x8,2x128", help="rows x tokens per step, comma-separated")
     p.add_argument("--steps", type=int, default=3, help="timed steps after a warm-up (medians)")
     p.add_argument("--repeats", type=int, default=5, help="timed dequantizations of block 0 (medians)")

@@ -16,6 +16,7 @@ from phantom import cli  # noqa: E402
 from phantom.cli import STORE_DTYPES  # noqa: E402
 from phantom.convert import disk_usage  # noqa: E402
 from phantom.export import export  # noqa: E402
+from phantom.hfshards import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
 from phantom.tensorfile import parse_dtype  # noqa: E402
 
 
@@ -29,6 +30,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--format", choices=["hf", "meta"], default="hf",
                    help="hf: config.json + safetensors shards (transformers, vLLM, llama.cpp's converter); "
                         "meta: params.json + consolidated.00.pth (Meta's reference code)")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help=f"hf: the most bytes of one safetensors shard, as transformers' save_pretrained takes it "
+                        f"(default: its {DEFAULT_MAX_SHARD_SIZE}; e.g. 5GB, 500MB or bytes): one model.safetensors "
+                        f"below it, else numbered shards and model.safetensors.index.json")
     p.add_argument("--dtype", choices=STORE_DTYPES, default=None,
                    help="dtype of the written weights (default: the store's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
@@ -38,9 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(argv=None) -> int:
     args = parse_args(argv)
+    if args.max_shard_size is not None and args.format != "hf":
+        raise ValueError("--max-shard-size is for --format hf (Meta's format is one consolidated.00.pth)")
     t0 = time.perf_counter()
     out = export(resolve_model(args.model), args.out, args.adapter, args.format,
-                 parse_dtype(args.dtype) if args.dtype else None, args.overwrite, progress=not args.quiet)
+                 parse_dtype(args.dtype) if args.dtype else None, args.overwrite, progress=not args.quiet,
+                 max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     what = "base + adapter" if args.adapter else "base model"
     print(f"wrote {out} ({args.format} format, {what}) in {time.perf_counter() - t0:.1f} s, "
           f"{disk_usage(out) / 1e9:.2f} GB on disk")

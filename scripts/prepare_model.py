@@ -18,7 +18,7 @@ from phantom import cli  # noqa: E402
 from phantom.cli import STORE_DTYPES  # noqa: E402
 from phantom.config import PRESETS, preset  # noqa: E402
 from phantom.convert import convert_checkpoint, disk_usage, quantize_store, write_synthetic  # noqa: E402
-from phantom.quant import METHODS, QuantFormat  # noqa: E402
+from phantom.quantformat import METHODS, QuantFormat  # noqa: E402
 from phantom.tensorfile import parse_dtype  # noqa: E402
 
 

@@ -22,7 +22,7 @@ import phantom  # noqa: E402
 from phantom import cli, config, family, tune  # noqa: E402
 from phantom import costmodel as cm  # noqa: E402
 from phantom.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
-from phantom.quant import METHODS  # noqa: E402
+from phantom.quantformat import METHODS  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 
 

@@ -309,7 +309,7 @@ def test_a_quantized_store_s_slots_and_blocks_fit_the_device_budget(fc, tmp_path
     resident block the dequantized one. With a budget of two slots and two resident blocks, what the
     scheduler allocates on the device stays within it (device budgets are counted in dequantized units)."""
     from phantom.convert import quantize_store
-    from phantom.quant import QuantFormat
+    from phantom.quantformat import QuantFormat
     out = quantize_store(small_store_bf16, tmp_path / "int8", QuantFormat("int8"), progress=False)["out"]
     store = BlockStore(out)
     dense = store.dense_nbytes  # bf16 store, bf16 compute

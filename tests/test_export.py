@@ -53,13 +53,38 @@ def test_merged_checkpoint_gives_base_plus_adapter_logits(tmp_path, base, adapte
 
 
 def test_base_export_is_hf_layout_exactly(tmp_path, base):
-    out = export(base[0], tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False)
+    out = export(base[0], tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False, max_shard_size=50_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     got = {}
     for name in sorted(set(index.values())):
         got.update(load_file(out / name))
     expected = hf_state_dict(LLAMA3, base[1])
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def weight_files(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("model"))
+
+
+@pytest.mark.parametrize("max_shard_size", [None, 40_000, "0.1MB"])
+def test_hf_export_is_sharded_as_save_pretrained_shards(tmp_path, base, adapter, max_shard_size):
+    """The files, and the index past one shard, are what transformers' save_pretrained writes for the
+    same model at the same max_shard_size (default: its 50GB, so model.safetensors alone); the export
+    loads with AutoModelForCausalLM and gives base + adapter."""
+    transformers = pytest.importorskip("transformers")
+    size = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    out = export(base[0], tmp_path / "hf", adapter[0], "hf", dtype=torch.float32, progress=False, **size)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS).logits, adapter[1], rtol=0, atol=1e-4)
+    model.save_pretrained(tmp_path / "theirs", **size)
+    assert weight_files(out) == weight_files(tmp_path / "theirs")
+    if max_shard_size is None:
+        assert weight_files(out) == ["model.safetensors"]
+    else:
+        assert len(weight_files(out)) > 3  # shards cut inside blocks, not one per block
+        index = "model.safetensors.index.json"
+        assert (out / index).read_text() == (tmp_path / "theirs" / index).read_text()
 
 
 def test_merge_lora_cli(tmp_path, capsys, base, adapter):
@@ -72,6 +97,13 @@ def test_merge_lora_cli(tmp_path, capsys, base, adapter):
     assert merge(["--model", str(base[0]), "--adapter", str(tmp_path / "nope"), "--out", str(tmp_path / "m2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "adapter_config.json" in err[0] and not (tmp_path / "m2").exists()
+    assert merge(["--model", str(base[0]), "--out", str(tmp_path / "m3"), "--max-shard-size", "50000", "--quiet"]) == 0
+    assert len(list((tmp_path / "m3").glob("model-*-of-*.safetensors"))) > 3
+    for bad in (["--max-shard-size", "5 GiB"], ["--max-shard-size", "0"], ["--max-shard-size", "5GB", "--format", "meta"]):
+        assert merge(["--model", str(base[0]), "--out", str(tmp_path / "m4"), *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "--max-shard-size" in err[0], err
+        assert not (tmp_path / "m4").exists()
 
 
 def test_transformers_loads_the_export(tmp_path, base, adapter):

@@ -85,8 +85,8 @@ def test_full_mode_writes_the_trained_store(tmp_path):
 def test_full_mode_rerun_into_the_same_out_starts_from_the_base_model(tmp_path):
     args = [*SMALL, "--iters", "2", "--mode", "full", "--offload", "disk", "--lr", "1e-3", "--eval-every", "0",
             "--val-split", "0", "-q"]
-    for out in ("a", "b", "b"):  # b twice: the second run must not continue from the first's weights
-        assert run(*args, "--out", tmp_path / out).returncode == 0
+    for out, again in (("a", []), ("b", []), ("b", ["--overwrite"])):  # b twice: the second run must not
+        assert run(*args, *again, "--out", tmp_path / out).returncode == 0  # continue from the first's weights
     a, b = BlockStore(tmp_path / "a" / "store"), BlockStore(tmp_path / "b" / "store")
     assert (a.load_block(0)["attention.wq.weight"] == b.load_block(0)["attention.wq.weight"]).all()
 

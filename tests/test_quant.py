@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from phantom import quant
-from phantom.quant import QuantFormat
+from phantom.quantformat import QuantFormat, block_layout
+from phantom.tensorfile import dtype_name
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "no kernels package" (a GEMM we do not use)
 bnb = pytest.importorskip("bitsandbytes.functional")
@@ -124,8 +125,8 @@ def test_block_layout_and_roundtrip():
                enumerate(shapes.items())}
     for fmt in (QuantFormat("nf4"), QuantFormat("nf4", double_quant=False), QuantFormat("int8")):
         stored = quant.quantize_block(fmt, tensors, torch.bfloat16)
-        layout = quant.block_layout(fmt, shapes, torch.bfloat16)
-        assert {k: (tuple(v.shape), v.dtype) for k, v in stored.items()} == layout
+        layout = block_layout(fmt, shapes, "bfloat16")
+        assert {k: (tuple(v.shape), dtype_name(v.dtype)) for k, v in stored.items()} == layout
         out = {n: torch.empty(s) for n, s in shapes.items()}
         quant.dequantize_block(fmt, stored, out)
         assert torch.equal(out["ffn_norm.weight"], tensors["ffn_norm.weight"].bfloat16().float())

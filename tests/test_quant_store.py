@@ -17,7 +17,7 @@ from phantom import quant
 from phantom.config import block_tensor_shapes
 from phantom.convert import quantize_store, write_synthetic
 from phantom.placement import Placement
-from phantom.quant import QuantFormat
+from phantom.quantformat import QuantFormat, block_layout
 from phantom.scheduler import BlockScheduler
 from phantom.tokenizer import train_tiny_tokenizer
 from phantom.store import BlockStore, MANIFEST, StoreError, StoreWriter, block_file
@@ -75,8 +75,8 @@ def test_manifest_records_how_each_tensor_is_stored(bf16, stores):
         rec = json.loads((path / MANIFEST).read_text())["quantization"]
         assert QuantFormat.from_record(rec) == fmt == store.quant
         assert rec["tensors"] == {n: fmt.method if len(s) == 2 else "bfloat16" for n, s in block_tensor_shapes(CFG).items()}
-        specs = {s.name: (s.shape, s.dtype) for s in read_header(path / block_file(3))[0]}
-        assert specs == quant.block_layout(fmt, block_tensor_shapes(CFG), torch.bfloat16)
+        specs = {s.name: (s.shape, str(s.dtype).removeprefix("torch.")) for s in read_header(path / block_file(3))[0]}
+        assert specs == block_layout(fmt, block_tensor_shapes(CFG), "bfloat16")
         assert store.dense_nbytes == plain.block_nbytes
         # embedding and head stay 16-bit, the very tensors of the store it came from
         assert torch.equal(store.load_embed()["tok_embeddings.weight"], plain.load_embed()["tok_embeddings.weight"])
@@ -280,12 +280,12 @@ def test_generate_runs_the_quantized_store(stores, trained, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 # The cost model counts quantized bytes and the dequantization
 
-def test_cost_model_counts_quantized_bytes_and_dequantization(stores):
+def test_cost_model_counts_quantized_bytes_and_dequantization(bf16, stores):
     from phantom import costmodel as cm
     from phantom.placement import Activations, loads_per_step
-    for name, path in stores.items():
-        store, fmt = BlockStore(path), FORMATS[name]
-        assert cm.quant_block_bytes(CFG, fmt.method, 2, fmt.double_quant) == store.block_nbytes
+    for path in (bf16, *stores.values()):  # 16-bit, nf4 with and without double quantization, int8
+        store = BlockStore(path)
+        assert cm.shape_of(store.cfg, store.manifest["dtype"], "fp32", 16, store.quant).block_bytes == store.block_nbytes
     store = BlockStore(stores["nf4"])
     shape, plain = cm.shape_of(CFG, "bf16", "fp32", 16, "nf4"), cm.shape_of(CFG, "bf16", "fp32", 16)
     assert shape.block_bytes == store.block_nbytes and shape.converts and shape.dequant_bytes == plain.resident_bytes

@@ -272,6 +272,16 @@ def test_a_checkpoint_without_a_seal_is_refused(runs, env, tmp_path, capsys):
              "start the run again")
 
 
+def test_an_older_run_folder_is_refused_on_resume(runs, env, tmp_path, capsys):
+    """A run folder of an older phantom (no phantom-run.json) is not known to be a run's: refused."""
+    out = copy_run(runs, tmp_path)
+    (out / runfolder.MARKER).unlink()
+    before = snapshot(tmp_path)
+    one_line(capsys, finetune(*RUN, "--iters", "4", "--resume", "--out", out), "is not a phantom run folder",
+             "older phantom", "start it again")
+    assert snapshot(tmp_path) == before
+
+
 FORGED = ["state.pt of a rank-4 run", "truncated state.pt", "pickled state.pt"]
 
 

@@ -31,7 +31,7 @@ def quant_bench(args, store: BlockStore) -> str:
     quantized store adds its own measured dequantization rate (tune.measure_dequant: the loader's work).
     """
     from phantom.convert import quantize_store
-    from phantom.quant import QuantFormat
+    from phantom.quantformat import QuantFormat
     if store.dtype.itemsize != 2 or store.quant is not None:
         print("error: --modes quant needs a 16-bit store to quantize (--dtype bf16)", file=sys.stderr)
         sys.exit(2)
@@ -62,7 +62,7 @@ def quant_bench(args, store: BlockStore) -> str:
             r = quant_steps(st, place, rows_, seq, args)
             prof = dataclasses.replace(profile, dequant_gbps=rates.get(name, profile.dequant_gbps))
             dt = dtype_name(store.dtype)
-            pred = cm.predict(prof, cm.shape_of(st.cfg, dt, dt, seq, st.quant.method if st.quant else None),
+            pred = cm.predict(prof, cm.shape_of(st.cfg, dt, dt, seq, st.quant),
                               place, acts, rows_)
             rows.append((name, rows_, seq, st, r, pred))
             print(f"{name} {rows_}x{seq}: {r['step_s']:.3f} s/step (predicted {pred.step_s:.3f}), "

@@ -149,8 +149,9 @@ def test_show_data_marks_loss_and_examples(tmp_path, capsys):
     assert finetune().main(["--data", str(path), "--show-data", "1", "--val-split", "0", "--seq-len", "128", "-q"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("-- row 0: 128 tokens") and "3 example(s)" in lines[0] and len(lines) in (4, 5), lines
-    assert lines[1] == "   <s>Reader: Who lit the lamp? Writer:[[The keeper.</s>]]"  # one line per packed example
-    assert lines[3] == "   <s>Reader: Where did the terns nest? Writer:[[On the flat rocks.</s>]]"
+    # one line per packed example; the trained run starts with the token "▁The", the space included
+    assert lines[1] == "   <s>Reader: Who lit the lamp? Writer:[[ The keeper.</s>]]"
+    assert lines[3] == "   <s>Reader: Where did the terns nest? Writer:[[ On the flat rocks.</s>]]"
     assert len(lines) == 4 or lines[4].startswith("   (padding: ")
 
 

@@ -153,6 +153,9 @@ def test_show_data_marks_loss_and_examples(tmp_path, capsys):
     assert lines[1] == "   <s>Reader: Who lit the lamp? Writer:[[ The keeper.</s>]]"
     assert lines[3] == "   <s>Reader: Where did the terns nest? Writer:[[ On the flat rocks.</s>]]"
     assert len(lines) == 4 or lines[4].startswith("   (padding: ")
+    assert finetune().main(["--data", str(path), "--show-data", "1", "--show-data-ids", "--val-split", "0",
+                            "--seq-len", "128", "-q"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("   <s>⟨1⟩")  # every token, specials by text, its id
 
 
 def test_train_on_last_and_data_split_flags(tmp_path, capsys):

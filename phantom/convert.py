@@ -56,6 +56,26 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
 
 
+def tokenizer_sources(src: Path, root: Path | None = None) -> list[Path]:
+    """The TOKENIZER_FILES a Hugging Face folder holds, each inside src or, through a link, inside root (a
+    hub cache repository, whose snapshots link to its blobs).
+
+    Raises:
+        StoreError: one of them is a link that leads outside (it would copy that file into the store).
+    """
+    inside, out = (root or src).resolve(), []
+    for name in TOKENIZER_FILES:
+        path = src / name
+        if not path.is_symlink() and not path.is_file():
+            continue
+        if not path.resolve().is_relative_to(inside):
+            raise StoreError(f"{path}: a link to {path.resolve()}, outside {root or src}; copy the file into the "
+                             f"model folder if it is the model's")
+        if path.is_file():
+            out.append(path)
+    return out
+
+
 def part_shapes(cfg: ModelConfig, part: str | int) -> dict[str, tuple[int, ...]]:
     """Store names and shapes of one part of the model: "embed", "head" or block i."""
     if part == "embed":
@@ -208,8 +228,8 @@ class HFCheckpoint:
                     raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
                 self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path), start)
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
-        self.tokenizer = next((p for p in (src / "tokenizer.model", src / "tokenizer.json") if p.is_file()), None)
-        self.tokenizer_files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+        self.tokenizer_files = tokenizer_sources(src, root)
+        self.tokenizer = next((p for p in self.tokenizer_files if p.name in ("tokenizer.model", "tokenizer.json")), None)
 
     def _fused_experts(self, weight_map: dict[str, str]) -> bool:
         """Whether a mixture of experts is stored as transformers 5's 3-D tensors (else one per expert)."""

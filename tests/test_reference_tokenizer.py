@@ -122,3 +122,57 @@ def test_unreadable_tokenizer_model_is_a_user_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{ broken")
     with pytest.raises(ValueError, match="not a readable tokenizer.json"):
         Tokenizer(tmp_path / "tokenizer.json")
+
+
+def one_error_line(capsys, code: int, *words: str) -> None:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err and "panicked" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words), err
+
+
+def test_malformed_tokenizer_files_are_one_error_line(tmp_path, capsys):
+    """A tiktoken file with a bad line (tiktoken's ValueError) and a tokenizer.json whose pattern would make
+    the regex engine abort (a panic) are refused by the scripts with one line."""
+    from test_convert import load_script
+    generate = load_script("generate")
+    bad = tmp_path / "tiktoken" / "tokenizer.model"
+    bad.parent.mkdir()
+    bad.write_text("IQ== 0\nIg== 1\nnot base64!! x\n")
+    one_error_line(capsys, generate.main(["--tokenizer", str(bad), "--prompt", "Hi", "--max-new-tokens", "1"]),
+                   str(bad), "not a tiktoken tokenizer.model")
+    from tokenizers import Tokenizer as HF, models, pre_tokenizers
+    hf = HF(models.BPE({"a": 0, "b": 1, "<unk>": 2}, [], unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("(a+)+$"), "isolated")
+    evil = tmp_path / "tokenizer.json"
+    hf.save(str(evil))
+    one_error_line(capsys, generate.main(["--tokenizer", str(evil), "--prompt", "a" * 40 + "b",
+                                          "--max-new-tokens", "1"]), str(evil), "(a+)+$")
+
+
+def test_tokenizer_files_linked_outside_the_model_folder_are_refused(tmp_path, capsys):
+    """prepare_model.py copies a model folder's tokenizer files into the store: a link leading elsewhere
+    (a planted tokenizer_config.json -> /some/secret) is refused naming it; a hub snapshot's links into
+    its repository's blobs stay allowed."""
+    from phantom.convert import tokenizer_sources
+    from test_convert import load_script
+    src = tmp_path / "hf"
+    src.mkdir()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(config).save_pretrained(src)
+    capsys.readouterr()  # transformers' progress bar
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the model's")
+    (src / "tokenizer_config.json").symlink_to(secret)
+    code = load_script("prepare_model").main(["--src", str(src), "--out", str(tmp_path / "store"), "--quiet"])
+    one_error_line(capsys, code, "tokenizer_config.json", "outside")
+    assert not (tmp_path / "store").exists()
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "blobs" / "123").write_text("{}")
+    (repo / "snapshots" / "abc" / "tokenizer_config.json").symlink_to("../../blobs/123")
+    assert tokenizer_sources(repo / "snapshots" / "abc", repo) == [repo / "snapshots" / "abc" / "tokenizer_config.json"]
+    with pytest.raises(ValueError, match="outside"):
+        tokenizer_sources(repo / "snapshots" / "abc", None)

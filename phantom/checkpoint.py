@@ -102,6 +102,13 @@ def resume_point(out: Path, activations, flags: dict):
     return activations, int(json.loads((ckpt / "meta.json").read_text())["step"]) + 1
 
 
+def tracker_runs(out: Path) -> dict[str, str]:
+    """{tracker: run id} the checkpoint in out kept (wandb, MLflow; {} for none): --resume continues them."""
+    ckpt = find_checkpoint(Path(out))
+    runs = json.loads((ckpt / "meta.json").read_text()).get("trackers") if ckpt is not None else None
+    return {k: v for k, v in runs.items() if isinstance(v, str)} if isinstance(runs, dict) else {}
+
+
 def rng_states() -> dict:
     np_state = np.random.get_state()
     return {"torch": torch.get_rng_state(),
@@ -157,7 +164,8 @@ def _write_checkpoint(tmp: Path, model, opt, sched, step: int, identity: dict, e
     # the placement is recorded, not checked: tiers and prefetch never change the numbers (tests/test_tiers.py)
     placement = getattr(model, "placement", None)
     fileio.atomic_write_json(tmp / "meta.json", {"step": step, "time": time.time(), **identity,
-                                                 "placement": dataclasses.asdict(placement) if placement else None})
+                                                 "placement": dataclasses.asdict(placement) if placement else None,
+                                                 "trackers": extra.get("trackers") or {}})
     fileio.fsync_dir(tmp)
 
 

@@ -287,6 +287,7 @@ class Run:
     n_tokens: float = 0.0  # target tokens (pairs) of this rank's rows in the step (data parallel weighting)
     step_times: list = dataclasses.field(default_factory=list)
     sinks: tuple = ()  # rank 0: callables given each record written to metrics.jsonl
+    keep: dict = dataclasses.field(default_factory=dict)  # more for each checkpoint to hold (tracker run ids)
 
     def emit(self, rec: dict) -> None:
         for sink in self.sinks:
@@ -294,7 +295,7 @@ class Run:
 
 
 def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, cfg: TrainConfig = TrainConfig(),
-          tokenizer=None, sinks: tuple = ()) -> dict:
+          tokenizer=None, sinks: tuple = (), keep: dict | None = None) -> dict:
     """Finetune `model` on `train_data`; write adapter/, checkpoint/ and metrics.jsonl into cfg.out.
 
     Args:
@@ -305,6 +306,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         tokenizer: needed for samples (cfg.sample_every); its pad id pads packed rows.
         sinks: callables given each record as it is written to metrics.jsonl on rank 0 (experiment
             trackers); they must not raise (phantom.trackers.Reporter warns and drops a failing one).
+        keep: more for each checkpoint to hold ({"trackers": run ids}: phantom.checkpoint.tracker_runs).
 
     Returns:
         A summary: status ("done", "interrupted" or "nan"), steps, tokens, time_s, final_loss,
@@ -315,7 +317,7 @@ def train(model, train_data: D.TokenData, val_data: D.TokenData | None = None, c
         ValueError: data shorter than one sequence, or --resume from another run's checkpoint.
         FileNotFoundError: --resume with no checkpoint in cfg.out.
     """
-    run, ddp = start_run(model, train_data, val_data, cfg, tokenizer, sinks), pdist.current()
+    run, ddp = start_run(model, train_data, val_data, cfg, tokenizer, sinks, keep), pdist.current()
     sync = data_parallel_sync(model, run)
     sched_metrics = model.scheduler.take_metrics if model.scheduler is not None else dict
     sched_metrics()
@@ -378,7 +380,7 @@ def one_step(run: "Run", sync, sched_metrics, step: int) -> tuple[dict, bool]:
 
 
 def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg: TrainConfig, tokenizer,
-              sinks: tuple = ()) -> Run:
+              sinks: tuple = (), keep: dict | None = None) -> Run:
     """Check what can be checked before any work, then the optimizer, the resumed state, the metrics
     file (cut back to the checkpoint's step) and the batches from where the run stands."""
     out = Path(cfg.out)
@@ -419,7 +421,7 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     batches = iter(D.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
                             pin_memory=model.device.type == "cuda"))
     run = Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path,
-              objective=objective, sinks=tuple(sinks) if ddp.is_main else ())
+              objective=objective, sinks=tuple(sinks) if ddp.is_main else (), keep=dict(keep or {}))
     if history and start == 0:
         run.emit(history[-1])  # the eval before training (a resumed run's earlier records were sent already)
     return run
@@ -490,7 +492,7 @@ def after_step(run: Run, rec: dict, mfile: fileio.RecordLog, bar, last: bool) ->
     bar.update(1)
     if pdist.current().is_main and ((cfg.save_every and step % cfg.save_every == 0) or last):
         mfile.fsync()  # the records up to the checkpoint are durable with it
-        save_checkpoint(run.out, model, run.opt, run.sched, step, run.identity, {"best_val": run.best_val})
+        save_checkpoint(run.out, model, run.opt, run.sched, step, run.identity, {"best_val": run.best_val, **run.keep})
 
 
 def preference_postfix(rec: dict) -> dict:

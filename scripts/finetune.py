@@ -29,7 +29,8 @@ from phantom.lora import family_targets  # noqa: E402
 from phantom.model import MODES  # noqa: E402
 from phantom.store import BlockStore  # noqa: E402
 from phantom.tokenizer import Tokenizer  # noqa: E402
-from phantom.checkpoint import io_error_line, prepare_work_dir, resume_point, store_fingerprint  # noqa: E402
+from phantom.checkpoint import (io_error_line, prepare_work_dir, resume_point, store_fingerprint,  # noqa: E402
+                                tracker_runs)
 from phantom.train import TrainConfig, read_metrics, train  # noqa: E402
 
 D = TrainConfig()
@@ -290,9 +291,10 @@ def run(argv=None) -> int:
             best, placement = tuned(args, path, device, dtype, placement)
             cfg = dataclasses.replace(cfg, check_step=functools.partial(cm.check_prediction, best))
         try:
+            runs = tracker_runs(out) if args.resume else {}  # the trackers' runs continue too
             with trackers.Reporter(report_to if ddp.is_main else (), out, settings, out.resolve().name,
-                                   first) as reporter:
-                s = train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, (reporter.log,))
+                                   first, runs) as reporter:
+                s = train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, reporter)
             if ddp.is_main:
                 write_card(args, argv, s, store, dtype, device)
         except OSError as e:
@@ -327,11 +329,11 @@ def load_data(args, path, store):
     return tok, recipe, train_data, val_data
 
 
-def train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, sinks=()) -> dict:
+def train_run(args, cfg, path, store, device, dtype, ddp, placement, activations, reporter) -> dict:
     tok, recipe, train_data, val_data = load_data(args, path, store)
     cfg = dataclasses.replace(cfg, prompt=data.render_prompt(args.prompt, train_data.fmt, recipe.template))
     with load_model(args, path, device, dtype, ddp, placement, activations, cfg.lr) as model, logging_redirect_tqdm():
-        return train(model, train_data, val_data, cfg, tok, sinks)
+        return train(model, train_data, val_data, cfg, tok, (reporter.log,), {"trackers": reporter.runs()})
 
 
 def resolved_knobs(args, placement: P.Placement, activations: P.Activations) -> dict:

@@ -208,3 +208,42 @@ def test_a_resumed_run_replaces_what_tensorboard_got_past_the_checkpoint(cli, tm
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, f32(v)) for s, v in series(out)["loss"]]
     assert [s for s, _ in series(out)["loss"]] == [1, 2, 3, 4]
+
+
+def wandb_steps(log: Path) -> list[int]:
+    """The `_step` of each history record in an offline run's .wandb file (the value's JSON follows the key)."""
+    raw, key, steps = log.read_bytes(), b"\x12\x05_step\x82\x01", []
+    at = raw.find(key)
+    while at >= 0:
+        n = raw[at + len(key)]
+        steps.append(int(raw[at + len(key) + 1:at + len(key) + 1 + n]))
+        at = raw.find(key, at + 1)
+    return sorted(set(steps))
+
+
+def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(cli, tmp_path):
+    """--resume logs into the tracker runs the checkpoint kept: MLflow holds one run whose steps run on
+    1..4, each once, as metrics.jsonl (a step the interrupted run had logged past its checkpoint, here
+    3, is skipped: MLflow keeps every point); wandb (offline) continues the same run id with steps 3, 4."""
+    mlflow = need("mlflow")
+    need("wandb")
+    out = tmp_path / "run"
+    base = [*TINY, "--report-to", "wandb,mlflow", "--out", str(out)]
+    assert cli.main([*base, "--iters", "2"]) == 0
+    meta = json.loads((out / "checkpoint" / "meta.json").read_text())
+    assert meta["trackers"].keys() == {"wandb", "mlflow"}
+    client = mlflow.tracking.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    from mlflow.entities import Metric
+    stale = [Metric(key, 99.0, 0, 3) for key in ("loss", "lr")]  # step 3 logged, then killed before its checkpoint
+    client.log_batch(meta["trackers"]["mlflow"], metrics=stale)
+    assert cli.main([*base, "--resume"]) == 0
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["trackers"] == meta["trackers"]
+    (run,) = client.search_runs([client.get_experiment_by_name("phantom").experiment_id])
+    assert run.info.run_id == meta["trackers"]["mlflow"] and run.info.status == "FINISHED"
+    want = series(out)
+    for key in ("loss", "lr"):
+        got = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        assert got == [*want[key][:2], (3, 99.0), want[key][3]], key
+    folders = sorted((out / "wandb").glob("offline-run-*"), key=lambda f: f.name)
+    assert len(folders) == 2 and all(f.name.endswith(meta["trackers"]["wandb"]) for f in folders)
+    assert [wandb_steps(next(f.glob("run-*.wandb"))) for f in folders] == [[0, 1, 2], [3, 4]]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from phantom import safejson
 from phantom.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -161,10 +162,7 @@ def read_template(folder: Path | str, tok: Tokenizer | None = None, path: Path |
     folder = Path(folder)
     config = {}
     if (folder / "tokenizer_config.json").is_file():
-        try:
-            config = json.loads((folder / "tokenizer_config.json").read_text())
-        except ValueError as e:
-            raise ValueError(f"{folder / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+        config = safejson.load(folder / "tokenizer_config.json")
     special = {k: t for k in SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
     if tok is not None:
         special.setdefault("bos_token", tok.bos_token)
@@ -186,7 +184,7 @@ def _template_source(folder: Path, config: dict, path) -> tuple[str | None, str]
         return (folder / "chat_template.jinja").read_text(encoding="utf-8"), str(folder / "chat_template.jinja")
     source = config.get("chat_template")
     if source is None and (folder / "chat_template.json").is_file():
-        source = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+        source = safejson.load(folder / "chat_template.json").get("chat_template")
     if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
     return source, str(folder / "tokenizer_config.json")

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from phantom import provenance
+from phantom import provenance, safejson
 from phantom.chat import TINY_CHAT_TEMPLATE
 from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_meta_params,
                             head_tensor_shapes, preset, rope_rows)
@@ -148,7 +148,7 @@ class MetaCheckpoint:
 
     def _config(self, params: Path, emb_shape: tuple[int, ...]) -> ModelConfig:
         try:
-            dim = json.loads(params.read_text())["dim"]
+            dim = safejson.load(params)["dim"]
             vocab = emb_shape[0] * (len(self.files) if emb_shape[1] == dim and len(self.files) > 1 else 1)
             return from_meta_params(params, vocab_size=vocab)
         except (KeyError, TypeError, json.JSONDecodeError) as e:
@@ -241,7 +241,7 @@ class HFCheckpoint:
         index = src / "model.safetensors.index.json"
         if index.is_file():
             try:
-                wm = json.loads(index.read_text())["weight_map"]
+                wm = safejson.load(index)["weight_map"]
                 assert isinstance(wm, dict)
                 return wm
             except (KeyError, AssertionError, json.JSONDecodeError) as e:
@@ -530,7 +530,7 @@ def ensure_tiny(out: Path) -> Path:
     manifest = out / "manifest.json"
     if manifest.is_file():
         try:
-            recipe = json.loads(manifest.read_text())
+            recipe = safejson.load(manifest)
         except (OSError, ValueError):
             return out  # damaged: opening the store says how
         if isinstance(recipe, dict) and recipe.get("tiny_recipe") == TINY_RECIPE:

@@ -324,7 +324,7 @@ def load(path: Path | str | None, tok: Tokenizer | None, cache: bool = True, voc
     cache = cache and path.resolve() != DEFAULT_DATA.resolve()  # the shipped text is small: never cached
     folder = path.parent / CACHE_DIR / f"{path.name}.{key}"
     if cache and (folder / "meta.json").is_file():
-        fmt, *arrays = tokencache.read_cache(folder, tok.vocab_size)
+        fmt, *arrays = tokencache.read_cache(folder, vocab_size or tok.vocab_size)
         log.info("using the token cache %s (%d tokens)", folder, len(arrays[0]))
         return TokenData(*arrays, fmt=fmt, key=key)
     log.info("tokenizing %s", path)

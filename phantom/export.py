@@ -26,11 +26,11 @@ from phantom.family import family
 from phantom.family_moe import FUSED_EXPERTS, MOE_FIELDS
 from phantom.layers import LoraLinear, TransformerBlock, permute_for_hf
 from phantom.lora import TARGETS, apply_lora, for_family, load_adapter, lora_modules, read_adapter_config
-from phantom import fileio, runfolder
+from phantom import fileio, runfolder, safejson
 from phantom.fileio import atomic_write as atomic_write_bytes
 from phantom.hfshards import DEFAULT_MAX_SHARD_SIZE, ShardWriter, parse_size
 from phantom.store import BlockStore
-from phantom.tensorfile import dtype_name
+from phantom.tensorfile import dtype_name, write_safetensors
 from phantom.tokenizer import Tokenizer, sentencepiece_to_json
 
 log = logging.getLogger(__name__)
@@ -246,8 +246,7 @@ def carry_token_ids(folder: Path) -> None:
     gen_path = folder / "generation_config.json"
     if not gen_path.is_file():
         return
-    gen = json.loads(gen_path.read_text())
-    config = json.loads((folder / "config.json").read_text())
+    gen, config = safejson.load(gen_path), safejson.load(folder / "config.json")
     config.update({k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in gen})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from phantom import safejson
 from phantom.config import ACTIVATIONS, ModelConfig, RopeScaling
 
 # ---------------------------------------------------------------------------------------------
@@ -399,7 +400,7 @@ def config_from_hf(c: dict, path="config.json") -> ModelConfig:
 
 def from_hf_config(path: Path) -> ModelConfig:
     """ModelConfig from a Hugging Face config.json file (see config_from_hf)."""
-    return config_from_hf(json.loads(Path(path).read_text()), path)
+    return config_from_hf(safejson.load(path, what="config.json"), path)
 
 
 def family(cfg: ModelConfig) -> Family:

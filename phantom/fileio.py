@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from phantom import faults
+from phantom import faults, safejson
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +306,7 @@ def read_records(path: Path | str, repair: bool = False) -> list[dict]:
             good += len(line) + 1
             continue
         try:
-            records.append(json.loads(line))
+            records.append(safejson.loads(line, str(path), line=k + 1, finite=False))
             good += len(line) + 1
         except ValueError:
             if any(rest.strip() for rest in lines[k + 1:]):

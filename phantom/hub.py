@@ -16,6 +16,9 @@ from phantom.fileio import locked
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# a branch or tag name as git allows it (git check-ref-format): no "..", "//", "@{", control characters,
+# spaces or ~^:?*[\ ; no part starting with "." or ending with ".lock"; not starting or ending with "/"
+REVISION = re.compile(r"^(?!/)(?!.*(?:\.\.|//|@\{|/\.))(?!\.)[^\x00-\x20\x7f~^:?*\[\\]+(?<![/.])(?<!\.lock)$")
 
 
 def is_hub_id(name: str) -> bool:
@@ -40,8 +43,12 @@ def snapshot(repo_id: str, revision: str = "main") -> tuple[Path, str]:
     """(snapshot folder, commit) of repo_id at revision (a branch, a tag or a commit) in the hub cache.
 
     Raises:
+        ValueError: revision is not a name git allows for a branch or tag, nor a commit (a path like
+            ../../f would read any file as a ref).
         FileNotFoundError: the model or that revision is not in the cache (the message says how to get it).
     """
+    if not REVISION.match(revision) or any(p.endswith(".lock") for p in revision.split("/")):
+        raise ValueError(f"--revision {revision!r} is not a branch, tag or commit name")
     repo = hub_cache() / f"models--{repo_id.replace('/', '--')}"
     ref = repo / "refs" / revision
     if COMMIT.match(revision):

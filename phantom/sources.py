@@ -62,11 +62,11 @@ def split_files(folder: Path, split: str) -> list[Path]:
 def disk_folder_files(folder: Path, split: str) -> list[Path]:
     """The Arrow files of a `save_to_disk` folder (a DatasetDict: those of its `split`)."""
     if (folder / "dataset_dict.json").is_file():
-        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        splits = safejson.load(folder / "dataset_dict.json").get("splits", [])
         if split not in splits:
             raise ValueError(f"{folder} has no split {split!r}; it has {', '.join(splits)} (--data-split)")
         folder = folder / split
-    state = json.loads((folder / "state.json").read_text())
+    state = safejson.load(folder / "state.json")
     return [folder / Path(f["filename"]).name for f in state.get("_data_files", [])]
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from phantom import costmodel as cm
-from phantom import dtypes, fileio
+from phantom import dtypes, fileio, safejson
 from phantom import quant
 from phantom import placement as P
 from phantom.convert import write_synthetic
@@ -379,7 +379,7 @@ def save_profile(profile: cm.MachineProfile, path: Path) -> None:
 def load_profile(path: Path) -> cm.MachineProfile | None:
     """The profile at path, or None if there is none or it is unreadable (it is then measured again)."""
     try:
-        d = json.loads(Path(path).read_text())
+        d = safejson.load(path)
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version {d.get('version')} is not {PROFILE_VERSION}")
         return cm.MachineProfile.from_dict(d)

@@ -81,6 +81,19 @@ def all_finite(*values: torch.Tensor) -> bool:
     return not bool(bad.item())
 
 
+def rank_mean(values: dict[str, float], weight: float, device: torch.device | str = "cpu") -> dict[str, float]:
+    """Each value's mean over the ranks, weighted by `weight` (this rank's target tokens, or pairs): a
+    rank's loss and preference figures are means over its own rows, and what one process over the
+    global batch would log is their weighted mean. One all-reduce on `device` (NCCL's: the GPU); the
+    values as they are in one process."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return dict(values)
+    keys = list(values)
+    t = torch.tensor([float(weight)] + [float(values[k]) * weight for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return {k: v / t[0].item() for k, v in zip(keys, t[1:].tolist())}
+
+
 def average_gradients(params: list[torch.Tensor], n_tokens: float) -> None:
     """Replace each param's .grad (a per-rank mean over its n_tokens) by the global token mean."""
     grads = [p.grad for p in params if p.grad is not None]

@@ -84,7 +84,8 @@ class ShardWriter:
 
     def __init__(self, folder: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], max_bytes: int):
         self.folder = Path(folder)
-        self.specs = {name: (dtype, tuple(shape)) for name, dtype, shape in sorted(specs, key=lambda s: natural_key(s[0]))}
+        ordered = sorted(specs, key=lambda spec: natural_key(spec[0]))
+        self.specs = {name: (dtype, tuple(shape)) for name, dtype, shape in ordered}
         sizes = [(name, nbytes(*spec)) for name, spec in self.specs.items()]
         self.shards = plan(sizes, max_bytes)
         n = len(self.shards)

@@ -373,9 +373,10 @@ def one_step(run: "Run", sync, sched_metrics, step: int) -> tuple[dict, bool]:
     lr = run.opt.param_groups[0]["lr"]
     loss, norm, finite = train_step(model, run.opt, run.sched, (x, y, *seg), cfg, sync, loss_fn=loss_fn)
     dt, n = time.perf_counter() - t0, x.numel() * ddp.world_size
-    rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": n, "tokens_per_s": n / dt,
-           "step_s": dt, "data_s": t_data - t0, **(run.objective.figures if run.objective else {}),
-           **tier_metrics(model, sched_metrics(), dt)}
+    means = pdist.rank_mean({"loss": loss, **(run.objective.figures if run.objective else {})}, run.n_tokens,
+                            model.device)  # torchrun: the global batch's, as one process logs them
+    rec = {"step": step, "loss": means.pop("loss"), "lr": lr, "grad_norm": norm, "tokens": n, "tokens_per_s": n / dt,
+           "step_s": dt, "data_s": t_data - t0, **means, **tier_metrics(model, sched_metrics(), dt)}
     return rec, finite
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -69,3 +70,27 @@ def test_more_local_ranks_than_cuda_devices_is_one_error(monkeypatch):
         assert "4 ranks" in str(e) and "2 CUDA device(s)" in str(e) and "--device cpu" in str(e)
     else:
         raise AssertionError("no error")
+
+
+DPO_FIGURES = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+
+
+def test_torchrun_dpo_two_ranks_match_one_process(tmp_path):
+    """--mode dpo on two gloo ranks of 2 pairs each equals one process over the same 4 pairs: the logged
+    loss and reward figures (means over the global batch, as one process takes them) and the adapter."""
+    finetune = str(ROOT / "scripts" / "finetune.py")
+    dpo = [*COMMON, "--mode", "dpo", "--iters", "3"]
+    run([sys.executable, finetune, "--batch-size", "4", "--out", str(tmp_path / "one")] + dpo, tmp_path)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", finetune,
+         "--batch-size", "2", "--out", str(tmp_path / "two")] + dpo, tmp_path)
+    one, two = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("one", "two"))
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        for key in DPO_FIGURES:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert one[-1]["reward_margin"] > 1e-4  # the steps moved the policy off the reference
+    adapter = {d: load_file(str(tmp_path / d / "adapter" / "adapter_model.safetensors")) for d in ("one", "two")}
+    assert adapter["one"].keys() == adapter["two"].keys()
+    for k in adapter["one"]:
+        assert max_rel_err(adapter["two"][k], adapter["one"][k]) <= 1e-4, k

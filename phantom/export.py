@@ -30,7 +30,7 @@ from phantom import fileio, runfolder, safejson
 from phantom.fileio import atomic_write as atomic_write_bytes
 from phantom.hfshards import DEFAULT_MAX_SHARD_SIZE, ShardWriter, parse_size
 from phantom.store import BlockStore
-from phantom.tensorfile import dtype_name, write_safetensors
+from phantom.tensorfile import dtype_name
 from phantom.tokenizer import Tokenizer, sentencepiece_to_json
 
 log = logging.getLogger(__name__)

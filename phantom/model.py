@@ -9,7 +9,6 @@ holds the (B, T, vocab) logits.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 
 import torch
@@ -26,11 +25,10 @@ from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, 
 from phantom.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement, loss_budget
 from phantom.hostmem import HostBuffer
 from phantom.memory import free_device_bytes, free_host_bytes
+from phantom.moe import RouterLoss
 from phantom.scheduler import BlockScheduler
 from phantom.store import BlockStore
 from phantom.tensorfile import packed_empty
-
-log = logging.getLogger(__name__)
 
 MODES = ("lora", "full")
 IGNORE_INDEX = -100
@@ -324,6 +322,7 @@ class PhantomModel(nn.Module):
             segments = segments.to(self.device)
             rope, mask = packed_layout(self.rope_for(longest_example(segments) if self.rope_long is not None else T),
                                        segments)
+        router = RouterLoss.attach(self.layers, self.cfg, self.device, on=self.full and targets is not None)
         with torch.autocast(**self.autocast_args()):
             h = self.blocks(h, rope, mask=mask)
             if targets is None:
@@ -331,9 +330,9 @@ class PhantomModel(nn.Module):
             if targets.shape != tokens.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} differs from tokens {tuple(tokens.shape)}")
             targets = targets.to(self.device, non_blocking=targets.device.type == "cpu")
-            return ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, targets,
-                                         self.cfg.norm_eps, self.loss_chunk, self.cfg.norm_offset,
-                                         self.cfg.final_softcap)
+            loss = ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, targets, self.cfg.norm_eps,
+                                         self.loss_chunk, self.cfg.norm_offset, self.cfg.final_softcap)
+            return loss if router is None else loss + router.term(h)  # full MoE finetuning: the routers' balance
 
     def sequence_logps(self, tokens: torch.Tensor, targets: torch.Tensor,
                        reference: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

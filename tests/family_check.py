@@ -218,7 +218,9 @@ def check_full_step(model, store, tokens, targets, work_dir=None, lr: float = 1e
         p.grad = None
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ref_opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, eps=EPS)
-    cross_entropy(model(tokens).logits, targets).backward()
+    moe = hasattr(model.config, "router_aux_loss_coef")  # its router loss, as transformers adds it
+    out = model(tokens, output_router_logits=True) if moe else model(tokens)
+    (cross_entropy(out.logits, targets) + (model.config.router_aux_loss_coef * out.aux_loss if moe else 0)).backward()
     ref_opt.step()
     knobs = dict(offload="none") if work_dir is None else dict(offload="disk", prefetch=1, work_dir=work_dir)
     with phantom.load(store, mode="full", loss_chunk=7, optim=phantom.AdamWConfig(lr=lr, weight_decay=0.1, eps=EPS),
@@ -240,7 +242,7 @@ def check_full_step(model, store, tokens, targets, work_dir=None, lr: float = 1e
                 parts["head"]["output.weight"] = pm.output_weight
     ours = {}
     for part, tensors in parts.items():
-        ours |= to_hf(pm.cfg, part, {k: v.detach() for k, v in tensors.items()})
+        ours |= to_hf(pm.cfg, part, {k: v.detach() for k, v in tensors.items()}, fused_experts=moe)
     theirs = dict(model.named_parameters())
     assert set(ours) == set(theirs)
     if work_dir is None:

@@ -7,6 +7,7 @@ and compared streamed every way; each expert's bytes lie back to back where the 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 import phantom
-from family_check import (batch, check_logits, check_lora, check_merged_export, hf_model, model_stores, rel_err,
-                          transformers)
+from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, cross_entropy,
+                          hf_model, model_stores, rel_err, transformers)
 from phantom.config import PRESETS, ModelConfig
 from phantom.export import export
 from phantom.moe import load_balancing_loss, mix, route
@@ -187,3 +188,35 @@ def test_lora_on_experts_is_refused_naming_the_targets(models):
     for targets in (("q", "gate"), ("all-linear",)):
         with pytest.raises(ValueError, match="attention projections only"):
             phantom.load(store, lora=phantom.LoraConfig(targets=targets))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_full_step_with_the_router_loss_matches_adamw_resident_and_streamed(models, name, tmp_path):
+    """One full-finetuning step, cross-entropy plus router_aux_loss_coef times transformers' load-balancing
+    loss (output_router_logits), equals torch.optim.AdamW on the transformers model: every weight, the
+    routers included, resident and streamed from disk (blocks updated inside the backward, recomputed)."""
+    _, store = models(name)
+    check_full_step(make(name), store, *batch())  # each step moves the transformers model: a fresh one each
+    check_full_step(make(name), store, *batch(), work_dir=tmp_path / "work")
+
+
+def test_the_router_loss_is_in_the_loss_and_moves_the_routers(models):
+    """The loss phantom returns in full mode is cross-entropy + coef * aux as transformers computes it; with
+    a coefficient of 0 the routers' gradients differ (the term is not a no-op)."""
+    _, store = models("qwen3_moe")
+    model = make("qwen3_moe")  # as stored (a full step may have moved the shared one)
+    tokens, targets = batch()
+    with torch.no_grad():
+        out = model(tokens, output_router_logits=True)
+    want = cross_entropy(out.logits, targets) + model.config.router_aux_loss_coef * out.aux_loss
+    grads = {}
+    for coef in (None, 0.0):
+        with phantom.load(store, mode="full", offload="none", optim=phantom.AdamWConfig()) as pm:
+            if coef is not None:
+                pm.cfg = dataclasses.replace(pm.cfg, router_aux_coef=coef)
+            loss = pm(tokens, targets=targets)
+            loss.backward()
+            grads[coef] = pm.layers[0].feed_forward.gate.weight.grad.clone()
+            if coef is None:
+                torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=0)
+    assert rel_err(grads[0.0], grads[None]) > 1e-3

@@ -105,7 +105,7 @@ def resume_point(out: Path, activations, flags: dict):
 def tracker_runs(out: Path) -> dict[str, str]:
     """{tracker: run id} the checkpoint in out kept (wandb, MLflow; {} for none): --resume continues them."""
     ckpt = find_checkpoint(Path(out))
-    runs = json.loads((ckpt / "meta.json").read_text()).get("trackers") if ckpt is not None else None
+    runs = safejson.load(ckpt / "meta.json").get("trackers") if ckpt is not None else None
     return {k: v for k, v in runs.items() if isinstance(v, str)} if isinstance(runs, dict) else {}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -101,10 +102,17 @@ REFUSED = {
 }
 
 
+@pytest.fixture(scope="module")
+def saved(llama, tmp_path_factory):
+    """One peft adapter (rank 2 on q_proj) for the tests that damage a copy of it."""
+    folder = tmp_path_factory.mktemp("saved")
+    peft_adapter(llama[0], folder, rank_pattern={"q_proj": 2})
+    return folder
+
+
 @pytest.mark.parametrize("field", REFUSED)
-def test_unmodelled_fields_are_refused_by_name(llama, tmp_path, field):
-    model, _ = llama
-    peft_adapter(model, tmp_path)
+def test_unmodelled_fields_are_refused_by_name(saved, tmp_path, field):
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
     value, words = REFUSED[field]
     c = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**c, field: value}))
@@ -112,9 +120,8 @@ def test_unmodelled_fields_are_refused_by_name(llama, tmp_path, field):
         read_adapter_config(tmp_path)
 
 
-def test_a_rank_the_weights_do_not_have_is_refused_from_the_header(llama, tmp_path):
-    model, _ = llama
-    peft_adapter(model, tmp_path, rank_pattern={"q_proj": 2})
+def test_a_rank_the_weights_do_not_have_is_refused_from_the_header(saved, tmp_path):
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)
     c = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**c, "rank_pattern": {"k_proj": 2}}))
     with pytest.raises(StoreError, match=r"_proj\.lora_A\.weight has rank \d, but adapter_config\.json gives its "

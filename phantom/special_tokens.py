@@ -34,7 +34,7 @@ class SideFiles:
             raw += name.encode() + b"\0" + data
             try:
                 value = json.loads(data)
-            except (ValueError, UnicodeDecodeError) as e:
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
                 raise ValueError(f"{path}: not valid JSON ({e})") from None
             if not isinstance(value, dict):
                 raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")

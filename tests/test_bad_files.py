@@ -26,6 +26,7 @@ from phantom.store import BlockStore, StoreError, block_file
 from phantom.tokenizer import TINY_TEXT, Tokenizer
 from test_bad_inputs import FT, REPO, adapter, check, finetune, script, tiny, weights  # noqa: F401 - fixtures
 from test_convert import LLAMA2, make_bad, random_model, write_hf
+from test_export_hf import llama3_style_tokenizer_json
 
 DEEP = b"[" * 200_000 + b"]" * 200_000
 
@@ -199,6 +200,19 @@ def test_deep_json_in_a_model_folder_is_one_line(tmp_path, capsys, name):
     code = script("prepare_model").main(["--src", str(src), "--out", str(tmp_path / "w" / "x"), "--quiet"])
     check(capsys, code, tmp_path, f"{name}:1:", "nested more than 100 deep")
     assert not (tmp_path / "w" / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                                  "chat_template.json"])
+def test_deep_json_beside_the_tokenizer_is_one_line(tmp_path, capsys, name):
+    """Copied into the store as they are; read when a run loads the tokenizer and its template."""
+    src = write_hf(tmp_path / "src", LLAMA2, random_model(LLAMA2))
+    llama3_style_tokenizer_json(src)
+    (src / name).write_bytes(b'{"a": ' + DEEP + b"}")
+    assert script("prepare_model").main(["--src", str(src), "--out", str(tmp_path / "w"), "--quiet"]) == 0
+    capsys.readouterr()
+    line = check(capsys, finetune(tmp_path, "--model", tmp_path / "w", "--seq-len", "16"), tmp_path, name)
+    assert "nested" in line or "recursion" in line, line
 
 
 def test_revision_that_is_a_path_is_refused(tiny, tmp_path, capsys, monkeypatch):

@@ -315,7 +315,7 @@ def read_records(path: Path | str, repair: bool = False) -> list[dict]:
             log.warning("%s ends in a torn record (%d bytes): %s", path, len(line),
                         "cut" if repair else "ignored")
             if repair:
-                with open(path, "r+b") as f:
+                with os.fdopen(open_own(path, os.O_RDWR), "r+b") as f:  # cut in place: never through a link
                     f.truncate(min(good, len(raw)))
                     f.flush()
                     os.fsync(f.fileno())

@@ -3,8 +3,9 @@
 A run's folder (--out) is one of: new or empty; a folder phantom made for this run, continued with
 --resume; or another phantom run's folder, replaced only with --overwrite. phantom knows its folders
 by a marker, MARKER, written first (under the folder's lock, before any other file): the run's random
-id, when it started and the modes of the runs that wrote there. A folder with anything else in it is
-the user's, and is refused with one line listing what it holds: nothing of it is read, written or
+id, when it started and the modes of the runs that wrote there. A run that stopped before its first
+checkpoint left nothing to keep: its folder may be started again as it is. A folder with anything else
+in it is the user's, and is refused with one line listing what it holds: nothing of it is read, written or
 deleted. The run folder itself may be a link (the user's choice); a link where phantom writes inside
 it is refused, naming it (a planted link would send a write outside the folder).
 
@@ -116,6 +117,12 @@ def find_link(out: Path) -> Path | None:
     return None
 
 
+def has_results(out: Path) -> bool:
+    """Whether a run in out got anywhere: a checkpoint or its outputs. One that stopped before its first
+    checkpoint (a full disk, a bad flag found late) may be started again without --overwrite."""
+    return any((out / name).exists() for name in ("checkpoint", "checkpoint.old", "adapter", "README.md"))
+
+
 def check(out: Path | str, resume: bool, overwrite: bool, mode: str) -> dict | None:
     """Refuse a folder that is not this run's (RunFolderError); reads only. Returns the marker of the
     phantom run there (None: a new or empty folder)."""
@@ -135,7 +142,7 @@ def check(out: Path | str, resume: bool, overwrite: bool, mode: str) -> dict | N
             if (out / "checkpoint" / "meta.json").is_file() else ""
         raise RunFolderError(f"--out {out} is not empty and is not a phantom run folder: it holds {listing(out)}"
                              f"{old.format(MARKER=MARKER)}; choose an empty or new folder")
-    if not resume and not overwrite:
+    if not resume and not overwrite and has_results(out):
         raise RunFolderError(f"--out {out} holds another phantom run (started {marker.get('started', '?')}, "
                              f"--mode {marker.get('mode', '?')}): pass --resume to continue it, --overwrite to "
                              f"replace its files, or choose another --out")

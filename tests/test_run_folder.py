@@ -182,6 +182,18 @@ def test_another_run_s_folder_is_refused_without_overwrite(runs, env, tmp_path, 
     one_line(capsys, finetune(*RUN, "--out", out, "--resume", "--overwrite"), "choose one")
 
 
+def test_a_run_stopped_before_its_first_checkpoint_may_start_again(tmp_path):
+    """Nothing to keep (a full disk before the first checkpoint): the same command runs again as it is;
+    once the folder holds a checkpoint, it takes --resume or --overwrite."""
+    out = tmp_path / "o"
+    with runfolder.claimed(out) as marker:
+        (out / "config.yaml").write_text("run: 1\n")
+    assert runfolder.check(out, resume=False, overwrite=False, mode="lora") == marker
+    (out / "checkpoint").mkdir()
+    with pytest.raises(runfolder.RunFolderError, match="holds another phantom run"):
+        runfolder.check(out, resume=False, overwrite=False, mode="lora")
+
+
 def test_overwrite_replaces_phantom_s_files_and_keeps_the_user_s(runs, env, tmp_path):
     out = copy_run(runs, tmp_path)
     (out / "notes.txt").write_text("mine\n")

@@ -381,7 +381,7 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
             record of every file, copied or linked; see store.Checksums). Tensors that need converting
             (q/k rows are permuted; another dtype) are still copied. Meta shards must be merged: always
             copied.
-        overwrite: replace an existing store at out.
+        overwrite: replace the phantom store at out (a folder that is not one is refused).
         progress: a tqdm bar over the blocks.
         quant: store every block's linear weights quantized (phantom.quant; the rest in dtype, bf16
             unless the checkpoint is 16-bit).

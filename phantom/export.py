@@ -317,7 +317,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         adapter: a PEFT-layout LoRA adapter folder (as PhantomModel.save_adapter writes), or None.
         fmt: "hf" (config.json + safetensors shards + index) or "meta" (params.json + consolidated.00.pth).
         dtype: the checkpoint's dtype (default: the store's).
-        overwrite: replace an existing folder at out.
+        overwrite: replace the phantom export at out (a folder that is not one is refused).
         progress: a tqdm bar over the blocks.
         max_shard_size: "hf": the most bytes of one safetensors shard (int, or like "5GB"; transformers'
             save_pretrained default): model.safetensors alone, or shards and an index past it.

@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"below it, else numbered shards and model.safetensors.index.json")
     p.add_argument("--dtype", choices=STORE_DTYPES, default=None,
                    help="dtype of the written weights (default: the store's)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the phantom export at --out (a folder that is not one is refused, never removed)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 

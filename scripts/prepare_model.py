@@ -33,7 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--link", action="store_true",
                    help="Hugging Face safetensors only: point the store at the tensors inside the original files "
                         "instead of copying them (they must stay in place, unchanged)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the phantom store at --out (a folder that is not one is refused, never removed)")
     p.add_argument("--synthetic", action="store_true", help="random weights with --preset's shapes instead of --src")
     p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="shapes for --synthetic")
     p.add_argument("--layers", type=int, default=None, help="with --synthetic: cut the model to N blocks")

@@ -63,6 +63,15 @@ def check_numbers(cfg, positive: tuple[str, ...] = ()) -> None:
                 raise ValueError(f"{f.name} {value!r:.40} is not {what}")
 
 
+class ConfigError(ValueError):
+    """A config.json phantom does not model: its message names the field and what is supported."""
+
+
+def refuse(path, key: str, value, supported: str):
+    """Raise the ConfigError of a config.json field whose value phantom does not model."""
+    raise ConfigError(f"{path}: {key}={json.dumps(value)} is not supported (supported: {supported})")
+
+
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the MLP's gate activation (transformers' names)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

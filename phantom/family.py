@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Callable
 
 from phantom import safejson
-from phantom.config import ACTIVATIONS, ModelConfig, RopeScaling
+from phantom.config import ACTIVATIONS, ConfigError, ModelConfig, RopeScaling, refuse as _refuse  # noqa: F401
+from phantom.family_moe import (MOE_IRRELEVANT, MOE_READERS, QWEN_EXPERTS, QWEN_MOE, QWEN_MOE_FIELDS, ROUTER_KEYS,
+                                SHARED_EXPERT_KEYS, MoeKeys, expert_keys, read_moe, read_qwen2_moe_window,
+                                read_qwen3_moe_window, refused_unless)
 
 # ---------------------------------------------------------------------------------------------
 # Tensor names: Hugging Face name -> store name ({} is the layer index)
@@ -77,14 +80,6 @@ MODELLED_COMMON = ("architectures", "model_type", "hidden_size", "num_hidden_lay
                    "num_key_value_heads", "vocab_size", "intermediate_size", "rms_norm_eps",
                    "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
                    "tie_word_embeddings", "hidden_act", "head_dim")
-
-
-class ConfigError(ValueError):
-    """A config.json phantom does not model: its message names the field and what is supported."""
-
-
-def _refuse(path, key: str, value, supported: str):
-    raise ConfigError(f"{path}: {key}={json.dumps(value)} is not supported (supported: {supported})")
 
 
 SCALED_ROPES = ("llama3", "linear", "yarn")  # what transformers' Llama, Mistral, Qwen and Gemma classes read
@@ -339,6 +334,44 @@ FAMILIES["phi3"] = Family(
     defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
               "original_max_position_embeddings": 4096}, fused=PHI3_FUSED)
 
+ATTENTION_KEYS = {hf: name for hf, name in LLAMA_KEYS.items() if ".mlp." not in hf}
+FAMILIES.update({f.name: f for f in (
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe", {**ATTENTION_KEYS, **BIAS_KEYS, **QK_NORM_KEYS,
+                                                                 **ROUTER_KEYS},
+           readers={"attention_bias": _read_attention_bias, "moe_intermediate_size": read_moe, **MOE_READERS,
+                    "sliding_window": read_qwen3_moe_window, "use_sliding_window": read_qwen3_moe_window},
+           fixed={"qk_norm": True}, irrelevant=MOE_IRRELEVANT, moe=MoeKeys(QWEN_EXPERTS, QWEN_MOE_FIELDS),
+           defaults={**COMMON_DEFAULTS, **QWEN_MOE, "moe_intermediate_size": 768}),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe",
+           {**ATTENTION_KEYS, **{k: v for k, v in BIAS_KEYS.items() if "o_proj" not in k and "self_attn" in k},
+            **ROUTER_KEYS, **SHARED_EXPERT_KEYS},
+           readers={"qkv_bias": lambda c, path: {"qkv_bias": bool(c["qkv_bias"])}, **MOE_READERS,
+                    "moe_intermediate_size": read_moe, "shared_expert_intermediate_size": read_moe,
+                    "sliding_window": read_qwen2_moe_window, "use_sliding_window": read_qwen2_moe_window,
+                    "layer_types": read_qwen2_moe_window},
+           irrelevant=MOE_IRRELEVANT, moe=MoeKeys(QWEN_EXPERTS, (*QWEN_MOE_FIELDS, "shared_expert_intermediate_size")),
+           defaults={**COMMON_DEFAULTS, **QWEN_MOE, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                     "shared_expert_intermediate_size": 5632, "qkv_bias": True,
+                     "max_window_layers": 28}),
+    Family("mixtral", ("MixtralForCausalLM",), "mixtral",
+           {**ATTENTION_KEYS, "model.layers.{}.block_sparse_moe.gate.weight": "feed_forward.gate.weight"},
+           readers={**MOE_READERS, "sliding_window": _read_mistral_window,
+                    "router_jitter_noise": refused_unless("router_jitter_noise", lambda v: not v, "0 (no jitter)")},
+           fixed={"norm_topk_prob": True}, irrelevant=MOE_IRRELEVANT,
+           moe=MoeKeys(expert_keys("model.layers.{}.block_sparse_moe.experts.<e>", "w1", "w3", "w2"),
+                       ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"),
+                       {"model.layers.{}.block_sparse_moe.gate.weight": "model.layers.{}.mlp.gate.weight"}),
+           defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                     "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}),
+    Family("olmoe", ("OlmoeForCausalLM",), "olmoe", {**ATTENTION_KEYS, **BIAS_KEYS, **QK_NORM_KEYS, **ROUTER_KEYS},
+           readers={"attention_bias": _read_attention_bias, **MOE_READERS,
+                    "clip_qkv": refused_unless("clip_qkv", lambda v: v is None, "null (q, k, v unclipped)")},
+           fixed={"qk_norm": True, "qk_norm_over": "projection"}, irrelevant=MOE_IRRELEVANT,
+           moe=MoeKeys(QWEN_EXPERTS, ("num_experts", "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef")),
+           defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+                     "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01}),
+)})
 BIAS_FIELDS = ("attention_bias", "mlp_bias")  # a family without the field has no such biases
 
 
@@ -406,5 +439,3 @@ def from_hf_config(path: Path) -> ModelConfig:
 def family(cfg: ModelConfig) -> Family:
     return FAMILIES[cfg.family]
 
-
-import phantom.family_moe  # noqa: E402,F401 (adds the mixture-of-experts families to FAMILIES)

@@ -1,15 +1,15 @@
-"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) as phantom.family entries.
+"""The mixture-of-experts parts of phantom.family's tables (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
 
-Each is its dense relative's attention, a router and experts (phantom.moe); MoeKeys says how its experts
-are named in both checkpoint layouts. Importing this module adds them to phantom.family.FAMILIES.
+MoeKeys says how a family's experts are named in both checkpoint layouts (one tensor per expert and
+projection, or transformers 5's fused 3-D tensors); the readers turn the router's and experts' config.json
+fields into ModelConfig's. Imports only phantom.config; phantom.family holds the entries.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
 
-from phantom.family import (BIAS_KEYS, COMMON_DEFAULTS, FAMILIES, LLAMA_KEYS, QK_NORM_KEYS, Family,
-                            _read_attention_bias, _read_mistral_window, _refuse)
+from phantom.config import refuse
 
 @dataclass(frozen=True)
 class MoeKeys:
@@ -24,7 +24,7 @@ class MoeKeys:
     fused: dict[str, tuple[str, ...]] = field(default_factory=lambda: FUSED_EXPERTS)
 
 
-def _expert_keys(prefix: str, gate: str, up: str, down: str, to: str = "feed_forward.experts.<e>") -> dict:
+def expert_keys(prefix: str, gate: str, up: str, down: str, to: str = "feed_forward.experts.<e>") -> dict:
     return {f"{prefix}.{gate}.weight": f"{to}.w1.weight", f"{prefix}.{up}.weight": f"{to}.w3.weight",
             f"{prefix}.{down}.weight": f"{to}.w2.weight"}
 
@@ -39,7 +39,7 @@ MOE_IRRELEVANT = {"output_router_logits": "whether transformers' forward returns
                                           "their loss); phantom's full finetuning adds it with router_aux_loss_coef"}
 
 
-def _read_moe(c: dict, path) -> dict:
+def read_moe(c: dict, path) -> dict:
     """The experts and their router. The number of experts has no default: transformers writes it as
     num_experts or num_local_experts (either is read; a config class maps one onto the other). Dense
     layers among sparse ones (mlp_only_layers, decoder_sparse_step) are refused: a store keeps one tensor
@@ -47,28 +47,28 @@ def _read_moe(c: dict, path) -> dict:
     only, step = c.get("mlp_only_layers") or [], c.get("decoder_sparse_step") or 1
     if any(i in only or (i + 1) % step for i in range(c["num_hidden_layers"])):
         key = "mlp_only_layers" if only else "decoder_sparse_step"
-        _refuse(path, key, c[key], "a mixture of experts in every layer (mlp_only_layers [], decoder_sparse_step 1)")
+        refuse(path, key, c[key], "a mixture of experts in every layer (mlp_only_layers [], decoder_sparse_step 1)")
     counts = {c[f] for f in ("num_experts", "num_local_experts") if c.get(f) is not None}  # either name is read
     if len(counts) != 1:
-        _refuse(path, "num_experts", sorted(counts), "one number of experts (num_experts or num_local_experts)")
+        refuse(path, "num_experts", sorted(counts), "one number of experts (num_experts or num_local_experts)")
     out = {attr: c[f] for f, attr in MOE_FIELDS.items() if c.get(f) is not None}
     return {"expert_dim": c["intermediate_size"], **out, "norm_topk_prob": bool(out.get("norm_topk_prob"))}
 
 
-def _refused_unless(key: str, allowed: Callable, supported: str):
+def refused_unless(key: str, allowed: Callable, supported: str):
     def read(c: dict, path) -> dict:
         if not allowed(c.get(key)):
-            _refuse(path, key, c.get(key), supported)
+            refuse(path, key, c.get(key), supported)
         return {}
     return read
 
 
-def _read_qwen3_moe_window(c: dict, path) -> dict:
+def read_qwen3_moe_window(c: dict, path) -> dict:
     """Qwen3-MoE: with use_sliding_window, every layer slides (Qwen3MoeConfig has no layer_types)."""
     return {"sliding_window": c.get("sliding_window") if c.get("use_sliding_window") else None}
 
 
-def _read_qwen2_moe_window(c: dict, path) -> dict:
+def read_qwen2_moe_window(c: dict, path) -> dict:
     """Qwen2-MoE: with use_sliding_window, layer_types as written, else every other layer (the first
     included) below max_window_layers slides, as Qwen2MoeConfig fills them in."""
     if not c.get("use_sliding_window"):
@@ -78,52 +78,14 @@ def _read_qwen2_moe_window(c: dict, path) -> dict:
     return {"sliding_window": c.get("sliding_window"), "layer_types": tuple(types)}
 
 
-MOE_READERS = {f: _read_moe for f in ("num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
+MOE_READERS = {f: read_moe for f in ("num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
                                       "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers")}
-ATTENTION_KEYS = {hf: name for hf, name in LLAMA_KEYS.items() if ".mlp." not in hf}
 ROUTER_KEYS = {"model.layers.{}.mlp.gate.weight": "feed_forward.gate.weight"}
-QWEN_EXPERTS = _expert_keys("model.layers.{}.mlp.experts.<e>", "gate_proj", "up_proj", "down_proj")
+QWEN_EXPERTS = expert_keys("model.layers.{}.mlp.experts.<e>", "gate_proj", "up_proj", "down_proj")
 QWEN_MOE = dict(max_position_embeddings=32768, norm_topk_prob=False, router_aux_loss_coef=0.001, decoder_sparse_step=1,
                 num_experts_per_tok=8, use_sliding_window=False)
 QWEN_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                    "router_aux_loss_coef")
-SHARED_EXPERT_KEYS = {**_expert_keys("model.layers.{}.mlp.shared_expert", "gate_proj", "up_proj", "down_proj",
+SHARED_EXPERT_KEYS = {**expert_keys("model.layers.{}.mlp.shared_expert", "gate_proj", "up_proj", "down_proj",
                                      "feed_forward.shared_expert"),
                       "model.layers.{}.mlp.shared_expert_gate.weight": "feed_forward.shared_expert_gate.weight"}
-FAMILIES.update({f.name: f for f in (
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe", {**ATTENTION_KEYS, **BIAS_KEYS, **QK_NORM_KEYS,
-                                                                 **ROUTER_KEYS},
-           readers={"attention_bias": _read_attention_bias, "moe_intermediate_size": _read_moe, **MOE_READERS,
-                    "sliding_window": _read_qwen3_moe_window, "use_sliding_window": _read_qwen3_moe_window},
-           fixed={"qk_norm": True}, irrelevant=MOE_IRRELEVANT, moe=MoeKeys(QWEN_EXPERTS, QWEN_MOE_FIELDS),
-           defaults={**COMMON_DEFAULTS, **QWEN_MOE, "moe_intermediate_size": 768}),
-    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe",
-           {**ATTENTION_KEYS, **{k: v for k, v in BIAS_KEYS.items() if "o_proj" not in k and "self_attn" in k},
-            **ROUTER_KEYS, **SHARED_EXPERT_KEYS},
-           readers={"qkv_bias": lambda c, path: {"qkv_bias": bool(c["qkv_bias"])}, **MOE_READERS,
-                    "moe_intermediate_size": _read_moe, "shared_expert_intermediate_size": _read_moe,
-                    "sliding_window": _read_qwen2_moe_window, "use_sliding_window": _read_qwen2_moe_window,
-                    "layer_types": _read_qwen2_moe_window},
-           irrelevant=MOE_IRRELEVANT, moe=MoeKeys(QWEN_EXPERTS, (*QWEN_MOE_FIELDS, "shared_expert_intermediate_size")),
-           defaults={**COMMON_DEFAULTS, **QWEN_MOE, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
-                     "shared_expert_intermediate_size": 5632, "qkv_bias": True,
-                     "max_window_layers": 28}),
-    Family("mixtral", ("MixtralForCausalLM",), "mixtral",
-           {**ATTENTION_KEYS, "model.layers.{}.block_sparse_moe.gate.weight": "feed_forward.gate.weight"},
-           readers={**MOE_READERS, "sliding_window": _read_mistral_window,
-                    "router_jitter_noise": _refused_unless("router_jitter_noise", lambda v: not v, "0 (no jitter)")},
-           fixed={"norm_topk_prob": True}, irrelevant=MOE_IRRELEVANT,
-           moe=MoeKeys(_expert_keys("model.layers.{}.block_sparse_moe.experts.<e>", "w1", "w3", "w2"),
-                       ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"),
-                       {"model.layers.{}.block_sparse_moe.gate.weight": "model.layers.{}.mlp.gate.weight"}),
-           defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-                     "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}),
-    Family("olmoe", ("OlmoeForCausalLM",), "olmoe", {**ATTENTION_KEYS, **BIAS_KEYS, **QK_NORM_KEYS, **ROUTER_KEYS},
-           readers={"attention_bias": _read_attention_bias, **MOE_READERS,
-                    "clip_qkv": _refused_unless("clip_qkv", lambda v: v is None, "null (q, k, v unclipped)")},
-           fixed={"qk_norm": True, "qk_norm_over": "projection"}, irrelevant=MOE_IRRELEVANT,
-           moe=MoeKeys(QWEN_EXPERTS, ("num_experts", "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef")),
-           defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
-                     "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01}),
-)})

@@ -5,7 +5,6 @@ assistant says. Imports only the tokenizer.
 """
 from __future__ import annotations
 
-import bisect
 import functools
 import hashlib
 import json
@@ -14,6 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+import numpy as np
 
 from phantom import safejson
 from phantom.tokenizer import Tokenizer
@@ -79,8 +80,22 @@ def compile_template(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTracker, jinja2.ext.loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """transformers' sandbox, its verdict on an attribute kept per (type, name): every one of its checks
+        (a private name, an interpreter internal, a method that mutates a known container) depends on the
+        object's type alone. A long conversation asks thousands of times (`message.content.startswith`)."""
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.verdicts = {}
+
+        def is_safe_attribute(self, obj, attr, value):
+            key = (type(obj), attr)
+            if key not in self.verdicts:
+                self.verdicts[key] = super().is_safe_attribute(obj, attr, value)
+            return self.verdicts[key]
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTracker, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
     try:
@@ -275,38 +290,36 @@ def _unmapped(template: ChatTemplate, why: str) -> ValueError:
                       f"(--chat-template FILE)")
 
 
-def with_end_of_turn(tok: Tokenizer, template: ChatTemplate, text: str, ids: list[int],
-                     offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def with_end_of_turn(tok: Tokenizer, template: ChatTemplate, text: str, ids: np.ndarray, starts: np.ndarray,
+                     ends: np.ndarray, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Each span carried through the template's end-of-turn token where one follows the content (past
     whitespace only): EOS, a generation stop id, or the special token the template writes after an
     answer. Not the newline or the next turn's header after it."""
-    ends, starts, out = end_of_turn_ids(tok, template), [s for s, _ in offsets], []
+    eot, out = end_of_turn_ids(tok, template), []
     for a, b in spans:
-        k = bisect.bisect_left(starts, b)
-        while k < len(ids) and ids[k] not in ends and not tok.is_special(ids[k]) \
-                and not text[offsets[k][0]:offsets[k][1]].strip():
+        k = int(np.searchsorted(starts, b))
+        while k < len(ids) and int(ids[k]) not in eot and not tok.is_special(int(ids[k])) \
+                and not text[starts[k]:ends[k]].strip():
             k += 1
-        out.append((a, max(b, offsets[k][1]) if k < len(ids) and ids[k] in ends else b))
+        out.append((a, max(b, int(ends[k])) if k < len(ids) and int(ids[k]) in eot else b))
     return out
 
 
-def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+def token_mask(offsets, spans: list[tuple[int, int]]) -> np.ndarray:
     """Tokens any of whose characters lies in a span, as transformers' return_assistant_tokens_mask marks
-    them (char_to_token over the span). One pass: offsets and spans both run left to right."""
-    spans = sorted((a, b) for a, b in spans if b > a)
-    mask, j = [False] * len(offsets), 0
-    for t, (s, e) in enumerate(offsets):
-        while j < len(spans) and spans[j][1] <= s:
-            j += 1
-        if j == len(spans):
-            break
-        mask[t] = e > s and spans[j][0] < e
-    return mask
+    them (char_to_token over the span). offsets: (start, end) pairs, or the arrays (starts, ends)."""
+    starts, ends = offsets if isinstance(offsets, tuple) else np.array(offsets, np.int64).reshape(-1, 2).T
+    mask = np.zeros(len(starts), bool)
+    for a, b in spans:
+        if b > a:  # tokens ending after a and starting before b (offsets run left to right)
+            mask[np.searchsorted(ends, a, "right"):np.searchsorted(starts, b, "left")] = True
+    return mask & (ends > starts)
 
 
-def encode_chat(tok: Tokenizer, template: ChatTemplate, messages: list[dict], train_on: str = "all"
-                ) -> tuple[list[int], list[int]]:
-    """Token ids and labels (-100 where nothing is trained) of one conversation through its template.
+def encode_chat_arrays(tok: Tokenizer, template: ChatTemplate, messages: list[dict], train_on: str = "all"
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and labels (-100 where nothing is trained) of one conversation through its template, as
+    int32 arrays (a long conversation stays compact).
 
     Trained: each assistant content and the end-of-turn token after it (see with_end_of_turn), or what
     the template's {% generation %} blocks enclose; a token is trained when any of its characters is.
@@ -320,17 +333,23 @@ def encode_chat(tok: Tokenizer, template: ChatTemplate, messages: list[dict], tr
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("a chat needs at least one assistant message to train on")
     text, spans, marked = assistant_spans(template, messages)
-    ids, offsets = tok.encode_rendered(text)
+    ids, starts, ends = tok.encode_arrays(text)
     if train_on == "prompt-too":
-        trained = [True] * len(ids)
+        trained = np.ones(len(ids), bool)
     else:
         if not marked:
-            spans = with_end_of_turn(tok, template, text, ids, offsets, spans)
-        trained = token_mask(offsets, spans[-1:] if train_on == "last" else spans)
-    labels = [i if t else IGNORE_INDEX for i, t in zip(ids, trained)]
-    if labels:
-        labels[0] = IGNORE_INDEX  # the first token is never a target
+            spans = with_end_of_turn(tok, template, text, ids, starts, ends, spans)
+        trained = token_mask((starts, ends), spans[-1:] if train_on == "last" else spans)
+    labels = np.where(trained, ids, IGNORE_INDEX).astype(np.int32)
+    labels[:1] = IGNORE_INDEX  # the first token is never a target
     return ids, labels
+
+
+def encode_chat(tok: Tokenizer, template: ChatTemplate, messages: list[dict], train_on: str = "all"
+                ) -> tuple[list[int], list[int]]:
+    """encode_chat_arrays as lists."""
+    ids, labels = encode_chat_arrays(tok, template, messages, train_on)
+    return ids.tolist(), labels.tolist()
 
 
 def prompt_ids(tok: Tokenizer, template: ChatTemplate, prompt: str, system: str | None = None) -> list[int]:

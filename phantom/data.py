@@ -205,13 +205,15 @@ def rename_columns(record: dict, columns: tuple[tuple[str, str], ...]) -> dict:
 
 
 def encode_record(tok: Tokenizer, record, fmt: str | None, recipe: Recipe) -> tuple[str, list[int], list[int]]:
-    """(format, tokens, labels) of one record: through the chat template if the recipe has one, else plain."""
+    """(format, tokens, labels) of one record: through the chat template if the recipe has one (as int32
+    arrays), else plain (lists)."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     fmt = fmt or detect_format(record)
     if recipe.template is not None and fmt != "jsonl-text":
         try:
-            return fmt, *chat.encode_chat(tok, recipe.template, chat.to_messages(record, fmt), recipe.train_on)
+            messages = chat.to_messages(record, fmt)
+            return fmt, *chat.encode_chat_arrays(tok, recipe.template, messages, recipe.train_on)
         except KeyError as e:
             raise ValueError(f"{fmt} record without {e}") from None
         except (TypeError, AttributeError) as e:
@@ -267,8 +269,8 @@ def tokenize(path: Path, tok: Tokenizer, recipe: Recipe | None = None
             except ValueError as e:
                 raise ValueError(where.format(e)) from None
             starts.append(len(tokens))
-            tokens.extend(t)
-            labels.extend(lab)
+            tokens.frombytes(np.asarray(t, np.int32).tobytes())  # a long chat's arrays, not element by element
+            labels.frombytes(np.asarray(lab, np.int32).tobytes())
         if fmt is None:
             raise ValueError(f"{path} is empty; give one JSON object per line")
     return fmt, np.frombuffer(tokens, np.int32), np.frombuffer(labels, np.int32), np.frombuffer(starts, np.int64)

@@ -12,6 +12,7 @@ import re
 import struct
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 
 from phantom.special_tokens import NAMES, SideFiles, nested_repeat, post_processor_ids, split_patterns
@@ -79,6 +80,8 @@ class Tokenizer:
     token the files do not name is None (Qwen has no BOS).
     """
 
+    chunk_chars = 1 << 20  # a long rendered text is encoded in pieces of about this many characters
+
     def __init__(self, path: Path | str):
         self.path = Path(path)
         if not self.path.is_file():
@@ -144,7 +147,12 @@ class Tokenizer:
             self._hf.normalizer = None
             self._hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
         self.vocab_size = self._hf.get_vocab_size()
-        self._special = {i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
+        added = self._hf.get_added_tokens_decoder()
+        self._special = {i for i, t in added.items() if t.special}
+        cut = [t.content for t in added.values() if t.special and t.content and not (t.lstrip or t.single_word or
+                                                                                    t.normalized)]
+        self._cut_tokens = {c: ({t for t in cut if t[0] == c}, sorted({len(t) for t in cut if t[0] == c}))
+                            for c in {t[0] for t in cut}}  # first character -> the tokens a piece may begin with
         self.prefix, self.suffix = post_processor_ids(spec)
         first = self._hf.id_to_token(self.prefix[0]) if self.prefix else None
         return {"bos": first}  # no config: BOS is what the post-processor puts first; no EOS is known
@@ -210,8 +218,8 @@ class Tokenizer:
         """Ids and (start, end) character offsets of a rendered chat, read as transformers'
         `tokenizer(text, add_special_tokens=False)` reads it: a special token's text is that token."""
         if self.kind == "hf":
-            enc = self._hf_encode(text)
-            return enc.ids, enc.offsets
+            ids, starts, ends = self.encode_arrays(text)
+            return ids.tolist(), list(zip(starts.tolist(), ends.tolist()))
         if self.kind == "tiktoken":
             ids = self._tt.encode(text, allowed_special="all")
             _, starts = self._tt.decode_with_offsets(ids)
@@ -228,6 +236,52 @@ class Tokenizer:
                 offsets += [(at + s, at + e) for s, e in _align(pieces, piece)]
             at += len(piece)
         return ids, offsets
+
+    def encode_arrays(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """encode_rendered as int32 ids, start and end offsets, in bounded memory: a long text
+        is encoded in pieces of about chunk_chars, cut where a special token begins (the tokenizers
+        library splits a text at its added tokens before anything else, so the pieces encode as the
+        whole does), in parallel."""
+        if self.kind != "hf":
+            ids, offsets = self.encode_rendered(text)
+            offsets = np.array(offsets, np.int32).reshape(-1, 2)
+            return np.array(ids, np.int32), offsets[:, 0].copy(), offsets[:, 1].copy()
+        cuts = self._cuts(text)
+        parts = [np.zeros(0, np.int32)], [np.zeros(0, np.int32)], [np.zeros(0, np.int32)]
+        for k in range(0, len(cuts) - 1, 4):  # a few pieces at a time: parallel, and their encodings freed
+            group = [(a, b) for a, b in zip(cuts[k:k + 4], cuts[k + 1:k + 5])]
+            try:
+                encs = self._hf.encode_batch([text[a:b] for a, b in group], add_special_tokens=False)
+            except BaseException as e:  # the regex engine's panic (see _hf_encode)
+                if type(e).__name__ != "PanicException":
+                    raise
+                raise ValueError(f"{self.path}: the tokenizer failed on a text") from None
+            for (a, _), enc in zip(group, encs):
+                offsets = np.array(enc.offsets, np.int32).reshape(-1, 2) + a  # a text under 2**31 characters
+                parts[0].append(np.array(enc.ids, np.int32))
+                parts[1].append(offsets[:, 0].copy())
+                parts[2].append(offsets[:, 1].copy())
+        return tuple(np.concatenate(p) for p in parts)
+
+    def _cuts(self, text: str) -> list[int]:
+        """0, the positions at which pieces of text begin, len(text). A piece begins at a special token
+        the library matches as written (not normalized, not stripping or matching whole words only)."""
+        cuts, at = [0], self.chunk_chars
+        while at < len(text):
+            found = None
+            for first in self._cut_tokens:
+                k = text.find(first, at)
+                contents, lengths = self._cut_tokens[first]
+                while k >= 0 and (found is None or k < found):
+                    if any(text[k:k + n] in contents for n in lengths):
+                        found = k
+                        break
+                    k = text.find(first, k + 1)
+            if found is None:
+                break
+            cuts.append(found)
+            at = found + self.chunk_chars
+        return cuts + [len(text)]
 
     def decode(self, ids: list[int], specials: bool = False) -> str:
         """The text of ids; specials: with special tokens by their text (else they are dropped)."""

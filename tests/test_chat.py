@@ -265,8 +265,9 @@ def test_masks_of_templates_that_are_not_the_sum_of_their_turns(tokenizer_file, 
 
 def test_token_mask_marks_every_token_a_span_touches():
     """An answer starting with a multi-byte character: its byte tokens share the character's offsets."""
-    assert chat.token_mask([(0, 5), (5, 6), (5, 6), (5, 6), (6, 7)], [(5, 7)]) == [False, True, True, True, True]
-    assert chat.token_mask([(0, 2), (2, 4), (4, 6)], [(3, 3), (5, 9)]) == [False, False, True]
+    mask = chat.token_mask([(0, 5), (5, 6), (5, 6), (5, 6), (6, 7)], [(5, 7)])
+    assert mask.tolist() == [False, True, True, True, True]
+    assert chat.token_mask([(0, 2), (2, 4), (4, 6)], [(3, 3), (5, 9)]).tolist() == [False, False, True]
 
 
 def test_null_fields_are_dropped_before_rendering(tokenizer_file):

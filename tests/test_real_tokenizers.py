@@ -6,6 +6,7 @@ markers added around each answer and its end of turn (and the published template
 same tokens)."""
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -13,6 +14,7 @@ import pytest
 
 from conftest import real_tokenizer
 from phantom import chat
+from phantom.special_tokens import SideFiles
 from phantom.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -44,10 +46,20 @@ def strings() -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def ours(name: str) -> Tokenizer:
+    """phantom's Tokenizer of a real tokenizer, loaded once for the module (a 262k vocabulary takes seconds)."""
+    return Tokenizer(real_tokenizer(name) / "tokenizer.json")
+
+
+@functools.lru_cache(maxsize=None)
+def theirs_of(name: str):
+    return transformers.AutoTokenizer.from_pretrained(real_tokenizer(name))
+
+
 @pytest.fixture(scope="module", params=NAMES)
 def pair(request):
-    folder = real_tokenizer(request.param)
-    return request.param, Tokenizer(folder / "tokenizer.json"), transformers.AutoTokenizer.from_pretrained(folder)
+    return request.param, ours(request.param), theirs_of(request.param)
 
 
 def test_encode_equals_auto_tokenizer(pair):
@@ -67,13 +79,16 @@ def test_special_token_ids_equal(pair, tmp_path):
         assert ours.bos_id is None and ours.prefix == []  # the old guess: "<s>" (id 128245), an ordinary word
     if name == "gemma3":
         assert ours.prefix == [2] and ours.bos_token == "<bos>"
-    # generation_config.json's stop ids, as GenerationConfig reads them
-    folder = tmp_path / name
-    shutil.copytree(ours.path.parent, folder)
+    assert ours.stop_ids == [ours.eos_id]  # no generation_config.json: EOS
+    # generation_config.json's stop ids, as GenerationConfig reads them (the models' own lists)
     stops = {"llama2": 2, "llama3_1": [128001, 128008, 128009], "qwen3": [151645, 151643], "gemma3": [1, 106]}[name]
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
-    want = transformers.GenerationConfig.from_pretrained(folder).eos_token_id
-    assert Tokenizer(folder / "tokenizer.json").stop_ids == (want if isinstance(want, list) else [want])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    want = transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id
+    assert SideFiles.read(tmp_path).stop_ids() == (want if isinstance(want, list) else [want])
+    if name == "llama2":  # read beside the tokenizer file
+        shutil.copytree(ours.path.parent, tmp_path / name)
+        (tmp_path / name / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+        assert Tokenizer(tmp_path / name / "tokenizer.json").stop_ids == [2]
 
 
 # -- chats ------------------------------------------------------------------------------------------
@@ -118,13 +133,13 @@ FORMAT = {"multi": "chat", "system": "chat", "sharegpt": "sharegpt", "alpaca": "
 @pytest.fixture(scope="module", params=CHAT_NAMES)
 def chat_pair(request):
     folder = real_tokenizer(request.param)
-    tok = Tokenizer(folder / "tokenizer.json")
+    tok = ours(request.param)
     published = chat.read_template(folder, tok)
     marked = published.source
     for old, new in MARKS[request.param]:
         assert old in marked, (request.param, old)
         marked = marked.replace(old, new)
-    return request.param, tok, published, transformers.AutoTokenizer.from_pretrained(folder), marked
+    return request.param, tok, published, theirs_of(request.param), marked
 
 
 @pytest.mark.parametrize("record", RECORDS)
@@ -148,7 +163,8 @@ def test_chat_ids_and_masks_equal_transformers(chat_pair, record):
 def test_first_bytes_of_a_multibyte_answer_are_trained(chat_pair):
     """An answer that starts with an emoji: its first byte tokens share the character's offsets."""
     name, tok, published, theirs, marked = chat_pair
-    assert chat.token_mask([(0, 5), (5, 6), (5, 6), (5, 6), (6, 7)], [(5, 7)]) == [False, True, True, True, True]
+    mask = chat.token_mask([(0, 5), (5, 6), (5, 6), (5, 6), (6, 7)], [(5, 7)])
+    assert mask.tolist() == [False, True, True, True, True]
     messages = [{"role": "user", "content": "Smile?"}, {"role": "assistant", "content": "🙂🙂 yes"}]
     ids, labels = chat.encode_chat(tok, published, messages)
     ref = theirs.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
@@ -157,15 +173,22 @@ def test_first_bytes_of_a_multibyte_answer_are_trained(chat_pair):
     assert tok.decode([i for i, label in zip(ids, labels) if label != chat.IGNORE_INDEX]).startswith("🙂🙂")
 
 
-def test_long_conversation_renders_in_one_pass(chat_pair):
-    """Thousands of turns: two renderings and one tokenization, each span found once (no prefix renders)."""
-    name, tok, published, theirs, _ = chat_pair
-    messages = [m for k in range(2000) for m in ({"role": "user", "content": f"Question {k}?"},
-                                                 {"role": "assistant", "content": f"Answer {k}."})]
-    ids, labels = chat.encode_chat(tok, published, messages)
-    assert ids == theirs.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-    runs = sum(1 for k in range(1, len(labels)) if labels[k] != -100 and labels[k - 1] == -100)
-    assert runs == 2000
+def test_long_conversation_encoded_in_pieces(chat_pair):
+    """A long conversation, its text encoded in pieces cut where a special token begins (here every few
+    hundred characters): the ids and masks of the whole, as transformers computes them."""
+    name, tok, published, theirs, marked = chat_pair
+    messages = [m for k in range(300) for m in ({"role": "user", "content": f"Question {k}? 🐦 <b>x</b>"},
+                                                {"role": "assistant", "content": f" Answer {k}.\n\n  code()  "})]
+    tok.chunk_chars = 300
+    try:
+        assert len(tok._cuts(published.render(messages)[0])) > 100
+        ids, labels = chat.encode_chat(tok, published, messages)
+    finally:
+        del tok.chunk_chars  # back to the class's
+    ref = theirs.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                     chat_template=marked)
+    assert ids == ref["input_ids"]
+    assert [int(label != chat.IGNORE_INDEX) for label in labels] == ref["assistant_masks"]
 
 
 def test_plain_text_rows_begin_with_bos_where_the_model_has_one(tmp_path):
@@ -173,7 +196,7 @@ def test_plain_text_rows_begin_with_bos_where_the_model_has_one(tmp_path):
     path = tmp_path / "doc.txt"
     path.write_text("The keeper lit the lamp.\nThe ships passed.\n")
     for name, first in (("qwen3", None), ("gemma3", "<bos>")):
-        tok = Tokenizer(real_tokenizer(name) / "tokenizer.json")
+        tok = ours(name)
         d = data.load(path, tok, cache=False)
         tokens = d.tokens.tolist()
         assert (tokens[0] == tok.bos_id) == (first is not None) and tokens[-1] == tok.eos_id

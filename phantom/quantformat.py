@@ -61,9 +61,14 @@ def as_format(quant: "str | QuantFormat | None") -> "QuantFormat | None":
     return QuantFormat(quant) if isinstance(quant, str) else quant
 
 
+ROUTERS = ("feed_forward.gate.weight", "feed_forward.shared_expert_gate.weight")  # a mixture of experts' (phantom.moe)
+
+
 def quantized(name: str, shape: tuple[int, ...]) -> bool:
-    """Which tensors of a block are quantized: the linear weights (matrices); norms stay 16-bit."""
-    return len(shape) == 2
+    """Which tensors of a block are quantized: the linear weights (matrices); norms stay 16-bit, and so do
+    a mixture of experts' routers (a rounded router picks other experts, as bitsandbytes' users keep
+    them out with llm_int8_skip_modules)."""
+    return len(shape) == 2 and name not in ROUTERS
 
 
 def stored_layout(fmt: QuantFormat, name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str]]:

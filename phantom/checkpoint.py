@@ -79,7 +79,7 @@ def checkpoint_activations(out: Path) -> dict:
     if ckpt is None:
         return {}
     try:
-        return safejson.load(ckpt / "meta.json").get("activations") or {}
+        return safejson.load(ckpt / "meta.json", finite=False).get("activations") or {}
     except (OSError, ValueError):
         return {}  # load_checkpoint reports a damaged checkpoint
 
@@ -99,13 +99,13 @@ def resume_point(out: Path, activations, flags: dict):
     recorded = checkpoint_activations(out)
     activations = dataclasses.replace(activations, **{k: recorded[k] for k in ACTIVATION_KEYS
                                                       if k in recorded and flags.get(k) is None})
-    return activations, int(safejson.load(ckpt / "meta.json")["step"]) + 1
+    return activations, int(safejson.load(ckpt / "meta.json", finite=False)["step"]) + 1
 
 
 def tracker_runs(out: Path) -> dict[str, str]:
     """{tracker: run id} the checkpoint in out kept (wandb, MLflow; {} for none): --resume continues them."""
     ckpt = find_checkpoint(Path(out))
-    runs = safejson.load(ckpt / "meta.json").get("trackers") if ckpt is not None else None
+    runs = safejson.load(ckpt / "meta.json", finite=False).get("trackers") if ckpt is not None else None
     return {k: v for k, v in runs.items() if isinstance(v, str)} if isinstance(runs, dict) else {}
 
 
@@ -226,7 +226,7 @@ def io_error_line(e: OSError, out: Path, store: Path | None = None) -> str | Non
     ckpt = find_checkpoint(Path(out))
     if ckpt is None:
         return f"{line}; no checkpoint was written yet: {fix} and run again"
-    step = safejson.load(ckpt / "meta.json").get("step")
+    step = safejson.load(ckpt / "meta.json", finite=False).get("step")
     return f"{line}; the last checkpoint (step {step}) is intact: {fix} and rerun with --resume"
 
 
@@ -264,7 +264,7 @@ def check_optimizer_shapes(opt) -> None:
 
 def load_checkpoint(path: Path, model, opt, sched, identity: dict) -> dict:
     """Restore weights, optimizer, schedule and RNGs from `path`; returns its state (step, extra)."""
-    meta = safejson.load(path / "meta.json")
+    meta = safejson.load(path / "meta.json", finite=False)
     diff = [k for k in RUN_KEYS if meta.get(k) != identity[k]]
     if diff:
         k = diff[0]

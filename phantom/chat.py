@@ -38,12 +38,32 @@ TINY_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}Writer:{% endif %}")
 
 
+@functools.lru_cache(maxsize=1)
+def _sandbox():
+    """transformers' sandbox (ImmutableSandboxedEnvironment), its verdict on an attribute kept per (type,
+    name): every one of its checks (a private name, an interpreter internal, a method that mutates a known
+    container) depends on the object's type alone. A long conversation asks thousands of times."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.verdicts = {}
+
+        def is_safe_attribute(self, obj, attr, value):
+            key = (type(obj), attr)
+            if key not in self.verdicts:
+                self.verdicts[key] = super().is_safe_attribute(obj, attr, value)
+            return self.verdicts[key]
+
+    return Sandbox
+
+
 @functools.lru_cache(maxsize=16)
 def compile_template(source: str):
     """The template compiled in the environment transformers' apply_chat_template uses."""
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationTracker(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}`: records the character span its body renders to."""
@@ -80,22 +100,7 @@ def compile_template(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    class Sandbox(ImmutableSandboxedEnvironment):
-        """transformers' sandbox, its verdict on an attribute kept per (type, name): every one of its checks
-        (a private name, an interpreter internal, a method that mutates a known container) depends on the
-        object's type alone. A long conversation asks thousands of times (`message.content.startswith`)."""
-
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            self.verdicts = {}
-
-        def is_safe_attribute(self, obj, attr, value):
-            key = (type(obj), attr)
-            if key not in self.verdicts:
-                self.verdicts[key] = super().is_safe_attribute(obj, attr, value)
-            return self.verdicts[key]
-
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTracker, jinja2.ext.loopcontrols])
+    env = _sandbox()(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTracker, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
     try:

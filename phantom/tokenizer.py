@@ -203,7 +203,8 @@ class Tokenizer:
         except BaseException as e:  # the regex engine's panic is a BaseException (pyo3's PanicException)
             if type(e).__name__ != "PanicException":
                 raise
-            raise ValueError(f"{self.path}: the tokenizer failed on a text ({' '.join(str(e).split())[:120]})") from None
+            why = " ".join(str(e).split())[:120]
+            raise ValueError(f"{self.path}: the tokenizer failed on a text ({why})") from None
 
     def special_tokens(self) -> list[str]:
         """The text of the tokens a rendered chat names by their text (BOS, EOS, added and control tokens)."""

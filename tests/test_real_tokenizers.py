@@ -97,7 +97,8 @@ def test_special_token_ids_equal(pair, tmp_path):
 MARKS = {
     "llama3_1": [("{{ content }}", "{% if message['role'] == 'assistant' %}"
                   "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}{% generation %}"
-                  "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}{% else %}{{ content }}{% endif %}")],
+                  "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+                  "{% else %}{{ content }}{% endif %}")],
     "qwen3": [("'\\n</think>\\n\\n' + content.lstrip('\\n') }}",
                "'\\n</think>\\n\\n' }}{% generation %}{{- content.lstrip('\\n') }}{% endgeneration %}"),
               ("{{- '<|im_start|>' + message.role + '\\n' + content }}",

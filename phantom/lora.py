@@ -25,6 +25,7 @@ from phantom.layers import LoraLinear, permute_for_hf, permute_from_hf
 from phantom import fileio, safejson
 from phantom.fileio import atomic_write_json
 from phantom.store import StoreError, safe_join
+from phantom.special_tokens import nested_repeat
 from phantom.tensorfile import read_header, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,9 @@ class LoraConfig:
                 re.compile(pattern)
             except (re.error, TypeError) as e:
                 raise ValueError(f"LoRA rank or alpha pattern {pattern!r} is not a regular expression ({e})") from None
+            if nested_repeat(pattern):  # matching a module name would backtrack for hours
+                raise ValueError(f"LoRA rank or alpha pattern {pattern!r} repeats a group that repeats; write it "
+                                 f"without nested repeats")
 
     def module_rank(self, layer: int, module: str) -> tuple[int, float] | None:
         """(rank, alpha) of the LoRA on a layer's Hugging Face module ("self_attn.q_proj"), as peft

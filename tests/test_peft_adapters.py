@@ -97,6 +97,7 @@ REFUSED = {
     "layers_pattern": ("h", "layers_pattern"),
     "target_modules": (".*proj", "target_modules"),
     "rank_pattern": ({"(": 2}, "is not a regular expression"),
+    "alpha_pattern": ({"(.*)*x": 2}, "repeats a group that repeats"),
     "lora_alpha": ("sixteen", "LoRA alpha must be a finite number"),
     "peft_type": ("IA3", "peft_type"),
 }

@@ -277,7 +277,8 @@ def assistant_spans(template: ChatTemplate, messages: list[dict]) -> tuple[str, 
     at, spans = len(literals[0]), []
     for mark, after in zip(found, literals[1:]):
         content = messages[int(mark.group(1))]["content"]
-        for shown in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+        for shown in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip(), content.strip("\n"),
+                                    content.lstrip("\n"), content.rstrip("\n"))):  # as written, or trimmed
             if text.startswith(shown + after, at):
                 spans.append((at, at + len(shown)))
                 at += len(shown) + len(after)

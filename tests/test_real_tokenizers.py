@@ -127,8 +127,11 @@ RECORDS = {
     "alpaca": {"instruction": "Name a sea bird.", "input": "One word.", "output": "Tern"},
     "nulls": {"messages": [{"role": "user", "content": "Hi", "name": None},
                            {"role": "assistant", "content": "Hello!", "tool_calls": None}]},
+    "indented": {"messages": [{"role": "user", "content": "Hi"},  # Qwen3 strips a last answer's leading newlines
+                              {"role": "assistant", "content": "\n  indented answer\n"}]},
 }
-FORMAT = {"multi": "chat", "system": "chat", "sharegpt": "sharegpt", "alpaca": "alpaca", "nulls": "chat"}
+FORMAT = {"multi": "chat", "system": "chat", "sharegpt": "sharegpt", "alpaca": "alpaca", "nulls": "chat",
+          "indented": "chat"}
 
 
 @pytest.fixture(scope="module", params=CHAT_NAMES)

@@ -99,7 +99,8 @@ def test_merge_lora_cli(tmp_path, capsys, base, adapter):
     assert len(err) == 1 and "adapter_config.json" in err[0] and not (tmp_path / "m2").exists()
     assert merge(["--model", str(base[0]), "--out", str(tmp_path / "m3"), "--max-shard-size", "50000", "--quiet"]) == 0
     assert len(list((tmp_path / "m3").glob("model-*-of-*.safetensors"))) > 3
-    for bad in (["--max-shard-size", "5 GiB"], ["--max-shard-size", "0"], ["--max-shard-size", "5GB", "--format", "meta"]):
+    for bad in (["--max-shard-size", "5 GiB"], ["--max-shard-size", "0"],
+                ["--max-shard-size", "5GB", "--format", "meta"]):
         assert merge(["--model", str(base[0]), "--out", str(tmp_path / "m4"), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and "--max-shard-size" in err[0], err

@@ -144,7 +144,8 @@ def test_an_adapter_names_its_base_so_peft_loads_it_with_no_other_step(cache):
     torch.save(tokens, root / "tokens.pt")
     env = {**os.environ, "HF_HUB_CACHE": str(root / "hub"), "HF_HOME": str(root / "hf-home"), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", PEFT_LOAD, str(root / "tokens.pt"), str(root / "theirs.pt"),
-                          str(root / "hub"), str(root / "folder")], env=env, capture_output=True, text=True, timeout=300)
+                          str(root / "hub"), str(root / "folder")], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     theirs = torch.load(root / "theirs.pt", weights_only=True)
     with torch.no_grad():

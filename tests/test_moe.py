@@ -245,3 +245,17 @@ def test_a_quantized_moe_store_streams_its_dequantized_experts(models, method, t
     with phantom.load(tmp_path / "q", offload="disk", lora=phantom.LoraConfig(targets=("q", "v"))) as pm:
         pm(tokens, targets=targets).backward()
         assert all(p.grad is not None for p in pm.trainable_parameters())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_greedy_generation_equals_transformers_generate(models, name):
+    """Through the KV cache, a token at a time (one or few tokens routed per step), past Mixtral's window."""
+    from phantom.generate import generate
+    _, store = models(name)
+    model = make(name)
+    prompt = batch(b=1, t=6)[0]
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with phantom.load(store, offload="disk", prefetch=1, lora=None) as pm:
+        got = list(generate(pm, prompt[0].tolist(), max_new_tokens=24, temperature=0.0))
+    assert got == want[0, 6:].tolist()

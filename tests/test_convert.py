@@ -127,6 +127,9 @@ def test_meta_and_hf_convert_to_the_same_logits(tmp_path, cfg, embed_dim):
                               progress=False)
     hf = convert_checkpoint(write_hf(tmp_path / "hf", cfg, sd), tmp_path / "s_hf", progress=False)
     assert meta["format"] == "meta" and hf["format"] == "hf"
+    for out, kind in ((meta["out"], "meta"), (hf["out"], "hf")):  # each store says what it was made from
+        origin = phantom.BlockStore(out).manifest["origin"]
+        assert origin == {"kind": kind, "path": str((tmp_path / kind).resolve())}
     for c in (meta["config"], hf["config"]):  # HF states the FFN width, Meta derives it: same shapes
         assert block_tensor_shapes(c) == block_tensor_shapes(cfg) and c.vocab_size == cfg.vocab_size
         assert (c.rope_theta, c.rope_scaling, c.n_kv_heads) == (cfg.rope_theta, cfg.rope_scaling, cfg.n_kv_heads)

@@ -20,6 +20,7 @@ from packaging.requirements import Requirement
 from phantom import data, safejson, tokencache
 from phantom.checksum import Checksums
 from phantom.config import ModelConfig, preset
+from phantom.convert import convert_checkpoint
 from phantom.hub import snapshot
 from phantom.lora import LoraConfig
 from phantom.store import BlockStore, StoreError, block_file
@@ -107,6 +108,10 @@ def tensors(header: dict, offsets) -> dict:
             for k, v in header.items()}
 
 
+def float_shapes(header: dict) -> dict:
+    return {k: v if k == "__metadata__" else {**v, "shape": [x + 0.0 for x in v["shape"]]} for k, v in header.items()}
+
+
 def every_block(change):
     def damage(store: Path):
         for i in range(4):
@@ -129,6 +134,7 @@ STORE_CASES = {
     "tensors_share_bytes": (every_block(lambda h: tensors(h, lambda a, b: [0, b - a])), ["overlap in bytes"]),
     "fractional_offsets": (every_block(lambda h: tensors(h, lambda a, b: [a + 0.5, b + 0.5])),
                            ["000.safetensors", "not non-negative integers"]),
+    "float_shapes": (every_block(float_shapes), ["000.safetensors", "not non-negative integers"]),
     "header_deep": (lambda s: rewrite_header(s, block_file(0), lambda h: b"[" * 2000 + b"]" * 2000),
                     ["000.safetensors", "corrupt safetensors header", "nested more than 100 deep"]),
     "manifest_deep": (manifest(lambda m: b'{"format": "phantom-store", "x": ' + DEEP + b"}"),
@@ -157,6 +163,19 @@ def test_tensors_sharing_some_bytes_are_refused_and_empty_ones_are_not(tiny):
     rewrite_header(tiny, block_file(1), shift)
     with pytest.raises(StoreError, match=r"001\.safetensors: tensors .* overlap in bytes"):
         BlockStore(tiny)
+
+
+def test_linked_tensors_sharing_bytes_of_their_source_are_refused(tmp_path):
+    """A --link store's manifest places a block's tensors in the checkpoint's files: two at one offset."""
+    store = convert_checkpoint(write_hf(tmp_path / "hf", LLAMA2, random_model(LLAMA2)), tmp_path / "s", link=True,
+                               progress=False)["out"]
+    m = json.loads((store / "manifest.json").read_text())
+    entry = m["links"]["files"][block_file(0)]["tensors"]
+    same = [t for t in entry if t["file"] == entry[-1]["file"]]
+    same[-1]["offset"] = same[0]["offset"]
+    (store / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match="overlap in bytes"):
+        BlockStore(store)
 
 
 # -- adapters, model folders, hub revisions ------------------------------------------------------------

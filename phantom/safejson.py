@@ -51,7 +51,8 @@ def loads(text: str | bytes, where: str, *, line: int | None = 1, finite: bool =
     text = text.removeprefix("\ufeff")
     first = line or 1
     if _too_deep(text):
-        fail(*_locate(text, first, finite))
+        at, problem = _locate(text, first, finite)
+        fail(at, problem or f"JSON nested more than {MAX_DEPTH} deep")
     try:
         return json.loads(text, parse_int=_int, parse_float=_finite_float if finite else float,
                           parse_constant=_no_constant if finite else None)

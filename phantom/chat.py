@@ -302,8 +302,8 @@ def with_end_of_turn(tok: Tokenizer, template: ChatTemplate, text: str, ids: np.
     whitespace only): EOS, a generation stop id, or the special token the template writes after an
     answer. Not the newline or the next turn's header after it."""
     eot, out = end_of_turn_ids(tok, template), []
-    for a, b in spans:
-        k = int(np.searchsorted(starts, b))
+    after = np.searchsorted(starts, np.array([b for _, b in spans], starts.dtype)).tolist()  # one call: no casts
+    for (a, b), k in zip(spans, after):
         while k < len(ids) and int(ids[k]) not in eot and not tok.is_special(int(ids[k])) \
                 and not text[starts[k]:ends[k]].strip():
             k += 1
@@ -315,11 +315,13 @@ def token_mask(offsets, spans: list[tuple[int, int]]) -> np.ndarray:
     """Tokens any of whose characters lies in a span, as transformers' return_assistant_tokens_mask marks
     them (char_to_token over the span). offsets: (start, end) pairs, or the arrays (starts, ends)."""
     starts, ends = offsets if isinstance(offsets, tuple) else np.array(offsets, np.int64).reshape(-1, 2).T
-    mask = np.zeros(len(starts), bool)
-    for a, b in spans:
-        if b > a:  # tokens ending after a and starting before b (offsets run left to right)
-            mask[np.searchsorted(ends, a, "right"):np.searchsorted(starts, b, "left")] = True
-    return mask & (ends > starts)
+    spans = np.array([(a, b) for a, b in spans if b > a], ends.dtype).reshape(-1, 2)
+    first = np.searchsorted(ends, spans[:, 0], "right")  # tokens ending after a span's start ...
+    last = np.searchsorted(starts, spans[:, 1], "left")  # ... and starting before its end (offsets run left to right)
+    mask = np.zeros(len(starts) + 1, np.int32)  # +1 at each run's first token, -1 past its last
+    np.add.at(mask, first, 1)
+    np.add.at(mask, last, -1)
+    return (np.cumsum(mask[:-1]) > 0) & (ends > starts)
 
 
 def encode_chat_arrays(tok: Tokenizer, template: ChatTemplate, messages: list[dict], train_on: str = "all"

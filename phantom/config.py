@@ -190,6 +190,17 @@ class ModelConfig:
     def block_params(self) -> int:
         return sum(math.prod(shape) for shape in block_tensor_shapes(self).values())
 
+    def active_block_params(self) -> int:
+        """The block's weights one token runs through: all of a dense block's; a mixture of experts' minus
+        the experts it does not route to (experts_per_token of n_experts run)."""
+        idle = self.n_experts - self.experts_per_token
+        return self.block_params() - idle * 3 * self.dim * self.expert_dim
+
+    @property
+    def token_hidden_dim(self) -> int:
+        """The MLP's hidden width one token computes: hidden_dim, or its experts' (and a shared expert's)."""
+        return self.experts_per_token * self.expert_dim + self.shared_expert_dim if self.n_experts else self.hidden_dim
+
     def n_params(self) -> int:
         heads = 1 if self.tie_embeddings else 2
         return self.n_layers * self.block_params() + heads * self.vocab_size * self.dim + self.dim

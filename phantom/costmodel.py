@@ -111,7 +111,7 @@ def keep_elems_per_token(cfg: ModelConfig) -> float:
     (~8.5 dim), SwiGLU's three hidden-wide tensors, k and v. Attention runs as SDPA (flash): no
     T x T matrix is kept. A measured profile corrects it by its `keep_scale`.
     """
-    return 8.5 * cfg.dim + 3 * cfg.hidden_dim + 2 * cfg.kv_heads * cfg.head_dim + 16
+    return 8.5 * cfg.dim + 3 * cfg.token_hidden_dim + 2 * cfg.kv_heads * cfg.head_dim + 16
 
 
 def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", seq_len: int = 1024,
@@ -131,7 +131,8 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
         n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
         sizes=P.block_sizes(block, params, s, c, quant is not None, stored == computed),
         head_bytes=head_params * c, embed_bytes=embed_params * s,
-        flops_per_row=seq_len * (2 * params + 2 * seq_len * cfg.q_dim),  # matmuls + causal attention
+        # matmuls (a mixture of experts: the experts a token routes to) + causal attention
+        flops_per_row=seq_len * (2 * cfg.active_block_params() + 2 * seq_len * cfg.q_dim),
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
         act_bytes_per_row=seq_len * cfg.dim * c,
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),

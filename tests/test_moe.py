@@ -259,3 +259,24 @@ def test_greedy_generation_equals_transformers_generate(models, name):
     with phantom.load(store, offload="disk", prefetch=1, lora=None) as pm:
         got = list(generate(pm, prompt[0].tolist(), max_new_tokens=24, temperature=0.0))
     assert got == want[0, 6:].tolist()
+
+
+def test_the_cost_model_counts_the_flops_of_the_routed_experts(models):
+    """flops_per_row's matmul term is 2 x the weights a token runs through (experts_per_token of the experts):
+    torch's FLOP counter on transformers' own forward of the tiny Qwen3-MoE (its blocks, attention's
+    scores and values excluded) agrees within 2% (the norms' weights count too); Qwen3-30B-A3B runs 3.3B of
+    its 30.5B weights a token, as its card says."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from phantom import costmodel
+    model, store = models("qwen3_moe")
+    cfg = BlockStore(store).cfg
+    model.config._experts_implementation = "eager"  # its loop of matmuls (the counter misses grouped_mm)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.model.layers[0].mlp(torch.randn(1, 32, cfg.dim))
+    mlp = counter.get_total_flops()
+    attention = 2 * 32 * (cfg.q_dim * cfg.dim * 2 + 2 * cfg.kv_heads * cfg.head_dim * cfg.dim)
+    predicted = costmodel.shape_of(cfg, "fp32", "fp32", seq_len=32).flops_per_row - 2 * 32 * 32 * cfg.q_dim
+    assert abs(predicted - (mlp + attention)) < 0.02 * (mlp + attention)
+    big = PRESETS["qwen3-30B-A3B"]
+    active = big.n_layers * big.active_block_params() + 2 * big.vocab_size * big.dim
+    assert abs(active / 1e9 - 3.3) < 0.1 and big.n_params() / active > 9

@@ -221,6 +221,16 @@ def test_deep_json_in_a_model_folder_is_one_line(tmp_path, capsys, name):
     assert not (tmp_path / "w" / "x").exists()
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "1e999"])
+def test_non_finite_number_in_config_json_is_refused(tmp_path, capsys, value):
+    src = write_hf(tmp_path / "src", LLAMA2, random_model(LLAMA2))
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "rms_norm_eps": "X"}).replace('"X"', value))
+    code = script("prepare_model").main(["--src", str(src), "--out", str(tmp_path / "w" / "x"), "--quiet"])
+    check(capsys, code, tmp_path, "config.json:1:", f"{value} is not finite")
+    assert not (tmp_path / "w" / "x").exists()
+
+
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                                   "chat_template.json"])
 def test_deep_json_beside_the_tokenizer_is_one_line(tmp_path, capsys, name):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import phantom
-from family_check import hf_model, need, prepare, rel_err
+from family_check import hf_model, need, prepare, rel_err, transformers
+from phantom.export import export
 from phantom.lora import read_adapter_config
 from phantom.store import StoreError
 
@@ -68,6 +69,17 @@ def test_peft_adapter_gives_peft_logits(llama, tmp_path, case):
     model, store = llama
     ref = peft_adapter(model, tmp_path / "adapter", **CASES[case])
     assert rel_err(phantom_logits(store, tmp_path / "adapter"), ref) < 1e-5
+
+
+def test_merged_export_of_such_an_adapter_gives_peft_logits(llama, tmp_path):
+    """merge_lora's --format hf with use_rslora, both patterns and layers_to_transform: transformers loads
+    the merged model to the logits peft gives with the adapter."""
+    model, store = llama
+    ref = peft_adapter(model, tmp_path / "adapter", **CASES["all_four"])
+    out = export(store, tmp_path / "merged", tmp_path / "adapter", "hf", progress=False)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel_err(merged(TOKENS).logits, ref) < 1e-5
 
 
 def test_phantom_adapter_of_such_a_config_loads_in_peft(llama, tmp_path):

@@ -80,7 +80,7 @@ class Tokenizer:
     token the files do not name is None (Qwen has no BOS).
     """
 
-    chunk_chars = 1 << 20  # a long rendered text is encoded in pieces of about this many characters
+    chunk_chars = 1 << 18  # a long rendered text is encoded in pieces of about this many characters
 
     def __init__(self, path: Path | str):
         self.path = Path(path)

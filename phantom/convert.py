@@ -5,7 +5,6 @@ Every writer streams one block at a time into a `StoreWriter`, so peak memory is
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import hashlib
 import json
 import logging
@@ -26,9 +25,10 @@ from phantom.config import (ModelConfig, block_tensor_shapes, embed_tensor_shape
                             head_tensor_shapes, preset, rope_rows)
 from phantom.family import LLAMA_KEYS, family, from_hf_config
 from phantom.layers import permute_from_hf
-from phantom.quant import QuantFormat
+from phantom.fusedrows import fused_rows, read_rows
+from phantom.quantformat import QuantFormat
 from phantom.store import BlockStore, StoreError, StoreWriter, block_file, safe_join
-from phantom.tensorfile import TensorSpec, read_header
+from phantom.tensorfile import read_header
 from phantom.tokenizer import train_tiny_tokenizer
 
 log = logging.getLogger(__name__)
@@ -275,48 +275,6 @@ class HFCheckpoint:
             if name not in self.permuted and spec.dtype == dtype:
                 out[name] = (path, start + spec.start, spec.dtype, spec.shape)
         return out
-
-
-@dataclasses.dataclass(frozen=True)
-class RowSpec(TensorSpec):
-    """A tensor's spec inside the checkpoint's: the whole of it (rows None), or rows [r0, r1) of a
-    fused tensor (phantom.family.Family.fused), whose bytes are contiguous: linkable in place."""
-
-    rows: tuple[int, int] | None = None
-
-
-def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
-    """spec's tensor from an open safetensors file: all of key, or its rows [r0, r1), counted over its
-    leading two dims where it is 3-D (one expert's part of transformers 5's fused experts)."""
-    if spec.rows is None:
-        return f.get_tensor(key)
-    r0, r1 = spec.rows
-    shape = f.get_slice(key).get_shape()
-    if len(shape) == 2:
-        return f.get_slice(key)[r0:r1]
-    e, r = divmod(r0, shape[1])  # a part never crosses an expert
-    return f.get_slice(key)[e:e + 1, r:r + r1 - r0][0]
-
-
-def fused_rows(groups: dict[str, tuple[str, ...]], spec: TensorSpec, name: str, shapes: dict, path: Path) -> RowSpec:
-    """spec as name's: itself, or name's rows of the fused tensor spec names (checked against config.json);
-    groups: the checkpoint's fused tensors (phantom.family.Family.layout). A 3-D fused tensor's rows are
-    counted over its leading two dims (its experts' rows, expert after expert)."""
-    group = next((names for names in groups.values() if name in names), None)
-    if group is None:
-        if spec.shape != shapes[name]:
-            raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {shapes[name]}")
-        return RowSpec(spec.name, spec.dtype, spec.shape, spec.start, spec.end)
-    fused = (sum(shapes[n][0] for n in group), *shapes[name][1:])
-    if len(spec.shape) == 3 and (spec.shape[0] * spec.shape[1], spec.shape[2]) == fused:
-        fused = spec.shape  # (experts, rows of each, columns)
-    if spec.shape != fused:
-        raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {fused}")
-    r0 = sum(shapes[n][0] for n in group[:group.index(name)])
-    r1 = r0 + shapes[name][0]
-    row_bytes = math.prod(shapes[name][1:]) * spec.dtype.itemsize
-    return RowSpec(spec.name, spec.dtype, shapes[name], spec.start + r0 * row_bytes, spec.start + r1 * row_bytes,
-                   rows=(r0, r1))
 
 
 def linked_shard(src: Path, file: str, root: Path) -> Path:

@@ -23,7 +23,7 @@ RANK = {
     "fileio": 1, "sources": 1, "quantformat": 1, "tokenizer": 1, "layers": 2, "family": 2, "trackers": 1, "memory": 1, "tensorfile": 1,
     "moe": 1, "family_moe": 1,
     "chat": 2, "directio": 2, "quant": 2, "costmodel": 2, "hostmem": 2, "hfshards": 2, "trace": 2, "runfile": 2, "runcard": 2, "runfolder": 2, "seal": 2,
-    "tokencache": 2,
+    "tokencache": 2, "fusedrows": 2,
     "store": 3, "writeback": 3, "optim": 3, "data": 3, "dist": 3,
     "showdata": 4,
     "checkpoint": 4,

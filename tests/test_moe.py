@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import phantom
 from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, cross_entropy,
-                          hf_model, model_stores, rel_err, transformers)
+                          hf_model, model_stores, prepare, rel_err, transformers)
 from phantom.config import PRESETS, ModelConfig
 from phantom.export import export
 from phantom.moe import load_balancing_loss, mix, route
@@ -280,3 +280,16 @@ def test_the_cost_model_counts_the_flops_of_the_routed_experts(models):
     big = PRESETS["qwen3-30B-A3B"]
     active = big.n_layers * big.active_block_params() + 2 * big.vocab_size * big.dim
     assert abs(active / 1e9 - 3.3) < 0.1 and big.n_params() / active > 9
+
+
+@pytest.mark.parametrize("name,fields", [
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16)),  # every layer slides
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),  # layer 0 of 2 slides
+])
+def test_the_qwen_moe_windows_follow_their_config_classes(name, fields, tmp_path):
+    config_class, base = CASES[name]
+    model = hf_model(config_class, **{**base, **fields})
+    store = prepare(model, tmp_path)
+    cfg = BlockStore(store).cfg
+    assert [cfg.window(i) for i in range(2)] == ([16, 16] if name == "qwen3_moe" else [16, None])
+    check_logits(model, store, *batch(), runs=[("disk", 1, "all")])

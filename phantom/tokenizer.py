@@ -44,7 +44,8 @@ def is_tiktoken_file(path: Path) -> bool:
 # first, EOS the second; its generation stops at EOS, <|eom_id|> (the ninth) and <|eot_id|> (the tenth).
 LLAMA3_BOS, LLAMA3_EOS, LLAMA3_STOPS = 0, 1, (1, 8, 9)
 # transformers' LlamaTokenizer rebuilds the tokenizer.json it reads with no normalizer and a Metaspace
-# pre-tokenizer (tokenization_llama.py); these classes are read that way.
+# pre-tokenizer (tokenization_llama.py); these classes are read that way, unless the file is byte-level
+# (AutoTokenizer then reads it as it is).
 METASPACE_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast")
 
 
@@ -141,7 +142,8 @@ class Tokenizer:
             if nested_repeat(pattern):
                 raise ValueError(f"{self.path}: its pattern {pattern[:80]!r} repeats a repeated group, which "
                                  f"backtracks without end on some texts; not a tokenizer phantom reads")
-        if side.config.get("tokenizer_class") in METASPACE_CLASSES and (spec.get("model") or {}).get("type") == "BPE":
+        if side.config.get("tokenizer_class") in METASPACE_CLASSES and (spec.get("model") or {}).get("type") == "BPE" \
+                and '"ByteLevel"' not in text:  # a byte-level one (DeepSeek-V3's) is read as it is
             add_prefix = side.config.get("add_prefix_space")
             scheme = "never" if add_prefix is False else ("always" if side.config.get("legacy", False) else "first")
             self._hf.normalizer = None

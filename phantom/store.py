@@ -26,9 +26,9 @@ from phantom.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes
 from phantom.directio import readinto_exact
 from phantom.fileio import atomic_write_json
 from phantom.moe import expert_ranges
-from phantom.quant import QuantError, QuantFormat
+from phantom.quantformat import QuantError, QuantFormat, block_layout, quantized
 from phantom.tensorfile import (CODE_DTYPES, DTYPE_CODES, StoreError, TensorSpec, check_disjoint, check_specs,
-                                dtype_name, header_digest, packed_empty, parse_dtype, read_header, tensor_order, views,
+                                dtype_name, header_digest, packed_empty, parse_dtype, parse_stored, read_header, tensor_order, views,
                                 write_safetensors)
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def quant_record(fmt: QuantFormat, cfg: ModelConfig, dtype: torch.dtype) -> dict
     """The manifest's "quantization" record: the format, and how each block tensor is stored (the
     method's name for a quantized weight, the store's dtype for the rest). Embedding and head are
     always in the store's dtype."""
-    return {**fmt.record(), "tensors": {n: fmt.method if quant.quantized(n, shape) else dtype_name(dtype)
+    return {**fmt.record(), "tensors": {n: fmt.method if quantized(n, shape) else dtype_name(dtype)
                                         for n, shape in block_tensor_shapes(cfg).items()}}
 
 
@@ -230,8 +230,8 @@ class BlockStore:
         self.head = self._entry("head.safetensors", head_tensor_shapes(self.cfg))
         shapes, dtypes = block_tensor_shapes(self.cfg), None
         if self.quant is not None:
-            layout = quant.block_layout(self.quant, shapes, self.dtype)
-            shapes, dtypes = {n: s for n, (s, _) in layout.items()}, {n: d for n, (_, d) in layout.items()}
+            layout = block_layout(self.quant, shapes, dtype_name(self.dtype))
+            shapes, dtypes = {n: s for n, (s, _) in layout.items()}, {n: parse_stored(d) for n, (_, d) in layout.items()}
         self.blocks = [self._entry(block_file(i), shapes, dtypes) for i in range(self.cfg.n_layers)]
         layouts = {tuple((s.name, s.start, s.end) for s in b.specs) for b in self.blocks}
         if len(layouts) != 1:

@@ -15,10 +15,12 @@ from phantom.lora import LoraConfig
 from phantom.model import MODES, PhantomModel
 from phantom.optim import AdamWConfig
 from phantom.placement import Activations, Placement, split_knobs
+from phantom.runconfig import DataSource, ModelSource, Output, RunConfig
+from phantom.train import TrainConfig
 from phantom.store import BlockStore, StoreError, clone_store
 from phantom.tensorfile import parse_dtype
 
-__all__ = ["load", "Placement", "Activations", "resolve_model", "weights_dir", "LoraConfig", "AdamWConfig", "ModelConfig", "PhantomModel", "BlockStore",
+__all__ = ["load", "run", "RunConfig", "ModelSource", "DataSource", "TrainConfig", "Output", "Placement", "Activations", "resolve_model", "weights_dir", "LoraConfig", "AdamWConfig", "ModelConfig", "PhantomModel", "BlockStore",
            "StoreError", "PRESETS", "preset"]
 __version__ = "0.1.0"
 
@@ -114,12 +116,23 @@ def load(model: str | Path, device: str | torch.device = "cpu", dtype: str | tor
         optim = None
     store = BlockStore(path, verify=verify)
     device, dtype = resolve_device(device), parse_dtype(dtype)
-    if workload is not None and placement.offload != "none":
+    if workload is not None:
         from phantom import tune  # measuring a machine: imported only when asked for
         rows, seq_len = workload
-        _, placement = tune.tuned_placement(path, device, dtype, placement, rows,
-                                            seq_len or min(1024, store.cfg.max_seq_len))
+        _, placement = tune.resolve_prefetch("auto", path, device, dtype, placement, rows,
+                                             seq_len or min(1024, store.cfg.max_seq_len))
     return PhantomModel(store, device, dtype, placement, activations, lora, optim, trace)
+
+
+def run(cfg: RunConfig) -> dict:
+    """One finetuning run, what `scripts/finetune.py` does with the same flags (phantom.runner):
+
+        s = phantom.run(phantom.RunConfig(train=phantom.TrainConfig(iters=20, out="runs/demo")))
+
+    Returns the run's summary (status, steps, final loss, files). Raises ValueError or
+    FileNotFoundError on bad input, before anything is written."""
+    from phantom.runner import run as run_
+    return run_(cfg)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

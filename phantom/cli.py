@@ -54,23 +54,27 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...]
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        kind, meta = hints[f.name], dict(f.metadata)
-        help_ = meta.get("help", "") + f" (default: {defaults.get(f.name, f.default)})"
-        kw = dict(dest=f.name, default=defaults.get(f.name), help=help_)
-        if "choices" in meta:
-            kw["choices"] = meta["choices"]
-        elif meta.get("type") == "bytes":
-            kw.update(type=_bytes_or_none, metavar="SIZE|auto")
-        elif kind in (bool, bool | None):
-            if kind is bool:
-                group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kw)
-                continue
-            kw.update(type=_bool, metavar="on|off", nargs="?", const=True)
-        elif kind in (int, int | None):
-            kw.update(type=_int_or_none if kind != int else int, metavar="N" if kind is int else "N|auto")
-        group.add_argument(flag(f.name), **kw)
+        if f.name not in skip:
+            group.add_argument(flag(f.name), **knob_flag(f, hints[f.name], defaults.get(f.name, f.default),
+                                                         defaults.get(f.name)))
+
+
+def knob_flag(f: dataclasses.Field, kind, shown, default=None) -> dict:
+    """argparse keywords of the flag of config field `f` (type hint `kind`): its help with `shown` as its
+    default, its choices or type from the field; `default` (None: "not given", the config decides)."""
+    meta = dict(f.metadata)
+    kw = dict(dest=f.name, default=default, help=meta.get("help", "") + f" (default: {shown})")
+    if "choices" in meta:
+        kw["choices"] = meta["choices"]
+    elif meta.get("type") == "bytes":
+        kw.update(type=_bytes_or_none, metavar="SIZE|auto")
+    elif kind is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif kind == bool | None:
+        kw.update(type=_bool, metavar="on|off", nargs="?", const=True)
+    elif kind in (int, int | None):
+        kw.update(type=_int_or_none if kind != int else int, metavar="N" if kind is int else "N|auto")
+    return kw
 
 
 def configs_from_args(args: argparse.Namespace, *configs):

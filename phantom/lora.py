@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from phantom.config import ModelConfig
 from phantom.family import family
 from phantom.layers import LoraLinear, permute_for_hf, permute_from_hf
+from phantom.placement import knob
 from phantom import fileio, safejson
 from phantom.fileio import atomic_write_json
 from phantom.store import StoreError, safe_join
@@ -66,15 +67,18 @@ class LoraConfig:
         layers: the blocks that get a LoRA (peft's layers_to_transform); None: every one.
     """
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: tuple[str, ...] = ("q", "v")
-    seed: int = 0
-    rslora: bool = False
-    rank_pattern: tuple[tuple[str, int], ...] = ()
-    alpha_pattern: tuple[tuple[str, float], ...] = ()
-    layers: tuple[int, ...] | None = None
+    rank: int = knob(8, "LoRA rank r")
+    alpha: float = knob(16.0, "LoRA scale is alpha / r")
+    dropout: float = knob(0.0, "dropout on the LoRA branch's input, replayed exactly in the recompute")
+    targets: tuple[str, ...] = knob(("q", "v"), "comma-separated projections: q,k,v,o,gate,up,down (qkv, gate_up: "
+                                                "those together), or all-linear (every one, as peft's all-linear); "
+                                                "on Phi-3 any of q,k,v is its fused qkv_proj, as peft has it",
+                                    type="csv")
+    seed: int = knob(0, "", cli=False)  # a run seeds its LoRA with its --seed (RunConfig)
+    rslora: bool = knob(False, "", cli=False)  # the patterns and layers come from adapter_config.json files
+    rank_pattern: tuple[tuple[str, int], ...] = knob((), "", cli=False)
+    alpha_pattern: tuple[tuple[str, float], ...] = knob((), "", cli=False)
+    layers: tuple[int, ...] | None = knob(None, "", cli=False)
 
     def __post_init__(self):
         if tuple(self.targets) == ("all-linear",):

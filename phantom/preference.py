@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 from phantom import chat, fileio
 from phantom import data as D
 from phantom.layers import lora_disabled
+from phantom.placement import knob
 from phantom.tokenizer import TINY_TEXT, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,12 @@ class PreferenceConfig:
             extra read of the weights in all, then none per step; for many epochs).
     """
 
-    loss: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    reference: str = "together"
+    loss: str = knob("sigmoid", "dpo: sigmoid (DPO) or ipo", choices=LOSSES, flag="loss-type")
+    beta: float = knob(0.1, "dpo: how far the policy may move from the reference")
+    label_smoothing: float = knob(0.0, "dpo: assumed fraction of pairs labelled the wrong way, sigmoid loss only")
+    reference: str = knob("together", "dpo: together (the reference beside the policy in each loaded block: no "
+                                      "extra reads) or precompute (once before training, cached in --out: one extra "
+                                      "read of the weights in all)", choices=REFERENCES)
 
     def __post_init__(self):
         if self.loss not in LOSSES:

@@ -33,6 +33,7 @@ from phantom.checkpoint import (check_free_space, find_checkpoint, planned_bytes
 from phantom.export import write_tokenizer_files
 from phantom.generate import generate
 from phantom.model import default_keep_budget
+from phantom.placement import knob
 from phantom.preference import REFERENCE_FILE, PairRows, Preference, PreferenceConfig, cached_reference, \
     compute_reference, reference_key
 
@@ -74,32 +75,36 @@ class TrainConfig:
         progress: show a tqdm bar.
     """
 
-    iters: int = 200
-    batch_size: int = 8
-    grad_accum: int = 1
-    seq_len: int = 128
-    lr: float = 1e-2
-    min_lr: float | None = None
-    warmup: int = 10
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_iters: int = 8
-    save_every: int = 100
-    sample_every: int = 0
-    prompt: str = ""
-    max_new_tokens: int = 32
-    seed: int = 0
-    shuffle: bool = True
-    out: str = "out/finetune"
-    resume: bool = False
-    mode: str = "lora"
-    preference: PreferenceConfig = PreferenceConfig()
-    workers: int = 1
-    trace: bool = False
-    progress: bool = True
-    check_step: object = None  # f(median step s of steps 2-4) -> warning or None (the tuner's prediction check)
+    # knob(): the flag of scripts/finetune.py and the run-file section each field is (phantom.runconfig)
+    iters: int = knob(200, "optimizer steps", section="optim")
+    batch_size: int = knob(8, "rows per micro-batch", section="data")
+    grad_accum: int = knob(1, "micro-batches per step, layer-major", section="data")
+    seq_len: int = knob(128, "tokens per row", section="data")
+    lr: float = knob(1e-2, "", cli=False)  # RunConfig.lr: None picks it by the model's size
+    min_lr: float | None = knob(None, "end of the cosine decay (default: lr / 10)", section="optim")
+    warmup: int = knob(10, "linear warmup steps", section="optim")
+    weight_decay: float = knob(0.0, "AdamW weight decay", section="optim")
+    betas: tuple[float, float] = knob((0.9, 0.95), "", cli=False)
+    grad_clip: float = knob(1.0, "max gradient norm, 0: off", section="optim")
+    eval_every: int = knob(50, "evaluate every N steps, 0: at the end only", section="output")
+    eval_iters: int = knob(8, "batches per evaluation", section="output")
+    save_every: int = knob(100, "checkpoint every N steps, 0: at the end only", section="output")
+    sample_every: int = knob(0, "", cli=False)  # RunConfig.sample_every: None is the tiny demo's rule
+    prompt: str = knob("", "prompt of the samples", section="output")
+    max_new_tokens: int = knob(32, "", cli=False)
+    seed: int = knob(0, "seed of the LoRA init, batch order and dropout", section="optim")
+    shuffle: bool = knob(True, "read the data in order instead of random windows/rows", section="data",
+                         flag="sequential", invert=True)
+    out: str = knob("out/finetune", "output folder", section="output")
+    resume: bool = knob(False, "continue from --out/checkpoint", section="output")
+    mode: str = knob("lora", "train a LoRA, all weights, or a LoRA on preference pairs (dpo: --data with "
+                             "prompt/chosen/rejected)", section="model", choices=("lora", "full", "dpo"))
+    preference: PreferenceConfig = knob(PreferenceConfig(), "", section="optim")
+    workers: int = knob(1, "DataLoader worker processes", section="data")
+    trace: bool = knob(False, "write --out/trace.json (Chrome trace of the scheduler)", section="output")
+    progress: bool = knob(True, "no progress bar or log lines", section="output", flag="quiet", short="-q",
+                          invert=True)
+    check_step: object = knob(None, "", cli=False)  # f(median step s of steps 2-4) -> warning or None (the tuner's prediction check)
 
     def __post_init__(self):
         for name in ("iters", "batch_size", "grad_accum", "seq_len"):

@@ -488,6 +488,22 @@ def tuned_placement(store_path: Path | str, device: torch.device | str, dtype: t
     return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident)
 
 
+
+def resolve_prefetch(prefetch: int | str | None, store_path: Path | str, device: torch.device | str,
+                     dtype: torch.dtype | str, placement: P.Placement, rows: int,
+                     seq_len: int) -> tuple[cm.Prediction | None, P.Placement]:
+    """The one meaning of `prefetch` that phantom.load and phantom.run share: a depth, None (keep
+    `placement`'s) or "auto" (tuned_placement for `rows` of `seq_len` tokens per step; nothing to tune
+    when every block is on the device). Returns (the tuner's prediction, None where it chose nothing;
+    the placement)."""
+    if prefetch is None:
+        return None, placement
+    if prefetch != "auto":
+        return None, dataclasses.replace(placement, prefetch=int(prefetch))
+    if placement.offload == "none":
+        return None, placement
+    return tuned_placement(store_path, device, dtype, placement, rows, seq_len)
+
 def format_table(candidates: list[cm.Prediction], top: int = 12, chosen: cm.Prediction | None = None) -> str:
     """The fastest `top` fitting candidates, and the chosen one if it is not among them, as a table."""
     fitting = [c for c in candidates if c.fits]

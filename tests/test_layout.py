@@ -33,7 +33,9 @@ RANK = {
     "model": 7,
     "generate": 8, "tune": 8,
     "train": 9, "cli": 9,
-    "__init__": 10,
+    "runconfig": 10,
+    "runner": 11,
+    "__init__": 12,
 }
 
 

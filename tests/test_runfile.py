@@ -89,7 +89,7 @@ def test_a_run_file_equals_the_same_run_from_flags(flag_run, yaml_run):
 def test_config_yaml_holds_every_flag_and_repeats_the_run_bit_for_bit(cli, flag_run, tmp_path):
     written = yaml.safe_load((flag_run / "config.yaml").read_text())
     flat = {k: v for section in written.values() for k, v in section.items()}
-    assert written["lora"] == {"rank": 4, "alpha": 8.0, "targets": "q,k,v"}
+    assert written["lora"] == {"rank": 4, "alpha": 8.0, "targets": "q,k,v", "dropout": 0.0}  # every LoraConfig flag
     assert written["optim"]["lr"] == 5e-3 and written["model"]["dtype"] == "fp32"  # resolved: auto is fp32 on CPU
     assert written["placement"]["offload"] == "ram" and written["placement"]["recompute"] == "auto"  # a default
     assert written["output"]["resume"] is False and "config" not in flat

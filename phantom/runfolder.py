@@ -138,10 +138,10 @@ def check(out: Path | str, resume: bool, overwrite: bool, mode: str) -> dict | N
         return None
     marker = read_marker(out)
     if marker is None:
-        old = " (a run of an older phantom, without {MARKER}, cannot be resumed: start it again)" \
+        old = f" (a run of an older phantom, without {MARKER}, cannot be resumed: start it again)" \
             if (out / "checkpoint" / "meta.json").is_file() else ""
         raise RunFolderError(f"--out {out} is not empty and is not a phantom run folder: it holds {listing(out)}"
-                             f"{old.format(MARKER=MARKER)}; choose an empty or new folder")
+                             f"{old}; choose an empty or new folder")
     if not resume and not overwrite and has_results(out):
         raise RunFolderError(f"--out {out} holds another phantom run (started {marker.get('started', '?')}, "
                              f"--mode {marker.get('mode', '?')}): pass --resume to continue it, --overwrite to "

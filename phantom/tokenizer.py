@@ -8,6 +8,7 @@ import base64
 import hashlib
 import io
 import json
+import logging
 import re
 import struct
 from pathlib import Path
@@ -17,6 +18,7 @@ import sentencepiece as spm
 
 from phantom.special_tokens import NAMES, SideFiles, nested_repeat, post_processor_ids, split_patterns
 
+log = logging.getLogger(__name__)
 ASSETS = Path(__file__).parent / "assets"
 TINY_TEXT = ASSETS / "tiny.txt"
 
@@ -159,7 +161,7 @@ class Tokenizer:
         first = self._hf.id_to_token(self.prefix[0]) if self.prefix else None
         return {"bos": first}  # no config: BOS is what the post-processor puts first; no EOS is known
 
-    def _id_of(self, text: str, name: str) -> int:
+    def _id_of(self, text: str, name: str) -> int | None:
         if self.kind == "hf":
             i = self._hf.token_to_id(text)
         elif self.kind == "tiktoken":
@@ -170,7 +172,10 @@ class Tokenizer:
         else:
             i = self._sp.piece_to_id(text)
             i = i if self._sp.id_to_piece(i) == text else None
-        if i is None:
+        if i is None and name in ("pad", "unk"):  # transformers would add it past the model's vocabulary
+            log.warning("%s: the %s_token %r is not in the vocabulary of %s; the model has none", self.path.parent,
+                        name, text, self.path.name)
+        elif i is None:
             raise ValueError(f"{self.path.parent}: the {name}_token {text!r} of tokenizer_config.json is not in the "
                              f"vocabulary of {self.path.name}")
         return i

@@ -95,6 +95,12 @@ def test_tokenizer_json_encodes_as_tokenizers(tmp_path, specials):
     assert tok.kind == "hf" and (tok.bos_id, tok.eos_id) == (1, 2) and tok.vocab_size == hf.get_vocab_size()
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert (ref.bos_token_id, ref.eos_token_id) == (1, 2) and tok.stop_ids == [2]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": specials[1], "pad_token": "<nope>"}))
+    assert (Tokenizer(path).pad_id, Tokenizer(path).pad_or_eos) == (None, 2)  # not in the vocabulary: none, pad EOS
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
+    with pytest.raises(ValueError, match="eos_token '<nope>'"):
+        Tokenizer(path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": specials[0], "eos_token": specials[1]}))
     hf.post_processor = processors.TemplateProcessing(single=f"{specials[0]} $A", special_tokens=[(specials[0], 1)])
     hf.save(str(path))
     tok = Tokenizer(path)

@@ -162,6 +162,11 @@ def test_chat_ids_and_masks_equal_transformers(chat_pair, record):
     assert chat.encode_chat(tok, ours_marked, messages) == (ids, labels)  # the markers decide, the same tokens
     trained = [i for i, label in zip(ids, labels) if label != chat.IGNORE_INDEX]
     assert trained[-1] == tok.eos_id  # every one of these templates ends a turn with its EOS
+    if record == "multi":  # generate --chat: the prompt ends with the generation prompt, the answer at EOS
+        question = [{"role": "user", "content": "Who lit the lamp?"}]
+        assert chat.prompt_ids(tok, published, "Who lit the lamp?") == theirs.apply_chat_template(
+            question, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        assert tok.eos_id in chat.end_of_turn_ids(tok, published)
 
 
 def test_first_bytes_of_a_multibyte_answer_are_trained(chat_pair):

@@ -144,6 +144,12 @@ class StoreWriter:
             "size": sum(n for _, _, n in segments), **sums.record(),
             "tensors": [{"name": n, "dtype": DTYPE_CODES[located[n][2]], "shape": list(located[n][3]),
                          "file": located[n][0], "offset": located[n][1]} for n in order]}
+        if self.cfg.n_experts and rel.startswith("blocks/"):  # each expert's range in the assembled data
+            pos, specs = 0, []
+            for name, (_, _, n) in zip(order, segments):
+                specs.append(TensorSpec(name, located[name][2], tuple(located[name][3]), pos, pos + n))
+                pos += n
+            self.links["files"][rel]["experts"] = expert_ranges(specs, self.cfg.n_experts)
 
     def add_tokenizer(self, src: Path) -> None:
         name = "tokenizer.json" if Path(src).suffix == ".json" else "tokenizer.model"

@@ -101,6 +101,8 @@ def test_the_fused_expert_layout_converts_to_the_same_model(models, name, link, 
         copied = {t["name"] for t in linked["blocks/000.safetensors"]["tensors"] if ".local." in t["file"]}
         assert copied == {"attention.wq.weight", "attention.wk.weight"} | (
             {"attention.wq.bias", "attention.wk.bias"} if name == "qwen2_moe" else set())
+        written = json.loads((store / "manifest.json").read_text())["files"]["blocks/000.safetensors"]["experts"]
+        assert linked["blocks/000.safetensors"]["experts"] == written  # the same ranges of the same bytes
         check_logits(model, tmp_path / "store", *batch(), runs=[("disk", 1, "all")])
 
 

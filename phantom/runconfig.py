@@ -124,6 +124,10 @@ class RunConfig:
     the tuner). train.lr and train.sample_every are replaced by them, lora.seed by train.seed.
     `given`: the placement and activation fields set by a flag or run file even where they equal the
     default (--resume keeps them over the checkpoint's; from Python any field that differs counts too).
+    Not flags, as the run sets them: Placement.prefetch (the `prefetch` here takes N or auto),
+    shared_ram (local ranks of a RAM-offloaded LoRA run share one copy) and Activations.micro_batch
+    (train.batch_size rows, two per pair for dpo). RunConfig() is finetune.py with no flags (its
+    samples start from "The keeper").
     """
 
     config: str | None = knob(None, "YAML run file: its keys are these flags (see below); flags given here "

@@ -1,14 +1,15 @@
 """Where people keep datasets: Parquet files, folders written by the `datasets` library's `save_to_disk`,
 and Hub datasets found in the local Hugging Face cache (read offline, never downloaded). Tables are read
-with pyarrow (`pip install phantom[datasets]`). Imports nothing from phantom.
+with pyarrow (`pip install phantom[datasets]`). Imports phantom.safejson alone (the folders' JSON is the user's).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+
+from phantom import safejson
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 DATA_SUFFIXES = TABLE_SUFFIXES + (".jsonl", ".json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -245,5 +246,7 @@ def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(cli, tmp_path):
         got = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
         assert got == [*want[key][:2], (3, 99.0), want[key][3]], key
     folders = sorted((out / "wandb").glob("offline-run-*"), key=lambda f: f.name)
-    assert len(folders) == 2 and all(f.name.endswith(meta["trackers"]["wandb"]) for f in folders)
+    # wandb names a run's folder offline-run-<time>-<id>, with -1 added where two start in the same second
+    named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(meta['trackers']['wandb'])}(-\d+)?")
+    assert len(folders) == 2 and all(named.fullmatch(f.name) for f in folders), [f.name for f in folders]
     assert [wandb_steps(next(f.glob("run-*.wandb"))) for f in folders] == [[0, 1, 2], [3, 4]]

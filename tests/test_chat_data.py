@@ -168,6 +168,6 @@ def test_train_on_last_and_data_split_flags(tmp_path, capsys):
             "--seq-len", "64", "-q"]
     assert finetune().main(args + ["--train-on", "last"]) == 0
     line = capsys.readouterr().out.splitlines()[1]
-    assert line == "   <s>Reader: Who? Writer: The keeper.</s>Reader: When? Writer:[[At dusk.</s>]]", line
+    assert line == "   <s>Reader: Who? Writer: The keeper.</s>Reader: When? Writer:[[ At dusk.</s>]]", line
     assert finetune().main(args) == 0  # all turns (the default)
-    assert "Writer:[[The keeper.</s>]]Reader: When? Writer:[[At dusk.</s>]]" in capsys.readouterr().out
+    assert "Writer:[[ The keeper.</s>]]Reader: When? Writer:[[ At dusk.</s>]]" in capsys.readouterr().out

@@ -108,7 +108,7 @@ class ShardWriter:
                                f"still to write ({self.specs.get(name)})")
         k = self.shard_of[name]
         if k not in self.open:
-            self.open[k] = open(self.folder / self.files[k], "wb")
+            self.open[k] = open(self.folder / self.files[k], "xb")  # created here, never through a link
             self.open[k].write(self.headers[k])
         f = self.open[k]
         f.seek(self.offset[name])

@@ -16,29 +16,12 @@ import pytest
 import torch
 
 from phantom import fileio, runfolder, seal
-from phantom.convert import ensure_tiny
 from phantom.store import BlockStore
 from test_convert import load_script
+from test_faults import env, finetune, weights  # noqa: F401 (the tiny store's CLI fixtures)
 
 RUN = ["--iters", "3", "--batch-size", "2", "--seq-len", "32", "--eval-every", "0", "--val-split", "0", "-q",
        "--prefetch", "1", "--offload", "disk"]
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    root = tmp_path_factory.mktemp("weights")
-    ensure_tiny(root / "tiny")
-    return root
-
-
-@pytest.fixture
-def env(weights, monkeypatch):
-    monkeypatch.setenv("PHANTOM_WEIGHTS", str(weights))
-    return weights
-
-
-def finetune(*args) -> int:
-    return load_script("finetune").main([*map(str, args)])
 
 
 def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from phantom import safejson
 
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")  # RoPE scalings phantom computes (transformers' names)
 
@@ -335,7 +336,7 @@ def preset(name: str, **overrides) -> ModelConfig:
 
 def from_meta_params(path: Path, vocab_size: int | None = None) -> ModelConfig:
     """ModelConfig from Meta's params.json (vocab_size -1 there means: take it from the tokenizer)."""
-    p = json.loads(Path(path).read_text())
+    p = safejson.load(path, what="params.json")
     vocab = p.get("vocab_size", -1)
     if vocab is None or vocab <= 0:
         if vocab_size is None:

@@ -15,13 +15,12 @@ folder there is one phantom wrote: a store's manifest.json, an export's phantom-
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import uuid
 from pathlib import Path
 
-from phantom import fileio
+from phantom import fileio, safejson
 
 MARKER = "phantom-run.json"
 LOCK = ".lock"
@@ -42,8 +41,8 @@ def _json(path: Path) -> dict | None:
     if path.is_symlink() or not path.is_file():
         return None
     try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
+        found = safejson.load(path)
+    except (OSError, ValueError):
         return None
     return found if isinstance(found, dict) else None
 

@@ -9,11 +9,10 @@ the manifest; no path read from the manifest is ever opened.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
-from phantom import fileio
+from phantom import fileio, safejson
 
 SEAL = "manifest.json"
 FORMAT = 1
@@ -69,8 +68,8 @@ def read_seal(folder: Path) -> dict:
         raise SealError(f"{folder} has no {SEAL} (it was written by an older phantom, or not by phantom): it "
                         f"cannot be checked; start the run again in a new --out")
     try:
-        seal = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
+        seal = safejson.load(path)
+    except (OSError, ValueError):
         seal = None
     if not isinstance(seal, dict) or seal.get("format") != FORMAT or not isinstance(seal.get("files"), dict):
         raise SealError(f"{path} is damaged (not the manifest phantom wrote): the checkpoint cannot be checked; "

@@ -5,9 +5,10 @@ text: a model without a BOS (Qwen) has none.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from phantom import safejson
 
 NAMES = ("bos", "eos", "pad", "unk")
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -32,10 +33,7 @@ class SideFiles:
                 continue
             data = path.read_bytes()
             raw += name.encode() + b"\0" + data
-            try:
-                value = json.loads(data)
-            except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
-                raise ValueError(f"{path}: not valid JSON ({e})") from None
+            value = safejson.loads(data, str(path))
             if not isinstance(value, dict):
                 raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")
             parts.append(value)

@@ -17,9 +17,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK = {
+    "safejson": -1,  # below every module: JSON read within bounds, importing nothing
     # pure foundations: shapes, knobs, fault points, tokenizers, checksums
     "faults": 0, "dtypes": 0, "provenance": 0, "config": 0, "placement": 0, "special_tokens": 0, "checksum": 0,
-    "safejson": 0,
     "fileio": 1, "sources": 1, "quantformat": 1, "tokenizer": 1, "layers": 2, "family": 2, "trackers": 1, "memory": 1, "tensorfile": 1,
     "moe": 1, "family_moe": 1,
     "chat": 2, "directio": 2, "quant": 2, "costmodel": 2, "hostmem": 2, "hfshards": 2, "trace": 2, "runfile": 2, "runcard": 2, "runfolder": 2, "seal": 2,

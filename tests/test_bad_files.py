@@ -25,7 +25,7 @@ from phantom.hub import snapshot
 from phantom.lora import LoraConfig
 from phantom.store import BlockStore, StoreError, block_file
 from phantom.tokenizer import TINY_TEXT, Tokenizer
-from test_bad_inputs import FT, REPO, adapter, check, finetune, script, tiny, weights  # noqa: F401 - fixtures
+from test_bad_inputs import FT, REPO, adapter, check, finetune, refused_at_open, script, tiny, weights  # noqa: F401 - fixtures
 from test_convert import LLAMA2, make_bad, random_model, write_hf
 from test_export_hf import llama3_style_tokenizer_json
 
@@ -149,10 +149,7 @@ STORE_CASES = {
 
 @pytest.mark.parametrize("case", STORE_CASES)
 def test_crafted_store_is_refused_at_open(tiny, tmp_path, capsys, case):
-    damage, words = STORE_CASES[case]
-    damage(tiny)
-    check(capsys, finetune(tmp_path, "--model", tiny), tmp_path, *words)
-    assert not (tmp_path / "out" / "adapter").exists()
+    refused_at_open(tiny, tmp_path, capsys, *STORE_CASES[case])
 
 
 def test_tensors_sharing_some_bytes_are_refused_and_empty_ones_are_not(tiny):

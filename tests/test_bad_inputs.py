@@ -171,12 +171,16 @@ STORE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", STORE_CASES)
-def test_finetune_damaged_store(tiny, tmp_path, capsys, case):
-    damage, words = STORE_CASES[case]
+def refused_at_open(tiny: Path, tmp_path: Path, capsys, damage, words: list[str]) -> None:
+    """finetune.py on the store `damage` left: one error line with `words`, no adapter written."""
     damage(tiny)
     check(capsys, finetune(tmp_path, "--model", tiny), tmp_path, *words)
     assert not (tmp_path / "out" / "adapter").exists()
+
+
+@pytest.mark.parametrize("case", STORE_CASES)
+def test_finetune_damaged_store(tiny, tmp_path, capsys, case):
+    refused_at_open(tiny, tmp_path, capsys, *STORE_CASES[case])
 
 
 # -- finetune: --resume from another run, disk full, permissions ----------------------------------------

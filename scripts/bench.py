@@ -9,7 +9,7 @@ notes/bench-<device>.md with the command line and the machine.
 
     python scripts/bench.py --modes disk --prefetch 0,1,2,4 --micro-batch 1,2 --tuned --cold
 
-sweeps prefetch depth x micro-batch, then runs the tuner's choice (phantom.tune, searching the
+sweeps prefetch depth x micro-batch, then runs the tuner's choice (phantom.plan.tune, searching the
 swept tiers and recompute policies with no resident blocks) and prints each row's predicted step.
 
     python scripts/bench.py --modes resident+leaky,resident+mask,disk+leaky,disk+mask --packed 8
@@ -42,14 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # phantom, from
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 
 import phantom  # noqa: E402
-import phantom.tensorfile  # noqa: E402
-from phantom import cli  # noqa: E402
-from phantom import costmodel as cm  # noqa: E402
-from phantom import tune  # noqa: E402
-from phantom.config import ModelConfig  # noqa: E402
-from phantom.convert import write_synthetic  # noqa: E402
-from phantom.store import BlockStore  # noqa: E402
-from phantom.tensorfile import dtype_name  # noqa: E402
+import phantom.files.tensorfile  # noqa: E402
+from phantom.train import cli
+from phantom.plan import costmodel as cm
+from phantom.plan import tune
+from phantom.arch.config import ModelConfig  # noqa: E402
+from phantom.model.convert import write_synthetic  # noqa: E402
+from phantom.files.store import BlockStore  # noqa: E402
+from phantom.files.tensorfile import dtype_name  # noqa: E402
 
 from benchlib.common import MODES, PEERS, fastest_of_rounds, host_speeds  # noqa: E402
 from benchlib.diskread import diskread  # noqa: E402
@@ -155,7 +155,7 @@ def synthetic_store(args, folder: Path) -> Path:
     else:
         cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                           vocab_size=args.vocab, max_seq_len=max(args.seq_len, 256))
-    return write_synthetic(folder / "bench", cfg, phantom.tensorfile.parse_dtype(args.dtype))
+    return write_synthetic(folder / "bench", cfg, phantom.files.tensorfile.parse_dtype(args.dtype))
 
 
 def sweep(args, argv) -> list:

@@ -1,4 +1,4 @@
-"""How long one long conversation takes to become ids and labels (phantom.chat.encode_chat_arrays, the model's
+"""How long one long conversation takes to become ids and labels (phantom.data.chat.encode_chat_arrays, the model's
 own template and tokenizer), and the process's peak memory: a conversation of --messages turns, or one
 record of about --line-mb megabytes (a JSONL line as a chat export writes it, parsed here).
 
@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.environ.get("PHANTOM_SRC") or str(Path(__file__).resolve().parent.parent))
 
-from phantom import chat  # noqa: E402
-from phantom.tokenizer import TINY_TEXT, Tokenizer  # noqa: E402
+from phantom.data import chat
+from phantom.data.tokenizer import TINY_TEXT, Tokenizer  # noqa: E402
 
 
 def conversation(messages: int, line_mb: float) -> list[dict]:

@@ -3,7 +3,7 @@
     python scripts/bench_dist.py --dim 1024 --layers 8 --ranks 2 --offload ram
 
 Each configuration runs under `python -m torch.distributed.run --standalone`; every rank trains its
-slice of the same global batch (LoRA, gradients averaged by phantom.dist) and reports its peak RSS
+slice of the same global batch (LoRA, gradients averaged by phantom.train.dist) and reports its peak RSS
 and PSS. RSS counts shared page-cache pages once per process; PSS splits them between the processes
 that map them, so the sum of PSS is what the machine really holds. Appends to notes/bench-dist.md.
 """
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
-from phantom.config import ModelConfig  # noqa: E402
-from phantom.convert import write_synthetic  # noqa: E402
+from phantom.arch.config import ModelConfig  # noqa: E402
+from phantom.model.convert import write_synthetic  # noqa: E402
 
 
 def parse_args():
@@ -56,7 +56,7 @@ def memory_kb() -> dict:
 
 def worker(args) -> None:
     import torch.distributed as dist
-    from phantom.dist import average_gradients, init_from_env
+    from phantom.train.dist import average_gradients, init_from_env
     info = init_from_env("cpu")
     model = phantom.load(args.store, offload=args.offload, lora=phantom.LoraConfig(rank=8),
                          shared_ram=bool(args.shared) and args.offload == "ram")

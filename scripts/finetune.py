@@ -10,12 +10,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from phantom import cli, runconfig, runner  # noqa: E402
-from phantom.runconfig import RUN_FILE_HELP, SECTIONS, run_file_sections, train_config  # noqa: E402,F401 (tests)
+from phantom.train import cli, runconfig, runner
+from phantom.train.runconfig import RUN_FILE_HELP, SECTIONS, run_file_sections, train_config  # noqa: E402,F401 (tests)
 
 
 def parser():
-    """finetune.py's flags (phantom.runconfig: one per RunConfig field); also the schema of its run files."""
+    """finetune.py's flags (phantom.train.runconfig: one per RunConfig field); also the schema of its run files."""
     return runconfig.parser(__doc__)
 
 

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
-from phantom.placement import OFFLOADS, RECOMPUTE  # noqa: E402
+from phantom.stream.placement import OFFLOADS, RECOMPUTE  # noqa: E402
 
 
 def main():

@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from phantom import cli  # noqa: E402
-from phantom.cli import STORE_DTYPES  # noqa: E402
-from phantom.config import PRESETS, preset  # noqa: E402
-from phantom.convert import convert_checkpoint, disk_usage, quantize_store, write_synthetic  # noqa: E402
-from phantom.quantformat import METHODS, QuantFormat  # noqa: E402
-from phantom.tensorfile import parse_dtype  # noqa: E402
+from phantom.train import cli
+from phantom.train.cli import STORE_DTYPES  # noqa: E402
+from phantom.arch.config import PRESETS, preset  # noqa: E402
+from phantom.model.convert import convert_checkpoint, disk_usage, quantize_store, write_synthetic  # noqa: E402
+from phantom.arch.quantformat import METHODS, QuantFormat  # noqa: E402
+from phantom.files.tensorfile import parse_dtype  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

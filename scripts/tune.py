@@ -19,11 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
-from phantom import cli, config, family, tune  # noqa: E402
-from phantom import costmodel as cm  # noqa: E402
-from phantom.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
-from phantom.quantformat import METHODS  # noqa: E402
-from phantom.store import BlockStore  # noqa: E402
+from phantom.train import cli
+from phantom.arch import config, family
+from phantom.plan import tune
+from phantom.plan import costmodel as cm
+from phantom.stream.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
+from phantom.arch.quantformat import METHODS  # noqa: E402
+from phantom.files.store import BlockStore  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -12,8 +12,8 @@ import tempfile
 import pytest
 import torch
 
-from phantom.config import ModelConfig
-from phantom.convert import write_synthetic
+from phantom.arch.config import ModelConfig
+from phantom.model.convert import write_synthetic
 
 # GQA (2 kv heads for 4 query heads), 4 blocks, a vocabulary that is not a power of two.
 SMALL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)

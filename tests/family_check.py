@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import phantom
-from phantom.export import export, to_hf
-from phantom.lora import TARGETS, adapted_modules
-from phantom.store import BlockStore
+from phantom.model.export import export, to_hf
+from phantom.model.lora import TARGETS, adapted_modules
+from phantom.files.store import BlockStore
 from test_convert import load_script
 from test_export_hf import llama3_style_tokenizer_json
 

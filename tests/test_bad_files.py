@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 from packaging.requirements import Requirement
 
-from phantom import data, safejson, tokencache
-from phantom.checksum import Checksums
-from phantom.config import ModelConfig, preset
-from phantom.convert import convert_checkpoint
-from phantom.hub import snapshot
-from phantom.lora import LoraConfig
-from phantom.store import BlockStore, StoreError, block_file
-from phantom.tokenizer import TINY_TEXT, Tokenizer
+from phantom.data import dataset as data, tokencache
+from phantom.base import safejson
+from phantom.base.checksum import Checksums
+from phantom.arch.config import ModelConfig, preset
+from phantom.model.convert import convert_checkpoint
+from phantom.model.hub import snapshot
+from phantom.model.lora import LoraConfig
+from phantom.files.store import BlockStore, StoreError, block_file
+from phantom.data.tokenizer import TINY_TEXT, Tokenizer
 from test_bad_inputs import FT, REPO, adapter, check, finetune, refused_at_open, script, tiny, weights  # noqa: F401 - fixtures
 from test_convert import LLAMA2, make_bad, random_model, write_hf
 from test_export_hf import llama3_style_tokenizer_json

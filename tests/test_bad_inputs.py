@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import phantom
-import phantom.fileio
-import phantom.train
-from phantom import data
-from phantom.config import preset
-from phantom.convert import ensure_tiny, write_synthetic
-from phantom.store import BlockStore, StoreError, block_file
-from phantom.tokenizer import Tokenizer
+import phantom.base.fileio
+import phantom.train.loop
+from phantom.data import dataset as data
+from phantom.arch.config import preset
+from phantom.model.convert import ensure_tiny, write_synthetic
+from phantom.files.store import BlockStore, StoreError, block_file
+from phantom.data.tokenizer import Tokenizer
 from test_convert import LLAMA2, load_script, make_bad, random_model, write_meta
 
 REPO = Path(__file__).resolve().parent.parent
@@ -215,7 +215,7 @@ def test_resume_refuses_another_runs_checkpoint(tiny, trained, tmp_path, capsys,
 
 
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tiny, tmp_path, capsys, monkeypatch):
-    real, calls = phantom.fileio.atomic_write, []
+    real, calls = phantom.base.fileio.atomic_write, []
 
     def write(path, data):  # state.pt of the second checkpoint hits a full disk
         if Path(path).name == "state.pt":
@@ -224,13 +224,13 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tiny, tmp_path, ca
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write() raises it: no file name
         return real(path, data)
 
-    monkeypatch.setattr(phantom.fileio, "atomic_write", write)
+    monkeypatch.setattr(phantom.base.fileio, "atomic_write", write)
     code = finetune(tmp_path, "--iters", "4", "--save-every", "2")
     line = check(capsys, code, tmp_path, "no space left on device writing", "checkpoint.tmp",
                  "the last checkpoint (step 2) is intact", "--resume")
     ckpt = tmp_path / "out" / "checkpoint"
     assert json.loads((ckpt / "meta.json").read_text())["step"] == 2
-    monkeypatch.setattr(phantom.fileio, "atomic_write", real)
+    monkeypatch.setattr(phantom.base.fileio, "atomic_write", real)
     assert finetune(tmp_path, "--iters", "4", "--save-every", "2", "--resume") == 0  # the previous one loads
     assert json.loads((ckpt / "meta.json").read_text())["step"] == 4
     assert not leftovers(tmp_path) and line

@@ -8,23 +8,23 @@ import re
 import pytest
 import torch
 
-import phantom.directio
-import phantom.store
-from phantom.convert import write_synthetic
+import phantom.files.directio
+import phantom.files.store
+from phantom.model.convert import write_synthetic
 from test_convert import load_script
 from test_tiers import CFG  # 8 blocks: room for a RAM half and a disk half
 
 
 def test_diskread_races_every_contender_and_predicts_the_bytes_read(tmp_path):
     store = write_synthetic(tmp_path / "s8", CFG, torch.float32, seed=0, progress=False)
-    fd = phantom.directio._open_direct(store / "manifest.json")
+    fd = phantom.files.directio._open_direct(store / "manifest.json")
     if fd is None:
         pytest.skip("this filesystem refuses O_DIRECT (the bench refuses it too)")
     os.close(fd)
     bench = load_script("bench")
     args = bench.parse_args(["--modes", "diskread", "--store", str(store), "--batch-size", "1", "--seq-len", "8",
                              "--steps", "1", "--lora-rank", "2"])
-    text = bench.diskread(args, phantom.store.BlockStore(store), rounds=1, read_rounds=2)
+    text = bench.diskread(args, phantom.files.store.BlockStore(store), rounds=1, read_rounds=2)
     for row in ("| raw O_DIRECT, best of the grid", "| raw O_DIRECT as above, into 4 KiB pages",
                 "| disk tier, first pass (verify fast: crc32", "manifest without crc32", "| disk tier, again"):
         assert row in text, row

@@ -1,4 +1,4 @@
-"""phantom.chat against transformers' apply_chat_template: templates written here in the styles of four
+"""phantom.data.chat against transformers' apply_chat_template: templates written here in the styles of four
 families (Llama-3 header tokens, ChatML as Qwen writes it, Mistral's [INST], Gemma's turns), each with a
 byte-level BPE tokenizer trained in the test; ids, assistant masks and record shapes."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from phantom import chat
-from phantom.tokenizer import Tokenizer
+from phantom.data import chat
+from phantom.data.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import phantom
-from phantom import chat, data as D
-from phantom.tokenizer import Tokenizer
+from phantom.data import chat, dataset as D
+from phantom.data.tokenizer import Tokenizer
 
 FINETUNE = Path(__file__).resolve().parent.parent / "scripts" / "finetune.py"
 RECORDS = [{"instruction": "Who lit the lamp?", "input": "", "output": "The keeper."},

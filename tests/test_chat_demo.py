@@ -8,11 +8,11 @@ import json
 import pytest
 
 import phantom
-from phantom import chat
-from phantom.data import DEFAULT_DATA
-from phantom.generate import generate
-from phantom.lora import read_adapter_config
-from phantom.tokenizer import Tokenizer
+from phantom.data import chat
+from phantom.data.dataset import DEFAULT_DATA
+from phantom.model.generate import generate
+from phantom.model.lora import read_adapter_config
+from phantom.data.tokenizer import Tokenizer
 from test_convert import load_script
 
 CHAT_DATA = DEFAULT_DATA.parent / "tiny_chat.jsonl"

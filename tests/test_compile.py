@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.convert import write_synthetic
+from phantom.model.convert import write_synthetic
 from conftest import SMALL, batch, max_rel_err, randomize_lora
 
 
@@ -46,7 +46,7 @@ def test_compile_failure_falls_back_to_eager(small_store, monkeypatch, caplog):
     model = phantom.load(small_store, offload="disk", compile=True)
     for block in model.layers:
         block._compiled_call_impl = broken.__get__(block)
-    with caplog.at_level(logging.WARNING, logger="phantom.model"):
+    with caplog.at_level(logging.WARNING, logger="phantom.model.phantom_model"):
         loss, _ = loss_and_grads(model)
     assert "torch.compile failed" in caplog.text and torch.isfinite(loss)
     model.close()

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 import phantom
-from phantom.config import ModelConfig, RopeScaling, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
-from phantom.convert import META_SPLIT_DIMS, HF_KEYS, HF_PERMUTED, convert_checkpoint
-from phantom.layers import TransformerBlock, permute_for_hf, rms_norm, rope_table
+from phantom.arch.config import ModelConfig, RopeScaling, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.model.convert import META_SPLIT_DIMS, HF_KEYS, HF_PERMUTED, convert_checkpoint
+from phantom.arch.layers import TransformerBlock, permute_for_hf, rms_norm, rope_table
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA2 = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32)
@@ -102,7 +102,7 @@ def write_hf(src: Path, cfg: ModelConfig, sd: dict, arch: str = "LlamaForCausalL
 
 
 def reference_logits(cfg: ModelConfig, sd: dict, tokens: torch.Tensor) -> torch.Tensor:
-    """The in-memory original, run with phantom.layers directly (no store)."""
+    """The in-memory original, run with phantom.arch.layers directly (no store)."""
     h = torch.nn.functional.embedding(tokens, sd["tok_embeddings.weight"])
     rope = rope_table(cfg, tokens.shape[1])
     for i in range(cfg.n_layers):

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 import phantom
-import phantom.model
-import phantom.hostmem
-import phantom.placement
-import phantom.scheduler
-from phantom import costmodel as cm
-from phantom.config import ModelConfig, preset
-from phantom.convert import write_synthetic
-from phantom.placement import Activations, Placement
-from phantom.scheduler import BlockScheduler
-from phantom.store import BlockStore
-from phantom.tensorfile import DATA_ALIGN
+import phantom.model.phantom_model
+import phantom.stream.hostmem
+import phantom.stream.placement
+import phantom.stream.scheduler
+from phantom.plan import costmodel as cm
+from phantom.arch.config import ModelConfig, preset
+from phantom.model.convert import write_synthetic
+from phantom.stream.placement import Activations, Placement
+from phantom.stream.scheduler import BlockScheduler
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import DATA_ALIGN
 from conftest import rss_bytes
 
 # 8 blocks, so a placement can have blocks in every tier and streamed blocks both reused and reloaded
@@ -89,7 +89,7 @@ def test_shape_from_the_config_is_the_stores(store):
     assert shape.block_bytes == s.block_nbytes
     assert abs(shape.store_bytes - sum(e.nbytes for e in [s.embed, s.head, *s.blocks])) == 0
     assert cm.ALIGN == DATA_ALIGN
-    assert (cm.HUGE_PAGE, cm.HUGE_MIN) == (phantom.hostmem.HUGE_PAGE, phantom.hostmem.HUGE_MIN)
+    assert (cm.HUGE_PAGE, cm.HUGE_MIN) == (phantom.stream.hostmem.HUGE_PAGE, phantom.stream.hostmem.HUGE_MIN)
     assert shape.converts == (s.dtype != torch.float32)
 
 
@@ -135,7 +135,7 @@ def test_a_host_buffer_is_resident_within_the_cost_models_bytes():
     """A huge-page HostBuffer, touched whole, holds at least its bytes and at most host_buffer_bytes."""
     n = cm.HUGE_MIN + 3 * cm.ALIGN + 5
     torch.zeros(1 << 20).fill_(1)  # the first fill's own allocations (thread pool) not counted
-    buf = phantom.hostmem.HostBuffer(n, pin=False)
+    buf = phantom.stream.hostmem.HostBuffer(n, pin=False)
     before = rss_bytes()
     buf.tensor.fill_(1)
     grown = rss_bytes() - before
@@ -201,9 +201,9 @@ def test_the_scheduler_reads_what_the_split_disk_tier_predicts(store, prefetch, 
     s = BlockStore(store)
     if s.dtype != torch.float32:
         pytest.skip("one store dtype is enough")
-    real = phantom.placement.assign_tiers
-    monkeypatch.setattr(phantom.placement, "assign_tiers", lambda *a, **k: real(*a, **{**k, "zero_copy": False}))
-    monkeypatch.setattr(phantom.model, "BlockScheduler", functools.partial(BlockScheduler, zero_copy=False))
+    real = phantom.stream.placement.assign_tiers
+    monkeypatch.setattr(phantom.stream.placement, "assign_tiers", lambda *a, **k: real(*a, **{**k, "zero_copy": False}))
+    monkeypatch.setattr(phantom.model.phantom_model, "BlockScheduler", functools.partial(BlockScheduler, zero_copy=False))
     shape = cm.shape_of(CFG, "fp32", "fp32", seq_len=16)
     place = Placement(offload="auto", resident=0, prefetch=prefetch, ram_budget=3 * shape.tier_bytes)
     pred = cm.predict(cm.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None),
@@ -218,7 +218,7 @@ def test_the_scheduler_reads_what_the_split_disk_tier_predicts(store, prefetch, 
 def test_a_host_short_with_the_default_ram_tier_gets_a_smaller_one():
     """A 70B on a 20 GiB CPU: every policy with the RAM tier the default budget allows leaves the host
     short (activations live there too); a smaller RAM tier fits, and the tuner finds it."""
-    from phantom import config
+    from phantom.arch import config
     cpu = cm.MachineProfile(machine="c", device="cpu", free_host_bytes=20 * GiB, fwd_flops=2e11, disk_gbps=1.5)
     shape = cm.shape_of(config.preset("70B"), "bf16", "bf16", 512)
     default_ram = cm.layout(shape, cpu, Placement()).split["ram"]

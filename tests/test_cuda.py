@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import phantom
-from phantom.convert import write_synthetic
-from phantom.placement import Placement
-from phantom.scheduler import BlockScheduler
-from phantom.store import BlockStore
+from phantom.model.convert import write_synthetic
+from phantom.stream.placement import Placement
+from phantom.stream.scheduler import BlockScheduler
+from phantom.files.store import BlockStore
 from conftest import SMALL, batch, max_rel_err, randomize_lora, rss_bytes
 
 pytestmark = [pytest.mark.cuda,
@@ -108,9 +108,9 @@ def test_ram_tier_pins_exactly_the_blocks(stores):
 
 
 def test_a_huge_page_host_buffer_pins_and_copies_both_ways():
-    """Buffers from HUGE_MIN are huge-page mappings (phantom.hostmem.huge_page_memory): registered with
+    """Buffers from HUGE_MIN are huge-page mappings (phantom.stream.hostmem.huge_page_memory): registered with
     cudaHostRegister like any host memory, copied asynchronously on a side stream, byte for byte."""
-    from phantom.hostmem import HUGE_MIN, HostBuffer
+    from phantom.stream.hostmem import HUGE_MIN, HostBuffer
     n = HUGE_MIN + 4096 + 7
     buf = HostBuffer(n, pin=True)
     assert buf.pinned
@@ -182,7 +182,7 @@ def test_a_host_side_embedding_trains_on_each_batch_s_own_tokens(stores, monkeyp
     """The embedding table kept in host memory (as for a large vocabulary on a small GPU), three steps
     with different batches in a row: each loss equals the resident model's for the same batch (reading
     ids from an unfinished device-to-host copy gave the previous batch's)."""
-    from phantom.model import PhantomModel
+    from phantom.model.phantom_model import PhantomModel
     monkeypatch.setattr(PhantomModel, "_place_embed",
                         lambda self, dtype: self.store.load_embed()["tok_embeddings.weight"].to(dtype))
     store = stores[torch.float32]

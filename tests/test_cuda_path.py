@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import phantom
-from phantom.convert import write_synthetic
-from phantom.placement import Placement
-from phantom.hostmem import HUGE_MIN, HostBuffer
-from phantom.scheduler import BlockScheduler
-from phantom.store import BlockStore
+from phantom.model.convert import write_synthetic
+from phantom.stream.placement import Placement
+from phantom.stream.hostmem import HUGE_MIN, HostBuffer
+from phantom.stream.scheduler import BlockScheduler
+from phantom.files.store import BlockStore
 from conftest import SMALL, batch
 from fake_cuda import fake_cuda
 
@@ -132,7 +132,7 @@ def test_local_ranks_split_the_host_memory_for_their_ram_tiers(fc, monkeypatch, 
     """Under torchrun with 4 ranks on a machine each rank sizes its pinned RAM tier from a quarter of
     MemAvailable (sized from all of it, 4 ranks would pin 4 machine-sized tiers); a shared tier is one
     copy for all of them and keeps the whole."""
-    import phantom.memory as S
+    import phantom.stream.memory as S
     store = BlockStore(small_store)
     block = -(-store.block_nbytes // 4096) * 4096
     per_rank = int((4 << 30) + 2.5 * store.block_nbytes)  # default_ram_budget: 85% less 4 GiB -> ~2 blocks
@@ -162,8 +162,8 @@ class RecordedWork:
 def full_finetune(fc, monkeypatch, store_path, tier: str):
     """A FullFinetune on the fake device whose write-back items run inline (recorded in this thread),
     with all-reduces recorded (one rank: the sums are the values)."""
-    import phantom.dist as pdist
-    from phantom.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients
+    import phantom.train.dist as pdist
+    from phantom.stream.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients
     monkeypatch.setattr(pdist.dist, "all_reduce", lambda t, async_op=False: RecordedWork(fc))
     store = BlockStore(store_path)
     sched = BlockScheduler(store, "cuda", Placement(offload="ram", resident=0, prefetch=0))
@@ -176,7 +176,7 @@ def full_finetune(fc, monkeypatch, store_path, tier: str):
 
 def expected_block(store_path, grads) -> dict:
     """Block 0 after one AdamW step on the CPU (the reference for the fake device's update)."""
-    from phantom.optim import AdamWConfig, BlockAdamW
+    from phantom.stream.optim import AdamWConfig, BlockAdamW
     store = BlockStore(store_path)
     opt = BlockAdamW(AdamWConfig(lr=1e-2, max_grad_norm=1.0), {0: 1 / store.n_blocks}, "ram")
     return opt.step_block(0, lambda: store.load_block(0), {k: g.clone() for k, g in grads.items()})
@@ -228,7 +228,7 @@ def test_the_device_budget_holds_what_the_scheduler_allocates(fc, small_store_bf
     """A bf16 store computed in fp32: a slot holds the stored bytes and the fp32 copy (3x the store's
     bytes, where placement counted 2x). With a device budget of two slots and two resident blocks,
     what the scheduler allocates on the device stays within it, and the cost model says the same."""
-    from phantom import costmodel as cm
+    from phantom.plan import costmodel as cm
     store = BlockStore(small_store_bf16)
     shape = cm.shape_of(SMALL, "bf16", "fp32")
     budget = 2 * shape.slot_bytes + 2 * shape.tier_bytes
@@ -251,7 +251,7 @@ def test_a_full_finetune_keeps_its_loss_chunk_and_gradients_out_of_the_blocks_bu
     head-sized buffers and two blocks' fp32 gradients in flight are taken from the free memory before
     blocks are placed: with free memory whose default budget holds two slots and every block, the
     blocks that stay resident are those that fit beside the reserve."""
-    from phantom.placement import LOSS_BYTES_PER_LOGIT, device_budget
+    from phantom.stream.placement import LOSS_BYTES_PER_LOGIT, device_budget
     block = BlockStore(small_store).block_nbytes
     fc.free = int(((2 << 30) + (2 + SMALL.n_layers) * block) / 0.75) + 1
     assert (device_budget(fc.free) - 2 * block) // block == SMALL.n_layers
@@ -308,8 +308,8 @@ def test_a_quantized_store_s_slots_and_blocks_fit_the_device_budget(fc, tmp_path
     """An int8 store computed in bf16: a slot holds the quantized bytes and the dequantized block, a
     resident block the dequantized one. With a budget of two slots and two resident blocks, what the
     scheduler allocates on the device stays within it (device budgets are counted in dequantized units)."""
-    from phantom.convert import quantize_store
-    from phantom.quantformat import QuantFormat
+    from phantom.model.convert import quantize_store
+    from phantom.arch.quantformat import QuantFormat
     out = quantize_store(small_store_bf16, tmp_path / "int8", QuantFormat("int8"), progress=False)["out"]
     store = BlockStore(out)
     dense = store.dense_nbytes  # bf16 store, bf16 compute

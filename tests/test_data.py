@@ -1,4 +1,4 @@
-"""phantom.data: formats, masks, the token cache, windows, packing, batches and user errors."""
+"""phantom.data.dataset: formats, masks, the token cache, windows, packing, batches and user errors."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import phantom
-from phantom import data as D
-from phantom.tokenizer import Tokenizer, train_tiny_tokenizer
+from phantom.data import dataset as D
+from phantom.data.tokenizer import Tokenizer, train_tiny_tokenizer
 
 M = D.IGNORE_INDEX
 

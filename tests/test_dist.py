@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import phantom
-from phantom.dist import average_gradients, block_grad_sync
+from phantom.train.dist import average_gradients, block_grad_sync
 from conftest import SMALL, batch, max_rel_err
 
 STEPS, GLOBAL_BATCH = 3, 4
@@ -86,14 +86,14 @@ def test_two_ranks_equal_one_process_with_the_global_batch(small_store, tmp_path
 
 
 def nan_worker(rank, world, store, init_file, out, result_file):
-    """Trains with phantom.train on two ranks; rank 1's loss turns NaN at its third step."""
+    """Trains with phantom.train.loop on two ranks; rank 1's loss turns NaN at its third step."""
     import datetime
     import json
 
     import numpy as np
 
-    from phantom import data as D
-    from phantom.train import TrainConfig, train as train_loop
+    from phantom.data import dataset as D
+    from phantom.train.loop import TrainConfig, train as train_loop
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))  # a hang fails the test, not CI
     try:

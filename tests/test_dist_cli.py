@@ -59,7 +59,7 @@ def test_torchrun_on_a_fresh_clone_makes_things_once_and_speaks_once(tmp_path):
 
 
 def test_more_local_ranks_than_cuda_devices_is_one_error(monkeypatch):
-    from phantom import dist as pdist
+    from phantom.train import dist as pdist
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

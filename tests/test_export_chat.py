@@ -11,9 +11,9 @@ import sys
 import pytest
 
 import phantom
-from phantom import chat
-from phantom.export import export, write_tokenizer_files
-from phantom.tokenizer import Tokenizer
+from phantom.data import chat
+from phantom.model.export import export, write_tokenizer_files
+from phantom.data.tokenizer import Tokenizer
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

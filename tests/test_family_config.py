@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from phantom.family import FAMILIES, IRRELEVANT, REFUSED_WHEN_SET, ConfigError, config_from_hf
+from phantom.arch.family import FAMILIES, IRRELEVANT, REFUSED_WHEN_SET, ConfigError, config_from_hf
 from family_check import hf_model, prepare, transformers
 from test_convert import load_script
 
@@ -31,8 +31,8 @@ def test_every_family_has_its_config_class_listed():
 @pytest.mark.parametrize("name", list(CONFIG_CLASSES))
 def test_a_fused_tensor_is_one_lora_module_named_as_peft_names_it(name):
     """Each module peft_modules derives from the family's table is a LoRA target or group phantom knows."""
-    from phantom.config import ModelConfig
-    from phantom.lora import GROUPS, TARGETS, peft_modules
+    from phantom.arch.config import ModelConfig
+    from phantom.model.lora import GROUPS, TARGETS, peft_modules
     modules = peft_modules(ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=10, family=name))
     assert sorted(t for _, parts in modules.values() for t in parts) == sorted(TARGETS)  # each target once
     for short, (module, parts) in modules.items():
@@ -181,8 +181,8 @@ def test_synthetic_stores_of_every_family_preset_shape_run(tmp_path):
     import dataclasses
 
     import phantom
-    from phantom.config import PRESETS
-    from phantom.convert import write_synthetic
+    from phantom.arch.config import PRESETS
+    from phantom.model.convert import write_synthetic
     for name in ("qwen2.5-7B", "qwen3-8B", "llama3.2-1B", "gemma2-9B", "gemma3-27B", "phi4-14B", "phi3-mini-4k"):
         cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
                                   intermediate_size=96, n_layers=3, max_seq_len=64,

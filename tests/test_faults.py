@@ -1,4 +1,4 @@
-"""Crash tests: `python scripts/finetune.py` SIGKILLed at named points (phantom/faults.py, PHANTOM_FAULT=name:N),
+"""Crash tests: `python scripts/finetune.py` SIGKILLed at named points (phantom/base/faults.py, PHANTOM_FAULT=name:N),
 then resumed: each run ends bit-identical to one that never stopped and every store verifies clean. Also an
 I/O error in the prefetch thread through the CLI (the scheduler-level "within a second" test is in
 test_scheduler.py) and a full disk during a checkpoint (in test_bad_inputs.py).
@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from phantom import faults
-from phantom.convert import ensure_tiny
-from phantom.store import BlockStore
-from phantom.tokenizer import TINY_TEXT
-from phantom.checkpoint import find_checkpoint
+from phantom.base import faults
+from phantom.model.convert import ensure_tiny
+from phantom.files.store import BlockStore
+from phantom.data.tokenizer import TINY_TEXT
+from phantom.train.checkpoint import find_checkpoint
 from test_convert import load_script
 
 REPO = Path(__file__).resolve().parent.parent

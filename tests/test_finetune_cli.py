@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from phantom.store import BlockStore
+from phantom.files.store import BlockStore
 from test_convert import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +92,7 @@ def test_full_mode_rerun_into_the_same_out_starts_from_the_base_model(tmp_path):
 
 
 def killed_at(point: str, *args) -> subprocess.CompletedProcess:
-    """finetune.py SIGKILLed by itself at a named point (phantom/faults.py): the same instant every run."""
+    """finetune.py SIGKILLed by itself at a named point (phantom/base/faults.py): the same instant every run."""
     r = run(*args, env={**os.environ, "PHANTOM_FAULT": point})
     assert r.returncode == -signal.SIGKILL, f"{point} was never reached (exit {r.returncode}): {r.stderr[-2000:]}"
     return r
@@ -180,8 +180,8 @@ FULL_SHORT = ["--iters", "4", "--batch-size", "2", "--seq-len", "32", "--mode", 
 
 
 def test_preflight_refuses_a_run_that_cannot_fit(cli, tmp_path, capsys, monkeypatch):
-    import phantom.checkpoint
-    monkeypatch.setattr(phantom.checkpoint, "free_bytes", lambda path: 5_000_000)  # 5 MB free
+    import phantom.train.checkpoint
+    monkeypatch.setattr(phantom.train.checkpoint, "free_bytes", lambda path: 5_000_000)  # 5 MB free
     assert cli.main([*FULL_SHORT, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "5.0 MB free but this run will write about" in err[0] and "working store" in err[0], err
@@ -210,8 +210,8 @@ def test_preflight_estimate_is_within_20_percent_of_a_full_runs_peak(tmp_path):
     there (between the two renames of its third checkpoint), so the folder is measured as it was at
     that instant, not sampled while it changes."""
     import phantom
-    import phantom.checkpoint
-    import phantom.train
+    import phantom.train.checkpoint
+    import phantom.train.loop
     store_dir = phantom.resolve_model("tiny")
     base = {p.stat().st_ino for p in store_dir.rglob("*") if p.is_file()}
     out = tmp_path / "out"
@@ -219,7 +219,7 @@ def test_preflight_estimate_is_within_20_percent_of_a_full_runs_peak(tmp_path):
     assert (out / "checkpoint.old").is_dir() and (out / "checkpoint.tmp").is_dir()  # both checkpoints held
     peak = written_bytes(out, base)
     with phantom.load(store_dir, device="cpu", offload="disk", mode="full", work_dir=tmp_path / "plan") as model:
-        plan = phantom.checkpoint.planned_bytes(model, phantom.train.TrainConfig(iters=4, out=str(out)))
+        plan = phantom.train.checkpoint.planned_bytes(model, phantom.train.loop.TrainConfig(iters=4, out=str(out)))
     assert abs(sum(plan.values()) - peak) <= 0.2 * peak, (plan, peak, os.environ.get("PHANTOM_WEIGHTS"))
 
 
@@ -256,12 +256,12 @@ def test_the_tuners_prediction_is_printed_beside_the_measured_step(cli, tmp_path
 
 def test_a_bug_keeps_its_traceback(cli, tmp_path, capsys, monkeypatch):
     """A ValueError from deep inside a library is a bug, not bad input: a line saying so, then the traceback."""
-    import phantom.train
+    import phantom.train.loop
 
     def broken(*a, **k):
         return json.loads("{")  # a ValueError raised inside a library, not by phantom's checks
 
-    monkeypatch.setattr(phantom.train, "planned_bytes", broken)
+    monkeypatch.setattr(phantom.train.loop, "planned_bytes", broken)
     with pytest.raises(ValueError, match="Expecting property name"):
         cli.main(["--iters", "1", "-q", "--out", str(tmp_path)])
     assert "internal error: this is a bug" in capsys.readouterr().err
@@ -287,8 +287,8 @@ def test_a_store_without_tokenizer_trains_from_token_ids(cli, tmp_path, capsys):
     """A synthetic store (no tokenizer) trains from a .bin of uint16 ids with a held-out split; text
     data for it is one error line."""
     import numpy as np
-    from phantom.config import ModelConfig
-    from phantom.convert import write_synthetic
+    from phantom.arch.config import ModelConfig
+    from phantom.model.convert import write_synthetic
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, multiple_of=16, max_seq_len=64)
     store = write_synthetic(tmp_path / "syn", cfg, seed=0) or tmp_path / "syn"
     ids = np.random.default_rng(1).integers(0, 300, 4000).astype(np.uint16)

@@ -1,6 +1,6 @@
 """Full finetuning: the streamed step (AdamW fused into each block's backward, state in RAM or on
 disk, blocks written back) equals torch.optim.AdamW on the resident model, with the documented
-per-block clipping (phantom.optim), over several steps and micro-batches, for every placement of
+per-block clipping (phantom.stream.optim), over several steps and micro-batches, for every placement of
 blocks and optimizer state a CPU has; a run killed during a block's update resumes bit for bit."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import phantom
-from phantom.optim import AdamWConfig, adamw_step, state_memory, state_tier
-from phantom.store import BlockStore
+from phantom.stream.optim import AdamWConfig, adamw_step, state_memory, state_tier
+from phantom.files.store import BlockStore
 from conftest import SMALL, batch, max_rel_err
 
 TOL = 1e-5
@@ -189,7 +189,7 @@ def test_cuda_full_finetune_equals_adamw(small_store, tmp_path, state):
             assert max_rel_err(got[i][k], v) <= TOL, (i, k)
 
 
-# A kill inside a block's update (phantom.faults point "optim.update": the state stepped in memory,
+# A kill inside a block's update (phantom.base.faults point "optim.update": the state stepped in memory,
 # nothing written), then --resume: the run ends bit-identical to one never stopped, for blocks and
 # state in RAM and on disk. The tiny model has 4 blocks: hit 14 is step 4's second update (the
 # checkpoint of step 2 is the last one), hit 9 step 3's first.
@@ -204,7 +204,7 @@ def cli_args(offload: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory):
-    from phantom.convert import ensure_tiny
+    from phantom.model.convert import ensure_tiny
     root = tmp_path_factory.mktemp("weights")
     ensure_tiny(root / "tiny")
     return root

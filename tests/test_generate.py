@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import phantom
-from phantom.config import preset
-from phantom.convert import write_synthetic
-from phantom.generate import generate
-from phantom.tokenizer import train_tiny_tokenizer
+from phantom.arch.config import preset
+from phantom.model.convert import write_synthetic
+from phantom.model.generate import generate
+from phantom.data.tokenizer import train_tiny_tokenizer
 from conftest import SMALL
 from test_convert import load_script
 
@@ -65,7 +65,7 @@ def test_generate_cli(tmp_path, capsys):
 
 def test_temperature_top_k_and_seed_shape_the_samples():
     """sample() on fixed logits, many draws: the frequencies follow softmax(logits / T) over the top k."""
-    from phantom.generate import sample
+    from phantom.model.generate import sample
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(4000, -1)
 
     def freqs(temperature, top_k, seed=0):

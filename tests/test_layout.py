@@ -1,9 +1,10 @@
-"""Module boundaries as a rule the suite checks, not prose that drifts.
+"""Package and module boundaries as rules the suite checks, not prose that drifts.
 
 Data flows one way: checkpoint files -> converter -> block store -> scheduler -> model (executor) ->
-trainer -> adapter/checkpoint files. Each module has a rank; it may import phantom modules of lower
-rank only (so no cycles, and the pure parts never reach for I/O or threads). README's Layout table
-must list every module with exactly the phantom modules it imports.
+trainer -> adapter/checkpoint files. phantom/ holds one subpackage per stage of that flow, ranked:
+a module may import modules of lower-ranked packages, and modules of its own package of lower rank
+(so no cycles, and the pure parts never reach for I/O or threads). The layout table in the docs must
+list every module with exactly the phantom modules it imports.
 """
 from __future__ import annotations
 
@@ -16,50 +17,83 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-RANK = {
-    "safejson": -1,  # below every module: JSON read within bounds, importing nothing
-    # pure foundations: shapes, knobs, fault points, tokenizers, checksums
-    "faults": 0, "dtypes": 0, "provenance": 0, "config": 0, "placement": 0, "special_tokens": 0, "checksum": 0,
-    "fileio": 1, "sources": 1, "quantformat": 1, "tokenizer": 1, "layers": 2, "family": 2, "trackers": 1, "memory": 1, "tensorfile": 1,
-    "moe": 1, "family_moe": 1,
-    "chat": 2, "directio": 2, "quant": 2, "costmodel": 2, "hostmem": 2, "hfshards": 2, "trace": 2, "runfile": 2, "runcard": 2, "runfolder": 2, "seal": 2,
-    "tokencache": 2, "fusedrows": 2,
-    "store": 3, "writeback": 3, "optim": 3, "data": 3, "dist": 3,
-    "showdata": 4,
-    "checkpoint": 4,
-    "lora": 4, "convert": 4, "transfer": 4,
-    "scheduler": 5, "export": 5, "hub": 5, "preference": 5,
-    "executor": 6,
-    "model": 7,
-    "generate": 8, "tune": 8,
-    "train": 9, "cli": 9,
-    "runconfig": 10,
-    "runner": 11,
-    "__init__": 12,
+PACKAGES = {  # the flow, in import order: each package imports only those above it
+    "base": 0,    # JSON within bounds, fault points, dtypes, checksums, atomic file replaces: no domain
+    "data": 1,    # tokenizers, chat templates, data files, token caches, rows
+    "arch": 2,    # what a model is: config, families, layers, mixture of experts, quantization formats
+    "files": 3,   # safetensors files, direct I/O, the block store, sealed folders
+    "stream": 4,  # placement, memory, host buffers, tiers, transfer, write-back, scheduler, executor
+    "model": 5,   # LoRA, the phantom model, generation, converting in and exporting out
+    "plan": 6,    # the cost model and the tuner
+    "train": 7,   # the loop, checkpoints, preference pairs, trackers, run files, RunConfig and run()
 }
+RANK = {  # within a package
+    "base": {"safejson": 0, "faults": 1, "dtypes": 1, "provenance": 1, "checksum": 1, "fileio": 2},
+    "data": {"special_tokens": 0, "tokenizer": 1, "sources": 1, "chat": 2, "tokencache": 2, "dataset": 3,
+             "showdata": 4},
+    "arch": {"config": 0, "quantformat": 1, "moe": 1, "family_moe": 1, "quant": 2, "layers": 2, "family": 2},
+    "files": {"tensorfile": 0, "directio": 1, "hfshards": 1, "fusedrows": 1, "runfolder": 1, "seal": 1, "store": 2},
+    "stream": {"placement": 0, "memory": 1, "hostmem": 1, "trace": 1, "writeback": 2, "optim": 2, "transfer": 3,
+               "scheduler": 4, "executor": 5},
+    "model": {"lora": 0, "convert": 0, "export": 1, "hub": 1, "phantom_model": 2, "generate": 3},
+    "plan": {"costmodel": 0, "tune": 1},
+    "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "checkpoint": 1, "preference": 1, "loop": 2,
+              "cli": 2, "runconfig": 3, "runner": 4},
+}
+TOP = "__init__"  # phantom/__init__.py: the public API, above everything
 
 
 def phantom_imports(source: str) -> set[str]:
-    """The phantom modules a module's source imports (anywhere in it, functions included)."""
+    """The phantom modules ("package.module") a module's source imports (anywhere in it, functions
+    included); a name imported from phantom itself is the top ("__init__")."""
     deps = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "phantom":
             parts = node.module.split(".")
-            deps |= {a.name for a in node.names} if len(parts) == 1 else {parts[1]}
+            if len(parts) == 1:
+                deps.add(TOP)
+            elif len(parts) == 2:
+                deps |= {f"{parts[1]}.{a.name}" for a in node.names}
+            else:
+                deps.add(f"{parts[1]}.{parts[2]}")
         elif isinstance(node, ast.Import):
-            deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("phantom.")}
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] == "phantom":
+                    deps.add(f"{parts[1]}.{parts[2]}" if len(parts) > 2 else f"{parts[1]}.__init__" if len(parts) == 2 else TOP)
     return deps
 
 
+def rank(module: str) -> tuple[int, int] | None:
+    """(package rank, rank within it); None where the tables do not list it."""
+    if module == TOP:
+        return (len(PACKAGES), 0)
+    pkg, _, name = module.partition(".")
+    if pkg not in PACKAGES or name not in RANK[pkg]:
+        return None
+    return (PACKAGES[pkg], RANK[pkg][name])
+
+
 def violations(module: str, source: str) -> list[str]:
-    if module not in RANK:
-        return [f"phantom/{module}.py has no rank in tests/test_layout.py: give it one"]
-    return [f"phantom/{module}.py (rank {RANK[module]}) imports {dep} (rank {RANK.get(dep)})"
-            for dep in sorted(phantom_imports(source)) if dep != module and RANK.get(dep, 99) >= RANK[module]]
+    mine = rank(module)
+    if mine is None:
+        return [f"phantom/{module.replace('.', '/')}.py has no rank in tests/test_layout.py: give it one"]
+    bad = []
+    for dep in sorted(phantom_imports(source) - {module}):
+        theirs = rank(dep)
+        same_package = theirs is not None and theirs[0] == mine[0]
+        if theirs is None or theirs[0] > mine[0] or (same_package and theirs[1] >= mine[1]):
+            bad.append(f"phantom/{module.replace('.', '/')}.py (rank {mine}) imports {dep} (rank {theirs})")
+    return bad
 
 
 def modules() -> dict[str, str]:
-    return {p.stem: p.read_text() for p in sorted((ROOT / "phantom").glob("*.py"))}
+    """Every module of phantom/ by "package.module" (the public API by "__init__")."""
+    found = {TOP: (ROOT / "phantom" / "__init__.py").read_text()}
+    for p in sorted((ROOT / "phantom").glob("*/*.py")):
+        if p.name != "__init__.py":
+            found[f"{p.parent.name}.{p.stem}"] = p.read_text()
+    return found
 
 
 def test_modules_import_only_lower_ranks():
@@ -67,13 +101,35 @@ def test_modules_import_only_lower_ranks():
     assert not bad, "\n".join(bad)
 
 
+def test_every_module_lives_in_a_package():
+    """phantom/ holds the packages and the public API alone; a package's __init__ says what it holds
+    and imports nothing (importing a package never starts work)."""
+    loose = sorted(p.name for p in (ROOT / "phantom").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"put these in a package of phantom/: {loose}"
+    assert sorted(p.name for p in (ROOT / "phantom").iterdir() if p.is_dir() and (p / "__init__.py").exists()) \
+        == sorted(PACKAGES)
+    for pkg in PACKAGES:
+        init = (ROOT / "phantom" / pkg / "__init__.py").read_text()
+        tree = ast.parse(init)
+        assert ast.get_docstring(tree), f"phantom/{pkg}/__init__.py: say what the package holds"
+        assert not phantom_imports(init) and not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body), pkg
+
+
+def test_module_names_are_unique():
+    """A module's name says what it is without its package: no two share one."""
+    names = [m.split(".")[1] for m in modules() if m != TOP]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
 def test_the_rule_catches_a_forbidden_import():
     """Shown once, kept: the store reaching up into the model is flagged, as is a relative-style alias."""
-    src = modules()["store"]
-    assert violations("store", src) == []
-    assert violations("store", src + "\nfrom phantom.model import PhantomModel\n")
-    assert violations("store", src + "\ndef f():\n    import phantom.scheduler\n")
-    assert violations("layers", "from phantom import store\n")
+    src = modules()["files.store"]
+    assert violations("files.store", src) == []
+    assert violations("files.store", src + "\nfrom phantom.model.phantom_model import PhantomModel\n")
+    assert violations("files.store", src + "\ndef f():\n    import phantom.stream.scheduler\n")
+    assert violations("arch.layers", "from phantom.files import store\n")
+    assert violations("files.tensorfile", "from phantom.files import store\n")  # within a package too
+    assert violations("base.fileio", "from phantom import load\n")
 
 
 def test_phantom_never_imports_scripts_or_tests():
@@ -89,18 +145,18 @@ def test_readme_layout_table_matches_the_code():
     section = text.split("## Layout", 1)[1]
     rows = {}
     for line in section.splitlines():
-        m = re.match(r"\| `phantom/(\w+)\.py` \|[^|]*\| ([^|]*) \|", line)
+        m = re.match(r"\| `phantom/(\w+)/(\w+)\.py` \|[^|]*\| ([^|]*) \|", line)
         if m:
-            rows[m.group(1)] = {d.strip() for d in m.group(2).split(",") if d.strip() not in ("", "—")}
+            rows[f"{m.group(1)}.{m.group(2)}"] = {d.strip() for d in m.group(3).split(",") if d.strip() not in ("", "—")}
     code = {name: phantom_imports(src) - {name} for name, src in modules().items() if name != "__init__"}
     assert rows.keys() == code.keys(), f"README lists {sorted(rows)}; phantom has {sorted(code)}"
     wrong = {name: (sorted(rows[name]), sorted(code[name])) for name in code if rows[name] != code[name]}
     assert not wrong, f"README's imports column differs from the code (README, code): {wrong}"
 
 
-@pytest.mark.parametrize("name", sorted(RANK))
+@pytest.mark.parametrize("name", sorted(f"{pkg}.{m}" for pkg, mods in RANK.items() for m in mods))
 def test_every_ranked_module_exists(name):
-    assert (ROOT / "phantom" / f"{name}.py").is_file(), f"RANK lists {name}, which is gone: remove it"
+    assert (ROOT / "phantom" / f"{name.replace('.', '/')}.py").is_file(), f"RANK lists {name}, which is gone: remove it"
 
 
 def test_a_knob_added_to_placement_reaches_the_cli_the_api_the_tuner_and_the_checkpoint(tmp_path):
@@ -114,7 +170,7 @@ def test_a_knob_added_to_placement_reaches_the_cli_the_api_the_tuner_and_the_che
     copy = tmp_path / "repo"
     for part in ("phantom", "scripts"):
         shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
-    source = copy / "phantom" / "placement.py"
+    source = copy / "phantom" / "stream" / "placement.py"
     anchor = "    shared_ram: bool = knob("
     assert anchor in source.read_text()
     source.write_text(source.read_text().replace(
@@ -166,12 +222,12 @@ def test_only_placement_decides_where_blocks_live_and_which_stream():
     """Tiers, streamed blocks and loads per step come from placement.resolve; no other module computes
     them (the scheduler, the cost model, the tuner and bench read its Layout)."""
     sources = {**modules(), **{f"scripts/{p.stem}": p.read_text() for p in (ROOT / "scripts").rglob("*.py")}}
-    bad = {name: sorted(used) for name, src in sources.items() if name != "placement"
+    bad = {name: sorted(used) for name, src in sources.items() if name != "stream.placement"
            if (used := calls_to(src, {"assign_tiers", "loads_per_step", "_layout"}))}
-    assert not bad, f"only phantom.placement may call these (use placement.resolve / Layout): {bad}"
-    deciding = [name for name, src in sources.items() if name != "placement" and decides_streaming(src)]
+    assert not bad, f"only phantom.stream.placement may call these (use placement.resolve / Layout): {bad}"
+    deciding = [name for name, src in sources.items() if name != "stream.placement" and decides_streaming(src)]
     assert not deciding, f"which blocks stream is Layout.streamed; computed again in {deciding}"
-    assert decides_streaming(modules()["placement"])  # the check sees the rule where it is
+    assert decides_streaming(modules()["stream.placement"])  # the check sees the rule where it is
 
 
 def adds_one_to_prefetch(src: str) -> list[int]:
@@ -188,7 +244,7 @@ def test_slots_are_derived_once():
     adds one to the prefetch depth."""
     sources = {**modules(), **{f"scripts/{p.stem}": p.read_text() for p in (ROOT / "scripts").rglob("*.py")}}
     found = {name: lines for name, src in sources.items() if (lines := adds_one_to_prefetch(src))}
-    assert list(found) == ["placement"] and len(found["placement"]) == 1, \
+    assert list(found) == ["stream.placement"] and len(found["stream.placement"]) == 1, \
         f"use Placement.slots / Layout.slots instead of prefetch + 1: {found}"
 
 
@@ -204,18 +260,18 @@ def dtype_tables(src: str) -> list[int]:
 
 
 def test_one_dtype_table():
-    """Names, sizes and file codes of dtypes live in phantom.dtypes alone."""
-    found = {name: lines for name, src in modules().items() if name != "dtypes" and (lines := dtype_tables(src))}
-    assert not found, f"read phantom.dtypes instead of another table of dtypes: {found}"
+    """Names, sizes and file codes of dtypes live in phantom.base.dtypes alone."""
+    found = {name: lines for name, src in modules().items() if name != "base.dtypes" and (lines := dtype_tables(src))}
+    assert not found, f"read phantom.base.dtypes instead of another table of dtypes: {found}"
     assert dtype_tables("{'fp32': 4, 'bf16': 2}")  # the check sees a table where there is one
 
 
 def test_every_replace_goes_through_fileio():
-    """Temporary names, renames and folder swaps live in phantom.fileio alone: one rule for every
+    """Temporary names, renames and folder swaps live in phantom.base.fileio alone: one rule for every
     file and folder phantom writes."""
     bad = {}
     for name, src in modules().items():
-        if name == "fileio":
+        if name == "base.fileio":
             continue
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -224,24 +280,31 @@ def test_every_replace_goes_through_fileio():
                 if (owner == "os" and f.attr in ("replace", "rename")) or f.attr == "rename" or \
                         (owner == "tempfile" and f.attr in ("mkdtemp", "mkstemp")):
                     bad.setdefault(name, []).append(f"{owner or '...'}.{f.attr} (line {node.lineno})")
-    assert not bad, f"use phantom.fileio (atomic_write, replacing, replacing_folder, swap_folder): {bad}"
+    assert not bad, f"use phantom.base.fileio (atomic_write, replacing, replacing_folder, swap_folder): {bad}"
 
 
 MAX_LINES, MAX_PARAMS = 60, 8
 EXCEPTIONS = {
     # name: why it may be longer or take more parameters than the rule allows (at most three)
-    "__init__.load": "the public entry point: the store, where it computes, and one argument per config "
+    "train.load.load": "the public entry point: the store, where it computes, and one argument per config "
                      "(placement, activations, lora, mode, optim), each also reachable as a keyword",
-    "model.ChunkedHead*.forward": "the fused head's autograd Functions (loss, sequence log-probabilities): their "
+    "model.phantom_model.ChunkedHead*.forward": "the fused head's autograd Functions (loss, sequence log-probabilities): their "
                                   "inputs are the maths' (hidden states, norm and head weights, targets, eps, "
                                   "chunk, the family's norm offset and soft cap)",
-    "convert.write_synthetic": "the synthetic store's every choice (weights, tokenizer, its extra files, "
+    "model.convert.write_synthetic": "the synthetic store's every choice (weights, tokenizer, its extra files, "
                                "quantization) as keywords with defaults; tests and benchmarks set each",
 }
 
 
+def sources_with_scripts() -> dict[str, str]:
+    """Every module of phantom/ (by "package.module") and of scripts/ (by "scripts/<path>")."""
+    scripts = {f"scripts/{p.relative_to(ROOT / 'scripts').with_suffix('')}": p.read_text()
+               for p in sorted((ROOT / "scripts").rglob("*.py"))}
+    return {**modules(), **scripts}
+
+
 def functions():
-    """(module.Class.function, node, parameter names) of every function in phantom/."""
+    """(module.Class.function, node, parameter names) of every function in phantom/ and scripts/."""
     def walk(node, prefix):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -251,8 +314,22 @@ def functions():
                 yield from walk(child, f"{prefix}.{child.name}")
             elif isinstance(child, ast.ClassDef):
                 yield from walk(child, f"{prefix}.{child.name}")
-    for name, src in modules().items():
+    for name, src in sources_with_scripts().items():
         yield from walk(ast.parse(src), name)
+
+
+MAX_MODULE_LINES, MAX_CLASS_LINES = 500, 250
+
+
+def test_modules_and_classes_are_small():
+    """A module holds one concern (at most 500 lines), a class one role (at most 250)."""
+    big = [f"{name} ({n} lines)" for name, src in sources_with_scripts().items()
+           if (n := len(src.splitlines())) > MAX_MODULE_LINES]
+    wide = [f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for name, src in sources_with_scripts().items() for node in ast.walk(ast.parse(src))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
+    assert not wide, f"classes over {MAX_CLASS_LINES} lines: {wide}"
 
 
 def excepted(qualname: str) -> bool:
@@ -274,11 +351,11 @@ def test_functions_are_short_and_take_few_parameters():
 def test_the_scheduler_and_the_cost_model_resolve_one_layout(small_store, small_store_bf16, dtype, offload, prefetch):
     """The scheduler's layout (from a store) and the cost model's (from the config alone) are the same
     placement.Layout for stores in fp32 and bf16 computed in fp32, bf16 and fp16."""
-    from phantom import costmodel as cm
-    from phantom.placement import Layout, Placement
-    from phantom.scheduler import BlockScheduler
-    from phantom.store import BlockStore
-    from phantom.tensorfile import dtype_name
+    from phantom.plan import costmodel as cm
+    from phantom.stream.placement import Layout, Placement
+    from phantom.stream.scheduler import BlockScheduler
+    from phantom.files.store import BlockStore
+    from phantom.files.tensorfile import dtype_name
     for path in (small_store, small_store_bf16):
         store = BlockStore(path)
         place = Placement(offload=offload, prefetch=prefetch, ram_budget=3 * store.block_nbytes * 2)

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from phantom.config import ModelConfig
-from phantom.convert import write_synthetic
-from phantom.store import BlockStore
+from phantom.arch.config import ModelConfig
+from phantom.model.convert import write_synthetic
+from phantom.files.store import BlockStore
 
 REPO = Path(__file__).resolve().parent.parent
 N = 4

@@ -10,8 +10,8 @@ import torch
 import phantom
 from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model, prepare,
                           rel_err)
-from phantom.generate import next_logits
-from phantom.layers import KVCache, attention_mask
+from phantom.model.generate import next_logits
+from phantom.arch.layers import KVCache, attention_mask
 
 FIELDS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               sliding_window=16, max_position_embeddings=64)

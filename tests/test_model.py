@@ -220,9 +220,9 @@ def test_accumulation_of_four_micro_batches_equals_one_batch_of_four(small_store
 def test_projections_run_fused_and_equal_an_unfused_store(small_store, tmp_path, monkeypatch):
     """Stores lay q,k,v and gate,up back to back, so each group runs as one matmul over a view of the
     slot; a store in the older name order (no adjacent groups) runs unfused and gives the same model."""
-    import phantom.tensorfile as store_mod
-    from phantom.convert import write_synthetic
-    from phantom.layers import fuse_adjacent
+    import phantom.files.tensorfile as store_mod
+    from phantom.model.convert import write_synthetic
+    from phantom.arch.layers import fuse_adjacent
 
     fused = {"attention.wqkv", "feed_forward.w13"}
     def block0_views(path):
@@ -258,7 +258,7 @@ def test_keep_and_recompute_are_bit_identical(tmp_path, dtype):
     """recompute="auto" may keep a different set of blocks on another machine or after --resume (it
     depends on free memory): that is safe only because keeping and recomputing give the same bits,
     dropout included (the recompute replays the forward's RNG)."""
-    from phantom.convert import write_synthetic
+    from phantom.model.convert import write_synthetic
     store = write_synthetic(tmp_path / "s", SMALL, dtype, seed=1, progress=False)
     lora = phantom.LoraConfig(rank=4, dropout=0.1, targets=("q", "k", "v", "gate"))
     outs = {}
@@ -280,8 +280,8 @@ def test_weight_handles_are_relative_to_the_block_not_the_storage():
     backward. Slot buffers are aligned views at different offsets of their allocations, so a handle
     must be relative to the block's buffer (else backward reads shifted bytes: seen as garbage
     gradients when a block came back in another slot)."""
-    from phantom.executor import WeightHandles
-    from phantom.tensorfile import packed_empty
+    from phantom.stream.executor import WeightHandles
+    from phantom.files.tensorfile import packed_empty
     like = {"a": torch.empty(3, 5), "b": torch.empty(7)}
 
     def block_at(page: int) -> dict[str, torch.Tensor]:  # the same block, `page` pages into an allocation

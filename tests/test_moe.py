@@ -17,11 +17,11 @@ from safetensors.torch import save_file
 import phantom
 from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, cross_entropy,
                           hf_model, model_stores, prepare, rel_err, transformers)
-from phantom.config import PRESETS, ModelConfig
-from phantom.export import export
-from phantom.moe import load_balancing_loss, mix, route
-from phantom.store import BlockStore
-from phantom.tensorfile import read_header
+from phantom.arch.config import PRESETS, ModelConfig
+from phantom.model.export import export
+from phantom.arch.moe import load_balancing_loss, mix, route
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import read_header
 
 SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64)
@@ -156,7 +156,7 @@ def test_the_router_loss_is_transformers_load_balancing_loss():
 def test_a_synthetic_store_of_a_moe_preset_shape_streams(name, tmp_path):
     import dataclasses
     import math
-    from phantom.convert import write_synthetic
+    from phantom.model.convert import write_synthetic
     cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
                               intermediate_size=96, n_layers=2, max_seq_len=64, n_experts=6, experts_per_token=2,
                               expert_dim=32)
@@ -228,8 +228,8 @@ def test_the_router_loss_is_in_the_loss_and_moves_the_routers(models):
 def test_a_quantized_moe_store_streams_its_dequantized_experts(models, method, tmp_path):
     """NF4 and int8 experts (routers kept 16-bit): the streamed quantized model's logits equal transformers'
     on the weights the store dequantizes to (its --format hf export), from disk and RAM; LoRA on it runs."""
-    from phantom.convert import quantize_store
-    from phantom.quantformat import QuantFormat
+    from phantom.model.convert import quantize_store
+    from phantom.arch.quantformat import QuantFormat
     _, store = models("qwen2_moe")
     quantize_store(store, tmp_path / "q", QuantFormat(method), dtype=torch.bfloat16, progress=False)
     record = json.loads((tmp_path / "q" / "manifest.json").read_text())["quantization"]["tensors"]
@@ -252,7 +252,7 @@ def test_a_quantized_moe_store_streams_its_dequantized_experts(models, method, t
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_greedy_generation_equals_transformers_generate(models, name):
     """Through the KV cache, a token at a time (one or few tokens routed per step), past Mixtral's window."""
-    from phantom.generate import generate
+    from phantom.model.generate import generate
     _, store = models(name)
     model = make(name)
     prompt = batch(b=1, t=6)[0]
@@ -269,7 +269,7 @@ def test_the_cost_model_counts_the_flops_of_the_routed_experts(models):
     scores and values excluded) agrees within 2% (the norms' weights count too); Qwen3-30B-A3B runs 3.3B of
     its 30.5B weights a token, as its card says."""
     from torch.utils.flop_counter import FlopCounterMode
-    from phantom import costmodel
+    from phantom.plan import costmodel
     model, store = models("qwen3_moe")
     cfg = BlockStore(store).cfg
     model.config._experts_implementation = "eager"  # its loop of matmuls (the counter misses grouped_mm)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import phantom
-from phantom.convert import write_synthetic
-from phantom.placement import Placement
-from phantom.scheduler import BlockScheduler
-from phantom.store import BlockStore
+from phantom.model.convert import write_synthetic
+from phantom.stream.placement import Placement
+from phantom.stream.scheduler import BlockScheduler
+from phantom.files.store import BlockStore
 from conftest import SMALL, batch
 
 N = 6

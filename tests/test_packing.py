@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import phantom
-from phantom import data as D
-from phantom.config import ModelConfig
-from phantom.convert import write_synthetic
-from phantom.layers import packed_layout, rope_table
+from phantom.data import dataset as D
+from phantom.arch.config import ModelConfig
+from phantom.model.convert import write_synthetic
+from phantom.arch.layers import packed_layout, rope_table
 from conftest import max_rel_err, randomize_lora
 
 CFG = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)

@@ -17,11 +17,11 @@ import torch
 import phantom
 from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model,
                           model_stores, prepare, rel_err)
-from phantom.config import ModelConfig, preset
-from phantom.layers import LoraLinear, TransformerBlock, project
-from phantom.lora import apply_lora, for_family
-from phantom.export import export
-from phantom.store import BlockStore
+from phantom.arch.config import ModelConfig, preset
+from phantom.arch.layers import LoraLinear, TransformerBlock, project
+from phantom.model.lora import apply_lora, for_family
+from phantom.model.export import export
+from phantom.files.store import BlockStore
 
 SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=64, pad_token_id=None)  # Phi3Config's pad id 32000 is past a tiny vocabulary
@@ -85,7 +85,7 @@ def test_q_and_v_on_phi3_is_its_qkv_proj_and_says_so(models, caplog):
     """peft has one LoRA on qkv_proj, so the default targets (q, v) become it, with a line saying k is in."""
     _, store = models("phi4")
     cfg = BlockStore(store).cfg
-    with caplog.at_level(logging.INFO, logger="phantom.lora"):
+    with caplog.at_level(logging.INFO, logger="phantom.model.lora"):
         assert for_family(phantom.LoraConfig(), cfg).targets == ("qkv",)
     assert "covers k too" in caplog.text
     assert for_family(phantom.LoraConfig(targets=("all-linear",)), cfg).targets == ("qkv", "o", "gate_up", "down")
@@ -167,7 +167,7 @@ def test_cached_generation_crossing_the_original_context_matches_transformers(lo
     """Greedy decoding from 10 tokens to 30: when the sequence first passes the original context of 16,
     transformers' Phi-3 drops the cache (keys turned by the short factors) and computes the whole sequence
     again with the long ones; phantom's KV-cached generation does the same."""
-    from phantom.generate import generate
+    from phantom.model.generate import generate
     model, store = longrope
     prompt = batch(b=1, t=10)[0]
     model.generation_config.update(eos_token_id=None, pad_token_id=None, bos_token_id=None)

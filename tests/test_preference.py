@@ -9,11 +9,11 @@ import torch
 
 import phantom
 from conftest import SMALL, randomize_lora
-from phantom import chat
-from phantom.preference import (PairRows, Preference, PreferenceConfig, fit, load_pairs, pair_encoder,
+from phantom.data import chat
+from phantom.train.preference import (PairRows, Preference, PreferenceConfig, fit, load_pairs, pair_encoder,
                                 preference_loss, split_pairs)
-from phantom.tokenizer import Tokenizer
-from phantom.convert import ensure_tiny
+from phantom.data.tokenizer import Tokenizer
+from phantom.model.convert import ensure_tiny
 
 
 def random_pairs(p: int = 4, t: int = 16, seed: int = 0):
@@ -74,7 +74,7 @@ def tok(tiny):
 
 
 def test_chat_pairs_go_through_the_models_template(tmp_path, tiny, tok):
-    """A pair of chat messages is trained as phantom.chat trains the same conversation in SFT: each
+    """A pair of chat messages is trained as phantom.data.chat trains the same conversation in SFT: each
     row's trained tokens are those encode_chat labels for the last assistant turn."""
     template = chat.read_template(tiny, tok)
     assert template is not None

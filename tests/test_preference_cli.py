@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 import phantom
-from phantom.convert import ensure_tiny
-from phantom.preference import PreferenceConfig, load_pairs, split_pairs
-from phantom.tokenizer import Tokenizer
-from phantom.train import TrainConfig, preference_postfix, train
+from phantom.model.convert import ensure_tiny
+from phantom.train.preference import PreferenceConfig, load_pairs, split_pairs
+from phantom.data.tokenizer import Tokenizer
+from phantom.train.loop import TrainConfig, preference_postfix, train
 from test_finetune_cli import FINETUNE, metrics
 
 

@@ -1,6 +1,6 @@
-"""Presets of the models people finetune, each from its config.json (see phantom/config.py).
+"""Presets of the models people finetune, each from its config.json (see phantom/arch/config.py).
 
-Each preset goes through the exporter's config.json and back through phantom.family unchanged, and the
+Each preset goes through the exporter's config.json and back through phantom.arch.family unchanged, and the
 family's transformers class built from that config.json (on the meta device: shapes, no memory) has
 exactly the parameters phantom counts. `scripts/tune.py --preset qwen2.5-72B` plans like the 70B.
 """
@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
-from phantom import costmodel as cm
-from phantom import tune
-from phantom.config import PRESETS, ModelConfig
-from phantom.export import hf_config
-from phantom.family import FAMILIES, config_from_hf
+from phantom.plan import costmodel as cm
+from phantom.plan import tune
+from phantom.arch.config import PRESETS, ModelConfig
+from phantom.model.export import hf_config
+from phantom.arch.family import FAMILIES, config_from_hf
 from family_check import transformers
 from test_tune import script
 

@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 
-from phantom import quant
-from phantom.quantformat import QuantFormat, block_layout
-from phantom.tensorfile import dtype_name
+from phantom.arch import quant
+from phantom.arch.quantformat import QuantFormat, block_layout
+from phantom.files.tensorfile import dtype_name
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "no kernels package" (a GEMM we do not use)
 bnb = pytest.importorskip("bitsandbytes.functional")

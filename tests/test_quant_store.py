@@ -10,18 +10,18 @@ import pytest
 import torch
 
 import phantom
-import phantom.memory
-import phantom.model
-import phantom.placement
-from phantom import quant
-from phantom.config import block_tensor_shapes
-from phantom.convert import quantize_store, write_synthetic
-from phantom.placement import Placement
-from phantom.quantformat import QuantFormat, block_layout
-from phantom.scheduler import BlockScheduler
-from phantom.tokenizer import train_tiny_tokenizer
-from phantom.store import BlockStore, MANIFEST, StoreError, StoreWriter, block_file
-from phantom.tensorfile import read_header, write_safetensors
+import phantom.stream.memory
+import phantom.model.phantom_model
+import phantom.stream.placement
+from phantom.arch import quant
+from phantom.arch.config import block_tensor_shapes
+from phantom.model.convert import quantize_store, write_synthetic
+from phantom.stream.placement import Placement
+from phantom.arch.quantformat import QuantFormat, block_layout
+from phantom.stream.scheduler import BlockScheduler
+from phantom.data.tokenizer import train_tiny_tokenizer
+from phantom.files.store import BlockStore, MANIFEST, StoreError, StoreWriter, block_file
+from phantom.files.tensorfile import read_header, write_safetensors
 from conftest import max_rel_err, randomize_lora
 from test_bad_inputs import check, script
 from test_tiers import CFG, assert_same, one_thread, step  # noqa: F401 (one_thread: a module fixture)
@@ -118,8 +118,8 @@ def test_streamed_quantized_model_equals_resident_dequantized(stores, resident, 
 def test_device_tier_and_resident_load_dequantize_too(stores, resident, monkeypatch):
     """A quantized block kept on the device (dequantized once), and offload="none", equal the reference."""
     three = ("device",) * 2 + ("ram",) * 3 + ("disk",) * 3  # as CUDA places them (a CPU has no device tier)
-    real = phantom.placement.resolve
-    monkeypatch.setattr(phantom.placement, "resolve", lambda *a, **k: real(*a, **{**k, "tiers": three}))
+    real = phantom.stream.placement.resolve
+    monkeypatch.setattr(phantom.stream.placement, "resolve", lambda *a, **k: real(*a, **{**k, "tiers": three}))
     with phantom.load(stores["nf4"], placement=Placement(prefetch=1)) as model:
         randomize_lora(model)
         assert model.scheduler.tiers == three
@@ -224,7 +224,7 @@ def test_prepare_quantize_refusals(stores, bf16, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def trained(stores, tmp_path_factory):
     """An adapter trained (3 AdamW steps, every projection) on the NF4 store, and phantom's logits with it."""
-    from phantom.lora import TARGETS
+    from phantom.model.lora import TARGETS
     root = tmp_path_factory.mktemp("adapter")
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
     lora = phantom.LoraConfig(rank=4, alpha=8, targets=tuple(TARGETS))
@@ -281,8 +281,8 @@ def test_generate_runs_the_quantized_store(stores, trained, tmp_path, capsys):
 # The cost model counts quantized bytes and the dequantization
 
 def test_cost_model_counts_quantized_bytes_and_dequantization(bf16, stores):
-    from phantom import costmodel as cm
-    from phantom.placement import Activations, loads_per_step
+    from phantom.plan import costmodel as cm
+    from phantom.stream.placement import Activations, loads_per_step
     for path in (bf16, *stores.values()):  # 16-bit, nf4 with and without double quantization, int8
         store = BlockStore(path)
         assert cm.shape_of(store.cfg, store.manifest["dtype"], "fp32", 16, store.quant).block_bytes == store.block_nbytes
@@ -303,7 +303,7 @@ def test_cost_model_counts_quantized_bytes_and_dequantization(bf16, stores):
 
 
 def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf16, tmp_path):
-    from phantom import tune
+    from phantom.plan import tune
     store = BlockStore(stores["nf4"])
     assert tune.measure_dequant(store, torch.device("cpu"), torch.float32, repeats=1) > 0
     paths = {tune.profile_path(BlockStore(p), "cpu", "fp32", tmp_path) for p in (bf16, stores["nf4"], stores["int8"])}
@@ -314,14 +314,14 @@ def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf1
 
 def test_cost_model_places_a_quantized_store_as_the_scheduler_does(stores, monkeypatch):
     """CUDA's budgets (a CPU has no device tier): the device tier counts dequantized blocks, RAM stored ones."""
-    from phantom import costmodel as cm
+    from phantom.plan import costmodel as cm
     store = BlockStore(stores["nf4"])
     shape = cm.shape_of(CFG, "bf16", "bf16", 16, "nf4")
     place = Placement(offload="auto", prefetch=1, device_budget=2 * store.block_nbytes + 3 * store.dense_nbytes,
                       ram_budget=3 * store.block_nbytes + 100)
     profile = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=1 << 40, free_host_bytes=1 << 40)
     planned = cm.layout(shape, profile, place).tiers
-    monkeypatch.setattr(phantom.memory, "free_device_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(phantom.stream.memory, "free_device_bytes", lambda device: 1 << 40)
     sched = BlockScheduler.__new__(BlockScheduler)  # its tier choice alone, without allocating on a device
     sched.store, sched.n_blocks, sched.dtype = store, store.n_blocks, torch.bfloat16
     sched.device = torch.device("cuda")

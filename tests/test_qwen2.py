@@ -10,7 +10,7 @@ import pytest
 
 from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model,
                           model_stores)
-from phantom.store import BlockStore
+from phantom.files.store import BlockStore
 
 SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64)

@@ -13,9 +13,9 @@ import shutil
 import pytest
 
 from conftest import real_tokenizer
-from phantom import chat
-from phantom.special_tokens import SideFiles
-from phantom.tokenizer import Tokenizer
+from phantom.data import chat
+from phantom.data.special_tokens import SideFiles
+from phantom.data.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -201,7 +201,7 @@ def test_long_conversation_encoded_in_pieces(chat_pair):
 
 
 def test_plain_text_rows_begin_with_bos_where_the_model_has_one(tmp_path):
-    from phantom import data, showdata
+    from phantom.data import dataset as data, showdata
     path = tmp_path / "doc.txt"
     path.write_text("The keeper lit the lamp.\nThe ships passed.\n")
     for name, first in (("qwen3", None), ("gemma3", "<bos>")):

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import phantom
-from phantom.config import ModelConfig, RopeScaling
-from phantom.convert import convert_checkpoint
-from phantom.lora import TARGETS, lora_modules
-from phantom.model import ChunkedHeadLoss
+from phantom.arch.config import ModelConfig, RopeScaling
+from phantom.model.convert import convert_checkpoint
+from phantom.model.lora import TARGETS, lora_modules
+from phantom.model.phantom_model import ChunkedHeadLoss
 from test_convert import hf_config
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import phantom
-from phantom.lora import TARGETS, lora_modules
-from phantom.preference import Preference, PreferenceConfig
+from phantom.model.lora import TARGETS, lora_modules
+from phantom.train.preference import Preference, PreferenceConfig
 
 
 def need(module: str):

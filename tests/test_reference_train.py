@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import phantom
-from phantom.convert import write_synthetic
-from phantom.store import BlockStore
+from phantom.model.convert import write_synthetic
+from phantom.files.store import BlockStore
 from conftest import SMALL, batch, randomize_lora
 
 
@@ -57,7 +57,7 @@ def test_compile_builds_a_graph_and_does_not_fall_back(small_store, caplog):
         pytest.skip(f"torch.compile unavailable here: {type(e).__name__}: {str(e)[:120]}")
     torch._dynamo.reset()
     counters.clear()
-    with caplog.at_level(logging.WARNING, logger="phantom.model"):
+    with caplog.at_level(logging.WARNING, logger="phantom.model.phantom_model"):
         with phantom.load(small_store, offload="disk", compile=True) as model:
             randomize_lora(model)
             tokens, targets = batch(SMALL)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.family import ConfigError, config_from_hf
+from phantom.arch.family import ConfigError, config_from_hf
 from family_check import batch, check_lora, hf_model, prepare, rel_err
 
 SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

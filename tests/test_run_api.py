@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import phantom
-from phantom import runconfig as rc
+from phantom.train import runconfig as rc
 from test_convert import load_script
 
 FLAGS = ["--model", "tiny", "--iters", "3", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from phantom import fileio, runfolder, seal
-from phantom.store import BlockStore
+from phantom.base import fileio
+from phantom.files import runfolder, seal
+from phantom.files.store import BlockStore
 from test_convert import load_script
 from test_faults import env, finetune, weights  # noqa: F401 (the tiny store's CLI fixtures)
 

@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from phantom import runfile
+from phantom.train import runfile
 from test_convert import load_script
 from test_finetune_cli import metrics
 

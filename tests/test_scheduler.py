@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import phantom
-from phantom.convert import write_synthetic
-from phantom.scheduler import BlockScheduler
-from phantom.writeback import WriteBackQueue
-from phantom.placement import Placement
-from phantom.store import BlockStore
+from phantom.model.convert import write_synthetic
+from phantom.stream.scheduler import BlockScheduler
+from phantom.stream.writeback import WriteBackQueue
+from phantom.stream.placement import Placement
+from phantom.files.store import BlockStore
 from conftest import SMALL, batch
 
 

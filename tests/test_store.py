@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 import phantom
-import phantom.checksum
-import phantom.directio
-import phantom.tensorfile
-from phantom.convert import write_synthetic
-from phantom.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
-from phantom.store import BlockStore, StoreError, StoreWriter, block_file
+import phantom.base.checksum
+import phantom.files.directio
+import phantom.files.tensorfile
+from phantom.model.convert import write_synthetic
+from phantom.arch.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.files.store import BlockStore, StoreError, StoreWriter, block_file
 from conftest import SMALL
 
 
@@ -137,7 +137,7 @@ def test_failed_write_leaves_nothing(tmp_path):
 def test_checksums_chunk_the_data_whatever_the_writes():
     data = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     raw = bytes(data.numpy())
-    sums = phantom.checksum.Checksums(chunk=1000)
+    sums = phantom.base.checksum.Checksums(chunk=1000)
     sums.update_header(b"head")
     for a, b in ((0, 7), (7, 2500), (2500, 2500), (2500, 9999), (9999, 10_000)):  # across chunk ends, empty
         sums.update(raw[a:b])
@@ -145,13 +145,13 @@ def test_checksums_chunk_the_data_whatever_the_writes():
     assert rec["sha256"] == hashlib.sha256(b"head" + raw).hexdigest()
     assert rec["crc32"] == {"chunk": 1000, "header": zlib.crc32(b"head"),
                             "data": [zlib.crc32(raw[a:a + 1000]) for a in range(0, 10_000, 1000)]}
-    assert phantom.checksum.crc32_chunks(memoryview(raw), 3000) == [zlib.crc32(raw[a:a + 3000]) for a in range(0, 10_000, 3000)]
+    assert phantom.base.checksum.crc32_chunks(memoryview(raw), 3000) == [zlib.crc32(raw[a:a + 3000]) for a in range(0, 10_000, 3000)]
 
 
 @pytest.fixture
 def chunked_store(tmp_path, monkeypatch):
     """A store whose blocks span several crc32 chunks (the first and last chunk's bytes are flipped below)."""
-    monkeypatch.setattr(phantom.checksum, "CHECK_CHUNK", 4096)
+    monkeypatch.setattr(phantom.base.checksum, "CHECK_CHUNK", 4096)
     return write_synthetic(tmp_path / "s", SMALL, torch.float32, seed=1, progress=False)
 
 
@@ -173,7 +173,7 @@ def test_new_store_records_sha256_and_crc32(chunked_store):
 def test_fast_verify_finds_a_flipped_byte_by_crc32_on_first_read(chunked_store, where, monkeypatch):
     path = chunked_store / block_file(2)
     data = bytearray(path.read_bytes())
-    start = phantom.tensorfile.read_header(path)[1]
+    start = phantom.files.tensorfile.read_header(path)[1]
     if where == "header":  # in the header's padding: still valid JSON, same tensors, only the checksum sees it
         assert data[start - 1:start] == b" "
         data[start - 1] = ord("\t")
@@ -224,7 +224,7 @@ def test_bad_crc32_record_is_refused_on_open(chunked_store):
 
 
 def test_rewritten_file_carries_a_new_crc32(chunked_store):
-    store = BlockStore(clone := phantom.store.clone_store(chunked_store, chunked_store.parent / "work"))
+    store = BlockStore(clone := phantom.files.store.clone_store(chunked_store, chunked_store.parent / "work"))
     new = {k: torch.ones_like(v) for k, v in store.load_block(1).items()}
     store.write_block(1, new)
     again = BlockStore(clone)
@@ -242,8 +242,8 @@ def test_read_hashes_each_piece_as_it_lands(tmp_path, monkeypatch, crc_chunk, re
     import errno
     import fcntl
     import os
-    monkeypatch.setattr(phantom.directio, "READ_CHUNK", 8 * 4096)
-    monkeypatch.setattr(phantom.directio, "_direct_ok", {})
+    monkeypatch.setattr(phantom.files.directio, "READ_CHUNK", 8 * 4096)
+    monkeypatch.setattr(phantom.files.directio, "_direct_ok", {})
     gen = torch.Generator().manual_seed(crc_chunk)
     raw = bytes(torch.randint(0, 256, (5 * 8 * 4096 + 3 * 4096 + 1234,), dtype=torch.uint8, generator=gen).numpy())
     path = tmp_path / "f"
@@ -261,10 +261,10 @@ def test_read_hashes_each_piece_as_it_lands(tmp_path, monkeypatch, crc_chunk, re
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
-    got = phantom.directio.readinto_exact(path, 4096, buf, crc_chunk=crc_chunk)
+    got = phantom.files.directio.readinto_exact(path, 4096, buf, crc_chunk=crc_chunk)
     assert bytes(buf.numpy()) == raw
     assert got == [zlib.crc32(raw[a:a + crc_chunk]) for a in range(0, len(raw), crc_chunk)]
-    if phantom.directio._direct_ok:  # this filesystem takes O_DIRECT
+    if phantom.files.directio._direct_ok:  # this filesystem takes O_DIRECT
         assert direct
 
 
@@ -272,7 +272,7 @@ def test_crc32_records_do_not_depend_on_the_implementation(chunked_store, monkey
     """ISA-L's crc32 (isal installed) and zlib's give the same values: a store written with one verifies
     with the other, and a flipped byte is found by either."""
     other = "zlib"
-    if phantom.checksum.CRC32 == "zlib":
+    if phantom.base.checksum.CRC32 == "zlib":
         pytest.importorskip("isal.isal_zlib")
         other = "isal"
     store = BlockStore(chunked_store, crc32=other)

@@ -16,18 +16,18 @@ import pytest
 import torch
 
 import phantom
-import phantom.model
-import phantom.hostmem
-import phantom.placement
-import phantom.scheduler
-import phantom.directio
-import phantom.store
-import phantom.tensorfile
-from phantom import costmodel as cm
-from phantom.config import ModelConfig
-from phantom.convert import write_synthetic
-from phantom.placement import Activations, Placement, loads_per_step
-from phantom.scheduler import BlockScheduler
+import phantom.model.phantom_model
+import phantom.stream.hostmem
+import phantom.stream.placement
+import phantom.stream.scheduler
+import phantom.files.directio
+import phantom.files.store
+import phantom.files.tensorfile
+from phantom.plan import costmodel as cm
+from phantom.arch.config import ModelConfig
+from phantom.model.convert import write_synthetic
+from phantom.stream.placement import Activations, Placement, loads_per_step
+from phantom.stream.scheduler import BlockScheduler
 from conftest import batch, max_rel_err, randomize_lora
 
 # 8 blocks: room for blocks in every tier and streamed blocks that are both reused and reloaded
@@ -97,7 +97,7 @@ def budgets(nbytes: int, prefetch: int, n_ram: int) -> Placement:
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3, 4])
 def test_ram_and_disk_by_budget_equal_resident_and_read_what_the_planner_predicts(store, resident, prefetch):
-    nbytes = phantom.store.BlockStore(store).block_nbytes
+    nbytes = phantom.files.store.BlockStore(store).block_nbytes
     place = budgets(nbytes, prefetch, n_ram=3)
     first, metrics, tiers, _ = run(store, place)
     assert tiers == ("ram",) * 3 + ("disk",) * 5
@@ -116,7 +116,7 @@ def test_device_ram_and_disk_equal_resident(store, resident, prefetch, monkeypat
     """All three tiers at once, as on CUDA: a CPU merges its device tier into RAM, so the tiers are
     given here; resident blocks are kept in buffers of their own, RAM ones used in place, disk streamed."""
     three = ("device",) * 2 + ("ram",) * 3 + ("disk",) * 3
-    monkeypatch.setattr(phantom.placement, "assign_tiers", lambda *a, **k: three)
+    monkeypatch.setattr(phantom.stream.placement, "assign_tiers", lambda *a, **k: three)
     first, metrics, tiers, nbytes = run(store, Placement(offload="auto", prefetch=prefetch))
     assert tiers == three
     assert_same(first, resident)
@@ -130,8 +130,8 @@ def test_device_ram_and_disk_equal_resident(store, resident, prefetch, monkeypat
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3, 4])
 def test_ram_tier_through_slots_equals_resident(store, resident, prefetch, monkeypatch):
     """The RAM tier copied into device slots (CUDA's path, forced on the CPU): RAM loads are planned too."""
-    monkeypatch.setattr(phantom.model, "BlockScheduler", functools.partial(BlockScheduler, zero_copy=False))
-    nbytes = phantom.store.BlockStore(store).block_nbytes
+    monkeypatch.setattr(phantom.model.phantom_model, "BlockScheduler", functools.partial(BlockScheduler, zero_copy=False))
+    nbytes = phantom.files.store.BlockStore(store).block_nbytes
     first, metrics, tiers, _ = run(store, budgets(nbytes, prefetch, n_ram=4))
     assert tiers == ("ram",) * 4 + ("disk",) * 4
     assert_same(first, resident)
@@ -143,8 +143,8 @@ def test_ram_tier_through_slots_equals_resident(store, resident, prefetch, monke
 
 
 def test_ram_budget_below_one_block_falls_back_to_disk_and_says_so(store, resident, caplog):
-    nbytes = phantom.store.BlockStore(store).block_nbytes
-    with caplog.at_level(logging.WARNING, logger="phantom.scheduler"):
+    nbytes = phantom.files.store.BlockStore(store).block_nbytes
+    with caplog.at_level(logging.WARNING, logger="phantom.stream.scheduler"):
         first, metrics, tiers, _ = run(store, Placement(offload="auto", prefetch=1, ram_budget=nbytes - 1))
     assert tiers == ("disk",) * CFG.n_layers
     assert_same(first, resident)
@@ -157,8 +157,8 @@ def test_ram_budget_below_one_block_falls_back_to_disk_and_says_so(store, reside
 def direct_reads(monkeypatch):
     """Small read chunks, so tiny blocks take the O_DIRECT path (it is used from READ_CHUNK bytes on),
     a fresh per-filesystem cache of whether O_DIRECT works, and a record of O_DIRECT descriptors."""
-    monkeypatch.setattr(phantom.directio, "READ_CHUNK", 4 * phantom.tensorfile.DATA_ALIGN)
-    monkeypatch.setattr(phantom.directio, "_direct_ok", {})
+    monkeypatch.setattr(phantom.files.directio, "READ_CHUNK", 4 * phantom.files.tensorfile.DATA_ALIGN)
+    monkeypatch.setattr(phantom.files.directio, "_direct_ok", {})
     opened, real_open = [], os.open
 
     def spy(path, flags, *a, **k):
@@ -172,12 +172,12 @@ def direct_reads(monkeypatch):
 
 
 def test_o_direct_is_used_where_the_filesystem_has_it(store, resident, direct_reads):
-    fd = phantom.directio._open_direct(store / "manifest.json")
+    fd = phantom.files.directio._open_direct(store / "manifest.json")
     if fd is None:
         pytest.skip("this filesystem refuses O_DIRECT")
     os.close(fd)
     direct_reads.clear()
-    first, _, _, _ = run(store, budgets(phantom.store.BlockStore(store).block_nbytes, 2, n_ram=3), steps=1)
+    first, _, _, _ = run(store, budgets(phantom.files.store.BlockStore(store).block_nbytes, 2, n_ram=3), steps=1)
     assert_same(first, resident)
     assert len(direct_reads) > 1  # the blocks were read with O_DIRECT, not through the page cache
 
@@ -199,12 +199,12 @@ def advised_huge(t: torch.Tensor) -> bool:
 def test_o_direct_reads_into_huge_page_slots(store, resident, direct_reads, monkeypatch):
     """Slots and the RAM tier from HUGE_MIN bytes are 2 MiB-aligned memory advised for huge pages (an
     O_DIRECT request over scattered 4 KiB pages splits into many segments); reads into them train alike."""
-    monkeypatch.setattr(phantom.hostmem, "HUGE_MIN", phantom.tensorfile.DATA_ALIGN)
-    nbytes = phantom.store.BlockStore(store).block_nbytes
+    monkeypatch.setattr(phantom.stream.hostmem, "HUGE_MIN", phantom.files.tensorfile.DATA_ALIGN)
+    nbytes = phantom.files.store.BlockStore(store).block_nbytes
     with phantom.load(store, placement=budgets(nbytes, 2, n_ram=3)) as model:
         randomize_lora(model)
         buffers = [s.buf for s in model.scheduler.slots] + [model.scheduler._ram_buffer.tensor]
-        assert all(b.data_ptr() % phantom.hostmem.HUGE_PAGE == 0 and advised_huge(b) for b in buffers)
+        assert all(b.data_ptr() % phantom.stream.hostmem.HUGE_PAGE == 0 and advised_huge(b) for b in buffers)
         assert_same(step(model), resident)
     assert len(direct_reads) > 1
 
@@ -215,21 +215,21 @@ def test_a_kernel_without_huge_pages_still_gets_its_buffer(monkeypatch):
         def madvise(self, *args):
             raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(phantom.hostmem.mmap, "mmap", NoAdvice)
-    buf = phantom.hostmem.HostBuffer(phantom.hostmem.HUGE_MIN, pin=False)
+    monkeypatch.setattr(phantom.stream.hostmem.mmap, "mmap", NoAdvice)
+    buf = phantom.stream.hostmem.HostBuffer(phantom.stream.hostmem.HUGE_MIN, pin=False)
     buf.tensor.fill_(1)
-    assert buf.tensor.numel() == phantom.hostmem.HUGE_MIN and int(buf.tensor[-1]) == 1
+    assert buf.tensor.numel() == phantom.stream.hostmem.HUGE_MIN and int(buf.tensor[-1]) == 1
 
 
 def test_host_buffer_memory_outlives_the_buffer_object_while_a_block_uses_it(monkeypatch):
     """The RAM tier hands out blocks over one allocation: the memory (a mapping, from HUGE_MIN) stays
     mapped as long as a block tensor does, and the exact size asked is what the tensor covers."""
-    for huge_min in (phantom.tensorfile.DATA_ALIGN, 1 << 40):
-        monkeypatch.setattr(phantom.hostmem, "HUGE_MIN", huge_min)
-        buf = phantom.hostmem.HostBuffer(5 * phantom.tensorfile.DATA_ALIGN + 3, pin=False)
-        assert buf.tensor.numel() == 5 * phantom.tensorfile.DATA_ALIGN + 3
-        assert buf.tensor.data_ptr() % phantom.tensorfile.DATA_ALIGN == 0
-        block = buf.block(phantom.tensorfile.DATA_ALIGN, 100)
+    for huge_min in (phantom.files.tensorfile.DATA_ALIGN, 1 << 40):
+        monkeypatch.setattr(phantom.stream.hostmem, "HUGE_MIN", huge_min)
+        buf = phantom.stream.hostmem.HostBuffer(5 * phantom.files.tensorfile.DATA_ALIGN + 3, pin=False)
+        assert buf.tensor.numel() == 5 * phantom.files.tensorfile.DATA_ALIGN + 3
+        assert buf.tensor.data_ptr() % phantom.files.tensorfile.DATA_ALIGN == 0
+        block = buf.block(phantom.files.tensorfile.DATA_ALIGN, 100)
         del buf
         gc.collect()
         block.fill_(7)
@@ -247,8 +247,8 @@ def test_o_direct_refused_at_open_falls_back_to_buffered_reads(store, resident, 
         return spy(path, flags, *a, **k)
 
     monkeypatch.setattr(os, "open", refuse_direct)
-    with caplog.at_level(logging.INFO, logger="phantom.directio"):
-        first, _, _, _ = run(store, budgets(phantom.store.BlockStore(store).block_nbytes, 2, n_ram=3))
+    with caplog.at_level(logging.INFO, logger="phantom.files.directio"):
+        first, _, _, _ = run(store, budgets(phantom.files.store.BlockStore(store).block_nbytes, 2, n_ram=3))
     assert_same(first, resident)
     assert len(tried) == 1  # asked once per filesystem, then buffered reads only
     assert "O_DIRECT not supported" in caplog.text
@@ -265,8 +265,8 @@ def test_o_direct_refused_at_read_falls_back_to_buffered_reads(store, resident, 
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
-    with caplog.at_level(logging.INFO, logger="phantom.directio"):
-        first, _, _, _ = run(store, budgets(phantom.store.BlockStore(store).block_nbytes, 2, n_ram=3))
+    with caplog.at_level(logging.INFO, logger="phantom.files.directio"):
+        first, _, _, _ = run(store, budgets(phantom.files.store.BlockStore(store).block_nbytes, 2, n_ram=3))
     if not direct_reads:
         pytest.skip("this filesystem refuses O_DIRECT at open")
     assert_same(first, resident)
@@ -281,7 +281,7 @@ def test_store_on_tmpfs_gives_the_same_result(store, resident, direct_reads):
     shm = Path(tempfile.mkdtemp(prefix="phantom-tiers-", dir="/dev/shm"))
     try:
         copy = Path(shutil.copytree(store, shm / "s8"))
-        first, _, _, _ = run(copy, budgets(phantom.store.BlockStore(copy).block_nbytes, 2, n_ram=3))
+        first, _, _, _ = run(copy, budgets(phantom.files.store.BlockStore(copy).block_nbytes, 2, n_ram=3))
         assert_same(first, resident)
     finally:
         shutil.rmtree(shm, ignore_errors=True)

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from phantom.config import preset
-from phantom.convert import TINY_RECIPE, ensure_tiny
-from phantom.store import BlockStore
+from phantom.arch.config import preset
+from phantom.model.convert import TINY_RECIPE, ensure_tiny
+from phantom.files.store import BlockStore
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from phantom import trackers
+from phantom.train import trackers
 from test_convert import load_script
 from test_finetune_cli import metrics
 

@@ -1,4 +1,4 @@
-"""phantom.train: the loss falls, the schedule, accumulation, bit-exact resume, NaN stops, bad resumes."""
+"""phantom.train.loop: the loss falls, the schedule, accumulation, bit-exact resume, NaN stops, bad resumes."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 import phantom
-from phantom import data as D
-from phantom.tokenizer import Tokenizer
-from phantom.checkpoint import trainable_state
-from phantom.train import TrainConfig, lr_factor, sample, train
+from phantom.data import dataset as D
+from phantom.data.tokenizer import Tokenizer
+from phantom.train.checkpoint import trainable_state
+from phantom.train.loop import TrainConfig, lr_factor, sample, train
 from conftest import randomize_lora
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from phantom import costmodel as cm
-from phantom import tune
-from phantom.config import ModelConfig
-from phantom.convert import write_synthetic
-from phantom.store import BlockStore
+from phantom.plan import costmodel as cm
+from phantom.plan import tune
+from phantom.arch.config import ModelConfig
+from phantom.model.convert import write_synthetic
+from phantom.files.store import BlockStore
 
 ROOT = Path(__file__).resolve().parent.parent
 # 6 blocks: the probe measures 2 of them, the plan covers all 6

@@ -12,11 +12,11 @@ import types
 import pytest
 import torch
 
-import phantom.memory
-from phantom import config
-from phantom import costmodel as cm
-from phantom import placement as P
-from phantom.scheduler import BlockScheduler
+import phantom.stream.memory
+from phantom.arch import config
+from phantom.plan import costmodel as cm
+from phantom.stream import placement as P
+from phantom.stream.scheduler import BlockScheduler
 
 GiB = 1 << 30
 M1_RECOMMENDED, M1_AVAILABLE = int(10.67 * GiB), 12 * GiB  # a 16 GB M1
@@ -26,7 +26,7 @@ M1_RECOMMENDED, M1_AVAILABLE = int(10.67 * GiB), 12 * GiB  # a 16 GB M1
 def m1(monkeypatch):
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: M1_RECOMMENDED)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 0)
-    monkeypatch.setattr(phantom.memory, "mem_available", lambda: M1_AVAILABLE)
+    monkeypatch.setattr(phantom.stream.memory, "mem_available", lambda: M1_AVAILABLE)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
 
 
@@ -43,9 +43,9 @@ def scheduler_layout(store_dtype: torch.dtype, dtype: torch.dtype, cfg, placemen
 
 
 def test_the_probe_sees_one_memory(m1):
-    free = phantom.memory.free_memory("mps")
+    free = phantom.stream.memory.free_memory("mps")
     assert free == P.FreeMemory(device=M1_RECOMMENDED, host=M1_AVAILABLE, unified=True)
-    assert phantom.memory.free_memory("cpu").unified is False
+    assert phantom.stream.memory.free_memory("cpu").unified is False
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])

@@ -12,9 +12,9 @@ import time
 import torch
 
 import phantom
-import phantom.optim
-from phantom.config import block_tensor_shapes
-from phantom.store import BlockStore
+import phantom.stream.optim
+from phantom.arch.config import block_tensor_shapes
+from phantom.files.store import BlockStore
 
 
 MODES = {  # name -> load arguments
@@ -97,7 +97,7 @@ def host_speeds(n: int = 64 << 20, rounds: int = 5) -> dict:
         return min(times)
     add_s = best(lambda: a.add_(b))
     cfg = phantom.AdamWConfig(lr=1e-4, weight_decay=0.1)
-    adamw_s = best(lambda: phantom.optim.adamw_step([p], [g], [m], [v], 1, cfg, cfg.lr))
+    adamw_s = best(lambda: phantom.stream.optim.adamw_step([p], [g], [m], [v], 1, cfg, cfg.lr))
     return {"threads": torch.get_num_threads(), "mem_gbps": 12 * n / add_s / 1e9, "adamw_params_per_s": n / adamw_s}
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 import phantom
-from phantom import costmodel as cm
-import phantom.checksum
-import phantom.directio
-import phantom.fileio
-import phantom.store
-from phantom.store import BlockStore
-from phantom.tensorfile import dtype_name
+from phantom.plan import costmodel as cm
+import phantom.base.checksum
+import phantom.files.directio
+import phantom.base.fileio
+import phantom.files.store
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import dtype_name
 
 from benchlib.common import lora_steps, machine, shell
 
@@ -31,8 +31,8 @@ def raw_read_gbps(store: BlockStore, threads: int, chunk: int, huge: bool = True
     bytes in flight, no checksum and no scheduler. Only the 4 KiB-aligned part of each block is read,
     into fresh memory as the tier's HostBuffers (huge pages), or with huge=False into 4 KiB pages."""
     from concurrent.futures import ThreadPoolExecutor
-    from phantom.hostmem import HostBuffer, aligned_memory
-    from phantom.tensorfile import DATA_ALIGN
+    from phantom.stream.hostmem import HostBuffer, aligned_memory
+    from phantom.files.tensorfile import DATA_ALIGN
     sizes = [e.nbytes // DATA_ALIGN * DATA_ALIGN for e in store.blocks]
     # fresh memory, as a tier pass's fresh slots
     host = HostBuffer(sum(sizes), pin=False).tensor if huge else aligned_memory(sum(sizes))
@@ -66,7 +66,7 @@ def tier_pass_gbps(store: BlockStore, prefetch: int) -> float:
     compute, until its loaders and checksum threads are done (close). On a store opened with verify
     fast the first pass checks each block's checksum: that time is in the figure. As for the raw read,
     the clock starts once the destination memory (the slots, allocated once per run) is faulted in."""
-    from phantom.scheduler import BlockScheduler
+    from phantom.stream.scheduler import BlockScheduler
     n = store.n_blocks
     with BlockScheduler(store, "cpu", phantom.Placement(offload="disk", prefetch=prefetch)) as sched:
         for slot in sched.slots:
@@ -114,13 +114,13 @@ def diskread(args, store: BlockStore, rounds: int = 3, read_rounds: int = 21) ->
 def refuse_without_direct_reads(store: BlockStore) -> None:
     """Exit 2 where the store's filesystem has no O_DIRECT (nothing to measure); a note where the
     blocks are too small to be read with it."""
-    if not hasattr(os, "O_DIRECT") or phantom.directio._open_direct(store.blocks[0].path) is None:
+    if not hasattr(os, "O_DIRECT") or phantom.files.directio._open_direct(store.blocks[0].path) is None:
         print(f"error: {store.path} is on a filesystem without O_DIRECT; put the store (--store, or run from a "
               f"folder) on the drive to measure", file=sys.stderr)
         sys.exit(2)
-    if store.block_nbytes < phantom.directio.READ_CHUNK:
+    if store.block_nbytes < phantom.files.directio.READ_CHUNK:
         print(f"note: blocks of {store.block_nbytes >> 20} MiB are read buffered (O_DIRECT from "
-              f"{phantom.directio.READ_CHUNK >> 20} MiB); use a larger --dim to measure the drive", file=sys.stderr)
+              f"{phantom.files.directio.READ_CHUNK >> 20} MiB); use a larger --dim to measure the drive", file=sys.stderr)
 
 
 def read_race(store: BlockStore, k: int, read_rounds: int) -> dict:
@@ -128,7 +128,7 @@ def read_race(store: BlockStore, k: int, read_rounds: int) -> dict:
     grid = {(t, c << 20): raw_read_gbps(store, t, c << 20) for t in (1, 2, 4, 8) for c in (4, 16)}
     best = max(grid, key=grid.get)  # the raw read's best configuration, then raced against the tier
     crc = store.blocks[0].crc
-    checked = (f"crc32 ({phantom.checksum.CRC32}) of each {crc[0] >> 20} MiB, hashed by the read's threads"
+    checked = (f"crc32 ({phantom.base.checksum.CRC32}) of each {crc[0] >> 20} MiB, hashed by the read's threads"
                if crc is not None else "sha256 (this store's manifest has no crc32)")
     old = Path(tempfile.mkdtemp(dir=store.path.parent, prefix=".diskread-")) if crc is not None else None
     try:
@@ -149,11 +149,11 @@ def read_race(store: BlockStore, k: int, read_rounds: int) -> dict:
 
 def without_crc32(store: BlockStore, copy: Path) -> None:
     """The same files (hard links) under a manifest without crc32 records: a store as older versions wrote it."""
-    phantom.store.link_tree(store.path, copy)
-    m = json.loads((copy / phantom.store.MANIFEST).read_text())
+    phantom.files.store.link_tree(store.path, copy)
+    m = json.loads((copy / phantom.files.store.MANIFEST).read_text())
     for info in [*m["files"].values(), *m.get("links", {}).get("files", {}).values()]:
         info.pop("crc32", None)
-    phantom.fileio.atomic_write_json(copy / phantom.store.MANIFEST, m)  # a new file, not the link
+    phantom.base.fileio.atomic_write_json(copy / phantom.files.store.MANIFEST, m)  # a new file, not the link
 
 
 def read_contenders(store: BlockStore, best: tuple, k: int, old: Path | None) -> dict:
@@ -161,7 +161,7 @@ def read_contenders(store: BlockStore, best: tuple, k: int, old: Path | None) ->
     contenders = {"raw": lambda: raw_read_gbps(store, *best),
                   "plain": lambda: raw_read_gbps(store, *best, huge=False),  # into 4 KiB pages
                   "first": lambda: tier_pass_gbps(BlockStore(store.path, verify="fast"), k)}  # reads + checksums
-    if old is not None and phantom.checksum.CRC32 != "zlib":  # the first pass where isal is not installed
+    if old is not None and phantom.base.checksum.CRC32 != "zlib":  # the first pass where isal is not installed
         contenders["zlib"] = lambda: tier_pass_gbps(BlockStore(store.path, verify="fast", crc32="zlib"), k)
     if old is not None:
         contenders["sha256"] = lambda: tier_pass_gbps(BlockStore(old / "store", verify="fast"), k)  # + sha256

@@ -9,10 +9,10 @@ import time
 import torch
 
 import phantom
-from phantom import costmodel as cm
-from phantom import tune
-from phantom.store import BlockStore
-from phantom.tensorfile import dtype_name
+from phantom.plan import costmodel as cm
+from phantom.plan import tune
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import dtype_name
 
 from benchlib.common import lora_steps, machine, shell
 
@@ -30,8 +30,8 @@ def quant_bench(args, store: BlockStore) -> str:
     The cost model's profile is measured once on the bf16 store (a full tune.measure: disk, compute); each
     quantized store adds its own measured dequantization rate (tune.measure_dequant: the loader's work).
     """
-    from phantom.convert import quantize_store
-    from phantom.quantformat import QuantFormat
+    from phantom.model.convert import quantize_store
+    from phantom.arch.quantformat import QuantFormat
     if store.dtype.itemsize != 2 or store.quant is not None:
         print("error: --modes quant needs a 16-bit store to quantize (--dtype bf16)", file=sys.stderr)
         sys.exit(2)

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 import phantom
-import phantom.optim
-import phantom.store
-from phantom import costmodel as cm
-from phantom.placement import parse_bytes, split_knobs
-from phantom.preference import Preference, PreferenceConfig
-from phantom.store import BlockStore
-from phantom.tensorfile import dtype_name
+import phantom.stream.optim
+import phantom.files.store
+from phantom.plan import costmodel as cm
+from phantom.stream.placement import parse_bytes, split_knobs
+from phantom.train.preference import Preference, PreferenceConfig
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import dtype_name
 
 from benchlib.common import MODES, PEERS, free_port, machine, process_cpu_s, step_flops
 from benchlib.measure import peak_rss_gb
@@ -97,7 +97,7 @@ def hf_steps(model, store: BlockStore, args) -> dict:
 
 def h2d_worker(args) -> dict:
     """Pinned host -> device copies of one block (exactly pinned, as the RAM tier is): the link's peak."""
-    from phantom.hostmem import HostBuffer
+    from phantom.stream.hostmem import HostBuffer
     store = BlockStore(args.store)
     host = HostBuffer(store.block_nbytes, pin=True)
     dev = torch.empty(store.block_nbytes, dtype=torch.uint8, device=args.device)
@@ -168,7 +168,7 @@ def phantom_model(args, mode: str, recompute: str, micro: str, prefetch: str):
     full = args.train == "full"
     if full:  # the step rewrites the blocks: a working copy (hard links), as phantom.load(work_dir=...) makes
         work = Path(tempfile.mkdtemp(dir=Path(args.store).parent))
-        store = BlockStore(phantom.store.clone_store(Path(args.store), work / "store"), drop_cache=args.cold)
+        store = BlockStore(phantom.files.store.clone_store(Path(args.store), work / "store"), drop_cache=args.cold)
     model = phantom.PhantomModel(store, phantom.resolve_device(args.device), store.dtype, placement, activations,
                                  lora=None if full else phantom.LoraConfig(rank=args.lora_rank),
                                  optim=phantom.AdamWConfig(lr=1e-4) if full else None)
@@ -274,12 +274,12 @@ def tuning_lines(best: cm.Prediction, rows: list) -> list[str]:
 
 
 def optimizer_host_gb(model) -> float:
-    """Full finetuning: the host bytes the memory model gives the optimizers (phantom.optim.state_memory
+    """Full finetuning: the host bytes the memory model gives the optimizers (phantom.stream.optim.state_memory
     for the blocks; 16 bytes a parameter for head and embedding: fp32 weight, gradient, two moments)."""
     if model.block_optimizer is None:
         return 0.0
     cfg = model.cfg
-    blocks = phantom.optim.state_memory(model.block_optimizer.tier, cfg.block_params(), cfg.n_layers)["host"]
+    blocks = phantom.stream.optim.state_memory(model.block_optimizer.tier, cfg.block_params(), cfg.n_layers)["host"]
     return (blocks + 16 * (cfg.n_params() - cfg.n_layers * cfg.block_params())) / 2**30
 
 

@@ -1,0 +1,439 @@
+"""Model architecture: a frozen `ModelConfig` (Llama's shapes plus the fields other families set) and presets.
+
+Also reads Meta's params.json; Hugging Face's config.json is read per family (phantom.arch.family).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from phantom.base import safejson
+
+ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")  # RoPE scalings phantom computes (transformers' names)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling: "llama3" (Llama-3.1's frequency-dependent one), "linear" (every frequency over
+    factor; Gemma-3's global layers) or "yarn" (YaRN: low frequencies interpolated, high ones kept,
+    a ramp between beta_fast and beta_slow rotations, cos and sin times attention_factor; Qwen2.5's
+    long-context configs) or "longrope" (each frequency over its own factor: short_factor for
+    sequences up to original_max_seq_len, long_factor past it; cos and sin times attention_factor;
+    Phi-3-*-128k, Phi-3.5). Each type reads the fields its transformers function reads."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        for name in ("short_factor", "long_factor"):  # JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        check_numbers(self)
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def check_numbers(cfg, positive: tuple[str, ...] = ()) -> None:
+    """Refuse a field that is not a number of its declared kind: a NaN or infinite float (a norm_eps
+    of NaN would only show as a NaN loss at step 1), a float, bool or negative value where an int is
+    declared, 0 for a size named in positive. Tuples are checked element by element."""
+    for f in dataclasses.fields(cfg):
+        kind, value = str(f.type), getattr(cfg, f.name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if kind.startswith("bool"):
+                ok, what = isinstance(v, bool), "true or false"
+            elif kind.startswith("int"):
+                ok, what = v is None or (type(v) is int and v >= (f.name in positive)), \
+                    "an integer >= 1" if f.name in positive else "an integer >= 0"
+            elif "float" in kind:
+                ok, what = v is None or (type(v) in (int, float) and math.isfinite(v)), "a finite number"
+            else:
+                continue
+            if not ok:
+                raise ValueError(f"{f.name} {value!r:.40} is not {what}")
+
+
+class ConfigError(ValueError):
+    """A config.json phantom does not model: its message names the field and what is supported."""
+
+
+def refuse(path, key: str, value, supported: str):
+    """Raise the ConfigError of a config.json field whose value phantom does not model."""
+    raise ConfigError(f"{path}: {key}={json.dumps(value)} is not supported (supported: {supported})")
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the MLP's gate activation (transformers' names)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes and maths of a decoder-only transformer; nothing about how it is run.
+
+    The defaults are Llama's; the fields after max_seq_len describe what other families change
+    (phantom.arch.family reads them from each family's config.json). The block maths read these
+    fields, never a family's name; `family` only names the checkpoint layout (keys, exporter).
+    """
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    n_kv_heads: int | None = None  # None: as many as n_heads (no GQA)
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    intermediate_size: int | None = None  # explicit FFN width (HF config); overrides the rule
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 4096
+    family: str = "llama"  # checkpoint layout: phantom.arch.family.FAMILIES
+    explicit_head_dim: int | None = None  # head width when not dim / n_heads (Qwen3, Gemma)
+    qkv_bias: bool = False  # biases on q, k, v (Qwen2, Llama's attention_bias)
+    o_bias: bool = False  # a bias on the attention output (Llama's attention_bias)
+    mlp_bias: bool = False  # biases on gate, up, down
+    activation: str = "silu"  # one of ACTIVATIONS
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    tie_embeddings: bool = False  # the output projection is the embedding table
+    sliding_window: int | None = None  # keys a query sees in a sliding_attention layer, itself included
+    # per layer, one of LAYER_TYPES, repeating (a preset gives one period; a cut-down model keeps it);
+    # None: every layer slides when sliding_window is set (Mistral), else none does
+    layer_types: tuple[str, ...] | None = None
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma's (1 + w)
+    embed_scale: bool = False  # embeddings times sqrt(dim) (Gemma)
+    post_norms: bool = False  # an RMSNorm on attention's and the MLP's outputs too, before each residual add
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power instead of head_dim's (Gemma)
+    attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma-2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
+    local_rope_theta: float | None = None  # sliding layers' own RoPE base, unscaled (Gemma-3); None: shared
+    rotary_dim: int | None = None  # the leading dims of each q/k head RoPE turns (Phi-4-mini's 3/4); None: all
+    qk_norm_over: str = "head"  # q/k norms over each head ("head": Qwen3) or the whole projection (OLMoE)
+    # mixture of experts (phantom.arch.moe): every block's MLP is n_experts experts of width expert_dim, each
+    # token run through the experts_per_token its router ranks first, their outputs weighted by the
+    # router's softmax (renormalised over those chosen with norm_topk_prob); shared_expert_dim: one more
+    # expert every token runs, scaled by sigmoid of its own gate (Qwen2-MoE). 0 experts: a dense MLP.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_dim: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_dim: int = 0
+    router_aux_coef: float = 0.0  # the router's load-balancing loss weight in full finetuning
+
+    def __post_init__(self):
+        check_numbers(self, positive=("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"))
+        if self.explicit_head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim {self.head_dim}]")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.layer_types is not None:
+            if not self.layer_types or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} per layer, "
+                                 f"got {list(self.layer_types)}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need a sliding_window")
+        if self.qk_norm_over not in ("head", "projection"):
+            raise ValueError(f"qk_norm_over must be head or projection, not {self.qk_norm_over!r}")
+        if self.n_experts and not (0 < self.experts_per_token <= self.n_experts and self.expert_dim > 0):
+            raise ValueError(f"a mixture of {self.n_experts} experts needs 0 < experts_per_token "
+                             f"({self.experts_per_token}) <= n_experts and expert_dim > 0 ({self.expert_dim})")
+
+    def window(self, layer: int) -> int | None:
+        """How many keys (itself included) a query of this layer sees; None: all before it."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer % len(self.layer_types)] == "sliding_attention" else None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The leading dims of each q/k head RoPE turns (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Width of q and of the attention output (n_heads * head_dim; dim unless head_dim is explicit)."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def hidden_dim(self) -> int:
+        """FFN width, computed as Meta's Llama-2 code does unless given explicitly."""
+        if self.intermediate_size:
+            return self.intermediate_size
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def block_params(self) -> int:
+        return sum(math.prod(shape) for shape in block_tensor_shapes(self).values())
+
+    def active_block_params(self) -> int:
+        """The block's weights one token runs through: all of a dense block's; a mixture of experts' minus
+        the experts it does not route to (experts_per_token of n_experts run)."""
+        idle = self.n_experts - self.experts_per_token
+        return self.block_params() - idle * 3 * self.dim * self.expert_dim
+
+    @property
+    def token_hidden_dim(self) -> int:
+        """The MLP's hidden width one token computes: hidden_dim, or its experts' (and a shared expert's)."""
+        return self.experts_per_token * self.expert_dim + self.shared_expert_dim if self.n_experts else self.hidden_dim
+
+    def n_params(self) -> int:
+        heads = 1 if self.tie_embeddings else 2
+        return self.n_layers * self.block_params() + heads * self.vocab_size * self.dim + self.dim
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
+        d = dict(d)
+        if d.get("layer_types") is not None:
+            d["layer_types"] = tuple(d["layer_types"])  # JSON gives a list
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+
+GEMMA2 = dict(family="gemma2", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0, embed_scale=True,
+              post_norms=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,
+              layer_types=("sliding_attention", "full_attention"))
+
+# Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
+PRESETS: dict[str, ModelConfig] = {
+    # Generated on first use (convert.ensure_tiny); small enough to train in a minute on 2 CPU cores.
+    # 64 tokens: the shipped text's characters and their commonest pairs (see ensure_tiny for why).
+    "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
+                        max_seq_len=512),
+    # Llama-2 (meta-llama/Llama-2-*b params.json)
+    "7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000),
+    "13B": ModelConfig(dim=5120, n_layers=40, n_heads=40, vocab_size=32000),
+    # CodeLlama-34b params.json: GQA, rope_theta 1e6, 16k context
+    "34B": ModelConfig(dim=8192, n_layers=48, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                       ffn_dim_multiplier=1.0, rope_theta=1e6, max_seq_len=16384),
+    "70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                       multiple_of=4096, ffn_dim_multiplier=1.3),
+    # CodeLlama-7b params.json
+    "codellama-7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32016, rope_theta=1e6,
+                                max_seq_len=16384),
+    # Meta-Llama-3-8B / 70B params.json
+    "llama3-8B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                             multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
+    "llama3-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                              multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
+    # mistralai/Mistral-7B-v0.1 config.json (max_position_embeddings 32768; planned at 4096 tokens)
+    "mistral-7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                              intermediate_size=14336, max_seq_len=4096, family="mistral", sliding_window=4096),
+    # Each from the config.json of the Hugging Face repo named (for the Gemma-3 and multimodal repos,
+    # its text_config); max_seq_len is max_position_embeddings.
+    # Qwen/Qwen2.5-7B, Qwen/Qwen2.5-72B (use_sliding_window false: no window)
+    "qwen2.5-7B": ModelConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
+                              intermediate_size=18944, norm_eps=1e-6, rope_theta=1e6, max_seq_len=131072,
+                              family="qwen2", qkv_bias=True),
+    "qwen2.5-72B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064,
+                               intermediate_size=29568, norm_eps=1e-5, rope_theta=1e6, max_seq_len=131072,
+                               family="qwen2", qkv_bias=True),
+    # Qwen/Qwen3-8B, Qwen/Qwen3-32B (head_dim 128)
+    "qwen3-8B": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, vocab_size=151936,
+                            intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                            family="qwen3", qk_norm=True),
+    "qwen3-32B": ModelConfig(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, vocab_size=151936,
+                             intermediate_size=25600, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                             family="qwen3", qk_norm=True, explicit_head_dim=128),
+    # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-70B (rope_scaling llama3, factor 8)
+    "llama3.1-8B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=14336, rope_theta=500000.0, rope_scaling=RopeScaling(),
+                               max_seq_len=131072),
+    "llama3.1-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                                intermediate_size=28672, rope_theta=500000.0, rope_scaling=RopeScaling(),
+                                max_seq_len=131072),
+    # meta-llama/Llama-3.2-1B, meta-llama/Llama-3.2-3B (tied embeddings, rope_scaling llama3, factor 32)
+    "llama3.2-1B": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
+                               max_seq_len=131072, tie_embeddings=True),
+    "llama3.2-3B": ModelConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
+                               max_seq_len=131072, tie_embeddings=True),
+    # google/gemma-2-9b, google/gemma-2-27b (sliding 4096 on every other layer, soft-caps 50 and 30)
+    "gemma2-9B": ModelConfig(dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, vocab_size=256000,
+                             intermediate_size=14336, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=256,
+                             **GEMMA2, query_pre_attn_scalar=256),
+    "gemma2-27B": ModelConfig(dim=4608, n_layers=46, n_heads=32, n_kv_heads=16, vocab_size=256000,
+                              intermediate_size=36864, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=128,
+                              **GEMMA2, query_pre_attn_scalar=144),
+    # google/gemma-3-27b-pt text_config (sliding 1024 on five layers of six; RoPE 1e6 linear x8 / local 1e4)
+    "gemma3-27B": ModelConfig(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, vocab_size=262208,
+                              intermediate_size=21504, norm_eps=1e-6, max_seq_len=131072, explicit_head_dim=128,
+                              family="gemma3", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0,
+                              embed_scale=True, post_norms=True, qk_norm=True, query_pre_attn_scalar=168,
+                              rope_theta=1e6, rope_scaling=RopeScaling(rope_type="linear", factor=8.0),
+                              local_rope_theta=1e4, sliding_window=1024,
+                              layer_types=("sliding_attention",) * 5 + ("full_attention",)),
+    # microsoft/phi-4, microsoft/Phi-3-mini-4k-instruct (Phi3ForCausalLM: qkv_proj and gate_up_proj fused
+    # in the checkpoint; Phi-3-mini's window of 2047 keys)
+    "phi4-14B": ModelConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=10, vocab_size=100352,
+                            intermediate_size=17920, norm_eps=1e-5, rope_theta=250000.0, max_seq_len=16384,
+                            family="phi3"),
+    "phi3-mini-4k": ModelConfig(dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32064,
+                                intermediate_size=8192, norm_eps=1e-5, max_seq_len=4096, family="phi3",
+                                sliding_window=2047),
+    # Mixtures of experts: Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B (128 experts, 8 per token, head_dim 128),
+    # mistralai/Mixtral-8x7B-v0.1 (8 experts, 2 per token), allenai/OLMoE-1B-7B-0924 (64 experts, 8 per
+    # token, q/k norms over the whole projection)
+    "qwen3-30B-A3B": ModelConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
+                                 intermediate_size=6144, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                                 family="qwen3_moe", qk_norm=True, explicit_head_dim=128, n_experts=128,
+                                 experts_per_token=8, expert_dim=768, norm_topk_prob=True, router_aux_coef=0.001),
+    "qwen3-235B-A22B": ModelConfig(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, vocab_size=151936,
+                                   intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                                   family="qwen3_moe", qk_norm=True, explicit_head_dim=128, n_experts=128,
+                                   experts_per_token=8, expert_dim=1536, norm_topk_prob=True, router_aux_coef=0.001),
+    "mixtral-8x7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                                intermediate_size=14336, rope_theta=1e6, max_seq_len=32768, family="mixtral",
+                                n_experts=8, experts_per_token=2, expert_dim=14336, norm_topk_prob=True,
+                                router_aux_coef=0.02),
+    "olmoe-1B-7B": ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=50304,
+                               intermediate_size=1024, max_seq_len=4096, family="olmoe", qk_norm=True,
+                               qk_norm_over="projection", n_experts=64, experts_per_token=8, expert_dim=1024,
+                               router_aux_coef=0.01),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A preset by name, with fields replaced (e.g. n_layers for a cut-down benchmark model)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def from_meta_params(path: Path, vocab_size: int | None = None) -> ModelConfig:
+    """ModelConfig from Meta's params.json (vocab_size -1 there means: take it from the tokenizer)."""
+    p = safejson.load(path, what="params.json")
+    vocab = p.get("vocab_size", -1)
+    if vocab is None or vocab <= 0:
+        if vocab_size is None:
+            raise ValueError(f"{path}: vocab_size is {vocab}; pass the tokenizer's vocabulary size")
+        vocab = vocab_size
+    scaling = None
+    if p.get("use_scaled_rope"):
+        scaling = RopeScaling(factor=p.get("rope_scaling_factor", 8.0))
+    return ModelConfig(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"], vocab_size=vocab,
+                       n_kv_heads=p.get("n_kv_heads"), multiple_of=p.get("multiple_of", 256),
+                       ffn_dim_multiplier=p.get("ffn_dim_multiplier"), norm_eps=p.get("norm_eps", 1e-5),
+                       rope_theta=p.get("rope_theta", 10000.0), rope_scaling=scaling,
+                       max_seq_len=p.get("max_seq_len", 4096))
+
+
+def block_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of one transformer block's tensors, in Meta's naming (same in every block)."""
+    kv = cfg.kv_heads * cfg.head_dim
+    shapes = {
+        "attention.wq.weight": (cfg.q_dim, cfg.dim),
+        "attention.wk.weight": (kv, cfg.dim),
+        "attention.wv.weight": (kv, cfg.dim),
+        "attention.wo.weight": (cfg.dim, cfg.q_dim),
+        "feed_forward.w1.weight": (cfg.hidden_dim, cfg.dim),
+        "feed_forward.w2.weight": (cfg.dim, cfg.hidden_dim),
+        "feed_forward.w3.weight": (cfg.hidden_dim, cfg.dim),
+        "attention_norm.weight": (cfg.dim,),
+        "ffn_norm.weight": (cfg.dim,),
+    }
+    if cfg.qkv_bias:
+        shapes.update({"attention.wq.bias": (cfg.q_dim,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
+    if cfg.o_bias:
+        shapes["attention.wo.bias"] = (cfg.dim,)
+    if cfg.mlp_bias:
+        shapes.update({"feed_forward.w1.bias": (cfg.hidden_dim,), "feed_forward.w2.bias": (cfg.dim,),
+                       "feed_forward.w3.bias": (cfg.hidden_dim,)})
+    if cfg.n_experts:
+        for name in ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight"):
+            del shapes[name]
+        shapes.update(moe_tensor_shapes(cfg))
+    if cfg.qk_norm:
+        per_head = cfg.qk_norm_over == "head"
+        shapes.update({"attention.q_norm.weight": (cfg.head_dim if per_head else cfg.q_dim,),
+                       "attention.k_norm.weight": (cfg.head_dim if per_head else kv,)})
+    if cfg.post_norms:
+        shapes.update({"attention_post_norm.weight": (cfg.dim,), "ffn_post_norm.weight": (cfg.dim,)})
+    return shapes
+
+
+def expert_shapes(dim: int, width: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One gated MLP's weights (gate w1, down w2, up w3) under prefix, no biases."""
+    return {f"{prefix}.w1.weight": (width, dim), f"{prefix}.w2.weight": (dim, width),
+            f"{prefix}.w3.weight": (width, dim)}
+
+
+def moe_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts MLP's tensors: the router, each expert (its three weights named alike, so they
+    lie back to back in the file: tensorfile.tensor_order sorts by name), the shared expert and its gate."""
+    shapes = {"feed_forward.gate.weight": (cfg.n_experts, cfg.dim)}
+    for e in range(cfg.n_experts):
+        shapes.update(expert_shapes(cfg.dim, cfg.expert_dim, f"feed_forward.experts.{e}"))
+    if cfg.shared_expert_dim:
+        shapes.update(expert_shapes(cfg.dim, cfg.shared_expert_dim, "feed_forward.shared_expert"))
+        shapes["feed_forward.shared_expert_gate.weight"] = (1, cfg.dim)
+    return shapes
+
+
+def rope_rows(cfg: ModelConfig) -> dict[str, int]:
+    """Block tensors whose rows (per head) are in RoPE's pair layout -> heads they split into.
+
+    Phantom keeps Meta's interleaved pairs; Hugging Face checkpoints hold half-split pairs, so the
+    converter, the exporter and the adapter writer permute these rows (the leading cfg.rope_dim of
+    each head; a per-head norm's weight is one head's row order, a whole-projection norm's (OLMoE) is
+    the projection's)."""
+    per_head = cfg.qk_norm_over == "head"
+    return {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads,
+            "attention.wq.bias": cfg.n_heads, "attention.wk.bias": cfg.kv_heads,
+            "attention.q_norm.weight": 1 if per_head else cfg.n_heads,
+            "attention.k_norm.weight": 1 if per_head else cfg.kv_heads}
+
+
+# Projections that read the same input, run as one matmul (as gpt-fast does) when their weights lie
+# back to back in memory: the store writes each group adjacent and in this order (store.tensor_order),
+# and the block binds one view over the group (layers.fuse_adjacent). Names stay Meta's, one tensor
+# each, so stores, PEFT adapters and LoRA on any single projection are unchanged.
+FUSED_PROJECTIONS = {
+    "attention.wqkv": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
+    "feed_forward.w13": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+}
+
+
+def embed_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim)}
+
+
+def head_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The final norm and the output projection (none when tied: the head is the embedding table)."""
+    if cfg.tie_embeddings:
+        return {"norm.weight": (cfg.dim,)}
+    return {"norm.weight": (cfg.dim,), "output.weight": (cfg.vocab_size, cfg.dim)}

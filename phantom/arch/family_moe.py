@@ -1,0 +1,91 @@
+"""The mixture-of-experts parts of phantom.arch.family's tables (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
+
+MoeKeys says how a family's experts are named in both checkpoint layouts (one tensor per expert and
+projection, or transformers 5's fused 3-D tensors); the readers turn the router's and experts' config.json
+fields into ModelConfig's. Imports only phantom.arch.config; phantom.arch.family holds the entries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from phantom.arch.config import refuse
+
+@dataclass(frozen=True)
+class MoeKeys:
+    """experts: one expert's Hugging Face names (<e> its index) -> store names, in the per-expert layout;
+    fields: the config.json fields of the experts an export writes (MOE_FIELDS: the ModelConfig field
+    each is); fused: the 3-D layout's tensors -> one expert's parts, stacked by rows; fused_renames:
+    names that layout changes (Mixtral's block_sparse_moe is mlp there, as transformers 5 renames it)."""
+
+    experts: dict[str, str]
+    fields: tuple[str, ...]
+    fused_renames: dict[str, str] = field(default_factory=dict)
+    fused: dict[str, tuple[str, ...]] = field(default_factory=lambda: FUSED_EXPERTS)
+
+
+def expert_keys(prefix: str, gate: str, up: str, down: str, to: str = "feed_forward.experts.<e>") -> dict:
+    return {f"{prefix}.{gate}.weight": f"{to}.w1.weight", f"{prefix}.{up}.weight": f"{to}.w3.weight",
+            f"{prefix}.{down}.weight": f"{to}.w2.weight"}
+
+
+FUSED_EXPERTS = {"model.layers.{}.mlp.experts.gate_up_proj": ("feed_forward.experts.<e>.w1.weight",
+                                                              "feed_forward.experts.<e>.w3.weight"),
+                 "model.layers.{}.mlp.experts.down_proj": ("feed_forward.experts.<e>.w2.weight",)}
+MOE_FIELDS = {"num_experts": "n_experts", "num_local_experts": "n_experts", "num_experts_per_tok": "experts_per_token",
+              "moe_intermediate_size": "expert_dim", "norm_topk_prob": "norm_topk_prob",
+              "shared_expert_intermediate_size": "shared_expert_dim", "router_aux_loss_coef": "router_aux_coef"}
+MOE_IRRELEVANT = {"output_router_logits": "whether transformers' forward returns the router logits (and adds "
+                                          "their loss); phantom's full finetuning adds it with router_aux_loss_coef"}
+
+
+def read_moe(c: dict, path) -> dict:
+    """The experts and their router. The number of experts has no default: transformers writes it as
+    num_experts or num_local_experts (either is read; a config class maps one onto the other). Dense
+    layers among sparse ones (mlp_only_layers, decoder_sparse_step) are refused: a store keeps one tensor
+    layout for every block."""
+    only, step = c.get("mlp_only_layers") or [], c.get("decoder_sparse_step") or 1
+    if any(i in only or (i + 1) % step for i in range(c["num_hidden_layers"])):
+        key = "mlp_only_layers" if only else "decoder_sparse_step"
+        refuse(path, key, c[key], "a mixture of experts in every layer (mlp_only_layers [], decoder_sparse_step 1)")
+    counts = {c[f] for f in ("num_experts", "num_local_experts") if c.get(f) is not None}  # either name is read
+    if len(counts) != 1:
+        refuse(path, "num_experts", sorted(counts), "one number of experts (num_experts or num_local_experts)")
+    out = {attr: c[f] for f, attr in MOE_FIELDS.items() if c.get(f) is not None}
+    return {"expert_dim": c["intermediate_size"], **out, "norm_topk_prob": bool(out.get("norm_topk_prob"))}
+
+
+def refused_unless(key: str, allowed: Callable, supported: str):
+    def read(c: dict, path) -> dict:
+        if not allowed(c.get(key)):
+            refuse(path, key, c.get(key), supported)
+        return {}
+    return read
+
+
+def read_qwen3_moe_window(c: dict, path) -> dict:
+    """Qwen3-MoE: with use_sliding_window, every layer slides (Qwen3MoeConfig has no layer_types)."""
+    return {"sliding_window": c.get("sliding_window") if c.get("use_sliding_window") else None}
+
+
+def read_qwen2_moe_window(c: dict, path) -> dict:
+    """Qwen2-MoE: with use_sliding_window, layer_types as written, else every other layer (the first
+    included) below max_window_layers slides, as Qwen2MoeConfig fills them in."""
+    if not c.get("use_sliding_window"):
+        return {"sliding_window": None, "layer_types": None}
+    types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 and i < c["max_window_layers"]
+                                     else "full_attention" for i in range(c["num_hidden_layers"])]
+    return {"sliding_window": c.get("sliding_window"), "layer_types": tuple(types)}
+
+
+MOE_READERS = {f: read_moe for f in ("num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
+                                      "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers")}
+ROUTER_KEYS = {"model.layers.{}.mlp.gate.weight": "feed_forward.gate.weight"}
+QWEN_EXPERTS = expert_keys("model.layers.{}.mlp.experts.<e>", "gate_proj", "up_proj", "down_proj")
+QWEN_MOE = dict(max_position_embeddings=32768, norm_topk_prob=False, router_aux_loss_coef=0.001, decoder_sparse_step=1,
+                num_experts_per_tok=8, use_sliding_window=False)
+QWEN_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                   "router_aux_loss_coef")
+SHARED_EXPERT_KEYS = {**expert_keys("model.layers.{}.mlp.shared_expert", "gate_proj", "up_proj", "down_proj",
+                                     "feed_forward.shared_expert"),
+                      "model.layers.{}.mlp.shared_expert_gate.weight": "feed_forward.shared_expert_gate.weight"}

@@ -1,0 +1,209 @@
+"""Mixture-of-experts MLP: a router picks each token's top-k experts; tokens are grouped by expert.
+
+The forward sorts the (token, choice) pairs by expert (argsort + bincount), gathers each expert's
+tokens with one index_select, runs one matmul chain per expert some token routes to, and adds the
+weighted outputs back with one index_add: the loop is over the experts hit, never over tokens. It
+imports only torch and phantom.arch.config (phantom.arch.layers builds it into a block).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from phantom.arch.config import ModelConfig
+
+
+class Expert(nn.Module):
+    """One gated MLP without biases: w2(act(w1 x) * w3 x), named as phantom's dense MLP."""
+
+    def __init__(self, dim: int, width: int, act: Callable, device=None, dtype=None):
+        super().__init__()
+        self.w1 = nn.Linear(dim, width, bias=False, device=device, dtype=dtype)  # gate
+        self.w2 = nn.Linear(width, dim, bias=False, device=device, dtype=dtype)  # down
+        self.w3 = nn.Linear(dim, width, bias=False, device=device, dtype=dtype)  # up
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k experts and their weights: softmax over every expert (in fp32), the k largest,
+    renormalised to sum to 1 where asked (norm_topk_prob; Mixtral always: its original top-k then
+    softmax over the k is the same numbers), back in the logits' dtype, as transformers' routers.
+
+    Returns:
+        weights (N, k) and expert ids (N, k)."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+def dispatch(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The (token, choice) pairs of experts (N, k) sorted by expert: their flat indices (into N * k) and
+    how many each expert has (one host sync, for the split sizes)."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=n_experts).tolist()
+
+
+def mix(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, modules: nn.ModuleList) -> torch.Tensor:
+    """sum over each row's chosen experts of weight * expert(row), x (N, dim); one call per expert hit.
+    Where the experts' weights train, the others run on no rows too: their gradients are zeros, not
+    None, so an optimizer decays them as it does transformers' experts (one tensor for all of them)."""
+    k = experts.shape[1]
+    order, counts = dispatch(experts, len(modules))
+    tokens = order // k
+    gathered = x.index_select(0, tokens).split(counts)
+    every = torch.is_grad_enabled() and any(p.requires_grad for p in modules[0].parameters())
+    outs = [modules[e](xs) for e, xs in enumerate(gathered) if counts[e] or every]
+    y = torch.cat(outs) * weights.reshape(-1).index_select(0, order)[:, None]
+    return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+
+class MoeFeedForward(nn.Module):
+    """The block's MLP as a mixture of experts (cfg.n_experts), with Qwen2-MoE's gated shared expert
+    when cfg.shared_expert_dim is set. With `router_loss` set (RouterLoss.attach), the router's
+    load-balancing loss sees its logits and adds its gradient to them."""
+
+    def __init__(self, cfg: ModelConfig, act: Callable, device=None, dtype=None):
+        super().__init__()
+        self.k, self.renormalise = cfg.experts_per_token, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False, device=device, dtype=dtype)  # the router
+        self.experts = nn.ModuleList(Expert(cfg.dim, cfg.expert_dim, act, device, dtype)
+                                     for _ in range(cfg.n_experts))
+        if cfg.shared_expert_dim:
+            self.shared_expert = Expert(cfg.dim, cfg.shared_expert_dim, act, device, dtype)
+            self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False, device=device, dtype=dtype)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+        self.router_loss: RouterLoss | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, dim)
+        logits = self.gate(flat)  # (N, n_experts)
+        if self.router_loss is not None:
+            logits = _RouterGrad.apply(logits, self.router_loss)
+        weights, chosen = route(logits, self.k, self.renormalise)
+        out = mix(flat, weights, chosen, self.experts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(x.shape)
+
+
+class RouterLoss:
+    """One step's load-balancing loss over every MoE layer, times cfg.router_aux_coef, as transformers adds
+    it with output_router_logits (load_balancing_loss below, no attention mask), for streamed blocks too.
+
+    aux = E * sum_e (C_e / R) * (P_e / R): C_e the top-k choices of expert e and P_e its router
+    probabilities summed over every layer's R rows. The forward counts them as each block runs (its
+    first pass; a recomputation in the backward does not count again); term() gives the loss's value
+    and records the upstream gradient it gets, and each router's backward adds that gradient times
+    d aux / d logits = p * (v - sum_e p_e v_e), v = coef * E * C / R^2 (the counts are not differentiable)."""
+
+    def __init__(self, cfg: ModelConfig, device):
+        self.n, self.k, self.coef = cfg.n_experts, cfg.experts_per_token, cfg.router_aux_coef
+        self.counts = torch.zeros(self.n, dtype=torch.float32, device=device)
+        self.probs = torch.zeros_like(self.counts)
+        self.rows, self.frozen, self.scale = 0, False, None
+
+    @classmethod
+    def attach(cls, layers: nn.ModuleList, cfg: ModelConfig, device, on: bool = True) -> "RouterLoss | None":
+        """A fresh loss bound to every MoE layer of layers; None (and none bound) where not on or cfg has
+        no experts or no coefficient."""
+        loss = cls(cfg, device) if on and cfg.n_experts and cfg.router_aux_coef else None
+        for block in layers:
+            if isinstance(block.feed_forward, MoeFeedForward):
+                block.feed_forward.router_loss = loss
+        return loss
+
+    def observe(self, logits: torch.Tensor) -> None:
+        if not self.frozen:
+            p = F.softmax(logits.detach().float(), dim=-1)
+            self.counts += torch.bincount(torch.topk(p, self.k, dim=-1).indices.reshape(-1), minlength=self.n)
+            self.probs += p.sum(0)
+            self.rows += p.shape[0]
+
+    def term(self, h: torch.Tensor) -> torch.Tensor:
+        """coef * aux as a scalar of the graph (h: any tensor of it); the counting stops here."""
+        self.frozen = True
+        return _AuxTerm.apply(h, self)
+
+    def value(self) -> torch.Tensor:
+        return self.coef * self.n * torch.sum((self.counts / self.rows) * (self.probs / self.rows))
+
+    def grad(self, logits: torch.Tensor) -> torch.Tensor:
+        p = F.softmax(logits.float(), dim=-1)
+        v = self.coef * self.n * self.counts / self.rows ** 2
+        return (self.scale * p * (v - (p * v).sum(-1, keepdim=True))).to(logits.dtype)
+
+
+class _RouterGrad(torch.autograd.Function):
+    """Identity on a router's logits that counts them forward and adds the router loss's gradient backward."""
+
+    @staticmethod
+    def forward(ctx, logits, loss: RouterLoss):
+        loss.observe(logits)
+        ctx.loss = loss
+        ctx.save_for_backward(logits)
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, g):
+        (logits,) = ctx.saved_tensors
+        return (g if ctx.loss.scale is None else g + ctx.loss.grad(logits)), None
+
+
+class _AuxTerm(torch.autograd.Function):
+    """The loss's value as a node after the blocks: autograd runs its backward before theirs (it is newer),
+    so it hands them the upstream gradient (a caller's loss scaling included)."""
+
+    @staticmethod
+    def forward(ctx, h, loss: RouterLoss):
+        ctx.loss = loss
+        return loss.value()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.loss.scale = g
+        return None, None
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], n_experts: int, k: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss over the MoE layers' router logits (each (N, n_experts)), as
+    transformers' load_balancing_loss_func computes it without an attention mask: n_experts times the
+    sum over experts of (the share of top-k choices it gets) * (its mean router probability), both
+    averaged over every layer's rows."""
+    chosen = torch.zeros(n_experts, dtype=torch.float32, device=router_logits[0].device)
+    probs = torch.zeros_like(chosen)
+    rows = 0
+    for logits in router_logits:
+        p = F.softmax(logits.float(), dim=-1)
+        top = torch.topk(p, k, dim=-1).indices
+        chosen = chosen + torch.bincount(top.reshape(-1), minlength=n_experts).float()
+        probs = probs + p.sum(0)
+        rows += logits.shape[0]
+    return n_experts * torch.sum((chosen / rows) * (probs / rows))
+
+
+def expert_ranges(specs, n_experts: int) -> list[list[int]]:
+    """[start, end) of each expert's weights in a block file's data section (specs: its TensorSpecs), so a
+    reader can fetch one expert's bytes alone; raises ValueError where an expert's tensors are not back
+    to back (a file phantom did not lay out)."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for s in specs:
+        parts = s.name.split(".")
+        if parts[:2] == ["feed_forward", "experts"]:
+            spans.setdefault(int(parts[2]), []).append((s.start, s.end))
+    out = []
+    for e in range(n_experts):
+        pieces = sorted(spans.get(e, []))
+        if not pieces or any(a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+            raise ValueError(f"expert {e}'s tensors are not contiguous in the block file")
+        out.append([pieces[0][0], pieces[-1][1]])
+    return out

@@ -1,0 +1,197 @@
+"""Quantized base weights: NF4 (QLoRA's 4-bit NormalFloat) and int8 with one scale per output channel.
+
+A quantized store keeps each linear weight as codes plus scales; the scheduler moves those bytes and
+dequantizes a block into the compute dtype where it is used. Both formats are bitsandbytes' value for
+value (tests/test_quant.py checks codes, scales and dequantized weights against it bit for bit).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from phantom.arch.quantformat import QuantError, QuantFormat, quantized
+
+CHUNK = 1 << 18  # values dequantized per piece: temporaries of 1 MiB stay in L2 (a multiple of every block size;
+#                  fastest of 2^16..2^22 on the CPU of notes/bench-quant.md)
+
+# QLoRA's NF4 levels as bitsandbytes stores them (float32), code k for k = 0..15.
+NF4_CODE = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0], dtype=torch.float32)
+# Each packed byte (first value in the high nibble) to its two levels, the pair read as one 8-byte
+# element: one 1-D gather per byte (4x faster than gathering rows of two floats on a CPU).
+NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=1).contiguous().view(torch.float64)
+
+
+def dynamic_map() -> torch.Tensor:
+    """bitsandbytes' signed 8-bit dynamic map (create_dynamic_map(True, 7, 8)): double quantization's codes."""
+    data = []
+    for i in range(7):
+        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist() + ((-(10 ** (-6 + i))) * means).tolist()
+    data += [0, 1.0]
+    return torch.tensor(sorted(data + [0] * (256 - len(data))), dtype=torch.float32)
+
+
+DYNAMIC_CODE = dynamic_map()
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing (prepare time)
+
+def _absmax_scaled(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block absmax of fp32 values and the values scaled into [-1, 1], as bitsandbytes computes
+    them: full blocks multiply by the reciprocal, a last partial block divides."""
+    n = flat.numel()
+    full = n - n % blocksize
+    blocks = flat[:full].view(-1, blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = torch.clamp(blocks * (1.0 / absmax.clamp(min=1e-38).view(-1, 1)), -1, 1).reshape(-1)
+    if full < n:
+        am = flat[full:].abs().max().clamp(min=1e-38)
+        absmax = torch.cat([absmax, flat[full:].abs().max().unsqueeze(0)])
+        scaled = torch.cat([scaled, torch.clamp(flat[full:] / am, -1, 1)])
+    return absmax, scaled
+
+
+def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest level of a sorted code (ties up), as uint8.
+
+    bitsandbytes' CPU kernel for the 8-bit scales of double quantization looks the nearest level up in
+    a table over 65536 points of [-1, 1] instead: it picks the other neighbour for a value within
+    1/65535 of a midpoint (a few in a thousand scales). Its CUDA kernel and its torch kernel, and this,
+    pick the nearest."""
+    return torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
+
+
+def quantize_nf4(w: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
+    """A weight's NF4 parts ({"nf4", "absmax"[, "absmax2", "offset"]}), in pieces of CHUNK values."""
+    flat = w.reshape(-1)
+    packed, absmax = torch.empty((flat.numel() + 1) // 2, dtype=torch.uint8), []
+    for a in range(0, flat.numel(), CHUNK):
+        am, scaled = _absmax_scaled(flat[a:a + CHUNK].float(), fmt.blocksize)
+        codes = _nearest(scaled, NF4_CODE)
+        if codes.numel() % 2:  # an odd count: the last byte's low nibble encodes 0.0, as bitsandbytes pads
+            codes = torch.cat([codes, _nearest(torch.zeros(1), NF4_CODE)])
+        packed[a // 2:a // 2 + codes.numel() // 2] = (codes[::2] << 4) | codes[1::2]
+        absmax.append(am)
+    absmax = torch.cat(absmax)
+    if not fmt.double_quant:
+        return {"nf4": packed, "absmax": absmax}
+    offset = absmax.mean()
+    absmax2, scaled = _absmax_scaled(absmax - offset, fmt.absmax_blocksize)
+    return {"nf4": packed, "absmax": _nearest(scaled, DYNAMIC_CODE), "absmax2": absmax2, "offset": offset.view(1)}
+
+
+def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A weight's int8 parts: round(w * 127 / absmax) per output row, and the rows' fp32 absmax."""
+    absmax = w.abs().amax(dim=1).float()
+    return {"int8": torch.round(w * (127.0 / absmax.unsqueeze(1))).to(torch.int8), "absmax": absmax}
+
+
+def quantize_block(fmt: QuantFormat, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A block's stored tensors: its linear weights quantized (from their values in `dtype`), the
+    rest in `dtype`."""
+    out = {}
+    for name, t in tensors.items():
+        if not quantized(name, tuple(t.shape)):
+            out[name] = t.to(dtype)
+            continue
+        t = t.to(dtype)  # quantize what a 16-bit store would have held
+        parts = quantize_int8(t) if fmt.method == "int8" else quantize_nf4(t, fmt)
+        out.update({f"{name}.{k}": v for k, v in parts.items()})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantizing (each time a block is used)
+
+def check_scales(name: str, scales: torch.Tensor) -> None:
+    """Scales a quantizer writes are finite and >= 0; anything else was not written by one."""
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise QuantError(f"{name}: scales that are negative or not finite (tampered or corrupt)")
+
+
+def nf4_absmax(fmt: QuantFormat, parts: dict[str, torch.Tensor], name: str = "weight") -> torch.Tensor:
+    """A weight's fp32 block scales (double quantization undone as bitsandbytes does: code * scale + offset)."""
+    if not fmt.double_quant:
+        check_scales(f"{name}.absmax", parts["absmax"])
+        return parts["absmax"]
+    check_scales(f"{name}.absmax2", parts["absmax2"])
+    check_scales(f"{name}.offset", parts["offset"].abs())
+    q, scale = parts["absmax"], parts["absmax2"]
+    code = DYNAMIC_CODE.to(q.device)
+    n = q.numel()
+    full = n - n % fmt.absmax_blocksize
+    out = torch.empty(n, dtype=torch.float32, device=q.device)
+    out[:full] = (code[q[:full].int()].view(-1, fmt.absmax_blocksize) * scale[:full // fmt.absmax_blocksize, None]).view(-1)
+    if full < n:
+        out[full:] = code[q[full:].int()] * scale[-1]
+    return out.add_(parts["offset"])
+
+
+def dequantize_nf4_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch.Tensor,
+                        name: str = "weight") -> torch.Tensor:
+    """out (any float dtype, contiguous) = the weight: level * block scale in fp32, then rounded to
+    out's dtype. One gather per packed byte and one multiply per value, CHUNK values at a time."""
+    absmax = nf4_absmax(fmt, parts, name)
+    codes, flat, bs = parts["nf4"], out.view(-1), fmt.blocksize
+    pairs = NF4_PAIRS.to(codes.device).view(-1)
+    n = flat.numel()
+    for a in range(0, n, CHUNK):
+        b = min(a + CHUNK, n)
+        vals = pairs.index_select(0, codes[a // 2:(b + 1) // 2].int()).view(torch.float32)[:b - a]
+        nb, rem = (b - a) // bs, (b - a) % bs
+        dst = flat[a:b]
+        if nb:
+            scale = absmax[a // bs:a // bs + nb].view(-1, 1)
+            torch.mul(vals[:nb * bs].view(-1, bs), scale, out=dst[:nb * bs].view(-1, bs))  # fp32, rounded once
+        if rem:
+            dst[nb * bs:].copy_(vals[nb * bs:] * absmax[(a + nb * bs) // bs])
+    return out
+
+
+def dequantize_int8_into(parts: dict[str, torch.Tensor], out: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """out = q * absmax * (1 / 127) in fp32 (bitsandbytes' int8_vectorwise_dequant), rounded to out's dtype."""
+    q, absmax = parts["int8"], parts["absmax"]
+    check_scales(f"{name}.absmax", absmax)
+    rows = max(1, CHUNK // max(1, q.shape[1]))
+    for a in range(0, q.shape[0], rows):
+        torch.mul(q[a:a + rows] * absmax[a:a + rows, None], 7.874015718698502e-3, out=out[a:a + rows])
+    return out
+
+
+def dequantize_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch.Tensor,
+                    name: str = "weight") -> torch.Tensor:
+    if fmt.method == "int8":
+        return dequantize_int8_into(parts, out, name)
+    return dequantize_nf4_into(fmt, parts, out, name)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """This thread's torch ops on one core (OpenMP's thread count is per calling thread), restored after.
+
+    A CPU loader dequantizes beside the compute, which has the cores: on a busy 2-core machine two
+    OpenMP threads spinning at each op's barrier made a dim-2048 block take 5-9 s, one thread 0.18 s."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def dequantize_block(fmt: QuantFormat, stored: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+    """Fill a block's dense tensors (out: name -> tensor in the compute dtype) from its stored views."""
+    for name, dst in out.items():
+        if name in stored:
+            dst.copy_(stored[name])
+            continue
+        prefix = name + "."
+        parts = {k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}
+        dequantize_into(fmt, parts, dst, name)

@@ -1,0 +1,100 @@
+"""How a quantized store keeps its linear weights: the format record and the tensors each weight is
+stored as. torch-free, so the cost model counts a block's bytes by the rule the store lays it out by
+(phantom.arch.quant holds the quantizers and dequantizers)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from phantom.base import dtypes
+
+METHODS = ("nf4", "int8")
+
+
+class QuantError(ValueError):
+    """Quantized tensors that do not match their record, or scales no quantizer writes."""
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How a store's linear weights are stored: the manifest's "quantization" record, less its tensors.
+
+    nf4: 4-bit codes of `blocksize` consecutive values per absmax scale (row-major, as bitsandbytes'
+    quantize_4bit); with double_quant the fp32 scales are themselves stored as 8-bit dynamic codes of
+    `absmax_blocksize` scales each, an fp32 scale per group and one fp32 offset (QLoRA's "double
+    quantization"). int8: LLM.int8's row-wise absmax, round(w * 127 / absmax) in [-127, 127].
+    """
+
+    method: str
+    blocksize: int = 64
+    double_quant: bool = True
+    absmax_blocksize: int = 256
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise QuantError(f"unknown quantization {self.method!r}; use one of {', '.join(METHODS)}")
+        if self.method == "nf4" and (self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096)
+                                     or self.absmax_blocksize != 256):
+            raise QuantError(f"nf4 needs a block size of 32..4096 (a power of two) and 256 scales per "
+                             f"double-quantized group, not {self.blocksize} and {self.absmax_blocksize}")
+
+    def record(self) -> dict:
+        if self.method == "int8":
+            return {"method": "int8"}
+        return {"method": "nf4", "blocksize": self.blocksize, "double_quant": self.double_quant,
+                "absmax_blocksize": self.absmax_blocksize}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "QuantFormat":
+        try:
+            if rec["method"] == "int8":
+                if set(rec) - {"method", "tensors"}:
+                    raise QuantError(f"int8 takes no settings, got {sorted(set(rec) - {'method', 'tensors'})}")
+                return cls("int8")
+            return cls(rec["method"], int(rec["blocksize"]), bool(rec["double_quant"]), int(rec["absmax_blocksize"]))
+        except (KeyError, TypeError) as e:
+            raise QuantError(f"bad quantization record ({type(e).__name__}: {e})") from None
+
+
+def as_format(quant: "str | QuantFormat | None") -> "QuantFormat | None":
+    """A plan's quantization: a method name means prepare_model.py's format of it (its defaults)."""
+    return QuantFormat(quant) if isinstance(quant, str) else quant
+
+
+ROUTERS = ("feed_forward.gate.weight", "feed_forward.shared_expert_gate.weight")  # a mixture of experts' (phantom.arch.moe)
+
+
+def quantized(name: str, shape: tuple[int, ...]) -> bool:
+    """Which tensors of a block are quantized: the linear weights (matrices); norms stay 16-bit, and so do
+    a mixture of experts' routers (a rounded router picks other experts, as bitsandbytes' users keep
+    them out with llm_int8_skip_modules)."""
+    return len(shape) == 2 and name not in ROUTERS
+
+
+def stored_layout(fmt: QuantFormat, name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The tensors (name -> shape, dtype) a quantized weight of `shape` is stored as."""
+    n = shape[0] * shape[1]
+    if fmt.method == "int8":
+        return {f"{name}.int8": (tuple(shape), "int8"), f"{name}.absmax": ((shape[0],), "float32")}
+    blocks = -(-n // fmt.blocksize)
+    out = {f"{name}.nf4": (((n + 1) // 2,), "uint8")}
+    if not fmt.double_quant:
+        return {**out, f"{name}.absmax": ((blocks,), "float32")}
+    return {**out, f"{name}.absmax": ((blocks,), "uint8"),
+            f"{name}.absmax2": ((-(-blocks // fmt.absmax_blocksize),), "float32"),
+            f"{name}.offset": ((1,), "float32")}
+
+
+def block_layout(fmt: QuantFormat, shapes: dict[str, tuple[int, ...]],
+                 dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A block's stored tensors (name -> shape, torch's dtype name): each quantized weight's parts, the
+    rest as they are in `dtype` (the store's)."""
+    out = {}
+    for name, shape in shapes.items():
+        out.update(stored_layout(fmt, name, shape) if quantized(name, shape) else {name: (tuple(shape), dtype)})
+    return out
+
+
+def block_nbytes(fmt: QuantFormat, shapes: dict[str, tuple[int, ...]], dtype: str) -> int:
+    """Bytes of one block stored in this format: what the store's block files hold and the cost model counts."""
+    return sum(math.prod(shape) * dtypes.stored(name).itemsize for shape, name in block_layout(fmt, shapes, dtype).values())

@@ -1,0 +1,1 @@
+"""Foundations with no domain: JSON read within bounds, fault points, the dtype table, checksums, atomic file replaces, provenance records."""

@@ -1,0 +1,55 @@
+"""Tensors a checkpoint fuses, read as the parts phantom stores: each part is a range of the fused
+tensor's rows, contiguous in the file (so a linked store reads it in place). Phi-3's qkv_proj holds q, k,
+v; transformers 5's 3-D experts hold each expert's gate and up (or down) rows, expert after expert.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+
+from phantom.files.tensorfile import TensorSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec(TensorSpec):
+    """A tensor's spec inside the checkpoint's: the whole of it (rows None), or rows [r0, r1) of a
+    fused tensor (phantom.arch.family.Family.fused), whose bytes are contiguous: linkable in place."""
+
+    rows: tuple[int, int] | None = None
+
+
+def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
+    """spec's tensor from an open safetensors file: all of key, or its rows [r0, r1), counted over its
+    leading two dims where it is 3-D (one expert's part of transformers 5's fused experts)."""
+    if spec.rows is None:
+        return f.get_tensor(key)
+    r0, r1 = spec.rows
+    shape = f.get_slice(key).get_shape()
+    if len(shape) == 2:
+        return f.get_slice(key)[r0:r1]
+    e, r = divmod(r0, shape[1])  # a part never crosses an expert
+    return f.get_slice(key)[e:e + 1, r:r + r1 - r0][0]
+
+
+def fused_rows(groups: dict[str, tuple[str, ...]], spec: TensorSpec, name: str, shapes: dict, path: Path) -> RowSpec:
+    """spec as name's: itself, or name's rows of the fused tensor spec names (checked against config.json);
+    groups: the checkpoint's fused tensors (phantom.arch.family.Family.layout). A 3-D fused tensor's rows are
+    counted over its leading two dims (its experts' rows, expert after expert)."""
+    group = next((names for names in groups.values() if name in names), None)
+    if group is None:
+        if spec.shape != shapes[name]:
+            raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {shapes[name]}")
+        return RowSpec(spec.name, spec.dtype, spec.shape, spec.start, spec.end)
+    fused = (sum(shapes[n][0] for n in group), *shapes[name][1:])
+    if len(spec.shape) == 3 and (spec.shape[0] * spec.shape[1], spec.shape[2]) == fused:
+        fused = spec.shape  # (experts, rows of each, columns)
+    if spec.shape != fused:
+        raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {fused}")
+    r0 = sum(shapes[n][0] for n in group[:group.index(name)])
+    r1 = r0 + shapes[name][0]
+    row_bytes = math.prod(shapes[name][1:]) * spec.dtype.itemsize
+    return RowSpec(spec.name, spec.dtype, shapes[name], spec.start + r0 * row_bytes, spec.start + r1 * row_bytes,
+                   rows=(r0, r1))

@@ -1,0 +1,370 @@
+"""LoRA applied to built blocks from outside, and adapters saved/loaded in PEFT's layout.
+
+PEFT's files describe the family's Hugging Face model, whose q/k rows are permuted relative to
+Meta's layout that phantom keeps; lora_B of q and k is permuted on the way out and back on the way
+in, so the adapter is correct for the HF model that `peft` loads it onto. Where the family's
+checkpoint fuses projections (Phi-3's qkv_proj, gate_up_proj) peft puts one LoRA on the fused
+module: phantom's parts of it then share one A, each with its rows of B.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from phantom.arch.config import ModelConfig
+from phantom.arch.family import family
+from phantom.arch.layers import LoraLinear, permute_for_hf, permute_from_hf
+from phantom.stream.placement import knob
+from phantom.base import fileio, safejson
+from phantom.base.fileio import atomic_write_json
+from phantom.files.store import StoreError, safe_join
+from phantom.data.special_tokens import nested_repeat
+from phantom.files.tensorfile import read_header, write_safetensors
+
+log = logging.getLogger(__name__)
+
+# short target name -> (module path inside a block, PEFT/HF module name)
+TARGETS = {
+    "q": ("attention.wq", "self_attn.q_proj"),
+    "k": ("attention.wk", "self_attn.k_proj"),
+    "v": ("attention.wv", "self_attn.v_proj"),
+    "o": ("attention.wo", "self_attn.o_proj"),
+    "gate": ("feed_forward.w1", "mlp.gate_proj"),
+    "up": ("feed_forward.w3", "mlp.up_proj"),
+    "down": ("feed_forward.w2", "mlp.down_proj"),
+}
+# a module some families' checkpoints fuse (phantom.arch.family.Family.fused) -> the targets it holds, in row order
+GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Which projections get a LoRA and how big it is.
+
+    Args:
+        rank: r, the inner dimension of A (r x in) and B (out x r).
+        alpha: the update is scaled by alpha / rank.
+        dropout: dropout on the LoRA branch's input (replayed exactly in the recompute).
+        targets: any of q, k, v, o, gate, up, down, qkv (q, k, v), gate_up (gate, up), or ("all-linear",):
+            every one (peft's all-linear: each projection of every block, not the head). On a family whose
+            checkpoint fuses q, k, v (or gate, up) into one module, naming any of them targets the module
+            (see for_family).
+        seed: seeds the init of A, per layer, so two models built alike start alike.
+        rslora: scale by alpha / sqrt(rank) instead (peft's use_rslora).
+        rank_pattern, alpha_pattern: (regex, value) pairs, in order: a module whose peft name
+            ("model.layers.3.self_attn.q_proj") the first regex matches at its end takes that rank
+            (alpha) instead of rank (alpha), as peft's rank_pattern and alpha_pattern.
+        layers: the blocks that get a LoRA (peft's layers_to_transform); None: every one.
+    """
+
+    rank: int = knob(8, "LoRA rank r")
+    alpha: float = knob(16.0, "LoRA scale is alpha / r")
+    dropout: float = knob(0.0, "dropout on the LoRA branch's input, replayed exactly in the recompute")
+    targets: tuple[str, ...] = knob(("q", "v"), "comma-separated projections: q,k,v,o,gate,up,down (qkv, gate_up: "
+                                                "those together), or all-linear (every one, as peft's all-linear); "
+                                                "on Phi-3 any of q,k,v is its fused qkv_proj, as peft has it",
+                                    type="csv")
+    seed: int = knob(0, "", cli=False)  # a run seeds its LoRA with its --seed (RunConfig)
+    rslora: bool = knob(False, "", cli=False)  # the patterns and layers come from adapter_config.json files
+    rank_pattern: tuple[tuple[str, int], ...] = knob((), "", cli=False)
+    alpha_pattern: tuple[tuple[str, float], ...] = knob((), "", cli=False)
+    layers: tuple[int, ...] | None = knob(None, "", cli=False)
+
+    def __post_init__(self):
+        if tuple(self.targets) == ("all-linear",):
+            object.__setattr__(self, "targets", tuple(TARGETS))
+        bad = [t for t in self.targets if t not in TARGETS and t not in GROUPS]
+        if bad:
+            raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join([*TARGETS, *GROUPS])} or all-linear")
+        for name in ("rank_pattern", "alpha_pattern"):  # JSON and YAML give dicts and lists
+            object.__setattr__(self, name, tuple(tuple(kv) for kv in dict(getattr(self, name)).items()))
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+            if not all(type(i) is int and i >= 0 for i in self.layers):
+                raise ValueError(f"LoRA layers must be block indices, got {list(self.layers)!r:.60}")
+        for rank in (self.rank, *dict(self.rank_pattern).values()):
+            if type(rank) is not int or rank < 1:
+                raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        for alpha in (self.alpha, *dict(self.alpha_pattern).values()):
+            if type(alpha) not in (int, float) or not math.isfinite(alpha):
+                raise ValueError(f"LoRA alpha must be a finite number, got {alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        for pattern, _ in self.rank_pattern + self.alpha_pattern:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"LoRA rank or alpha pattern {pattern!r} is not a regular expression ({e})") from None
+            if nested_repeat(pattern):  # matching a module name would backtrack for hours
+                raise ValueError(f"LoRA rank or alpha pattern {pattern!r} repeats a group that repeats; write it "
+                                 f"without nested repeats")
+
+    def module_rank(self, layer: int, module: str) -> tuple[int, float] | None:
+        """(rank, alpha) of the LoRA on a layer's Hugging Face module ("self_attn.q_proj"), as peft
+        picks them from rank_pattern and alpha_pattern; None where `layers` leaves the layer out."""
+        if self.layers is not None and layer not in self.layers:
+            return None
+        key = f"model.layers.{layer}.{module}"
+        return _pattern_value(self.rank_pattern, key, self.rank), _pattern_value(self.alpha_pattern, key, self.alpha)
+
+
+def _pattern_value(patterns: tuple, key: str, default):
+    """peft's get_pattern_key: the first pattern matching the end of key at a dot; else key's own entry."""
+    for pattern, value in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return dict(patterns).get(key, default)
+
+
+def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The family's LoRA-able modules as peft sees them: short name -> (HF module inside a layer, the
+    targets it holds). A tensor the checkpoint fuses is one module (Phi-3: qkv -> self_attn.qkv_proj)."""
+    by_weight = {f"{path}.weight": t for t, (path, _) in TARGETS.items()}
+    fused = {}  # first target of a fused module -> (its short name, HF module, its targets)
+    for key, names in family(cfg).fused.items():
+        module = key.removeprefix("model.layers.{}.").removesuffix(".weight")
+        fused[by_weight[names[0]]] = (module.rsplit(".", 1)[1].removesuffix("_proj"), module,
+                                      tuple(by_weight[n] for n in names))
+    inside = {t for _, _, parts in fused.values() for t in parts}
+    out = {}
+    for t, (_, module) in TARGETS.items():
+        if t in fused:
+            short, module, parts = fused[t]
+            out[short] = (module, parts)
+        elif t not in inside:
+            out[t] = (module, (t,))
+    return out
+
+
+def family_targets(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
+    """targets named as the family's modules, in the order given: on Phi-3 any of q, k, v is its fused
+    qkv_proj, which peft gives one LoRA; on a family that keeps them apart, qkv is q, k, v."""
+    owner = {t: m for m, (_, parts) in peft_modules(cfg).items() for t in parts}
+    return tuple(dict.fromkeys(owner[t] for name in targets for t in GROUPS.get(name, (name,))))
+
+
+def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
+    """lora with its targets as family_targets names them (logged where that adds a projection). On a
+    mixture of experts only attention projections take a LoRA (routers and experts stay frozen)."""
+    if cfg.n_experts and (mlp := [t for t in lora.targets if t not in ("q", "k", "v", "o", "qkv")]):
+        raise ValueError(f"LoRA targets {', '.join(mlp)}: a mixture of experts takes LoRA on its attention "
+                         f"projections only (q, k, v, o); its router and experts stay frozen")
+    modules = peft_modules(cfg)
+    wanted = [t for name in lora.targets for t in GROUPS.get(name, (name,))]
+    targets = family_targets(lora.targets, cfg)
+    added = [t for m in targets for t in modules[m][1] if t not in wanted]
+    if added:
+        fused = "; ".join(f"{modules[m][0].rsplit('.', 1)[1]} holds {', '.join(modules[m][1])}"
+                          for m in targets if len(modules[m][1]) > 1)
+        log.info("%s: %s, and peft has one LoRA on each: it covers %s too", family(cfg).hf_class, fused,
+                 ", ".join(added))
+    return dataclasses.replace(lora, targets=targets)
+
+
+def hf_module(target: str) -> str:
+    """The Hugging Face module a target (or a fused GROUPS name) is: "q" -> "self_attn.q_proj",
+    "qkv" -> "self_attn.qkv_proj"."""
+    if target in GROUPS:
+        return f"{TARGETS[GROUPS[target][0]][1].rsplit('.', 1)[0]}.{target}_proj"
+    return TARGETS[target][1]
+
+
+def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int) -> None:
+    """Replace the target linears of one block by LoraLinear (in place); cfg's targets as for_family
+    names them, each with the rank and alpha cfg.module_rank gives it. The parts of a fused module
+    (GROUPS) share one A."""
+    gen = torch.Generator().manual_seed(cfg.seed * 100003 + layer)
+    for target in cfg.targets:
+        shared, rank_alpha = None, cfg.module_rank(layer, hf_module(target))
+        if rank_alpha is None:
+            continue
+        for t in GROUPS.get(target, (target,)):
+            parent_path, name = TARGETS[t][0].rsplit(".", 1)
+            parent = block.get_submodule(parent_path)
+            base = getattr(parent, name)
+            if rank_alpha[0] > max(base.in_features, base.out_features):  # checked before allocating A and B
+                raise ValueError(f"LoRA rank {rank_alpha[0]} of layer {layer} {hf_module(target)} exceeds both sides "
+                                 f"of its {base.out_features}x{base.in_features} weight")
+            lora = LoraLinear(base, *rank_alpha, cfg.dropout, generator=gen, lora_A=shared,
+                              rslora=cfg.rslora)
+            setattr(parent, name, lora)
+            shared = lora.lora_A
+
+
+def lora_modules(layers: nn.ModuleList) -> dict[tuple[int, str], LoraLinear]:
+    """(layer index, target short name) -> its LoraLinear."""
+    out = {}
+    for i, block in enumerate(layers):
+        for t, (path, _) in TARGETS.items():
+            parent, _, leaf = path.rpartition(".")
+            m = getattr(block.get_submodule(parent), leaf, None)  # a mixture of experts has no feed_forward.w1
+            if isinstance(m, LoraLinear):
+                out[(i, t)] = m
+    return out
+
+
+def _peft_key(i: int, module: str, ab: str) -> str:
+    return f"base_model.model.model.layers.{i}.{module}.lora_{ab}.weight"
+
+
+def _hf_heads(cfg: ModelConfig, t: str) -> int | None:
+    return {"q": cfg.n_heads, "k": cfg.kv_heads}.get(t)
+
+
+def adapted_modules(layers: nn.ModuleList, cfg: ModelConfig):
+    """(layer, HF module, [(target, its LoraLinear)] in row order) for every module with a LoRA."""
+    mods = lora_modules(layers)
+    for i in range(len(layers)):
+        for module, parts in peft_modules(cfg).values():
+            if (i, parts[0]) in mods:
+                yield i, module, [(t, mods[(i, t)]) for t in parts]
+
+
+def adapter_tensors(layers: nn.ModuleList, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """PEFT-named LoRA tensors, with q/k's lora_B rows in Hugging Face's layout (a fused module's
+    B is its parts' rows stacked)."""
+    out = {}
+    for i, module, parts in adapted_modules(layers, cfg):
+        bs = []
+        for t, m in parts:
+            b = m.lora_B.detach().float().cpu()
+            bs.append(permute_for_hf(b, heads, cfg.rope_dim) if (heads := _hf_heads(cfg, t)) is not None else b)
+        out[_peft_key(i, module, "A")] = parts[0][1].lora_A.detach().float().cpu().contiguous()
+        out[_peft_key(i, module, "B")] = torch.cat(bs).contiguous()
+    return out
+
+
+def save_adapter(layers: nn.ModuleList, model_cfg: ModelConfig, lora_cfg: LoraConfig, out: Path,
+                 base_model: str = "", revision: str | None = None) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors (PEFT layout), each atomically.
+
+    base_model and revision are what peft's AutoPeftModel loads the base from (a Hub id and its
+    commit, or a folder; phantom.base.provenance.base_model)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with fileio.replacing(out / ADAPTER_WEIGHTS) as tmp:
+        write_safetensors(tmp, adapter_tensors(layers, model_cfg), metadata={"format": "pt"})
+    atomic_write_json(out / ADAPTER_CONFIG, {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "revision": revision,
+        "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
+        "target_modules": sorted(peft_modules(model_cfg)[t][0].split(".")[1] for t in lora_cfg.targets),
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+        "modules_to_save": None, "use_dora": False, **peft_fields(lora_cfg),
+    })
+    return out
+
+
+def peft_fields(cfg: LoraConfig) -> dict:
+    """The adapter_config.json fields that say how cfg departs from one rank and alpha everywhere."""
+    return {"use_rslora": cfg.rslora, "rank_pattern": dict(cfg.rank_pattern), "alpha_pattern": dict(cfg.alpha_pattern),
+            "layers_to_transform": list(cfg.layers) if cfg.layers is not None else None}
+
+
+# adapter_config.json fields that change what an adapter computes and that phantom does not model: a
+# value other than a neutral one (NEUTRAL) is refused, naming the field
+UNMODELLED = ("use_dora", "bias", "fan_in_fan_out", "modules_to_save", "lora_bias", "layer_replication",
+              "target_parameters", "trainable_token_indices", "alora_invocation_tokens", "use_qalora",
+              "exclude_modules", "use_bdlora", "arrow_config", "kasa_config", "monteclora_config")
+NEUTRAL = (None, False, "none", [], {}, "")
+_WEIGHT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight")
+
+
+def read_adapter_config(path: Path) -> LoraConfig:
+    """The LoraConfig of a peft adapter folder, as peft reads adapter_config.json (use_rslora,
+    rank_pattern, alpha_pattern, layers_to_transform), checked against its weights' header before
+    anything is allocated.
+
+    Raises:
+        FileNotFoundError: no adapter_config.json or no weights.
+        StoreError: a field phantom does not model (named), a value out of range, or a rank the
+            weights do not have.
+    """
+    cpath = Path(path) / ADAPTER_CONFIG
+    if not cpath.is_file():
+        raise FileNotFoundError(f"no LoRA adapter at {path} (missing {ADAPTER_CONFIG})")
+    c = safejson.load(cpath, what="LoRA adapter config", error=StoreError)
+    try:
+        cfg = _lora_config(cpath, c)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, StoreError):
+            raise
+        raise StoreError(f"{cpath}: not a LoRA adapter config phantom can load ({type(e).__name__}: {e})") from None
+    check_adapter_ranks(Path(path), cfg)
+    return cfg
+
+
+def _lora_config(cpath: Path, c) -> LoraConfig:
+    if not isinstance(c, dict):
+        raise StoreError(f"{cpath}: not a LoRA adapter config phantom can load (not a JSON object)")
+    if c.get("peft_type", "LORA") != "LORA":
+        raise StoreError(f"{cpath}: peft_type {c['peft_type']!r:.40} is not LORA; phantom loads LoRA adapters")
+    for field in UNMODELLED:
+        if c.get(field) not in NEUTRAL:
+            raise StoreError(f"{cpath}: {field} {c[field]!r:.60} changes what the adapter computes, and phantom "
+                             f"does not model it")
+    if c.get("layers_pattern") not in (*NEUTRAL, "layers", ["layers"]):
+        raise StoreError(f"{cpath}: layers_pattern {c['layers_pattern']!r:.60} is not supported (phantom's "
+                         f"blocks are model.layers)")
+    by_hf = {v[1].split(".")[1]: k for k, v in TARGETS.items()} | {f"{g}_proj": g for g in GROUPS}
+    modules, layers = c["target_modules"], c.get("layers_to_transform")
+    if not isinstance(modules, list) or any(m not in by_hf for m in modules):
+        raise StoreError(f"{cpath}: target_modules {modules!r:.80} is not a list of modules phantom adapts "
+                         f"({', '.join(by_hf)})")
+    if not isinstance(c.get("use_rslora", False), bool):
+        raise StoreError(f"{cpath}: use_rslora {c['use_rslora']!r:.40} is not true or false")
+    return LoraConfig(rank=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout") or 0.0,
+                      targets=tuple(by_hf[m] for m in modules), rslora=c.get("use_rslora", False),
+                      rank_pattern=c.get("rank_pattern") or {}, alpha_pattern=c.get("alpha_pattern") or {},
+                      layers=[layers] if type(layers) is int else (layers or None))
+
+
+def check_adapter_ranks(folder: Path, cfg: LoraConfig) -> None:
+    """Refuse weights whose lora_A or lora_B do not have the rank cfg gives their module, read from the
+    safetensors header alone (a config claiming r = 10**12 is refused before anything is allocated)."""
+    wpath = safe_join(Path(folder), ADAPTER_WEIGHTS)
+    if not wpath.is_file():
+        raise FileNotFoundError(f"no LoRA weights at {wpath}")
+    for spec in read_header(wpath)[0]:
+        key = _WEIGHT_KEY.fullmatch(spec.name)
+        rank_alpha = cfg.module_rank(int(key[1]), key[2]) if key and len(spec.shape) == 2 else None
+        if rank_alpha is not None and spec.shape[key[3] == "B"] != rank_alpha[0]:
+            raise StoreError(f"{wpath}: {spec.name} has rank {spec.shape[key[3] == 'B']}, but {ADAPTER_CONFIG} gives "
+                             f"its module rank {rank_alpha[0]} (r, rank_pattern)")
+
+
+def load_adapter(layers: nn.ModuleList, cfg: ModelConfig, path: Path) -> None:
+    """Load PEFT-format LoRA weights into the model's LoraLinear modules (shapes checked)."""
+    wpath = safe_join(Path(path), ADAPTER_WEIGHTS)
+    if not wpath.is_file():
+        raise FileNotFoundError(f"no LoRA weights at {wpath}")
+    try:
+        tensors = load_file(str(wpath))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise StoreError(f"{wpath}: cannot read adapter weights ({e})") from None
+    expected = {_peft_key(i, module, ab) for i, module, _ in adapted_modules(layers, cfg) for ab in "AB"}
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
+        raise StoreError(f"{wpath}: adapter does not match the model (missing {missing}, unexpected {extra})")
+    with torch.no_grad():
+        for i, module, parts in adapted_modules(layers, cfg):
+            a, b = tensors[_peft_key(i, module, "A")], tensors[_peft_key(i, module, "B")]
+            first = parts[0][1]
+            rows = [m.lora_B.shape[0] for _, m in parts]
+            if a.shape != first.lora_A.shape or b.shape != (sum(rows), first.lora_B.shape[1]):
+                raise StoreError(f"{wpath}: layer {i} {module}: shapes {tuple(a.shape)}, {tuple(b.shape)} do not "
+                                 f"match {tuple(first.lora_A.shape)}, {(sum(rows), first.lora_B.shape[1])}")
+            first.lora_A.copy_(a)  # the parts of a fused module share it
+            for (t, m), part in zip(parts, b.split(rows)):
+                m.lora_B.copy_(permute_from_hf(part, heads, cfg.rope_dim) if (heads := _hf_heads(cfg, t)) is not None
+                               else part)

@@ -1,0 +1,1 @@
+"""Which placement: the cost model (pure) and the tuner that measures the machine."""

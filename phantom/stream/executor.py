@@ -1,0 +1,303 @@
+"""`BlockExecutor`: runs a model's transformer blocks on weights streamed by a BlockScheduler.
+
+The model (phantom.model.phantom_model) is a plain Llama whose blocks hold meta placeholders for their base
+weights. For each use the executor acquires the block's weights from the scheduler, binds them in
+place of the placeholders while they are held (torch's own reparametrization, the mechanism of
+`torch.func.functional_call`, kept for the whole hold because checkpointed sub-blocks re-read
+their weights in backward) and releases them. Under autograd each block is one `StreamedBlock`
+Function whose backward acquires the block again:
+
+- recompute: the forward keeps only the block's input; the backward reruns the forward with the
+  forward's RNG state and autocast (activation checkpointing).
+- keep: the forward keeps the block's autograd graph and activations but not its weights (saved
+  weights become handles into the slot, see WeightHandles); the backward only runs the backward.
+
+Keeping and recomputing give the same bits, so "auto" (keep while a byte budget allows) is free to
+choose differently from run to run. In full finetuning the weights are leaves too, and each block's
+weight gradients go to `on_block_grads` as soon as its backward is done.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from phantom.arch.layers import KVCache, fuse_adjacent, lora_disabled
+from phantom.stream.scheduler import BlockScheduler
+
+log = logging.getLogger(__name__)
+
+
+class RngState:
+    """CPU (and CUDA) RNG state at a block's forward, replayed in its recompute so dropout matches."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def replay(self):
+        devices = [self.device] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+class WeightHandles:
+    """saved_tensors_hooks that keep activations but not weights.
+
+    A tensor autograd saves that lives in the block's weight buffer (a weight, or a view of one) is
+    packed as a handle (byte offset from the block's first weight, dtype, shape, stride); in
+    backward the block is acquired again and the handle is rebuilt on whatever slot now holds it.
+    Offsets are relative: two slots' buffers may start at different offsets of their storages (an
+    aligned host buffer is a view into a larger allocation). Everything else is kept as is.
+    """
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.storage_ptr = next(iter(weights.values())).untyped_storage().data_ptr()
+        self.base = self._base(weights)
+        self.storage = None
+        self.kept_bytes = 0
+        self.weight_handles = 0
+
+    @staticmethod
+    def _base(weights: dict[str, torch.Tensor]) -> int:
+        return min(w.storage_offset() * w.element_size() for w in weights.values())
+
+    def bind(self, weights: dict[str, torch.Tensor] | None) -> None:
+        self.storage = next(iter(weights.values())).untyped_storage() if weights else None
+        self.base = self._base(weights) if weights else None
+
+    def pack(self, t: torch.Tensor):
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() == self.storage_ptr:
+            self.weight_handles += 1
+            return (WeightHandles, t.dtype, t.storage_offset() * t.element_size() - self.base, t.shape, t.stride())
+        self.kept_bytes += t.numel() * t.element_size()
+        return t
+
+    def unpack(self, packed):
+        if isinstance(packed, tuple) and packed[0] is WeightHandles:
+            _, dtype, offset, shape, stride = packed
+            assert self.storage is not None, "weight handle used outside the block's backward"
+            return torch.empty(0, dtype=dtype, device=self.storage.device).set_(
+                self.storage, (self.base + offset) // dtype.itemsize, shape, stride)
+        return packed
+
+
+class StreamedBlock(torch.autograd.Function):
+    """Block i of `ex` as one autograd node; `params` are its trained parameters (LoRA A/B), passed
+    so autograd returns their gradients. The batch runs in micro-batches while the block is on the
+    device, forward and backward (layer-major accumulation): one load per direction per step."""
+
+    @staticmethod
+    def forward(ctx, x, rope, mask, ex: "BlockExecutor", i: int, *params):
+        ctx.ex, ctx.i = ex, i
+        ctx.autocast = _autocast_state(x.device)
+        ctx.keep = ex.keeps(i)
+        ctx.rng = RngState(x.device) if ex.has_dropout and not ctx.keep else None
+        with ex.block_weights(i) as weights:
+            if not ctx.keep:
+                out = torch.cat([ex.run_block(i, weights, xc, rc, mask=mc) for xc, rc, mc in ex.rows(x, rope, mask)])
+                ex.run_reference(i, weights, rope, mask)
+                ctx.save_for_backward(x, rope, mask, *params)
+                return out
+            ctx.hooks, ctx.graphs = WeightHandles(weights), []
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ctx.hooks.pack, ctx.hooks.unpack):
+                for xc, rc, mc in ex.rows(x, rope, mask):
+                    xc = xc.detach().requires_grad_(x.requires_grad)
+                    ctx.graphs.append((xc, ex.run_block(i, weights, xc, rc, mask=mc)))
+            ex.run_reference(i, weights, rope, mask)
+        ex.count_kept(ctx.hooks)
+        ctx.save_for_backward(*params)
+        return torch.cat([out.detach() for _, out in ctx.graphs])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ex, needs_x = ctx.ex, ctx.needs_input_grad[0]
+        saved = ctx.saved_tensors
+        params = saved if ctx.keep else saved[3:]
+        trained = [p for p in params if p.requires_grad]
+        param_grads = [torch.zeros_like(p) for p in trained]
+        x_grads = []
+        rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
+        # The weights stay acquired until the gradients are computed: autograd reads them.
+        with ex.block_weights(ctx.i, trainable=ex.trains_weights) as weights, rng:
+            weight_grads = dict.fromkeys(weights) if ex.trains_weights else {}  # fp32 sums, set by the first chunk
+            wrt = trained + list(weights.values()) if ex.trains_weights else trained
+            if ctx.keep:
+                ctx.hooks.bind(weights)
+            else:
+                chunks = list(ex.rows(*saved[:3]))
+            for k, gc in enumerate(ex.split_batch(grad_out)):
+                if ctx.keep:
+                    xc, out = ctx.graphs[k]
+                else:
+                    xc, rc, mc = chunks[k]
+                    xc = xc.detach().requires_grad_(needs_x)
+                    with torch.enable_grad(), torch.autocast(**ctx.autocast):
+                        out = ex.run_block(ctx.i, weights, xc, rc, mask=mc)
+                grads = torch.autograd.grad(out, ([xc] if needs_x else []) + wrt, gc, allow_unused=True)
+                if needs_x:
+                    x_grads.append(grads[0])
+                grads = grads[1:] if needs_x else grads
+                for acc, g in zip(param_grads, grads):
+                    if g is not None:
+                        acc += g
+                for k, g in zip(weight_grads, grads[len(param_grads):]):
+                    weight_grads[k] = _accumulate(weight_grads[k], g, weights[k])
+            if ctx.keep:
+                ctx.hooks.bind(None)
+                ctx.graphs = None
+        if ex.trains_weights:
+            ex.on_block_grads(ctx.i, weight_grads)
+        it = iter(param_grads)
+        gparams = [next(it) if p.requires_grad else None for p in params]
+        return (torch.cat(x_grads) if needs_x else None, None, None, None, None, *gparams)
+
+
+def _accumulate(total: torch.Tensor | None, g: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+    """A weight's fp32 gradient sum over micro-batches. The first chunk's gradient becomes the sum
+    (no zero-filled block-sized buffer: on a host those are fresh pages, faulted in at every step)."""
+    g = g.float() if g is not None else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    return g if total is None else total.add_(g)
+
+
+def _autocast_state(device: torch.device) -> dict:
+    """The autocast in force now on device's type, to rerun a forward under the same one."""
+    kind = device.type
+    return dict(device_type=kind, dtype=torch.get_autocast_dtype(kind), enabled=torch.is_autocast_enabled(kind))
+
+
+class BlockExecutor:
+    """Runs `layers` (meta placeholders for base weights) on weights acquired from `scheduler`.
+
+    Args:
+        layers: the model's blocks.
+        scheduler: where each block's weights come from (and go back to).
+        recompute: "all", "none" or "auto" (keep while `keep_budget` bytes of activations allow).
+        keep_budget: bytes of kept activations allowed under "auto".
+        micro_batch: rows run through a block at once (None: the whole batch).
+        on_block_grads: full finetuning: called with (i, fp32 weight gradients of block i) as soon
+            as block i's backward is done; None for frozen base weights (LoRA, inference).
+    """
+
+    def __init__(self, layers: nn.ModuleList, scheduler: BlockScheduler, recompute: str, keep_budget: int,
+                 micro_batch: int | None = None,
+                 on_block_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None):
+        self.layers, self.scheduler = layers, scheduler
+        self.recompute, self.keep_budget, self.micro_batch = recompute, keep_budget, micro_batch
+        self.on_block_grads = on_block_grads
+        self.trains_weights = on_block_grads is not None
+        self.has_dropout = any(isinstance(m, nn.Dropout) for m in layers.modules())
+        # compiled blocks are tried once: a backend that cannot compile them falls back to eager
+        self.compile_unchecked = any(getattr(b, "_compiled_call_impl", None) is not None for b in layers)
+        self.kept_bytes = 0  # activations kept by `keep` blocks in the current step
+        self.kept_blocks = 0
+        self.kept_per_block = 0  # the most one block kept (the estimate for "auto")
+        self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
+        self.reference: torch.Tensor | None = None  # the reference hidden state of this pass (run_reference)
+
+    def __call__(self, h: torch.Tensor, rope: torch.Tensor, trained: list[list[torch.Tensor]],
+                 caches: list[KVCache] | None = None, start_pos: int = 0,
+                 mask: torch.Tensor | None = None,
+                 reference: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Every block over h, in order; `trained[i]` are block i's trained parameters; rope and mask
+        as phantom.arch.layers.packed_layout gives them for packed rows.
+
+        `reference`: a second hidden state of the same rows run through each block while it is
+        loaded, adapters off and without autograd (the reference model of preference training): the
+        pair (h, reference out) is returned, and the store is read as for h alone. Without a KV
+        cache the rows run in micro-batches."""
+        n = len(self.layers)
+        self.kept_bytes = self.kept_blocks = 0
+        self.reference = reference
+        training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in trained for p in ps))
+        self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []))
+        for i in range(n):
+            if training:
+                h = StreamedBlock.apply(h, rope, mask, self, i, *trained[i])
+            else:
+                with self.block_weights(i) as weights:
+                    if caches:
+                        h = self.run_block(i, weights, h, rope, caches[i], start_pos, mask)
+                    else:
+                        h = torch.cat([self.run_block(i, weights, hc, rc, mask=mc)
+                                       for hc, rc, mc in self.rows(h, rope, mask)])
+                    self.run_reference(i, weights, rope, mask)
+        reference, self.reference = self.reference, None
+        return h if reference is None else (h, reference)
+
+    def run_reference(self, i: int, weights: dict[str, torch.Tensor], rope: torch.Tensor,
+                      mask: torch.Tensor | None) -> None:
+        """Block i (held, its weights bound) over the reference hidden state, if one travels with
+        this pass: adapters off, no autograd; the backward never sees it."""
+        if self.reference is None:
+            return
+        with torch.no_grad(), lora_disabled(self.layers[i]):
+            self.reference = torch.cat([self.run_block(i, weights, r, rc, mask=mc)
+                                        for r, rc, mc in self.rows(self.reference, rope, mask)])
+
+    def keeps(self, i: int) -> bool:
+        """Whether block i keeps its activations this step (else it is recomputed in backward)."""
+        if self.recompute != "auto":
+            return self.recompute == "none"
+        return self.kept_bytes + self.kept_per_block <= self.keep_budget
+
+    def count_kept(self, hooks: WeightHandles) -> None:
+        self.kept_bytes += hooks.kept_bytes
+        self.kept_blocks += 1
+        self.kept_per_block = max(self.kept_per_block, hooks.kept_bytes)
+        self.weight_handles += hooks.weight_handles
+
+    def split_batch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.split(self.micro_batch) if self.micro_batch else (x,)
+
+    def rows(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
+        """(x, rope, mask) per micro-batch; packed rows' per-row rope (B, T, ..) and mask (packed_layout
+        gives both or neither) are split with x."""
+        xs = self.split_batch(x)
+        ropes = self.split_batch(rope) if mask is not None else [rope] * len(xs)
+        masks = self.split_batch(mask) if mask is not None else [None] * len(xs)
+        return zip(xs, ropes, masks)
+
+    @contextlib.contextmanager
+    def block_weights(self, i: int, trainable: bool = False):
+        """Block i's weights (views into its slot) until the `with` ends; autograd may read them
+        until then, so backward passes run inside it. Frozen weights get fused views (fuse_adjacent);
+        `trainable` ones are leaves whose gradients the backward asks for (full finetuning)."""
+        weights = self.scheduler.acquire(i)
+        t0 = time.perf_counter()
+        try:
+            if trainable:
+                weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
+            elif not self.trains_weights:
+                weights = fuse_adjacent(weights)
+            with _reparametrize_module(self.layers[i], weights, strict=False):
+                yield weights
+        finally:
+            self.scheduler.tracer.span("compute", f"block {i}", t0, time.perf_counter())  # the time it is held
+            self.scheduler.release(i)
+
+    def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
+                  cache: KVCache | None = None, start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Block i over x; `weights` (from block_weights(i)) are bound in place of its placeholders."""
+        call = lambda: self.layers[i](x, rope, cache, start_pos, mask)  # noqa: E731
+        if not self.compile_unchecked:
+            return call()
+        try:  # the first call compiles: fall back to eager if the backend cannot
+            out = call()
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly
+            log.warning("torch.compile failed (%s: %s); running blocks eagerly", type(e).__name__, str(e)[:200])
+            for block in self.layers:
+                block._compiled_call_impl = None
+            out = call()
+        self.compile_unchecked = False
+        return out

@@ -1,0 +1,365 @@
+"""The block scheduler: streams blocks from their tier into a fixed set of device slots ahead of use.
+
+Each block's tier comes from the run's layout (phantom.stream.placement.resolve): resident on the device, in
+host RAM, or in the store's files. Loader threads take the next blocks of the known plan that are not
+on the device and fill free slots through the transfer stage (phantom.stream.transfer: read -> copy ->
+convert). Slots are evicted by next use in the plan (Belady), so the turn from forward to backward
+reuses what is still on the device (LIFO). A write-back queue (phantom.stream.writeback) carries data the
+other way.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+from tqdm import tqdm
+
+from phantom.base import faults
+from phantom.stream import placement as P
+from phantom.stream.hostmem import HostBuffer, register_read_only
+from phantom.stream.memory import free_memory
+from phantom.stream.placement import Placement
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import packed_empty
+from phantom.stream.trace import Metrics, Tracer
+from phantom.stream.transfer import Slot, transfer_for
+from phantom.stream.writeback import WriteBackQueue
+
+log = logging.getLogger(__name__)
+
+
+class BlockScheduler:
+    """Streams transformer blocks of a `BlockStore` to a device.
+
+    Args:
+        store: the block store.
+        device: where blocks are computed.
+        placement: tiers by budget (see phantom.stream.placement): blocks resident on the device, in host
+            RAM (read once here; pinned on CUDA, exactly the bytes needed), or read from their files
+            at each use. `prefetch` K: blocks loaded ahead of the one computing; K + 1 device slots.
+        trace: record a Chrome trace of compute, reads, copies and write-back.
+        dtype: the dtype blocks are computed in (default: the store's); others are converted while
+            loading.
+        zero_copy: on a CPU the RAM tier is used where it lies (no slot copy). False forces the
+            slot path that CUDA takes (tests); None: whenever the dtypes allow it.
+        device_reserve: device bytes the caller needs beside blocks and activations (the loss chunk,
+            gradients in flight): taken from the free memory before the default device budget.
+    """
+
+    def __init__(self, store: BlockStore, device: torch.device | str = "cpu", placement: Placement = Placement(),
+                 trace: bool = False, dtype: torch.dtype | None = None, zero_copy: bool | None = None,
+                 device_reserve: int = 0):
+        self.store, self.device, self.prefetch = store, torch.device(device), placement.prefetch
+        self.n_blocks = store.n_blocks
+        self.dtype = dtype or store.dtype
+        self.placement = placement  # as asked; `layout` says what it resolved to
+        self.layout = self._resolve(placement, zero_copy, device_reserve)
+        self.tiers, self.offload = self.layout.tiers, self.layout.offload
+        self.resident = self.tiers.count("device")
+        self._zero_copy, self._streamed = self.layout.in_place, frozenset(self.layout.streamed)
+        self.tracer = Tracer(trace)
+        self.metrics = Metrics()
+        self._cv = threading.Condition()  # guards slots, the plan and the metrics' counters
+        self._cuda = self.device.type == "cuda"
+        self.transfer = transfer_for(store, self.device, self.dtype, self.tracer)
+
+        self._fill_ram_tier(placement.shared_ram)
+        self._load_device_tier()  # before the streaming slots: its loader slot is gone when they come
+        # Streaming slots. On CPU with the RAM tier the host buffer is the device buffer: no copy.
+        self.slots: list[Slot] = [self.transfer.new_slot(any(self.tiers[i] == "disk" for i in self.layout.streamed))
+                                  for _ in range(self.layout.slots)]
+        self.pinned_bytes += sum(s.staging.numel() for s in self.slots if s.staging is not None and self.transfer.pin)
+        self.metrics = Metrics()  # loading at start-up is not a step's traffic
+
+        self._plan: list[int] = []
+        self._pos = 0  # index into the plan of the next acquire
+        self._closed = False
+        self._load_error: BaseException | None = None  # a failed load stops all loading (see acquire)
+        n_loaders = 0 if not self.slots else min(len(self.slots), 3) if "disk" in self.tiers else 1
+        self._threads = [threading.Thread(target=self._prefetch_loop, name=f"phantom-prefetch-{k}", daemon=True)
+                         for k in range(n_loaders)]
+        for t in self._threads:
+            t.start()
+        self.writeback = WriteBackQueue(self.tracer, self.metrics, device=self.device)
+        log.info("placement: %d blocks on the device, %d in RAM (%.1f GiB pinned), %d read from disk; "
+                 "%d slots", self.resident, self.tiers.count("ram"), self.pinned_bytes / 2**30,
+                 self.tiers.count("disk"), len(self.slots))
+
+    def _resolve(self, placement: Placement, zero_copy: bool | None, device_reserve: int) -> P.Layout:
+        """The run's layout (phantom.stream.placement.resolve) from this store's block sizes and the free memory."""
+        store = self.store
+        sizes = P.block_sizes(store.block_nbytes, store.dense_nbytes // store.dtype.itemsize, store.dtype.itemsize,
+                              self.dtype.itemsize, store.quant is not None, self.dtype == store.dtype)
+        free = free_memory(self.device, shared=placement.shared_ram, reserve=device_reserve)
+        layout = P.resolve(self.n_blocks, sizes, placement, free, host_is_device=self.device.type == "cpu",
+                           in_place=zero_copy)
+        ram_cap = placement.ram_budget if placement.ram_budget is not None else P.ram_budget(free.host)
+        if placement.offload == "auto" and "disk" in layout.tiers and ram_cap is not None and ram_cap < sizes.budget:
+            log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "
+                        "off the device are read from disk at each use; give --ram-budget at least %.0fM for one",
+                        ram_cap / 2**20, sizes.budget / 2**20, layout.tiers.count("disk"), -(-sizes.budget // 2**20))
+        return layout
+
+    def _fill_ram_tier(self, shared: bool) -> None:
+        """RAM tier: one exact-size (pinned on CUDA) allocation, every block read once (and verified)
+        here; or, shared, the block files mapped so local ranks hold one copy."""
+        nbytes, stride, pin = self.store.block_nbytes, self.transfer.stride, self.transfer.pin
+        self._ram: list[torch.Tensor | None] = [None] * self.n_blocks
+        ram_blocks = [i for i, t in enumerate(self.tiers) if t == "ram"]
+        self._registered = []  # finalizers of registered file mappings (the shared tier on CUDA)
+        if shared:
+            for i in ram_blocks:
+                self._ram[i] = self.store.map_block(i)
+                if pin:  # else every copy from it goes through pageable memory: staged, synchronous
+                    self._registered.append(register_read_only(self._ram[i]))
+        elif ram_blocks:
+            self._ram_buffer = HostBuffer(stride * len(ram_blocks), pin)
+            for k, i in enumerate(tqdm(ram_blocks, desc="loading blocks to RAM", unit="block", disable=None,
+                                       leave=False)):
+                self._ram[i] = self._ram_buffer.block(k * stride, nbytes)
+                self.store.read_block_into(i, self._ram[i])
+                self.metrics.bytes_read += nbytes
+        self.pinned_bytes = stride * len(ram_blocks) if pin and not shared else 0
+
+    def _load_device_tier(self) -> None:
+        """Device tier: each block loaded once through a slot's pipeline, then kept in buffers of its
+        own (in the file's layout, so its projections still fuse)."""
+        self._resident_views: dict[int, dict] = {}
+        loader = self.transfer.new_slot(True) if "device" in self.tiers else None
+        copied = None  # CUDA: the compute stream is done reading the loader's converted tensors
+        for i in (i for i, t in enumerate(self.tiers) if t == "device"):
+            self.metrics.add(self.transfer.load(loader, i, self._ram[i], copied))
+            self.transfer.sync_ready(loader)
+            if loader.converted is None:  # the slot's buffer becomes the block's; the slot gets a new one
+                views = loader.views
+                loader.buf = torch.empty_like(loader.buf)
+            else:  # copied on this thread's stream; the next load (copy stream) overwrites them after it
+                views = packed_empty(loader.views, self.dtype, self.device)
+                for k, v in loader.views.items():
+                    views[k].copy_(v)
+                if self._cuda:
+                    copied = torch.cuda.Event()
+                    copied.record(torch.cuda.current_stream(self.device))
+            self._resident_views[i] = views
+            loader.block, loader.state, loader.views = None, "empty", None
+
+    # -- the training thread's side ------------------------------------------------------------
+
+    def plan(self, order: list[int]) -> None:
+        """Tell the scheduler the order in which blocks will be acquired next (e.g. 0..N-1, N-1..0)."""
+        with self._cv:
+            self._plan, self._pos = list(order), 0
+            self._cv.notify_all()
+
+    def acquire(self, block: int) -> dict[str, torch.Tensor]:
+        """Block's weights on the device, as views; waits if it is not there yet. Pair with release().
+
+        On CUDA the current stream is made to wait for the block's copy (an event), not the host."""
+        if block in self._resident_views:
+            with self._cv:
+                self._advance_plan_to(block)
+                self._pos += 1
+            return self._resident_views[block]
+        if not self._streams(block):  # the RAM tier used where it lies (a CPU)
+            with self._cv:
+                self._advance_plan_to(block)
+                self._pos += 1
+            self.metrics.bytes_ram += self.store.block_nbytes
+            return self.store.block_views(self._ram[block])
+        t0 = time.perf_counter()
+        with self._cv:
+            self._advance_plan_to(block)
+            while True:
+                self._raise_if_closed()
+                slot = self._slot_holding(block)
+                if slot is not None and slot.state == "ready":
+                    break
+                if slot is not None and slot.state == "failed":
+                    err, slot.state, slot.block, slot.error = slot.error, "empty", None, None
+                    raise err
+                if slot is None and self._load_error is not None:  # a failed load stopped the loaders
+                    raise self._load_error
+                self._cv.wait(0.1)
+            slot.users += 1
+            self._pos += 1
+            self._cv.notify_all()
+        self.transfer.wait_ready(slot)
+        t1 = time.perf_counter()
+        if t1 - t0 > 1e-4:
+            self.metrics.stall_s += t1 - t0
+            self.tracer.span("stall", f"wait {block}", t0, t1)
+        return slot.views
+
+    def release(self, block: int) -> None:
+        """The training thread is done with the block (its kernels may still be queued on CUDA).
+
+        A deferred checksum of the block's bytes is checked here: a corrupt file stops training in the
+        training thread, and the slot is not reused before its bytes were hashed."""
+        if not self._streams(block):
+            return
+        with self._cv:
+            slot = self._slot_holding(block)
+            assert slot is not None and slot.users > 0, f"release of block {block} that is not acquired"
+            slot.users -= 1
+            self.transfer.mark_free(slot)
+            verify, slot.verify = slot.verify, None
+            if verify is not None and not verify.done():
+                slot.verify = verify  # still hashing: the loader waits for it before reusing the slot
+            self._cv.notify_all()
+        if verify is not None and verify.done():
+            verify.result()
+
+    def host_weights(self, block: int) -> dict[str, torch.Tensor]:
+        """Block's weights in host memory: the RAM tier's views, or read from the store."""
+        if self._ram[block] is not None:
+            return self.store.block_views(self._ram[block])
+        return self.store.load_block(block)
+
+    def update_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
+        """New values of a block (full finetuning): into the RAM tier and device copies; any slot
+        still holding the old version is dropped so the next acquire loads the new one.
+
+        On CUDA the copies are queued on the caller's current stream (phantom.stream.optim's update stream)
+        without blocking, and the calling thread, not the compute stream, waits for them."""
+        for views in ([self.store.block_views(self._ram[block])] if self._ram[block] is not None else []) + \
+                ([self._resident_views[block]] if block in self._resident_views else []):
+            for k, v in views.items():
+                v.copy_(tensors[k], non_blocking=self._cuda)
+        if self._cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
+        with self._cv:
+            for s in self.slots:
+                if s.block == block and s.state in ("ready", "failed"):
+                    assert s.users == 0, f"block {block} updated while in use"
+                    s.block, s.state, s.views = None, "empty", None
+            self._cv.notify_all()
+
+    def take_metrics(self) -> dict:
+        """This step's counters (and achieved GB/s); resets them."""
+        with self._cv:
+            m, self.metrics = self.metrics, Metrics()
+            self.metrics.copy_events = m.count_finished_copies()  # still in flight: next step's
+            self.writeback.metrics = self.metrics
+        d = m.as_dict()
+        d["read_gbps"] = m.bytes_read / m.read_s / 1e9 if m.read_s > 0 else 0.0
+        d["copy_gbps"] = m.bytes_h2d / m.copy_s / 1e9 if m.copy_s > 0 else 0.0
+        return d
+
+    def close(self) -> None:
+        """Stop the loader threads and drain the write-back queue (re-raising its errors)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)  # no copy may still target a buffer we free
+        for unregister in self._registered:
+            if unregister is not None:
+                unregister()
+        self.transfer.close()
+        self.writeback.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # -- internals (hold self._cv unless noted) ---------------------------------------------------
+
+    def _raise_if_closed(self):
+        if self._closed:
+            raise RuntimeError("the block scheduler is closed")
+
+    def _advance_plan_to(self, block: int) -> None:
+        """Move the plan position to the next use of block; an unplanned acquire gets a plan of its own."""
+        for p in range(self._pos, len(self._plan)):
+            if self._plan[p] == block:
+                self._pos = p
+                break
+        else:
+            self._plan, self._pos = [block], 0
+        self._cv.notify_all()  # the prefetch window moved
+
+    def _slot_holding(self, block: int) -> Slot | None:
+        for s in self.slots:
+            if s.block == block and s.state != "empty":
+                return s
+        return None
+
+    def _next_use(self, block: int, start: int) -> float:
+        """Plan position of block's next use from start. Past the plan's end the plan is taken to
+        repeat (a training loop's next step runs the same order), so of the blocks this step no longer
+        needs, the slots keep those the next step needs first: without it a tie among them was broken
+        by slot order, and a loader running late could evict a block the next forward reads first."""
+        for p in range(start, len(self._plan)):
+            if self._plan[p] == block:
+                return p
+        for p in range(min(start, len(self._plan))):
+            if self._plan[p] == block:
+                return len(self._plan) + p
+        return float("inf")
+
+    def _streams(self, block: int) -> bool:
+        return block in self._streamed
+
+    def _next_load(self) -> tuple[Slot, int] | None:
+        """The earliest block in the prefetch window that is not in a slot, and a slot to put it in."""
+        window = self._plan[self._pos:]
+        ahead = 0
+        for p, block in enumerate(window, start=self._pos):
+            if not self._streams(block):
+                continue
+            ahead += 1
+            if ahead > self.layout.slots:
+                return None
+            if self._slot_holding(block) is not None:
+                continue
+            # Evict the slot whose block is needed furthest in the future (Belady; known plan).
+            best, best_use = None, p
+            for s in self.slots:
+                if s.users or s.state == "loading":
+                    continue
+                use = float("inf") if s.state in ("empty", "failed") else self._next_use(s.block, self._pos)
+                if use > best_use:
+                    best, best_use = s, use
+            if best is None:
+                return None  # every slot holds something needed sooner; wait for a release
+            return best, block
+        return None
+
+    def _prefetch_loop(self) -> None:
+        if self._cuda:  # the current device is per thread: else cuda:1's copies make a context on GPU 0
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._cv:
+                while not self._closed and (self._load_error is not None or (task := self._next_load()) is None):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                slot, block = task
+                slot.block, slot.state, slot.error, slot.views = block, "loading", None, None
+                free_event, slot.free_event = slot.free_event, None
+                verify, slot.verify = slot.verify, None
+            try:
+                if verify is not None:
+                    verify.result()  # the previous block's bytes were hashed before they are overwritten
+                stats = self.transfer.load(slot, block, self._ram[block], free_event)
+                with self._cv:  # several loader threads count into one step's metrics: no lost update
+                    self.metrics.add(stats)
+                faults.point("prefetch.load")  # crash tests: a block loaded, not yet handed over
+                state, error = "ready", None
+            except BaseException as e:  # surfaced in the training thread by acquire()
+                log.debug("prefetch of block %d failed", block, exc_info=True)
+                state, error = "failed", e
+            with self._cv:
+                slot.state, slot.error = state, error
+                if error is not None and self._load_error is None:
+                    self._load_error = error  # no loader starts another read: the step is lost anyway
+                self._cv.notify_all()

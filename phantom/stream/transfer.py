@@ -1,0 +1,190 @@
+"""The transfer stage: one block into one device slot, read -> copy -> convert, in a loader thread.
+
+`Transfer` is the host-side stage (a CPU, and `mps`): the disk tier reads straight into the slot on a
+CPU, the copy and the conversion run in the loader thread and are done when `load` returns.
+`CudaTransfer` reads into the slot's pinned staging buffer, then queues the copy and the conversion
+on a dedicated copy stream after the slot's free event and marks their end with a ready event that
+the compute stream waits on: neither the host nor the compute waits for a copy it does not need yet.
+A block's checksum runs on a verify thread beside the copy. Neither stage takes a lock: a load
+returns its counts (`LoadStats`) for the scheduler to add.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from phantom.arch import quant
+from phantom.stream.hostmem import HostBuffer
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import DATA_ALIGN, packed_empty
+from phantom.stream.trace import LoadStats, Tracer
+
+
+@dataclass
+class Slot:
+    buf: torch.Tensor  # flat uint8 block buffer (store dtype) on the device
+    staging: torch.Tensor | None = None  # host buffer the disk tier reads into (pinned on CUDA)
+    converted: dict | None = None  # compute-dtype tensors when the store's dtype differs
+    block: int | None = None
+    state: str = "empty"  # empty | loading | ready | failed
+    users: int = 0
+    error: BaseException | None = None
+    views: dict | None = None
+    free_event: object = None  # CUDA: compute done with the slot's previous block
+    ready_event: object = None  # CUDA: the copy into the slot is done
+    verify: Future | None = None  # a deferred checksum of the staged bytes
+    host: object = None  # keeps the staging HostBuffer (and its registration) alive
+
+
+class Transfer:
+    """Loads blocks into slots on a CPU or `mps`, synchronously in the calling (loader) thread."""
+
+    pin = False  # host buffers page-locked for the device's copies
+
+    def __init__(self, store: BlockStore, device: torch.device, dtype: torch.dtype, tracer: Tracer):
+        self.store, self.device, self.dtype, self.tracer = store, device, dtype, tracer
+        self.stride = -(-store.block_nbytes // DATA_ALIGN) * DATA_ALIGN
+        # Checksums off the read path, two blocks at a time: one sha256 thread (~1.7 GB/s a core) is slower
+        # than a fast drive, and on a busy CPU it falls behind even a slow one (notes/bench-tiers.md).
+        self.verifier = ThreadPoolExecutor(2, thread_name_prefix="phantom-verify")
+
+    def new_slot(self, needs_staging: bool) -> Slot:
+        """A slot: the block's bytes (aligned on a CPU: the disk tier reads straight in), a staging buffer
+        where a device's disk-tier reads land first, and the compute-dtype copy when one is needed."""
+        nbytes = self.store.block_nbytes
+        host = None
+        if self.device.type == "cpu":
+            buf, staging = HostBuffer(self.stride, False).tensor[:nbytes], None
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            host = HostBuffer(self.stride, self.pin) if needs_staging else None
+            staging = host.tensor[:nbytes] if host is not None else None
+        converted = None
+        if self.store.quant is not None:  # dequantized into here, in a 16-bit block's layout
+            converted = self.store.dense_empty(self.dtype, self.device)
+        elif self.dtype != self.store.dtype:
+            converted = packed_empty(self.store.block_views(buf), self.dtype, self.device)
+        return Slot(buf=buf, staging=staging, converted=converted, host=host)
+
+    def load(self, slot: Slot, block: int, ram: torch.Tensor | None, free_event=None) -> LoadStats:
+        """Fill slot with block (without any lock): from its RAM-tier bytes `ram`, or read from disk."""
+        stats = LoadStats()
+        src = ram if ram is not None else self._read(slot, block, stats)
+        if ram is not None:
+            stats.bytes_ram = ram.numel()
+        t0 = time.perf_counter()
+        self._copy(slot, block, src, free_event, stats)
+        t1 = time.perf_counter()
+        if src is not slot.buf:
+            self.tracer.span("copy", f"copy {block}", t0, t1, bytes=slot.buf.numel())
+        slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf)
+        return stats
+
+    def _staging(self, slot: Slot) -> torch.Tensor:
+        """Where a disk-tier block is read to: the slot itself on a CPU, else its staging buffer."""
+        return slot.buf if self.device.type == "cpu" else slot.staging
+
+    def _read(self, slot: Slot, block: int, stats: LoadStats) -> torch.Tensor:
+        """Block bytes from disk into the slot's host buffer; its checksum goes to the verify thread."""
+        into = self._staging(slot)
+        t0 = time.perf_counter()
+        check = self.store.read_block_into(block, into, defer_verify=True)
+        t1 = time.perf_counter()
+        stats.read_s, stats.bytes_read = t1 - t0, into.numel()
+        self.tracer.span("read", f"read {block}", t0, t1, bytes=into.numel())
+        if check is not None:
+            slot.verify = self.verifier.submit(check)
+        return into
+
+    def _copy(self, slot: Slot, block: int, src: torch.Tensor, free_event, stats: LoadStats) -> None:
+        t0 = time.perf_counter()
+        if src is not slot.buf:
+            slot.buf.copy_(src)
+        self.convert(slot, block, stats)
+        if self.device.type == "mps":
+            torch.mps.synchronize()
+        if src is not slot.buf:
+            stats.copy_s, stats.bytes_h2d = time.perf_counter() - t0, slot.buf.numel()
+
+    def convert(self, slot: Slot, block: int, stats: LoadStats) -> None:
+        """The slot's block into the compute dtype: a dtype conversion, or a quantized block
+        dequantized (on the device after the copy; on a CPU here, in the loader thread, one thread)."""
+        if self.store.quant is not None:
+            t0 = time.perf_counter()
+            with quant.one_thread() if self.device.type == "cpu" else contextlib.nullcontext():
+                self.store.dequantize_block(block, self.store.block_views(slot.buf), slot.converted)
+            t1 = time.perf_counter()
+            stats.dequant_s += t1 - t0
+            self.tracer.span("dequant", f"dequant {block}", t0, t1)
+        elif slot.converted is not None:
+            for k, v in self.store.block_views(slot.buf).items():
+                slot.converted[k].copy_(v)
+
+    def wait_ready(self, slot: Slot) -> None:
+        """Make the compute wait for the slot's block (a CPU's load is done when it returns)."""
+
+    def mark_free(self, slot: Slot) -> None:
+        """The compute has queued its last use of the slot's block."""
+
+    def wait_staging_free(self, slot: Slot) -> None:
+        """The host waits until the staging buffer's last copy is done (nothing to wait for here)."""
+
+    def sync_ready(self, slot: Slot) -> None:
+        """The host waits for the slot's copy and its checksum."""
+        if slot.ready_event is not None:
+            slot.ready_event.synchronize()
+        if slot.verify is not None:
+            slot.verify.result()
+            slot.verify = None
+
+    def close(self) -> None:
+        self.verifier.shutdown(wait=True)
+
+
+class CudaTransfer(Transfer):
+    """Loads through pinned staging buffers and a copy stream; the host never waits for a copy."""
+
+    pin = True
+
+    def __init__(self, store: BlockStore, device: torch.device, dtype: torch.dtype, tracer: Tracer):
+        super().__init__(store, device, dtype, tracer)
+        self.stream = torch.cuda.Stream(device)
+
+    def _read(self, slot: Slot, block: int, stats: LoadStats) -> torch.Tensor:
+        self.wait_staging_free(slot)
+        return super()._read(slot, block, stats)
+
+    def _copy(self, slot: Slot, block: int, src: torch.Tensor, free_event, stats: LoadStats) -> None:
+        """Queue the copy and the conversion on the copy stream after the slot's free event; the ready
+        event marks their end (its time is counted when it has passed: Metrics.count_finished_copies)."""
+        with torch.cuda.stream(self.stream):
+            if free_event is not None:
+                self.stream.wait_event(free_event)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            slot.buf.copy_(src, non_blocking=True)
+            self.convert(slot, block, stats)
+            slot.ready_event = torch.cuda.Event(enable_timing=True)
+            slot.ready_event.record(self.stream)
+        stats.copy_event = (start, slot.ready_event, slot.buf.numel())
+
+    def wait_ready(self, slot: Slot) -> None:
+        if slot.ready_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
+
+    def mark_free(self, slot: Slot) -> None:
+        slot.free_event = torch.cuda.Event()
+        slot.free_event.record(torch.cuda.current_stream(self.device))
+
+    def wait_staging_free(self, slot: Slot) -> None:
+        if slot.ready_event is not None:
+            slot.ready_event.synchronize()  # the staging buffer's last copy is done
+
+
+def transfer_for(store: BlockStore, device: torch.device, dtype: torch.dtype, tracer: Tracer) -> Transfer:
+    """The stage for a device: CUDA's asynchronous one, or the host-side one (CPU, mps)."""
+    return (CudaTransfer if device.type == "cuda" else Transfer)(store, device, dtype, tracer)

@@ -45,7 +45,7 @@ import phantom  # noqa: E402
 import phantom.files.tensorfile  # noqa: E402
 from phantom.train import cli
 from phantom.plan import costmodel as cm
-from phantom.plan import tune
+from phantom.plan import profiles, tune
 from phantom.arch.config import ModelConfig  # noqa: E402
 from phantom.model.convert import write_synthetic  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
@@ -117,8 +117,8 @@ def main(argv=None):
             return
         profile = None
         if args.tuned:  # measured first, so the sweep below runs under the same conditions it saw
-            profile = tune.measure(store, phantom.resolve_device(args.device), store.dtype, args.batch_size,
-                                   args.seq_len)
+            profile = profiles.measure(store, phantom.resolve_device(args.device), store.dtype, args.batch_size,
+                                       args.seq_len)
         host = host_speeds() if "full" in args.train.split(",") else None  # same run, before the rows' processes
         rows = fastest_of_rounds(sweep(args, argv))
         best = None

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import phantom  # noqa: E402
 from phantom.train import cli
 from phantom.arch import config, family
-from phantom.plan import tune
+from phantom.plan import profiles, tune
 from phantom.plan import costmodel as cm
 from phantom.stream.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
 from phantom.arch.quantformat import METHODS  # noqa: E402
@@ -71,16 +71,16 @@ def model_and_profile(args, device, dtype):
     if args.preset or args.config:
         cfg = config.preset(args.preset) if args.preset else read_config(Path(args.config), args.vocab_size)
         work = cm.Workload(args.batch_size, args.seq_len, dtype, args.store_dtype, args.quantize)
-        profile = tune.probe(cfg, device, work, args.profile_dir, args.quick, args.remeasure)
-        disk = args.disk_budget if args.disk_budget is not None else tune.free_disk_bytes(phantom.weights_dir())
+        profile = profiles.probe(cfg, device, work, args.profile_dir, args.quick, args.remeasure)
+        disk = args.disk_budget if args.disk_budget is not None else profiles.free_disk_bytes(phantom.weights_dir())
         return args.preset or args.config, cfg, args.store_dtype, args.quantize, profile, disk
     store = BlockStore(phantom.resolve_model(args.model or "tiny"), verify="none")
-    if args.quantize and tune.store_quant(store) != args.quantize:
-        raise ValueError(f"{store.path} is stored {tune.store_quant(store) or store.manifest['dtype']}; --quantize "
+    if args.quantize and profiles.store_quant(store) != args.quantize:
+        raise ValueError(f"{store.path} is stored {profiles.store_quant(store) or store.manifest['dtype']}; --quantize "
                          f"plans a preset or config (prepare a {args.quantize} store to plan it)")
-    profile = tune.profile_for(store, device, dtype, args.batch_size, args.seq_len, args.profile_dir, args.quick,
-                               args.remeasure)
-    return str(store.path), store.cfg, store.manifest["dtype"], tune.store_quant(store), profile, args.disk_budget
+    profile = profiles.profile_for(store, device, dtype, args.batch_size, args.seq_len, args.profile_dir, args.quick,
+                                   args.remeasure)
+    return str(store.path), store.cfg, store.manifest["dtype"], profiles.store_quant(store), profile, args.disk_budget
 
 
 def beside_16bit(args, cfg, store_dtype: str, dtype: str, profile, budgets, rows: int, best) -> str:
@@ -108,8 +108,19 @@ def read_config(path: Path, vocab_size: int | None):
     return config.from_meta_params(path, vocab_size) if path.name == "params.json" else family.from_hf_config(path)
 
 
-def check(args, name: str, cfg, store_dtype: str, quant, dtype: str, device, profile, best) -> int:
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """What a plan is for: its name, its config and how its store is (or would be) stored."""
+
+    name: str
+    cfg: object
+    store_dtype: str
+    quant: str | None
+
+
+def check(args, subject: Subject, dtype: str, device, profile, best) -> int:
     """Run the plan's fractions on N blocks of the shape; print the measured step beside the prediction."""
+    name, cfg, store_dtype, quant = subject.name, subject.cfg, subject.store_dtype, subject.quant
     path = Path(args.check_dir or phantom.weights_dir() / f"{Path(name).stem}{'-' + quant if quant else ''}"
                 f"-synthetic-{args.check}L")
     r = tune.check_plan(best, profile, cfg, cm.Workload(best.rows, args.seq_len, dtype, store_dtype, quant), device,
@@ -154,7 +165,7 @@ def main(argv=None) -> int:
         cands = cm.search(profile, shape, rows, search_space(args, budgets))
         best = cm.choose(cands)
         if args.check:
-            return check(args, name, cfg, store_dtype, quant, dtype, device, profile, best)
+            return check(args, Subject(name, cfg, store_dtype, quant), dtype, device, profile, best)
     except (OSError, ValueError) as e:  # nothing fits, bad flags, a bad config file; a bug keeps its traceback
         line = cli.user_error(e)
         if line is None:

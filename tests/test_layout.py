@@ -36,7 +36,7 @@ RANK = {  # within a package
     "stream": {"placement": 0, "memory": 1, "hostmem": 1, "trace": 1, "writeback": 2, "optim": 2, "transfer": 3,
                "scheduler": 4, "executor": 5},
     "model": {"lora": 0, "convert": 0, "export": 1, "hub": 1, "phantom_model": 2, "generate": 3},
-    "plan": {"costmodel": 0, "tune": 1},
+    "plan": {"costmodel": 0, "profiles": 1, "tune": 2},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "checkpoint": 1, "preference": 1, "loop": 2,
               "cli": 2, "runconfig": 3, "runner": 4},
 }

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phantom.plan import costmodel as cm
-from phantom.plan import tune
+from phantom.plan import profiles
 from phantom.arch.config import PRESETS, ModelConfig
 from phantom.model.export import hf_config
 from phantom.arch.family import FAMILIES, config_from_hf
@@ -55,9 +55,9 @@ def test_tune_plans_qwen2_5_72b_like_the_70b(tmp_path, monkeypatch, capsys):
     """One machine profile (measured on a small shape; 256 GiB of host memory free) for both: the 72B is
     planned as the 70B is, each block a little larger."""
     small = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
-    profile = dataclasses.replace(tune.probe(small, "cpu", cm.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True),
+    profile = dataclasses.replace(profiles.probe(small, "cpu", cm.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True),
                                   free_device_bytes=None, free_host_bytes=256 << 30)
-    monkeypatch.setattr(tune, "probe", lambda *a, **k: profile)  # no 70B-shaped blocks written to measure
+    monkeypatch.setattr(profiles, "probe", lambda *a, **k: profile)  # no 70B-shaped blocks written to measure
     plans = {}
     for name in ("qwen2.5-72B", "llama3.1-70B"):
         argv = ["--preset", name, "--device", "cpu", "--batch-size", "1", "--seq-len", "1024", "--json",

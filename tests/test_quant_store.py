@@ -303,13 +303,13 @@ def test_cost_model_counts_quantized_bytes_and_dequantization(bf16, stores):
 
 
 def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf16, tmp_path):
-    from phantom.plan import tune
+    from phantom.plan import profiles
     store = BlockStore(stores["nf4"])
-    assert tune.measure_dequant(store, torch.device("cpu"), torch.float32, repeats=1) > 0
-    paths = {tune.profile_path(BlockStore(p), "cpu", "fp32", tmp_path) for p in (bf16, stores["nf4"], stores["int8"])}
+    assert profiles.measure_dequant(store, torch.device("cpu"), torch.float32, repeats=1) > 0
+    paths = {profiles.profile_path(BlockStore(p), "cpu", "fp32", tmp_path) for p in (bf16, stores["nf4"], stores["int8"])}
     assert len(paths) == 3
-    assert tune.profile_path(CFG, "cpu", "fp32", tmp_path, "bf16", "nf4") == \
-        tune.profile_path(store, "cpu", "fp32", tmp_path)
+    assert profiles.profile_path(CFG, "cpu", "fp32", tmp_path, "bf16", "nf4") == \
+        profiles.profile_path(store, "cpu", "fp32", tmp_path)
 
 
 def test_cost_model_places_a_quantized_store_as_the_scheduler_does(stores, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from phantom.plan import costmodel as cm
-from phantom.plan import tune
+from phantom.plan import profiles, tune
 from phantom.arch.config import ModelConfig
 from phantom.model.convert import write_synthetic
 from phantom.files.store import BlockStore
@@ -37,12 +37,12 @@ def no_measuring(*a, **k):
 
 
 def test_a_config_without_weights_plans_as_a_store_of_its_shape(tmp_path, monkeypatch):
-    probed = dataclasses.replace(tune.probe(CFG, "cpu", cm.Workload(2, 16, "fp32", "bf16"), tmp_path, quick=True), **FIXED)
+    probed = dataclasses.replace(profiles.probe(CFG, "cpu", cm.Workload(2, 16, "fp32", "bf16"), tmp_path, quick=True), **FIXED)
     assert list(tmp_path.glob("probe-*")) == []  # the synthetic blocks are gone, the profile stays
-    assert probed.measured_on.startswith(tune.shape_key(CFG, "bf16"))
+    assert probed.measured_on.startswith(profiles.shape_key(CFG, "bf16"))
     store = BlockStore(write_synthetic(tmp_path / "s", CFG, torch.bfloat16, seed=1, progress=False))
-    monkeypatch.setattr(tune, "measure", no_measuring)  # same block shape: the same profile file
-    stored = dataclasses.replace(tune.profile_for(store, "cpu", "fp32", 2, 16, tmp_path), **FIXED)
+    monkeypatch.setattr(profiles, "measure", no_measuring)  # same block shape: the same profile file
+    stored = dataclasses.replace(profiles.profile_for(store, "cpu", "fp32", 2, 16, tmp_path), **FIXED)
     assert stored == probed
     from_cfg = tune.plan(probed, CFG, cm.Workload(2, 16, "fp32", "bf16"))
     from_store = tune.plan(stored, store.cfg, cm.Workload(2, 16, "fp32", store.manifest["dtype"]))
@@ -55,7 +55,7 @@ def test_a_config_without_weights_plans_as_a_store_of_its_shape(tmp_path, monkey
 
 
 def test_measured_rates_are_sane(small_store):
-    p = tune.measure(BlockStore(small_store), "cpu", "fp32", batch_size=2, seq_len=16, quick=True)
+    p = profiles.measure(BlockStore(small_store), "cpu", "fp32", batch_size=2, seq_len=16, quick=True)
     assert p.device == "cpu" and p.free_device_bytes is None and p.free_host_bytes > 0
     assert p.disk_gbps > 0 and p.h2d_gbps > 0 and p.fwd_flops > 0 and p.head_flops > 0
     assert 0.9 < p.keep_scale < 1.1  # the config's estimate of kept bytes, checked by autograd's count
@@ -64,14 +64,14 @@ def test_measured_rates_are_sane(small_store):
 def test_profile_round_trip_and_a_stale_or_corrupt_file_is_ignored(tmp_path):
     p = cm.MachineProfile(machine="box", device="cuda", fwd_flops=3e14, free_device_bytes=80 << 30)
     path = tmp_path / "profiles" / "x.json"
-    tune.save_profile(p, path)
-    assert tune.load_profile(path) == p
+    profiles.save_profile(p, path)
+    assert profiles.load_profile(path) == p
     assert [f.name for f in path.parent.iterdir()] == ["x.json"]  # no temporary file left beside it
     path.write_text("{not json")
-    assert tune.load_profile(path) is None
+    assert profiles.load_profile(path) is None
     path.write_text(json.dumps({**p.to_dict(), "version": 1}))  # the per-model times of before
-    assert tune.load_profile(path) is None
-    assert tune.load_profile(tmp_path / "missing.json") is None
+    assert profiles.load_profile(path) is None
+    assert profiles.load_profile(tmp_path / "missing.json") is None
 
 
 def test_script_plans_a_config_json_and_the_json_round_trips(tmp_path, capsys):
@@ -84,7 +84,7 @@ def test_script_plans_a_config_json_and_the_json_round_trips(tmp_path, capsys):
     pred = cm.Prediction.from_dict(d)
     assert json.loads(json.dumps(pred.to_dict())) == {k: v for k, v in d.items() if k not in ("model", "profile")}
     assert len(pred.tiers) == 6 and pred.fits and pred.step_s > 0 and d["tokens_per_s"] == pred.tokens_per_s
-    assert cm.MachineProfile.from_dict(d["profile"]).machine == tune.machine_key("cpu")
+    assert cm.MachineProfile.from_dict(d["profile"]).machine == profiles.machine_key("cpu")
     assert script().main(common) == 0
     text = capsys.readouterr().out
     for label in ("placement", "memory", "predicted", "tokens/s", "-bound"):
@@ -119,14 +119,14 @@ def test_auto_placement_measures_once_then_reads_the_profile(small_store, tmp_pa
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["quick"] is True
     assert first.fits and first.rows == 4 and first.step_s > 0 and first.offload == "auto"
-    monkeypatch.setattr(tune, "measure", no_measuring)
+    monkeypatch.setattr(profiles, "measure", no_measuring)
     again = tune.auto_placement(small_store, "cpu", batch_size=4, seq_len=32, dtype="fp32", profile_dir=tmp_path)
     assert again.rows == 4 and again.resident == 0  # a CPU has no device tier
     disk = tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path,
                                 cm.SearchSpace(offloads=("disk",), micro_batches=(2,)))
     assert disk.offload == "disk" and disk.split["disk"] == 4 and disk.activations.micro_batch == 2
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
-    assert tune.profile_path(BlockStore(small_store), "cpu", "fp32").parent == tmp_path / "cache" / "profiles"
+    assert profiles.profile_path(BlockStore(small_store), "cpu", "fp32").parent == tmp_path / "cache" / "profiles"
 
 
 def test_load_with_prefetch_auto_takes_the_tuners_placement(small_store, tmp_path, monkeypatch):
@@ -136,7 +136,7 @@ def test_load_with_prefetch_auto_takes_the_tuners_placement(small_store, tmp_pat
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
     best = tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path / "cache" / "profiles",
                                cm.SearchSpace(offloads=("auto",)))  # measures and saves the profile
-    monkeypatch.setattr(tune, "measure", no_measuring)  # the load reads that profile
+    monkeypatch.setattr(profiles, "measure", no_measuring)  # the load reads that profile
     with phantom.load(small_store, offload="auto", prefetch="auto", batch_size=4, seq_len=32, recompute="all",
                       micro_batch=2) as model:
         assert model.placement.prefetch == best.prefetch and model.placement.offload == best.offload

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from phantom.base import provenance
 from phantom.arch.config import ModelConfig, head_tensor_shapes
-from phantom.stream.executor import BlockExecutor, WeightHandles  # noqa: F401 (WeightHandles: phantom.plan.tune)
+from phantom.stream.executor import BlockExecutor
 from phantom.arch.layers import TransformerBlock, fuse_adjacent, longest_example, lora_disabled, packed_layout, rms_norm, \
     rope_table, softcap, KVCache
 from phantom.model.lora import LoraConfig, apply_lora, for_family, load_adapter, save_adapter

@@ -10,7 +10,7 @@ import torch
 
 import phantom
 from phantom.plan import costmodel as cm
-from phantom.plan import tune
+from phantom.plan import profiles
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
 
@@ -27,8 +27,8 @@ def quant_steps(store: BlockStore, placement, rows: int, seq: int, args) -> dict
 def quant_bench(args, store: BlockStore) -> str:
     """Mode quant: the bench model stored bf16 (this store), NF4 (double-quantized scales) and int8, each
     read from disk (prefetch K, cold: O_DIRECT and the page cache dropped) at each of --quant-batches.
-    The cost model's profile is measured once on the bf16 store (a full tune.measure: disk, compute); each
-    quantized store adds its own measured dequantization rate (tune.measure_dequant: the loader's work).
+    The cost model's profile is measured once on the bf16 store (a full profiles.measure: disk, compute); each
+    quantized store adds its own measured dequantization rate (profiles.measure_dequant: the loader's work).
     """
     from phantom.model.convert import quantize_store
     from phantom.arch.quantformat import QuantFormat
@@ -52,8 +52,8 @@ def quant_bench(args, store: BlockStore) -> str:
     stores["bf16"] = BlockStore(store.path, drop_cache=args.cold)
     quantize_s = time.perf_counter() - t0
     big = max(batches)
-    profile = tune.measure(stores["bf16"], torch.device("cpu"), store.dtype, big[0], big[1])  # a full profile
-    rates = {m: tune.measure_dequant(stores[m], torch.device("cpu"), store.dtype) for m in ("nf4", "int8")}
+    profile = profiles.measure(stores["bf16"], torch.device("cpu"), store.dtype, big[0], big[1])  # a full profile
+    rates = {m: profiles.measure_dequant(stores[m], torch.device("cpu"), store.dtype) for m in ("nf4", "int8")}
     place = phantom.Placement(offload="disk", prefetch=k)
     acts = phantom.Activations(recompute="none")
     rows = []
@@ -68,11 +68,26 @@ def quant_bench(args, store: BlockStore) -> str:
             print(f"{name} {rows_}x{seq}: {r['step_s']:.3f} s/step (predicted {pred.step_s:.3f}), "
                   f"{r['bytes_read'] / 1e6:.0f} MB read", flush=True)
     load.append(shell("cat /proc/loadavg"))
-    return quant_lines(args, store, stores, rows, rates, profile, k, load, quantize_s)
+    return quant_lines(args, store, QuantRun(stores, rows, rates, profile, k, load, quantize_s))
 
 
-def quant_lines(args, store, stores, rows, rates, profile, k, load, quantize_s) -> str:
-    cfg, dense = store.cfg, store.block_nbytes * 1.0
+@dataclasses.dataclass(frozen=True)
+class QuantRun:
+    """What quant_bench measured, for its lines in the notes."""
+
+    stores: dict  # name -> BlockStore (bf16, nf4, int8)
+    rows: list  # (store name, rows, tokens, store, step figures, prediction)
+    rates: dict  # method -> GB/s of weights its dequantization produces
+    profile: object  # the cost model's profile (measured on the bf16 store)
+    prefetch: int
+    load: list  # /proc/loadavg before and after
+    quantize_s: float  # seconds to write the quantized stores
+
+
+def quant_lines(args, store, run: QuantRun) -> str:
+    """The notes' entry: command, machine, stores, dequantization rates, a table of steps against predictions."""
+    stores, rows, rates, profile, k, load = run.stores, run.rows, run.rates, run.profile, run.prefetch, run.load
+    cfg, dense, quantize_s = store.cfg, store.block_nbytes * 1.0, run.quantize_s
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python scripts/bench.py {' '.join(sys.argv[1:])}`", "",
              f"- machine: {machine()}; torch threads {torch.get_num_threads()}",
              f"- load (/proc/loadavg) before `{load[0]}`; after `{load[1]}` (the CPU is shared)",
@@ -82,10 +97,10 @@ def quant_lines(args, store, stores, rows, rates, profile, k, load, quantize_s) 
              "- stores: " + "; ".join(f"{n} {s.block_nbytes / 2**20:.1f} MiB/block ({s.block_nbytes / dense:.3f}x), "
                                        f"RAM tier {s.block_nbytes * cfg.n_layers / 1e9:.2f} GB" for n, s in stores.items())
              + f" (NF4 and int8 written from the bf16 store in {quantize_s:.0f} s)",
-             "- dequantization (loader thread, per block, into the compute dtype; tune.measure_dequant): "
+             "- dequantization (loader thread, per block, into the compute dtype; profiles.measure_dequant): "
              + "; ".join(f"{m} {g:.2f} GB/s of weights produced" for m, g in rates.items())
              + f", on {torch.get_num_threads()} torch threads; disk read {profile.disk_gbps:.2f} GB/s cold "
-               f"(tune.measure_disk)", "",
+               f"(profiles.measure_disk)", "",
              "| store | rows x tokens | MB read/step | vs bf16 | dequant s/step | stall | step s | predicted s | "
              "error |", "|---|---|---|---|---|---|---|---|---|"]
     base = {(r, s): res["bytes_read"] for n, r, s, _, res, _ in rows if n == "bf16"}

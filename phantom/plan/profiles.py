@@ -1,0 +1,429 @@
+"""Measuring this machine for the cost model, and the profiles of its rates kept on disk.
+
+`measure` times this machine on a store's first blocks (reads, the host-to-device link, one block's
+compute, free memory) and returns a `costmodel.MachineProfile` of rates, so a profile measured on a
+few blocks plans a whole model, and any model of the same block shape. `probe` measures a shape that
+has no weights yet on a few synthetic blocks. Apart from phantom.plan.tune, which chooses a placement
+from a profile: the clocks, the reader threads and the profile files are here, the choice is not.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from phantom.plan import costmodel as cm
+from phantom.base import dtypes, safejson
+from phantom.arch import quant
+from phantom.stream import placement as P
+from phantom.model.convert import write_synthetic
+from phantom.model.phantom_model import ChunkedHeadLoss, PhantomModel
+from phantom.stream.executor import WeightHandles
+from phantom.arch.quantformat import as_format
+from phantom.stream.hostmem import HostBuffer
+from phantom.stream.memory import free_device_bytes, free_host_bytes
+from phantom.files.directio import readinto_exact
+from phantom.base.fileio import atomic_write_json
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import dtype_name, parse_dtype
+
+log = logging.getLogger(__name__)
+
+PROFILE_VERSION = 2  # 1: per-model times (before the cost model took rates)
+PROBE_BLOCKS = 2  # synthetic blocks `probe` writes to measure a shape without weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a clock read after it times the work, not its launch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
+                 readers: int = 2) -> tuple[float, float]:
+    """GB/s of block reads as the disk tier does them, and the relative std of one block's read.
+
+    Each file is dropped from the page cache first (posix_fadvise DONTNEED, no root needed), then read
+    into an aligned buffer (O_DIRECT where the filesystem allows) by `readers` threads at once, as the
+    scheduler's loaders read: the disk tier's access is cyclic over a store larger than the cache, so
+    cold reads are what it gets.
+    """
+    k = max(2, min(store.n_blocks, max_bytes // max(store.block_nbytes, 1)))
+    entries = store.blocks[:k] * passes
+    times, lock = [], threading.Lock()
+
+    def read(mine: list) -> None:
+        buf = HostBuffer(store.block_nbytes, pin=False).tensor  # what the scheduler reads into
+        for e in mine:
+            if hasattr(os, "posix_fadvise"):
+                with open(e.path, "rb") as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            readinto_exact(e.path, e.data_start, buf[: e.nbytes])
+            with lock:
+                times.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=read, args=(entries[r::readers],), name=f"phantom-tune-disk{r}")
+               for r in range(readers)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if len(times) != len(entries):
+        raise OSError(f"reading {store.path} failed while measuring the disk (see the log)")
+    return sum(e.nbytes for e in entries) / wall / 1e9, statistics.pstdev(times) / statistics.mean(times)
+
+
+def measure_link(device: torch.device, nbytes: int, repeats: int = 3) -> tuple[float, float]:
+    """Host-to-device and device-to-host GB/s with pinned host buffers (a host memcpy on a CPU)."""
+    nbytes = max(1 << 20, min(nbytes, 256 << 20))
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats)
+    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device, repeats)
+    return nbytes / h2d / 1e9, nbytes / d2h / 1e9
+
+
+def store_quant(store: BlockStore) -> str | None:
+    """The cost model's name of how a store's linear weights are stored: None (16-bit), "nf4", "int8"."""
+    return store.quant.method if store.quant is not None else None
+
+
+def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype, repeats: int = 3) -> float:
+    """GB/s of compute-dtype weights a loader produces dequantizing a quantized block, as the scheduler
+    does it (the block's stored bytes already where it computes; on a CPU on one thread)."""
+    raw = HostBuffer(store.block_nbytes, pin=False).tensor
+    store.read_block_into(0, raw)
+    stored = store.block_views(raw.to(device))
+    out = store.dense_empty(dtype, device)
+    with quant.one_thread() if device.type == "cpu" else contextlib.nullcontext():  # as the scheduler's loader
+        t = _timed(lambda: store.dequantize_block(0, stored, out), device, repeats)
+    return sum(v.numel() for v in out.values()) * dtype.itemsize / t / 1e9
+
+
+def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool) -> tuple[float, float]:
+    """(median seconds of fn(), GB/s of block reads) while a thread reads block files in a loop."""
+    stop, got = threading.Event(), [0, 0.0]
+    buf = HostBuffer(store.block_nbytes, pin=False).tensor
+
+    def reader():
+        t0, i = time.perf_counter(), 0
+        while not stop.is_set():
+            e, i = store.blocks[i % store.n_blocks], i + 1
+            readinto_exact(e.path, e.data_start, buf[: e.nbytes], drop_cache=cold)
+            got[0] += e.nbytes
+        got[1] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=reader, name="phantom-tune-reader", daemon=True)
+    thread.start()
+    try:
+        t = _timed(fn, device, repeats)
+    finally:
+        stop.set()
+        thread.join()
+    return t, got[0] / got[1] / 1e9
+
+
+class BlockTimer:
+    """Times block 0 of a model as training runs it: held and bound as StreamedBlock holds it, called
+    through the executor (the model's default LoRA), with the saved tensors counted."""
+
+    def __init__(self, model: PhantomModel, seq_len: int, repeats: int, disk: tuple[float, bool] | None):
+        self.model, self.seq_len, self.repeats, self.disk = model, seq_len, repeats, disk
+        self.device = model.device
+        self.held = model.executor.block_weights(0)  # acquired and bound, as StreamedBlock holds it
+        self.weights = self.held.__enter__()
+        self.params = [p for name, p in model.layers[0].named_parameters() if "lora_" in name]
+        self.rope, self.amp = model.rope[:seq_len], model.autocast_args()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def close(self) -> None:
+        self.held.__exit__(None, None, None)
+
+    def point(self, b: int, with_head: bool) -> dict:
+        """Seconds of the forward, graph forward and backward of b rows (and the head per row), kept
+        bytes per row; with a disk rate, how much a concurrent read slows the forward and the read."""
+        model, device, weights, repeats, gen = self.model, self.device, self.weights, self.repeats, self.gen
+        x = torch.randn(b, self.seq_len, model.cfg.dim, generator=gen).to(device, model.weight_dtype)
+        hooks = WeightHandles(weights)
+        hooks.bind(weights)
+        graphs = []
+
+        def fwd():
+            with torch.no_grad(), torch.autocast(**self.amp):
+                return model.executor.run_block(0, weights, x, self.rope)
+
+        def fwd_grad():
+            xg = x.detach().requires_grad_()
+            with torch.enable_grad(), torch.autocast(**self.amp), \
+                    torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                graphs.append((xg, model.executor.run_block(0, weights, xg, self.rope)))
+
+        out = fwd()
+        g = torch.randn(out.shape, generator=gen).to(device, out.dtype)
+        t_fwd, t_grad = _timed(fwd, device, repeats), _timed(fwd_grad, device, repeats)
+        t_bwd = []
+        for xg, o in graphs:
+            t0 = time.perf_counter()
+            torch.autograd.grad(o, [xg] + self.params, g)
+            sync(device)
+            t_bwd.append(time.perf_counter() - t0)
+        busy = (1.0, 1.0)
+        if self.disk is not None and self.disk[0]:
+            t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.disk[1])
+            busy = (max(1.0, t_busy / t_fwd), max(1.0, self.disk[0] / gbps_busy))
+        return dict(fwd=t_fwd, fwd_grad=t_grad, bwd=statistics.median(t_bwd[1:]), busy=busy,
+                    head=self.head_s(b) / b if with_head else None,
+                    keep=hooks.kept_bytes // len(graphs) // b, act=out.element_size() * self.seq_len * model.cfg.dim)
+
+    def head_s(self, b: int) -> float:
+        """Seconds of the fused head + loss (and its backward's inputs) over b rows."""
+        model = self.model
+        h = torch.randn(b, self.seq_len, model.cfg.dim, generator=self.gen).to(self.device, model.weight_dtype)
+        h.requires_grad_()
+        tgt = torch.randint(0, model.cfg.vocab_size, (b, self.seq_len), generator=self.gen).to(self.device)
+
+        def head():
+            with torch.autocast(**self.amp):
+                ChunkedHeadLoss.apply(h, model.norm_weight, model.output_weight, tgt, model.cfg.norm_eps,
+                                      model.loss_chunk)
+        return _timed(head, self.device, self.repeats)
+
+
+def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype, seq_len: int, max_rows: int,
+                    free_bytes: int | None, repeats: int = 3, disk: tuple[float, bool] | None = None) -> dict:
+    """One block's forward, graph forward and backward per call of b rows, plus the head per row.
+
+    Runs the model's own block call (PhantomModel's default LoRA) on block 0, acquired and bound as
+    StreamedBlock holds it, at b = 1 and at the largest power of two dividing `max_rows` whose graphs
+    fit well inside `free_bytes`, and fits `call + row * b` through the two points. With `disk`
+    ((GB/s of block reads alone, whether cold)) it also times the largest forward while a thread reads
+    blocks: how much reading and computing slow each other down.
+    """
+    model = PhantomModel(store, device, dtype, P.Placement(offload="disk", prefetch=0),
+                         P.Activations(recompute="all", compile=False))
+    try:
+        timer = BlockTimer(model, seq_len, repeats, disk)
+        points = {1: timer.point(1, with_head=True)}  # the head's cost is per token: one size is enough
+        hi = max(b for b in cm.pow2_upto(max_rows) if max_rows % b == 0)
+        free = free_bytes if free_bytes is not None else free_host_bytes()
+        while hi > 1 and hi * points[1]["keep"] * (repeats + 2) > (free or 0) // 4:
+            hi //= 2  # the measurement holds repeats + 1 graphs at once: keep it well inside memory
+        if hi > 1:
+            points[hi] = timer.point(hi, with_head=False)
+        head_bytes = model.output_weight.numel() * model.output_weight.element_size()
+        timer.close()
+    finally:
+        model.close()
+    hi = max(points)
+    return dict(fit_call_and_row(points), head_row_s=points[1]["head"], keep_bytes_per_row=points[hi]["keep"],
+                busy_compute_slowdown=points[hi]["busy"][0], busy_read_slowdown=points[hi]["busy"][1],
+                act_bytes_per_row=points[hi]["act"], head_bytes=head_bytes)
+
+
+def fit_call_and_row(points: dict[int, dict]) -> dict:
+    """`call + row * b` through the smallest and largest b measured, for each kind of block call."""
+    lo, hi = min(points), max(points)
+    fit = {}
+    for name in ("fwd", "fwd_grad", "bwd"):
+        row = (points[hi][name] - points[lo][name]) / (hi - lo) if hi > lo else points[hi][name] / hi
+        if row <= 0:  # noise swamped the slope: no per-call part
+            row = points[hi][name] / hi
+        fit[f"{name}_row_s"] = row
+        fit[f"{name}_call_s"] = max(0.0, points[lo][name] - row * lo)
+    return fit
+
+
+def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | str, batch_size: int,
+            seq_len: int, quick: bool = False) -> cm.MachineProfile:
+    """Measure this machine on a store's blocks: disk, link, one block's compute, free memory, as rates.
+
+    Times become rates through the store's `costmodel.Shape` (FLOPs per row, kept bytes), so the
+    profile predicts any model whose blocks have this shape, at any depth.
+
+    Args:
+        store: a store of the model (or of a few blocks of its shape).
+        device: where blocks compute.
+        dtype: compute dtype.
+        batch_size: rows per step; compute is measured at 1 row and at the largest power of two
+            that divides it (and fits), which gives the per-call and per-row costs.
+        seq_len: tokens per row.
+        quick: fewer repeats and a smaller read sample (what `auto_placement` runs without a profile).
+    """
+    device, dtype = torch.device(device), parse_dtype(dtype)
+    repeats = 2 if quick else 4
+    t0 = time.perf_counter()
+    disk, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
+    h2d, _ = measure_link(device, store.block_nbytes, repeats)
+    free_dev = free_device_bytes(device)
+    c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, (disk, True))
+    dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
+        cm.MachineProfile.dequant_gbps
+    log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)
+    shape = cm.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
+    return cm.MachineProfile(
+        machine=machine_key(device), device=device.type, dtype=dtype_name(dtype), disk_gbps=disk,
+        disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, fwd_flops=shape.flops_per_row / c["fwd_row_s"],
+        fwd_grad_ratio=c["fwd_grad_row_s"] / c["fwd_row_s"], bwd_ratio=c["bwd_row_s"] / c["fwd_row_s"],
+        fwd_call_s=c["fwd_call_s"], fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],
+        head_flops=shape.head_flops_per_row / c["head_row_s"],
+        keep_scale=c["keep_bytes_per_row"] / shape.keep_bytes_per_row, disk_jitter=jitter,
+        busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"],
+        compute_threads=torch.get_num_threads() if device.type == "cpu" else 0,
+        free_device_bytes=free_dev, free_host_bytes=free_host_bytes(), quick=quick,
+        measured_on=f"{shape_key(store.cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens",
+        measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def with_free_memory(profile: cm.MachineProfile, device: torch.device | str) -> cm.MachineProfile:
+    """The profile with free memory read now: it changes between runs, the rates do not."""
+    return dataclasses.replace(profile, free_device_bytes=free_device_bytes(torch.device(device)),
+                               free_host_bytes=free_host_bytes())
+
+
+def free_disk_bytes(path: Path | str) -> int:
+    """Free bytes on the filesystem that holds path (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles on disk: one per machine, compute dtype and block shape
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", s).strip("-").lower()
+
+
+def machine_key(device: torch.device | str) -> str:
+    """Host name and device name, e.g. `box-nvidia-h100-80gb-hbm3` or `box-cpu-2c`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "mps":
+        name = f"mps-{platform.machine()}"
+    else:
+        name = f"cpu-{os.cpu_count()}c"
+    return _slug(f"{socket.gethostname()}-{name}")
+
+
+def shape_key(cfg, store_dtype: str, quant: str | None = None) -> str:
+    """What a block's cost depends on, not the depth: e.g. `d8192-f28672-h64-kv8-v32000-bfloat16-1a2b3c`
+    (a quantized store: `...-nf4-...`)."""
+    parts = dict(dim=cfg.dim, hidden=cfg.hidden_dim, heads=cfg.n_heads, kv=cfg.kv_heads, vocab=cfg.vocab_size,
+                 dtype=dtypes.lookup(store_dtype).torch_name + (f"-{as_format(quant).method}" if quant else ""))
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:6]
+    return _slug(f"d{cfg.dim}-f{cfg.hidden_dim}-h{cfg.n_heads}-kv{cfg.kv_heads}-v{cfg.vocab_size}-"
+                 f"{parts['dtype']}-{digest}")
+
+
+def profile_dir_default() -> Path:
+    return Path(os.environ.get("PHANTOM_CACHE") or Path.home() / ".cache" / "phantom") / "profiles"
+
+
+def profile_path(model, device, dtype, profile_dir: Path | str | None = None, store_dtype: str | None = None,
+                 quant: str | None = None) -> Path:
+    """<profile_dir or $PHANTOM_CACHE/profiles or ~/.cache/phantom/profiles>/<machine>-<dtype>-<shape>.json
+
+    Args:
+        model: a BlockStore, or a ModelConfig (with store_dtype and quant: how its store would be stored).
+    """
+    if isinstance(model, BlockStore):
+        cfg, store_dtype, quant = model.cfg, model.manifest["dtype"], store_quant(model)
+    else:
+        cfg, store_dtype = model, store_dtype or "bf16"
+    name = f"{machine_key(device)}-{dtypes.lookup(dtype).torch_name}-{shape_key(cfg, store_dtype, quant)}.json"
+    return Path(profile_dir or profile_dir_default()) / name
+
+
+def save_profile(profile: cm.MachineProfile, path: Path) -> None:
+    """Atomic (temporary file, fsync, rename): processes measuring at once leave one whole profile."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"version": PROFILE_VERSION, **profile.to_dict()})
+
+
+def load_profile(path: Path) -> cm.MachineProfile | None:
+    """The profile at path, or None if there is none or it is unreadable (it is then measured again)."""
+    try:
+        d = safejson.load(path)
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {d.get('version')} is not {PROFILE_VERSION}")
+        return cm.MachineProfile.from_dict(d)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        log.warning("ignoring profile %s (%s)", path, e)
+        return None
+
+
+def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
+                profile_dir: Path | str | None = None, quick: bool = True,
+                remeasure: bool = False) -> cm.MachineProfile:
+    """The saved profile for this store's block shape, or one measured on it now (and saved)."""
+    path = profile_path(store, device, dtype, profile_dir)
+    profile = None if remeasure else load_profile(path)
+    if profile is None:
+        log.info("no tuning profile at %s: measuring %s", path,
+                 "a quick one (python scripts/tune.py for a full one)" if quick else "one")
+        profile = measure(store, device, dtype, batch_size, seq_len, quick=quick)
+        save_profile(profile, path)
+    return with_free_memory(profile, device)
+
+
+def probe(cfg, device, work: cm.Workload, profile_dir: Path | str | None = None, quick: bool = True,
+          remeasure: bool = False, blocks: int = PROBE_BLOCKS) -> cm.MachineProfile:
+    """The profile for a model that has no weights here: measured on `blocks` synthetic blocks of its shape
+    (stored as work.store_dtype and work.quant), computing in work.dtype.
+
+    The blocks are written to a temporary folder beside the profiles (the disk a store would use)
+    and removed after; the profile is saved, so the next plan for this shape measures nothing.
+    """
+    dtype, store_dtype, quant = work.dtype, work.store_dtype, work.quant
+    path = profile_path(cfg, device, dtype, profile_dir, store_dtype, quant)
+    profile = None if remeasure else load_profile(path)
+    if profile is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="probe-", dir=path.parent) as tmp:
+            small = dataclasses.replace(cfg, n_layers=min(blocks, cfg.n_layers))
+            log.info("writing %d synthetic blocks of this shape to measure them (%.1f GiB)", small.n_layers,
+                     cm.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
+            store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,
+                                               quant=as_format(quant)), verify="none")
+            profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick)
+        save_profile(profile, path)
+    return with_free_memory(profile, device)

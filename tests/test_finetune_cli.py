@@ -211,7 +211,7 @@ def test_preflight_estimate_is_within_20_percent_of_a_full_runs_peak(tmp_path):
     that instant, not sampled while it changes."""
     import phantom
     import phantom.train.checkpoint
-    import phantom.train.loop
+    import phantom.train.trainconfig
     store_dir = phantom.resolve_model("tiny")
     base = {p.stat().st_ino for p in store_dir.rglob("*") if p.is_file()}
     out = tmp_path / "out"
@@ -219,7 +219,7 @@ def test_preflight_estimate_is_within_20_percent_of_a_full_runs_peak(tmp_path):
     assert (out / "checkpoint.old").is_dir() and (out / "checkpoint.tmp").is_dir()  # both checkpoints held
     peak = written_bytes(out, base)
     with phantom.load(store_dir, device="cpu", offload="disk", mode="full", work_dir=tmp_path / "plan") as model:
-        plan = phantom.train.checkpoint.planned_bytes(model, phantom.train.loop.TrainConfig(iters=4, out=str(out)))
+        plan = phantom.train.checkpoint.planned_bytes(model, phantom.train.trainconfig.TrainConfig(iters=4, out=str(out)))
     assert abs(sum(plan.values()) - peak) <= 0.2 * peak, (plan, peak, os.environ.get("PHANTOM_WEIGHTS"))
 
 
@@ -269,7 +269,7 @@ def test_a_bug_keeps_its_traceback(cli, tmp_path, capsys, monkeypatch):
 
 def test_a_second_run_into_the_same_out_is_refused(cli, tmp_path, capsys):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                               "from phantom import fileio\nwith fileio.locked(sys.argv[2] + '/.lock'):\n"
+                               "from phantom.base import fileio\nwith fileio.locked(sys.argv[2] + '/.lock'):\n"
                                "    print('held', flush=True); time.sleep(60)", str(ROOT), str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)
     try:

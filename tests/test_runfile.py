@@ -303,9 +303,9 @@ def yaml_beside_flags(text: str) -> tuple[list[str], str]:
     return command.split(), "\n".join(body) + "\n"
 
 
-@pytest.mark.parametrize("where", ["README.md", "--help"])
+@pytest.mark.parametrize("where", ["docs/training.md", "--help"])
 def test_the_yaml_form_shown_is_the_same_run_as_the_flags_beside_it(cli, tmp_path, where):
-    text = (REPO / "README.md").read_text().split("**Run files**", 1)[1] if where == "README.md" else cli.RUN_FILE_HELP
+    text = (REPO / where).read_text().split("## Run files", 1)[1] if where != "--help" else cli.RUN_FILE_HELP
     flags, shown = yaml_beside_flags(text)
     assert len(flags) >= 14 and shown.count("\n") >= 5, (flags, shown)
     (tmp_path / "run.yaml").write_text(shown)

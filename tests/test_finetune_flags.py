@@ -1,4 +1,4 @@
-"""Each README-documented flag of scripts/finetune.py has its effect, not only an exit 0.
+"""Each documented flag (README.md, docs/) of scripts/finetune.py has its effect, not only an exit 0.
 
 Runs are in process on the tiny model (4 blocks), a couple of steps each; most compare a run with the
 flag against the same run without it and check what the flag must change, and what it must not.
@@ -233,7 +233,7 @@ def test_ram_budget_decides_which_blocks_are_read_from_disk(run, capsys):
 
 
 def test_device_budget_does_nothing_on_a_cpu(run, capsys):
-    """README: on a CPU there is no separate device tier. A device budget large enough for every block
+    """docs/placement.md: on a CPU there is no separate device tier. A device budget large enough for every block
     leaves the run reading from disk what the RAM budget leaves there."""
     nb, flags = block_bytes(), ["--offload", "auto", "--prefetch", "2", "--ram-budget", "1", "--iters", "3"]
     without = run("without", *flags)

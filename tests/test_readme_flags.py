@@ -253,6 +253,12 @@ def test_prefetch_defaults_to_a_fixed_2_everywhere():
     assert "needs no measurement" in (REPO / "docs" / "placement.md").read_text()
 
 
+def anchors(page: Path) -> set[str]:
+    """The #anchors of a page's headings, as GitHub writes them."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)}
+
+
 WRITTEN_BY_RUNS = {"notes/bench-cuda.md"}  # where bench.py appends its table on a GPU; none is recorded yet
 
 
@@ -260,9 +266,13 @@ def test_links_and_repository_paths_in_the_docs_exist():
     missing = []
     for page in PAGES:
         text = page.read_text()
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
-            if not target.startswith("http") and not (page.parent / target).exists():
+        for target, anchor in re.findall(r"\]\(([^)#\s]+)(?:#([^)]*))?\)", text):
+            if target.startswith("http"):
+                continue
+            if not (page.parent / target).exists():
                 missing.append((rel(page), target))
+            elif anchor and anchor not in anchors(page.parent / target):
+                missing.append((rel(page), f"{target}#{anchor}"))
         for path in re.findall(r"(?<![\w/.-])((?:phantom|scripts|tests|notes|examples|docs)/[\w./-]*\.(?:py|md|yaml|txt|jsonl))",
                                text):
             if not (REPO / path).exists() and path not in WRITTEN_BY_RUNS:

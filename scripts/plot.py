@@ -48,7 +48,8 @@ def plot_loss(plt, recs: list[dict], path: Path) -> None:
 def plot_timeline(plt, trace: dict, path: Path, last_ms: float) -> None:
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     lane_of = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e.get("ph") == "M"}
-    lanes = [lane for lane in LANES if lane in lane_of and any(e["tid"] == lane_of[lane] for e in events)]
+    lanes = [lane for lane in LANES + sorted(set(lane_of) - set(LANES))  # a registered tier's lane after these
+             if lane in lane_of and any(e["tid"] == lane_of[lane] for e in events)]
     end = max((e["ts"] + e["dur"] for e in events), default=0.0)
     events = [e for e in events if e["ts"] + e["dur"] >= end - last_ms * 1e3] if last_ms else events[-3000:]
     t0 = min((e["ts"] for e in events), default=0.0)

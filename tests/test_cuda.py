@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from phantom.stream.placement import Placement
 from phantom.stream.scheduler import BlockScheduler
 from phantom.files.store import BlockStore
@@ -101,7 +101,7 @@ def test_ram_tier_pins_exactly_the_blocks(stores):
     before = rss_bytes()
     with BlockScheduler(store, "cuda", Placement(offload="ram", prefetch=1)) as sched:
         grown = rss_bytes() - before
-        assert sched._ram_buffer.pinned
+        assert sched.residency.held["ram"].buffer.pinned
         assert want <= sched.pinned_bytes <= 1.01 * want
         assert grown <= 1.01 * want + (64 << 20), (grown, want)  # + the process's own small allocations
         assert torch.cuda.host_memory_stats()["allocated_bytes.current"] == before_alloc
@@ -202,8 +202,8 @@ def test_a_fork_after_pinning_leaves_the_pinned_tier_out_of_the_child(stores):
     (MADV_DONTFORK), so it neither copies them at fork nor can touch them."""
     import os
     with BlockScheduler(BlockStore(stores[torch.float32]), "cuda", Placement(offload="ram", prefetch=1)) as sched:
-        assert sched._ram_buffer.pinned
-        ptr = sched._ram_buffer.tensor.data_ptr()
+        assert sched.residency.held["ram"].buffer.pinned
+        ptr = sched.residency.held["ram"].buffer.tensor.data_ptr()
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: is the pinned buffer mapped here?

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from phantom.stream.placement import Placement
 from phantom.stream.hostmem import HUGE_MIN, HostBuffer
 from phantom.stream.scheduler import BlockScheduler
@@ -39,7 +39,7 @@ def test_device_tier_blocks_are_copied_out_of_the_loader_before_it_is_refilled(f
         assert fc.unordered() == []
         for i in range(3):
             ref = BlockStore(small_store_bf16).load_block(i)
-            for k, v in sched._resident_views[i].items():
+            for k, v in sched.residency.views(i).items():
                 assert torch.equal(v, ref[k].float()), (i, k)
     finally:
         sched.close()
@@ -100,7 +100,7 @@ def test_every_pinned_host_buffer_is_left_out_of_a_fork(fc, small_store):
                                                         prefetch=1))
     try:
         assert "ram" in sched.tiers and "disk" in sched.tiers
-        buffers = [sched._ram_buffer] + [s.host for s in sched.slots]
+        buffers = [sched.residency.held["ram"].buffer] + [s.host for s in sched.slots]
         assert all(b.pinned and "dc" in vm_flags(b.tensor.data_ptr()) for b in buffers)
         assert len(fc.of("register")) - registered == len(buffers)  # no pinned host memory but these
     finally:
@@ -144,7 +144,8 @@ def test_local_ranks_split_the_host_memory_for_their_ram_tiers(fc, monkeypatch, 
         if shared:
             assert sched.tiers.count("ram") == store.n_blocks and sched.pinned_bytes == 0
         else:
-            assert sched.tiers.count("ram") == 2 and sched._ram_buffer.tensor.numel() == 2 * block
+            assert sched.tiers.count("ram") == 2 and \
+                sched.residency.held["ram"].buffer.tensor.numel() == 2 * block
     finally:
         sched.close()
 
@@ -221,7 +222,7 @@ def device_bytes(sched) -> int:
     def nbytes(views: dict) -> int:
         return sum(v.numel() * v.element_size() for v in views.values())
     slots = sum(s.buf.numel() + (nbytes(s.converted) if s.converted is not None else 0) for s in sched.slots)
-    return slots + sum(nbytes(v) for v in sched._resident_views.values())
+    return slots + sum(nbytes(sched.residency.views(i)) for i, t in enumerate(sched.tiers) if t == "device")
 
 
 def test_the_device_budget_holds_what_the_scheduler_allocates(fc, small_store_bf16):
@@ -283,7 +284,7 @@ def test_a_shared_ram_tier_is_registered_read_only_and_every_thread_uses_the_run
         regs = fc.of("register")
         assert len(regs) == store.n_blocks and all(flags & 0x08 for *_, flags in regs)
         for i in range(store.n_blocks):
-            start, end = sched._ram[i].data_ptr(), sched._ram[i].data_ptr() + store.block_nbytes
+            start, end = sched.residency.host(i).data_ptr(), sched.residency.host(i).data_ptr() + store.block_nbytes
             assert any(p <= start and end <= p + n for _, p, n, _ in regs), i
         threads = {name for _, device, name in fc.of("set_device") if device == torch.device("cuda:1")}
         assert {t.name for t in sched._threads} | {"phantom-writeback"} <= threads
@@ -308,7 +309,7 @@ def test_a_quantized_store_s_slots_and_blocks_fit_the_device_budget(fc, tmp_path
     """An int8 store computed in bf16: a slot holds the quantized bytes and the dequantized block, a
     resident block the dequantized one. With a budget of two slots and two resident blocks, what the
     scheduler allocates on the device stays within it (device budgets are counted in dequantized units)."""
-    from phantom.model.convert import quantize_store
+    from phantom.model.quantstore import quantize_store
     from phantom.arch.quantformat import QuantFormat
     out = quantize_store(small_store_bf16, tmp_path / "int8", QuantFormat("int8"), progress=False)["out"]
     store = BlockStore(out)

@@ -32,13 +32,15 @@ RANK = {  # within a package
     "data": {"special_tokens": 0, "tokenizer": 1, "sources": 1, "chat": 2, "tokencache": 2, "dataset": 3,
              "showdata": 4},
     "arch": {"config": 0, "quantformat": 1, "moe": 1, "family_moe": 1, "quant": 2, "layers": 2, "family": 2},
-    "files": {"tensorfile": 0, "directio": 1, "hfshards": 1, "fusedrows": 1, "runfolder": 1, "seal": 1, "store": 2},
-    "stream": {"placement": 0, "memory": 1, "hostmem": 1, "trace": 1, "writeback": 2, "optim": 2, "transfer": 3,
-               "scheduler": 4, "executor": 5},
-    "model": {"lora": 0, "convert": 0, "export": 1, "hub": 1, "phantom_model": 2, "generate": 3},
+    "files": {"tensorfile": 0, "directio": 1, "hfshards": 1, "fusedrows": 1, "runfolder": 1, "seal": 1,
+              "storeformat": 1, "storelinks": 2, "workingcopy": 2, "storeverify": 3, "storewriter": 3, "store": 4},
+    "stream": {"hostmem": 0, "trace": 0, "tiers": 1, "writeback": 1, "placement": 2, "optim": 2, "memory": 3,
+               "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6},
+    "model": {"lora": 0, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 2, "hub": 2,
+              "phantom_model": 2, "generate": 3},
     "plan": {"costmodel": 0, "profiles": 1, "tune": 2},
-    "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "checkpoint": 1, "preference": 1, "loop": 2,
-              "cli": 2, "runconfig": 3, "runner": 4},
+    "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,
+              "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 4, "runner": 5},
 }
 TOP = "__init__"  # phantom/__init__.py: the public API, above everything
 
@@ -290,7 +292,7 @@ EXCEPTIONS = {
     "model.phantom_model.ChunkedHead*.forward": "the fused head's autograd Functions (loss, sequence log-probabilities): their "
                                   "inputs are the maths' (hidden states, norm and head weights, targets, eps, "
                                   "chunk, the family's norm offset and soft cap)",
-    "model.convert.write_synthetic": "the synthetic store's every choice (weights, tokenizer, its extra files, "
+    "model.synthetic.write_synthetic": "the synthetic store's every choice (weights, tokenizer, its extra files, "
                                "quantization) as keywords with defaults; tests and benchmarks set each",
 }
 

@@ -15,12 +15,15 @@ import phantom.model.phantom_model
 import phantom.stream.placement
 from phantom.arch import quant
 from phantom.arch.config import block_tensor_shapes
-from phantom.model.convert import quantize_store, write_synthetic
+from phantom.model.quantstore import quantize_store
+from phantom.model.synthetic import write_synthetic
 from phantom.stream.placement import Placement
 from phantom.arch.quantformat import QuantFormat, block_layout
 from phantom.stream.scheduler import BlockScheduler
 from phantom.data.tokenizer import train_tiny_tokenizer
-from phantom.files.store import BlockStore, MANIFEST, StoreError, StoreWriter, block_file
+from phantom.files.store import BlockStore, StoreError
+from phantom.files.storeformat import MANIFEST, block_file
+from phantom.files.storewriter import StoreWriter
 from phantom.files.tensorfile import read_header, write_safetensors
 from conftest import max_rel_err, randomize_lora
 from test_bad_inputs import check, script
@@ -315,6 +318,7 @@ def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf1
 def test_cost_model_places_a_quantized_store_as_the_scheduler_does(stores, monkeypatch):
     """CUDA's budgets (a CPU has no device tier): the device tier counts dequantized blocks, RAM stored ones."""
     from phantom.plan import costmodel as cm
+    from phantom.stream.residency import resolve_layout
     store = BlockStore(stores["nf4"])
     shape = cm.shape_of(CFG, "bf16", "bf16", 16, "nf4")
     place = Placement(offload="auto", prefetch=1, device_budget=2 * store.block_nbytes + 3 * store.dense_nbytes,
@@ -322,8 +326,7 @@ def test_cost_model_places_a_quantized_store_as_the_scheduler_does(stores, monke
     profile = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=1 << 40, free_host_bytes=1 << 40)
     planned = cm.layout(shape, profile, place).tiers
     monkeypatch.setattr(phantom.stream.memory, "free_device_bytes", lambda device: 1 << 40)
-    sched = BlockScheduler.__new__(BlockScheduler)  # its tier choice alone, without allocating on a device
-    sched.store, sched.n_blocks, sched.dtype = store, store.n_blocks, torch.bfloat16
-    sched.device = torch.device("cuda")
-    assert sched._resolve(place, zero_copy=None, device_reserve=0).tiers == planned
+    # the scheduler's tier choice alone, without allocating on a device
+    resolved = resolve_layout(store, torch.device("cuda"), torch.bfloat16, place, zero_copy=None, device_reserve=0)
+    assert resolved.tiers == planned
     assert planned.count("ram") == 3 and 0 < planned.count("device") <= 3

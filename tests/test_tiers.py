@@ -25,7 +25,7 @@ import phantom.files.store
 import phantom.files.tensorfile
 from phantom.plan import costmodel as cm
 from phantom.arch.config import ModelConfig
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from phantom.stream.placement import Activations, Placement, loads_per_step
 from phantom.stream.scheduler import BlockScheduler
 from conftest import batch, max_rel_err, randomize_lora
@@ -144,7 +144,7 @@ def test_ram_tier_through_slots_equals_resident(store, resident, prefetch, monke
 
 def test_ram_budget_below_one_block_falls_back_to_disk_and_says_so(store, resident, caplog):
     nbytes = phantom.files.store.BlockStore(store).block_nbytes
-    with caplog.at_level(logging.WARNING, logger="phantom.stream.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="phantom.stream.residency"):
         first, metrics, tiers, _ = run(store, Placement(offload="auto", prefetch=1, ram_budget=nbytes - 1))
     assert tiers == ("disk",) * CFG.n_layers
     assert_same(first, resident)
@@ -203,7 +203,7 @@ def test_o_direct_reads_into_huge_page_slots(store, resident, direct_reads, monk
     nbytes = phantom.files.store.BlockStore(store).block_nbytes
     with phantom.load(store, placement=budgets(nbytes, 2, n_ram=3)) as model:
         randomize_lora(model)
-        buffers = [s.buf for s in model.scheduler.slots] + [model.scheduler._ram_buffer.tensor]
+        buffers = [s.buf for s in model.scheduler.slots] + [model.scheduler.residency.held["ram"].buffer.tensor]
         assert all(b.data_ptr() % phantom.stream.hostmem.HUGE_PAGE == 0 and advised_huge(b) for b in buffers)
         assert_same(step(model), resident)
     assert len(direct_reads) > 1

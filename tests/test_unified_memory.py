@@ -16,7 +16,7 @@ import phantom.stream.memory
 from phantom.arch import config
 from phantom.plan import costmodel as cm
 from phantom.stream import placement as P
-from phantom.stream.scheduler import BlockScheduler
+from phantom.stream.residency import resolve_layout
 
 GiB = 1 << 30
 M1_RECOMMENDED, M1_AVAILABLE = int(10.67 * GiB), 12 * GiB  # a 16 GB M1
@@ -36,10 +36,8 @@ def scheduler_layout(store_dtype: torch.dtype, dtype: torch.dtype, cfg, placemen
     shape = cm.shape_of(cfg, str(store_dtype).removeprefix("torch.").replace("float32", "fp32")
                         .replace("bfloat16", "bf16"), "fp32")
     store = types.SimpleNamespace(block_nbytes=shape.block_bytes, dense_nbytes=shape.block_bytes, dtype=store_dtype,
-                                  quant=None)
-    sched = BlockScheduler.__new__(BlockScheduler)
-    sched.store, sched.n_blocks, sched.dtype, sched.device = store, cfg.n_layers, dtype, torch.device("mps")
-    return sched._resolve(placement, zero_copy=None, device_reserve=0)
+                                  quant=None, n_blocks=cfg.n_layers)
+    return resolve_layout(store, torch.device("mps"), dtype, placement, zero_copy=None, device_reserve=0)
 
 
 def test_the_probe_sees_one_memory(m1):

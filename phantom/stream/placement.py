@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-OFFLOADS = ("auto", "none", "ram", "disk")
+from phantom.stream import tiers as T
+
+OFFLOADS = ("auto", "none", "ram", "disk")  # and any tier added with phantom.stream.tiers.register
 RECOMPUTE = ("auto", "all", "none")
-TIERS = ("device", "ram", "disk")
+TIERS = T.BUILTIN
 GiB = 1 << 30
 
 
@@ -27,7 +29,8 @@ class Placement:
 
     Tiers, fastest first: resident on the device, host RAM (pinned on CUDA: exactly the bytes
     needed, see BlockScheduler), the store's files. `offload="auto"` fills the device, then RAM, by
-    budget; the rest is read from disk on each use (`assign_tiers`).
+    budget; the rest is read from disk on each use (`assign_tiers`). `offload` may also name a tier
+    added with phantom.stream.tiers.register: every block not resident on the device lives there.
     """
 
     offload: str = knob("auto", "where blocks wait between uses: auto fills device then RAM by budget, the rest "
@@ -43,8 +46,8 @@ class Placement:
     shared_ram: bool = knob(False, "map the RAM tier from the store files so local ranks share one copy (LoRA)")
 
     def __post_init__(self):
-        if self.offload not in OFFLOADS:
-            raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, not {self.offload!r}")
+        if self.offload not in offloads():
+            raise ValueError(f"offload must be one of {', '.join(offloads())}, not {self.offload!r}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         for name in ("resident", "device_budget", "ram_budget"):
@@ -77,6 +80,11 @@ class Activations:
         for name in ("micro_batch", "loss_chunk"):
             if (v := getattr(self, name)) is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+def offloads() -> tuple[str, ...]:
+    """What `Placement.offload` may be: the built-in modes, and every registered tier but the device."""
+    return OFFLOADS + tuple(t for t in T.names() if t not in TIERS)
 
 
 def split_knobs(knobs: dict, *configs):
@@ -160,23 +168,25 @@ class Layout:
 
     @property
     def split(self) -> dict[str, int]:
-        return {t: self.tiers.count(t) for t in TIERS}
+        """Blocks in each tier: the built-in ones always, a registered one where it holds any."""
+        return {t: self.tiers.count(t) for t in TIERS + tuple(sorted(set(self.tiers) - set(TIERS)))}
 
     @property
     def tier_bytes(self) -> dict[str, int]:
-        """Bytes each tier holds: resident blocks on the device (and the slots), the RAM tier, the files."""
+        """Bytes each tier holds: resident blocks on the device (and the slots), the others' stored blocks."""
         s = self.split
-        return {"device": s["device"] * self.sizes.resident + self.slots * self.sizes.slot,
-                "ram": s["ram"] * self.sizes.stored, "disk": s["disk"] * self.sizes.stored}
+        return {t: n * self.sizes.resident + self.slots * self.sizes.slot if t == "device" else n * self.sizes.stored
+                for t, n in s.items()}
 
     def streams(self, block: int) -> bool:
         return block in self.streamed
 
     def loads(self) -> dict[str, int]:
-        """Blocks loaded into device slots per training step, by tier (see `loads_per_step`)."""
+        """Blocks loaded into device slots per training step, by tier: "disk" and "ram" always, a
+        registered tier where it holds any (see `loads_per_step`)."""
         fwd, bwd = self.loaded()
         loaded = [self.tiers[i] for i in fwd + bwd]
-        return {"disk": loaded.count("disk"), "ram": loaded.count("ram")}
+        return {t: loaded.count(t) for t in self.split if t != "device"}
 
     def loaded(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The streamed blocks the forward and the backward load, in order (see `turn_loads`)."""
@@ -196,8 +206,8 @@ def resolve(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMe
     """
     in_place = host_is_device and not sizes.converts and in_place is not False
     if tiers is not None:
-        if len(tiers) != n_blocks or set(tiers) - set(TIERS):
-            raise ValueError(f"tiers must name one of {', '.join(TIERS)} for each of the {n_blocks} blocks")
+        if len(tiers) != n_blocks or set(tiers) - set(T.names()):
+            raise ValueError(f"tiers must name one of {', '.join(T.names())} for each of the {n_blocks} blocks")
         return _layout(tuple(tiers), placement, sizes, in_place)
     tiers = assign_tiers(n_blocks, sizes, placement, free, zero_copy=host_is_device)
     if host_is_device and not in_place:  # a CPU converting blocks: what it keeps goes through slots
@@ -206,7 +216,7 @@ def resolve(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMe
 
 
 def _layout(tiers: tuple[str, ...], placement: Placement, sizes: BlockBytes, in_place: bool) -> Layout:
-    streamed = tuple(i for i, t in enumerate(tiers) if t == "disk" or (t == "ram" and not in_place))
+    streamed = tuple(i for i, t in enumerate(tiers) if T.get(t).streams(in_place))
     offload = placement.offload if placement.offload != "auto" else \
         "ram" if "disk" not in tiers else "disk" if "ram" not in tiers else "mixed"
     return Layout(tiers=tiers, streamed=streamed, slots=placement.slots if streamed else 0,
@@ -244,6 +254,9 @@ def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: F
         budget = placement.device_budget if placement.device_budget is not None else device_budget(free_device)
         n_device = max(0, (budget - slots) // device_block_bytes) if budget is not None else n_blocks
     n_device = min(n_device, n_blocks)
+    if placement.offload not in OFFLOADS:  # a registered tier: every block off the device lives there
+        n_kept = n_device if zero_copy else 0  # a CPU keeps its "device" blocks in the RAM tier, in place
+        return ("device",) * (n_device - n_kept) + ("ram",) * n_kept + (placement.offload,) * (n_blocks - n_device)
     if placement.offload == "ram":
         n_ram = n_blocks - n_device
     elif placement.offload == "disk":

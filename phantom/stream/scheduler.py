@@ -1,7 +1,8 @@
 """The block scheduler: streams blocks from their tier into a fixed set of device slots ahead of use.
 
 Each block's tier comes from the run's layout (phantom.stream.placement.resolve): resident on the device, in
-host RAM, or in the store's files. Loader threads take the next blocks of the known plan that are not
+host RAM, in the store's files, or a tier registered in phantom.stream.tiers; phantom.stream.residency
+holds them. Loader threads take the next blocks of the known plan that are not
 on the device and fill free slots through the transfer stage (phantom.stream.transfer: read -> copy ->
 convert). Slots are evicted by next use in the plan (Belady), so the turn from forward to backward
 reuses what is still on the device (LIFO). A write-back queue (phantom.stream.writeback) carries data the
@@ -14,15 +15,11 @@ import threading
 import time
 
 import torch
-from tqdm import tqdm
 
 from phantom.base import faults
-from phantom.stream import placement as P
-from phantom.stream.hostmem import HostBuffer, register_read_only
-from phantom.stream.memory import free_memory
 from phantom.stream.placement import Placement
+from phantom.stream.residency import Residency, resolve_layout
 from phantom.files.store import BlockStore
-from phantom.files.tensorfile import packed_empty
 from phantom.stream.trace import Metrics, Tracer
 from phantom.stream.transfer import Slot, transfer_for
 from phantom.stream.writeback import WriteBackQueue
@@ -55,7 +52,7 @@ class BlockScheduler:
         self.n_blocks = store.n_blocks
         self.dtype = dtype or store.dtype
         self.placement = placement  # as asked; `layout` says what it resolved to
-        self.layout = self._resolve(placement, zero_copy, device_reserve)
+        self.layout = resolve_layout(store, self.device, self.dtype, placement, zero_copy, device_reserve)
         self.tiers, self.offload = self.layout.tiers, self.layout.offload
         self.resident = self.tiers.count("device")
         self._zero_copy, self._streamed = self.layout.in_place, frozenset(self.layout.streamed)
@@ -65,85 +62,28 @@ class BlockScheduler:
         self._cuda = self.device.type == "cuda"
         self.transfer = transfer_for(store, self.device, self.dtype, self.tracer)
 
-        self._fill_ram_tier(placement.shared_ram)
-        self._load_device_tier()  # before the streaming slots: its loader slot is gone when they come
+        self.residency = Residency(store, self.layout, self.transfer, self.metrics, placement.shared_ram,
+                                   self.dtype, self.device)  # before the slots: the device tier's loader is gone
         # Streaming slots. On CPU with the RAM tier the host buffer is the device buffer: no copy.
-        self.slots: list[Slot] = [self.transfer.new_slot(any(self.tiers[i] == "disk" for i in self.layout.streamed))
-                                  for _ in range(self.layout.slots)]
-        self.pinned_bytes += sum(s.staging.numel() for s in self.slots if s.staging is not None and self.transfer.pin)
+        reads = any(self.residency.tier(i).reads for i in self.layout.streamed)
+        self.slots: list[Slot] = [self.transfer.new_slot(reads) for _ in range(self.layout.slots)]
+        self.pinned_bytes = self.residency.pinned_bytes + \
+            sum(s.staging.numel() for s in self.slots if s.staging is not None and self.transfer.pin)
         self.metrics = Metrics()  # loading at start-up is not a step's traffic
 
         self._plan: list[int] = []
         self._pos = 0  # index into the plan of the next acquire
         self._closed = False
         self._load_error: BaseException | None = None  # a failed load stops all loading (see acquire)
-        n_loaders = 0 if not self.slots else min(len(self.slots), 3) if "disk" in self.tiers else 1
+        n_loaders = 0 if not self.slots else min(len(self.slots), 3) if reads else 1
         self._threads = [threading.Thread(target=self._prefetch_loop, name=f"phantom-prefetch-{k}", daemon=True)
                          for k in range(n_loaders)]
         for t in self._threads:
             t.start()
         self.writeback = WriteBackQueue(self.tracer, self.metrics, device=self.device)
-        log.info("placement: %d blocks on the device, %d in RAM (%.1f GiB pinned), %d read from disk; "
-                 "%d slots", self.resident, self.tiers.count("ram"), self.pinned_bytes / 2**30,
-                 self.tiers.count("disk"), len(self.slots))
-
-    def _resolve(self, placement: Placement, zero_copy: bool | None, device_reserve: int) -> P.Layout:
-        """The run's layout (phantom.stream.placement.resolve) from this store's block sizes and the free memory."""
-        store = self.store
-        sizes = P.block_sizes(store.block_nbytes, store.dense_nbytes // store.dtype.itemsize, store.dtype.itemsize,
-                              self.dtype.itemsize, store.quant is not None, self.dtype == store.dtype)
-        free = free_memory(self.device, shared=placement.shared_ram, reserve=device_reserve)
-        layout = P.resolve(self.n_blocks, sizes, placement, free, host_is_device=self.device.type == "cpu",
-                           in_place=zero_copy)
-        ram_cap = placement.ram_budget if placement.ram_budget is not None else P.ram_budget(free.host)
-        if placement.offload == "auto" and "disk" in layout.tiers and ram_cap is not None and ram_cap < sizes.budget:
-            log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "
-                        "off the device are read from disk at each use; give --ram-budget at least %.0fM for one",
-                        ram_cap / 2**20, sizes.budget / 2**20, layout.tiers.count("disk"), -(-sizes.budget // 2**20))
-        return layout
-
-    def _fill_ram_tier(self, shared: bool) -> None:
-        """RAM tier: one exact-size (pinned on CUDA) allocation, every block read once (and verified)
-        here; or, shared, the block files mapped so local ranks hold one copy."""
-        nbytes, stride, pin = self.store.block_nbytes, self.transfer.stride, self.transfer.pin
-        self._ram: list[torch.Tensor | None] = [None] * self.n_blocks
-        ram_blocks = [i for i, t in enumerate(self.tiers) if t == "ram"]
-        self._registered = []  # finalizers of registered file mappings (the shared tier on CUDA)
-        if shared:
-            for i in ram_blocks:
-                self._ram[i] = self.store.map_block(i)
-                if pin:  # else every copy from it goes through pageable memory: staged, synchronous
-                    self._registered.append(register_read_only(self._ram[i]))
-        elif ram_blocks:
-            self._ram_buffer = HostBuffer(stride * len(ram_blocks), pin)
-            for k, i in enumerate(tqdm(ram_blocks, desc="loading blocks to RAM", unit="block", disable=None,
-                                       leave=False)):
-                self._ram[i] = self._ram_buffer.block(k * stride, nbytes)
-                self.store.read_block_into(i, self._ram[i])
-                self.metrics.bytes_read += nbytes
-        self.pinned_bytes = stride * len(ram_blocks) if pin and not shared else 0
-
-    def _load_device_tier(self) -> None:
-        """Device tier: each block loaded once through a slot's pipeline, then kept in buffers of its
-        own (in the file's layout, so its projections still fuse)."""
-        self._resident_views: dict[int, dict] = {}
-        loader = self.transfer.new_slot(True) if "device" in self.tiers else None
-        copied = None  # CUDA: the compute stream is done reading the loader's converted tensors
-        for i in (i for i, t in enumerate(self.tiers) if t == "device"):
-            self.metrics.add(self.transfer.load(loader, i, self._ram[i], copied))
-            self.transfer.sync_ready(loader)
-            if loader.converted is None:  # the slot's buffer becomes the block's; the slot gets a new one
-                views = loader.views
-                loader.buf = torch.empty_like(loader.buf)
-            else:  # copied on this thread's stream; the next load (copy stream) overwrites them after it
-                views = packed_empty(loader.views, self.dtype, self.device)
-                for k, v in loader.views.items():
-                    views[k].copy_(v)
-                if self._cuda:
-                    copied = torch.cuda.Event()
-                    copied.record(torch.cuda.current_stream(self.device))
-            self._resident_views[i] = views
-            loader.block, loader.state, loader.views = None, "empty", None
+        log.info("placement: %s blocks (%.1f GiB pinned); %d slots",
+                 ", ".join(f"{t} {n}" for t, n in self.layout.split.items()), self.pinned_bytes / 2**30,
+                 len(self.slots))
 
     # -- the training thread's side ------------------------------------------------------------
 
@@ -157,17 +97,13 @@ class BlockScheduler:
         """Block's weights on the device, as views; waits if it is not there yet. Pair with release().
 
         On CUDA the current stream is made to wait for the block's copy (an event), not the host."""
-        if block in self._resident_views:
+        if not self._streams(block):  # the device tier; the RAM tier used where it lies (a CPU)
             with self._cv:
                 self._advance_plan_to(block)
                 self._pos += 1
-            return self._resident_views[block]
-        if not self._streams(block):  # the RAM tier used where it lies (a CPU)
-            with self._cv:
-                self._advance_plan_to(block)
-                self._pos += 1
-            self.metrics.bytes_ram += self.store.block_nbytes
-            return self.store.block_views(self._ram[block])
+                if self.tiers[block] != "device":
+                    self.metrics.bytes_ram += self.store.block_nbytes
+            return self.residency.views(block)
         t0 = time.perf_counter()
         with self._cv:
             self._advance_plan_to(block)
@@ -213,9 +149,7 @@ class BlockScheduler:
 
     def host_weights(self, block: int) -> dict[str, torch.Tensor]:
         """Block's weights in host memory: the RAM tier's views, or read from the store."""
-        if self._ram[block] is not None:
-            return self.store.block_views(self._ram[block])
-        return self.store.load_block(block)
+        return self.residency.host_weights(block)
 
     def update_block(self, block: int, tensors: dict[str, torch.Tensor]) -> None:
         """New values of a block (full finetuning): into the RAM tier and device copies; any slot
@@ -223,10 +157,7 @@ class BlockScheduler:
 
         On CUDA the copies are queued on the caller's current stream (phantom.stream.optim's update stream)
         without blocking, and the calling thread, not the compute stream, waits for them."""
-        for views in ([self.store.block_views(self._ram[block])] if self._ram[block] is not None else []) + \
-                ([self._resident_views[block]] if block in self._resident_views else []):
-            for k, v in views.items():
-                v.copy_(tensors[k], non_blocking=self._cuda)
+        self.residency.update(block, tensors, non_blocking=self._cuda)
         if self._cuda:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
@@ -258,9 +189,7 @@ class BlockScheduler:
             t.join()
         if self._cuda:
             torch.cuda.synchronize(self.device)  # no copy may still target a buffer we free
-        for unregister in self._registered:
-            if unregister is not None:
-                unregister()
+        self.residency.close()
         self.transfer.close()
         self.writeback.close()
 
@@ -350,7 +279,7 @@ class BlockScheduler:
             try:
                 if verify is not None:
                     verify.result()  # the previous block's bytes were hashed before they are overwritten
-                stats = self.transfer.load(slot, block, self._ram[block], free_event)
+                stats = self.transfer.load(slot, block, self.residency.source(block), free_event)
                 with self._cv:  # several loader threads count into one step's metrics: no lost update
                     self.metrics.add(stats)
                 faults.point("prefetch.load")  # crash tests: a block loaded, not yet handed over

@@ -13,28 +13,33 @@ from phantom.base import fileio
 
 
 class Tracer:
-    """Chrome trace events (open in Perfetto / chrome://tracing), one lane per kind of work."""
+    """Chrome trace events (open in Perfetto / chrome://tracing), one lane per kind of work.
+
+    The lanes are LANES, and a lane of its own for each other name a span gives (a tier's reads are
+    drawn in the lane its phantom.stream.tiers.Tier names), numbered in order of first use."""
 
     LANES = {"compute": 1, "read": 2, "copy": 3, "dequant": 4, "write-back": 5, "stall": 6}
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.events: list[dict] = []
+        self.lanes = dict(self.LANES)
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
 
     def span(self, lane: str, name: str, start: float, end: float, **args) -> None:
         if not self.enabled:
             return
-        ev = {"name": name, "ph": "X", "pid": 0, "tid": self.LANES[lane], "ts": (start - self._t0) * 1e6,
-              "dur": (end - start) * 1e6, "args": args}
+        ev = {"name": name, "ph": "X", "pid": 0, "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6,
+              "args": args}
         with self._lock:
+            ev["tid"] = self.lanes.setdefault(lane, len(self.lanes) + 1)
             self.events.append(ev)
 
     def write(self, path: Path) -> None:
-        meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
-                for lane, tid in self.LANES.items()]
         with self._lock:
+            meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
+                    for lane, tid in self.lanes.items()]
             events = meta + list(self.events)
         fileio.atomic_write(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode())
 

@@ -1,7 +1,7 @@
 """The transfer stage: one block into one device slot, read -> copy -> convert, in a loader thread.
 
-`Transfer` is the host-side stage (a CPU, and `mps`): the disk tier reads straight into the slot on a
-CPU, the copy and the conversion run in the loader thread and are done when `load` returns.
+`Transfer` is the host-side stage (a CPU, and `mps`): a reading tier (phantom.stream.tiers: the disk
+tier) reads straight into the slot on a CPU, the copy and the conversion run in the loader thread and are done when `load` returns.
 `CudaTransfer` reads into the slot's pinned staging buffer, then queues the copy and the conversion
 on a dedicated copy stream after the slot's free event and marks their end with a ready event that
 the compute stream waits on: neither the host nor the compute waits for a copy it does not need yet.
@@ -19,6 +19,7 @@ import torch
 
 from phantom.arch import quant
 from phantom.stream.hostmem import HostBuffer
+from phantom.stream.tiers import Held
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import DATA_ALIGN, packed_empty
 from phantom.stream.trace import LoadStats, Tracer
@@ -27,7 +28,7 @@ from phantom.stream.trace import LoadStats, Tracer
 @dataclass
 class Slot:
     buf: torch.Tensor  # flat uint8 block buffer (store dtype) on the device
-    staging: torch.Tensor | None = None  # host buffer the disk tier reads into (pinned on CUDA)
+    staging: torch.Tensor | None = None  # host buffer a reading tier (disk) reads into (pinned on CUDA)
     converted: dict | None = None  # compute-dtype tensors when the store's dtype differs
     block: int | None = None
     state: str = "empty"  # empty | loading | ready | failed
@@ -70,12 +71,14 @@ class Transfer:
             converted = packed_empty(self.store.block_views(buf), self.dtype, self.device)
         return Slot(buf=buf, staging=staging, converted=converted, host=host)
 
-    def load(self, slot: Slot, block: int, ram: torch.Tensor | None, free_event=None) -> LoadStats:
-        """Fill slot with block (without any lock): from its RAM-tier bytes `ram`, or read from disk."""
+    def load(self, slot: Slot, block: int, source: Held, free_event=None) -> LoadStats:
+        """Fill slot with block (without any lock) from its tier: copied from the bytes the tier holds in
+        host memory (RAM), or read by the tier into the slot's host buffer (disk)."""
         stats = LoadStats()
-        src = ram if ram is not None else self._read(slot, block, stats)
-        if ram is not None:
-            stats.bytes_ram = ram.numel()
+        held = None if source.tier.reads else source.host(block)
+        src = held if held is not None else self._read(slot, block, source, stats)
+        if held is not None:
+            stats.bytes_ram = held.numel()
         t0 = time.perf_counter()
         self._copy(slot, block, src, free_event, stats)
         t1 = time.perf_counter()
@@ -85,17 +88,17 @@ class Transfer:
         return stats
 
     def _staging(self, slot: Slot) -> torch.Tensor:
-        """Where a disk-tier block is read to: the slot itself on a CPU, else its staging buffer."""
+        """Where a reading tier's block is read to: the slot itself on a CPU, else its staging buffer."""
         return slot.buf if self.device.type == "cpu" else slot.staging
 
-    def _read(self, slot: Slot, block: int, stats: LoadStats) -> torch.Tensor:
-        """Block bytes from disk into the slot's host buffer; its checksum goes to the verify thread."""
+    def _read(self, slot: Slot, block: int, source: Held, stats: LoadStats) -> torch.Tensor:
+        """Block bytes read by its tier into the slot's host buffer; its checksum goes to the verify thread."""
         into = self._staging(slot)
         t0 = time.perf_counter()
-        check = self.store.read_block_into(block, into, defer_verify=True)
+        check = source.read_into(block, into)
         t1 = time.perf_counter()
         stats.read_s, stats.bytes_read = t1 - t0, into.numel()
-        self.tracer.span("read", f"read {block}", t0, t1, bytes=into.numel())
+        self.tracer.span(source.tier.lane, f"read {block}", t0, t1, bytes=into.numel())
         if check is not None:
             slot.verify = self.verifier.submit(check)
         return into
@@ -154,9 +157,9 @@ class CudaTransfer(Transfer):
         super().__init__(store, device, dtype, tracer)
         self.stream = torch.cuda.Stream(device)
 
-    def _read(self, slot: Slot, block: int, stats: LoadStats) -> torch.Tensor:
+    def _read(self, slot: Slot, block: int, source: Held, stats: LoadStats) -> torch.Tensor:
         self.wait_staging_free(slot)
-        return super()._read(slot, block, stats)
+        return super()._read(slot, block, source, stats)
 
     def _copy(self, slot: Slot, block: int, src: torch.Tensor, free_event, stats: LoadStats) -> None:
         """Queue the copy and the conversion on the copy stream after the slot's free event; the ready

@@ -1,4 +1,6 @@
-"""The checks every family passes against its own transformers model (imported by tests/test_<family>.py).
+"""The checks every family passes against its own transformers model, and the table of the families' tiny
+models (CASES) that tests/test_families.py runs them over; each family's own tests (tests/test_gemma.py,
+test_moe.py, ...) take the same models through conftest's family_models fixture.
 
 A tiny random model of the family is built from its transformers config class, saved with
 save_pretrained (with a byte-level BPE tokenizer), converted by scripts/prepare_model.py, and
@@ -9,12 +11,10 @@ step with torch.optim.AdamW on the transformers model.
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
-import os
+from dataclasses import dataclass
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -22,15 +22,9 @@ import phantom
 from phantom.model.export import export, to_hf
 from phantom.model.lora import TARGETS, adapted_modules
 from phantom.files.store import BlockStore
+from conftest import need
 from test_convert import load_script
 from test_export_hf import llama3_style_tokenizer_json
-
-
-def need(module: str):
-    """The module, or a skip outside CI; in CI (CI=true) a missing cross-check library fails the run."""
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module)
 
 
 transformers = need("transformers")
@@ -40,6 +34,81 @@ VOCAB = 400  # the tokenizer's size: ids the tokenizer makes are ids the model h
 ALL_TARGETS = tuple(TARGETS)
 EPS = 1e-3  # AdamW's eps in the full-finetuning step (see check_full_step)
 STREAMED = list(itertools.product(("disk", "ram"), (0, 2), ("none", "all")))  # offload, prefetch, recompute
+
+
+@dataclass(frozen=True)
+class Case:
+    """A tiny random model of one family, and what the shared checks (tests/test_families.py) run on it."""
+    config_class: str  # transformers' config class
+    fields: dict  # its fields
+    hf_class: str  # the class AutoModelForCausalLM loads the export as
+    facts: dict  # fields of the converted store's ModelConfig and their values
+    adapter_modules: tuple  # adapter_config.json's target_modules of a LoRA on lora_targets
+    runs: tuple = tuple(STREAMED)  # (offload, prefetch, recompute) of the base model's logits
+    lora_runs: tuple = tuple(STREAMED)  # of the LoRA's logits and gradients
+    lora_targets: tuple = ALL_TARGETS
+
+
+SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+DENSE = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+# Gemma: local sliding-window layers between global ones (window 16 under rows of 40 tokens)
+GEMMA = dict(SHAPES, head_dim=32, query_pre_attn_scalar=24, sliding_window=16)
+# Phi-3: q, k, v fused in qkv_proj, gate and up in gate_up_proj; Phi3Config's pad id 32000 is past a tiny vocabulary
+PHI3, FUSED = dict(SHAPES, pad_token_id=None), ("down_proj", "gate_up_proj", "o_proj", "qkv_proj")
+# Mixtures of experts: LoRA on attention only (routers and experts frozen), fewer streamed runs
+MOE = dict(runs=(("none", 0, "none"), ("disk", 0, "all"), ("disk", 2, "none"), ("ram", 0, "none"), ("ram", 2, "all")),
+           lora_runs=(("disk", 1, "all"), ("ram", 0, "none")), lora_targets=("q", "k", "v", "o"),
+           adapter_modules=("k_proj", "o_proj", "q_proj", "v_proj"))
+CASES = {
+    # tied embeddings (Llama-3.2 1B/3B, Qwen2.5's small models): one table, both gradients add up in it
+    "llama-tied": Case("LlamaConfig", dict(SHAPES, tie_word_embeddings=True, rope_theta=500000.0), "LlamaForCausalLM",
+                       {"family": "llama", "tie_embeddings": True}, DENSE),
+    # Qwen2 / Qwen2.5: biases on q, k, v
+    "qwen2": Case("Qwen2Config", dict(SHAPES, tie_word_embeddings=False), "Qwen2ForCausalLM",
+                  {"family": "qwen2", "tie_embeddings": False, "qkv_bias": True}, DENSE),
+    "qwen2-tied": Case("Qwen2Config", dict(SHAPES, tie_word_embeddings=True), "Qwen2ForCausalLM",
+                       {"family": "qwen2", "tie_embeddings": True}, DENSE),
+    # Qwen3 dense: q/k norms, head_dim wider than hidden_size / heads; tied like the small checkpoints
+    "qwen3": Case("Qwen3Config", dict(SHAPES, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0),
+                  "Qwen3ForCausalLM", {"family": "qwen3", "head_dim": 32}, DENSE),
+    # Mistral: every query past position 15 sees only its last 16 keys
+    "mistral": Case("MistralConfig", dict(SHAPES, sliding_window=16), "MistralForCausalLM",
+                    {"family": "mistral", "sliding_window": 16}, DENSE),
+    # Gemma-2: soft-capped scores and logits
+    "gemma2": Case("Gemma2Config", dict(GEMMA, attn_logit_softcapping=3.0, final_logit_softcapping=2.0),
+                   "Gemma2ForCausalLM", {"family": "gemma2"}, DENSE),
+    # Gemma-3: q/k norms, two RoPE bases (the global one with linear scaling)
+    "gemma3": Case("Gemma3TextConfig", dict(GEMMA, layer_types=["sliding_attention", "full_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}), "Gemma3ForCausalLM",
+                   {"family": "gemma3"}, DENSE),
+    # Phi-3-mini's shape: as many kv heads as heads, a sliding window (2047 there) shorter than the sequence
+    "phi3-mini": Case("Phi3Config", dict(PHI3, num_key_value_heads=4, sliding_window=16), "Phi3ForCausalLM",
+                      {"family": "phi3", "rope_dim": 16}, FUSED),
+    # Phi-4's: grouped-query attention, rope_theta 250000, no window
+    "phi4": Case("Phi3Config", dict(PHI3, rope_parameters={"rope_type": "default", "rope_theta": 250000.0}),
+                 "Phi3ForCausalLM", {"family": "phi3", "rope_dim": 16}, FUSED),
+    # Phi-4-mini's: RoPE over 3/4 of each head (12 of 16 dims here), longrope past an original context of 16, tied
+    "phi4-mini": Case("Phi3Config", dict(PHI3, tie_word_embeddings=True, original_max_position_embeddings=16,
+                                         rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                          "partial_rotary_factor": 0.75,
+                                                          "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                                          "long_factor": [1.0 + 0.7 * i for i in range(6)]}),
+                      "Phi3ForCausalLM", {"family": "phi3", "rope_dim": 12}, FUSED),
+    "qwen3_moe": Case("Qwen3MoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             norm_topk_prob=True, head_dim=24), "Qwen3MoeForCausalLM",
+                      {"family": "qwen3_moe", "n_experts": 8}, **MOE),
+    # with its shared expert
+    "qwen2_moe": Case("Qwen2MoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=48), "Qwen2MoeForCausalLM",
+                      {"family": "qwen2_moe", "n_experts": 8}, **MOE),
+    "mixtral": Case("MixtralConfig", dict(SHAPES, num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+                    "MixtralForCausalLM", {"family": "mixtral", "n_experts": 4}, **MOE),
+    # q/k norms over the whole projection; its eos id 50279 is past the vocabulary
+    "olmoe": Case("OlmoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=2, eos_token_id=2), "OlmoeForCausalLM",
+                  {"family": "olmoe", "n_experts": 8}, **MOE),
+}
 
 
 def hf_model(config_class: str, seed: int = 0, **fields):
@@ -55,6 +124,12 @@ def hf_model(config_class: str, seed: int = 0, **fields):
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape))
     return model
+
+
+def make(name: str, **changes):
+    """The transformers model of CASES[name] (fields changed by changes), as built each time (seed 0)."""
+    case = CASES[name]
+    return hf_model(case.config_class, **{**case.fields, **changes})
 
 
 def prepare(model, root, link: bool = False):

@@ -10,27 +10,20 @@ tokenizer_config.json (Llama-3 style; the export copies them). Everything is bui
 """
 from __future__ import annotations
 
-import importlib
 import io
 import json
-import os
 import shutil
 
 import pytest
 import torch
 
 import phantom
-from phantom.model.convert import TOKENIZER_FILES
+from phantom.model.checkpoints import TOKENIZER_FILES
 from phantom.model.generate import _pieces as text_pieces, generate
 from phantom.files.store import BlockStore
 from phantom.data.tokenizer import TINY_TEXT, Tokenizer
+from conftest import need
 from test_convert import load_script
-
-
-def need(module: str):
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module)
 
 
 transformers = need("transformers")

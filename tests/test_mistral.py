@@ -1,32 +1,21 @@
-"""Mistral with its sliding window, against transformers' MistralForCausalLM (tests/family_check.py).
+"""Mistral's sliding window (the shared checks against MistralForCausalLM: tests/test_families.py).
 
 Rows of 40 tokens under a window of 16: every query past position 15 sees only its last 16 keys.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 import phantom
-from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model, prepare,
-                          rel_err)
+from family_check import batch, make, rel_err
 from phantom.model.generate import next_logits
 from phantom.arch.layers import KVCache, attention_mask
 
-FIELDS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              sliding_window=16, max_position_embeddings=64)
 
-
-@pytest.fixture(scope="module")
-def mistral(tmp_path_factory):
-    model = hf_model("MistralConfig", **FIELDS)
-    return model, prepare(model, tmp_path_factory.mktemp("mistral"))
-
-
-def test_the_window_changes_the_logits_where_it_is_checked(mistral):
-    """Past the window the logits differ from plain causal attention's: the checks below could fail."""
-    model, store = mistral
-    unwindowed = hf_model("MistralConfig", **{**FIELDS, "sliding_window": None})
+def test_the_window_changes_the_logits_where_it_is_checked(family_models):
+    """Past the window the logits differ from plain causal attention's: the shared checks could fail."""
+    model, _ = family_models("mistral")
+    unwindowed = make("mistral", sliding_window=None)
     unwindowed.load_state_dict(model.state_dict())
     tokens, _ = batch()
     with torch.no_grad():
@@ -35,28 +24,9 @@ def test_the_window_changes_the_logits_where_it_is_checked(mistral):
     assert rel_err(a[:, 16:], b[:, 16:]) > 0.05
 
 
-def test_logits_and_loss_match_transformers_streamed_every_way(mistral):
-    model, store = mistral
-    tokens, targets = batch()
-    check_logits(model, store, tokens, targets)
-
-
-def test_lora_matches_peft_and_the_merged_export_loads(mistral, tmp_path):
-    model, store = mistral
-    tokens, targets = batch()
-    adapter, logits = check_lora(model, store, tmp_path, tokens, targets)
-    check_merged_export(store, adapter, tmp_path, tokens, logits, "MistralForCausalLM")
-
-
-def test_full_step_matches_adamw_resident_and_streamed(mistral, tmp_path):
-    model, store = mistral
-    check_full_step(model, store, *batch())
-    check_full_step(hf_model("MistralConfig", **FIELDS), store, *batch(), work_dir=tmp_path / "work")
-
-
-def test_cached_decoding_keeps_the_window(mistral):
+def test_cached_decoding_keeps_the_window(family_models):
     """Token by token through the KV cache past the window gives the full forward's logits."""
-    _, store = mistral
+    _, store = family_models("mistral")
     tokens, _ = batch(b=1, t=30)
     with phantom.load(store, offload="disk", prefetch=1, lora=None) as pm, torch.no_grad():
         full = pm(tokens)

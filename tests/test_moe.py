@@ -1,9 +1,11 @@
 """Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral with a sliding window, OLMoE
-with q/k norms over the whole projection) against transformers' own classes (tests/family_check.py).
+with q/k norms over the whole projection) against transformers' own classes: what the experts add to the
+shared checks of tests/test_families.py (logits, LoRA on attention against peft, the full step with the
+router loss against AdamW, all streamed).
 
 Tiny random models saved by save_pretrained (one tensor per expert and projection) and, written from
-their state_dict, transformers 5's fused 3-D expert tensors; both converted by scripts/prepare_model.py
-and compared streamed every way; each expert's bytes lie back to back where the manifest says.
+their state_dict, transformers 5's fused 3-D expert tensors, both converted by scripts/prepare_model.py
+to the same store; each expert's bytes lie back to back where the manifest says.
 """
 from __future__ import annotations
 
@@ -15,56 +17,24 @@ import torch
 from safetensors.torch import save_file
 
 import phantom
-from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, cross_entropy,
-                          hf_model, model_stores, prepare, rel_err, transformers)
+from family_check import CASES, batch, check_logits, cross_entropy, make, prepare, rel_err, transformers
 from phantom.arch.config import PRESETS, ModelConfig
 from phantom.model.export import export
 from phantom.arch.moe import load_balancing_loss, mix, route
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import read_header
 
-SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64)
-CASES = {  # name -> (config class, fields)
-    "qwen3_moe": ("Qwen3MoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         norm_topk_prob=True, head_dim=24)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=48)),
-    "mixtral": ("MixtralConfig", dict(SHAPES, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
-    "olmoe": ("OlmoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=2, eos_token_id=2)),  # 50279: past 400
-}
-HF_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-              "olmoe": "OlmoeForCausalLM"}
-RUNS = [("none", 0, "none"), ("disk", 0, "all"), ("disk", 2, "none"), ("ram", 0, "none"), ("ram", 2, "all")]
+MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]  # their tiny models: family_check.CASES
 
 
-def make(name: str):
-    config_class, fields = CASES[name]
-    return hf_model(config_class, **fields)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return model_stores(tmp_path_factory, make)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_logits_and_loss_match_transformers_streamed_from_disk_and_ram(models, name):
-    model, store = models(name)
-    cfg = BlockStore(store).cfg
-    assert cfg.family == name and cfg.n_experts == CASES[name][1].get("num_experts", 4)
-    check_logits(model, store, *batch(), runs=RUNS)  # 40 tokens: past Mixtral's window of 16
-
-
-def test_the_experts_and_the_shared_expert_matter(models):
-    """Each part the checks above compare changes the logits: the routing (k), the shared expert's gate,
+def test_the_experts_and_the_shared_expert_matter(family_models):
+    """Each part the shared checks compare changes the logits: the routing (k), the shared expert's gate,
     Mixtral's window, OLMoE's whole-projection q norm."""
     tokens, _ = batch()
     for name, change in (("qwen3_moe", dict(num_experts_per_tok=1)), ("mixtral", dict(sliding_window=None)),
                          ("qwen2_moe", None), ("olmoe", None)):
-        model, _ = models(name)
-        config_class, fields = CASES[name]
-        other = hf_model(config_class, **{**fields, **(change or {})})
+        model, _ = family_models(name)
+        other = make(name, **(change or {}))
         other.load_state_dict(model.state_dict())
         with torch.no_grad():
             for pname, p in other.named_parameters():
@@ -84,10 +54,10 @@ def save_fused(model, root):
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("link", [False, True])
-def test_the_fused_expert_layout_converts_to_the_same_model(models, name, link, tmp_path):
+def test_the_fused_expert_layout_converts_to_the_same_model(family_models, name, link, tmp_path):
     """Both checkpoint layouts give the same store; with --link each expert's gate, up and down are read in
     place, as rows of the 3-D tensors (only q and k and their biases, whose rows are permuted, are copied)."""
-    model, store = models(name)
+    model, store = family_models(name)
     save_fused(model, tmp_path / "hf")
     args = ["--src", str(tmp_path / "hf"), "--out", str(tmp_path / "store"), "--quiet"] + (["--link"] if link else [])
     from test_convert import load_script
@@ -107,10 +77,10 @@ def test_the_fused_expert_layout_converts_to_the_same_model(models, name, link, 
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_each_expert_is_one_byte_range_the_manifest_records(models, name):
+def test_each_expert_is_one_byte_range_the_manifest_records(family_models, name):
     """The manifest's range of expert e holds its gate, down and up weights, back to back, as the
     transformers model has them."""
-    model, store = models(name)
+    model, store = family_models(name)
     cfg = BlockStore(store).cfg
     entry = json.loads((store / "manifest.json").read_text())["files"]["blocks/001.safetensors"]
     _, start = read_header(store / "blocks" / "001.safetensors")
@@ -125,12 +95,12 @@ def test_each_expert_is_one_byte_range_the_manifest_records(models, name):
         assert torch.equal(got, torch.cat([w1.flatten(), down[e].flatten(), w3.flatten()]))
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_the_export_loads_in_transformers_with_equal_logits(models, name, tmp_path):
-    model, store = models(name)
+@pytest.mark.parametrize("name", MOE)
+def test_the_export_loads_in_transformers_with_equal_logits(family_models, name, tmp_path):
+    model, store = family_models(name)
     out = export(store, tmp_path / "hf", None, "hf", progress=False)
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(back).__name__ == HF_CLASSES[name]
+    assert type(back).__name__ == CASES[name].hf_class
     tokens, _ = batch()
     with torch.no_grad():
         assert rel_err(back(tokens).logits, model(tokens).logits) < 1e-5
@@ -156,7 +126,7 @@ def test_the_router_loss_is_transformers_load_balancing_loss():
 def test_a_synthetic_store_of_a_moe_preset_shape_streams(name, tmp_path):
     import dataclasses
     import math
-    from phantom.model.convert import write_synthetic
+    from phantom.model.synthetic import write_synthetic
     cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
                               intermediate_size=96, n_layers=2, max_seq_len=64, n_experts=6, experts_per_token=2,
                               expert_dim=32)
@@ -172,40 +142,17 @@ def test_moe_config_checks():
         ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=10, n_experts=4, experts_per_token=5, expert_dim=8)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_lora_on_attention_matches_peft_and_the_merged_export_loads(models, name, tmp_path):
-    """LoRA on q, k, v, o (routers and experts frozen): logits, loss and every A/B gradient equal peft's on
-    the transformers model, streamed; the adapter loads in peft; the merged export loads in transformers."""
-    model, store = models(name)
-    tokens, targets = batch()
-    adapter, logits = check_lora(model, store, tmp_path, tokens, targets, runs=[("disk", 1, "all"), ("ram", 0, "none")],
-                                 lora_targets=("q", "k", "v", "o"))
-    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == ["k_proj", "o_proj",
-                                                                                          "q_proj", "v_proj"]
-    check_merged_export(store, adapter, tmp_path, tokens, logits, HF_CLASSES[name])
-
-
-def test_lora_on_experts_is_refused_naming_the_targets(models):
-    _, store = models("mixtral")
+def test_lora_on_experts_is_refused_naming_the_targets(family_models):
+    _, store = family_models("mixtral")
     for targets in (("q", "gate"), ("all-linear",)):
         with pytest.raises(ValueError, match="attention projections only"):
             phantom.load(store, lora=phantom.LoraConfig(targets=targets))
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_full_step_with_the_router_loss_matches_adamw_resident_and_streamed(models, name, tmp_path):
-    """One full-finetuning step, cross-entropy plus router_aux_loss_coef times transformers' load-balancing
-    loss (output_router_logits), equals torch.optim.AdamW on the transformers model: every weight, the
-    routers included, resident and streamed from disk (blocks updated inside the backward, recomputed)."""
-    _, store = models(name)
-    check_full_step(make(name), store, *batch())  # each step moves the transformers model: a fresh one each
-    check_full_step(make(name), store, *batch(), work_dir=tmp_path / "work")
-
-
-def test_the_router_loss_is_in_the_loss_and_moves_the_routers(models):
+def test_the_router_loss_is_in_the_loss_and_moves_the_routers(family_models):
     """The loss phantom returns in full mode is cross-entropy + coef * aux as transformers computes it; with
     a coefficient of 0 the routers' gradients differ (the term is not a no-op)."""
-    _, store = models("qwen3_moe")
+    _, store = family_models("qwen3_moe")
     model = make("qwen3_moe")  # as stored (a full step may have moved the shared one)
     tokens, targets = batch()
     with torch.no_grad():
@@ -225,12 +172,12 @@ def test_the_router_loss_is_in_the_loss_and_moves_the_routers(models):
 
 
 @pytest.mark.parametrize("method", ["nf4", "int8"])
-def test_a_quantized_moe_store_streams_its_dequantized_experts(models, method, tmp_path):
+def test_a_quantized_moe_store_streams_its_dequantized_experts(family_models, method, tmp_path):
     """NF4 and int8 experts (routers kept 16-bit): the streamed quantized model's logits equal transformers'
     on the weights the store dequantizes to (its --format hf export), from disk and RAM; LoRA on it runs."""
-    from phantom.model.convert import quantize_store
+    from phantom.model.quantstore import quantize_store
     from phantom.arch.quantformat import QuantFormat
-    _, store = models("qwen2_moe")
+    _, store = family_models("qwen2_moe")
     quantize_store(store, tmp_path / "q", QuantFormat(method), dtype=torch.bfloat16, progress=False)
     record = json.loads((tmp_path / "q" / "manifest.json").read_text())["quantization"]["tensors"]
     assert record["feed_forward.gate.weight"] == record["feed_forward.shared_expert_gate.weight"] == "bfloat16"
@@ -250,10 +197,10 @@ def test_a_quantized_moe_store_streams_its_dequantized_experts(models, method, t
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_greedy_generation_equals_transformers_generate(models, name):
+def test_greedy_generation_equals_transformers_generate(family_models, name):
     """Through the KV cache, a token at a time (one or few tokens routed per step), past Mixtral's window."""
     from phantom.model.generate import generate
-    _, store = models(name)
+    _, store = family_models(name)
     model = make(name)
     prompt = batch(b=1, t=6)[0]
     with torch.no_grad():
@@ -263,21 +210,22 @@ def test_greedy_generation_equals_transformers_generate(models, name):
     assert got == want[0, 6:].tolist()
 
 
-def test_the_cost_model_counts_the_flops_of_the_routed_experts(models):
+def test_the_cost_model_counts_the_flops_of_the_routed_experts(family_models):
     """flops_per_row's matmul term is 2 x the weights a token runs through (experts_per_token of the experts):
     torch's FLOP counter on transformers' own forward of the tiny Qwen3-MoE (its blocks, attention's
     scores and values excluded) agrees within 2% (the norms' weights count too); Qwen3-30B-A3B runs 3.3B of
     its 30.5B weights a token, as its card says."""
     from torch.utils.flop_counter import FlopCounterMode
-    from phantom.plan import costmodel
-    model, store = models("qwen3_moe")
+    from phantom.plan import costinputs as ci
+    _, store = family_models("qwen3_moe")
     cfg = BlockStore(store).cfg
+    model = make("qwen3_moe")  # reconfigured below: not the shared one
     model.config._experts_implementation = "eager"  # its loop of matmuls (the counter misses grouped_mm)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model.model.layers[0].mlp(torch.randn(1, 32, cfg.dim))
     mlp = counter.get_total_flops()
     attention = 2 * 32 * (cfg.q_dim * cfg.dim * 2 + 2 * cfg.kv_heads * cfg.head_dim * cfg.dim)
-    predicted = costmodel.shape_of(cfg, "fp32", "fp32", seq_len=32).flops_per_row - 2 * 32 * 32 * cfg.q_dim
+    predicted = ci.shape_of(cfg, "fp32", "fp32", seq_len=32).flops_per_row - 2 * 32 * 32 * cfg.q_dim
     assert abs(predicted - (mlp + attention)) < 0.02 * (mlp + attention)
     big = PRESETS["qwen3-30B-A3B"]
     active = big.n_layers * big.active_block_params() + 2 * big.vocab_size * big.dim
@@ -289,8 +237,7 @@ def test_the_cost_model_counts_the_flops_of_the_routed_experts(models):
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)),  # layer 0 of 2 slides
 ])
 def test_the_qwen_moe_windows_follow_their_config_classes(name, fields, tmp_path):
-    config_class, base = CASES[name]
-    model = hf_model(config_class, **{**base, **fields})
+    model = make(name, **fields)
     store = prepare(model, tmp_path)
     cfg = BlockStore(store).cfg
     assert [cfg.window(i) for i in range(2)] == ([16, 16] if name == "qwen3_moe" else [16, None])

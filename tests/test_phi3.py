@@ -1,5 +1,6 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM): q, k, v fused in one qkv_proj and gate, up in one gate_up_proj in the
-checkpoint, against transformers' own class (tests/family_check.py).
+checkpoint (the shared checks against transformers' own class, Phi-3-mini's, Phi-4's and Phi-4-mini's
+shapes: tests/test_families.py).
 
 The store keeps the parts apart (back to back: a block still runs each group as one matmul), the
 converter reads each part as its rows of the fused tensor (in place with --link where no permutation
@@ -15,65 +16,18 @@ import pytest
 import torch
 
 import phantom
-from family_check import (batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model,
-                          model_stores, prepare, rel_err)
+from family_check import batch, check_logits, check_lora, check_merged_export, make, prepare, rel_err
 from phantom.arch.config import ModelConfig, preset
 from phantom.arch.layers import LoraLinear, TransformerBlock, project
 from phantom.model.lora import apply_lora, for_family
 from phantom.model.export import export
 from phantom.files.store import BlockStore
 
-SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=64, pad_token_id=None)  # Phi3Config's pad id 32000 is past a tiny vocabulary
-CASES = {  # name -> fields of Phi3Config
-    # Phi-3-mini's shape: as many kv heads as heads, a sliding window (2047 there) shorter than the sequence
-    "phi3-mini": dict(SHAPES, num_key_value_heads=4, sliding_window=16),
-    # Phi-4's: grouped-query attention, rope_theta 250000, no window
-    "phi4": dict(SHAPES, num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 250000.0}),
-    # Phi-4-mini's: RoPE over 3/4 of each head (12 of 16 dims here), longrope past an original context of 16,
-    # tied embeddings
-    "phi4-mini": dict(SHAPES, num_key_value_heads=2, tie_word_embeddings=True, original_max_position_embeddings=16,
-                      rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
-                                       "short_factor": [1.0 + 0.1 * i for i in range(6)],
-                                       "long_factor": [1.0 + 0.7 * i for i in range(6)]}),
-}
 
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return model_stores(tmp_path_factory, lambda name: hf_model("Phi3Config", **CASES[name]))
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_logits_and_loss_match_transformers_streamed_every_way(models, name):
-    model, store = models(name)
-    cfg = BlockStore(store).cfg
-    assert cfg.family == "phi3" and cfg.rope_dim == (12 if name == "phi4-mini" else 16)
-    check_logits(model, store, *batch())  # 40 tokens: past phi3-mini's window of 16
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_lora_on_the_fused_modules_matches_peft_and_the_merged_export_loads(models, name, tmp_path):
-    model, store = models(name)
-    tokens, targets = batch()
-    adapter, logits = check_lora(model, store, tmp_path, tokens, targets)
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
-    check_merged_export(store, adapter, tmp_path, tokens, logits, "Phi3ForCausalLM")
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_full_step_matches_adamw_resident_and_streamed(models, name, tmp_path):
-    model, store = models(name)
-    check_full_step(model, store, *batch())
-    fresh = hf_model("Phi3Config", **CASES[name])  # the step above moved the shared model
-    check_full_step(fresh, store, *batch(), work_dir=tmp_path / "work")
-
-
-def test_a_linked_store_reads_unpermuted_parts_in_place(models):
+def test_a_linked_store_reads_unpermuted_parts_in_place(family_models):
     """v, gate and up are rows of the fused tensors, read where they lie; q and k need their rows permuted
     (Meta's RoPE layout) and are the only block tensors copied."""
-    model, store = models("phi4", link=True)
+    model, store = family_models("phi4", link=True)
     linked = json.loads((store / "manifest.json").read_text())["links"]["files"]["blocks/000.safetensors"]["tensors"]
     copied = sorted(t["name"] for t in linked if t["file"].endswith(".local.safetensors"))
     assert copied == ["attention.wk.weight", "attention.wq.weight"]
@@ -81,9 +35,9 @@ def test_a_linked_store_reads_unpermuted_parts_in_place(models):
     check_logits(model, store, *batch(), runs=[("disk", 1, "all")])
 
 
-def test_q_and_v_on_phi3_is_its_qkv_proj_and_says_so(models, caplog):
+def test_q_and_v_on_phi3_is_its_qkv_proj_and_says_so(family_models, caplog):
     """peft has one LoRA on qkv_proj, so the default targets (q, v) become it, with a line saying k is in."""
-    _, store = models("phi4")
+    _, store = family_models("phi4")
     cfg = BlockStore(store).cfg
     with caplog.at_level(logging.INFO, logger="phantom.model.lora"):
         assert for_family(phantom.LoraConfig(), cfg).targets == ("qkv",)
@@ -112,8 +66,7 @@ def test_the_parts_of_a_fused_lora_share_one_a_and_one_dropout_mask():
     assert q.abs().sum() > 0
 
 
-
-LONGROPE = dict(CASES["phi4"], max_position_embeddings=64, original_max_position_embeddings=16,
+LONGROPE = dict(max_position_embeddings=64, original_max_position_embeddings=16,  # Phi-4 with these
                 rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
                                  "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                  "long_factor": [1.0 + 0.7 * i for i in range(8)]})
@@ -121,7 +74,7 @@ LONGROPE = dict(CASES["phi4"], max_position_embeddings=64, original_max_position
 
 @pytest.fixture(scope="module")
 def longrope(tmp_path_factory):
-    model = hf_model("Phi3Config", **LONGROPE)
+    model = make("phi4", **LONGROPE)
     return model, prepare(model, tmp_path_factory.mktemp("longrope"))
 
 
@@ -155,7 +108,7 @@ def test_longrope_in_packed_rows_follows_the_longest_example(longrope):
 
 def test_the_export_names_the_models_own_token_ids(tmp_path):
     """config.json carries the generation_config.json's bos/eos ids, not Phi3Config's defaults (1, 32000)."""
-    model = hf_model("Phi3Config", **CASES["phi4"])
+    model = make("phi4")
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 5, 7
     store = prepare(model, tmp_path)
     out = export(store, tmp_path / "out", None, "hf", progress=False)

@@ -7,9 +7,6 @@ CI=true a missing library is an error, not a skip, so these checks cannot silent
 """
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,14 +16,8 @@ from phantom.arch.config import ModelConfig, RopeScaling
 from phantom.model.convert import convert_checkpoint
 from phantom.model.lora import TARGETS, lora_modules
 from phantom.model.phantom_model import ChunkedHeadLoss
+from conftest import need
 from test_convert import hf_config
-
-
-def need(module: str):
-    """The module, or a skip outside CI; in CI (CI=true) a missing cross-check library fails the run."""
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module)
 
 
 transformers = need("transformers")

@@ -11,19 +11,12 @@ library fails instead of skipping.
 from __future__ import annotations
 
 import base64
-import importlib
 import json
-import os
 
 import pytest
 
+from conftest import need
 from phantom.data.tokenizer import TINY_TEXT, Tokenizer, train_tiny_tokenizer
-
-
-def need(module: str):
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module)
 
 
 tokenizers = need("tokenizers")
@@ -160,7 +153,7 @@ def test_tokenizer_files_linked_outside_the_model_folder_are_refused(tmp_path, c
     """prepare_model.py copies a model folder's tokenizer files into the store: a link leading elsewhere
     (a planted tokenizer_config.json -> /some/secret) is refused naming it; a hub snapshot's links into
     its repository's blobs stay allowed."""
-    from phantom.model.convert import tokenizer_sources
+    from phantom.model.checkpoints import tokenizer_sources
     from test_convert import load_script
     src = tmp_path / "hf"
     src.mkdir()

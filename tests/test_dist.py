@@ -93,7 +93,8 @@ def nan_worker(rank, world, store, init_file, out, result_file):
     import numpy as np
 
     from phantom.data import dataset as D
-    from phantom.train.loop import TrainConfig, train as train_loop
+    from phantom.train.loop import train as train_loop
+    from phantom.train.trainconfig import TrainConfig
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))  # a hang fails the test, not CI
     try:

@@ -29,8 +29,8 @@ PACKAGES = {  # the flow, in import order: each package imports only those above
 }
 RANK = {  # within a package
     "base": {"safejson": 0, "faults": 1, "dtypes": 1, "provenance": 1, "checksum": 1, "fileio": 2},
-    "data": {"special_tokens": 0, "tokenizer": 1, "sources": 1, "chat": 2, "tokencache": 2, "dataset": 3,
-             "showdata": 4},
+    "data": {"special_tokens": 0, "tokenfiles": 0, "tokenizer": 1, "sources": 1, "chat": 2, "tokencache": 2,
+             "recordformats": 3, "dataset": 4, "batches": 5, "showdata": 6},
     "arch": {"config": 0, "quantformat": 1, "moe": 1, "family_moe": 1, "quant": 2, "layers": 2, "family": 2},
     "files": {"tensorfile": 0, "directio": 1, "hfshards": 1, "fusedrows": 1, "runfolder": 1, "seal": 1,
               "storeformat": 1, "storelinks": 2, "workingcopy": 2, "storeverify": 3, "storewriter": 3, "store": 4},
@@ -38,7 +38,7 @@ RANK = {  # within a package
                "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6},
     "model": {"lora": 0, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 2, "hub": 2,
               "phantom_model": 2, "generate": 3},
-    "plan": {"costmodel": 0, "profiles": 1, "tune": 2},
+    "plan": {"costinputs": 0, "costmodel": 1, "planner": 2, "profiles": 3, "tune": 4},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,
               "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 4, "runner": 5},
 }
@@ -352,7 +352,7 @@ def test_functions_are_short_and_take_few_parameters():
 def test_the_scheduler_and_the_cost_model_resolve_one_layout(small_store, small_store_bf16, dtype, offload, prefetch):
     """The scheduler's layout (from a store) and the cost model's (from the config alone) are the same
     placement.Layout for stores in fp32 and bf16 computed in fp32, bf16 and fp16."""
-    from phantom.plan import costmodel as cm
+    from phantom.plan import costinputs as ci, costmodel as cm
     from phantom.stream.placement import Layout, Placement
     from phantom.stream.scheduler import BlockScheduler
     from phantom.files.store import BlockStore
@@ -361,6 +361,6 @@ def test_the_scheduler_and_the_cost_model_resolve_one_layout(small_store, small_
         store = BlockStore(path)
         place = Placement(offload=offload, prefetch=prefetch, ram_budget=3 * store.block_nbytes * 2)
         with BlockScheduler(store, "cpu", place, dtype=dtype) as sched:
-            shape = cm.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype))
-            planned = cm.layout(shape, cm.MachineProfile(machine="t", device="cpu"), place)
+            shape = ci.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype))
+            planned = cm.layout(shape, ci.MachineProfile(machine="t", device="cpu"), place)
             assert isinstance(sched.layout, Layout) and sched.layout == planned, (path.name, dtype)

@@ -15,10 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 import phantom
-from phantom.model.convert import ensure_tiny
+from phantom.model.synthetic import ensure_tiny
 from phantom.train.preference import PreferenceConfig, load_pairs, split_pairs
 from phantom.data.tokenizer import Tokenizer
-from phantom.train.loop import TrainConfig, preference_postfix, train
+from phantom.train.loop import train
+from phantom.train.records import preference_postfix
+from phantom.train.trainconfig import TrainConfig
 from test_finetune_cli import FINETUNE, metrics
 
 

@@ -11,7 +11,9 @@ import phantom
 from phantom.data import dataset as D
 from phantom.data.tokenizer import Tokenizer
 from phantom.train.checkpoint import trainable_state
-from phantom.train.loop import TrainConfig, lr_factor, sample, train
+from phantom.train.loop import train
+from phantom.train.step import sample
+from phantom.train.trainconfig import TrainConfig, lr_factor
 from conftest import randomize_lora
 
 

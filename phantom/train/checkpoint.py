@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from phantom.base import fileio, safejson
 from phantom.files import runfolder, seal
-from phantom.files.store import link_tree
+from phantom.files.workingcopy import link_tree
 from phantom.files.tensorfile import write_safetensors
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ ACTIVATION_KEYS = ("recompute", "compile", "checkpoint_inner")
 
 def run_identity(model, train_data, cfg) -> dict:
     """What a checkpoint must share with the run that resumes it (train_data: a phantom.data.dataset.TokenData
-    or preference pairs; cfg: the run's phantom.train.loop.TrainConfig)."""
+    or preference pairs; cfg: the run's phantom.train.trainconfig.TrainConfig)."""
     lora = getattr(model, "lora_cfg", None)
     ident = {"model": dataclasses.asdict(model.cfg), "lora": dataclasses.asdict(lora) if lora else None,
              "dtype": str(model.dtype), "mode": cfg.mode, "data": f"{train_data.key}:{len(train_data)}",

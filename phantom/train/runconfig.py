@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 from phantom.data import chat
 from phantom.train import cli, runfile, trackers
-from phantom.data.dataset import TOKEN_DTYPES
+from phantom.data.tokenfiles import TOKEN_DTYPES
 from phantom.model.lora import LoraConfig
 from phantom.stream.placement import Activations, Placement, knob
 from phantom.train.preference import PreferenceConfig
-from phantom.train.loop import TrainConfig
+from phantom.train.trainconfig import TrainConfig
 
 TRAIN_MODES = ("lora", "full", "dpo")
 SECTION_ORDER = ("model", "placement", "lora", "data", "optim", "output")  # as OUT/config.yaml shows them

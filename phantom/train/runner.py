@@ -19,22 +19,23 @@ from pathlib import Path
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from phantom.data import chat, dataset as data, showdata
+from phantom.data import batches, chat, dataset as data, recordformats, showdata, tokenfiles
 from phantom.train import cli, preference, runcard, runfile, trackers
 from phantom.base import fileio, provenance
 from phantom.files import runfolder
-from phantom.plan import costmodel as cm
+from phantom.plan import planner
 from phantom.stream import placement as P
 from phantom.train import runconfig as rc
 from phantom.train.checkpoint import io_error_line, prepare_work_dir, resume_point, store_fingerprint, tracker_runs
-from phantom.model.convert import ensure_tiny, write_synthetic
+from phantom.model.synthetic import ensure_tiny, write_synthetic
 from phantom.train.dist import init_from_env
 from phantom.model.lora import family_targets
 from phantom.stream.optim import AdamWConfig
 from phantom.files.store import BlockStore
 from phantom.data.tokenizer import Tokenizer
 from phantom.train.load import load as load_phantom, resolve_device, resolve_model, weights_dir
-from phantom.train.loop import read_metrics, train
+from phantom.train.loop import train
+from phantom.train.records import read_metrics
 from phantom.arch.config import PRESETS, preset
 from phantom.plan.tune import resolve_prefetch
 
@@ -70,8 +71,8 @@ def run(cfg: rc.RunConfig) -> dict:
     check_seq_len(cfg, store.cfg)
     if cfg.data.show_data:
         tok, _, train_data, _ = load_data(cfg, path, store)
-        print(showdata.show_rows(data.rows(train_data, cfg.train.seq_len, tok.pad_or_eos if tok else 0,
-                                           segments=True), tok, cfg.data.show_data, ids=cfg.data.show_data_ids))
+        print(showdata.show_rows(batches.rows(train_data, cfg.train.seq_len, tok.pad_or_eos if tok else 0,
+                                              segments=True), tok, cfg.data.show_data, ids=cfg.data.show_data_ids))
         return {"status": "shown", "report": None}
     given, cfg = cfg, decided(cfg, store)
     out = Path(cfg.train.out)
@@ -84,7 +85,7 @@ def run(cfg: rc.RunConfig) -> dict:
         return {**s, "report": None}
     report = summary(s)
     if best is not None and s["median_step_s"] is not None:  # the tuner's plan was logged at the start
-        report += "\n" + cm.describe_measured(best, s["median_step_s"])
+        report += "\n" + planner.describe_measured(best, s["median_step_s"])
     return {**s, "report": report}
 
 
@@ -118,7 +119,7 @@ def claimed_run(cfg, given, machine: Machine, path: Path, store: BlockStore):
     best, placement = resolve_prefetch(cfg.prefetch, path, machine.device, machine.dtype, cfg.placement,
                                        micro_rows(cfg) * cfg.train.grad_accum, cfg.train.seq_len)
     train_cfg = cfg.train if best is None else \
-        dataclasses.replace(cfg.train, check_step=functools.partial(cm.check_prediction, best))
+        dataclasses.replace(cfg.train, check_step=functools.partial(planner.check_prediction, best))
     cfg = dataclasses.replace(cfg, placement=placement, train=train_cfg)
     try:
         runs = tracker_runs(out) if cfg.train.resume else {}  # the trackers' runs continue too
@@ -186,11 +187,11 @@ def load_data(cfg: rc.RunConfig, path: Path, store: BlockStore):
     """(tokenizer, recipe, training data, held-out data) as cfg.data says."""
     d = cfg.data
     tok = Tokenizer(store.tokenizer_path) if store.tokenizer_path is not None else None
-    if tok is None and (d.data is None or Path(d.data).suffix not in data.TOKEN_SUFFIXES):
+    if tok is None and (d.data is None or Path(d.data).suffix not in tokenfiles.TOKEN_SUFFIXES):
         raise FileNotFoundError(f"{path} has no tokenizer; train it on token ids already tokenized (--data FILE.bin "
                                 f"or FILE.npy), or prepare the store with a tokenizer")
     template = chat.read_template(path, tok, d.chat_template) if tok is not None else None
-    recipe = data.Recipe(template, d.train_on, data.parse_columns(d.columns), d.data_split)
+    recipe = recordformats.Recipe(template, d.train_on, recordformats.parse_columns(d.columns), d.data_split)
     load = functools.partial(data.load, tok=tok, vocab_size=store.cfg.vocab_size, dtype=d.data_dtype, recipe=recipe)
     split = data.split
     if cfg.train.mode == "dpo":  # pairs; chat messages through the model's template where it has one
@@ -198,14 +199,15 @@ def load_data(cfg: rc.RunConfig, path: Path, store: BlockStore):
         split = preference.split_pairs
     train_data, val_data = split(load(d.data), 0 if d.val_data else d.val_split)
     val_data = load(d.val_data) if d.val_data else val_data
-    if template is None and train_data.fmt in data.CHAT_FORMATS:
+    if template is None and train_data.fmt in recordformats.CHAT_FORMATS:
         log.info("%s has no chat template: chat records are rendered as plain Role: content lines", path)
     return tok, recipe, train_data, val_data
 
 
 def train_run(cfg: rc.RunConfig, machine: Machine, path: Path, store: BlockStore, reporter) -> dict:
     tok, recipe, train_data, val_data = load_data(cfg, path, store)
-    t = dataclasses.replace(cfg.train, prompt=data.render_prompt(cfg.train.prompt, train_data.fmt, recipe.template))
+    prompt = recordformats.render_prompt(cfg.train.prompt, train_data.fmt, recipe.template)
+    t = dataclasses.replace(cfg.train, prompt=prompt)
     with load_model(cfg, machine, path) as model, logging_redirect_tqdm():
         return train(model, train_data, val_data, t, tok, (reporter.log,), {"trackers": reporter.runs()})
 

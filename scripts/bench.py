@@ -47,7 +47,7 @@ from phantom.train import cli
 from phantom.plan import costmodel as cm
 from phantom.plan import profiles, tune
 from phantom.arch.config import ModelConfig  # noqa: E402
-from phantom.model.convert import write_synthetic  # noqa: E402
+from phantom.model.synthetic import write_synthetic  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
 from phantom.files.tensorfile import dtype_name  # noqa: E402
 

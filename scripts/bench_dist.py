@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
 from phantom.arch.config import ModelConfig  # noqa: E402
-from phantom.model.convert import write_synthetic  # noqa: E402
+from phantom.model.synthetic import write_synthetic  # noqa: E402
 
 
 def parse_args():

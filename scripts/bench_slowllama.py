@@ -9,7 +9,7 @@ repository: pass a checkout of its .py files with --slowllama (recipe in notes/b
 What it does, each phase in its own process (slowllama numbers its on-disk modules with a
 process-global counter, so preparing and loading must start from a fresh counter, as its own
 prepare_model.py and finetune.py do):
-  1. phantom's synthetic store (phantom.model.convert.write_synthetic, the call scripts/bench.py makes;
+  1. phantom's synthetic store (phantom.model.synthetic.write_synthetic, the call scripts/bench.py makes;
      or --store PATH), read back with BlockStore.load_block/load_head/load_embed and written as a Meta
      checkpoint: consolidated.00.pth + params.json (+ tokenizer.model, unused).
   2. slowllama's llama2_loader.prepare_model: builds its Transformer (every attention, feed-forward,
@@ -230,7 +230,7 @@ def prepare_checkpoint(args) -> dict:
     """The store (--store, or bench.py's synthetic one) as a Meta checkpoint in WORK/meta; its shapes."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from phantom.arch.config import ModelConfig
-    from phantom.model.convert import write_synthetic
+    from phantom.model.synthetic import write_synthetic
     t0 = time.perf_counter()
     store = args.store
     if store is None:

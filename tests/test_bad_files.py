@@ -24,7 +24,8 @@ from phantom.arch.config import ModelConfig, preset
 from phantom.model.convert import convert_checkpoint
 from phantom.model.hub import snapshot
 from phantom.model.lora import LoraConfig
-from phantom.files.store import BlockStore, StoreError, block_file
+from phantom.files.store import BlockStore, StoreError
+from phantom.files.storeformat import block_file
 from phantom.data.tokenizer import TINY_TEXT, Tokenizer
 from test_bad_inputs import FT, REPO, adapter, check, finetune, refused_at_open, script, tiny, weights  # noqa: F401 - fixtures
 from test_convert import LLAMA2, make_bad, random_model, write_hf

@@ -22,8 +22,9 @@ import phantom.base.fileio
 import phantom.train.loop
 from phantom.data import dataset as data
 from phantom.arch.config import preset
-from phantom.model.convert import ensure_tiny, write_synthetic
-from phantom.files.store import BlockStore, StoreError, block_file
+from phantom.model.synthetic import ensure_tiny, write_synthetic
+from phantom.files.store import BlockStore, StoreError
+from phantom.files.storeformat import block_file
 from phantom.data.tokenizer import Tokenizer
 from test_convert import LLAMA2, load_script, make_bad, random_model, write_meta
 

@@ -10,7 +10,7 @@ import torch
 
 import phantom.files.directio
 import phantom.files.store
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from test_convert import load_script
 from test_tiers import CFG  # 8 blocks: room for a RAM half and a disk half
 

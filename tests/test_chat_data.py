@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import phantom
-from phantom.data import chat, dataset as D
+from phantom.data import chat, dataset as D, recordformats as R
 from phantom.data.tokenizer import Tokenizer
 
 FINETUNE = Path(__file__).resolve().parent.parent / "scripts" / "finetune.py"
@@ -30,7 +30,7 @@ def tok():
 def recipe(tok):
     template = chat.read_template(phantom.resolve_model("tiny"), tok)
     assert template is not None and template.source == chat.TINY_CHAT_TEMPLATE  # kept in the store
-    return D.Recipe(template)
+    return R.Recipe(template)
 
 
 def jsonl(path, records):
@@ -64,9 +64,9 @@ def test_parquet_datasets_folder_and_hub_cache_equal_jsonl(tok, recipe, tmp_path
     assert same(D.load(tmp_path / "saved", tok, recipe=recipe), want)
     datasets.DatasetDict({"train": datasets.Dataset.from_list(RECORDS[:1]),
                           "test": datasets.Dataset.from_list(RECORDS)}).save_to_disk(str(tmp_path / "dict"))
-    assert same(D.load(tmp_path / "dict", tok, recipe=D.Recipe(recipe.template, split="test")), want)
+    assert same(D.load(tmp_path / "dict", tok, recipe=R.Recipe(recipe.template, split="test")), want)
     with pytest.raises(ValueError, match="no split 'dev'; it has train, test"):
-        D.load(tmp_path / "dict", tok, recipe=D.Recipe(recipe.template, split="dev"))
+        D.load(tmp_path / "dict", tok, recipe=R.Recipe(recipe.template, split="dev"))
     # a Hub dataset id found in the local cache, read offline: the snapshot refs/main names
     cache = tmp_path / "hub"
     snap = cache / "datasets--lamp--keeper" / "snapshots" / "abc123"
@@ -77,7 +77,7 @@ def test_parquet_datasets_folder_and_hub_cache_equal_jsonl(tok, recipe, tmp_path
     (cache / "datasets--lamp--keeper" / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     assert same(D.load("lamp/keeper", tok, recipe=recipe), want)
-    assert len(D.load("lamp/keeper", tok, recipe=D.Recipe(recipe.template, split="test")).starts) == 1
+    assert len(D.load("lamp/keeper", tok, recipe=R.Recipe(recipe.template, split="test")).starts) == 1
     with pytest.raises(FileNotFoundError, match="Hub dataset id in the local cache"):
         D.load("lamp/other", tok, recipe=recipe)
 
@@ -85,10 +85,10 @@ def test_parquet_datasets_folder_and_hub_cache_equal_jsonl(tok, recipe, tmp_path
 def test_columns_map_other_names(tok, recipe, tmp_path):
     want = D.load(jsonl(tmp_path / "a.jsonl", RECORDS), tok, recipe=recipe)
     renamed = [{"question": r["instruction"], "input": r["input"], "answer": r["output"]} for r in RECORDS]
-    cols = D.Recipe(recipe.template, columns=D.parse_columns("instruction=question,output=answer"))
+    cols = R.Recipe(recipe.template, columns=R.parse_columns("instruction=question,output=answer"))
     assert same(D.load(jsonl(tmp_path / "b.jsonl", renamed), tok, recipe=cols), want)
     with pytest.raises(ValueError, match="KEY=COLUMN"):
-        D.parse_columns("instruction")
+        R.parse_columns("instruction")
 
 
 def test_sharegpt_and_messages_give_the_same_tokens(tok, recipe, tmp_path):
@@ -100,7 +100,7 @@ def test_sharegpt_and_messages_give_the_same_tokens(tok, recipe, tmp_path):
     b = D.load(jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": speaker[m["role"]], "value": m["content"]}
                                                                   for m in msgs]}]), tok, recipe=recipe)
     assert a.fmt == "chat" and b.fmt == "sharegpt" and same(a, b)
-    last = D.load(tmp_path / "m.jsonl", tok, recipe=D.Recipe(recipe.template, train_on="last"))
+    last = D.load(tmp_path / "m.jsonl", tok, recipe=R.Recipe(recipe.template, train_on="last"))
     n_all, n_last = (int((np.asarray(d.labels) != D.IGNORE_INDEX).sum()) for d in (a, last))
     assert 0 < n_last < n_all
 

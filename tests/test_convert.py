@@ -15,7 +15,9 @@ from safetensors.torch import save_file
 
 import phantom
 from phantom.arch.config import ModelConfig, RopeScaling, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
-from phantom.model.convert import META_SPLIT_DIMS, HF_KEYS, HF_PERMUTED, convert_checkpoint
+from phantom.arch.family import LLAMA_KEYS
+from phantom.model.checkpoints import META_SPLIT_DIMS, HF_PERMUTED
+from phantom.model.convert import convert_checkpoint
 from phantom.arch.layers import TransformerBlock, permute_for_hf, rms_norm, rope_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,7 +78,7 @@ def hf_config(cfg: ModelConfig, arch: str = "LlamaForCausalLM") -> dict:
 def hf_state_dict(cfg: ModelConfig, sd: dict) -> dict[str, torch.Tensor]:
     """Meta state dict -> HF names, q/k rows permuted as HF's convert_llama_weights_to_hf.py does."""
     out = {}
-    for hf, name in HF_KEYS.items():
+    for hf, name in LLAMA_KEYS.items():
         for i in range(cfg.n_layers) if "{}" in hf else [None]:
             t = sd[f"layers.{i}.{name}" if i is not None else name]
             if name in HF_PERMUTED:

@@ -17,7 +17,7 @@ import phantom.stream.placement
 import phantom.stream.scheduler
 from phantom.plan import costmodel as cm
 from phantom.arch.config import ModelConfig, preset
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from phantom.stream.placement import Activations, Placement
 from phantom.stream.scheduler import BlockScheduler
 from phantom.files.store import BlockStore

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.data import dataset as D
+from phantom.data import batches as B, dataset as D, recordformats as R
 from phantom.data.tokenizer import Tokenizer, train_tiny_tokenizer
 
 M = D.IGNORE_INDEX
@@ -49,8 +49,8 @@ def test_alpaca_with_and_without_input(tok, tmp_path):
     recs = [{"instruction": "Name a bird.", "input": "", "output": "A tern."},
             {"instruction": "Count.", "input": "two short", "output": "Two."}]
     d = D.load(write_jsonl(tmp_path / "a.jsonl", recs), tok)
-    p0 = enc(tok, D.ALPACA_NO_INPUT.format(instruction="Name a bird."))
-    p1 = enc(tok, D.ALPACA.format(instruction="Count.", input="two short"))
+    p0 = enc(tok, R.ALPACA_NO_INPUT.format(instruction="Name a bird."))
+    p1 = enc(tok, R.ALPACA.format(instruction="Count.", input="two short"))
     r0, r1 = enc(tok, "A tern.") + [tok.eos_id], enc(tok, "Two.") + [tok.eos_id]
     assert d.fmt == "alpaca"
     assert d.tokens.tolist() == [tok.bos_id] + p0 + r0 + [tok.bos_id] + p1 + r1
@@ -103,7 +103,7 @@ def test_user_errors(tok, tmp_path):
         D.load(tmp_path / "l1.txt", tok)
     (tmp_path / "s.txt").write_text("The keeper.")
     with pytest.raises(ValueError, match="shorter than one sequence"):
-        D.rows(D.load(tmp_path / "s.txt", tok), seq_len=64)
+        B.rows(D.load(tmp_path / "s.txt", tok), seq_len=64)
     with pytest.raises(ValueError, match="val-split"):
         D.split(D.load(tmp_path / "s.txt", tok), 1.5)
 
@@ -143,7 +143,7 @@ def test_cache_is_reused_and_invalidated_by_a_new_tokenizer(tok, tmp_path):
 
 def test_windows_shift_targets_by_one():
     d = D.TokenData(np.arange(10, dtype=np.uint16), np.arange(10, dtype=np.int32), np.zeros(1, np.int64), "text", "k")
-    ds = D.rows(d, seq_len=4)
+    ds = B.rows(d, seq_len=4)
     x, y = ds[3]
     assert x.tolist() == [3, 4, 5, 6] and y.tolist() == [4, 5, 6, 7]
     assert ds.n == 6 and ds.n_sequential == 2
@@ -154,13 +154,13 @@ def test_packing_fills_rows_greedily_and_masks_padding():
     tokens = np.array([1, 10, 11, 1, 20, 1, 30, 31, 32], np.uint16)
     labels = np.array([M, M, 11, M, 20, M, M, 31, 32], np.int32)
     d = D.TokenData(tokens, labels, np.array([0, 3, 5]), "prompt", "k")
-    ds = D.rows(d, seq_len=5, pad_id=0)
+    ds = B.rows(d, seq_len=5, pad_id=0)
     assert len(ds) == 2
     x, y = ds[0]
     assert x.tolist() == [1, 10, 11, 1, 20] and y.tolist() == [M, 11, M, 20, M]
     x, y = ds[1]
     assert x.tolist() == [1, 30, 31, 32, 0] and y.tolist() == [M, 31, 32, M, M]
-    x, y = D.rows(d, seq_len=2)[2]  # the 4-token example is truncated to a row of 3
+    x, y = B.rows(d, seq_len=2)[2]  # the 4-token example is truncated to a row of 3
     assert x.tolist() == [1, 30] and y.tolist() == [M, 31]
 
 
@@ -176,35 +176,35 @@ def test_split_holds_out_the_tail():
 
 def test_batches_are_a_function_of_seed_and_step():
     d = D.TokenData(np.arange(200, dtype=np.uint16), np.arange(200, dtype=np.int32), np.zeros(1, np.int64), "text", "k")
-    ds = D.rows(d, 8)
-    it = iter(D.BatchSampler(ds, 4, seed=3))
+    ds = B.rows(d, 8)
+    it = iter(B.BatchSampler(ds, 4, seed=3))
     first = [next(it) for _ in range(6)]
-    resumed = iter(D.BatchSampler(ds, 4, seed=3, start=4))
+    resumed = iter(B.BatchSampler(ds, 4, seed=3, start=4))
     assert [next(resumed) for _ in range(2)] == first[4:]
-    assert first[0] != next(iter(D.BatchSampler(ds, 4, seed=4)))
-    seq = iter(D.BatchSampler(ds, 4, shuffle=False))
+    assert first[0] != next(iter(B.BatchSampler(ds, 4, seed=4)))
+    seq = iter(B.BatchSampler(ds, 4, shuffle=False))
     assert next(seq) == [0, 8, 16, 24]
     # shuffled rows: each epoch is a permutation of all rows
     pd = D.TokenData(np.arange(60, dtype=np.uint16), np.arange(60, dtype=np.int32), np.arange(0, 60, 6), "prompt", "k")
-    rows = D.rows(pd, 5)
-    it = iter(D.BatchSampler(rows, 5, seed=0))
+    rows = B.rows(pd, 5)
+    it = iter(B.BatchSampler(rows, 5, seed=0))
     epoch = next(it) + next(it)
     assert sorted(epoch) == list(range(10)) and epoch != list(range(10))
 
 
 def test_loader_with_a_worker_gives_the_sampler_batches(tok):
     d = D.load(None, tok)
-    ds = D.rows(d, 16)
-    x, y = next(iter(D.loader(ds, 3, seed=1, workers=1)))
-    starts = D.BatchSampler(ds, 3, seed=1).indices(0)
+    ds = B.rows(d, 16)
+    x, y = next(iter(B.loader(ds, 3, seed=1, workers=1)))
+    starts = B.BatchSampler(ds, 3, seed=1).indices(0)
     assert x.dtype == torch.int64 and x.shape == (3, 16)
     assert x.tolist() == [ds[s][0].tolist() for s in starts] and y.tolist() == [ds[s][1].tolist() for s in starts]
 
 
 def test_render_prompt():
-    assert D.render_prompt("Hi", "text") == "Hi"
-    assert D.render_prompt("Hi", "chat") == "User: Hi Assistant:"
-    assert D.render_prompt("Hi", "alpaca").endswith("### Instruction:\nHi\n\n### Response:\n")
+    assert R.render_prompt("Hi", "text") == "Hi"
+    assert R.render_prompt("Hi", "chat") == "User: Hi Assistant:"
+    assert R.render_prompt("Hi", "alpaca").endswith("### Instruction:\nHi\n\n### Response:\n")
 
 
 @pytest.mark.parametrize("dtype, suffix", [("uint16", ".bin"), ("uint32", ".bin"), ("uint16", ".npy"), ("int32", ".npy")])

@@ -182,7 +182,7 @@ def test_synthetic_stores_of_every_family_preset_shape_run(tmp_path):
 
     import phantom
     from phantom.arch.config import PRESETS
-    from phantom.model.convert import write_synthetic
+    from phantom.model.synthetic import write_synthetic
     for name in ("qwen2.5-7B", "qwen3-8B", "llama3.2-1B", "gemma2-9B", "gemma3-27B", "phi4-14B", "phi3-mini-4k"):
         cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
                                   intermediate_size=96, n_layers=3, max_seq_len=64,

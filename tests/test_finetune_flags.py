@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import phantom
-import phantom.data.dataset
+import phantom.data.batches
 from phantom.files.store import BlockStore
 from phantom.data.tokenizer import TINY_TEXT
 from test_convert import load_script
@@ -274,14 +274,14 @@ def token_file(tmp_path) -> tuple[Path, np.ndarray]:
 @pytest.fixture
 def batches(monkeypatch) -> list[torch.Tensor]:
     """The input batches the run's DataLoader gave, in order."""
-    seen, real = [], phantom.data.dataset.loader
+    seen, real = [], phantom.data.batches.loader
 
     def tapped(*args, **kwargs):
         for x, y in real(*args, **kwargs):
             seen.append(x.clone())
             yield x, y
 
-    monkeypatch.setattr(phantom.data.dataset, "loader", tapped)
+    monkeypatch.setattr(phantom.data.batches, "loader", tapped)
     return seen
 
 
@@ -305,14 +305,14 @@ def test_workers_prepare_batches_in_other_processes(run, token_file, batches, tm
     the same batches (the order is a pure function of seed and step)."""
     path, _ = token_file
     log = tmp_path / "getitem.pids"
-    real = phantom.data.dataset.Windows.__getitem__
+    real = phantom.data.batches.Windows.__getitem__
 
     def logged(self, i):
         with open(log, "a") as f:
             f.write(f"{os.getpid()}\n")
         return real(self, i)
 
-    monkeypatch.setattr(phantom.data.dataset.Windows, "__getitem__", logged)
+    monkeypatch.setattr(phantom.data.batches.Windows, "__getitem__", logged)
     pids, got = {}, {}
     for n in (0, 2):
         log.write_text("")

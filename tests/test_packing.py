@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import phantom
-from phantom.data import dataset as D
+from phantom.data import batches as B, dataset as D
 from phantom.arch.config import ModelConfig
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from phantom.arch.layers import packed_layout, rope_table
 from conftest import max_rel_err, randomize_lora
 
@@ -38,7 +38,7 @@ def packed():
         tokens += t
         labels += [D.IGNORE_INDEX] * 3 + t[3:]
     data = D.TokenData(np.array(tokens, np.uint16), np.array(labels, np.int32), np.array(starts), "prompt", "k")
-    ds = D.rows(data, SEQ, pad_id=0, segments=True)
+    ds = B.rows(data, SEQ, pad_id=0, segments=True)
     assert len(ds) == 1
     x, y, seg = ds[0]
     alone = [(torch.tensor(tokens[s:s + n][:-1]), torch.tensor(labels[s:s + n][1:])) for s, n in zip(starts, LENGTHS)]

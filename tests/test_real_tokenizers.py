@@ -201,7 +201,7 @@ def test_long_conversation_encoded_in_pieces(chat_pair):
 
 
 def test_plain_text_rows_begin_with_bos_where_the_model_has_one(tmp_path):
-    from phantom.data import dataset as data, showdata
+    from phantom.data import batches, dataset as data, showdata
     path = tmp_path / "doc.txt"
     path.write_text("The keeper lit the lamp.\nThe ships passed.\n")
     for name, first in (("qwen3", None), ("gemma3", "<bos>")):
@@ -209,7 +209,7 @@ def test_plain_text_rows_begin_with_bos_where_the_model_has_one(tmp_path):
         d = data.load(path, tok, cache=False)
         tokens = d.tokens.tolist()
         assert (tokens[0] == tok.bos_id) == (first is not None) and tokens[-1] == tok.eos_id
-        shown = showdata.show_rows(data.rows(d, len(tokens) - 1), tok, 1)
+        shown = showdata.show_rows(batches.rows(d, len(tokens) - 1), tok, 1)
         assert shown.splitlines()[1].strip().startswith(first or "The[[ keeper")  # the first token is no target
         assert shown.rstrip().endswith(tok.eos_token + "]]")
 

@@ -15,9 +15,12 @@ import phantom
 import phantom.base.checksum
 import phantom.files.directio
 import phantom.files.tensorfile
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from phantom.arch.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
-from phantom.files.store import BlockStore, StoreError, StoreWriter, block_file
+from phantom.files.store import BlockStore, StoreError
+from phantom.files.storeformat import block_file
+from phantom.files.storewriter import StoreWriter
+from phantom.files.workingcopy import clone_store
 from conftest import SMALL
 
 
@@ -224,7 +227,7 @@ def test_bad_crc32_record_is_refused_on_open(chunked_store):
 
 
 def test_rewritten_file_carries_a_new_crc32(chunked_store):
-    store = BlockStore(clone := phantom.files.store.clone_store(chunked_store, chunked_store.parent / "work"))
+    store = BlockStore(clone := clone_store(chunked_store, chunked_store.parent / "work"))
     new = {k: torch.ones_like(v) for k, v in store.load_block(1).items()}
     store.write_block(1, new)
     again = BlockStore(clone)

@@ -13,7 +13,7 @@ import torch
 from phantom.plan import costmodel as cm
 from phantom.plan import profiles, tune
 from phantom.arch.config import ModelConfig
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from phantom.files.store import BlockStore
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -229,7 +229,7 @@ GEMMA2 = dict(family="gemma2", activation="gelu_pytorch_tanh", tie_embeddings=Tr
 
 # Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
 PRESETS: dict[str, ModelConfig] = {
-    # Generated on first use (convert.ensure_tiny); small enough to train in a minute on 2 CPU cores.
+    # Generated on first use (synthetic.ensure_tiny); small enough to train in a minute on 2 CPU cores.
     # 64 tokens: the shipped text's characters and their commonest pairs (see ensure_tiny for why).
     "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
                         max_seq_len=512),

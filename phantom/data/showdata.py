@@ -5,7 +5,8 @@ token is followed by its id in ⟨ ⟩.
 """
 from __future__ import annotations
 
-from phantom.data.dataset import IGNORE_INDEX, Packed, Windows
+from phantom.data.batches import Packed, Windows
+from phantom.data.dataset import IGNORE_INDEX
 from phantom.data.tokenizer import Tokenizer
 
 

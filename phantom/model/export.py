@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from phantom.data.chat import read_template
 from phantom.arch.config import ModelConfig, rope_rows
-from phantom.model.convert import part_shapes, release_pages, tokenizer_files
+from phantom.model.checkpoints import part_shapes, release_pages
+from phantom.model.convert import tokenizer_files
 from phantom.arch.family import family
 from phantom.arch.family_moe import FUSED_EXPERTS, MOE_FIELDS
 from phantom.arch.layers import LoraLinear, TransformerBlock, permute_for_hf

@@ -25,7 +25,8 @@ from phantom.arch.layers import LoraLinear, permute_for_hf, permute_from_hf
 from phantom.stream.placement import knob
 from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write_json
-from phantom.files.store import StoreError, safe_join
+from phantom.files.storeformat import safe_join
+from phantom.files.tensorfile import StoreError
 from phantom.data.special_tokens import nested_repeat
 from phantom.files.tensorfile import read_header, write_safetensors
 

@@ -307,7 +307,7 @@ class PhantomModel(nn.Module):
         """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar).
 
         Tokens and targets may be on the host (pinned: their uploads overlap) or the device.
-        segments: (B, T) example ids of packed rows (phantom.data.dataset.Packed): each example attends only to
+        segments: (B, T) example ids of packed rows (phantom.data.batches.Packed): each example attends only to
         itself and its positions start at 0, so a packed row computes what its examples do alone."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")

@@ -30,7 +30,7 @@ from phantom.plan import costmodel as cm
 from phantom.base import dtypes, safejson
 from phantom.arch import quant
 from phantom.stream import placement as P
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from phantom.model.phantom_model import ChunkedHeadLoss, PhantomModel
 from phantom.stream.executor import WeightHandles
 from phantom.arch.quantformat import as_format

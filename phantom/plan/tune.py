@@ -19,7 +19,7 @@ import torch
 from phantom.plan import costmodel as cm, profiles
 from phantom.base import dtypes, fileio
 from phantom.stream import placement as P
-from phantom.model.convert import write_synthetic
+from phantom.model.synthetic import write_synthetic
 from phantom.model.phantom_model import PhantomModel
 from phantom.arch.quantformat import as_format
 from phantom.files.store import BlockStore

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from phantom.arch.config import PRESETS
-from phantom.files.store import BlockStore, clone_store
+from phantom.files.store import BlockStore
+from phantom.files.workingcopy import clone_store
 from phantom.files.tensorfile import parse_dtype
 from phantom.model import hub
 from phantom.model.lora import LoraConfig
@@ -35,7 +36,7 @@ def resolve_model(model: str | Path, revision: str = "main") -> Path:
     if name in PRESETS:
         path = weights_dir() / name
         if name == "tiny":
-            from phantom.model.convert import ensure_tiny
+            from phantom.model.synthetic import ensure_tiny
             return ensure_tiny(path)
         if not (path / "manifest.json").is_file():
             raise FileNotFoundError(

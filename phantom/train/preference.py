@@ -24,7 +24,8 @@ from torch.utils.data import Dataset
 
 from phantom.data import chat
 from phantom.base import fileio
-from phantom.data import dataset as D
+from phantom.base.safejson import read_records
+from phantom.data import dataset as D, recordformats
 from phantom.arch.layers import lora_disabled
 from phantom.stream.placement import knob
 from phantom.data.tokenizer import TINY_TEXT, Tokenizer
@@ -109,9 +110,9 @@ Encoder = Callable[[dict, Tokenizer], tuple[list[int], list[int], list[int]]]
 def encode_pair(record: dict, tok: Tokenizer) -> tuple[list[int], list[int], list[int]]:
     """(BOS + prompt, chosen + EOS, rejected + EOS) token ids of a record.
 
-    Plain strings are encoded as they are (as phantom.data.dataset encodes prompt/response records); chat
+    Plain strings are encoded as they are (as phantom.data.recordformats reads prompt/response records); chat
     messages (a prompt list of {"role", "content"}, responses as a string or an assistant message
-    list) are rendered as phantom.data.dataset renders chats. A model's chat template plugs in as another
+    list) are rendered as phantom.data.recordformats renders chats. A model's chat template plugs in as another
     encoder (load_pairs(encode=...)).
     """
     missing = [k for k in FIELDS if k not in record]
@@ -119,8 +120,8 @@ def encode_pair(record: dict, tok: Tokenizer) -> tuple[list[int], list[int], lis
         raise ValueError(f"a preference pair needs {', '.join(FIELDS)}; this record has no {missing[0]!r}")
     prompt = record["prompt"]
     if isinstance(prompt, list):
-        prompt = " ".join(p for p, _ in D.segments({"messages": prompt + [{"role": "assistant", "content": ""}]},
-                                                  "chat") if p)
+        chat_turns = {"messages": prompt + [{"role": "assistant", "content": ""}]}
+        prompt = " ".join(p for p, _ in recordformats.segments(chat_turns, "chat") if p)
     out = [tok.encode(_text(prompt, "prompt"), bos=True)]
     for side in ("chosen", "rejected"):
         ids = tok.encode(_text(record[side], side), bos=False)
@@ -203,7 +204,7 @@ def load_pairs(path: Path | str | None, tok: Tokenizer, encode: Encoder = encode
                                     f"records")
         template = getattr(encode, "keywords", {}).get("template")  # how chats are rendered is part of the key
         key = f"{D.cache_key(path, tok)}|{template.fingerprint if template is not None else 'plain'}"
-        records, where = D.read_records(path), str(path)
+        records, where = read_records(path), str(path)
     prompts, chosen, rejected, same = [], [], [], 0
     for n, record in records:
         try:

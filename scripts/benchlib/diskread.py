@@ -19,7 +19,8 @@ from phantom.plan import costmodel as cm
 import phantom.base.checksum
 import phantom.files.directio
 import phantom.base.fileio
-import phantom.files.store
+import phantom.files.storeformat
+import phantom.files.workingcopy
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
 
@@ -149,11 +150,11 @@ def read_race(store: BlockStore, k: int, read_rounds: int) -> dict:
 
 def without_crc32(store: BlockStore, copy: Path) -> None:
     """The same files (hard links) under a manifest without crc32 records: a store as older versions wrote it."""
-    phantom.files.store.link_tree(store.path, copy)
-    m = json.loads((copy / phantom.files.store.MANIFEST).read_text())
+    phantom.files.workingcopy.link_tree(store.path, copy)
+    m = json.loads((copy / phantom.files.storeformat.MANIFEST).read_text())
     for info in [*m["files"].values(), *m.get("links", {}).get("files", {}).values()]:
         info.pop("crc32", None)
-    phantom.base.fileio.atomic_write_json(copy / phantom.files.store.MANIFEST, m)  # a new file, not the link
+    phantom.base.fileio.atomic_write_json(copy / phantom.files.storeformat.MANIFEST, m)  # a new file, not the link
 
 
 def read_contenders(store: BlockStore, best: tuple, k: int, old: Path | None) -> dict:

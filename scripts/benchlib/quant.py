@@ -30,7 +30,7 @@ def quant_bench(args, store: BlockStore) -> str:
     The cost model's profile is measured once on the bf16 store (a full profiles.measure: disk, compute); each
     quantized store adds its own measured dequantization rate (profiles.measure_dequant: the loader's work).
     """
-    from phantom.model.convert import quantize_store
+    from phantom.model.quantstore import quantize_store
     from phantom.arch.quantformat import QuantFormat
     if store.dtype.itemsize != 2 or store.quant is not None:
         print("error: --modes quant needs a 16-bit store to quantize (--dtype bf16)", file=sys.stderr)

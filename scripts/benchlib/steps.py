@@ -16,7 +16,7 @@ import torch
 
 import phantom
 import phantom.stream.optim
-import phantom.files.store
+import phantom.files.workingcopy
 from phantom.plan import costmodel as cm
 from phantom.stream.placement import parse_bytes, split_knobs
 from phantom.train.preference import Preference, PreferenceConfig
@@ -168,7 +168,7 @@ def phantom_model(args, mode: str, recompute: str, micro: str, prefetch: str):
     full = args.train == "full"
     if full:  # the step rewrites the blocks: a working copy (hard links), as phantom.load(work_dir=...) makes
         work = Path(tempfile.mkdtemp(dir=Path(args.store).parent))
-        store = BlockStore(phantom.files.store.clone_store(Path(args.store), work / "store"), drop_cache=args.cold)
+        store = BlockStore(phantom.files.workingcopy.clone_store(Path(args.store), work / "store"), drop_cache=args.cold)
     model = phantom.PhantomModel(store, phantom.resolve_device(args.device), store.dtype, placement, activations,
                                  lora=None if full else phantom.LoraConfig(rank=args.lora_rank),
                                  optim=phantom.AdamWConfig(lr=1e-4) if full else None)

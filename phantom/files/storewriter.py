@@ -1,0 +1,124 @@
+"""Writing a new block store: one safetensors file per transformer block, plus embed, head and a
+manifest, into a temporary sibling folder renamed into place once complete (every file fsynced), so a
+crash or a failed conversion leaves no half-written store. Its blocks may be quantized on the way in,
+or linked from a checkpoint's files (phantom.files.storelinks) instead of copied.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from phantom.base import fileio
+from phantom.arch import quant
+from phantom.files import runfolder, storelinks
+from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.base.fileio import atomic_write_json
+from phantom.arch.moe import expert_ranges
+from phantom.arch.quantformat import QuantFormat
+from phantom.files.storeformat import FORMAT, MANIFEST, VERSION, block_file, quant_record
+from phantom.files.tensorfile import dtype_name, read_header, write_safetensors
+
+
+class StoreWriter:
+    """Writes a store into a temporary sibling folder; `finish()` renames it into place.
+
+    Used as a context manager: an exception inside the `with` removes the temporary folder, so a
+    failed conversion leaves nothing behind.
+    """
+
+    def __init__(self, out: Path, cfg: ModelConfig, dtype: torch.dtype, overwrite: bool = False,
+                 quant: QuantFormat | None = None):
+        self.out, self.cfg, self.dtype, self.overwrite, self.quant = Path(out), cfg, dtype, overwrite, quant
+        if quant is not None and dtype.itemsize != 2:
+            raise ValueError(f"a quantized store keeps norms, embedding and head in 16 bits: use --dtype bf16 or fp16, "
+                             f"not {dtype_name(dtype)}")
+        if self.out.exists() and not overwrite:
+            raise FileExistsError(f"{self.out} already exists; remove it or choose another --out")
+        runfolder.check_replaceable(self.out, "store")  # overwrite: only a store phantom wrote goes
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = fileio.temp_folder(self.out)
+        (self.tmp / "blocks").mkdir()
+        self.files: dict[str, dict] = {}
+        self.tokenizer: str | None = None
+        self.links: dict[str, dict] = {"sources": {}, "files": {}}  # see link_file
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return False
+
+    def _write(self, rel: str, tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]):
+        got = {k: tuple(v.shape) for k, v in tensors.items()}
+        if got != expected:
+            raise ValueError(f"{rel}: tensors {got} do not match the config's {expected}")
+        if self.quant is not None and rel.startswith("blocks/"):
+            tensors = quant.quantize_block(self.quant, tensors, self.dtype)
+        else:
+            tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
+        self.files[rel] = write_safetensors(self.tmp / rel, tensors)
+        if self.cfg.n_experts and rel.startswith("blocks/") and self.quant is None:  # each expert's byte range
+            self.files[rel]["experts"] = expert_ranges(read_header(self.tmp / rel)[0], self.cfg.n_experts)
+
+    def write_embed(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._write("embed.safetensors", tensors, embed_tensor_shapes(self.cfg))
+
+    def write_block(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
+        self._write(block_file(i), tensors, block_tensor_shapes(self.cfg))
+
+    def write_head(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._write("head.safetensors", tensors, head_tensor_shapes(self.cfg))
+
+    def link_file(self, rel: str, expected: dict[str, tuple[int, ...]], located: dict[str, tuple],
+                  copied: dict[str, torch.Tensor]) -> None:
+        """Record rel as a linked file instead of writing it (see phantom.files.storelinks).
+
+        Args:
+            rel: the store file it stands for, e.g. "blocks/000.safetensors".
+            expected: its tensor names and shapes.
+            located: name -> (safetensors file (absolute Path), byte offset, dtype, shape): tensors read in place.
+            copied: name -> tensor: the rest (e.g. rows that needed a permutation), written into the store
+                as rel's ".local.safetensors" and linked from there.
+        """
+        if self.quant is not None:
+            raise ValueError(f"{rel}: a quantized store is a copy; it cannot link the checkpoint's files")
+        got = {**{k: tuple(v[3]) for k, v in located.items()}, **{k: tuple(v.shape) for k, v in copied.items()}}
+        if got != expected or len(got) != len(located) + len(copied):
+            raise ValueError(f"{rel}: tensors {got} do not match the config's {expected}")
+        if any(v[2] != self.dtype for v in located.values()):
+            raise ValueError(f"{rel}: linked tensors must be {dtype_name(self.dtype)}, as the store")
+        located = {k: (str(Path(v[0]).resolve()), *v[1:]) for k, v in located.items()}
+        if copied:
+            local = rel.removesuffix(".safetensors") + ".local.safetensors"
+            self.files[local] = write_safetensors(self.tmp / local, {k: v.to(self.dtype) for k, v in copied.items()})
+            specs, start = read_header(self.tmp / local)
+            located.update({t.name: (local, start + t.start, t.dtype, t.shape) for t in specs})
+        storelinks.add_sources(self.links["sources"], located, self.tmp)
+        experts = self.cfg.n_experts if rel.startswith("blocks/") else 0
+        self.links["files"][rel] = storelinks.file_record(located, self.tmp, experts)
+
+    def add_tokenizer(self, src: Path) -> None:
+        name = "tokenizer.json" if Path(src).suffix == ".json" else "tokenizer.model"
+        shutil.copyfile(src, self.tmp / name)
+        with open(self.tmp / name, "rb") as f:
+            os.fsync(f.fileno())
+        self.tokenizer = name
+
+    def finish(self, extra: dict | None = None) -> Path:
+        needed = ["embed.safetensors", "head.safetensors"] + [block_file(i) for i in range(self.cfg.n_layers)]
+        missing = [f for f in needed if f not in self.files and f not in self.links["files"]]
+        if missing:
+            raise ValueError(f"store incomplete: {missing[:3]} not written")
+        manifest = {"format": FORMAT, "version": VERSION, "config": self.cfg.to_dict(),
+                    "dtype": dtype_name(self.dtype), "tokenizer": self.tokenizer, "files": self.files,
+                    **({"links": self.links} if self.links["files"] else {}),
+                    **({"quantization": quant_record(self.quant, self.cfg, self.dtype)} if self.quant else {}),
+                    **(extra or {})}
+        atomic_write_json(self.tmp / MANIFEST, manifest)
+        return fileio.swap_folder(self.tmp, self.out)  # overwrite: the old store goes only once this one is complete
+

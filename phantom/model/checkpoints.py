@@ -1,0 +1,286 @@
+"""Checkpoints phantom did not write, read one part at a time: Meta's params.json and model-parallel
+consolidated.NN.pth shards (merged), Hugging Face folders of any family in phantom.arch.family
+(safetensors shards, fused tensors as row ranges, tensors located in place for a linked store), and
+the tokenizer files they come with. Apart from the converter so a new checkpoint layout is one reader.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from phantom.base import safejson
+from phantom.arch.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_meta_params,
+                                 head_tensor_shapes, rope_rows)
+from phantom.arch.family import family, from_hf_config
+from phantom.arch.layers import permute_from_hf
+from phantom.files.fusedrows import fused_rows, read_rows
+from phantom.files.storeformat import safe_join
+from phantom.files.tensorfile import StoreError, read_header
+
+# Meta's model-parallel split: the dims along which consolidated.NN.pth shards cut each tensor.
+# Column-parallel weights split their output rows (0), row-parallel ones their input columns (1);
+# norms are replicated (()). Llama-2 cuts the embedding along dim 1, Llama-3 along 0: the shapes tell.
+META_SPLIT_DIMS = {
+    "tok_embeddings.weight": (1, 0), "output.weight": (0,), "norm.weight": (),
+    "attention.wq.weight": (0,), "attention.wk.weight": (0,), "attention.wv.weight": (0,),
+    "attention.wo.weight": (1,), "feed_forward.w1.weight": (0,), "feed_forward.w2.weight": (1,),
+    "feed_forward.w3.weight": (0,), "attention_norm.weight": (), "ffn_norm.weight": (),
+}
+
+HF_PERMUTED = {"attention.wq.weight": "n_heads", "attention.wk.weight": "kv_heads"}  # rows in HF's RoPE layout
+
+PARTS = ("embed", "head")  # besides the blocks 0..n_layers-1
+
+# The tokenizer's files in a Hugging Face folder. The store keeps every one it finds (checksummed in the
+# manifest's "tokenizer_files"), so an export hands the ecosystem the files the model came with.
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def tokenizer_sources(src: Path, root: Path | None = None) -> list[Path]:
+    """The TOKENIZER_FILES a Hugging Face folder holds, each inside src or, through a link, inside root (a
+    hub cache repository, whose snapshots link to its blobs).
+
+    Raises:
+        StoreError: one of them is a link that leads outside (it would copy that file into the store).
+    """
+    inside, out = (root or src).resolve(), []
+    for name in TOKENIZER_FILES:
+        path = src / name
+        if not path.is_symlink() and not path.is_file():
+            continue
+        if not path.resolve().is_relative_to(inside):
+            raise StoreError(f"{path}: a link to {path.resolve()}, outside {root or src}; copy the file into the "
+                             f"model folder if it is the model's")
+        if path.is_file():
+            out.append(path)
+    return out
+
+
+def part_shapes(cfg: ModelConfig, part: str | int) -> dict[str, tuple[int, ...]]:
+    """Store names and shapes of one part of the model: "embed", "head" or block i."""
+    if part == "embed":
+        return embed_tensor_shapes(cfg)
+    if part == "head":
+        return head_tensor_shapes(cfg)
+    return block_tensor_shapes(cfg)
+
+
+def release_pages(tensors) -> None:
+    """Tell Linux it may drop the pages of memory-mapped tensors we are done with.
+
+    Pages of a file mapping count in the process's RSS until unmapped; without this, converting
+    from memory-mapped torch.load shards would end with the whole checkpoint resident. The mapping is
+    private and never written, so dropped pages are simply read from the file again if touched.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None)
+    for t in tensors:
+        s = t.untyped_storage()
+        start = s.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(s.data_ptr() + s.nbytes() - start), 4)  # DONTNEED
+
+
+# ---------------------------------------------------------------------------------------------
+# Meta: params.json + consolidated.NN.pth (model-parallel shards)
+
+class MetaCheckpoint:
+    """Meta's shards, memory-mapped once; `part()` merges one part's slices on demand."""
+
+    format = "meta"
+
+    def __init__(self, src: Path):
+        params = src / "params.json"
+        if not params.is_file():
+            raise FileNotFoundError(f"{params}: missing; a Meta checkpoint folder holds params.json next to "
+                                    f"its consolidated.NN.pth shards")
+        self.files = sorted(src.glob("consolidated.*.pth"))
+        if not self.files:
+            raise FileNotFoundError(f"{src}: no consolidated.NN.pth shards next to params.json")
+        for k, f in enumerate(self.files):
+            if f.name != f"consolidated.{k:02d}.pth":
+                raise FileNotFoundError(f"{src / f'consolidated.{k:02d}.pth'}: shard missing from the set")
+        self.shards = [self._load(f) for f in self.files]
+        emb = self._get(0, "tok_embeddings.weight")
+        self.cfg = self._config(params, tuple(emb.shape))
+        wq_rows = self._get(0, "layers.0.attention.wq.weight").shape[0]
+        if wq_rows * len(self.files) != self.cfg.dim:
+            n = self.cfg.dim // max(wq_rows, 1)
+            raise FileNotFoundError(f"{src / f'consolidated.{len(self.files):02d}.pth'}: shard missing from the set "
+                                    f"(each shard holds {wq_rows} of wq's {self.cfg.dim} rows: {n} shards expected, "
+                                    f"{len(self.files)} found)")
+        self.dtype = emb.dtype
+        self.tokenizer = next((p for p in (src / "tokenizer.model", src.parent / "tokenizer.model") if p.is_file()),
+                              None)
+        self.tokenizer_files = [self.tokenizer] if self.tokenizer else []
+
+    def _load(self, f: Path) -> dict:
+        try:
+            return torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # a truncated zip, a pickle with forbidden objects, ...
+            raise ValueError(f"{f}: cannot read this shard ({str(e).splitlines()[0].split('. ')[0]}); "
+                             f"it is truncated or not a PyTorch checkpoint, download it again") from None
+
+    def _get(self, k: int, key: str) -> torch.Tensor:
+        if key not in self.shards[k]:
+            raise ValueError(f"{self.files[k]}: tensor {key} missing; is this a Llama checkpoint?")
+        return self.shards[k][key]
+
+    def _config(self, params: Path, emb_shape: tuple[int, ...]) -> ModelConfig:
+        try:
+            dim = safejson.load(params)["dim"]
+            vocab = emb_shape[0] * (len(self.files) if emb_shape[1] == dim and len(self.files) > 1 else 1)
+            return from_meta_params(params, vocab_size=vocab)
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{params}: not a Llama params.json ({type(e).__name__}: {e})") from None
+
+    def part(self, part: str | int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, shape in part_shapes(self.cfg, part).items():
+            key = name if isinstance(part, str) else f"layers.{part}.{name}"
+            parts = [self._get(k, key) for k in range(len(self.files))]
+            out[name] = self._merge(key, META_SPLIT_DIMS[name], parts, shape)
+            release_pages(parts)  # copied into our own memory: the mapped pages can go
+        return out
+
+    def _merge(self, key: str, dims: tuple[int, ...], parts: list[torch.Tensor], shape: tuple[int, ...]):
+        for k, p in enumerate(parts):
+            if p.shape != parts[0].shape:
+                raise ValueError(f"{self.files[k]}: {key} has shape {tuple(p.shape)}, shard 0 has "
+                                 f"{tuple(parts[0].shape)}; the shards are from different models")
+        if tuple(parts[0].shape) == shape and (not dims or len(parts) == 1):
+            return parts[0].clone()  # replicated, or a single shard
+        for d in dims:
+            cat_shape = list(parts[0].shape)
+            cat_shape[d] *= len(parts)
+            if tuple(cat_shape) == shape:  # torch.cat, one shard at a time: only one slice's pages are mapped in
+                out = torch.empty(shape, dtype=parts[0].dtype)
+                for k, p in enumerate(parts):
+                    out.narrow(d, k * p.shape[d], p.shape[d]).copy_(p)
+                    release_pages([p])
+                return out
+        raise ValueError(f"{self.files[0]}: {key} has shape {tuple(parts[0].shape)} in each of {len(parts)} shards, "
+                         f"which does not make {shape} as params.json says; the shards do not match params.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face: config.json + model*.safetensors (+ model.safetensors.index.json)
+
+class HFCheckpoint:
+    """A Hugging Face folder of a family in phantom.arch.family; `part()` reads one part's tensors lazily (safetensors)."""
+
+    format = "hf"
+
+    def __init__(self, src: Path, root: Path | None = None):
+        """root: a folder the shards may be links into (the hub cache's repository: snapshots link to
+        its blobs); each shard is then read through its resolved path. None: no shard may leave src."""
+        config = src / "config.json"
+        if not config.is_file():
+            raise FileNotFoundError(f"{config}: missing; a Hugging Face checkpoint folder holds config.json")
+        try:
+            self.cfg = from_hf_config(config)
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{config}: not a decoder config.json phantom reads ({type(e).__name__}: {e})") from None
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        weight_map = self._weight_map(src)
+        headers = {}
+        files = {}
+        for file in sorted(set(weight_map.values())):
+            path = files[file] = safe_join(src, file) if root is None else linked_shard(src, file, root)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: shard missing from the set (listed in model.safetensors.index.json)")
+            specs, start = read_header(path)
+            headers[file] = ({s.name: s for s in specs}, start)
+        # (part, store name) -> (path, TensorSpec, data start); a part of a fused tensor has a spec of its rows
+        self.src, self.index = src, {}
+        hf_names, fused = family(self.cfg).layout(self.cfg, fused_experts=self._fused_experts(weight_map))
+        self.permuted = rope_rows(self.cfg)
+        for part in (*PARTS, *range(self.cfg.n_layers)):
+            shapes = part_shapes(self.cfg, part)
+            for name, shape in shapes.items():
+                key = hf_names[(isinstance(part, int), name)].format(part)
+                if key not in weight_map:
+                    raise ValueError(f"{src}: tensor {key} is in no shard; the checkpoint is incomplete")
+                specs, start = headers[weight_map[key]]
+                spec, path = specs.get(key), files[weight_map[key]]
+                if spec is None:
+                    raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
+                self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path), start)
+        self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
+        self.tokenizer_files = tokenizer_sources(src, root)
+        self.tokenizer = next((p for p in self.tokenizer_files if p.name in ("tokenizer.model", "tokenizer.json")), None)
+
+    def _fused_experts(self, weight_map: dict[str, str]) -> bool:
+        """Whether a mixture of experts is stored as transformers 5's 3-D tensors (else one per expert)."""
+        fused = family(self.cfg).moe.fused if family(self.cfg).moe else {}
+        return any(key.format(0) in weight_map for key in fused)
+
+    @staticmethod
+    def _weight_map(src: Path) -> dict[str, str]:
+        index = src / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                wm = safejson.load(index)["weight_map"]
+                assert isinstance(wm, dict)
+                return wm
+            except (KeyError, AssertionError, json.JSONDecodeError) as e:
+                raise ValueError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        single = src / "model.safetensors"
+        if single.is_file():
+            return {s.name: single.name for s in read_header(single)[0]}
+        raise FileNotFoundError(f"{src}: config.json but no model.safetensors or model.safetensors.index.json "
+                                f"(only safetensors checkpoints are read; save with safe_serialization=True)")
+
+    def part(self, part: str | int, names=None) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+        for name in names if names is not None else part_shapes(self.cfg, part):
+            path, spec, _ = self.index[(part, name)]
+            by_file.setdefault(path, []).append((name, spec.name))
+        out = {}
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt") as f:  # opened per part: its mapping is dropped on close
+                for name, key in names:
+                    out[name] = read_rows(f, key, self.index[(part, name)][1])
+        for name, heads in self.permuted.items():
+            if name in out:
+                out[name] = permute_from_hf(out[name], heads, self.cfg.rope_dim)
+        return out
+
+    def located(self, part: str | int, dtype: torch.dtype) -> dict[str, tuple[Path, int, torch.dtype, tuple]]:
+        """name -> (file, byte offset, dtype, shape) of a part's tensors usable in place: in dtype, not permuted."""
+        out = {}
+        for name in part_shapes(self.cfg, part):
+            path, spec, start = self.index[(part, name)]
+            if name not in self.permuted and spec.dtype == dtype:
+                out[name] = (path, start + spec.start, spec.dtype, spec.shape)
+        return out
+
+
+def linked_shard(src: Path, file: str, root: Path) -> Path:
+    """src/file resolved, where it may be a link that stays inside root (a hub cache repository)."""
+    if os.path.isabs(file) or ".." in Path(file).parts or not (src / file).resolve().is_relative_to(root.resolve()):
+        raise StoreError(f"{src}: shard path {file!r} leads outside {root}")
+    return (src / file).resolve()
+
+
+def open_checkpoint(src: Path | str, root: Path | None = None) -> MetaCheckpoint | HFCheckpoint:
+    """Detect the checkpoint format of a folder and open it (nothing is read beyond headers); root:
+    see HFCheckpoint."""
+    src = Path(src)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: no such checkpoint folder")
+    if (src / "params.json").is_file() or any(src.glob("consolidated.*.pth")):
+        return MetaCheckpoint(src)
+    if (src / "config.json").is_file() or any(src.glob("*.safetensors")):
+        return HFCheckpoint(src, root)
+    raise ValueError(f"{src}: unknown checkpoint format (expected Meta's params.json + consolidated.NN.pth or "
+                     f"Hugging Face's config.json + *.safetensors)")

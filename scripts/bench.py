@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 import phantom  # noqa: E402
 import phantom.files.tensorfile  # noqa: E402
 from phantom.train import cli
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, planner
 from phantom.plan import profiles, tune
 from phantom.arch.config import ModelConfig  # noqa: E402
 from phantom.model.synthetic import write_synthetic  # noqa: E402
@@ -189,8 +189,8 @@ def tuned_plan(args, store: BlockStore, profile):
     """The tuner's choice among the swept tiers and recompute policies, with no resident blocks."""
     offloads = tuple(m for m in ("ram", "disk") if m in args.modes.split(","))
     name = dtype_name(store.dtype)
-    return tune.plan(profile, store.cfg, cm.Workload(args.batch_size, args.seq_len, name, name),
-                     cm.SearchSpace(offloads=offloads, recompute=tuple(args.recompute.split(",")),
+    return tune.plan(profile, store.cfg, ci.Workload(args.batch_size, args.seq_len, name, name),
+                     planner.SearchSpace(offloads=offloads, recompute=tuple(args.recompute.split(",")),
                                     budgets=phantom.Placement(resident=0)))[0]
 
 

@@ -22,7 +22,7 @@ import phantom  # noqa: E402
 from phantom.train import cli
 from phantom.arch import config, family
 from phantom.plan import profiles, tune
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, costmodel as cm, planner
 from phantom.stream.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
 from phantom.arch.quantformat import METHODS  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
@@ -70,7 +70,7 @@ def model_and_profile(args, device, dtype):
     user named."""
     if args.preset or args.config:
         cfg = config.preset(args.preset) if args.preset else read_config(Path(args.config), args.vocab_size)
-        work = cm.Workload(args.batch_size, args.seq_len, dtype, args.store_dtype, args.quantize)
+        work = ci.Workload(args.batch_size, args.seq_len, dtype, args.store_dtype, args.quantize)
         profile = profiles.probe(cfg, device, work, args.profile_dir, args.quick, args.remeasure)
         disk = args.disk_budget if args.disk_budget is not None else profiles.free_disk_bytes(phantom.weights_dir())
         return args.preset or args.config, cfg, args.store_dtype, args.quantize, profile, disk
@@ -85,21 +85,21 @@ def model_and_profile(args, device, dtype):
 
 def beside_16bit(args, cfg, store_dtype: str, dtype: str, profile, budgets, rows: int, best) -> str:
     """The same model's plan with a 16-bit store on the same machine, and how the quantized one compares."""
-    shape = cm.shape_of(cfg, store_dtype, dtype, args.seq_len)
-    cands = cm.search(profile, shape, rows, search_space(args, budgets))
+    shape = ci.shape_of(cfg, store_dtype, dtype, args.seq_len)
+    cands = planner.search(profile, shape, rows, search_space(args, budgets))
     fits = [c for c in cands if c.fits]
     if not fits:
         return f"{store_dtype} store: nothing fits ({min(cands, key=lambda c: c.missing_bytes).missing_text()})"
-    other = cm.choose(fits)
+    other = planner.choose(fits)
     s = other.split
     return (f"{store_dtype} store ({cm.gib(shape.store_bytes)}): {s['device']} blocks on the device, {s['ram']} in "
             f"RAM, {s['disk']} on disk; {other.bytes_read / 1e9:.1f} GB read per step; predicted "
             f"{other.step_s:.3f} s/step against {best.step_s:.3f} s quantized ({other.step_s / best.step_s:.2f}x)")
 
 
-def search_space(args, budgets: Placement) -> cm.SearchSpace:
+def search_space(args, budgets: Placement) -> planner.SearchSpace:
     """The candidates the flags allow: their offload mode and micro-batch, within the budgets."""
-    return cm.SearchSpace(offloads=(args.offload,), micro_batches=(args.batch_size,), budgets=budgets)
+    return planner.SearchSpace(offloads=(args.offload,), micro_batches=(args.batch_size,), budgets=budgets)
 
 
 def read_config(path: Path, vocab_size: int | None):
@@ -123,12 +123,12 @@ def check(args, subject: Subject, dtype: str, device, profile, best) -> int:
     name, cfg, store_dtype, quant = subject.name, subject.cfg, subject.store_dtype, subject.quant
     path = Path(args.check_dir or phantom.weights_dir() / f"{Path(name).stem}{'-' + quant if quant else ''}"
                 f"-synthetic-{args.check}L")
-    r = tune.check_plan(best, profile, cfg, cm.Workload(best.rows, args.seq_len, dtype, store_dtype, quant), device,
+    r = tune.check_plan(best, profile, cfg, ci.Workload(best.rows, args.seq_len, dtype, store_dtype, quant), device,
                         args.check, args.steps, path)
     if args.json:
         print(json.dumps({"model": name, "plan": best.to_dict(), "check": r}))
         return 0 if r["within_15"] else 1
-    print(cm.describe_plan(best, cm.shape_of(cfg, store_dtype, dtype, args.seq_len, quant), profile, name))
+    print(planner.describe_plan(best, ci.shape_of(cfg, store_dtype, dtype, args.seq_len, quant), profile, name))
     s = r["split"]
     print(f"check      {r['blocks']} blocks at {path}: {s['device']} on the device, {s['ram']} in RAM, {s['disk']} "
           f"on disk (the scheduler {'agrees' if r['tiers_match'] else 'chose otherwise: ' + str(r['tiers'])}); "
@@ -161,9 +161,9 @@ def main(argv=None) -> int:
             profile = dataclasses.replace(profile, free_host_bytes=args.host_memory)
         budgets = Placement(device_budget=args.device_budget, ram_budget=args.ram_budget)
         rows = args.batch_size * args.grad_accum
-        shape = cm.shape_of(cfg, store_dtype, dtype, args.seq_len, quant)
-        cands = cm.search(profile, shape, rows, search_space(args, budgets))
-        best = cm.choose(cands)
+        shape = ci.shape_of(cfg, store_dtype, dtype, args.seq_len, quant)
+        cands = planner.search(profile, shape, rows, search_space(args, budgets))
+        best = planner.choose(cands)
         if args.check:
             return check(args, Subject(name, cfg, store_dtype, quant), dtype, device, profile, best)
     except (OSError, ValueError) as e:  # nothing fits, bad flags, a bad config file; a bug keeps its traceback
@@ -179,10 +179,10 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict()}))
         return 0
-    print(cm.describe_plan(best, shape, profile, name))
+    print(planner.describe_plan(best, shape, profile, name))
     if args.quantize:
         print(beside_16bit(args, cfg, store_dtype, dtype, profile, budgets, rows, best))
-    if (more := cm.faster_if_more_memory(cands, best)) is not None:
+    if (more := planner.faster_if_more_memory(cands, best)) is not None:
         print(f"more memory: {more.describe()} would take {more.step_s:.3f} s/step (needs {more.missing_text()})")
     if args.table:
         print("\n" + tune.format_table(cands, args.table, best))

@@ -15,7 +15,7 @@ import phantom.model.phantom_model
 import phantom.stream.hostmem
 import phantom.stream.placement
 import phantom.stream.scheduler
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, costmodel as cm, planner
 from phantom.arch.config import ModelConfig, preset
 from phantom.model.synthetic import write_synthetic
 from phantom.stream.placement import Activations, Placement
@@ -54,8 +54,8 @@ def steady_step_metrics(model, steps: int = 3) -> list[dict]:
 @pytest.mark.parametrize("n_device,n_ram", [(0, 3), (2, 3), (0, 0), (2, 6)])
 def test_bytes_read_per_step_equal_the_schedulers(store, device, prefetch, n_device, n_ram):
     s = BlockStore(store)
-    shape = cm.shape_of(CFG, s.manifest["dtype"], "fp32", seq_len=16)
-    profile = cm.MachineProfile(machine="test", device=device)
+    shape = ci.shape_of(CFG, s.manifest["dtype"], "fp32", seq_len=16)
+    profile = ci.MachineProfile(machine="test", device=device)
     # budgets as a user gives them: the device's holds the slots and n_device blocks, the RAM's n_ram blocks
     slots = (prefetch + 1) * shape.tier_bytes
     place = Placement(offload="auto", prefetch=prefetch, ram_budget=n_ram * shape.tier_bytes,
@@ -76,16 +76,16 @@ def test_bytes_read_per_step_equal_the_schedulers(store, device, prefetch, n_dev
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_pinned_bytes_are_the_ram_tier_rounded_to_4k(store):
     s = BlockStore(store)
-    shape = cm.shape_of(CFG, s.manifest["dtype"], "fp32", seq_len=16)
+    shape = ci.shape_of(CFG, s.manifest["dtype"], "fp32", seq_len=16)
     place = Placement(offload="ram", prefetch=1)
-    pred = cm.predict(cm.MachineProfile(machine="t", device="cuda"), shape, place, Activations(), rows=2)
+    pred = cm.predict(ci.MachineProfile(machine="t", device="cuda"), shape, place, Activations(), rows=2)
     with phantom.load(store, device="cuda", dtype="fp32", placement=place) as model:
         assert model.scheduler.pinned_bytes == pred.pinned_bytes == CFG.n_layers * cm.align(s.block_nbytes)
 
 
 def test_shape_from_the_config_is_the_stores(store):
     s = BlockStore(store)
-    shape = cm.shape_of(CFG, s.manifest["dtype"], "fp32", seq_len=16)
+    shape = ci.shape_of(CFG, s.manifest["dtype"], "fp32", seq_len=16)
     assert shape.block_bytes == s.block_nbytes
     assert abs(shape.store_bytes - sum(e.nbytes for e in [s.embed, s.head, *s.blocks])) == 0
     assert cm.ALIGN == DATA_ALIGN
@@ -100,14 +100,14 @@ def test_kept_activation_bytes_match_what_autograd_keeps(tmp_path, cfg, t):
         tokens = torch.randint(0, cfg.vocab_size, (2, t))
         model(tokens, targets=tokens).backward()
         kept = model.executor.kept_per_block / 2  # per row
-    predicted = cm.shape_of(cfg, "fp32", "fp32", seq_len=t).keep_bytes_per_row
+    predicted = ci.shape_of(cfg, "fp32", "fp32", seq_len=t).keep_bytes_per_row
     assert predicted == pytest.approx(kept, rel=0.06)
 
 
 def test_loads_by_tier_and_the_turn():
     """The last prefetch + 1 streamed blocks of the forward and the first of the backward are reused."""
-    shape = cm.shape_of(CFG, "bf16", "bf16", 16)
-    gpu = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None)
+    shape = ci.shape_of(CFG, "bf16", "bf16", 16)
+    gpu = ci.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None)
     tiers = ("device",) * 2 + ("ram",) * 3 + ("disk",) * 3
     p = cm.predict(gpu, shape, Placement(prefetch=1), Activations(), 4, tiers=tiers)
     # streamed: 3 RAM + 3 disk; m = 2 reused at each turn: the forward loads 4, the backward 4
@@ -119,8 +119,8 @@ def test_loads_by_tier_and_the_turn():
 
 
 def test_pinned_and_host_memory_are_exact_sizes():
-    shape = cm.shape_of(preset("70B"), "bf16", "bf16", 1024)
-    gpu = cm.MachineProfile(machine="t", device="cuda")
+    shape = ci.shape_of(preset("70B"), "bf16", "bf16", 1024)
+    gpu = ci.MachineProfile(machine="t", device="cuda")
     tiers = ("device",) * 10 + ("ram",) * 30 + ("disk",) * 40
     p = cm.predict(gpu, shape, Placement(prefetch=2), Activations(), 4, tiers=tiers)
     stride = -(-shape.block_bytes // 4096) * 4096
@@ -144,8 +144,8 @@ def test_a_host_buffer_is_resident_within_the_cost_models_bytes():
 
 
 def test_recompute_policy_trades_time_for_memory():
-    shape = cm.shape_of(CFG, "fp32", "fp32", 16)
-    gpu = cm.MachineProfile(machine="t", device="cuda", fwd_flops=1e9)
+    shape = ci.shape_of(CFG, "fp32", "fp32", 16)
+    gpu = ci.MachineProfile(machine="t", device="cuda", fwd_flops=1e9)
     tiers = ("device",) * 8
     rc_all, rc_none = (cm.predict(gpu, shape, Placement(), Activations(recompute=r), 4, tiers=tiers)
                        for r in ("all", "none"))
@@ -160,28 +160,28 @@ def test_recompute_policy_trades_time_for_memory():
 
 
 def test_the_search_keeps_what_memory_allows_and_says_what_is_missing():
-    shape = cm.shape_of(preset("70B"), "bf16", "bf16", 1024)
-    big = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=80 * GiB, free_host_bytes=1024 * GiB,
+    shape = ci.shape_of(preset("70B"), "bf16", "bf16", 1024)
+    big = ci.MachineProfile(machine="t", device="cuda", free_device_bytes=80 * GiB, free_host_bytes=1024 * GiB,
                             h2d_gbps=55, fwd_flops=500e12, disk_gbps=2)
-    best = cm.choose(cm.search(big, shape, 4))
+    best = planner.choose(planner.search(big, shape, 4))
     assert best.split["disk"] == 0 and best.split["device"] > 20 and best.fits
     assert best.device_bytes <= 80 * GiB * (1 - cm.MARGIN)
     small = dataclasses.replace(big, free_device_bytes=24 * GiB, free_host_bytes=64 * GiB)
-    best = cm.choose(cm.search(small, shape, 4))
+    best = planner.choose(planner.search(small, shape, 4))
     assert best.split["disk"] > 0 and best.split["ram"] > 0 and best.bound == "disk"
     assert best.host_bytes <= 64 * GiB * (1 - cm.MARGIN)
     no_disk = dataclasses.replace(small, free_disk_bytes=100 * 10**9)  # the 70B store is ~138 GB
     with pytest.raises(ValueError, match=r"needs 3[0-9]\.[0-9] GiB more disk space"):
-        cm.choose(cm.search(no_disk, shape, 4))
+        planner.choose(planner.search(no_disk, shape, 4))
     with pytest.raises(ValueError, match="more device memory"):
-        cm.choose(cm.search(dataclasses.replace(small, free_device_bytes=4 * GiB), shape, 4))
+        planner.choose(planner.search(dataclasses.replace(small, free_device_bytes=4 * GiB), shape, 4))
 
 
 def test_the_ram_set_sits_between_disk_ends_and_reads_the_least():
     """Streamed blocks at either end are reused at a turn (read once), the middle ones read twice: with
     RAM blocks streamed (CUDA), the disk tier takes both ends, and no other RAM set reads fewer bytes."""
-    shape = cm.shape_of(CFG, "fp32", "fp32", 16)
-    gpu = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None)
+    shape = ci.shape_of(CFG, "fp32", "fp32", 16)
+    gpu = ci.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None)
     place = Placement(offload="auto", resident=0, prefetch=1, ram_budget=3 * shape.tier_bytes)
     pred = cm.predict(gpu, shape, place, Activations(), 4)
     assert pred.tiers == ("disk",) * 2 + ("ram",) * 3 + ("disk",) * 3
@@ -204,9 +204,9 @@ def test_the_scheduler_reads_what_the_split_disk_tier_predicts(store, prefetch, 
     real = phantom.stream.placement.assign_tiers
     monkeypatch.setattr(phantom.stream.placement, "assign_tiers", lambda *a, **k: real(*a, **{**k, "zero_copy": False}))
     monkeypatch.setattr(phantom.model.phantom_model, "BlockScheduler", functools.partial(BlockScheduler, zero_copy=False))
-    shape = cm.shape_of(CFG, "fp32", "fp32", seq_len=16)
+    shape = ci.shape_of(CFG, "fp32", "fp32", seq_len=16)
     place = Placement(offload="auto", resident=0, prefetch=prefetch, ram_budget=3 * shape.tier_bytes)
-    pred = cm.predict(cm.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None),
+    pred = cm.predict(ci.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None),
                       shape, place, Activations(recompute="all"), rows=2)
     assert pred.tiers[0] == "disk" and pred.split == {"device": 0, "ram": 3, "disk": 5}
     with phantom.load(store, device="cpu", dtype="fp32", placement=place, recompute="all") as model:
@@ -219,10 +219,10 @@ def test_a_host_short_with_the_default_ram_tier_gets_a_smaller_one():
     """A 70B on a 20 GiB CPU: every policy with the RAM tier the default budget allows leaves the host
     short (activations live there too); a smaller RAM tier fits, and the tuner finds it."""
     from phantom.arch import config
-    cpu = cm.MachineProfile(machine="c", device="cpu", free_host_bytes=20 * GiB, fwd_flops=2e11, disk_gbps=1.5)
-    shape = cm.shape_of(config.preset("70B"), "bf16", "bf16", 512)
+    cpu = ci.MachineProfile(machine="c", device="cpu", free_host_bytes=20 * GiB, fwd_flops=2e11, disk_gbps=1.5)
+    shape = ci.shape_of(config.preset("70B"), "bf16", "bf16", 512)
     default_ram = cm.layout(shape, cpu, Placement()).split["ram"]
-    best = cm.choose(cm.search(cpu, shape, 8))
+    best = planner.choose(planner.search(cpu, shape, 8))
     assert best.fits and best.split["ram"] < default_ram
 
 
@@ -230,8 +230,8 @@ def test_a_cpu_loader_dequantizing_takes_its_share_of_the_compute_cores():
     """On a CPU the loader dequantizes on one of the cores the block computes on: in a compute-bound step
     each load's dequantization time, over the compute's threads, is added; with the threads unknown (0)
     the loader's work is taken to be free, as before."""
-    shape = cm.shape_of(CFG, "bf16", "bf16", 128, "nf4")
-    free = cm.MachineProfile(machine="c", device="cpu", fwd_flops=1e8, dequant_gbps=1.0, disk_gbps=100.0)
+    shape = ci.shape_of(CFG, "bf16", "bf16", 128, "nf4")
+    free = ci.MachineProfile(machine="c", device="cpu", fwd_flops=1e8, dequant_gbps=1.0, disk_gbps=100.0)
     two = dataclasses.replace(free, compute_threads=2)
     place = Placement(offload="disk", prefetch=2)
     a, b = (cm.predict(p, shape, place, Activations(recompute="none"), 2) for p in (free, two))

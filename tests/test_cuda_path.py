@@ -229,9 +229,9 @@ def test_the_device_budget_holds_what_the_scheduler_allocates(fc, small_store_bf
     """A bf16 store computed in fp32: a slot holds the stored bytes and the fp32 copy (3x the store's
     bytes, where placement counted 2x). With a device budget of two slots and two resident blocks,
     what the scheduler allocates on the device stays within it, and the cost model says the same."""
-    from phantom.plan import costmodel as cm
+    from phantom.plan import costinputs as ci, costmodel as cm
     store = BlockStore(small_store_bf16)
-    shape = cm.shape_of(SMALL, "bf16", "fp32")
+    shape = ci.shape_of(SMALL, "bf16", "fp32")
     budget = 2 * shape.slot_bytes + 2 * shape.tier_bytes
     with fc.tensors_to_host():
         sched = BlockScheduler(store, "cuda", Placement(offload="auto", prefetch=1, device_budget=budget,
@@ -239,7 +239,7 @@ def test_the_device_budget_holds_what_the_scheduler_allocates(fc, small_store_bf
     try:
         assert sched.resident == 2 and len(sched.slots) == 2
         assert device_bytes(sched) <= budget
-        profile = cm.MachineProfile(machine="t", device="cuda")
+        profile = ci.MachineProfile(machine="t", device="cuda")
         blocks = 2 * shape.slot_bytes + sched.resident * shape.resident_bytes
         assert abs(device_bytes(sched) - blocks) <= 2 * 4096  # the model counts what the tensors hold
         assert cm.layout(shape, profile, sched.placement) == sched.layout

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci
 from phantom.plan import profiles
 from phantom.arch.config import PRESETS, ModelConfig
 from phantom.model.export import hf_config
@@ -55,7 +55,7 @@ def test_tune_plans_qwen2_5_72b_like_the_70b(tmp_path, monkeypatch, capsys):
     """One machine profile (measured on a small shape; 256 GiB of host memory free) for both: the 72B is
     planned as the 70B is, each block a little larger."""
     small = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
-    profile = dataclasses.replace(profiles.probe(small, "cpu", cm.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True),
+    profile = dataclasses.replace(profiles.probe(small, "cpu", ci.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True),
                                   free_device_bytes=None, free_host_bytes=256 << 30)
     monkeypatch.setattr(profiles, "probe", lambda *a, **k: profile)  # no 70B-shaped blocks written to measure
     plans = {}

@@ -284,15 +284,15 @@ def test_generate_runs_the_quantized_store(stores, trained, tmp_path, capsys):
 # The cost model counts quantized bytes and the dequantization
 
 def test_cost_model_counts_quantized_bytes_and_dequantization(bf16, stores):
-    from phantom.plan import costmodel as cm
+    from phantom.plan import costinputs as ci, costmodel as cm
     from phantom.stream.placement import Activations, loads_per_step
     for path in (bf16, *stores.values()):  # 16-bit, nf4 with and without double quantization, int8
         store = BlockStore(path)
-        assert cm.shape_of(store.cfg, store.manifest["dtype"], "fp32", 16, store.quant).block_bytes == store.block_nbytes
+        assert ci.shape_of(store.cfg, store.manifest["dtype"], "fp32", 16, store.quant).block_bytes == store.block_nbytes
     store = BlockStore(stores["nf4"])
-    shape, plain = cm.shape_of(CFG, "bf16", "fp32", 16, "nf4"), cm.shape_of(CFG, "bf16", "fp32", 16)
+    shape, plain = ci.shape_of(CFG, "bf16", "fp32", 16, "nf4"), ci.shape_of(CFG, "bf16", "fp32", 16)
     assert shape.block_bytes == store.block_nbytes and shape.converts and shape.dequant_bytes == plain.resident_bytes
-    fast, slow = (cm.MachineProfile(machine="t", device="cpu", dequant_gbps=g) for g in (100.0, 0.01))
+    fast, slow = (ci.MachineProfile(machine="t", device="cpu", dequant_gbps=g) for g in (100.0, 0.01))
     place = Placement(offload="disk", prefetch=0)
     a, b = (cm.predict(p, shape, place, Activations(), rows=2) for p in (fast, slow))
     loads = loads_per_step(a.tiers, 1, ram_streams=True)["disk"]  # prefetch 0: one slot
@@ -301,7 +301,7 @@ def test_cost_model_counts_quantized_bytes_and_dequantization(bf16, stores):
     assert b.step_s - a.step_s == pytest.approx(loads * dequant, rel=1e-6)  # prefetch 0: in series
     # with the same RAM budget the quantized store holds about 3.6x the blocks a bf16 one does
     ram = Placement(offload="auto", prefetch=1, ram_budget=6 * store.block_nbytes)
-    q, bf = (cm.predict(fast, cm.shape_of(CFG, "bf16", "bf16", 16, qt), ram, Activations(), rows=2) for qt in ("nf4", None))
+    q, bf = (cm.predict(fast, ci.shape_of(CFG, "bf16", "bf16", 16, qt), ram, Activations(), rows=2) for qt in ("nf4", None))
     assert q.split["ram"] == 6 and bf.split["ram"] == 1
 
 
@@ -317,13 +317,13 @@ def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf1
 
 def test_cost_model_places_a_quantized_store_as_the_scheduler_does(stores, monkeypatch):
     """CUDA's budgets (a CPU has no device tier): the device tier counts dequantized blocks, RAM stored ones."""
-    from phantom.plan import costmodel as cm
+    from phantom.plan import costinputs as ci, costmodel as cm
     from phantom.stream.residency import resolve_layout
     store = BlockStore(stores["nf4"])
-    shape = cm.shape_of(CFG, "bf16", "bf16", 16, "nf4")
+    shape = ci.shape_of(CFG, "bf16", "bf16", 16, "nf4")
     place = Placement(offload="auto", prefetch=1, device_budget=2 * store.block_nbytes + 3 * store.dense_nbytes,
                       ram_budget=3 * store.block_nbytes + 100)
-    profile = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=1 << 40, free_host_bytes=1 << 40)
+    profile = ci.MachineProfile(machine="t", device="cuda", free_device_bytes=1 << 40, free_host_bytes=1 << 40)
     planned = cm.layout(shape, profile, place).tiers
     monkeypatch.setattr(phantom.stream.memory, "free_device_bytes", lambda device: 1 << 40)
     # the scheduler's tier choice alone, without allocating on a device

@@ -23,7 +23,7 @@ import phantom.stream.scheduler
 import phantom.files.directio
 import phantom.files.store
 import phantom.files.tensorfile
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, costmodel as cm
 from phantom.arch.config import ModelConfig
 from phantom.model.synthetic import write_synthetic
 from phantom.stream.placement import Activations, Placement, loads_per_step
@@ -103,7 +103,7 @@ def test_ram_and_disk_by_budget_equal_resident_and_read_what_the_planner_predict
     assert tiers == ("ram",) * 3 + ("disk",) * 5
     assert_same(first, resident)
     planned = loads_per_step(tiers, prefetch + 1, ram_streams=False)  # a CPU uses its RAM tier in place
-    pred = cm.predict(cm.MachineProfile(machine="test", device="cpu"), cm.shape_of(CFG, "fp32", "fp32", T),
+    pred = cm.predict(ci.MachineProfile(machine="test", device="cpu"), ci.shape_of(CFG, "fp32", "fp32", T),
                       place, Activations(), rows=B)
     assert pred.tiers == tiers and pred.bytes_read == planned["disk"] * nbytes
     for m in metrics:
@@ -120,7 +120,7 @@ def test_device_ram_and_disk_equal_resident(store, resident, prefetch, monkeypat
     first, metrics, tiers, nbytes = run(store, Placement(offload="auto", prefetch=prefetch))
     assert tiers == three
     assert_same(first, resident)
-    pred = cm.predict(cm.MachineProfile(machine="test", device="cpu"), cm.shape_of(CFG, "fp32", "fp32", T),
+    pred = cm.predict(ci.MachineProfile(machine="test", device="cpu"), ci.shape_of(CFG, "fp32", "fp32", T),
                       Placement(offload="auto", prefetch=prefetch), Activations(), rows=B, tiers=three)
     for m in metrics:
         assert m["bytes_read"] == pred.bytes_read == loads_per_step(three, prefetch + 1, False)["disk"] * nbytes

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, costmodel as cm, planner
 from phantom.plan import profiles, tune
 from phantom.arch.config import ModelConfig
 from phantom.model.synthetic import write_synthetic
@@ -37,20 +37,20 @@ def no_measuring(*a, **k):
 
 
 def test_a_config_without_weights_plans_as_a_store_of_its_shape(tmp_path, monkeypatch):
-    probed = dataclasses.replace(profiles.probe(CFG, "cpu", cm.Workload(2, 16, "fp32", "bf16"), tmp_path, quick=True), **FIXED)
+    probed = dataclasses.replace(profiles.probe(CFG, "cpu", ci.Workload(2, 16, "fp32", "bf16"), tmp_path, quick=True), **FIXED)
     assert list(tmp_path.glob("probe-*")) == []  # the synthetic blocks are gone, the profile stays
     assert probed.measured_on.startswith(profiles.shape_key(CFG, "bf16"))
     store = BlockStore(write_synthetic(tmp_path / "s", CFG, torch.bfloat16, seed=1, progress=False))
     monkeypatch.setattr(profiles, "measure", no_measuring)  # same block shape: the same profile file
     stored = dataclasses.replace(profiles.profile_for(store, "cpu", "fp32", 2, 16, tmp_path), **FIXED)
     assert stored == probed
-    from_cfg = tune.plan(probed, CFG, cm.Workload(2, 16, "fp32", "bf16"))
-    from_store = tune.plan(stored, store.cfg, cm.Workload(2, 16, "fp32", store.manifest["dtype"]))
+    from_cfg = tune.plan(probed, CFG, ci.Workload(2, 16, "fp32", "bf16"))
+    from_store = tune.plan(stored, store.cfg, ci.Workload(2, 16, "fp32", store.manifest["dtype"]))
     assert from_cfg[0] == from_store[0] and from_cfg[2] == from_store[2]
     assert from_cfg[2].block_bytes == store.block_nbytes
     assert from_cfg[2].store_bytes == sum(e.nbytes for e in [store.embed, store.head, *store.blocks])
     # deeper model of the same shape: the same profile, twice the blocks to place
-    deep = tune.plan(probed, dataclasses.replace(CFG, n_layers=12), cm.Workload(2, 16, "fp32", "bf16"))[0]
+    deep = tune.plan(probed, dataclasses.replace(CFG, n_layers=12), ci.Workload(2, 16, "fp32", "bf16"))[0]
     assert len(deep.tiers) == 12 and deep.compute_s > from_cfg[0].compute_s
 
 
@@ -62,7 +62,7 @@ def test_measured_rates_are_sane(small_store):
 
 
 def test_profile_round_trip_and_a_stale_or_corrupt_file_is_ignored(tmp_path):
-    p = cm.MachineProfile(machine="box", device="cuda", fwd_flops=3e14, free_device_bytes=80 << 30)
+    p = ci.MachineProfile(machine="box", device="cuda", fwd_flops=3e14, free_device_bytes=80 << 30)
     path = tmp_path / "profiles" / "x.json"
     profiles.save_profile(p, path)
     assert profiles.load_profile(path) == p
@@ -84,7 +84,7 @@ def test_script_plans_a_config_json_and_the_json_round_trips(tmp_path, capsys):
     pred = cm.Prediction.from_dict(d)
     assert json.loads(json.dumps(pred.to_dict())) == {k: v for k, v in d.items() if k not in ("model", "profile")}
     assert len(pred.tiers) == 6 and pred.fits and pred.step_s > 0 and d["tokens_per_s"] == pred.tokens_per_s
-    assert cm.MachineProfile.from_dict(d["profile"]).machine == profiles.machine_key("cpu")
+    assert ci.MachineProfile.from_dict(d["profile"]).machine == profiles.machine_key("cpu")
     assert script().main(common) == 0
     text = capsys.readouterr().out
     for label in ("placement", "memory", "predicted", "tokens/s", "-bound"):
@@ -94,7 +94,7 @@ def test_script_plans_a_config_json_and_the_json_round_trips(tmp_path, capsys):
 def test_script_says_how_much_is_missing(tmp_path, capsys):
     cfg_file = tmp_path / "config.json"
     cfg_file.write_text(json.dumps(HF_CONFIG))
-    store_bytes = cm.shape_of(ModelConfig(**{**dataclasses.asdict(CFG), "rope_scaling": None}), "bf16").store_bytes
+    store_bytes = ci.shape_of(ModelConfig(**{**dataclasses.asdict(CFG), "rope_scaling": None}), "bf16").store_bytes
     common = ["--config", str(cfg_file), "--device", "cpu", "--batch-size", "2", "--seq-len", "16",
               "--profile-dir", str(tmp_path / "p"), "--quick", "--disk-budget", "1000"]
     assert script().main(common) == 2
@@ -123,7 +123,7 @@ def test_auto_placement_measures_once_then_reads_the_profile(small_store, tmp_pa
     again = tune.auto_placement(small_store, "cpu", batch_size=4, seq_len=32, dtype="fp32", profile_dir=tmp_path)
     assert again.rows == 4 and again.resident == 0  # a CPU has no device tier
     disk = tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path,
-                                cm.SearchSpace(offloads=("disk",), micro_batches=(2,)))
+                                planner.SearchSpace(offloads=("disk",), micro_batches=(2,)))
     assert disk.offload == "disk" and disk.split["disk"] == 4 and disk.activations.micro_batch == 2
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
     assert profiles.profile_path(BlockStore(small_store), "cpu", "fp32").parent == tmp_path / "cache" / "profiles"
@@ -135,7 +135,7 @@ def test_load_with_prefetch_auto_takes_the_tuners_placement(small_store, tmp_pat
     import phantom
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
     best = tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path / "cache" / "profiles",
-                               cm.SearchSpace(offloads=("auto",)))  # measures and saves the profile
+                               planner.SearchSpace(offloads=("auto",)))  # measures and saves the profile
     monkeypatch.setattr(profiles, "measure", no_measuring)  # the load reads that profile
     with phantom.load(small_store, offload="auto", prefetch="auto", batch_size=4, seq_len=32, recompute="all",
                       micro_batch=2) as model:
@@ -147,31 +147,31 @@ def test_load_with_prefetch_auto_takes_the_tuners_placement(small_store, tmp_pat
 
 
 def test_check_prediction_speaks_only_beyond_20_percent():
-    shape = cm.shape_of(CFG, "fp32", "fp32", 16)
-    p = cm.predict(cm.MachineProfile(machine="t", device="cpu", fwd_flops=1e7), shape, cm.Placement(),
+    shape = ci.shape_of(CFG, "fp32", "fp32", 16)
+    p = cm.predict(ci.MachineProfile(machine="t", device="cpu", fwd_flops=1e7), shape, cm.Placement(),
                    cm.Activations(), 4)
     assert p.step_s > 0.1
-    assert cm.check_prediction(p, p.step_s * 1.15) is None and cm.check_prediction(p, p.step_s * 0.85) is None
-    assert "+30%" in cm.check_prediction(p, p.step_s * 1.3)
-    assert "-40%" in cm.check_prediction(p, p.step_s * 0.6)
+    assert planner.check_prediction(p, p.step_s * 1.15) is None and planner.check_prediction(p, p.step_s * 0.85) is None
+    assert "+30%" in planner.check_prediction(p, p.step_s * 1.3)
+    assert "-40%" in planner.check_prediction(p, p.step_s * 0.6)
     short = dataclasses.replace(p, step_s=0.008)
-    assert cm.check_prediction(short, 0.05) is None  # both are Python-overhead-sized
-    assert "+" in cm.describe_measured(p, p.step_s * 1.1)
+    assert planner.check_prediction(short, 0.05) is None  # both are Python-overhead-sized
+    assert "+" in planner.describe_measured(p, p.step_s * 1.1)
 
 
 def test_format_table_marks_the_choice():
-    prof = cm.MachineProfile(machine="t", device="cuda", fwd_flops=1e9, free_device_bytes=1 << 30,
+    prof = ci.MachineProfile(machine="t", device="cuda", fwd_flops=1e9, free_device_bytes=1 << 30,
                              free_host_bytes=8 << 30)
-    cands = cm.search(prof, cm.shape_of(CFG, "fp32", "fp32", 16), 4)
-    text = tune.format_table(cands, top=5, chosen=cm.choose(cands))
+    cands = planner.search(prof, ci.shape_of(CFG, "fp32", "fp32", 16), 4)
+    text = tune.format_table(cands, top=5, chosen=planner.choose(cands))
     assert text.count("<- chosen") == 1 and len(text.splitlines()) <= 8
 
 
 def test_scaled_placement_keeps_the_plans_fractions():
-    shape = cm.shape_of(CFG, "bf16", "bf16", 16)
-    gpu = cm.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None)
-    big = cm.shape_of(dataclasses.replace(CFG, n_layers=80), "bf16", "bf16", 16)
-    small = cm.shape_of(dataclasses.replace(CFG, n_layers=8), "bf16", "bf16", 16)
+    shape = ci.shape_of(CFG, "bf16", "bf16", 16)
+    gpu = ci.MachineProfile(machine="t", device="cuda", free_device_bytes=None, free_host_bytes=None)
+    big = ci.shape_of(dataclasses.replace(CFG, n_layers=80), "bf16", "bf16", 16)
+    small = ci.shape_of(dataclasses.replace(CFG, n_layers=8), "bf16", "bf16", 16)
     for split, scaled in (((28, 48, 4), (3, 4, 1)), ((0, 40, 40), (0, 4, 4)), ((0, 4, 76), (0, 1, 7))):
         full = cm.predict(gpu, big, cm.Placement(prefetch=2), cm.Activations(recompute="all"), 4,
                           tiers=sum(((t,) * k for t, k in zip(("device", "ram", "disk"), split)), ()))

@@ -14,7 +14,7 @@ import torch
 
 import phantom.stream.memory
 from phantom.arch import config
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, costmodel as cm, planner
 from phantom.stream import placement as P
 from phantom.stream.residency import resolve_layout
 
@@ -33,7 +33,7 @@ def m1(monkeypatch):
 def scheduler_layout(store_dtype: torch.dtype, dtype: torch.dtype, cfg, placement: P.Placement) -> P.Layout:
     """The layout BlockScheduler resolves on `mps` for a store of cfg (its tier choice alone: nothing is
     allocated on a device that is not here)."""
-    shape = cm.shape_of(cfg, str(store_dtype).removeprefix("torch.").replace("float32", "fp32")
+    shape = ci.shape_of(cfg, str(store_dtype).removeprefix("torch.").replace("float32", "fp32")
                         .replace("bfloat16", "bf16"), "fp32")
     store = types.SimpleNamespace(block_nbytes=shape.block_bytes, dense_nbytes=shape.block_bytes, dtype=store_dtype,
                                   quant=None, n_blocks=cfg.n_layers)
@@ -57,9 +57,9 @@ def test_a_70b_on_a_16gb_m1_keeps_what_fits_and_reads_the_rest_from_disk(m1, pre
     assert kept == 0 or kept + slots <= M1_AVAILABLE, \
         f"{kept / GiB:.1f} GiB of blocks beside {slots / GiB:.1f} GiB of slots in {M1_AVAILABLE / GiB:.0f} GiB"
     # the tuner plans the same layout from the same probes
-    profile = cm.MachineProfile(machine="m1", device="mps", dtype="fp32", free_device_bytes=M1_RECOMMENDED,
+    profile = ci.MachineProfile(machine="m1", device="mps", dtype="fp32", free_device_bytes=M1_RECOMMENDED,
                                 free_host_bytes=M1_AVAILABLE)
-    assert cm.layout(cm.shape_of(cfg, "bf16", "fp32"), profile, place) == layout
+    assert cm.layout(ci.shape_of(cfg, "bf16", "fp32"), profile, place) == layout
 
 
 def test_a_model_that_fits_stays_in_memory(m1):
@@ -73,7 +73,7 @@ def test_the_ram_tier_counts_what_the_device_tier_took(m1):
     """Unified: blocks kept on the device leave less for the RAM tier; on CUDA, with the same numbers,
     the two memories are separate and the RAM tier is larger."""
     cfg = config.preset("7B")
-    sizes = cm.shape_of(cfg, "bf16", "bf16").sizes
+    sizes = ci.shape_of(cfg, "bf16", "bf16").sizes
     place = P.Placement(offload="auto", prefetch=1, device_budget=6 * GiB)
     unified = P.resolve(cfg.n_layers, sizes, place, P.FreeMemory(device=M1_RECOMMENDED, host=M1_AVAILABLE,
                                                                  unified=True))
@@ -86,11 +86,11 @@ def test_the_tuner_plans_a_70b_on_the_m1_within_its_memory(m1):
     """The tuner's choice for the 70B fits the one memory (its slots and the host's share included)
     and reads the rest from disk, in bf16 and in fp32 (a slot then holds the block and its fp32 copy)."""
     cfg = config.preset("70B")
-    profile = cm.MachineProfile(machine="m1", device="mps", dtype="bf16", free_device_bytes=M1_RECOMMENDED,
+    profile = ci.MachineProfile(machine="m1", device="mps", dtype="bf16", free_device_bytes=M1_RECOMMENDED,
                                 free_host_bytes=M1_AVAILABLE, free_disk_bytes=1 << 42)
-    best = cm.choose(cm.search(profile, cm.shape_of(cfg, "bf16", "bf16", seq_len=256), rows=1))
+    best = planner.choose(planner.search(profile, ci.shape_of(cfg, "bf16", "bf16", seq_len=256), rows=1))
     assert best.fits and best.split["disk"] > 0 and best.split["device"] < cfg.n_layers, best.describe()
     assert best.device_bytes <= M1_RECOMMENDED and best.device_bytes + best.host_bytes <= M1_AVAILABLE
-    fp32 = cm.choose(cm.search(dataclasses.replace(profile, dtype="fp32"), cm.shape_of(cfg, "bf16", "fp32", 256), 1))
+    fp32 = planner.choose(planner.search(dataclasses.replace(profile, dtype="fp32"), ci.shape_of(cfg, "bf16", "fp32", 256), 1))
     assert fp32.fits and fp32.device_bytes + fp32.host_bytes <= M1_AVAILABLE  # a slot holds the fp32 copy too
     assert fp32.split["device"] <= best.split["device"]

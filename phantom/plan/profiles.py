@@ -1,7 +1,7 @@
 """Measuring this machine for the cost model, and the profiles of its rates kept on disk.
 
 `measure` times this machine on a store's first blocks (reads, the host-to-device link, one block's
-compute, free memory) and returns a `costmodel.MachineProfile` of rates, so a profile measured on a
+compute, free memory) and returns a `ci.MachineProfile` of rates, so a profile measured on a
 few blocks plans a whole model, and any model of the same block shape. `probe` measures a shape that
 has no weights yet on a few synthetic blocks. Apart from phantom.plan.tune, which chooses a placement
 from a profile: the clocks, the reader threads and the profile files are here, the choice is not.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, planner
 from phantom.base import dtypes, safejson
 from phantom.arch import quant
 from phantom.stream import placement as P
@@ -239,7 +239,7 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
     try:
         timer = BlockTimer(model, seq_len, repeats, disk)
         points = {1: timer.point(1, with_head=True)}  # the head's cost is per token: one size is enough
-        hi = max(b for b in cm.pow2_upto(max_rows) if max_rows % b == 0)
+        hi = max(b for b in planner.pow2_upto(max_rows) if max_rows % b == 0)
         free = free_bytes if free_bytes is not None else free_host_bytes()
         while hi > 1 and hi * points[1]["keep"] * (repeats + 2) > (free or 0) // 4:
             hi //= 2  # the measurement holds repeats + 1 graphs at once: keep it well inside memory
@@ -269,10 +269,10 @@ def fit_call_and_row(points: dict[int, dict]) -> dict:
 
 
 def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | str, batch_size: int,
-            seq_len: int, quick: bool = False) -> cm.MachineProfile:
+            seq_len: int, quick: bool = False) -> ci.MachineProfile:
     """Measure this machine on a store's blocks: disk, link, one block's compute, free memory, as rates.
 
-    Times become rates through the store's `costmodel.Shape` (FLOPs per row, kept bytes), so the
+    Times become rates through the store's `ci.Shape` (FLOPs per row, kept bytes), so the
     profile predicts any model whose blocks have this shape, at any depth.
 
     Args:
@@ -292,10 +292,10 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     free_dev = free_device_bytes(device)
     c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, (disk, True))
     dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
-        cm.MachineProfile.dequant_gbps
+        ci.MachineProfile.dequant_gbps
     log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)
-    shape = cm.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
-    return cm.MachineProfile(
+    shape = ci.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
+    return ci.MachineProfile(
         machine=machine_key(device), device=device.type, dtype=dtype_name(dtype), disk_gbps=disk,
         disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, fwd_flops=shape.flops_per_row / c["fwd_row_s"],
         fwd_grad_ratio=c["fwd_grad_row_s"] / c["fwd_row_s"], bwd_ratio=c["bwd_row_s"] / c["fwd_row_s"],
@@ -309,7 +309,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
-def with_free_memory(profile: cm.MachineProfile, device: torch.device | str) -> cm.MachineProfile:
+def with_free_memory(profile: ci.MachineProfile, device: torch.device | str) -> ci.MachineProfile:
     """The profile with free memory read now: it changes between runs, the rates do not."""
     return dataclasses.replace(profile, free_device_bytes=free_device_bytes(torch.device(device)),
                                free_host_bytes=free_host_bytes())
@@ -371,19 +371,19 @@ def profile_path(model, device, dtype, profile_dir: Path | str | None = None, st
     return Path(profile_dir or profile_dir_default()) / name
 
 
-def save_profile(profile: cm.MachineProfile, path: Path) -> None:
+def save_profile(profile: ci.MachineProfile, path: Path) -> None:
     """Atomic (temporary file, fsync, rename): processes measuring at once leave one whole profile."""
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {"version": PROFILE_VERSION, **profile.to_dict()})
 
 
-def load_profile(path: Path) -> cm.MachineProfile | None:
+def load_profile(path: Path) -> ci.MachineProfile | None:
     """The profile at path, or None if there is none or it is unreadable (it is then measured again)."""
     try:
         d = safejson.load(path)
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version {d.get('version')} is not {PROFILE_VERSION}")
-        return cm.MachineProfile.from_dict(d)
+        return ci.MachineProfile.from_dict(d)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
@@ -393,7 +393,7 @@ def load_profile(path: Path) -> cm.MachineProfile | None:
 
 def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
                 profile_dir: Path | str | None = None, quick: bool = True,
-                remeasure: bool = False) -> cm.MachineProfile:
+                remeasure: bool = False) -> ci.MachineProfile:
     """The saved profile for this store's block shape, or one measured on it now (and saved)."""
     path = profile_path(store, device, dtype, profile_dir)
     profile = None if remeasure else load_profile(path)
@@ -405,8 +405,8 @@ def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
     return with_free_memory(profile, device)
 
 
-def probe(cfg, device, work: cm.Workload, profile_dir: Path | str | None = None, quick: bool = True,
-          remeasure: bool = False, blocks: int = PROBE_BLOCKS) -> cm.MachineProfile:
+def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None, quick: bool = True,
+          remeasure: bool = False, blocks: int = PROBE_BLOCKS) -> ci.MachineProfile:
     """The profile for a model that has no weights here: measured on `blocks` synthetic blocks of its shape
     (stored as work.store_dtype and work.quant), computing in work.dtype.
 
@@ -421,7 +421,7 @@ def probe(cfg, device, work: cm.Workload, profile_dir: Path | str | None = None,
         with tempfile.TemporaryDirectory(prefix="probe-", dir=path.parent) as tmp:
             small = dataclasses.replace(cfg, n_layers=min(blocks, cfg.n_layers))
             log.info("writing %d synthetic blocks of this shape to measure them (%.1f GiB)", small.n_layers,
-                     cm.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
+                     ci.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
             store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,
                                                quant=as_format(quant)), verify="none")
             profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from phantom.plan import costmodel as cm, profiles
+from phantom.plan import costinputs as ci, costmodel as cm, planner, profiles
 from phantom.base import dtypes, fileio
 from phantom.stream import placement as P
 from phantom.model.synthetic import write_synthetic
@@ -28,21 +28,21 @@ from phantom.files.tensorfile import parse_dtype
 log = logging.getLogger(__name__)
 
 
-def plan(profile: cm.MachineProfile, cfg, work: cm.Workload, space: cm.SearchSpace = cm.SearchSpace()
-         ) -> tuple[cm.Prediction, list[cm.Prediction], cm.Shape]:
+def plan(profile: ci.MachineProfile, cfg, work: ci.Workload, space: planner.SearchSpace = planner.SearchSpace()
+         ) -> tuple[cm.Prediction, list[cm.Prediction], ci.Shape]:
     """The chosen prediction for a whole model, every candidate, and the shape they were made for.
 
     Raises:
         ValueError: nothing fits; the message says how many bytes are missing and where.
     """
     shape = pred_shape(cfg, work.store_dtype, work.dtype, work.seq_len, work.quant)
-    cands = cm.search(profile, shape, work.rows, space)
-    return cm.choose(cands), cands, shape
+    cands = planner.search(profile, shape, work.rows, space)
+    return planner.choose(cands), cands, shape
 
 
 def auto_placement(store_path: Path | str, device: torch.device | str, batch_size: int, seq_len: int,
                    dtype: torch.dtype | str, profile_dir: Path | str | None = None,
-                   space: cm.SearchSpace = cm.SearchSpace()) -> cm.Prediction:
+                   space: planner.SearchSpace = planner.SearchSpace()) -> cm.Prediction:
     """The prediction for `--prefetch auto`: from the saved profile, or a quick one measured (and saved) now.
 
     Free memory is read again at each call (it changes between runs); the rates are reused. Rows per
@@ -66,9 +66,9 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
         space = dataclasses.replace(space, offloads=("auto",))
     store = BlockStore(store_path, verify="none")
     profile = profiles.profile_for(store, device, dtype, batch_size, seq_len, profile_dir)
-    work = cm.Workload(batch_size, seq_len, dtypes.lookup(dtype).torch_name, store.manifest["dtype"], store.quant)
+    work = ci.Workload(batch_size, seq_len, dtypes.lookup(dtype).torch_name, store.manifest["dtype"], store.quant)
     best, _, shape = plan(profile, store.cfg, work, space)
-    log.info("the tuner's plan:\n%s", cm.describe_plan(best, shape, profile, store.path.name))
+    log.info("the tuner's plan:\n%s", planner.describe_plan(best, shape, profile, store.path.name))
     return best
 
 
@@ -81,7 +81,7 @@ def tuned_placement(store_path: Path | str, device: torch.device | str, dtype: t
     offloads = ("ram", "disk") if placement.offload == "auto" else (placement.offload,)
     store = BlockStore(store_path, verify="none")
     with fileio.locked(profiles.profile_path(store, device, dtype).parent / ".measure.lock"):
-        best = auto_placement(store_path, device, rows, seq_len, dtype, space=cm.SearchSpace(offloads=offloads))
+        best = auto_placement(store_path, device, rows, seq_len, dtype, space=planner.SearchSpace(offloads=offloads))
     return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident)
 
 
@@ -122,7 +122,7 @@ def format_table(candidates: list[cm.Prediction], top: int = 12, chosen: cm.Pred
 # ---------------------------------------------------------------------------------------------
 # Checking a plan on a scaled store: N blocks of the model's shape, the plan's fractions in each tier
 
-def scaled_placement(full: cm.Prediction, shape: cm.Shape, n_blocks: int) -> tuple[P.Placement, P.Activations]:
+def scaled_placement(full: cm.Prediction, shape: ci.Shape, n_blocks: int) -> tuple[P.Placement, P.Activations]:
     """The full model's plan cut to `n_blocks`: the same fractions of blocks on the device, in RAM and
     on disk (rounded; each tier the plan uses keeps a block), the same prefetch and micro-batch, the
     keep budget scaled with the depth."""
@@ -164,7 +164,7 @@ def timed_steps(store_path: Path | str, device, dtype, placement: P.Placement, a
         return times, metrics, model.scheduler.tiers
 
 
-def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, work: cm.Workload, device,
+def check_plan(full: cm.Prediction, profile: ci.MachineProfile, cfg, work: ci.Workload, device,
                n_blocks: int, steps: int, path: Path) -> dict:
     """The full model's plan run on `n_blocks` blocks of its shape (a synthetic store at `path`, written
     if absent), budgets at the plan's fractions: the measured step (median) against the prediction
@@ -178,14 +178,14 @@ def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, work: cm.Wo
     store_dtype, dtype, seq_len, quant = work.store_dtype, work.dtype, work.seq_len, work.quant
     small = dataclasses.replace(cfg, n_layers=n_blocks)
     if not (path / "manifest.json").is_file():
-        need, free = cm.shape_of(small, store_dtype, quant=quant).store_bytes, profiles.free_disk_bytes(path)
+        need, free = ci.shape_of(small, store_dtype, quant=quant).store_bytes, profiles.free_disk_bytes(path)
         if need > free:
             raise ValueError(f"--check {n_blocks} needs {cm.gib(need)} under {path}, {cm.gib(free)} free: "
                              f"use fewer blocks")
         log.info("writing %d synthetic blocks to %s (%s)", n_blocks, path, cm.gib(need))
         write_synthetic(path, small, parse_dtype(store_dtype), progress=False,
                         quant=as_format(quant))
-    place, acts = scaled_placement(full, cm.shape_of(cfg, store_dtype, dtype, seq_len, quant), n_blocks)
+    place, acts = scaled_placement(full, ci.shape_of(cfg, store_dtype, dtype, seq_len, quant), n_blocks)
     pred = cm.predict(profile, pred_shape(small, store_dtype, dtype, seq_len, quant), place, acts, full.rows)
     store = BlockStore(path, verify="none")
     if (held := profiles.store_quant(store)) != quant:
@@ -210,5 +210,5 @@ def check_plan(full: cm.Prediction, profile: cm.MachineProfile, cfg, work: cm.Wo
     return out
 
 
-def pred_shape(cfg, store_dtype: str, dtype: str, seq_len: int, quant: str | None = None) -> cm.Shape:
-    return cm.shape_of(cfg, store_dtype, dtype, seq_len, quant)
+def pred_shape(cfg, store_dtype: str, dtype: str, seq_len: int, quant: str | None = None) -> ci.Shape:
+    return ci.shape_of(cfg, store_dtype, dtype, seq_len, quant)

@@ -27,6 +27,34 @@ from phantom.stream.writeback import WriteBackQueue
 log = logging.getLogger(__name__)
 
 
+def next_use(plan: list[int], block: int, start: int) -> float:
+    """Plan position of block's next use from start. Past the plan's end the plan is taken to
+    repeat (a training loop's next step runs the same order), so of the blocks this step no longer
+    needs, the slots keep those the next step needs first: without it a tie among them was broken
+    by slot order, and a loader running late could evict a block the next forward reads first."""
+    for p in range(start, len(plan)):
+        if plan[p] == block:
+            return p
+    for p in range(min(start, len(plan))):
+        if plan[p] == block:
+            return len(plan) + p
+    return float("inf")
+
+
+def belady_victim(slots: list[Slot], plan: list[int], pos: int, needed_at: int) -> Slot | None:
+    """The slot to load a block needed at plan position `needed_at` into: of those not in use nor
+    loading, the one whose block is needed furthest in the future, and later than `needed_at`
+    (Belady, over the known plan); None when every slot holds something needed sooner."""
+    best, best_use = None, needed_at
+    for s in slots:
+        if s.users or s.state == "loading":
+            continue
+        use = float("inf") if s.state in ("empty", "failed") else next_use(plan, s.block, pos)
+        if use > best_use:
+            best, best_use = s, use
+    return best
+
+
 class BlockScheduler:
     """Streams transformer blocks of a `BlockStore` to a device.
 
@@ -222,19 +250,6 @@ class BlockScheduler:
                 return s
         return None
 
-    def _next_use(self, block: int, start: int) -> float:
-        """Plan position of block's next use from start. Past the plan's end the plan is taken to
-        repeat (a training loop's next step runs the same order), so of the blocks this step no longer
-        needs, the slots keep those the next step needs first: without it a tie among them was broken
-        by slot order, and a loader running late could evict a block the next forward reads first."""
-        for p in range(start, len(self._plan)):
-            if self._plan[p] == block:
-                return p
-        for p in range(min(start, len(self._plan))):
-            if self._plan[p] == block:
-                return len(self._plan) + p
-        return float("inf")
-
     def _streams(self, block: int) -> bool:
         return block in self._streamed
 
@@ -250,14 +265,7 @@ class BlockScheduler:
                 return None
             if self._slot_holding(block) is not None:
                 continue
-            # Evict the slot whose block is needed furthest in the future (Belady; known plan).
-            best, best_use = None, p
-            for s in self.slots:
-                if s.users or s.state == "loading":
-                    continue
-                use = float("inf") if s.state in ("empty", "failed") else self._next_use(s.block, self._pos)
-                if use > best_use:
-                    best, best_use = s, use
+            best = belady_victim(self.slots, self._plan, self._pos, p)
             if best is None:
                 return None  # every slot holds something needed sooner; wait for a release
             return best, block

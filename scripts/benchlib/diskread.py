@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import phantom
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, costmodel as cm
 import phantom.base.checksum
 import phantom.files.directio
 import phantom.base.fileio
@@ -197,9 +197,9 @@ def predictions(args, store: BlockStore, places: dict, race: dict, step: dict) -
     """The cost model's step per placement, its compute rate fitted to the all-RAM row and its disk rate
     the tier's second pass in this run: the two streamed predictions are out of sample."""
     dt = dtype_name(store.dtype)
-    shape = cm.shape_of(store.cfg, dt, dt, args.seq_len)
+    shape = ci.shape_of(store.cfg, dt, dt, args.seq_len)
     acts = phantom.Activations(recompute="none")
-    unit = cm.MachineProfile(machine="bench", device="cpu", dtype=dt, disk_gbps=race["rate"]["again"], fwd_flops=1e12)
+    unit = ci.MachineProfile(machine="bench", device="cpu", dtype=dt, disk_gbps=race["rate"]["again"], fwd_flops=1e12)
     profile = dataclasses.replace(unit, fwd_flops=1e12 * cm.predict(unit, shape, places["ram"], acts,
                                                                      args.batch_size).step_s / step["ram"])
     return profile, {name: cm.predict(profile, shape, place, acts, args.batch_size) for name, place in places.items()}

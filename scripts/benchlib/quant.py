@@ -9,7 +9,7 @@ import time
 import torch
 
 import phantom
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, costmodel as cm
 from phantom.plan import profiles
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
@@ -62,7 +62,7 @@ def quant_bench(args, store: BlockStore) -> str:
             r = quant_steps(st, place, rows_, seq, args)
             prof = dataclasses.replace(profile, dequant_gbps=rates.get(name, profile.dequant_gbps))
             dt = dtype_name(store.dtype)
-            pred = cm.predict(prof, cm.shape_of(st.cfg, dt, dt, seq, st.quant),
+            pred = cm.predict(prof, ci.shape_of(st.cfg, dt, dt, seq, st.quant),
                               place, acts, rows_)
             rows.append((name, rows_, seq, st, r, pred))
             print(f"{name} {rows_}x{seq}: {r['step_s']:.3f} s/step (predicted {pred.step_s:.3f}), "

@@ -17,7 +17,7 @@ import torch
 import phantom
 import phantom.stream.optim
 import phantom.files.workingcopy
-from phantom.plan import costmodel as cm
+from phantom.plan import costinputs as ci, costmodel as cm
 from phantom.stream.placement import parse_bytes, split_knobs
 from phantom.train.preference import Preference, PreferenceConfig
 from phantom.files.store import BlockStore
@@ -249,12 +249,12 @@ def run_worker(spec: str, argv, args, train: str = "lora") -> tuple:
     return mode, recompute if mode not in ("resident", *PEERS, "h2d", "matmul") else "-", micro, k, r
 
 
-def bench_shape(store: BlockStore, args) -> cm.Shape:
+def bench_shape(store: BlockStore, args) -> ci.Shape:
     name = dtype_name(store.dtype)
-    return cm.shape_of(store.cfg, name, name, args.seq_len)
+    return ci.shape_of(store.cfg, name, name, args.seq_len)
 
 
-def predicted(profile: cm.MachineProfile, mode: str, recompute: str, micro: str, k: str, store, args) -> float:
+def predicted(profile: ci.MachineProfile, mode: str, recompute: str, micro: str, k: str, store, args) -> float:
     """The cost model's step time for one streamed row of the table."""
     kw = MODES[mode.removeprefix("tuned-").partition("+")[0]]
     placement = phantom.Placement(offload=kw["offload"], prefetch=kw.get("prefetch", int(k) if k != "-" else 0),

@@ -1,0 +1,180 @@
+"""What the cost model is given: a model's shape (`Shape`, from a `ModelConfig` alone: `shape_of`), a
+machine's rates (`MachineProfile`, measured by phantom.plan.profiles or given by hand), and what one
+block load costs at those rates in each tier (`LoadTimes`, from phantom.stream.tiers: a tier declares
+its own rate). A profile measured on a few blocks predicts the whole model, and a preset can be planned
+before its weights exist. No I/O, no clocks: every function here is a function of its arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from phantom.base import dtypes
+from phantom.arch.config import ModelConfig, block_tensor_shapes
+from phantom.stream import placement as P
+from phantom.stream import tiers as T
+from phantom.arch.quantformat import QuantFormat, as_format, block_nbytes
+
+GB = 1e9
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step computes: `rows` rows of `seq_len` tokens in the compute dtype, over a store
+    in `store_dtype` (its linear weights quantized as `quant`: a store's QuantFormat, or "nf4" / "int8" for
+    prepare_model.py's format of that method, or None)."""
+
+    rows: int
+    seq_len: int
+    dtype: str = "bf16"
+    store_dtype: str = "bf16"
+    quant: str | QuantFormat | None = None
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cost model needs of a model, derived from its config and dtypes (see `shape_of`).
+
+    block_bytes is one block in the store's dtype (what is read, and held in RAM); resident_bytes the
+    same block in the compute dtype (a resident block); slot_bytes one device slot (store bytes plus
+    the converted copy when the dtypes differ); tier_bytes the block size the scheduler budgets
+    tiers with. flops_per_row is one block's forward over one row of seq_len tokens.
+    """
+
+    n_blocks: int
+    block_bytes: int
+    resident_bytes: int
+    sizes: P.BlockBytes  # one block in each tier (phantom.stream.placement.block_sizes: the scheduler's rule)
+    head_bytes: int
+    embed_bytes: int
+    flops_per_row: float
+    head_flops_per_row: float
+    act_bytes_per_row: int
+    keep_bytes_per_row: int
+    seq_len: int
+    store_bytes: int  # the store's files: blocks, embedding, head (headers of a few KiB left out)
+    dequant_bytes: int = 0  # a quantized store: the compute-dtype bytes each load dequantizes into
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.sizes.slot
+
+    @property
+    def tier_bytes(self) -> int:
+        return self.sizes.budget
+
+    @property
+    def converts(self) -> bool:
+        """Store and compute dtypes differ (or the store is quantized): the RAM tier is not used in place."""
+        return self.sizes.converts
+
+def keep_elems_per_token(cfg: ModelConfig) -> float:
+    """Elements autograd saves per token for one block's graph (weights excluded).
+
+    Fitted to the bytes `WeightHandles` counts for LoRA on q, v over five block shapes (dim 64-256,
+    GQA and not, hidden 176-1024, seq 32-256; each within 3%): the norms' and projections' inputs
+    (~8.5 dim), SwiGLU's three hidden-wide tensors, k and v. Attention runs as SDPA (flash): no
+    T x T matrix is kept. A measured profile corrects it by its `keep_scale`.
+    """
+    return 8.5 * cfg.dim + 3 * cfg.token_hidden_dim + 2 * cfg.kv_heads * cfg.head_dim + 16
+
+def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", seq_len: int = 1024,
+             quant: str | QuantFormat | None = None) -> Shape:
+    """The cost model's view of a model from its config alone: no store needed. quant (a QuantFormat, or
+    "nf4" / "int8" as prepare_model.py writes them): a quantized store of it (its other tensors in
+    store_dtype), its block bytes counted by the store's own layout rule, dequantized into `dtype` at
+    each load."""
+    stored, computed = dtypes.lookup(store_dtype), dtypes.lookup(dtype)
+    s, c = stored.itemsize, computed.itemsize
+    params = cfg.block_params()
+    fmt = as_format(quant)
+    block = params * s if fmt is None else block_nbytes(fmt, block_tensor_shapes(cfg), stored.torch_name)
+    head_params = cfg.vocab_size * cfg.dim + cfg.dim
+    embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
+    return Shape(
+        n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
+        sizes=P.block_sizes(block, params, s, c, quant is not None, stored == computed),
+        head_bytes=head_params * c, embed_bytes=embed_params * s,
+        # matmuls (a mixture of experts: the experts a token routes to) + causal attention
+        flops_per_row=seq_len * (2 * cfg.active_block_params() + 2 * seq_len * cfg.q_dim),
+        head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
+        act_bytes_per_row=seq_len * cfg.dim * c,
+        keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),
+        seq_len=seq_len,
+        store_bytes=cfg.n_layers * block + (head_params + embed_params) * s,
+        dequant_bytes=params * c if quant is not None else 0)
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """A machine's rates, independent of the model (seconds, bytes, GB/s = 1e9 bytes/s, FLOP/s).
+
+    Block compute is `call + rows * flops_per_row / rate` for each kind of call: the no-grad
+    forward at `fwd_flops`, the graph-building forward (a kept block, or the recompute) and the
+    backward at `fwd_flops / fwd_grad_ratio` and `fwd_flops / bwd_ratio`. `keep_scale` corrects the
+    config's estimate of kept activation bytes. `compile_speedup` (eager / compiled block time) and
+    `compile_s` are not measured by the tuner (None); a profile that gives them has compiled rows
+    predicted with the speed-up. Free bytes of None mean: unknown, not a limit.
+    """
+
+    machine: str
+    device: str  # "cuda", "cpu", "mps"
+    dtype: str = "bf16"
+    disk_gbps: float = 2.0  # cold reads (the page cache does not help a store larger than it)
+    disk_warm_gbps: float | None = None
+    h2d_gbps: float = 25.0  # pinned host -> device (on a CPU: a host memcpy)
+    dequant_gbps: float = 4.0  # quantized stores: compute-dtype GB/s a loader dequantizes (tune.measure_dequant)
+    fwd_flops: float = 100e12
+    fwd_grad_ratio: float = 1.0
+    bwd_ratio: float = 1.0  # LoRA: input gradients only, about the forward's FLOPs
+    fwd_call_s: float = 0.0
+    fwd_grad_call_s: float = 0.0
+    bwd_call_s: float = 0.0
+    head_flops: float | None = None  # None: at fwd_flops
+    keep_scale: float = 1.0
+    disk_jitter: float = 0.0  # relative std of one block read
+    busy_compute_slowdown: float = 1.0  # compute while blocks are read / alone
+    busy_read_slowdown: float = 1.0  # reads while a block computes / alone
+    compute_threads: int = 0  # a CPU: threads a block computes on (0: unknown; loader work is taken to be free)
+    compile_speedup: float | None = None
+    compile_s: float | None = None
+    free_device_bytes: int | None = None
+    free_host_bytes: int | None = None
+    free_disk_bytes: int | None = None
+    quick: bool = False
+    measured_on: str = ""  # the shape the rates were measured on ("" when given by hand)
+    measured_at: str = ""
+
+    @property
+    def host_is_device(self) -> bool:
+        """A CPU: blocks compute in host memory, so device and host are one pool."""
+        return self.device == "cpu"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MachineProfile":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+@dataclass(frozen=True)
+class LoadTimes:
+    """Seconds one block load takes: read by its tier (phantom.stream.tiers.Tier.read_s; 0 for a tier
+    that holds the block in host memory), copied over the link, dequantized."""
+
+    read_s: dict[str, float]  # by tier name
+    link_s: float
+    dequant_s: float
+    host_is_device: bool
+
+    @classmethod
+    def of_block(cls, profile: MachineProfile, shape: Shape, tiers, warm: bool) -> "LoadTimes":
+        """A block of shape at the profile's rates, for each of `tiers`; `warm`: the page cache holds the
+        disk tier's files (its reads run at the warm disk rate)."""
+        rates = dataclasses.replace(profile, disk_gbps=profile.disk_warm_gbps) if warm else profile
+        return cls(read_s={t: T.get(t).read_s(shape.block_bytes, rates) for t in set(tiers)},
+                   link_s=shape.block_bytes / (profile.h2d_gbps * GB),
+                   dequant_s=shape.dequant_bytes / (profile.dequant_gbps * GB), host_is_device=profile.host_is_device)
+
+    def of(self, tier: str) -> float:
+        """X of a block of this tier: a CPU reads a reading tier's block straight into its slot (no copy)."""
+        copy = 0.0 if T.get(tier).reads and self.host_is_device else self.link_s
+        return self.read_s.get(tier, 0.0) + copy + self.dequant_s

@@ -36,13 +36,16 @@ class ObjectStoreTier(tiers.Tier):
     name = NAME
     lane = "object-store"
 
-    def __init__(self, latency_s: float, gbps: float = 2.0):
-        self.latency_s, self.gbps = latency_s, gbps
+    def __init__(self, latency_s: float, gbps: float = 2.0, capacity: int = 0):
+        self.latency_s, self.gbps, self.capacity = latency_s, gbps, capacity
         self.gets = 0
         self._lock = threading.Lock()
 
     def read_s(self, nbytes: int, profile) -> float:
         return self.latency_s + nbytes / (self.gbps * 1e9)
+
+    def budget(self, free) -> int:
+        return self.capacity  # bytes the store may hold for an `offload="auto"` run (0: only when named)
 
     def host_bytes(self, n_blocks: int, block_bytes: int, shared: bool, host_is_device: bool) -> int:
         return n_blocks * block_bytes  # the objects live in this process's memory
@@ -127,6 +130,33 @@ def test_a_registered_tier_trains_streamed_equal_to_resident(store, resident, ob
     lane = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert "object-store" in lane
     assert sum(e["ph"] == "X" and e["tid"] == lane["object-store"] for e in trace["traceEvents"]) == objstore.gets
+
+
+def test_auto_fills_a_registered_tier_by_its_budget_between_ram_and_disk(store, resident):
+    """RAM by its budget, then the registered tier by the budget it declares, then disk: the run trains
+    like the resident model and reads the bytes the cost model plans for that layout."""
+    nbytes = BlockStore(store).block_nbytes
+    tier = tiers.register(ObjectStoreTier(LATENCY, capacity=nbytes + nbytes // 2))  # room for one block
+    try:
+        place = Placement(offload="auto", prefetch=0, ram_budget=nbytes + nbytes // 2)
+        with phantom.load(store, placement=place) as model:
+            # one slot: the streamed blocks' ends are read once a step, so disk takes them
+            assert model.scheduler.tiers == ("disk", "ram", NAME, "disk")
+            losses, grads, metrics = train(model)
+            gets = tier.gets
+            train(model, steps=1)
+            gets = tier.gets - gets
+        planned = plan(place, free_host=1 << 40)
+    finally:
+        tiers.unregister(NAME)
+    ref_losses, ref_grads, _ = resident
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-6)
+    for name in ref_grads:
+        assert max_rel_err(grads[name], ref_grads[name]) <= 1e-6, name
+    assert planned.tiers == ("disk", "ram", NAME, "disk")
+    assert planned.layout.loads() == {"disk": 2, "ram": 0, NAME: 2} and gets == 2  # forward and backward
+    assert planned.bytes_read == metrics[-1]["bytes_read"] == 4 * nbytes and planned.loads == metrics[-1]["loads"]
+    assert metrics[-1]["bytes_ram"] == 2 * nbytes  # the RAM tier used in place, forward and backward
 
 
 def plan(placement: Placement, free_host: int | None = None) -> cm.Prediction:

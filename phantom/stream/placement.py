@@ -225,8 +225,8 @@ def _layout(tiers: tuple[str, ...], placement: Placement, sizes: BlockBytes, in_
 
 def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMemory,
                  zero_copy: bool = False) -> tuple[str, ...]:
-    """Each block's tier ("device", "ram" or "disk"), from the placement and the free memory (`resolve`
-    calls it; nothing else should).
+    """Each block's tier ("device", "ram", "disk" or a registered one), from the placement and the free
+    memory (`resolve` calls it; nothing else should).
 
     The device tier takes the first blocks (which ones does not change the bytes moved). Of the
     streamed blocks, the last `slots` are still in device slots at the turn from forward to
@@ -268,10 +268,36 @@ def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: F
         n_ram = min(n_blocks - n_device, budget // block_bytes if budget is not None else n_blocks)
     if zero_copy:  # a CPU: blocks in RAM are used where they lie; there is no separate device tier
         n_ram, n_device = min(n_blocks, n_ram + n_device), 0
-    n_disk = n_blocks - n_device - n_ram
-    ends = placement.slots  # streamed blocks reused at each turn
-    head = 0 if zero_copy or not n_ram else min(ends, max(0, n_disk - ends))
-    return ("device",) * n_device + ("disk",) * head + ("ram",) * n_ram + ("disk",) * (n_disk - head)
+    extra = by_budget(n_blocks - n_device - n_ram, sizes, free) if placement.offload == "auto" else ()
+    return arrange(n_blocks, n_device, n_ram, extra, placement.slots, ram_streams=not zero_copy)
+
+
+def by_budget(n_left: int, sizes: BlockBytes, free: FreeMemory) -> tuple[tuple[str, int], ...]:
+    """(tier, blocks) that `offload="auto"` puts in registered tiers after the device and RAM tiers:
+    each in the order they were registered, up to its budget (phantom.stream.tiers.Tier.budget, in
+    stored bytes); what is left goes to disk."""
+    out = []
+    for name in T.names():
+        if name in TIERS or n_left <= 0:
+            continue
+        budget = T.get(name).budget(free)
+        n = n_left if budget is None else min(n_left, budget // sizes.stored)
+        if n > 0:
+            out.append((name, n))
+            n_left -= n
+    return tuple(out)
+
+
+def arrange(n_blocks: int, n_device: int, n_ram: int, extra: tuple[tuple[str, int], ...], ends: int,
+            ram_streams: bool) -> tuple[str, ...]:
+    """Each block's tier from the counts (`assign_tiers`): the device tier first; of the streamed
+    blocks the first and last `ends` (the slots) are read once per step, the others twice, so disk
+    takes those ends and the faster streamed tiers (RAM unless used in place, registered ones) sit
+    in the middle."""
+    middle = ("ram",) * n_ram + tuple(name for name, n in extra for _ in range(n))
+    n_disk = n_blocks - n_device - len(middle)
+    head = min(ends, max(0, n_disk - ends)) if (n_ram and ram_streams) or extra else 0
+    return ("device",) * n_device + ("disk",) * head + middle + ("disk",) * (n_disk - head)
 
 
 def device_budget(free_device: int | None) -> int | None:

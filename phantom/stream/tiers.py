@@ -9,7 +9,8 @@ its blocks (`open`, returning a `Held`). The device, RAM and disk tiers are its 
 
 `register` adds another tier (a remote object store, compressed RAM, NVMe-direct reads): a run
 places blocks in it with `Placement(offload=<its name>)`, and placement, the scheduler, the transfer
-stage, the cost model and the trace read it from here; nothing else names it.
+stage, the cost model and the trace read it from here; nothing else names it. A tier that declares a
+`budget` also takes blocks under `offload="auto"`, after the device and RAM tiers and before disk.
 """
 from __future__ import annotations
 
@@ -107,6 +108,12 @@ class Tier:
         """Seconds one block of nbytes takes to reach host memory at the rates of `profile` (a
         phantom.plan MachineProfile; its disk rate is the warm one when the page cache holds the files)."""
         return 0.0
+
+    def budget(self, free) -> int | None:
+        """Stored bytes of blocks `offload="auto"` may put in this tier after the device and RAM tiers,
+        given the free memory (a phantom.stream.placement.FreeMemory); None: no limit. 0 (the default)
+        leaves the tier to runs that name it. The built-in tiers are budgeted by Placement's fields."""
+        return 0
 
     def host_bytes(self, n_blocks: int, block_bytes: int, shared: bool, host_is_device: bool) -> int:
         """Host memory n of its blocks take (`shared`: a shared RAM tier maps the files; `host_is_device`:

@@ -15,7 +15,7 @@ import phantom
 from phantom.arch.config import ModelConfig, RopeScaling
 from phantom.model.convert import convert_checkpoint
 from phantom.model.lora import TARGETS, lora_modules
-from phantom.model.phantom_model import ChunkedHeadLoss
+from phantom.model.heads import ChunkedHeadLoss
 from conftest import need
 from test_convert import hf_config
 
@@ -155,6 +155,19 @@ def peft_lora_grads(pmodel, n_layers: int) -> dict:
     return grads
 
 
+def assert_lora_grads_match(grads: dict, ref: dict, cfg: ModelConfig, tol: float) -> None:
+    """{(block, target): (A's gradient, B's)} of every block and target equal peft's within tol (B's q and k rows
+    put in HF's order: phantom keeps Meta's, peft sees HF's)."""
+    assert grads.keys() == ref.keys() and len(grads) == cfg.n_layers * len(ALL_TARGETS)
+    heads = {"q": cfg.n_heads, "k": cfg.kv_heads}
+    for (i, t), (ga, gb) in grads.items():
+        ra, rb = ref[(i, t)]
+        if t in heads:
+            gb = hf_permute(gb, heads[t])
+        assert rel_err(ga, ra) < tol, (i, t, "A")
+        assert rel_err(gb, rb) < tol, (i, t, "B")
+
+
 @pytest.mark.parametrize("offload", ["none", "disk"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_lora_gradients_match_peft(stores, tmp_path, name, offload):
@@ -165,14 +178,7 @@ def test_lora_gradients_match_peft(stores, tmp_path, name, offload):
     ref_logits, ref_loss, ref_grads = peft_step(model, tmp_path / "adapter", tokens, targets)
     assert rel_err(logits, ref_logits) < 1e-5
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-    assert grads.keys() == ref_grads.keys() and len(grads) == cfg.n_layers * len(ALL_TARGETS)
-    heads = {"q": cfg.n_heads, "k": cfg.kv_heads}
-    for (i, t), (ga, gb) in grads.items():
-        ra, rb = ref_grads[(i, t)]
-        if t in heads:
-            gb = hf_permute(gb, heads[t])  # phantom keeps Meta's row order; peft sees HF's
-        assert rel_err(ga, ra) < 1e-4, (i, t, "A")
-        assert rel_err(gb, rb) < 1e-4, (i, t, "B")
+    assert_lora_grads_match(grads, ref_grads, cfg, 1e-4)
 
 
 def test_qk_adapter_under_gqa_gives_peft_logits(stores, tmp_path):

@@ -3,29 +3,19 @@ gradient equal the DPO formula computed on transformers' LlamaForCausalLM with p
 the adapter, the reference under peft's `disable_adapter()`), resident and streamed."""
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import phantom
 from phantom.model.lora import TARGETS, lora_modules
+from conftest import need
 from phantom.train.preference import Preference, PreferenceConfig
 
 
-def need(module: str):
-    """The module, or a skip outside CI; in CI (CI=true) a missing cross-check library fails the run.
-    (test_reference has its own; called here first, so a skip names this file.)"""
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module)
+transformers, peft = need("transformers"), need("peft")  # before test_reference's: a skip names this file
 
-
-transformers, peft = need("transformers"), need("peft")
-
-from test_reference import CONFIGS, hf_permute, peft_lora_grads, rel_err, stores  # noqa: E402, F401, F811 (stores: fixture)
+from test_reference import CONFIGS, assert_lora_grads_match, peft_lora_grads, rel_err, stores  # noqa: E402, F401, F811 (stores: fixture)
 
 P, T = 3, 24  # pairs, tokens per row
 
@@ -102,11 +92,4 @@ def test_dpo_loss_and_lora_gradients_match_peft(stores, tmp_path, where, loss):
     ref_loss, ref, chosen_reward = dpo_reference(model, tmp_path / "adapter", x, y, LOSSES[loss])
     torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=0)
     assert figures["rewards_chosen"] == pytest.approx(chosen_reward, rel=1e-4, abs=1e-6)
-    assert got.keys() == ref.keys() and len(got) == cfg.n_layers * len(TARGETS)
-    heads = {"q": cfg.n_heads, "k": cfg.kv_heads}
-    for (i, t), (ga, gb) in got.items():
-        ra, rb = ref[(i, t)]
-        if t in heads:
-            gb = hf_permute(gb, heads[t])  # phantom keeps Meta's row order; peft sees HF's
-        assert rel_err(ga, ra) < 1e-5, (i, t, "A")
-        assert rel_err(gb, rb) < 1e-5, (i, t, "B")
+    assert_lora_grads_match(got, ref, cfg, 1e-5)

@@ -4,7 +4,6 @@ change the weights; one that is missing, down or raising mid-run is one warning 
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -17,16 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import need
 from phantom.train import trackers
 from test_convert import load_script
 from test_finetune_cli import metrics
-
-
-def need(module: str):
-    """The module, or a skip outside CI; in CI (CI=true) a missing tracker library fails the run."""
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module)
 
 
 TINY = ["--model", "tiny", "--iters", "4", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2",

@@ -37,7 +37,7 @@ RANK = {  # within a package
     "stream": {"hostmem": 0, "trace": 0, "tiers": 1, "writeback": 1, "placement": 2, "optim": 2, "memory": 3,
                "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6},
     "model": {"lora": 0, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 2, "hub": 2,
-              "phantom_model": 2, "generate": 3},
+              "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3},
     "plan": {"costinputs": 0, "costmodel": 1, "planner": 2, "profiles": 3, "tune": 4},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,
               "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 4, "runner": 5},
@@ -289,7 +289,7 @@ EXCEPTIONS = {
     # name: why it may be longer or take more parameters than the rule allows (at most three)
     "train.load.load": "the public entry point: the store, where it computes, and one argument per config "
                      "(placement, activations, lora, mode, optim), each also reachable as a keyword",
-    "model.phantom_model.ChunkedHead*.forward": "the fused head's autograd Functions (loss, sequence log-probabilities): their "
+    "model.heads.ChunkedHead*.forward": "the fused head's autograd Functions (loss, sequence log-probabilities): their "
                                   "inputs are the maths' (hidden states, norm and head weights, targets, eps, "
                                   "chunk, the family's norm offset and soft cap)",
     "model.synthetic.write_synthetic": "the synthetic store's every choice (weights, tokenizer, its extra files, "

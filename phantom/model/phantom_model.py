@@ -1,10 +1,10 @@
 """`PhantomModel`: a Llama (embedding, blocks, final norm, head) whose blocks may live off the device.
 
 With `offload="none"` it is an ordinary resident model trained by plain autograd: the reference.
-Otherwise its blocks hold meta placeholders and a BlockExecutor (phantom.stream.executor) runs them on
-weights streamed by a BlockScheduler; full finetuning hands each block's gradients to the block
-optimizer as soon as the executor has them. The head and loss are one chunked Function that never
-holds the (B, T, vocab) logits.
+Otherwise a BlockExecutor runs its blocks on weights streamed by a BlockScheduler. Which of the two
+is one backend object chosen when the model is built (phantom.model.backends); full finetuning's
+wiring is phantom.model.fullmode's, the head and loss phantom.model.heads' fused Functions, which
+never hold the (B, T, vocab) logits.
 """
 from __future__ import annotations
 
@@ -15,105 +15,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from phantom.base import provenance
-from phantom.arch.config import ModelConfig, head_tensor_shapes
-from phantom.stream.executor import BlockExecutor
-from phantom.arch.layers import TransformerBlock, fuse_adjacent, longest_example, lora_disabled, packed_layout, rms_norm, \
-    rope_table, softcap, KVCache
-from phantom.model.lora import LoraConfig, apply_lora, for_family, load_adapter, save_adapter
-from phantom.stream.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
-from phantom.stream.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement, loss_budget
-from phantom.stream.hostmem import HostBuffer
-from phantom.stream.memory import free_device_bytes, free_host_bytes
+from phantom.arch.config import ModelConfig
+from phantom.arch.layers import KVCache, longest_example, packed_layout, rms_norm, rope_table, softcap
 from phantom.arch.moe import RouterLoss
-from phantom.stream.scheduler import BlockScheduler
+from phantom.base import provenance
 from phantom.files.store import BlockStore
-from phantom.files.tensorfile import packed_empty
+from phantom.model import fullmode
+from phantom.model.backends import ResidentBlocks, StreamedBlocks, build_layers
+from phantom.model.heads import ChunkedHeadLogps, ChunkedHeadLoss, default_loss_chunk
+from phantom.model.lora import LoraConfig, for_family, load_adapter, save_adapter
+from phantom.stream.optim import AdamWConfig, BlockAdamW, FullFinetune
+from phantom.stream.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement
+from phantom.stream.scheduler import BlockScheduler
 
 MODES = ("lora", "full")
-IGNORE_INDEX = -100
-
-
-class ChunkedHeadLoss(torch.autograd.Function):
-    """Final norm + output projection + cross-entropy, a chunk of tokens at a time.
-
-    The forward also computes the gradient with respect to the hidden states, chunk by chunk, so no
-    (B, T, vocab) tensor ever exists and the head weight is used once per step. Targets equal to
-    -100 are ignored; the loss is the mean over the rest (0 if every target is ignored).
-    """
-
-    @staticmethod
-    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int, *head):
-        norm_offset, cap = head + (0.0, None)[len(head):]  # optional: the final norm's offset, the logits' soft-cap
-        hf, tf = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        n_valid = (tf != IGNORE_INDEX).sum().clamp(min=1)
-        wants = [ctx.needs_input_grad[0], norm_w.requires_grad, out_w.requires_grad]
-        grads = [torch.zeros_like(hf) if wants[0] else None, torch.zeros_like(norm_w) if wants[1] else None,
-                 torch.zeros_like(out_w) if wants[2] else None]
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, hf.shape[0], chunk):
-            hc = hf[s:s + chunk].detach().requires_grad_(wants[0])
-            with torch.enable_grad():
-                logits = softcap(F.linear(rms_norm(hc, norm_w, eps, norm_offset), out_w).float(), cap)  # (chunk, vocab)
-                loss = F.cross_entropy(logits, tf[s:s + chunk], ignore_index=IGNORE_INDEX, reduction="sum")
-            if any(wants):
-                inputs = [t for t, w in zip((hc, norm_w, out_w), wants) if w]
-                gs = iter(torch.autograd.grad(loss, inputs))
-                if wants[0]:
-                    grads[0][s:s + chunk] = next(gs)
-                for k in (1, 2):
-                    if wants[k]:
-                        grads[k] += next(gs)
-            total += loss.detach()
-        ctx.save_for_backward(*(g / n_valid if g is not None else None for g in grads))
-        ctx.h_shape = h.shape
-        ctx.n_args = 6 + len(head)  # backward answers each argument apply was given
-        return total / n_valid
-
-    @staticmethod
-    def backward(ctx, g):
-        gh, gn, go = ctx.saved_tensors
-        grads = (gh.view(ctx.h_shape) * g if gh is not None else None, gn * g if gn is not None else None,
-                 go * g if go is not None else None)
-        return grads + (None,) * (ctx.n_args - 3)
-
-
-class ChunkedHeadLogps(torch.autograd.Function):
-    """Final norm + output projection + each row's summed log-probability of its targets (-100
-    ignored): (B,) fp32, a chunk of tokens at a time, as ChunkedHeadLoss (no (B, T, vocab) tensor).
-
-    The forward computes each token's gradient of its own row's sum with respect to h; the backward
-    scales it by that row's upstream gradient, which is exact since a token belongs to one row. Norm
-    and head weights are frozen here (LoRA): sequence scores are for preference training.
-    """
-
-    @staticmethod
-    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int, norm_offset: float = 0.0,
-                cap: float | None = None):
-        if norm_w.requires_grad or out_w.requires_grad:
-            raise ValueError("sequence log-probabilities need a frozen head (train a LoRA, not --mode full)")
-        hf, tf = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        token_logps = torch.zeros(tf.shape, dtype=torch.float32, device=h.device)
-        grad = torch.zeros_like(hf) if ctx.needs_input_grad[0] else None
-        for s in range(0, hf.shape[0], chunk):
-            hc = hf[s:s + chunk].detach().requires_grad_(grad is not None)
-            with torch.enable_grad():
-                logits = softcap(F.linear(rms_norm(hc, norm_w, eps, norm_offset), out_w).float(), cap)  # (chunk, vocab)
-                lp = -F.cross_entropy(logits, tf[s:s + chunk], ignore_index=IGNORE_INDEX, reduction="none")
-                total = lp.sum()
-            if grad is not None:
-                grad[s:s + chunk] = torch.autograd.grad(total, hc)[0]
-            token_logps[s:s + chunk] = lp.detach()
-        ctx.save_for_backward(grad)
-        ctx.shape = targets.shape
-        return token_logps.view(ctx.shape).sum(1)  # per row, in a fixed order (deterministic)
-
-    @staticmethod
-    def backward(ctx, g):
-        (grad,) = ctx.saved_tensors
-        B, T = ctx.shape
-        gh = grad.view(B, T, -1) * g.view(B, 1, 1).to(grad.dtype)
-        return gh, None, None, None, None, None, None, None
 
 
 class PhantomModel(nn.Module):
@@ -158,147 +73,59 @@ class PhantomModel(nn.Module):
         self.weight_dtype = dtype
         self.micro_batch = activations.micro_batch
         self.loss_chunk = activations.loss_chunk or default_loss_chunk(self.cfg.vocab_size, self.device)
-        self.layers = self._build_layers(activations)
-
-        head = store.load_head()
+        self.layers = build_layers(self.cfg, self.lora_cfg, activations, self.weight_dtype, self.device)
         head_dtype = torch.float32 if self.full else self.weight_dtype  # trained ones keep fp32 masters
-        self.norm_weight = nn.Parameter(head["norm.weight"].to(self.device, head_dtype), requires_grad=self.full)
+        self._load_head(head_dtype)
+
+        self.full_ft: FullFinetune | None = None  # streamed full finetuning: the blocks' updates
+        self.block_optimizer: BlockAdamW | None = None  # and their optimizer
+        # data parallel, full mode: grads -> a function that waits for their average (phantom.train.dist)
+        self.grad_sync = None
+        self.backend = self._backend(placement, activations, trace)  # resident or streamed, chosen once
+        self.scheduler, self.executor = self.backend.scheduler, self.backend.executor  # None when resident
+        self.offload = self.backend.offload  # what "auto" resolved to
+        try:  # a failed setup stops a streamed backend's loader threads (and frees the pinned memory they hold)
+            if self.full and self.scheduler is not None:
+                self.full_ft = fullmode.block_updates(self.cfg, optim, self.scheduler)
+                self.block_optimizer = self.full_ft.optimizer
+            if self.cfg.tie_embeddings:
+                self.embed_table = self.output_weight  # one parameter: trained once, by both uses' gradients
+            else:
+                table = self.backend.embed_table(head_dtype, self.full)
+                self.embed_table = nn.Parameter(table) if self.full else table
+        except BaseException:
+            self.backend.close()
+            raise
+
+    def _backend(self, placement: Placement, activations: Activations, trace: bool) -> ResidentBlocks | StreamedBlocks:
+        """Where the blocks run: on the device (offload "none", the reference) or streamed by a scheduler."""
+        if placement.offload == "none":
+            return ResidentBlocks(self.layers, self.store, self.device, self.weight_dtype, self.micro_batch, self.full)
+        scheduler = BlockScheduler(self.store, self.device, placement, trace=trace, dtype=self.weight_dtype,
+                                   device_reserve=device_reserve(self.cfg, self.device, self.loss_chunk, self.full))
+        # full mode: block i's AdamW step runs on the write-back thread while backward goes on
+        on_block_grads = (lambda i, grads: self.full_ft.on_block_grads(i, grads, self.grad_sync)) if self.full else None
+        return StreamedBlocks(self.layers, scheduler, activations, on_block_grads)
+
+    def _load_head(self, dtype: torch.dtype) -> None:
+        """The final norm and output projection (trained in full mode), and the RoPE tables."""
+        head = self.store.load_head()
+        self.norm_weight = nn.Parameter(head["norm.weight"].to(self.device, dtype), requires_grad=self.full)
         if self.cfg.tie_embeddings:  # the head is the embedding table: one tensor, one parameter
-            head["output.weight"] = store.load_embed()["tok_embeddings.weight"]
-        self.output_weight = nn.Parameter(head["output.weight"].to(self.device, head_dtype),
-                                          requires_grad=self.full)
+            head["output.weight"] = self.store.load_embed()["tok_embeddings.weight"]
+        self.output_weight = nn.Parameter(head["output.weight"].to(self.device, dtype), requires_grad=self.full)
         self.register_buffer("rope", rope_table(self.cfg, self.cfg.max_seq_len, self.device), persistent=False)
         longrope = self.cfg.rope_scaling is not None and self.cfg.rope_scaling.rope_type == "longrope"
         self.register_buffer("rope_long", rope_table(self.cfg, self.cfg.max_seq_len, self.device, long=True)
                              if longrope else None, persistent=False)
 
-        self.scheduler: BlockScheduler | None = None
-        self.executor: BlockExecutor | None = None
-        self.block_optimizer: BlockAdamW | None = None
-        self.full_ft: FullFinetune | None = None  # streamed full finetuning: the blocks' updates
-        # data parallel, full mode: grads -> a function that waits for their average (phantom.train.dist)
-        self.grad_sync = None
-        self.offload = placement.offload
-        if placement.offload == "none":
-            if not self.cfg.tie_embeddings:
-                self.embed_table = store.load_embed()["tok_embeddings.weight"].to(self.device, head_dtype)
-            self._load_resident_blocks()
-        else:
-            self.scheduler = BlockScheduler(store, self.device, placement, trace=trace, dtype=self.weight_dtype,
-                                            device_reserve=self.device_reserve())
-            try:  # a failed setup stops the loader threads (and frees the pinned memory they hold)
-                self._stream(activations, optim, head_dtype)
-            except BaseException:
-                self.scheduler.close()
-                raise
-        if self.cfg.tie_embeddings:
-            self.embed_table = self.output_weight  # one parameter: trained once, by both uses' gradients
-        elif self.full:
-            self.embed_table = nn.Parameter(self.embed_table)
-
-    def _stream(self, activations: Activations, optim: AdamWConfig | None, head_dtype: torch.dtype) -> None:
-        """The streamed model's parts beside its scheduler: embedding, executor, block optimizer."""
-        self.offload = self.scheduler.offload  # what "auto" resolved to
-        if not self.cfg.tie_embeddings:
-            self.embed_table = self._place_embed(head_dtype)
-        keep_budget = activations.keep_budget if activations.keep_budget is not None else \
-            default_keep_budget(self.device)
-        self.executor = BlockExecutor(self.layers, self.scheduler, activations.recompute, keep_budget,
-                                      activations.micro_batch, self._on_block_grads if self.full else None)
-        if self.full:
-            self.full_ft = self._full_finetune(optim, self.store.path.parent / "optim")
-            self.block_optimizer = self.full_ft.optimizer
-
     def _check(self, placement: Placement, activations: Activations) -> Activations:
         """Refuse what cannot work together; resolve the activation choices that depend on the run."""
-        if self.full and self.store.quant is not None:
-            raise ValueError(f"{self.store.path}: a {self.store.quant.method} store is frozen: full finetuning needs the "
-                             f"16-bit weights (prepare the store without --quantize), or train LoRA on this one")
-        if self.full and self.lora_cfg is not None:
-            raise ValueError("full finetuning trains every weight: pass lora=None with an optim config")
-        if self.full and activations.recompute == "none":
-            raise ValueError("full finetuning needs recompute='all' (kept graphs hold no path to the weights)")
-        if self.full and activations.recompute == "auto":
-            activations = dataclasses.replace(activations, recompute="all")
+        if self.full:
+            activations = fullmode.checked(self.store, self.lora_cfg, placement, activations)
         if activations.compile is None:  # the largest single speed-up measured on CUDA; slow to build elsewhere
             activations = dataclasses.replace(activations, compile=self.device.type == "cuda")
-        if placement.shared_ram and self.full:
-            raise ValueError("shared_ram is read-only: full finetuning needs private RAM blocks")
         return activations
-
-    def device_reserve(self) -> int:
-        """Device bytes this model needs beside blocks and activations, kept out of the blocks' budget:
-        one loss chunk at its peak; in full mode also the head's three fp32 head-sized buffers
-        (ChunkedHeadLoss: its gradient, one chunk's, the scaled copy it saves) and the fp32 gradients
-        of the two blocks in flight (the one updating, the one the backward produces)."""
-        if self.device.type != "cuda":
-            return 0
-        reserve = self.loss_chunk * LOSS_BYTES_PER_LOGIT * self.cfg.vocab_size
-        if self.full:
-            reserve += 3 * 4 * self.cfg.vocab_size * self.cfg.dim + 2 * 4 * self.cfg.block_params()
-        return reserve
-
-    def _build_layers(self, activations: Activations) -> nn.ModuleList:
-        """The blocks, base weights as meta placeholders (frozen unless full), LoRA applied."""
-        layers = nn.ModuleList(TransformerBlock(self.cfg, device="meta", dtype=self.weight_dtype, layer=i)
-                               for i in range(self.cfg.n_layers))
-        for p in layers.parameters():
-            p.requires_grad_(False)
-        for i, block in enumerate(layers):
-            if self.lora_cfg is not None:
-                apply_lora(block, self.lora_cfg, i)
-            block.checkpoint_inner = activations.checkpoint_inner
-            if activations.compile:
-                block.compile()
-        for name, p in layers.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.to(self.device)  # fp32 master weights on the device
-        return layers
-
-    def _load_resident_blocks(self) -> None:
-        """offload="none": every block's weights on the device, in the file's layout (so frozen
-        blocks run the same fused projections as streamed ones); separate tensors when trained."""
-        for block_index, block in enumerate(self.layers):
-            stored = self.store.load_block(block_index, self.weight_dtype)  # quantized: dequantized into it
-            weights = packed_empty(stored, self.weight_dtype, self.device)
-            for k, v in stored.items():
-                weights[k].copy_(v)
-            if self.full:
-                weights = {k: v.clone() for k, v in weights.items()}
-            block.load_state_dict(weights, strict=False, assign=True)  # keeps requires_grad=False
-            for name, p in block.named_parameters():
-                p.requires_grad_(self.full or "lora_" in name)
-            if not self.full:
-                for name, view in fuse_adjacent(weights).items():
-                    if name not in weights:
-                        owner, _, leaf = name.rpartition(".")
-                        block.get_submodule(owner).register_parameter(leaf, nn.Parameter(view, requires_grad=False))
-
-    def _full_finetune(self, optim: AdamWConfig, optim_dir: Path) -> FullFinetune:
-        """The blocks' optimizer (state where optim.state says, phantom.stream.optim.state_tier) and the
-        component that runs their updates beside the backward."""
-        share = {i: self.cfg.block_params() / self.cfg.n_params() for i in range(self.cfg.n_layers)}
-        state_bytes = 12 * self.cfg.block_params() * self.cfg.n_layers
-        tier = state_tier(optim.state, self.device, state_bytes, free_device_bytes(self.device), free_host_bytes())
-        optimizer = BlockAdamW(optim, share, tier, optim_dir, self.device)
-        host_grads = None
-        if self.device.type == "cuda" and tier != "device":  # gradients to pinned host buffers, own stream
-            host_grads = HostGradients(self.device, lambda n: HostBuffer(n, pin=True))
-        return FullFinetune(optimizer, self.scheduler, self.store, host_grads)
-
-    def _on_block_grads(self, i: int, grads: dict[str, torch.Tensor]) -> None:
-        """Full mode: block i's AdamW step runs on the write-back thread while backward goes on."""
-        self.full_ft.on_block_grads(i, grads, self.grad_sync)
-
-    def _place_embed(self, dtype: torch.dtype) -> torch.Tensor:
-        """The embedding table for a streamed model: on the device when it fits easily (no token
-        round trip through the host), else in host memory (memory-mapped for a disk-tier model)."""
-        nbytes = self.cfg.vocab_size * self.cfg.dim * dtype.itemsize
-        if self.device.type == "cuda" and nbytes < free_device_bytes(self.device) // 8:
-            return self.store.load_embed()["tok_embeddings.weight"].to(self.device, dtype)
-        if self.offload == "disk" and not self.full:
-            return self.store.mmap_embed()
-        return self.store.load_embed()["tok_embeddings.weight"].to(dtype)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -375,21 +202,13 @@ class PhantomModel(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def clip_grad_norm_(self, max_norm: float) -> None:
-        """Clip gradients: globally for LoRA; in full mode per block with the documented rule
+        """Clip gradients: globally for LoRA; in full mode per group with the documented rule
         (phantom.stream.optim: each group to max_norm * sqrt(its share of the parameters))."""
         if not self.full:
             torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
             return
-        n = self.cfg.n_params()
         groups = [list({id(p): p for p in (self.embed_table, self.norm_weight, self.output_weight)}.values())]
-        if self.scheduler is None:  # resident reference: the blocks' groups are clipped here too
-            groups += [list(block.parameters()) for block in self.layers]
-        for group in groups:
-            share = sum(p.numel() for p in group) / n
-            coef = clip_coefficient([p.grad for p in group if p.grad is not None], max_norm, share)
-            for p in group:
-                if p.grad is not None and coef < 1.0:
-                    p.grad.mul_(coef)
+        fullmode.clip(groups + self.backend.block_groups(), max_norm, self.cfg.n_params())
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the block optimizer (full mode) for the next backward."""
@@ -398,17 +217,14 @@ class PhantomModel(nn.Module):
 
     def finish_step(self) -> None:
         """Wait for this step's block updates (full mode) and re-raise any error they hit."""
-        if self.scheduler is not None:
-            self.scheduler.writeback.flush()
+        self.backend.finish_step()
 
     def save_full(self) -> None:
         """Make the store hold the trained model (full mode): head, embedding, and RAM-tier blocks."""
-        if not self.full or self.scheduler is None:
+        if self.full_ft is None:
             raise ValueError("save_full is for streamed full finetuning")
-        self.full_ft.save()  # blocks and their optimizer state
         head = {"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach()}
-        self.store.write_head({k: v for k, v in head.items() if k in head_tensor_shapes(self.cfg)})
-        self.store.write_embed({"tok_embeddings.weight": self.embed_table.detach()})
+        fullmode.save(self.full_ft, self.store, head, self.embed_table.detach())
 
     def save_adapter(self, out: Path | str, base_model: str = "") -> Path:
         if self.lora_cfg is None:
@@ -422,8 +238,7 @@ class PhantomModel(nn.Module):
 
     def close(self) -> None:
         """Stop the scheduler's threads (and drain its write-back queue)."""
-        if self.scheduler is not None:
-            self.scheduler.close()
+        self.backend.close()
 
     def __enter__(self):
         return self
@@ -463,37 +278,13 @@ class PhantomModel(nn.Module):
                start_pos: int = 0, mask: torch.Tensor | None = None, reference: torch.Tensor | None = None):
         """Every block over h; with `reference`, also over that hidden state (the same rows) with the
         adapters off and no autograd, block by block beside h (returns both)."""
-        if self.executor is not None:
-            trained = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
-            return self.executor(h, rope, trained, caches, start_pos, mask, reference)
-        split = (lambda t: t.split(self.micro_batch)) if self.micro_batch else (lambda t: (t,))
-        for i, block in enumerate(self.layers):
-            if caches is not None:
-                h = block(h, rope, caches[i], start_pos)
-            else:
-                ropes = split(rope) if mask is not None else [rope] * len(split(h))  # packed rows: a rope per row
-                masks = split(mask) if mask is not None else [None] * len(split(h))
-                h = torch.cat([block(hc, rc, mask=mc) for hc, rc, mc in zip(split(h), ropes, masks)])
-                if reference is not None:
-                    with torch.no_grad(), lora_disabled(block):
-                        reference = torch.cat([block(r, rc, mask=mc)
-                                               for r, rc, mc in zip(split(reference), ropes, masks)])
-        return h if reference is None else (h, reference)
+        return self.backend(h, rope, caches, start_pos, mask, reference)
 
 
-def default_loss_chunk(vocab_size: int, device: torch.device) -> int:
-    """Tokens per chunk of the fused head + loss: ~64 MB of fp32 logits on a CPU; on CUDA a chunk whose
-    peak (LOSS_BYTES_PER_LOGIT: ~4.5x its fp32 logits) takes phantom.stream.placement.loss_budget, an eighth
-    of free memory (at most 2 GiB), so a 128k vocabulary runs a few large matmuls, not hundreds of thin
-    ones. The model keeps that peak out of the blocks' device budget (device_reserve)."""
-    if device.type == "cuda":
-        return max(16, loss_budget(free_device_bytes(device)) // (LOSS_BYTES_PER_LOGIT * vocab_size))
-    return max(16, (64 << 20) // (4 * vocab_size))
-
-
-def default_keep_budget(device: torch.device) -> int:
-    """Bytes of kept activations under recompute "auto": half of what is free on the compute side."""
-    if device.type == "cuda":
-        return free_device_bytes(device) // 2
-    free = free_host_bytes()  # this rank's share of the host
-    return free // 2 if free is not None else 4 << 30
+def device_reserve(cfg: ModelConfig, device: torch.device, loss_chunk: int, full: bool) -> int:
+    """Device bytes a model needs beside blocks and activations, kept out of the blocks' budget: one loss
+    chunk at its peak (phantom.model.heads); in full mode also what fullmode.device_reserve counts."""
+    if device.type != "cuda":
+        return 0
+    reserve = loss_chunk * LOSS_BYTES_PER_LOGIT * cfg.vocab_size
+    return reserve + (fullmode.device_reserve(cfg) if full else 0)

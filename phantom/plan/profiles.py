@@ -31,7 +31,8 @@ from phantom.base import dtypes, safejson
 from phantom.arch import quant
 from phantom.stream import placement as P
 from phantom.model.synthetic import write_synthetic
-from phantom.model.phantom_model import ChunkedHeadLoss, PhantomModel
+from phantom.model.heads import ChunkedHeadLoss
+from phantom.model.phantom_model import PhantomModel
 from phantom.stream.executor import WeightHandles
 from phantom.arch.quantformat import as_format
 from phantom.stream.hostmem import HostBuffer

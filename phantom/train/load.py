@@ -11,7 +11,7 @@ from phantom.arch.config import PRESETS
 from phantom.files.store import BlockStore
 from phantom.files.workingcopy import clone_store
 from phantom.files.tensorfile import parse_dtype
-from phantom.model import hub
+from phantom.model import fullmode, hub
 from phantom.model.lora import LoraConfig
 from phantom.model.phantom_model import MODES, PhantomModel
 from phantom.stream.optim import AdamWConfig
@@ -125,9 +125,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def working_copy(path: Path, placement: Placement, work_dir: str | Path | None) -> Path:
     """The store full finetuning trains: the original when resident; streamed, a working copy under
     work_dir (hard links, made on first use) that the blocks are rewritten into, optimizer state beside it."""
-    if (quant := BlockStore(path, verify="none").quant) is not None:  # before a working copy is made
-        raise ValueError(f"{path}: a {quant.method} store is frozen: full finetuning needs the 16-bit weights "
-                         f"(prepare the store without --quantize), or train LoRA on this one")
+    fullmode.refuse_frozen(BlockStore(path, verify="none"))  # before a working copy is made
     if placement.offload == "none":
         return path
     if work_dir is None:

@@ -31,7 +31,7 @@ from phantom.base import faults, fileio
 from phantom.train.checkpoint import (check_free_space, find_checkpoint, planned_bytes, restore, run_identity,
                                 save_checkpoint)
 from phantom.model.export import write_tokenizer_files
-from phantom.model.phantom_model import default_keep_budget
+from phantom.model.backends import default_keep_budget
 from phantom.train.preference import REFERENCE_FILE, PairRows, Preference, cached_reference, compute_reference, \
     reference_key
 from phantom.train.records import describe_eval, preference_postfix, read_metrics, tier_metrics, tier_postfix, to_json

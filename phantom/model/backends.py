@@ -1,0 +1,153 @@
+"""Where a PhantomModel's blocks run, chosen once when the model is built: `ResidentBlocks` (every
+block's weights on the device, plain autograd: the reference) or `StreamedBlocks` (weights streamed
+by a BlockScheduler into slots and run by a BlockExecutor). The model asks its backend for the block
+stack, the embedding table's home, the blocks' clipping groups, the end of a step and closing, and
+never branches on which one it holds. The head and loss are phantom.model.heads'; how full
+finetuning updates streamed blocks is phantom.model.fullmode's.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from phantom.arch.config import ModelConfig
+from phantom.arch.layers import KVCache, TransformerBlock, fuse_adjacent, lora_disabled
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import packed_empty
+from phantom.model.lora import LoraConfig, apply_lora
+from phantom.stream.executor import BlockExecutor
+from phantom.stream.memory import free_device_bytes, free_host_bytes
+from phantom.stream.placement import Activations
+from phantom.stream.scheduler import BlockScheduler
+
+
+def build_layers(cfg: ModelConfig, lora: LoraConfig | None, activations: Activations, dtype: torch.dtype,
+                 device: torch.device) -> nn.ModuleList:
+    """The blocks both backends run: base weights as meta placeholders (frozen; a backend fills them),
+    LoRA applied with its fp32 master weights on the device."""
+    layers = nn.ModuleList(TransformerBlock(cfg, device="meta", dtype=dtype, layer=i) for i in range(cfg.n_layers))
+    for p in layers.parameters():
+        p.requires_grad_(False)
+    for i, block in enumerate(layers):
+        if lora is not None:
+            apply_lora(block, lora, i)
+        block.checkpoint_inner = activations.checkpoint_inner
+        if activations.compile:
+            block.compile()
+    for name, p in layers.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(device)  # fp32 master weights on the device
+    return layers
+
+
+class ResidentBlocks:
+    """offload="none": every block's weights on the device, in the file's layout (so frozen blocks run
+    the same fused projections as streamed ones), separate tensors when trained; plain autograd."""
+
+    scheduler = executor = None  # nothing streams
+    offload = "none"
+
+    def __init__(self, layers: nn.ModuleList, store: BlockStore, device: torch.device, dtype: torch.dtype,
+                 micro_batch: int | None, trained: bool):
+        self.layers, self.store, self.device, self.micro_batch = layers, store, device, micro_batch
+        for block_index, block in enumerate(layers):
+            stored = store.load_block(block_index, dtype)  # quantized: dequantized into it
+            weights = packed_empty(stored, dtype, device)
+            for k, v in stored.items():
+                weights[k].copy_(v)
+            if trained:
+                weights = {k: v.clone() for k, v in weights.items()}
+            block.load_state_dict(weights, strict=False, assign=True)  # keeps requires_grad=False
+            for name, p in block.named_parameters():
+                p.requires_grad_(trained or "lora_" in name)
+            if not trained:
+                for name, view in fuse_adjacent(weights).items():
+                    if name not in weights:
+                        owner, _, leaf = name.rpartition(".")
+                        block.get_submodule(owner).register_parameter(leaf, nn.Parameter(view, requires_grad=False))
+
+    def embed_table(self, dtype: torch.dtype, trained: bool) -> torch.Tensor:
+        """The embedding table, on the device with the blocks."""
+        return self.store.load_embed()["tok_embeddings.weight"].to(self.device, dtype)
+
+    def __call__(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None, start_pos: int = 0,
+                 mask: torch.Tensor | None = None, reference: torch.Tensor | None = None):
+        """Every block over h (micro-batches of `micro_batch` rows); with `reference`, also over that
+        hidden state with the adapters off and no autograd, block by block beside h (returns both)."""
+        split = (lambda t: t.split(self.micro_batch)) if self.micro_batch else (lambda t: (t,))
+        for i, block in enumerate(self.layers):
+            if caches is not None:
+                h = block(h, rope, caches[i], start_pos)
+            else:
+                ropes = split(rope) if mask is not None else [rope] * len(split(h))  # packed rows: a rope per row
+                masks = split(mask) if mask is not None else [None] * len(split(h))
+                h = torch.cat([block(hc, rc, mask=mc) for hc, rc, mc in zip(split(h), ropes, masks)])
+                if reference is not None:
+                    with torch.no_grad(), lora_disabled(block):
+                        reference = torch.cat([block(r, rc, mask=mc)
+                                               for r, rc, mc in zip(split(reference), ropes, masks)])
+        return h if reference is None else (h, reference)
+
+    def block_groups(self) -> list[list[nn.Parameter]]:
+        """The blocks' clipping groups in full mode: resident blocks are clipped with the rest, one group each."""
+        return [list(block.parameters()) for block in self.layers]
+
+    def finish_step(self) -> None:
+        """Nothing runs beside a resident step."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+class StreamedBlocks:
+    """Blocks streamed by a BlockScheduler (tiers, slots, loader threads) and run by a BlockExecutor
+    (weights bound while held; activations kept or recomputed); with `on_block_grads`, a trained
+    block's gradients go there as soon as its backward is done (full finetuning)."""
+
+    def __init__(self, layers: nn.ModuleList, scheduler: BlockScheduler, activations: Activations,
+                 on_block_grads: Callable[[int, dict[str, torch.Tensor]], None] | None = None):
+        self.layers, self.scheduler, self.store, self.device = layers, scheduler, scheduler.store, scheduler.device
+        self.offload = scheduler.offload  # what "auto" resolved to
+        keep_budget = activations.keep_budget if activations.keep_budget is not None else \
+            default_keep_budget(self.device)
+        self.executor = BlockExecutor(layers, scheduler, activations.recompute, keep_budget,
+                                      activations.micro_batch, on_block_grads)
+
+    def embed_table(self, dtype: torch.dtype, trained: bool) -> torch.Tensor:
+        """On the device when it fits easily (no token round trip through the host), else in host memory
+        (memory-mapped for a disk-tier model that does not train it)."""
+        cfg = self.store.cfg
+        nbytes = cfg.vocab_size * cfg.dim * dtype.itemsize
+        if self.device.type == "cuda" and nbytes < free_device_bytes(self.device) // 8:
+            return self.store.load_embed()["tok_embeddings.weight"].to(self.device, dtype)
+        if self.offload == "disk" and not trained:
+            return self.store.mmap_embed()
+        return self.store.load_embed()["tok_embeddings.weight"].to(dtype)
+
+    def __call__(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None, start_pos: int = 0,
+                 mask: torch.Tensor | None = None, reference: torch.Tensor | None = None):
+        """Every block over h on streamed weights (the executor's autograd reaches each block's LoRA)."""
+        trained = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
+        return self.executor(h, rope, trained, caches, start_pos, mask, reference)
+
+    def block_groups(self) -> list[list[nn.Parameter]]:
+        """None: each streamed block is clipped as its gradients arrive (phantom.model.fullmode)."""
+        return []
+
+    def finish_step(self) -> None:
+        """Wait for the step's block updates (full mode) and re-raise any error they hit."""
+        self.scheduler.writeback.flush()
+
+    def close(self) -> None:
+        """Stop the scheduler's threads (and drain its write-back queue)."""
+        self.scheduler.close()
+
+
+def default_keep_budget(device: torch.device) -> int:
+    """Bytes of kept activations under recompute "auto": half of what is free on the compute side."""
+    if device.type == "cuda":
+        return free_device_bytes(device) // 2
+    free = free_host_bytes()  # this rank's share of the host
+    return free // 2 if free is not None else 4 << 30

@@ -283,10 +283,22 @@ def test_generate_runs_the_quantized_store(stores, trained, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 # The cost model counts quantized bytes and the dequantization
 
-def test_cost_model_counts_quantized_bytes_and_dequantization(bf16, stores):
+@pytest.fixture(scope="module")
+def linked(tmp_path_factory) -> Path:
+    """A store that reads an HF checkpoint's safetensors files in place (prepare_model.py --link)."""
+    from phantom.model.convert import convert_checkpoint
+    from test_convert import random_model, write_hf
+    root = tmp_path_factory.mktemp("link")
+    info = convert_checkpoint(write_hf(root / "hf", CFG, random_model(CFG, seed=3)), root / "linked", link=True,
+                              progress=False)
+    assert info["linked_bytes"] > 0  # the blocks' tensors are read from the checkpoint's files
+    return info["out"]
+
+
+def test_cost_model_counts_quantized_bytes_and_dequantization(bf16, stores, linked):
     from phantom.plan import costinputs as ci, costmodel as cm
     from phantom.stream.placement import Activations, loads_per_step
-    for path in (bf16, *stores.values()):  # 16-bit, nf4 with and without double quantization, int8
+    for path in (bf16, *stores.values(), linked):  # 16-bit, nf4 with and without double quantization, int8, linked
         store = BlockStore(path)
         assert ci.shape_of(store.cfg, store.manifest["dtype"], "fp32", 16, store.quant).block_bytes == store.block_nbytes
     store = BlockStore(stores["nf4"])

@@ -15,16 +15,15 @@ import pytest
 import torch
 
 from phantom.arch.family import FAMILIES, IRRELEVANT, REFUSED_WHEN_SET, ConfigError, config_from_hf
-from family_check import hf_model, prepare, transformers
+from family_check import CASES, SHAPES, hf_model, prepare, transformers
 from test_convert import load_script
 
-CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config",
-                  "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
-                  "olmoe": "OlmoeConfig"}
+CONFIG_CLASSES = {case.facts["family"]: case.config_class for case in CASES.values()}  # family -> config class
+CONFIG_CLASSES_TO_ARCH = {case.config_class: case.hf_class for case in CASES.values()}
 
 
 def test_every_family_has_its_config_class_listed():
+    """...and a tiny model in the shared checks against transformers (family_check.CASES, tests/test_families.py)."""
     assert set(CONFIG_CLASSES) == set(FAMILIES)
 
 
@@ -62,13 +61,6 @@ def small(config_class: str, **fields) -> dict:
     d["architectures"] = [CONFIG_CLASSES_TO_ARCH[config_class]]
     return d
 
-
-CONFIG_CLASSES_TO_ARCH = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
-                          "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
-                          "Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM",
-                          "Phi3Config": "Phi3ForCausalLM", "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
-                          "Qwen2MoeConfig": "Qwen2MoeForCausalLM", "MixtralConfig": "MixtralForCausalLM",
-                          "OlmoeConfig": "OlmoeForCausalLM"}
 
 REFUSALS = [  # (config class, fields, the field the error must name)
     ("LlamaConfig", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
@@ -161,9 +153,7 @@ def test_refusal_through_prepare_model_is_one_error_line_exit_2(tmp_path, capsys
 
 @pytest.fixture(scope="module")
 def llama_extras(tmp_path_factory):
-    model = hf_model("LlamaConfig", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, attention_bias=True, mlp_bias=True, hidden_act="gelu",
-                     max_position_embeddings=64)
+    model = hf_model("LlamaConfig", **SHAPES, attention_bias=True, mlp_bias=True, hidden_act="gelu")
     return model, prepare(model, tmp_path_factory.mktemp("llama_extras"))
 
 

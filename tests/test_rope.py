@@ -11,10 +11,8 @@ import torch
 
 import phantom
 from phantom.arch.family import ConfigError, config_from_hf
-from family_check import batch, check_lora, hf_model, prepare, rel_err
+from family_check import SHAPES, batch, check_lora, hf_model, prepare, rel_err
 
-SHAPES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, rope_theta=10000.0)
 SCALINGS = {
     "llama3": ("LlamaConfig", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 16}),
@@ -28,7 +26,7 @@ SCALINGS = {
 def model_with(name: str, scaled: bool = True):
     config_class, rope = SCALINGS[name]
     params = {**rope, "rope_theta": 10000.0} if scaled else {"rope_type": "default", "rope_theta": 10000.0}
-    return hf_model(config_class, **SHAPES, rope_parameters=params)
+    return hf_model(config_class, **SHAPES, rope_theta=10000.0, rope_parameters=params)
 
 
 @pytest.mark.parametrize("name", list(SCALINGS))

@@ -141,7 +141,7 @@ def test_auto_fills_a_registered_tier_by_its_budget_between_ram_and_disk(store, 
         place = Placement(offload="auto", prefetch=0, ram_budget=nbytes + nbytes // 2)
         with phantom.load(store, placement=place) as model:
             # one slot: the streamed blocks' ends are read once a step, so disk takes them
-            assert model.scheduler.tiers == ("disk", "ram", NAME, "disk")
+            assert model.scheduler.tiers == ("disk", "ram", NAME, "disk") and model.scheduler.offload == "mixed"
             losses, grads, metrics = train(model)
             gets = tier.gets
             train(model, steps=1)

@@ -218,7 +218,7 @@ def resolve(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMe
 def _layout(tiers: tuple[str, ...], placement: Placement, sizes: BlockBytes, in_place: bool) -> Layout:
     streamed = tuple(i for i, t in enumerate(tiers) if T.get(t).streams(in_place))
     offload = placement.offload if placement.offload != "auto" else \
-        "ram" if "disk" not in tiers else "disk" if "ram" not in tiers else "mixed"
+        "ram" if set(tiers) <= {"device", "ram"} else "disk" if set(tiers) <= {"device", "disk"} else "mixed"
     return Layout(tiers=tiers, streamed=streamed, slots=placement.slots if streamed else 0,
                   prefetch=placement.prefetch, in_place=in_place, offload=offload, sizes=sizes)
 

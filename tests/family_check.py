@@ -79,10 +79,12 @@ CASES = {
     "gemma2": Case("Gemma2Config", dict(GEMMA, attn_logit_softcapping=3.0, final_logit_softcapping=2.0),
                    "Gemma2ForCausalLM", {"family": "gemma2"}, DENSE),
     # Gemma-3: q/k norms, two RoPE bases (the global one with linear scaling)
-    "gemma3": Case("Gemma3TextConfig", dict(GEMMA, layer_types=["sliding_attention", "full_attention"], rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}), "Gemma3ForCausalLM",
-                   {"family": "gemma3"}, DENSE),
+    "gemma3": Case("Gemma3TextConfig", dict(GEMMA, layer_types=["sliding_attention", "full_attention"],
+                                            rope_parameters={
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                   "rope_theta": 1e6}}),
+                   "Gemma3ForCausalLM", {"family": "gemma3"}, DENSE),
     # Phi-3-mini's shape: as many kv heads as heads, a sliding window (2047 there) shorter than the sequence
     "phi3-mini": Case("Phi3Config", dict(PHI3, num_key_value_heads=4, sliding_window=16), "Phi3ForCausalLM",
                       {"family": "phi3", "rope_dim": 16}, FUSED),
@@ -228,13 +230,15 @@ def peft_grads(pmodel) -> dict:
 def peft_step(model, adapter_dir, tokens, targets):
     """The adapter on the transformers model through peft: logits, loss, gradients (HF's q/k row order)."""
     pmodel = peft.PeftModel.from_pretrained(model, adapter_dir, is_trainable=True).eval()
-    logits = pmodel(tokens).logits
-    loss = cross_entropy(logits, targets)
-    loss.backward()
-    grads = peft_grads(pmodel)
-    pmodel.unload()
-    for p in model.parameters():
-        p.grad = None
+    try:
+        logits = pmodel(tokens).logits
+        loss = cross_entropy(logits, targets)
+        loss.backward()
+        grads = peft_grads(pmodel)
+    finally:  # the model is shared by every test of the session (conftest's family_models): leave it as it was
+        pmodel.unload()
+        for p in model.parameters():
+            p.grad = None
     return logits.detach(), loss.detach(), grads
 
 

@@ -8,7 +8,6 @@ checked on its first read (phantom.files.storeverify); linked files are assemble
 """
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import warnings
@@ -28,8 +27,6 @@ from phantom.files.storelinks import LinkedFiles
 from phantom.files.storeverify import Verifier
 from phantom.files.tensorfile import (StoreError, check_specs, dtype_name, packed_empty, parse_stored, read_header,
                                       tensor_order, views)
-
-log = logging.getLogger(__name__)
 
 
 class BlockStore:

@@ -37,6 +37,8 @@ def block_file(i: int) -> str:
 
 @dataclass(frozen=True)
 class FileEntry:
+    """One store file as its reader checked it on open: where its tensors lie and what its checksums must be."""
+
     path: Path
     specs: list[TensorSpec]
     data_start: int

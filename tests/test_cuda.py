@@ -182,9 +182,9 @@ def test_a_host_side_embedding_trains_on_each_batch_s_own_tokens(stores, monkeyp
     """The embedding table kept in host memory (as for a large vocabulary on a small GPU), three steps
     with different batches in a row: each loss equals the resident model's for the same batch (reading
     ids from an unfinished device-to-host copy gave the previous batch's)."""
-    from phantom.model.phantom_model import PhantomModel
-    monkeypatch.setattr(PhantomModel, "_place_embed",
-                        lambda self, dtype: self.store.load_embed()["tok_embeddings.weight"].to(dtype))
+    from phantom.model.backends import StreamedBlocks
+    monkeypatch.setattr(StreamedBlocks, "embed_table",
+                        lambda self, dtype, trained: self.store.load_embed()["tok_embeddings.weight"].to(dtype))
     store = stores[torch.float32]
     with phantom.load(store, device="cuda", offload="ram", prefetch=1) as model, \
             phantom.load(store, device="cuda", offload="none") as ref:

@@ -97,6 +97,12 @@ class ChunkedHeadLogps(torch.autograd.Function):
         return gh, None, None, None, None, None, None, None
 
 
+def head_logits(h: torch.Tensor, norm_w: torch.Tensor, out_w: torch.Tensor, cfg) -> torch.Tensor:
+    """Final norm, output projection and soft-cap of hidden states h (..., dim): fp32 logits (generation's
+    last position; training never forms them)."""
+    return softcap(F.linear(rms_norm(h, norm_w, cfg.norm_eps, cfg.norm_offset), out_w).float(), cfg.final_softcap)
+
+
 def default_loss_chunk(vocab_size: int, device: torch.device) -> int:
     """Tokens per chunk of the fused head + loss: ~64 MB of fp32 logits on a CPU; on CUDA a chunk whose
     peak (LOSS_BYTES_PER_LOGIT: ~4.5x its fp32 logits) takes phantom.stream.placement.loss_budget, an eighth

@@ -16,13 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from phantom.arch.config import ModelConfig
-from phantom.arch.layers import KVCache, longest_example, packed_layout, rms_norm, rope_table, softcap
+from phantom.arch.layers import KVCache, longest_example, packed_layout, rope_table
 from phantom.arch.moe import RouterLoss
 from phantom.base import provenance
 from phantom.files.store import BlockStore
 from phantom.model import fullmode
 from phantom.model.backends import ResidentBlocks, StreamedBlocks, build_layers
-from phantom.model.heads import ChunkedHeadLogps, ChunkedHeadLoss, default_loss_chunk
+from phantom.model.heads import ChunkedHeadLogps, ChunkedHeadLoss, default_loss_chunk, head_logits
 from phantom.model.lora import LoraConfig, for_family, load_adapter, save_adapter
 from phantom.stream.optim import AdamWConfig, BlockAdamW, FullFinetune
 from phantom.stream.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement
@@ -79,8 +79,7 @@ class PhantomModel(nn.Module):
 
         self.full_ft: FullFinetune | None = None  # streamed full finetuning: the blocks' updates
         self.block_optimizer: BlockAdamW | None = None  # and their optimizer
-        # data parallel, full mode: grads -> a function that waits for their average (phantom.train.dist)
-        self.grad_sync = None
+        self.grad_sync = None  # data parallel, full mode: grads -> a wait for their average (phantom.train.dist)
         self.backend = self._backend(placement, activations, trace)  # resident or streamed, chosen once
         self.scheduler, self.executor = self.backend.scheduler, self.backend.executor  # None when resident
         self.offload = self.backend.offload  # what "auto" resolved to
@@ -102,10 +101,14 @@ class PhantomModel(nn.Module):
         if placement.offload == "none":
             return ResidentBlocks(self.layers, self.store, self.device, self.weight_dtype, self.micro_batch, self.full)
         scheduler = BlockScheduler(self.store, self.device, placement, trace=trace, dtype=self.weight_dtype,
-                                   device_reserve=device_reserve(self.cfg, self.device, self.loss_chunk, self.full))
+                                   device_reserve=self.device_reserve())
         # full mode: block i's AdamW step runs on the write-back thread while backward goes on
         on_block_grads = (lambda i, grads: self.full_ft.on_block_grads(i, grads, self.grad_sync)) if self.full else None
         return StreamedBlocks(self.layers, scheduler, activations, on_block_grads)
+
+    def device_reserve(self) -> int:
+        """Device bytes this model keeps out of the blocks' budget (the module's device_reserve)."""
+        return device_reserve(self.cfg, self.device, self.loss_chunk, self.full)
 
     def _load_head(self, dtype: torch.dtype) -> None:
         """The final norm and output projection (trained in full mode), and the RoPE tables."""
@@ -141,7 +144,7 @@ class PhantomModel(nn.Module):
         B, T = tokens.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
-        if self.full and self.scheduler is not None:
+        if self.full:
             self.finish_step()  # the previous step's block updates must land before blocks are read
         h = self.embed(tokens)
         rope, mask = self.rope_for(T)[:T], None
@@ -229,8 +232,8 @@ class PhantomModel(nn.Module):
     def save_adapter(self, out: Path | str, base_model: str = "") -> Path:
         if self.lora_cfg is None:
             raise ValueError("this model has no LoRA to save")
-        base, revision = (base_model, None) if base_model else provenance.base_model(self.store.manifest,
-                                                                                      self.store.path)
+        base, revision = (base_model, None) if base_model else \
+            provenance.base_model(self.store.manifest, self.store.path)
         return save_adapter(self.layers, self.cfg, self.lora_cfg, Path(out), base, revision)
 
     def load_adapter(self, path: Path | str) -> None:
@@ -255,9 +258,7 @@ class PhantomModel(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, output projection and soft-cap of hidden states h (..., dim): fp32 logits."""
-        cfg = self.cfg
-        normed = rms_norm(h, self.norm_weight, cfg.norm_eps, cfg.norm_offset)
-        return softcap(F.linear(normed, self.output_weight).float(), cfg.final_softcap)
+        return head_logits(h, self.norm_weight, self.output_weight, self.cfg)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states (B, T, dim) on the device. Pass host ids (the training loop does): a table

@@ -129,6 +129,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_dim: int = 0
     router_aux_coef: float = 0.0  # the router's load-balancing loss weight in full finetuning
+    # layers whose MLP is dense (hidden_dim wide) among a mixture of experts' sparse ones (Qwen-MoE's
+    # mlp_only_layers, decoder_sparse_step): their blocks have their own tensor layout (block_tensor_shapes)
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_numbers(self, positive=("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"))
@@ -150,9 +153,17 @@ class ModelConfig:
                 raise ValueError("sliding_attention layers need a sliding_window")
         if self.qk_norm_over not in ("head", "projection"):
             raise ValueError(f"qk_norm_over must be head or projection, not {self.qk_norm_over!r}")
+        if self.dense_layers and (not self.n_experts or list(self.dense_layers) != sorted(set(self.dense_layers))
+                                  or not 0 <= self.dense_layers[0] <= self.dense_layers[-1] < self.n_layers):
+            raise ValueError(f"dense_layers {list(self.dense_layers)} must be distinct layers in increasing order, "
+                             f"of a mixture of experts' {self.n_layers}")
         if self.n_experts and not (0 < self.experts_per_token <= self.n_experts and self.expert_dim > 0):
             raise ValueError(f"a mixture of {self.n_experts} experts needs 0 < experts_per_token "
                              f"({self.experts_per_token}) <= n_experts and expert_dim > 0 ({self.expert_dim})")
+
+    def sparse(self, layer: int | None) -> bool:
+        """Whether the layer's MLP is a mixture of experts (None: a sparse layer of the model, if it has any)."""
+        return bool(self.n_experts) and layer not in self.dense_layers
 
     def window(self, layer: int) -> int | None:
         """How many keys (itself included) a query of this layer sees; None: all before it."""
@@ -188,14 +199,23 @@ class ModelConfig:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
-    def block_params(self) -> int:
-        return sum(math.prod(shape) for shape in block_tensor_shapes(self).values())
+    def block_params(self, layer: int | None = None) -> int:
+        """Weights of block `layer` (None: a sparse one where the model has any, see sparse)."""
+        return sum(math.prod(shape) for shape in block_tensor_shapes(self, layer).values())
 
-    def active_block_params(self) -> int:
+    def active_block_params(self, layer: int | None = None) -> int:
         """The block's weights one token runs through: all of a dense block's; a mixture of experts' minus
         the experts it does not route to (experts_per_token of n_experts run)."""
-        idle = self.n_experts - self.experts_per_token
-        return self.block_params() - idle * 3 * self.dim * self.expert_dim
+        idle = self.n_experts - self.experts_per_token if self.sparse(layer) else 0
+        return self.block_params(layer) - idle * 3 * self.dim * self.expert_dim
+
+    def mean_block_params(self, active: bool = False) -> float:
+        """Weights per block averaged over the layers (all of them, or those a token runs through): what
+        n_layers blocks hold where dense layers sit among sparse ones."""
+        count = self.active_block_params if active else self.block_params
+        if not self.dense_layers:
+            return count()
+        return sum(count(i) for i in range(self.n_layers)) / self.n_layers
 
     @property
     def token_hidden_dim(self) -> int:
@@ -204,7 +224,9 @@ class ModelConfig:
 
     def n_params(self) -> int:
         heads = 1 if self.tie_embeddings else 2
-        return self.n_layers * self.block_params() + heads * self.vocab_size * self.dim + self.dim
+        blocks = sum(self.block_params(i) for i in range(self.n_layers)) if self.dense_layers else \
+            self.n_layers * self.block_params()
+        return blocks + heads * self.vocab_size * self.dim + self.dim
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -216,8 +238,9 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
         d = dict(d)
-        if d.get("layer_types") is not None:
-            d["layer_types"] = tuple(d["layer_types"])  # JSON gives a list
+        for name in ("layer_types", "dense_layers"):
+            if d.get(name) is not None:
+                d[name] = tuple(d[name])  # JSON gives a list
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
@@ -352,8 +375,9 @@ def from_meta_params(path: Path, vocab_size: int | None = None) -> ModelConfig:
                        max_seq_len=p.get("max_seq_len", 4096))
 
 
-def block_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of one transformer block's tensors, in Meta's naming (same in every block)."""
+def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of block `layer`'s tensors, in Meta's naming: the same in every block but where
+    dense layers sit among a mixture of experts' (cfg.dense_layers); None: a sparse block's, if any."""
     kv = cfg.kv_heads * cfg.head_dim
     shapes = {
         "attention.wq.weight": (cfg.q_dim, cfg.dim),
@@ -373,7 +397,7 @@ def block_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.mlp_bias:
         shapes.update({"feed_forward.w1.bias": (cfg.hidden_dim,), "feed_forward.w2.bias": (cfg.dim,),
                        "feed_forward.w3.bias": (cfg.hidden_dim,)})
-    if cfg.n_experts:
+    if cfg.sparse(layer):
         for name in ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight"):
             del shapes[name]
         shapes.update(moe_tensor_shapes(cfg))

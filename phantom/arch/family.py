@@ -15,7 +15,7 @@ from typing import Callable
 
 from phantom.base import safejson
 from phantom.arch.config import ACTIVATIONS, ConfigError, ModelConfig, RopeScaling, refuse as _refuse  # noqa: F401
-from phantom.arch.family_moe import (MOE_IRRELEVANT, MOE_READERS, QWEN_EXPERTS, QWEN_MOE, QWEN_MOE_FIELDS, ROUTER_KEYS,
+from phantom.arch.family_moe import (DENSE_READERS, MOE_IRRELEVANT, MOE_READERS, QWEN_EXPERTS, QWEN_MOE, QWEN_MOE_FIELDS, ROUTER_KEYS,
                                 SHARED_EXPERT_KEYS, MoeKeys, expert_keys, read_moe, read_qwen2_moe_window,
                                 read_qwen3_moe_window, refused_unless)
 
@@ -335,17 +335,18 @@ FAMILIES["phi3"] = Family(
               "original_max_position_embeddings": 4096}, fused=PHI3_FUSED)
 
 ATTENTION_KEYS = {hf: name for hf, name in LLAMA_KEYS.items() if ".mlp." not in hf}
+DENSE_MLP_KEYS = {hf: name for hf, name in LLAMA_KEYS.items() if ".mlp." in hf}  # Qwen-MoE's dense layers (dense_layers)
 FAMILIES.update({f.name: f for f in (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe", {**ATTENTION_KEYS, **BIAS_KEYS, **QK_NORM_KEYS,
-                                                                 **ROUTER_KEYS},
+                                                                 **ROUTER_KEYS, **DENSE_MLP_KEYS},
            readers={"attention_bias": _read_attention_bias, "moe_intermediate_size": read_moe, **MOE_READERS,
-                    "sliding_window": read_qwen3_moe_window, "use_sliding_window": read_qwen3_moe_window},
+                    **DENSE_READERS, "sliding_window": read_qwen3_moe_window, "use_sliding_window": read_qwen3_moe_window},
            fixed={"qk_norm": True}, irrelevant=MOE_IRRELEVANT, moe=MoeKeys(QWEN_EXPERTS, QWEN_MOE_FIELDS),
            defaults={**COMMON_DEFAULTS, **QWEN_MOE, "moe_intermediate_size": 768}),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe",
            {**ATTENTION_KEYS, **{k: v for k, v in BIAS_KEYS.items() if "o_proj" not in k and "self_attn" in k},
-            **ROUTER_KEYS, **SHARED_EXPERT_KEYS},
-           readers={"qkv_bias": lambda c, path: {"qkv_bias": bool(c["qkv_bias"])}, **MOE_READERS,
+            **ROUTER_KEYS, **SHARED_EXPERT_KEYS, **DENSE_MLP_KEYS},
+           readers={"qkv_bias": lambda c, path: {"qkv_bias": bool(c["qkv_bias"])}, **MOE_READERS, **DENSE_READERS,
                     "moe_intermediate_size": read_moe, "shared_expert_intermediate_size": read_moe,
                     "sliding_window": read_qwen2_moe_window, "use_sliding_window": read_qwen2_moe_window,
                     "layer_types": read_qwen2_moe_window},

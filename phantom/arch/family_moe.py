@@ -41,18 +41,24 @@ MOE_IRRELEVANT = {"output_router_logits": "whether transformers' forward returns
 
 def read_moe(c: dict, path) -> dict:
     """The experts and their router. The number of experts has no default: transformers writes it as
-    num_experts or num_local_experts (either is read; a config class maps one onto the other). Dense
-    layers among sparse ones (mlp_only_layers, decoder_sparse_step) are refused: a store keeps one tensor
-    layout for every block."""
-    only, step = c.get("mlp_only_layers") or [], c.get("decoder_sparse_step") or 1
-    if any(i in only or (i + 1) % step for i in range(c["num_hidden_layers"])):
-        key = "mlp_only_layers" if only else "decoder_sparse_step"
-        refuse(path, key, c[key], "a mixture of experts in every layer (mlp_only_layers [], decoder_sparse_step 1)")
+    num_experts or num_local_experts (either is read; a config class maps one onto the other)."""
     counts = {c[f] for f in ("num_experts", "num_local_experts") if c.get(f) is not None}  # either name is read
     if len(counts) != 1:
         refuse(path, "num_experts", sorted(counts), "one number of experts (num_experts or num_local_experts)")
     out = {attr: c[f] for f, attr in MOE_FIELDS.items() if c.get(f) is not None}
     return {"expert_dim": c["intermediate_size"], **out, "norm_topk_prob": bool(out.get("norm_topk_prob"))}
+
+
+def read_dense_layers(c: dict, path) -> dict:
+    """Qwen-MoE's dense layers among sparse ones: those in mlp_only_layers, and where decoder_sparse_step
+    is k, every layer but each k-th (layers k-1, 2k-1, ... are sparse), as Qwen2MoeDecoderLayer and
+    Qwen3MoeDecoderLayer choose; their MLP is intermediate_size wide (ModelConfig.dense_layers)."""
+    only, step, n = c.get("mlp_only_layers") or [], c.get("decoder_sparse_step", 1), c["num_hidden_layers"]
+    if not isinstance(only, list) or any(type(i) is not int or not 0 <= i < n for i in only):
+        refuse(path, "mlp_only_layers", only, f"a list of layers in [0, {n})")
+    if type(step) is not int or step < 1:
+        refuse(path, "decoder_sparse_step", step, "an integer >= 1")
+    return {"dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step)}
 
 
 def refused_unless(key: str, allowed: Callable, supported: str):
@@ -79,7 +85,8 @@ def read_qwen2_moe_window(c: dict, path) -> dict:
 
 
 MOE_READERS = {f: read_moe for f in ("num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob",
-                                      "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers")}
+                                      "router_aux_loss_coef")}
+DENSE_READERS = {"decoder_sparse_step": read_dense_layers, "mlp_only_layers": read_dense_layers}  # Qwen-MoE
 ROUTER_KEYS = {"model.layers.{}.mlp.gate.weight": "feed_forward.gate.weight"}
 QWEN_EXPERTS = expert_keys("model.layers.{}.mlp.experts.<e>", "gate_proj", "up_proj", "down_proj")
 QWEN_MOE = dict(max_position_embeddings=32768, norm_topk_prob=False, router_aux_loss_coef=0.001, decoder_sparse_step=1,

@@ -334,8 +334,8 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg, device, dtype, layer)
         self.attention_post_norm = norm() if cfg.post_norms else nn.Identity()
         self.ffn_norm = norm()
-        self.feed_forward = MoeFeedForward(cfg, ACTIVATIONS[cfg.activation], device, dtype) if cfg.n_experts else \
-            FeedForward(cfg, device, dtype)
+        self.feed_forward = MoeFeedForward(cfg, ACTIVATIONS[cfg.activation], device, dtype) if cfg.sparse(layer) \
+            else FeedForward(cfg, device, dtype)
         self.ffn_post_norm = norm() if cfg.post_norms else nn.Identity()
         self.checkpoint_inner = False
         self.mlp_chunk = 1024  # tokens per MLP slice under checkpoint_inner

@@ -52,16 +52,17 @@ class BlockStore:
         self.quant = self._quant_format()
         self.embed = self._entry("embed.safetensors", embed_tensor_shapes(self.cfg))
         self.head = self._entry("head.safetensors", head_tensor_shapes(self.cfg))
-        shapes, dtypes = block_tensor_shapes(self.cfg), None
-        if self.quant is not None:
-            layout = block_layout(self.quant, shapes, dtype_name(self.dtype))
-            shapes, dtypes = {n: s for n, (s, _) in layout.items()}, {n: parse_stored(d) for n, (_, d) in layout.items()}
-        self.blocks = [self._entry(block_file(i), shapes, dtypes) for i in range(self.cfg.n_layers)]
-        layouts = {tuple((s.name, s.start, s.end) for s in b.specs) for b in self.blocks}
-        if len(layouts) != 1:
-            raise StoreError(f"{self.path}: block files do not share one tensor layout")
-        self.block_specs = self.blocks[0].specs
-        self.block_nbytes = self.blocks[0].nbytes
+        self.blocks = [self._entry(block_file(i), *self._stored_shapes(i)) for i in range(self.cfg.n_layers)]
+        for i, b in enumerate(self.blocks):  # blocks of one kind (sparse, or dense among sparse) share a layout
+            first = self.blocks[self._first_alike(i)]
+            if [(s.name, s.start, s.end) for s in b.specs] != [(s.name, s.start, s.end) for s in first.specs]:
+                raise StoreError(f"{self.path}: block files do not share one tensor layout "
+                                 f"({b.path.name} differs from {first.path.name})")
+        # the layout of a mixture of experts' sparse blocks (where dense layers sit among them), else every block's
+        self.block_specs = self.blocks[next((i for i in range(self.n_blocks) if self.cfg.sparse(i)), 0)].specs
+        # a slot's bytes: the largest block's (a dense layer's block among sparse ones is smaller)
+        self.block_nbytes = max(b.nbytes for b in self.blocks)
+        self.two_layouts = any(self.layout_index(i) for i in range(self.n_blocks))
         if verify == "full":
             for e in [self.embed, self.head, *self.blocks]:
                 self.checks.check(e)
@@ -69,6 +70,28 @@ class BlockStore:
     @property
     def n_blocks(self) -> int:
         return self.cfg.n_layers
+
+    def _first_alike(self, i: int) -> int:
+        """The first block with block i's tensor layout (blocks differ only where dense layers sit among
+        a mixture of experts' sparse ones: cfg.dense_layers)."""
+        return next(j for j in range(self.cfg.n_layers) if self.cfg.sparse(j) == self.cfg.sparse(i))
+
+    def layout_index(self, i: int) -> int:
+        """Which of the store's block layouts block i has: 0 for every block of a store with one layout,
+        else 0 for the first block's kind and 1 for the other (slots keep their views per layout)."""
+        return int(self._first_alike(i) != self._first_alike(0))
+
+    def block_size(self, i: int) -> int:
+        """Bytes of block i's data section (at most block_nbytes)."""
+        return self.blocks[i].nbytes
+
+    def _stored_shapes(self, i: int) -> tuple[dict, dict | None]:
+        """Block i's tensors as its file holds them: name -> shape, and name -> dtype where quantized."""
+        shapes = block_tensor_shapes(self.cfg, i)
+        if self.quant is None:
+            return shapes, None
+        layout = block_layout(self.quant, shapes, dtype_name(self.dtype))
+        return {n: s for n, (s, _) in layout.items()}, {n: parse_stored(d) for n, (_, d) in layout.items()}
 
     def _quant_format(self) -> QuantFormat | None:
         """The manifest's "quantization" record, checked against the model (None: a 16-bit store)."""
@@ -92,16 +115,22 @@ class BlockStore:
 
     @property
     def dense_nbytes(self) -> int:
-        """Bytes of one block's weights in the store's dtype (= block_nbytes unless quantized)."""
-        return sum(math.prod(s) for s in block_tensor_shapes(self.cfg).values()) * self.dtype.itemsize
+        """Bytes of the largest block's weights in the store's dtype (= block_nbytes unless quantized)."""
+        return max(self.cfg.block_params(i) for i in {self._first_alike(j) for j in range(self.n_blocks)}) * \
+            self.dtype.itemsize
 
-    def dense_empty(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Uninitialized dense block tensors, back to back in the order a 16-bit store lays them out
+    def dense_empty(self, dtype: torch.dtype, device: torch.device | str = "cpu",
+                    block: int = 0) -> dict[str, torch.Tensor]:
+        """Uninitialized dense tensors of `block`, back to back in the order a 16-bit store lays them out
         (so the fused projection groups are adjacent, layers.fuse_adjacent): what a quantized block is
         dequantized into."""
-        shapes = block_tensor_shapes(self.cfg)
+        return packed_empty(self.dense_like(block), dtype, device)
+
+    def dense_like(self, block: int = 0) -> dict[str, torch.Tensor]:
+        """Meta tensors shaped as `block`'s dense weights, in dense_empty's order."""
+        shapes = block_tensor_shapes(self.cfg, block)
         order = tensor_order({n: self.dtype.itemsize for n in shapes})
-        return packed_empty({n: torch.empty(shapes[n], device="meta") for n in order}, dtype, device)
+        return {n: torch.empty(shapes[n], device="meta") for n in order}
 
     def dequantize_block(self, i: int, stored: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
         """Block i's stored views (quantized) into out's dense tensors; scales no quantizer writes are
@@ -169,8 +198,10 @@ class BlockStore:
         self.checks.check(e, buf)
         return buf
 
-    def block_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        return views(buf, self.block_specs)
+    def block_views(self, buf: torch.Tensor, block: int | None = None) -> dict[str, torch.Tensor]:
+        """Block `block`'s tensors as views of buf (its bytes, or a slot's, which may be longer); block
+        None: block_specs' layout (a sparse block's where dense layers sit among sparse ones)."""
+        return views(buf, self.block_specs if block is None else self.blocks[block].specs)
 
     def _load(self, e: FileEntry) -> dict[str, torch.Tensor]:
         buf = torch.empty(e.nbytes, dtype=torch.uint8)
@@ -190,7 +221,7 @@ class BlockStore:
         stored = self._load(self.blocks[i])
         if self.quant is None:
             return stored
-        out = self.dense_empty(dtype or self.dtype)
+        out = self.dense_empty(dtype or self.dtype, block=i)
         self.dequantize_block(i, stored, out)
         return out
 

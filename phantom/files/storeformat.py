@@ -72,9 +72,10 @@ def read_manifest(path: Path) -> tuple[dict, ModelConfig, torch.dtype]:
 def quant_record(fmt: QuantFormat, cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """The manifest's "quantization" record: the format, and how each block tensor is stored (the
     method's name for a quantized weight, the store's dtype for the rest). Embedding and head are
-    always in the store's dtype."""
+    always in the store's dtype. Dense layers among sparse ones add their MLP's names."""
+    shapes = {n: s for i in (None, *cfg.dense_layers[:1]) for n, s in block_tensor_shapes(cfg, i).items()}
     return {**fmt.record(), "tensors": {n: fmt.method if quantized(n, shape) else dtype_name(dtype)
-                                        for n, shape in block_tensor_shapes(cfg).items()}}
+                                        for n, shape in shapes.items()}}
 
 
 def crc_record(mpath: Path, rel: str, info: dict, nbytes: int, header: bool) -> tuple | None:

@@ -62,14 +62,20 @@ class StoreWriter:
         else:
             tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
         self.files[rel] = write_safetensors(self.tmp / rel, tensors)
-        if self.cfg.n_experts and rel.startswith("blocks/") and self.quant is None:  # each expert's byte range
+        if self._experts(rel):  # each expert's byte range
             self.files[rel]["experts"] = expert_ranges(read_header(self.tmp / rel)[0], self.cfg.n_experts)
+
+    def _experts(self, rel: str) -> int:
+        """The experts of rel's block (0: embed, head, a dense block or a dense model)."""
+        if not rel.startswith("blocks/") or not self.cfg.sparse(int(Path(rel).name.split(".")[0])):
+            return 0
+        return self.cfg.n_experts
 
     def write_embed(self, tensors: dict[str, torch.Tensor]) -> None:
         self._write("embed.safetensors", tensors, embed_tensor_shapes(self.cfg))
 
     def write_block(self, i: int, tensors: dict[str, torch.Tensor]) -> None:
-        self._write(block_file(i), tensors, block_tensor_shapes(self.cfg))
+        self._write(block_file(i), tensors, block_tensor_shapes(self.cfg, i))
 
     def write_head(self, tensors: dict[str, torch.Tensor]) -> None:
         self._write("head.safetensors", tensors, head_tensor_shapes(self.cfg))
@@ -99,8 +105,7 @@ class StoreWriter:
             specs, start = read_header(self.tmp / local)
             located.update({t.name: (local, start + t.start, t.dtype, t.shape) for t in specs})
         storelinks.add_sources(self.links["sources"], located, self.tmp)
-        experts = self.cfg.n_experts if rel.startswith("blocks/") else 0
-        self.links["files"][rel] = storelinks.file_record(located, self.tmp, experts)
+        self.links["files"][rel] = storelinks.file_record(located, self.tmp, self._experts(rel))
 
     def add_tokenizer(self, src: Path) -> None:
         name = "tokenizer.json" if Path(src).suffix == ".json" else "tokenizer.model"

@@ -70,7 +70,29 @@ def tensor_order(itemsize: dict[str, int]) -> list[str]:
 
 
 def _order(tensors: dict[str, torch.Tensor]) -> list[str]:
-    return tensor_order({n: t.element_size() for n, t in tensors.items()})
+    itemsize = {n: t.element_size() for n, t in tensors.items()}
+    return experts_together(tensor_order(itemsize), {n: t.numel() * t.element_size() for n, t in tensors.items()},
+                            itemsize)
+
+
+def experts_together(order: list[str], nbytes: dict[str, int], itemsize: dict[str, int]) -> list[str]:
+    """order with a mixture of experts' quantized tensors (each expert's codes, scales and offsets, of
+    several element sizes, which tensor_order would part) regrouped: each expert's back to back, its
+    largest elements first, the experts ahead of the rest, so a reader can fetch one expert's bytes alone
+    (the manifest's range: phantom.arch.moe.expert_ranges) and every tensor keeps its alignment. Where
+    an expert's bytes are not a whole number of the largest element, order stays as it is (no ranges)."""
+    experts: dict[int, list[str]] = {}
+    for n in order:
+        parts = n.split(".")
+        if parts[:2] == ["feed_forward", "experts"]:
+            experts.setdefault(int(parts[2]), []).append(n)
+    sizes = {itemsize[n] for names in experts.values() for n in names}
+    if len(sizes) < 2 or max(sizes) < max(itemsize.values()) or \
+            any(sum(nbytes[n] for n in names) % max(sizes) for names in experts.values()):
+        return order  # one element size (16-bit experts are together already), or no aligned grouping
+    grouped = [n for e in sorted(experts) for n in experts[e]]  # within an expert: tensor_order's order
+    taken = set(grouped)
+    return grouped + [n for n in order if n not in taken]
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> dict:
@@ -194,7 +216,11 @@ def views(buf: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]
 def packed_empty(like: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
     """Uninitialized tensors shaped as `like`, back to back in one buffer in like's order: a block
     converted to another dtype or device keeps its file layout (and so its fused groups)."""
-    flat = torch.empty(sum(t.numel() for t in like.values()), dtype=dtype, device=device)
+    return packed_views(torch.empty(sum(t.numel() for t in like.values()), dtype=dtype, device=device), like)
+
+
+def packed_views(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Views of flat (at least as many elements) shaped as `like`, back to back in like's order."""
     out, start = {}, 0
     for name, t in like.items():
         out[name] = flat[start:start + t.numel()].view(t.shape)

@@ -70,7 +70,7 @@ def part_shapes(cfg: ModelConfig, part: str | int) -> dict[str, tuple[int, ...]]
         return embed_tensor_shapes(cfg)
     if part == "head":
         return head_tensor_shapes(cfg)
-    return block_tensor_shapes(cfg)
+    return block_tensor_shapes(cfg, part)
 
 
 def release_pages(tensors) -> None:

@@ -108,6 +108,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         c["rope_scaling"] = rope_scaling_json(cfg)
     if fam.moe is not None:  # the experts' fields, as the family's config class names them
         c.update({f: getattr(cfg, MOE_FIELDS[f]) for f in fam.moe.fields})
+    if "mlp_only_layers" in fam.readers:  # Qwen-MoE: its dense layers among sparse ones
+        c.update(mlp_only_layers=list(cfg.dense_layers), decoder_sparse_step=1)
     if cfg.rotary_dim is not None:  # Phi-4-mini
         c["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     if "original_max_position_embeddings" in fam.readers:  # Phi-3: read before rope_scaling's own

@@ -62,7 +62,7 @@ def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bflo
         w.write_embed(_random_tensors(embed_tensor_shapes(cfg), gen, 0.02, dtype))
         for i in tqdm(range(cfg.n_layers), desc="writing blocks", unit="block", disable=not progress or None):
             gen = torch.Generator().manual_seed(seed * 1000003 + i + 1)
-            block = _random_tensors(block_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset)
+            block = _random_tensors(block_tensor_shapes(cfg, i), gen, std, dtype, cfg.norm_offset)
             for name in [n for n in block if n == "attention.wo.weight" or n.endswith(".w2.weight")]:  # experts' too
                 block[name] = (block[name].float() * (resid_std / 0.02)).to(dtype)
             w.write_block(i, block)

@@ -78,7 +78,7 @@ class Residency:
     def host_weights(self, block: int) -> dict[str, torch.Tensor]:
         """Block's weights in host memory: the RAM tier's views, or read from the store."""
         host = self.host(block)
-        return self.store.block_views(host) if host is not None else self.store.load_block(block)
+        return self.store.block_views(host, block) if host is not None else self.store.load_block(block)
 
     def update(self, block: int, tensors: dict[str, torch.Tensor], non_blocking: bool) -> None:
         """New values of a block into what its tier holds (the store's file is the caller's)."""

@@ -130,7 +130,7 @@ class BlockScheduler:
                 self._advance_plan_to(block)
                 self._pos += 1
                 if self.tiers[block] != "device":
-                    self.metrics.bytes_ram += self.store.block_nbytes
+                    self.metrics.bytes_ram += self.store.block_size(block)
             return self.residency.views(block)
         t0 = time.perf_counter()
         with self._cv:

@@ -67,7 +67,7 @@ class Held:
     def views(self, block: int) -> dict[str, torch.Tensor]:
         """The block's weights where they are computed without a slot (the device tier; the RAM tier
         used in place on a CPU)."""
-        return self.ctx.store.block_views(self.host(block))
+        return self.ctx.store.block_views(self.host(block), block)
 
     def update(self, block: int, tensors: dict[str, torch.Tensor], non_blocking: bool) -> None:
         """New values of a block (full finetuning) into what this tier holds."""
@@ -159,14 +159,17 @@ class RamHeld(Held):
                 self.blocks[i] = store.map_block(i)
                 if pin:  # else every copy from it goes through pageable memory: staged, synchronous
                     self._registered.append(register_read_only(self.blocks[i]))
-        elif blocks:
-            self.buffer = HostBuffer(stride * len(blocks), pin)
+        elif blocks:  # each block its own size (dense layers' blocks among sparse ones are smaller)
+            starts = [0]
+            for i in blocks:
+                starts.append(starts[-1] + (stride if not store.two_layouts else aligned(store.block_size(i))))
+            self.buffer = HostBuffer(starts[-1], pin)
             for k, i in enumerate(tqdm(blocks, desc="loading blocks to RAM", unit="block", disable=None,
                                        leave=False)):
-                self.blocks[i] = self.buffer.block(k * stride, store.block_nbytes)
+                self.blocks[i] = self.buffer.block(starts[k], store.block_size(i))
                 store.read_block_into(i, self.blocks[i])
-                ctx.metrics.bytes_read += store.block_nbytes
-        self.pinned_bytes = stride * len(blocks) if pin and not ctx.shared else 0
+                ctx.metrics.bytes_read += store.block_size(i)
+        self.pinned_bytes = self.buffer.tensor.numel() if pin and self.buffer is not None else 0
 
     def host(self, block: int) -> torch.Tensor | None:
         return self.blocks.get(block)

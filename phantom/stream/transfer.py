@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +21,7 @@ from phantom.arch import quant
 from phantom.stream.hostmem import HostBuffer
 from phantom.stream.tiers import Held
 from phantom.files.store import BlockStore
-from phantom.files.tensorfile import DATA_ALIGN, packed_empty
+from phantom.files.tensorfile import DATA_ALIGN, packed_views
 from phantom.stream.trace import LoadStats, Tracer
 
 
@@ -39,6 +39,8 @@ class Slot:
     ready_event: object = None  # CUDA: the copy into the slot is done
     verify: Future | None = None  # a deferred checksum of the staged bytes
     host: object = None  # keeps the staging HostBuffer (and its registration) alive
+    flat: torch.Tensor | None = None  # the compute-dtype buffer `converted` views (the largest block's size)
+    layouts: dict = field(default_factory=dict)  # the store's layout index -> `converted` for a block of it
 
 
 class Transfer:
@@ -64,17 +66,29 @@ class Transfer:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             host = HostBuffer(self.stride, self.pin) if needs_staging else None
             staging = host.tensor[:nbytes] if host is not None else None
-        converted = None
-        if self.store.quant is not None:  # dequantized into here, in a 16-bit block's layout
-            converted = self.store.dense_empty(self.dtype, self.device)
-        elif self.dtype != self.store.dtype:
-            converted = packed_empty(self.store.block_views(buf), self.dtype, self.device)
-        return Slot(buf=buf, staging=staging, converted=converted, host=host)
+        flat = None  # a quantized block is dequantized into it (a 16-bit block's layout), or converted
+        if self.store.quant is not None or self.dtype != self.store.dtype:
+            flat = torch.empty(self.store.dense_nbytes // self.store.dtype.itemsize, dtype=self.dtype,
+                               device=self.device)
+        return Slot(buf=buf, staging=staging, host=host, flat=flat)
+
+    def _converted(self, slot: Slot, block: int) -> dict | None:
+        """The slot's compute-dtype tensors for block, in its layout (dense layers among sparse ones
+        have their own), views of slot.flat made once per layout."""
+        if slot.flat is None:
+            return None
+        k = self.store.layout_index(block)
+        if k not in slot.layouts:
+            like = self.store.dense_like(block) if self.store.quant is not None else \
+                self.store.block_views(slot.buf, block)
+            slot.layouts[k] = packed_views(slot.flat, like)
+        return slot.layouts[k]
 
     def load(self, slot: Slot, block: int, source: Held, free_event=None) -> LoadStats:
         """Fill slot with block (without any lock) from its tier: copied from the bytes the tier holds in
         host memory (RAM), or read by the tier into the slot's host buffer (disk)."""
         stats = LoadStats()
+        slot.converted = self._converted(slot, block)
         held = None if source.tier.reads else source.host(block)
         src = held if held is not None else self._read(slot, block, source, stats)
         if held is not None:
@@ -82,9 +96,9 @@ class Transfer:
         t0 = time.perf_counter()
         self._copy(slot, block, src, free_event, stats)
         t1 = time.perf_counter()
-        if src is not slot.buf:
-            self.tracer.span("copy", f"copy {block}", t0, t1, bytes=slot.buf.numel())
-        slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf)
+        if src.data_ptr() != slot.buf.data_ptr():
+            self.tracer.span("copy", f"copy {block}", t0, t1, bytes=src.numel())
+        slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf, block)
         return stats
 
     def _staging(self, slot: Slot) -> torch.Tensor:
@@ -93,7 +107,7 @@ class Transfer:
 
     def _read(self, slot: Slot, block: int, source: Held, stats: LoadStats) -> torch.Tensor:
         """Block bytes read by its tier into the slot's host buffer; its checksum goes to the verify thread."""
-        into = self._staging(slot)
+        into = self._staging(slot)[:self.store.block_size(block)]
         t0 = time.perf_counter()
         check = source.read_into(block, into)
         t1 = time.perf_counter()
@@ -105,13 +119,14 @@ class Transfer:
 
     def _copy(self, slot: Slot, block: int, src: torch.Tensor, free_event, stats: LoadStats) -> None:
         t0 = time.perf_counter()
-        if src is not slot.buf:
-            slot.buf.copy_(src)
+        copies = src.data_ptr() != slot.buf.data_ptr()  # on a CPU a reading tier reads into the slot itself
+        if copies:
+            slot.buf[:src.numel()].copy_(src)
         self.convert(slot, block, stats)
         if self.device.type == "mps":
             torch.mps.synchronize()
-        if src is not slot.buf:
-            stats.copy_s, stats.bytes_h2d = time.perf_counter() - t0, slot.buf.numel()
+        if copies:
+            stats.copy_s, stats.bytes_h2d = time.perf_counter() - t0, src.numel()
 
     def convert(self, slot: Slot, block: int, stats: LoadStats) -> None:
         """The slot's block into the compute dtype: a dtype conversion, or a quantized block
@@ -119,12 +134,12 @@ class Transfer:
         if self.store.quant is not None:
             t0 = time.perf_counter()
             with quant.one_thread() if self.device.type == "cpu" else contextlib.nullcontext():
-                self.store.dequantize_block(block, self.store.block_views(slot.buf), slot.converted)
+                self.store.dequantize_block(block, self.store.block_views(slot.buf, block), slot.converted)
             t1 = time.perf_counter()
             stats.dequant_s += t1 - t0
             self.tracer.span("dequant", f"dequant {block}", t0, t1)
         elif slot.converted is not None:
-            for k, v in self.store.block_views(slot.buf).items():
+            for k, v in self.store.block_views(slot.buf, block).items():
                 slot.converted[k].copy_(v)
 
     def wait_ready(self, slot: Slot) -> None:
@@ -169,11 +184,11 @@ class CudaTransfer(Transfer):
                 self.stream.wait_event(free_event)
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
-            slot.buf.copy_(src, non_blocking=True)
+            slot.buf[:src.numel()].copy_(src, non_blocking=True)
             self.convert(slot, block, stats)
             slot.ready_event = torch.cuda.Event(enable_timing=True)
             slot.ready_event.record(self.stream)
-        stats.copy_event = (start, slot.ready_event, slot.buf.numel())
+        stats.copy_event = (start, slot.ready_event, src.numel())
 
     def wait_ready(self, slot: Slot) -> None:
         if slot.ready_event is not None:

@@ -1,0 +1,121 @@
+"""Dense layers among a mixture of experts' sparse ones (Qwen3-MoE's and Qwen2-MoE's mlp_only_layers and
+decoder_sparse_step) against transformers' own classes, and quantized MoE stores' expert byte ranges.
+
+Tiny random models of three layers saved by save_pretrained and converted by scripts/prepare_model.py: a
+store then holds blocks of two tensor layouts (a dense MLP of intermediate_size, or the experts), each
+block's own in its file; streamed from disk and RAM through slots sized for the largest block, the
+logits and loss equal transformers', LoRA gradients equal peft's, the merged export loads in transformers.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import phantom
+from family_check import MOE, SHAPES, batch, check_logits, check_lora, check_merged_export, hf_model, prepare, rel_err
+from family_check import transformers
+from phantom.arch.family import ConfigError, config_from_hf
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import read_header
+
+LAYERS = dict(SHAPES, num_hidden_layers=3, num_experts=8, moe_intermediate_size=32)
+DENSE_CASES = {  # name -> (config class, fields, the dense layers transformers builds)
+    "qwen3_moe-mlp_only": ("Qwen3MoeConfig", dict(LAYERS, num_experts_per_tok=2, norm_topk_prob=True,
+                                                  mlp_only_layers=[0]), (0,)),
+    "qwen3_moe-step2": ("Qwen3MoeConfig", dict(LAYERS, num_experts_per_tok=2, decoder_sparse_step=2), (0, 2)),
+    "qwen2_moe-mlp_only": ("Qwen2MoeConfig", dict(LAYERS, num_experts_per_tok=3, shared_expert_intermediate_size=48,
+                                                  mlp_only_layers=[1]), (1,)),
+}
+HF_CLASS = {"Qwen3MoeConfig": "Qwen3MoeForCausalLM", "Qwen2MoeConfig": "Qwen2MoeForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def dense_models(tmp_path_factory):
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            config_class, fields, _ = DENSE_CASES[name]
+            model = hf_model(config_class, **fields)
+            built[name] = model, prepare(model, tmp_path_factory.mktemp(name))
+        return built[name]
+    return get
+
+
+def transformers_dense_layers(model) -> tuple[int, ...]:
+    return tuple(i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts"))
+
+
+@pytest.mark.parametrize("name", list(DENSE_CASES))
+def test_dense_layers_among_sparse_ones_match_transformers_streamed(dense_models, name):
+    """Each block is built with its own MLP: logits and loss within 1e-5 resident and streamed (disk and RAM,
+    prefetch 0 and 2, recomputed or kept) through slots the size of the largest block."""
+    model, store = dense_models(name)
+    s = BlockStore(store)
+    assert s.cfg.dense_layers == DENSE_CASES[name][2] == transformers_dense_layers(model)
+    sizes = [s.block_size(i) for i in range(s.n_blocks)]
+    assert s.block_nbytes == max(sizes) > min(sizes) and s.two_layouts
+    assert set(s.load_block(s.cfg.dense_layers[0])) >= {"feed_forward.w1.weight", "feed_forward.w2.weight"}
+    check_logits(model, store, *batch(), runs=MOE["runs"])
+
+
+@pytest.mark.parametrize("name", list(DENSE_CASES))
+def test_dense_layers_lora_matches_peft_and_the_merged_export_loads(dense_models, name, tmp_path):
+    model, store = dense_models(name)
+    tokens, targets = batch()
+    adapter, logits = check_lora(model, store, tmp_path, tokens, targets, runs=MOE["lora_runs"],
+                                 lora_targets=MOE["lora_targets"])
+    check_merged_export(store, adapter, tmp_path, tokens, logits, HF_CLASS[DENSE_CASES[name][0]])
+    merged = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert merged["mlp_only_layers"] == list(DENSE_CASES[name][2]) and merged["decoder_sparse_step"] == 1
+
+
+def test_the_ram_tier_holds_each_block_at_its_own_size(dense_models):
+    """The RAM tier reads each block's own bytes (a dense block's fewer), and so do its loads."""
+    model, store = dense_models("qwen3_moe-step2")
+    s = BlockStore(store)
+    tokens, _ = batch()
+    with phantom.load(store, offload="ram", prefetch=1, lora=None) as pm:
+        with torch.no_grad():
+            pm(tokens)
+        held = pm.scheduler.residency.held["ram"]
+        assert [held.host(i).numel() for i in range(s.n_blocks)] == [s.block_size(i) for i in range(s.n_blocks)]
+
+
+def small(config_class: str, **fields) -> dict:
+    c = getattr(transformers, config_class)(**{**LAYERS, "vocab_size": 100, **fields}).to_dict()
+    return {**c, "architectures": [HF_CLASS[config_class]]}
+
+
+def test_mlp_only_layers_and_decoder_sparse_step_are_modelled():
+    """Both fields, read as transformers' decoder layers read them; a layer that is not one is refused."""
+    assert config_from_hf(small("Qwen3MoeConfig", mlp_only_layers=[1, 2])).dense_layers == (1, 2)
+    assert config_from_hf(small("Qwen2MoeConfig", decoder_sparse_step=3)).dense_layers == (0, 1)
+    assert config_from_hf(small("Qwen2MoeConfig", decoder_sparse_step=2, mlp_only_layers=[1])).dense_layers == (0, 1, 2)
+    assert config_from_hf(small("Qwen3MoeConfig")).dense_layers == ()
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        config_from_hf(small("Qwen3MoeConfig", mlp_only_layers=[3]))
+    with pytest.raises(ConfigError, match="decoder_sparse_step"):
+        config_from_hf(small("Qwen3MoeConfig", decoder_sparse_step=0))
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_a_quantized_store_with_dense_layers_equals_transformers_on_its_weights(dense_models, method, tmp_path):
+    """NF4 / int8 copies of a store with dense layers: each block dequantized in its own layout, the
+    streamed logits equal transformers' on the dequantized weights (the --format hf export)."""
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.model.export import export
+    from phantom.model.quantstore import quantize_store
+    _, store = dense_models("qwen2_moe-mlp_only")
+    quantize_store(store, tmp_path / "q", QuantFormat(method), dtype=torch.bfloat16, progress=False)
+    out = export(tmp_path / "q", tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens, _ = batch()
+    with torch.no_grad():
+        ref = reference(tokens).logits
+    for offload in ("disk", "ram"):
+        with phantom.load(tmp_path / "q", offload=offload, prefetch=1, lora=None, dtype=torch.float32) as pm:
+            with torch.no_grad():
+                assert rel_err(pm(tokens), ref) < 1e-5, offload

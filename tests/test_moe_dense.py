@@ -119,3 +119,49 @@ def test_a_quantized_store_with_dense_layers_equals_transformers_on_its_weights(
         with phantom.load(tmp_path / "q", offload=offload, prefetch=1, lora=None, dtype=torch.float32) as pm:
             with torch.no_grad():
                 assert rel_err(pm(tokens), ref) < 1e-5, offload
+
+
+@pytest.mark.parametrize("method,double_quant", [("nf4", True), ("nf4", False), ("int8", True)])
+def test_each_quantized_expert_is_one_byte_range_the_manifest_records(family_models, method, double_quant, tmp_path):
+    """In an NF4 / int8 store each expert's codes, scales (and double-quantization parts) lie back to back:
+    the manifest's [start, end) of expert e holds exactly those tensors' bytes, as safetensors reads them,
+    and every tensor of the file stays aligned to its element size."""
+    from safetensors import safe_open
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.model.quantstore import quantize_store
+    _, store = family_models("qwen2_moe")
+    fmt = QuantFormat(method, double_quant=double_quant)
+    quantize_store(store, tmp_path / "q", fmt, dtype=torch.bfloat16, progress=False)
+    path = tmp_path / "q" / "blocks" / "001.safetensors"
+    entry = json.loads((tmp_path / "q" / "manifest.json").read_text())["files"]["blocks/001.safetensors"]
+    specs, start = read_header(path)
+    raw = path.read_bytes()[start:]
+    assert all(s.start % s.dtype.itemsize == 0 for s in specs)
+    assert len(entry["experts"]) == BlockStore(store).cfg.n_experts
+    with safe_open(path, framework="pt") as f:
+        for e, (a, b) in enumerate(entry["experts"]):
+            mine = sorted((s for s in specs if s.name.startswith(f"feed_forward.experts.{e}.")), key=lambda s: s.start)
+            parts = {s.name.rsplit(".", 1)[1] for s in mine}
+            assert parts == ({"int8", "absmax"} if method == "int8" else
+                             {"nf4", "absmax", "absmax2", "offset"} if double_quant else {"nf4", "absmax"})
+            assert len(mine) == 3 * len(parts)  # gate, down and up, each in its parts
+            want = b"".join(f.get_tensor(s.name).contiguous().view(torch.uint8).numpy().tobytes() for s in mine)
+            assert raw[a:b] == want
+
+
+def test_quantized_experts_that_cannot_stay_aligned_keep_the_size_order(tmp_path):
+    """Experts 33 wide: an NF4 expert is 3291 bytes, which would leave the next one's fp32 scales unaligned;
+    such a store keeps tensor_order's layout (aligned, no expert ranges) and reads as before."""
+    from phantom.arch.config import preset
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.model.synthetic import write_synthetic
+    cfg = preset("qwen3-30B-A3B", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=64,
+                 n_experts=4, experts_per_token=2, expert_dim=33, intermediate_size=96, dense_layers=(0,))
+    out = write_synthetic(tmp_path / "q", cfg, torch.bfloat16, progress=False, quant=QuantFormat("nf4"))
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    assert "experts" not in files["blocks/001.safetensors"]
+    s = BlockStore(out)
+    assert all(sp.start % sp.dtype.itemsize == 0 for sp in s.blocks[1].specs)
+    with phantom.load(out, offload="disk", lora=None, dtype=torch.float32) as pm:
+        with torch.no_grad():
+            assert torch.isfinite(pm(batch()[0] % 64)).all()

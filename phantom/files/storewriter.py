@@ -63,7 +63,11 @@ class StoreWriter:
             tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
         self.files[rel] = write_safetensors(self.tmp / rel, tensors)
         if self._experts(rel):  # each expert's byte range
-            self.files[rel]["experts"] = expert_ranges(read_header(self.tmp / rel)[0], self.cfg.n_experts)
+            try:
+                self.files[rel]["experts"] = expert_ranges(read_header(self.tmp / rel)[0], self.cfg.n_experts)
+            except ValueError:  # quantized experts whose bytes are no whole number of their scales' (see
+                if self.quant is None:  # tensorfile.experts_together): read whole blocks, as before
+                    raise
 
     def _experts(self, rel: str) -> int:
         """The experts of rel's block (0: embed, head, a dense block or a dense model)."""

@@ -165,3 +165,24 @@ def test_quantized_experts_that_cannot_stay_aligned_keep_the_size_order(tmp_path
     with phantom.load(out, offload="disk", lora=None, dtype=torch.float32) as pm:
         with torch.no_grad():
             assert torch.isfinite(pm(batch()[0] % 64)).all()
+
+
+def test_the_cost_model_counts_each_blocks_own_bytes_and_flops(dense_models):
+    """Where blocks differ, the cost model reads and computes the blocks' mean (bytes as the store's files
+    hold them, weights a token runs through as transformers' layers have them) and sizes slots for the
+    largest block."""
+    from phantom.plan.costinputs import shape_of
+    model, store = dense_models("qwen3_moe-step2")
+    s = BlockStore(store)
+    shape = shape_of(s.cfg, "fp32", "fp32", seq_len=16)
+    assert shape.block_bytes == round(sum(s.block_size(i) for i in range(s.n_blocks)) / s.n_blocks)
+    assert shape.sizes.stored == s.block_nbytes
+    active = []
+    for layer in model.model.layers:  # a sparse layer's token runs through k of its experts
+        n = sum(p.numel() for p in layer.parameters())
+        if hasattr(layer.mlp, "experts"):
+            per_expert = sum(p.numel() for p in layer.mlp.experts.parameters()) // s.cfg.n_experts
+            n -= (s.cfg.n_experts - s.cfg.experts_per_token) * per_expert
+        active.append(n)
+    attention = 2 * 16 * s.cfg.q_dim
+    assert shape.flops_per_row == pytest.approx(16 * (2 * sum(active) / len(active) + attention))

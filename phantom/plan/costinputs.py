@@ -84,17 +84,23 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
     each load."""
     stored, computed = dtypes.lookup(store_dtype), dtypes.lookup(dtype)
     s, c = stored.itemsize, computed.itemsize
-    params = cfg.block_params()
     fmt = as_format(quant)
-    block = params * s if fmt is None else block_nbytes(fmt, block_tensor_shapes(cfg), stored.torch_name)
+    # dense layers among a mixture of experts' sparse ones: reads, compute and the tiers count the blocks'
+    # mean, the slots the largest block
+    per_block = [(cfg.block_params(i), cfg.block_params(i) * s if fmt is None else
+                  block_nbytes(fmt, block_tensor_shapes(cfg, i), stored.torch_name))
+                 for i in (range(cfg.n_layers) if cfg.dense_layers else (None,))]
+    largest_params, largest = max(per_block)
+    params = round(sum(p for p, _ in per_block) / len(per_block))
+    block = round(sum(b for _, b in per_block) / len(per_block))
     head_params = cfg.vocab_size * cfg.dim + cfg.dim
     embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
     return Shape(
         n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
-        sizes=P.block_sizes(block, params, s, c, quant is not None, stored == computed),
+        sizes=P.block_sizes(largest, largest_params, s, c, quant is not None, stored == computed),
         head_bytes=head_params * c, embed_bytes=embed_params * s,
         # matmuls (a mixture of experts: the experts a token routes to) + causal attention
-        flops_per_row=seq_len * (2 * cfg.active_block_params() + 2 * seq_len * cfg.q_dim),
+        flops_per_row=seq_len * (2 * cfg.mean_block_params(active=True) + 2 * seq_len * cfg.q_dim),
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
         act_bytes_per_row=seq_len * cfg.dim * c,
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import phantom
-from family_check import MOE, SHAPES, batch, check_logits, check_lora, check_merged_export, hf_model, prepare, rel_err
+from family_check import (MOE, SHAPES, batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model,
+                          prepare, rel_err)
 from family_check import transformers
 from phantom.arch.family import ConfigError, config_from_hf
 from phantom.files.store import BlockStore
@@ -186,3 +187,36 @@ def test_the_cost_model_counts_each_blocks_own_bytes_and_flops(dense_models):
         active.append(n)
     attention = 2 * 16 * s.cfg.q_dim
     assert shape.flops_per_row == pytest.approx(16 * (2 * sum(active) / len(active) + attention))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-step2", "qwen2_moe-mlp_only"])
+def test_dense_layers_full_step_matches_adamw_resident_and_streamed(dense_models, name, tmp_path):
+    """One full step with the router loss (over the sparse layers' routers alone, as transformers collects
+    them) equals torch.optim.AdamW on the transformers model, resident and streamed from disk."""
+    _, store = dense_models(name)
+    config_class, fields, _ = DENSE_CASES[name]
+    check_full_step(hf_model(config_class, **fields), store, *batch())
+    check_full_step(hf_model(config_class, **fields), store, *batch(), work_dir=tmp_path / "work")
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_the_fused_expert_layout_with_dense_layers_converts_to_the_same_store(dense_models, link, tmp_path):
+    """transformers 5's 3-D expert tensors (its modules' state_dict) with layer 0 dense convert to the same
+    blocks as save_pretrained's files; linked, each expert's range is the one the copied store records."""
+    from test_convert import load_script
+    from test_moe import save_fused
+    model, store = dense_models("qwen3_moe-mlp_only")
+    save_fused(model, tmp_path / "hf")
+    args = ["--src", str(tmp_path / "hf"), "--out", str(tmp_path / "store"), "--quiet"] + (["--link"] if link else [])
+    assert load_script("prepare_model").main(args) == 0
+    ours, theirs = BlockStore(tmp_path / "store"), BlockStore(store)
+    for i in range(ours.n_blocks):
+        a, b = ours.load_block(i), theirs.load_block(i)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    files = manifest["links"]["files"] if link else manifest["files"]
+    written = json.loads((store / "manifest.json").read_text())["files"]
+    assert "experts" not in files["blocks/000.safetensors"]
+    assert files["blocks/001.safetensors"]["experts"] == written["blocks/001.safetensors"]["experts"]
+    if link:
+        check_logits(model, tmp_path / "store", *batch(), runs=[("disk", 1, "all"), ("ram", 0, "none")])

@@ -220,9 +220,11 @@ class HFCheckpoint:
         self.tokenizer = next((p for p in self.tokenizer_files if p.name in ("tokenizer.model", "tokenizer.json")), None)
 
     def _fused_experts(self, weight_map: dict[str, str]) -> bool:
-        """Whether a mixture of experts is stored as transformers 5's 3-D tensors (else one per expert)."""
+        """Whether a mixture of experts is stored as transformers 5's 3-D tensors (else one per expert), as
+        its first sparse layer holds them (dense layers among sparse ones have none)."""
         fused = family(self.cfg).moe.fused if family(self.cfg).moe else {}
-        return any(key.format(0) in weight_map for key in fused)
+        first = next((i for i in range(self.cfg.n_layers) if self.cfg.sparse(i)), 0)
+        return any(key.format(first) in weight_map for key in fused)
 
     @staticmethod
     def _weight_map(src: Path) -> dict[str, str]:

@@ -53,8 +53,8 @@ def block_updates(cfg: ModelConfig, optim: AdamWConfig, scheduler: BlockSchedule
     disk in the folder `optim` beside the store's) and the component that runs their updates beside the
     backward."""
     device, store = scheduler.device, scheduler.store
-    share = {i: cfg.block_params() / cfg.n_params() for i in range(cfg.n_layers)}
-    state_bytes = 12 * cfg.block_params() * cfg.n_layers
+    share = {i: cfg.block_params(i) / cfg.n_params() for i in range(cfg.n_layers)}  # each block its own size
+    state_bytes = 12 * sum(cfg.block_params(i) for i in range(cfg.n_layers))
     tier = state_tier(optim.state, device, state_bytes, free_device_bytes(device), free_host_bytes())
     optimizer = BlockAdamW(optim, share, tier, store.path.parent / "optim", device)
     host_grads = None

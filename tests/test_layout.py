@@ -34,7 +34,7 @@ RANK = {  # within a package
     "arch": {"config": 0, "quantformat": 1, "moe": 1, "family_moe": 1, "quant": 2, "layers": 2, "family": 2},
     "files": {"tensorfile": 0, "directio": 1, "hfshards": 1, "fusedrows": 1, "runfolder": 1, "seal": 1,
               "storeformat": 1, "storelinks": 2, "workingcopy": 2, "storeverify": 3, "storewriter": 3, "store": 4},
-    "stream": {"hostmem": 0, "trace": 0, "tiers": 1, "writeback": 1, "placement": 2, "optim": 2, "memory": 3,
+    "stream": {"hostmem": 0, "trace": 0, "experts": 0, "moeblock": 0, "tiers": 1, "writeback": 1, "placement": 2, "optim": 2, "memory": 3,
                "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6},
     "model": {"lora": 0, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 2, "hub": 2,
               "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3},

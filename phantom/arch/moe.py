@@ -83,6 +83,13 @@ class MoeFeedForward(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
         self.router_loss: RouterLoss | None = None
+        self.observer: Callable[[torch.Tensor], None] | None = None  # sees each forward's choices (N, k)
+
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts each row of x (N, dim) routes to, (N, k), without autograd or the router loss:
+        what a routed read of the block must fetch before the experts run."""
+        with torch.no_grad():
+            return route(self.gate(x), self.k, self.renormalise)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, dim)
@@ -90,6 +97,8 @@ class MoeFeedForward(nn.Module):
         if self.router_loss is not None:
             logits = _RouterGrad.apply(logits, self.router_loss)
         weights, chosen = route(logits, self.k, self.renormalise)
+        if self.observer is not None:
+            self.observer(chosen)
         out = mix(flat, weights, chosen, self.experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

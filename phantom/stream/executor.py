@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from phantom.arch.layers import KVCache, fuse_adjacent, lora_disabled
+from phantom.stream import moeblock
 from phantom.stream.scheduler import BlockScheduler
 
 log = logging.getLogger(__name__)
@@ -103,18 +104,19 @@ class StreamedBlock(torch.autograd.Function):
         ctx.autocast = _autocast_state(x.device)
         ctx.keep = ex.keeps(i)
         ctx.rng = RngState(x.device) if ex.has_dropout and not ctx.keep else None
-        with ex.block_weights(i) as weights:
+        with ex.block_weights(i) as weights, ex.first_pass(i):
             if not ctx.keep:
-                out = torch.cat([ex.run_block(i, weights, xc, rc, mask=mc) for xc, rc, mc in ex.rows(x, rope, mask)])
+                out = torch.cat(ex.run_rows(i, ex.rows(x, rope, mask)))
                 ex.run_reference(i, weights, rope, mask)
+                ctx.experts = ex.used_experts(i)
                 ctx.save_for_backward(x, rope, mask, *params)
                 return out
-            ctx.hooks, ctx.graphs = WeightHandles(weights), []
+            ctx.hooks = WeightHandles(weights)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ctx.hooks.pack, ctx.hooks.unpack):
-                for xc, rc, mc in ex.rows(x, rope, mask):
-                    xc = xc.detach().requires_grad_(x.requires_grad)
-                    ctx.graphs.append((xc, ex.run_block(i, weights, xc, rc, mask=mc)))
+                rows = [(xc.detach().requires_grad_(x.requires_grad), rc, mc) for xc, rc, mc in ex.rows(x, rope, mask)]
+                ctx.graphs = list(zip([r[0] for r in rows], ex.run_rows(i, rows)))
             ex.run_reference(i, weights, rope, mask)
+            ctx.experts = ex.used_experts(i)
         ex.count_kept(ctx.hooks)
         ctx.save_for_backward(*params)
         return torch.cat([out.detach() for _, out in ctx.graphs])
@@ -129,7 +131,7 @@ class StreamedBlock(torch.autograd.Function):
         x_grads = []
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
         # The weights stay acquired until the gradients are computed: autograd reads them.
-        with ex.block_weights(ctx.i, trainable=ex.trains_weights) as weights, rng:
+        with ex.block_weights(ctx.i, trainable=ex.trains_weights, experts=ctx.experts) as weights, rng:
             weight_grads = dict.fromkeys(weights) if ex.trains_weights else {}  # fp32 sums, set by the first chunk
             wrt = trained + list(weights.values()) if ex.trains_weights else trained
             if ctx.keep:
@@ -204,6 +206,15 @@ class BlockExecutor:
         self.kept_per_block = 0  # the most one block kept (the estimate for "auto")
         self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
         self.reference: torch.Tensor | None = None  # the reference hidden state of this pass (run_reference)
+        self._used: dict[int, frozenset] = {}  # experts each block read routed in this step's forward
+        self._fill_s = 0.0  # seconds the current block waited for its routed experts
+        policy = scheduler.routed.policy
+        if self.trains_weights and policy is not None:
+            if policy.mode == "routed":
+                raise ValueError("expert_reads routed needs frozen experts: full finetuning updates every expert "
+                                 "(AdamW decays those no token routes to), so it reads whole blocks; use "
+                                 "expert_reads auto or whole")
+            scheduler.routed.policy = None
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, trained: list[list[torch.Tensor]],
                  caches: list[KVCache] | None = None, start_pos: int = 0,
@@ -220,17 +231,17 @@ class BlockExecutor:
         self.kept_bytes = self.kept_blocks = 0
         self.reference = reference
         training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in trained for p in ps))
-        self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []))
+        tokens = h.shape[0] * h.shape[1] if h.dim() == 3 else h.shape[0]
+        self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []), tokens)
         for i in range(n):
             if training:
                 h = StreamedBlock.apply(h, rope, mask, self, i, *trained[i])
             else:
-                with self.block_weights(i) as weights:
+                with self.block_weights(i) as weights, self.first_pass(i):
                     if caches:
                         h = self.run_block(i, weights, h, rope, caches[i], start_pos, mask)
                     else:
-                        h = torch.cat([self.run_block(i, weights, hc, rc, mask=mc)
-                                       for hc, rc, mc in self.rows(h, rope, mask)])
+                        h = torch.cat(self.run_rows(i, self.rows(h, rope, mask)))
                     self.run_reference(i, weights, rope, mask)
         reference, self.reference = self.reference, None
         return h if reference is None else (h, reference)
@@ -242,8 +253,46 @@ class BlockExecutor:
         if self.reference is None:
             return
         with torch.no_grad(), lora_disabled(self.layers[i]):
-            self.reference = torch.cat([self.run_block(i, weights, r, rc, mask=mc)
-                                        for r, rc, mc in self.rows(self.reference, rope, mask)])
+            self.reference = torch.cat(self.run_rows(i, self.rows(self.reference, rope, mask)))
+
+    def run_rows(self, i: int, rows) -> list[torch.Tensor]:
+        """Block i (held) over each micro-batch of rows ((x, rope, mask) each): a block read routed runs
+        the attention half of every micro-batch, reads the experts any of their tokens routes to (one
+        request), then the MLP halves."""
+        if self.scheduler.routed.reads(i):
+            return self._run_halves(i, list(rows))
+        return [self.run_block(i, None, xc, rc, mask=mc) for xc, rc, mc in rows]
+
+    def _run_halves(self, i: int, rows, cache: KVCache | None = None, start_pos: int = 0) -> list[torch.Tensor]:
+        block = self.layers[i]
+        hs = [moeblock.attention_half(block, x, rope, cache, start_pos, mask) for x, rope, mask in rows]
+        experts = set().union(*(moeblock.routed_experts(block, h).unique().tolist() for h in hs))
+        self._used[i] = self._used.get(i, frozenset()) | frozenset(experts)
+        t0 = time.perf_counter()
+        self.scheduler.routed.ensure(i, experts)
+        self._fill_s += time.perf_counter() - t0
+        return [moeblock.mlp_half(block, h, cache) for h in hs]
+
+    def used_experts(self, i: int) -> frozenset | None:
+        """The experts block i read routed this step (kept with its saved input); None where it read whole."""
+        return self._used.get(i)
+
+    @contextlib.contextmanager
+    def first_pass(self, i: int):
+        """Block i's forward: its router's choices and its compute seconds go to the scheduler's
+        routed-read policy (`auto` decides by them); a recompute in the backward does not count again."""
+        policy, ffn = self.scheduler.routed.policy, getattr(self.layers[i], "feed_forward", None)
+        if policy is None or not moeblock.is_moe(self.layers[i]):
+            yield
+            return
+        self._used.pop(i, None)
+        ffn.observer = lambda chosen: policy.observe(i, chosen)
+        self._fill_s, t0 = 0.0, time.perf_counter()
+        try:
+            yield
+        finally:
+            ffn.observer = None
+        policy.observe_times(compute_s=time.perf_counter() - t0 - self._fill_s)
 
     def keeps(self, i: int) -> bool:
         """Whether block i keeps its activations this step (else it is recomputed in backward)."""
@@ -269,10 +318,11 @@ class BlockExecutor:
         return zip(xs, ropes, masks)
 
     @contextlib.contextmanager
-    def block_weights(self, i: int, trainable: bool = False):
+    def block_weights(self, i: int, trainable: bool = False, experts: frozenset | None = None):
         """Block i's weights (views into its slot) until the `with` ends; autograd may read them
         until then, so backward passes run inside it. Frozen weights get fused views (fuse_adjacent);
-        `trainable` ones are leaves whose gradients the backward asks for (full finetuning)."""
+        `trainable` ones are leaves whose gradients the backward asks for (full finetuning). `experts`:
+        those its forward routed to (a routed read reads them with the block: the backward's reload)."""
         weights = self.scheduler.acquire(i)
         t0 = time.perf_counter()
         try:
@@ -280,6 +330,8 @@ class BlockExecutor:
                 weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
             elif not self.trains_weights:
                 weights = fuse_adjacent(weights)
+            if experts is not None:
+                self.scheduler.routed.ensure(i, experts)
             with _reparametrize_module(self.layers[i], weights, strict=False):
                 yield weights
         finally:
@@ -288,7 +340,10 @@ class BlockExecutor:
 
     def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
                   cache: KVCache | None = None, start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Block i over x; `weights` (from block_weights(i)) are bound in place of its placeholders."""
+        """Block i over x; `weights` (from block_weights(i)) are bound in place of its placeholders. A block
+        read routed runs in halves: its experts are read after its router (phantom.stream.moeblock)."""
+        if self.scheduler.routed.reads(i):
+            return self._run_halves(i, [(x, rope, mask)], cache, start_pos)[0]
         call = lambda: self.layers[i](x, rope, cache, start_pos, mask)  # noqa: E731
         if not self.compile_unchecked:
             return call()

@@ -14,6 +14,7 @@ from phantom.stream import tiers as T
 
 OFFLOADS = ("auto", "none", "ram", "disk")  # and any tier added with phantom.stream.tiers.register
 RECOMPUTE = ("auto", "all", "none")
+EXPERT_READS = ("auto", "routed", "whole")
 TIERS = T.BUILTIN
 GiB = 1 << 30
 
@@ -44,10 +45,16 @@ class Placement:
     ram_budget: int | None = knob(None, "bytes of host RAM for the RAM tier (default: 85%% of available memory "
                                         "less a margin)", type="bytes")
     shared_ram: bool = knob(False, "map the RAM tier from the store files so local ranks share one copy (LoRA)")
+    expert_reads: str = knob("auto", "mixture-of-experts blocks streamed from RAM or disk: read only the experts "
+                                     "the step's tokens route to, after the router (routed), the whole block "
+                                     "(whole), or whichever the cost model says is faster (auto)",
+                             choices=EXPERT_READS)
 
     def __post_init__(self):
         if self.offload not in offloads():
             raise ValueError(f"offload must be one of {', '.join(offloads())}, not {self.offload!r}")
+        if self.expert_reads not in EXPERT_READS:
+            raise ValueError(f"expert_reads must be one of {', '.join(EXPERT_READS)}, not {self.expert_reads!r}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         for name in ("resident", "device_budget", "ram_budget"):

@@ -17,6 +17,8 @@ import time
 import torch
 
 from phantom.base import faults
+from phantom.stream import tiers as T
+from phantom.stream.experts import ExpertLayout, ExpertReads
 from phantom.stream.placement import Placement
 from phantom.stream.residency import Residency, resolve_layout
 from phantom.files.store import BlockStore
@@ -98,6 +100,7 @@ class BlockScheduler:
         self.pinned_bytes = self.residency.pinned_bytes + \
             sum(s.staging.numel() for s in self.slots if s.staging is not None and self.transfer.pin)
         self.metrics = Metrics()  # loading at start-up is not a step's traffic
+        self.routed = RoutedSlots(self, expert_reads_for(store, self.residency, self.layout, placement.expert_reads))
 
         self._plan: list[int] = []
         self._pos = 0  # index into the plan of the next acquire
@@ -115,10 +118,12 @@ class BlockScheduler:
 
     # -- the training thread's side ------------------------------------------------------------
 
-    def plan(self, order: list[int]) -> None:
-        """Tell the scheduler the order in which blocks will be acquired next (e.g. 0..N-1, N-1..0)."""
+    def plan(self, order: list[int], tokens: int = 0) -> None:
+        """Tell the scheduler the order in which blocks will be acquired next (e.g. 0..N-1, N-1..0), and
+        the tokens each block runs over (a mixture of experts picks routed or whole reads by them)."""
         with self._cv:
             self._plan, self._pos = list(order), 0
+            self.routed.plan(tokens)
             self._cv.notify_all()
 
     def acquire(self, block: int) -> dict[str, torch.Tensor]:
@@ -281,15 +286,17 @@ class BlockScheduler:
                 if self._closed:
                     return
                 slot, block = task
+                experts = self.routed.wanted(block)
                 slot.block, slot.state, slot.error, slot.views = block, "loading", None, None
                 free_event, slot.free_event = slot.free_event, None
                 verify, slot.verify = slot.verify, None
             try:
                 if verify is not None:
                     verify.result()  # the previous block's bytes were hashed before they are overwritten
-                stats = self.transfer.load(slot, block, self.residency.source(block), free_event)
+                stats = self.transfer.load(slot, block, self.residency.source(block), free_event, experts)
                 with self._cv:  # several loader threads count into one step's metrics: no lost update
                     self.metrics.add(stats)
+                    self.routed.observe_load(stats)
                 faults.point("prefetch.load")  # crash tests: a block loaded, not yet handed over
                 state, error = "ready", None
             except BaseException as e:  # surfaced in the training thread by acquire()
@@ -300,3 +307,69 @@ class BlockScheduler:
                 if error is not None and self._load_error is None:
                     self._load_error = error  # no loader starts another read: the step is lost anyway
                 self._cv.notify_all()
+
+
+class RoutedSlots:
+    """A scheduler's mixture-of-experts blocks read routed (phantom.stream.experts): which blocks are this
+    step, what a load of one reads, and the experts read into a held slot after its router ran."""
+
+    def __init__(self, scheduler: BlockScheduler, policy: ExpertReads | None):
+        self.s, self.policy = scheduler, policy  # None: every block read whole
+        if self.policy is not None:
+            scheduler.transfer.experts = self.policy.layout
+
+    def plan(self, tokens: int) -> None:
+        if self.policy is not None:
+            self.policy.plan(tokens)
+
+    def observe_load(self, stats) -> None:
+        if self.policy is not None:
+            self.policy.observe_load(stats)
+
+    def reads(self, block: int) -> bool:
+        """Block's experts are read after its router this step (routed), where it streams."""
+        return self.policy is not None and block in self.policy.routed and self.s._streams(block)
+
+    def wanted(self, block: int) -> frozenset | None:
+        """What a load of block reads (ExpertReads.wanted; the caller holds the scheduler's lock)."""
+        if self.policy is None:
+            return None
+        store = self.s.store
+        return self.policy.wanted(block, self.s.residency.tier(block).reads and store.checks.pending(store.blocks[block]))
+
+    def ensure(self, block: int, experts) -> None:
+        """The experts (ids) some token of this step routes to in an acquired block: read into its slot
+        where a routed load left them out, and kept for the block's next load this step (the backward's
+        reload reads the same ones)."""
+        s = self.s
+        if self.policy is None or not s._streams(block):
+            return
+        with s._cv:
+            slot = s._slot_holding(block)
+            assert slot is not None and slot.users > 0, f"experts of block {block} that is not acquired"
+            self.policy.remember(block, experts)
+        stats = s.transfer.fill(slot, block, s.residency.source(block), experts)
+        if stats.bytes_experts:
+            with s._cv:
+                s.metrics.add(stats, fill=True)
+
+
+def expert_reads_for(store: BlockStore, residency: Residency, layout, mode: str) -> ExpertReads | None:
+    """The run's routed-read policy (phantom.stream.experts.ExpertReads), or None where nothing reads routed:
+    a dense model, `whole`, no streamed block. Under `auto` a store or tier that cannot read experts apart
+    (quantized, a tier without read_ranges) reads whole blocks; `routed` refuses it (ValueError)."""
+    if not store.cfg.n_experts or mode == "whole" or not layout.streamed:
+        return None
+    try:
+        lay = ExpertLayout.of_store(store)
+        tiers = {residency.tier(i) for i in layout.streamed}
+        for tier in tiers:
+            held = residency.held[tier.name]
+            if tier.reads and type(held).read_ranges is T.Held.read_ranges:
+                raise ValueError(f"routed expert reads: the {tier.name} tier does not read parts of blocks; "
+                                 "use expert_reads whole")
+    except ValueError:
+        if mode == "routed":
+            raise
+        return None
+    return ExpertReads(lay, mode, store.n_blocks, round_trip_s=max(t.round_trip_s for t in tiers))

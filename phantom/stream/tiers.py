@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from phantom.files.tensorfile import DATA_ALIGN, packed_empty
+from phantom.stream.experts import read_ranges
 from phantom.stream.hostmem import HostBuffer, register_read_only
 
 GB = 1e9
@@ -60,6 +61,12 @@ class Held:
         are trusted, or None."""
         raise NotImplementedError(f"the {self.tier.name} tier does not read blocks into buffers")
 
+    def read_ranges(self, block: int, into: torch.Tensor, ranges) -> None:
+        """A reading tier: bytes [a, b) of the block's data section into into[a:b] for each range (a
+        mixture-of-experts block read routed: phantom.stream.experts). Not every tier can: those that
+        cannot read their MoE blocks whole."""
+        raise NotImplementedError(f"the {self.tier.name} tier does not read parts of blocks")
+
     def host(self, block: int) -> torch.Tensor | None:
         """The block's bytes where this tier keeps them in host memory (the store's layout); None if not."""
         return None
@@ -86,12 +93,16 @@ class Tier:
             itself, so no copy follows); False: the tier holds the bytes in host memory and a load
             copies them from there.
         lane: the Chrome trace lane its reads are drawn in (phantom.stream.trace.Tracer).
+        expert_lane: the lane of its routed expert reads (after the router; phantom.stream.experts).
+        round_trip_s: seconds one more request costs beside its bytes (a routed block's expert read).
         pinned: its host bytes are page-locked on CUDA (the cost model counts them as pinned).
     """
 
     name = ""
     reads = True
     lane = "read"
+    expert_lane = "experts"
+    round_trip_s = 1e-4
     pinned = False
 
     def streams(self, in_place: bool) -> bool:
@@ -128,6 +139,10 @@ class Tier:
 class DiskHeld(Held):
     def read_into(self, block: int, into: torch.Tensor) -> Callable | None:
         return self.ctx.store.read_block_into(block, into, defer_verify=True)
+
+    def read_ranges(self, block: int, into: torch.Tensor, ranges) -> None:
+        store = self.ctx.store
+        read_ranges(store.blocks[block], into, ranges, store.drop_cache)
 
     def update(self, block, tensors, non_blocking) -> None:
         """The store's file is rewritten by the caller (phantom.stream.optim)."""
@@ -191,6 +206,7 @@ class RamTier(Tier):
     name = "ram"
     reads = False
     pinned = True
+    round_trip_s = 1e-5
 
     def streams(self, in_place: bool) -> bool:
         return not in_place

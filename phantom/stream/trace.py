@@ -1,5 +1,5 @@
-"""What the block pipeline did: a Chrome trace of compute, reads, copies, dequantization and
-write-back (one lane each), and the counters of one training step.
+"""What the block pipeline did: a Chrome trace of compute, reads, routed expert reads, copies,
+dequantization and write-back (one lane each), and the counters of one training step.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class Tracer:
     The lanes are LANES, and a lane of its own for each other name a span gives (a tier's reads are
     drawn in the lane its phantom.stream.tiers.Tier names), numbered in order of first use."""
 
-    LANES = {"compute": 1, "read": 2, "copy": 3, "dequant": 4, "write-back": 5, "stall": 6}
+    LANES = {"compute": 1, "read": 2, "copy": 3, "dequant": 4, "write-back": 5, "stall": 6, "experts": 7}
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -56,17 +56,22 @@ class Metrics:
     copy_s: float = 0.0  # CPU/MPS: copy time; CUDA: the copy stream's time by events (see copy_events)
     stall_s: float = 0.0  # training thread waiting for a block
     dequant_s: float = 0.0  # quantized stores: loader time dequantizing (CUDA: queueing it on the copy stream)
+    bytes_experts: int = 0  # experts read routed (phantom.stream.experts): also in bytes_read / bytes_ram
+    expert_reads: int = 0  # round trips reading experts after a router
     copy_events: list = field(default_factory=list)  # CUDA: (start, end, bytes) of copies not yet counted
 
-    def add(self, load: "LoadStats") -> None:
-        """Count one finished load (the caller holds the scheduler's lock: loaders count concurrently)."""
-        self.loads += 1
+    def add(self, load: "LoadStats", fill: bool = False) -> None:
+        """Count one finished load, or a routed slot's expert read (`fill`); the caller holds the
+        scheduler's lock: loaders count concurrently."""
+        self.loads += not fill
+        self.expert_reads += fill
         self.bytes_read += load.bytes_read
         self.read_s += load.read_s
         self.bytes_ram += load.bytes_ram
         self.bytes_h2d += load.bytes_h2d
         self.copy_s += load.copy_s
         self.dequant_s += load.dequant_s
+        self.bytes_experts += load.bytes_experts
         if load.copy_event is not None:
             self.copy_events.append(load.copy_event)
             if len(self.copy_events) > 1024:  # nobody takes metrics (generation): fold finished ones in
@@ -98,4 +103,5 @@ class LoadStats:
     bytes_h2d: int = 0
     copy_s: float = 0.0
     dequant_s: float = 0.0
+    bytes_experts: int = 0
     copy_event: tuple | None = None  # CUDA: (start, end, bytes) of the copy, timed by its events

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from phantom.arch import quant
+from phantom.stream.experts import ExpertLayout
 from phantom.stream.hostmem import HostBuffer
 from phantom.stream.tiers import Held
 from phantom.files.store import BlockStore
@@ -41,6 +42,7 @@ class Slot:
     host: object = None  # keeps the staging HostBuffer (and its registration) alive
     flat: torch.Tensor | None = None  # the compute-dtype buffer `converted` views (the largest block's size)
     layouts: dict = field(default_factory=dict)  # the store's layout index -> `converted` for a block of it
+    experts: frozenset | None = None  # a routed load: the experts in the slot beside the non-expert bytes
 
 
 class Transfer:
@@ -54,6 +56,7 @@ class Transfer:
         # Checksums off the read path, two blocks at a time: one sha256 thread (~1.7 GB/s a core) is slower
         # than a fast drive, and on a busy CPU it falls behind even a slow one (notes/bench-tiers.md).
         self.verifier = ThreadPoolExecutor(2, thread_name_prefix="phantom-verify")
+        self.experts: ExpertLayout | None = None  # set where a run reads MoE blocks routed (the scheduler)
 
     def new_slot(self, needs_staging: bool) -> Slot:
         """A slot: the block's bytes (aligned on a CPU: the disk tier reads straight in), a staging buffer
@@ -84,9 +87,14 @@ class Transfer:
             slot.layouts[k] = packed_views(slot.flat, like)
         return slot.layouts[k]
 
-    def load(self, slot: Slot, block: int, source: Held, free_event=None) -> LoadStats:
+    def load(self, slot: Slot, block: int, source: Held, free_event=None,
+             experts: frozenset | None = None) -> LoadStats:
         """Fill slot with block (without any lock) from its tier: copied from the bytes the tier holds in
-        host memory (RAM), or read by the tier into the slot's host buffer (disk)."""
+        host memory (RAM), or read by the tier into the slot's host buffer (disk). `experts` (a routed
+        load): only the block's non-expert bytes and those experts' (`fill` adds others later)."""
+        slot.experts = None
+        if experts is not None:
+            return self._load_routed(slot, block, source, free_event, experts)
         stats = LoadStats()
         slot.converted = self._converted(slot, block)
         held = None if source.tier.reads else source.host(block)
@@ -100,6 +108,67 @@ class Transfer:
             self.tracer.span("copy", f"copy {block}", t0, t1, bytes=src.numel())
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf, block)
         return stats
+
+    def _load_routed(self, slot: Slot, block: int, source: Held, free_event, experts: frozenset) -> LoadStats:
+        lay = self.experts
+        stats = self._ranges(slot, block, source, list(lay.base) + lay.of(experts), source.tier.lane,
+                             f"read {block} (routed)", free_event)
+        self._convert_names(slot, block, self._base_names() + [n for e in experts for n in lay.names[e]])
+        stats.bytes_experts = len(experts) * lay.expert_bytes
+        slot.experts = frozenset(experts)
+        slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf)
+        return stats
+
+    def fill(self, slot: Slot, block: int, source: Held, experts) -> LoadStats:
+        """Read the experts of `experts` that a routed slot lacks into it (on the training thread, which
+        holds the slot); their bytes are counted in `bytes_experts` too, drawn in the tier's expert lane."""
+        missing = sorted(set(experts) - slot.experts) if slot.experts is not None else []
+        if not missing:
+            return LoadStats()
+        lay = self.experts
+        stats = self._ranges(slot, block, source, lay.of(missing), source.tier.expert_lane,
+                             f"experts {block} ({len(missing)})", None)
+        self._convert_names(slot, block, [n for e in missing for n in lay.names[e]])
+        stats.bytes_experts = len(missing) * lay.expert_bytes
+        slot.experts = slot.experts | frozenset(missing)
+        return stats
+
+    def _ranges(self, slot: Slot, block: int, source: Held, ranges, lane: str, what: str, free_event) -> LoadStats:
+        """Bytes `ranges` of the block's data section into the slot: sliced from the tier's host copy, or
+        read by the tier into the slot's host buffer, then copied where the slot is on a device."""
+        stats, nbytes = LoadStats(), sum(b - a for a, b in ranges)
+        held = None if source.tier.reads else source.host(block)
+        t0 = time.perf_counter()
+        if held is None:
+            into = self._staging(slot)
+            self.wait_staging_free(slot)
+            source.read_ranges(block, into, ranges)
+            stats.bytes_read, src = nbytes, into
+        else:
+            stats.bytes_ram, src = nbytes, held
+        t1 = time.perf_counter()
+        if src is not slot.buf:
+            self._copy_ranges(slot, src, ranges, free_event)
+            stats.bytes_h2d = nbytes
+        t2 = time.perf_counter()
+        stats.read_s, stats.copy_s = t1 - t0, t2 - t1
+        self.tracer.span(lane, what, t0, t2, bytes=nbytes)
+        return stats
+
+    def _copy_ranges(self, slot: Slot, src: torch.Tensor, ranges, free_event) -> None:
+        for a, b in ranges:
+            slot.buf[a:b].copy_(src[a:b])
+
+    def _base_names(self) -> list[str]:
+        experts = {n for names in self.experts.names for n in names}
+        return [s.name for s in self.store.block_specs if s.name not in experts]
+
+    def _convert_names(self, slot: Slot, block: int, names) -> None:
+        """The named tensors of a routed slot into the compute dtype (where it differs from the store's)."""
+        if slot.converted is not None:
+            stored = self.store.block_views(slot.buf)
+            for n in names:
+                slot.converted[n].copy_(stored[n])
 
     def _staging(self, slot: Slot) -> torch.Tensor:
         """Where a reading tier's block is read to: the slot itself on a CPU, else its staging buffer."""
@@ -189,6 +258,27 @@ class CudaTransfer(Transfer):
             slot.ready_event = torch.cuda.Event(enable_timing=True)
             slot.ready_event.record(self.stream)
         stats.copy_event = (start, slot.ready_event, src.numel())
+
+    def _copy_ranges(self, slot: Slot, src: torch.Tensor, ranges, free_event) -> None:
+        """A routed load's ranges on the copy stream (after the slot's free event); a fill's (free_event
+        None: the training thread holds the slot) on the compute stream, which uses them next. The ready
+        event marks the last copy either way (the staging buffer is free after it)."""
+        stream = self.stream if free_event is not None or slot.users == 0 else torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            if free_event is not None:
+                stream.wait_event(free_event)
+            for a, b in ranges:
+                slot.buf[a:b].copy_(src[a:b], non_blocking=True)
+            slot.ready_event = torch.cuda.Event()
+            slot.ready_event.record(stream)
+
+    def _convert_names(self, slot: Slot, block: int, names) -> None:
+        if slot.converted is not None:
+            stream = self.stream if slot.users == 0 else torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(stream):
+                super()._convert_names(slot, block, names)
+                slot.ready_event = torch.cuda.Event()
+                slot.ready_event.record(stream)
 
     def wait_ready(self, slot: Slot) -> None:
         if slot.ready_event is not None:

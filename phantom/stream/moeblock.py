@@ -1,0 +1,46 @@
+"""A mixture-of-experts block run in two halves, so its experts can be read after its router: the
+attention half (with its residual), the router over the hidden state it gives, then the MLP half.
+
+The halves are phantom.arch.layers.TransformerBlock.forward's own (its `_attention` and `_mlp`, with
+inner checkpointing as it applies it), so a block run in halves gives the bits its forward gives; the
+executor (phantom.stream.executor) runs the attention half of every micro-batch, reads the experts
+their tokens route to, then the MLP halves. Imports arch only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from phantom.arch.layers import KVCache
+from phantom.arch.moe import MoeFeedForward
+
+
+def is_moe(block: nn.Module) -> bool:
+    return isinstance(getattr(block, "feed_forward", None), MoeFeedForward)
+
+
+def _inner(block: nn.Module, cache: KVCache | None) -> bool:
+    return block.checkpoint_inner and torch.is_grad_enabled() and cache is None
+
+
+def attention_half(block: nn.Module, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                   start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """x plus the block's attention: the hidden state its MLP sees (as TransformerBlock.forward)."""
+    if _inner(block, cache):
+        return x + checkpoint(block._attention, x, rope, mask, use_reentrant=False)
+    return x + block.attention_post_norm(block.attention(block.attention_norm(x), rope, cache, start_pos, mask))
+
+
+def routed_experts(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The expert ids (N, k) the block's router picks for the hidden state h (no autograd)."""
+    with torch.no_grad():
+        return block.feed_forward.route(block.ffn_norm(h).reshape(-1, h.shape[-1]))
+
+
+def mlp_half(block: nn.Module, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    """h plus the block's MLP (as TransformerBlock.forward, inner checkpointing in slices of tokens)."""
+    if _inner(block, cache):
+        return h + torch.cat([checkpoint(block._mlp, hc, use_reentrant=False)
+                              for hc in h.split(block.mlp_chunk, dim=1)], dim=1)
+    return h + block._mlp(h)

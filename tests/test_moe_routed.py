@@ -1,0 +1,195 @@
+"""Routed expert reads (phantom.stream.experts): a mixture-of-experts block streamed from disk or RAM reads its
+non-expert bytes ahead of use and, after its router has run over the step's tokens, only the experts some
+token routes to. Against transformers' own modules and peft (tiny random Qwen3-MoE and Mixtral of 4 layers,
+8 experts, a few tokens a step so that some experts are not hit); the bytes read are counted against the
+manifest's ranges of the experts transformers' routers pick.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import phantom
+from family_check import batch, cross_entropy, lora_step, make, peft_step, prepare, rel_err
+from phantom.files.store import BlockStore
+from phantom.stream.experts import ExpertLayout, ExpertReads, block_seconds, expected_hits
+from phantom.stream.scheduler import BlockScheduler
+
+MODELS = {"qwen3_moe": dict(num_hidden_layers=4), "mixtral": dict(num_hidden_layers=4, num_local_experts=8)}
+ATTENTION = ("q", "k", "v", "o")
+RUNS = [(o, p, r) for o in ("disk", "ram") for p in (0, 2) for r in ("all", "none")]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for name, fields in MODELS.items():
+        model = make(name, **fields)
+        out[name] = model, prepare(model, tmp_path_factory.mktemp(name))
+    return out
+
+
+@pytest.fixture
+def ram_streams(monkeypatch):
+    """The RAM tier through slots (CUDA's path) on the CPU, which would otherwise compute where it lies."""
+    import phantom.model.phantom_model as pmodel
+    monkeypatch.setattr(pmodel, "BlockScheduler", functools.partial(BlockScheduler, zero_copy=False))
+
+
+def few(b: int, t: int):
+    """A few tokens and their targets (every one counted): a step that leaves some experts unpicked."""
+    return batch(b, t)[0], batch(b, t, seed=1)[0]
+
+
+def hits(model, tokens) -> list[set[int]]:
+    """The experts transformers' routers pick for tokens, per layer."""
+    with torch.no_grad():
+        logits = model(tokens, output_router_logits=True).router_logits
+    k = model.config.num_experts_per_tok
+    return [set(torch.topk(l.float().softmax(-1), k, dim=-1).indices.unique().tolist()) for l in logits]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_routed_reads_give_transformers_logits_loss_and_peft_lora_gradients(models, name, tmp_path, ram_streams):
+    """From disk and RAM, prefetch 0 and 2, recompute all and none, two micro-batches: logits and loss within
+    1e-5 of transformers', every LoRA gradient within 1e-4 of peft's; the steps read some experts, not all."""
+    model, store = models[name]
+    tokens, targets = few(2, 3)
+    assert any(len(h) < 8 for h in hits(model, tokens))  # the test reads some experts, not every one
+    adapter = tmp_path / "adapter"
+    lora_step(store, tokens, targets, adapter, ATTENTION, offload="none")
+    ref_logits, ref_loss, ref_grads = peft_step(model, adapter, tokens, targets)
+    for offload, prefetch, recompute in RUNS:
+        run = (offload, prefetch, recompute)
+        logits, loss, grads = lora_step(store, tokens, targets, lora_targets=ATTENTION, offload=offload, prefetch=prefetch,
+                                        recompute=recompute, micro_batch=1, expert_reads="routed", verify="none")
+        assert rel_err(logits, ref_logits) < 1e-5, run
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        assert grads.keys() == ref_grads.keys()
+        for key, (ga, gb) in grads.items():
+            assert rel_err(ga, ref_grads[key][0]) < 1e-4 and rel_err(gb, ref_grads[key][1]) < 1e-4, (run, key)
+
+
+def test_a_step_reads_the_hit_experts_and_the_rest_once_each_way(models, tmp_path):
+    """Disk, one slot, recompute all: each block's forward load reads its non-expert bytes, then the experts
+    transformers' router picks (the manifest's ranges); the backward's reload reads the same experts with the
+    rest in one request (the last block is still in the slot at the turn); the trace has an experts lane."""
+    model, store = models["qwen3_moe"]
+    tokens, targets = few(1, 4)
+    want = hits(model, tokens)
+    lay = ExpertLayout.of_store(BlockStore(store))
+    ranges = [tuple(r) for r in __import__("json").loads((store / "manifest.json").read_text())
+              ["files"]["blocks/000.safetensors"]["experts"]]
+    assert ranges == list(lay.ranges)
+    expert = lambda e: ranges[e][1] - ranges[e][0]  # noqa: E731
+    loads = []
+    with phantom.load(store, offload="disk", prefetch=0, recompute="all", expert_reads="routed", verify="none",
+                      trace=True) as pm:
+        transfer = pm.backend.scheduler.transfer
+        real_load, real_fill = transfer.load, transfer.fill
+        transfer.load = lambda slot, block, src, ev=None, experts=None: (
+            loads.append(("load", block, experts)), real_load(slot, block, src, ev, experts))[1]
+        transfer.fill = lambda slot, block, src, experts: (  # where the slot lacks some of them
+            not frozenset(experts) <= slot.experts and loads.append(("fill", block, frozenset(experts))),
+            real_fill(slot, block, src, experts))[1]
+        pm(tokens, targets=targets).backward()
+        m = pm.backend.scheduler.take_metrics()
+        lanes = {e["tid"] for e in pm.backend.scheduler.tracer.events}
+        assert pm.backend.scheduler.tracer.lanes["experts"] in lanes
+    n = len(want)
+    assert loads[:2 * n] == [x for i in range(n) for x in (("load", i, frozenset()), ("fill", i, frozenset(want[i])))]
+    assert loads[2 * n:] == [("load", i, frozenset(want[i])) for i in range(n - 2, -1, -1)]
+    hit_bytes = [sum(expert(e) for e in want[i]) for i in range(n)]
+    assert m["bytes_read"] == sum(lay.base_bytes + hit_bytes[i] for i in range(n)) + \
+        sum(lay.base_bytes + hit_bytes[i] for i in range(n - 1))
+    assert m["bytes_experts"] == sum(hit_bytes) + sum(hit_bytes[:-1]) and m["expert_reads"] == n
+    assert lay.base_bytes + lay.n_experts * expert(0) == BlockStore(store).block_nbytes
+
+
+def test_a_checked_store_reads_each_block_whole_once_then_routed(models):
+    """verify fast: a block file's first read is whole (its checksum covers the whole data section); later
+    steps read routed."""
+    _, store = models["mixtral"]
+    tokens = batch(b=1, t=2)[0]
+    with phantom.load(store, offload="disk", prefetch=0, expert_reads="routed", lora=None) as pm:
+        with torch.no_grad():
+            first = pm(tokens)
+            m1 = pm.backend.scheduler.take_metrics()
+            assert torch.equal(pm(tokens), first)
+            m2 = pm.backend.scheduler.take_metrics()
+    block = BlockStore(store).block_nbytes
+    assert m1["bytes_read"] == 4 * block and m1["bytes_experts"] == 0
+    assert 0 < m2["bytes_experts"] and m2["bytes_read"] < 4 * block
+
+
+def test_generation_with_routed_reads_equals_transformers_generate(models):
+    from phantom.model.generate import generate
+    model, store = models["mixtral"]
+    prompt = batch(b=1, t=5)[0]
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with phantom.load(store, offload="disk", prefetch=1, lora=None, expert_reads="routed", verify="none") as pm:
+        got = list(generate(pm, prompt[0].tolist(), max_new_tokens=8, temperature=0.0))
+        assert pm.backend.scheduler.take_metrics()["expert_reads"] > 0
+    assert got == want[0, 5:].tolist()
+
+
+def test_full_finetuning_reads_whole_blocks_and_refuses_routed(models, tmp_path):
+    """Full finetuning updates every expert (AdamW decays those no token picks) and writes whole blocks back:
+    `routed` is refused in one line, `auto` reads whole blocks."""
+    _, store = models["qwen3_moe"]
+    with pytest.raises(ValueError, match="^expert_reads routed needs frozen experts: full finetuning"):
+        phantom.load(store, mode="full", offload="disk", expert_reads="routed", work_dir=tmp_path / "a")
+    tokens, targets = few(1, 3)
+    with phantom.load(store, mode="full", offload="disk", prefetch=0, work_dir=tmp_path / "b", verify="none") as pm:
+        pm(tokens, targets=targets).backward()
+        m = pm.backend.scheduler.take_metrics()
+    assert m["bytes_experts"] == 0 and m["bytes_read"] % BlockStore(store).block_nbytes == 0
+
+
+def test_a_store_that_cannot_read_experts_apart_reads_whole_or_refuses_routed(models, tmp_path):
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.model.quantstore import quantize_store
+    _, store = models["mixtral"]
+    quantize_store(store, tmp_path / "q", QuantFormat("int8"), dtype=torch.bfloat16, progress=False)
+    with pytest.raises(ValueError, match="routed expert reads need a 16-bit store"):
+        phantom.load(tmp_path / "q", offload="disk", expert_reads="routed", lora=None)
+    with phantom.load(tmp_path / "q", offload="disk", lora=None) as pm:
+        assert pm.backend.scheduler.routed.policy is None
+    with pytest.raises(ValueError, match="expert_reads must be one of auto, routed, whole"):
+        phantom.Placement(expert_reads="some")
+
+
+def test_the_hit_estimate_and_the_choice():
+    """Uniform routing hits E (1 - (1 - k/E)^N) experts; a measured distribution its own sum; a routed read
+    pays where the step is read-bound and few experts are hit, not where the compute hides the whole read."""
+    assert expected_hits(None, 1, 128, 8) == pytest.approx(8)
+    assert expected_hits(None, 128, 128, 8) == pytest.approx(128 * (1 - (1 - 8 / 128) ** 128))
+    skewed = torch.tensor([0.5] * 8 + [0.0] * 120) * 2  # 8 experts take every choice
+    assert expected_hits(skewed, 4096, 128, 8) == pytest.approx(8)
+    whole, routed = block_seconds(0.01, 100, 10, 128, 8, 1e-4, 1e-4)
+    assert whole == pytest.approx(1280 * 1e-4 + 100 * 1e-4) and routed == pytest.approx(0.01 + 80e-4 + 1e-4)
+    lay = ExpertLayout(tuple((100 + 10 * e, 110 + 10 * e) for e in range(128)), ((0, 100),), (), 1380, 8)
+    policy = ExpertReads(lay, "auto", 2)
+    assert policy.plan(8) == frozenset()  # nothing measured yet: whole
+    policy.observe_times(compute_s=1e-3, nbytes=1 << 20, read_s=(1 << 20) * 1e-4)
+    assert policy.plan(8) == {0, 1} and policy.plan(4096) == frozenset()
+    policy.observe(0, torch.arange(8).repeat(64, 1))  # block 0's router sends every token to experts 0..7
+    assert policy.plan(4096) == {0}
+    policy.observe_times(compute_s=10.0)  # compute-bound: the whole read hides behind it
+    assert policy.plan(8) == frozenset()
+
+
+def test_finetune_reads_experts_routed_and_records_their_bytes(models, tmp_path):
+    """finetune.py --expert-reads routed: each step's record counts the experts' bytes apart."""
+    from test_convert import load_script
+    _, store = models["qwen3_moe"]
+    out = tmp_path / "run"
+    assert load_script("finetune").main(["--model", str(store), "--iters", "2", "--seq-len", "8", "--batch-size", "1",
+                                         "--offload", "disk", "--prefetch", "0", "--expert-reads", "routed",
+                                         "--out", str(out), "--device", "cpu", "--quiet"]) == 0
+    steps = [r for r in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    block = BlockStore(store).block_nbytes
+    assert all(0 < r["bytes_experts"] and r["bytes_read"] < r["loads"] * block for r in steps)

@@ -73,7 +73,9 @@ class Transfer:
         if self.store.quant is not None or self.dtype != self.store.dtype:
             flat = torch.empty(self.store.dense_nbytes // self.store.dtype.itemsize, dtype=self.dtype,
                                device=self.device)
-        return Slot(buf=buf, staging=staging, host=host, flat=flat)
+        slot = Slot(buf=buf, staging=staging, host=host, flat=flat)
+        slot.converted = self._converted(slot, 0)  # each load sets its block's (layouts may differ)
+        return slot
 
     def _converted(self, slot: Slot, block: int) -> dict | None:
         """The slot's compute-dtype tensors for block, in its layout (dense layers among sparse ones

@@ -18,8 +18,8 @@ import numpy as np
 
 from phantom.base import safejson
 from phantom.data.tokenizer import Tokenizer
+from phantom.data.special_tokens import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 TRAIN_ON = ("all", "last", "prompt-too")  # every assistant turn, the last one, or every token
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")

@@ -19,10 +19,10 @@ from phantom.data import chat, sources, tokencache, tokenfiles
 from phantom.base.safejson import read_lines
 from phantom.data.recordformats import Recipe, detect_format, is_records, records, segments
 from phantom.data.tokenizer import TINY_TEXT, Tokenizer
+from phantom.data.special_tokens import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 CACHE_VERSION = 1
 CACHE_DIR = ".phantom-cache"
 DEFAULT_DATA = TINY_TEXT

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from phantom.base import safejson
 
+IGNORE_INDEX = -100  # the label of a token that carries no loss (F.cross_entropy's ignore_index, as transformers)
 NAMES = ("bos", "eos", "pad", "unk")
 SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 

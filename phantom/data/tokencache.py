@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from phantom.base import fileio, safejson
+from phantom.data.special_tokens import IGNORE_INDEX
 
 ARRAYS = ("tokens", "labels", "starts")
-IGNORE_INDEX = -100  # a label that is not trained (data.IGNORE_INDEX)
 
 
 class CacheError(ValueError):

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from phantom.arch.layers import rms_norm, softcap
 from phantom.stream.memory import free_device_bytes
 from phantom.stream.placement import LOSS_BYTES_PER_LOGIT, loss_budget
+from phantom.data.special_tokens import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 
 
 class ChunkedHeadLoss(torch.autograd.Function):

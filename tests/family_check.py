@@ -11,6 +11,7 @@ step with torch.optim.AdamW on the transformers model.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -19,9 +20,11 @@ import torch
 import torch.nn.functional as F
 
 import phantom
+from phantom.arch.config import PRESETS
 from phantom.model.export import export, to_hf
 from phantom.model.lora import TARGETS, adapted_modules
 from phantom.files.store import BlockStore
+from phantom.model.synthetic import write_synthetic
 from conftest import need
 from test_convert import load_script
 from test_export_hf import llama3_style_tokenizer_json
@@ -126,6 +129,18 @@ def hf_model(config_class: str, seed: int = 0, **fields):
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape))
     return model
+
+
+def synthetic_preset_loss(name: str, root, **fields) -> torch.Tensor:
+    """The loss (after its backward) on random tokens of a --synthetic store of PRESETS[name]'s fields cut to
+    tiny widths (and fields), streamed from disk: at random weights it is near ln 97."""
+    cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
+                              intermediate_size=96, max_seq_len=64, **fields)
+    store = write_synthetic(root / name, cfg, torch.float32, progress=False)
+    with phantom.load(store, offload="disk", prefetch=1) as pm:
+        loss = pm(torch.randint(0, 97, (1, 24)), targets=torch.randint(0, 97, (1, 24)))
+        loss.backward()
+    return loss.detach()
 
 
 def make(name: str, **changes):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from phantom.arch.family import FAMILIES, IRRELEVANT, REFUSED_WHEN_SET, ConfigError, config_from_hf
-from family_check import CASES, SHAPES, hf_model, prepare, transformers
+from family_check import CASES, SHAPES, hf_model, prepare, synthetic_preset_loss, transformers
 from test_convert import load_script
 
 CONFIG_CLASSES = {case.facts["family"]: case.config_class for case in CASES.values()}  # family -> config class
@@ -166,17 +166,8 @@ def test_llama_biases_and_gelu_match_transformers(llama_extras, tmp_path):
 
 def test_synthetic_stores_of_every_family_preset_shape_run(tmp_path):
     """--synthetic with a family preset's fields (cut to tiny widths): written, loaded, streamed, finite."""
-    import dataclasses
-
-    import phantom
     from phantom.arch.config import PRESETS
-    from phantom.model.synthetic import write_synthetic
     for name in ("qwen2.5-7B", "qwen3-8B", "llama3.2-1B", "gemma2-9B", "gemma3-27B", "phi4-14B", "phi3-mini-4k"):
-        cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
-                                  intermediate_size=96, n_layers=3, max_seq_len=64,
-                                  sliding_window=8 if PRESETS[name].sliding_window else None)
-        store = write_synthetic(tmp_path / name, cfg, torch.float32, progress=False)
-        with phantom.load(store, offload="disk", prefetch=1) as pm:
-            loss = pm(torch.randint(0, 97, (1, 24)), targets=torch.randint(0, 97, (1, 24)))
-            loss.backward()
+        window = 8 if PRESETS[name].sliding_window else None
+        loss = synthetic_preset_loss(name, tmp_path, n_layers=3, sliding_window=window)
         assert torch.isfinite(loss) and abs(loss.item() - math.log(97)) < 1.0, name

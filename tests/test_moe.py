@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 import phantom
-from family_check import CASES, batch, check_logits, cross_entropy, make, prepare, rel_err, transformers
+from family_check import (CASES, batch, check_logits, cross_entropy, make, prepare, rel_err, synthetic_preset_loss,
+                          transformers)
 from phantom.arch.config import PRESETS, ModelConfig
 from phantom.model.export import export
 from phantom.arch.moe import load_balancing_loss, mix, route
@@ -124,16 +125,8 @@ def test_the_router_loss_is_transformers_load_balancing_loss():
 
 @pytest.mark.parametrize("name", ["qwen3-30B-A3B", "mixtral-8x7B", "olmoe-1B-7B"])
 def test_a_synthetic_store_of_a_moe_preset_shape_streams(name, tmp_path):
-    import dataclasses
     import math
-    from phantom.model.synthetic import write_synthetic
-    cfg = dataclasses.replace(PRESETS[name], dim=64, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=97,
-                              intermediate_size=96, n_layers=2, max_seq_len=64, n_experts=6, experts_per_token=2,
-                              expert_dim=32)
-    store = write_synthetic(tmp_path / name, cfg, torch.float32, progress=False)
-    with phantom.load(store, offload="disk", prefetch=1) as pm:
-        loss = pm(torch.randint(0, 97, (1, 24)), targets=torch.randint(0, 97, (1, 24)))
-        loss.backward()
+    loss = synthetic_preset_loss(name, tmp_path, n_layers=2, n_experts=6, experts_per_token=2, expert_dim=32)
     assert torch.isfinite(loss) and abs(loss.item() - math.log(97)) < 1.0
 
 

@@ -203,10 +203,14 @@ def test_dense_layers_full_step_matches_adamw_resident_and_streamed(dense_models
 def test_the_fused_expert_layout_with_dense_layers_converts_to_the_same_store(dense_models, link, tmp_path):
     """transformers 5's 3-D expert tensors (its modules' state_dict) with layer 0 dense convert to the same
     blocks as save_pretrained's files; linked, each expert's range is the one the copied store records."""
+    from safetensors.torch import save_file
     from test_convert import load_script
-    from test_moe import save_fused
     model, store = dense_models("qwen3_moe-mlp_only")
-    save_fused(model, tmp_path / "hf")
+    (tmp_path / "hf").mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state and "model.layers.0.mlp.gate_proj.weight" in state
+    save_file(state, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(tmp_path / "hf")
     args = ["--src", str(tmp_path / "hf"), "--out", str(tmp_path / "store"), "--quiet"] + (["--link"] if link else [])
     assert load_script("prepare_model").main(args) == 0
     ours, theirs = BlockStore(tmp_path / "store"), BlockStore(store)

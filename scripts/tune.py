@@ -22,7 +22,7 @@ import phantom  # noqa: E402
 from phantom.train import cli
 from phantom.arch import config, family
 from phantom.plan import profiles, tune
-from phantom.plan import costinputs as ci, costmodel as cm, planner
+from phantom.plan import costexperts, costinputs as ci, costmodel as cm, planner
 from phantom.stream.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
 from phantom.arch.quantformat import METHODS  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
@@ -180,6 +180,8 @@ def main(argv=None) -> int:
         print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict()}))
         return 0
     print(planner.describe_plan(best, shape, profile, name))
+    if cfg.n_experts and not quant:
+        print(costexperts.describe_expert_reads(profile, shape, cfg, store_dtype, best))
     if args.quantize:
         print(beside_16bit(args, cfg, store_dtype, dtype, profile, budgets, rows, best))
     if (more := planner.faster_if_more_memory(cands, best)) is not None:

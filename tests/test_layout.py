@@ -38,7 +38,7 @@ RANK = {  # within a package
                "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6},
     "model": {"lora": 0, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 2, "hub": 2,
               "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3},
-    "plan": {"costinputs": 0, "costmodel": 1, "planner": 2, "profiles": 3, "tune": 4},
+    "plan": {"costinputs": 0, "costmodel": 1, "costexperts": 2, "planner": 2, "profiles": 3, "tune": 4},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,
               "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 4, "runner": 5},
 }

@@ -193,3 +193,29 @@ def test_finetune_reads_experts_routed_and_records_their_bytes(models, tmp_path)
     steps = [r for r in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     block = BlockStore(store).block_nbytes
     assert all(0 < r["bytes_experts"] and r["bytes_read"] < r["loads"] * block for r in steps)
+
+
+def test_the_cost_model_predicts_the_bytes_a_routed_step_reads(models):
+    """One token a step hits exactly k experts a block: the cost model's routed bytes are what the scheduler
+    reads (its whole bytes the whole blocks'), and it picks routed reads where the step is read-bound."""
+    import dataclasses
+    from phantom.plan import costinputs as ci
+    from phantom.plan.costexperts import predict_expert_reads
+    _, store = models["qwen3_moe"]
+    cfg = BlockStore(store).cfg
+    profile = ci.MachineProfile(machine="t", device="cpu", free_device_bytes=None, free_host_bytes=None)
+    shape = ci.shape_of(cfg, "fp32", "fp32", seq_len=1)
+    pred = predict_expert_reads(profile, shape, cfg, "fp32", phantom.Placement(offload="disk", prefetch=0),
+                                phantom.Activations(recompute="all"), rows=1)
+    measured = {}
+    for mode in ("whole", "routed"):
+        with phantom.load(store, offload="disk", prefetch=0, recompute="all", expert_reads=mode, verify="none") as pm:
+            for _ in range(2):
+                pm(torch.tensor([[3]]), targets=torch.tensor([[4]])).backward()
+                measured[mode] = pm.backend.scheduler.take_metrics()["bytes_read"]
+    assert pred.hits == pytest.approx(cfg.experts_per_token)
+    assert (measured["whole"], measured["routed"]) == (pred.whole_bytes, pred.routed_bytes)
+    assert pred.choice == "routed"
+    slow = dataclasses.replace(profile, fwd_flops=1e3)  # compute-bound: the whole read hides behind it
+    assert predict_expert_reads(slow, shape, cfg, "fp32", phantom.Placement(offload="disk", prefetch=2),
+                                phantom.Activations(recompute="all"), rows=1).choice == "whole"

@@ -1,0 +1,92 @@
+"""The cost model of routed expert reads (phantom.stream.experts): a mixture-of-experts step whose streamed
+blocks read their non-expert bytes ahead of use and, after the router, the experts the step's tokens hit.
+
+The forward's loads carry the non-expert bytes through the prefetch pipeline (phantom.plan.costmodel.pipe_s);
+each routed block then reads its hit experts in series with its compute (one round trip, the tier's
+`round_trip_s`); the backward's loads carry the non-expert bytes and the same experts, prefetched. The hit
+experts come from the router's measured distribution or uniform routing (`expected_hits`). Pure functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from phantom.arch.config import ModelConfig, block_tensor_shapes
+from phantom.base import dtypes
+from phantom.plan.costinputs import LoadTimes, MachineProfile, Shape
+from phantom.plan.costmodel import MARGIN, Prediction, block_compute, kept_blocks, layout, pipe_s, predict
+from phantom.stream import tiers as T
+from phantom.stream.experts import expected_hits
+from phantom.stream.placement import Activations, Placement
+
+
+@dataclass(frozen=True)
+class ExpertPrediction:
+    """Routed and whole reads of one step side by side: step seconds and bytes read from storage (or
+    copied from RAM) by the streamed blocks, and the experts a block is expected to hit."""
+
+    whole_s: float
+    routed_s: float
+    whole_bytes: int
+    routed_bytes: int
+    hits: float
+
+    @property
+    def choice(self) -> str:
+        return "routed" if self.routed_s < self.whole_s else "whole"
+
+
+def expert_bytes(cfg: ModelConfig, store_dtype: str) -> int:
+    """One expert's stored bytes (its gate, down and up weights)."""
+    size = dtypes.lookup(store_dtype).itemsize
+    return sum(size * _numel(s) for n, s in block_tensor_shapes(cfg).items()
+               if n.startswith("feed_forward.experts.0.")) if cfg.n_experts else 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def predict_expert_reads(profile: MachineProfile, shape: Shape, cfg: ModelConfig, store_dtype: str,
+                         placement: Placement, activations: Activations, rows: int, probs=None) -> ExpertPrediction:
+    """Whole and routed reads of a step of `rows` rows of shape.seq_len tokens (probs: the router's measured
+    share of tokens per expert, None for uniform routing). Quantized stores read whole (no prediction)."""
+    whole = predict(profile, shape, placement, activations, rows)
+    e_bytes = expert_bytes(cfg, store_dtype)
+    hits = expected_hits(probs, rows * shape.seq_len, cfg.n_experts, cfg.experts_per_token)
+    base = shape.block_bytes - cfg.n_experts * e_bytes
+    lay = layout(shape, profile, placement, None)
+    fwd, bwd = (list(x) for x in lay.loaded())
+    routed_block = base + round(hits * e_bytes)
+    moved = lambda n: sum(n for _ in fwd) + sum(n for _ in bwd)  # noqa: E731
+    if not lay.streamed:
+        return ExpertPrediction(whole.step_s, whole.step_s, 0, 0, hits)
+    keep = kept_blocks(shape, profile, activations, rows)
+    cf, cb, head = block_compute(profile, shape, activations, rows, keep)
+    warm = profile.disk_warm_gbps is not None and whole.tiers.count("disk") * shape.block_bytes <= \
+        (profile.free_host_bytes or 0) * (1 - MARGIN) - whole.host_bytes
+    times = lambda nbytes: LoadTimes.of_block(profile, dataclasses.replace(shape, block_bytes=nbytes),  # noqa: E731
+                                              lay.tiers, warm)
+    t_exp = times(round(hits * e_bytes))
+    serial = [t_exp.of(lay.tiers[i]) + T.get(lay.tiers[i]).round_trip_s if i in lay.streamed else 0.0
+              for i in range(shape.n_blocks)]
+    cf_routed = [c + s for c, s in zip(cf, serial)]
+    still = set(range(shape.n_blocks)) - set(lay.streamed)
+    routed = sum(cf[i] + cb[i] for i in still) + head + pipe_s(cf_routed, fwd, lay, times(base), profile) + \
+        pipe_s(cb, bwd, lay, times(routed_block), profile)
+    return ExpertPrediction(whole.step_s, routed, moved(shape.block_bytes), moved(base) + len(fwd + bwd) *
+                            round(hits * e_bytes), hits)
+
+
+def describe_expert_reads(profile: MachineProfile, shape: Shape, cfg: ModelConfig, store_dtype: str,
+                          chosen: Prediction) -> str:
+    """One labelled line for a plan of a mixture of experts (what `scripts/tune.py` prints): the experts a
+    block's tokens hit under uniform routing, the bytes and step of routed reads against whole blocks."""
+    p = predict_expert_reads(profile, shape, cfg, store_dtype, chosen.placement, chosen.activations, chosen.rows)
+    return (f"experts    {p.hits:.1f} of {cfg.n_experts} experts a block (uniform routing, {chosen.rows * shape.seq_len} "
+            f"tokens): routed reads {p.routed_bytes / 1e9:.1f} GB per step against {p.whole_bytes / 1e9:.1f} GB whole, "
+            f"{p.routed_s:.3f} s against {p.whole_s:.3f} s: expert reads {p.choice} pay (--expert-reads auto "
+            f"measures the router and picks each step)")

@@ -219,3 +219,21 @@ def test_the_cost_model_predicts_the_bytes_a_routed_step_reads(models):
     slow = dataclasses.replace(profile, fwd_flops=1e3)  # compute-bound: the whole read hides behind it
     assert predict_expert_reads(slow, shape, cfg, "fp32", phantom.Placement(offload="disk", prefetch=2),
                                 phantom.Activations(recompute="all"), rows=1).choice == "whole"
+
+
+def test_a_block_read_whole_after_a_routed_step_gets_the_experts_its_slot_lacks(models):
+    """auto may switch a block from routed to whole between steps while a routed load's slot still holds it
+    (every block stays in a slot here): the whole step reads the experts the slot lacks first."""
+    model, store = models["qwen3_moe"]
+    first, second = batch(b=1, t=2)[0], batch(b=2, t=20, seed=3)[0]
+    with torch.no_grad():
+        want = model(second).logits
+    with phantom.load(store, offload="disk", prefetch=4, expert_reads="routed", verify="none", lora=None) as pm:
+        with torch.no_grad():
+            pm(first)
+            pm.backend.scheduler.take_metrics()
+            pm.backend.scheduler.routed.policy.mode = "whole"
+            got = pm(second)
+        m = pm.backend.scheduler.take_metrics()
+    assert m["loads"] == 0 and m["bytes_experts"] > 0
+    assert rel_err(got, want) < 1e-5

@@ -332,6 +332,7 @@ class BlockExecutor:
                 weights = fuse_adjacent(weights)
             if experts is not None:
                 self.scheduler.routed.ensure(i, experts)
+            self.scheduler.routed.settle(i)
             with _reparametrize_module(self.layers[i], weights, strict=False):
                 yield weights
         finally:

@@ -337,6 +337,12 @@ class RoutedSlots:
         store = self.s.store
         return self.policy.wanted(block, self.s.residency.tier(block).reads and store.checks.pending(store.blocks[block]))
 
+    def settle(self, block: int) -> None:
+        """An acquired block read whole this step: a slot a routed load left partial (an earlier step's,
+        before `auto` switched) gets the experts it lacks."""
+        if self.policy is not None and not self.reads(block) and self.s._streams(block):
+            self.ensure(block, range(self.policy.layout.n_experts))
+
     def ensure(self, block: int, experts) -> None:
         """The experts (ids) some token of this step routes to in an acquired block: read into its slot
         where a routed load left them out, and kept for the block's next load this step (the backward's

@@ -224,3 +224,22 @@ def test_the_fused_expert_layout_with_dense_layers_converts_to_the_same_store(de
     assert files["blocks/001.safetensors"]["experts"] == written["blocks/001.safetensors"]["experts"]
     if link:
         check_logits(model, tmp_path / "store", *batch(), runs=[("disk", 1, "all"), ("ram", 0, "none")])
+
+
+def test_a_bf16_store_with_dense_layers_computed_in_fp32_equals_transformers_on_its_weights(dense_models, tmp_path):
+    """A bf16 store computed in fp32: each load converts its block in its own layout (views of the slot's one
+    fp32 buffer); the logits equal transformers' on the store's weights (its --format hf export in fp32)."""
+    from phantom.model.convert import convert_checkpoint
+    from phantom.model.export import export
+    _, store = dense_models("qwen3_moe-mlp_only")
+    convert_checkpoint(store.parent / "hf", tmp_path / "bf16", dtype=torch.bfloat16, progress=False)
+    out = export(tmp_path / "bf16", tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens, _ = batch()
+    with torch.no_grad():
+        ref = reference(tokens).logits
+    for offload, prefetch in (("disk", 2), ("ram", 1)):
+        with phantom.load(tmp_path / "bf16", offload=offload, prefetch=prefetch, lora=None,
+                          dtype=torch.float32) as pm:
+            with torch.no_grad():
+                assert rel_err(pm(tokens), ref) < 1e-5, offload

@@ -243,3 +243,25 @@ def test_a_bf16_store_with_dense_layers_computed_in_fp32_equals_transformers_on_
                           dtype=torch.float32) as pm:
             with torch.no_grad():
                 assert rel_err(pm(tokens), ref) < 1e-5, offload
+
+
+def test_a_quantized_moe_store_in_the_older_order_still_reads(family_models, monkeypatch, tmp_path):
+    """Quantized stores written before their experts were grouped (element size first, no ranges in the
+    manifest) read as ever: the same weights as a store of today's layout."""
+    import phantom.files.tensorfile as tensorfile
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.model.quantstore import quantize_store
+    _, store = family_models("qwen3_moe")
+    quantize_store(store, tmp_path / "new", QuantFormat("nf4"), dtype=torch.bfloat16, progress=False)
+    monkeypatch.setattr(tensorfile, "experts_together", lambda order, nbytes, itemsize: order)
+    quantize_store(store, tmp_path / "old", QuantFormat("nf4"), dtype=torch.bfloat16, progress=False)
+    old, new = BlockStore(tmp_path / "old"), BlockStore(tmp_path / "new")
+    assert "experts" not in old.manifest["files"]["blocks/000.safetensors"]
+    assert [s.name for s in old.blocks[0].specs] != [s.name for s in new.blocks[0].specs]
+    for i in range(old.n_blocks):
+        a, b = old.load_block(i), new.load_block(i)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tokens, _ = batch()
+    with phantom.load(tmp_path / "old", offload="disk", lora=None) as pm, torch.no_grad():
+        with phantom.load(tmp_path / "new", offload="disk", lora=None) as pn:
+            assert torch.equal(pm(tokens), pn(tokens))

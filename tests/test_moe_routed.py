@@ -237,3 +237,18 @@ def test_a_block_read_whole_after_a_routed_step_gets_the_experts_its_slot_lacks(
         m = pm.backend.scheduler.take_metrics()
     assert m["loads"] == 0 and m["bytes_experts"] > 0
     assert rel_err(got, want) < 1e-5
+
+
+def test_a_linked_store_reads_its_experts_routed_from_the_checkpoint(tmp_path):
+    """prepare_model.py --link: each expert's range is found in the checkpoint's files (the linked ranges)."""
+    model = make("mixtral", num_hidden_layers=2, num_local_experts=8)
+    store = prepare(model, tmp_path, link=True)
+    tokens = batch(b=1, t=3)[0]
+    with torch.no_grad():
+        want = model(tokens).logits
+    with phantom.load(store, offload="disk", prefetch=0, expert_reads="routed", verify="none", lora=None) as pm:
+        with torch.no_grad():
+            got = pm(tokens)
+        m = pm.backend.scheduler.take_metrics()
+    assert rel_err(got, want) < 1e-5
+    assert 0 < m["bytes_experts"] and m["bytes_read"] < 2 * BlockStore(store).block_nbytes

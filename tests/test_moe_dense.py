@@ -265,3 +265,30 @@ def test_a_quantized_moe_store_in_the_older_order_still_reads(family_models, mon
     with phantom.load(tmp_path / "old", offload="disk", lora=None) as pm, torch.no_grad():
         with phantom.load(tmp_path / "new", offload="disk", lora=None) as pn:
             assert torch.equal(pm(tokens), pn(tokens))
+
+
+@pytest.mark.parametrize("kind", ["written", "linked", "nf4"])
+def test_each_expert_has_its_own_crc32_and_a_read_of_it_alone_is_checked(family_models, kind, tmp_path):
+    """The manifest keeps a crc32 of each expert's range (zlib's of those bytes), for copied, linked and
+    quantized blocks: an expert read alone is checked by itself, a damaged byte in it named by the expert."""
+    import zlib
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.files.tensorfile import StoreError
+    from phantom.model.quantstore import quantize_store
+    _, store = family_models("qwen3_moe", link=kind == "linked")
+    if kind == "nf4":
+        store = quantize_store(store, tmp_path / "q", QuantFormat("nf4"), dtype=torch.bfloat16, progress=False)["out"]
+    manifest = json.loads((store / "manifest.json").read_text())
+    record = (manifest["links"]["files"] if kind == "linked" else manifest["files"])["blocks/001.safetensors"]
+    s = BlockStore(store)
+    data = torch.empty(s.block_size(1), dtype=torch.uint8)
+    s.read_block_into(1, data)
+    assert record["experts_crc32"] == [zlib.crc32(data[a:b].numpy().tobytes()) for a, b in record["experts"]]
+    routed = torch.zeros_like(data)  # experts 2 and 5 alone, as a routed read leaves a slot
+    for e in (2, 5):
+        a, b = record["experts"][e]
+        routed[a:b] = data[a:b]
+    assert s.check_experts(1, routed, [2, 5])
+    routed[record["experts"][5][0] + 7] ^= 1
+    with pytest.raises(StoreError, match="expert 5's bytes"):
+        s.check_experts(1, routed, [2, 5])

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from phantom.base import safejson
+from phantom.base.checksum import crc32
 from phantom.arch.config import ModelConfig, block_tensor_shapes
 from phantom.arch.quantformat import QuantFormat, quantized
 from phantom.files.tensorfile import StoreError, TensorSpec, dtype_name, parse_dtype
@@ -46,6 +47,7 @@ class FileEntry:
     sha256: str
     segments: tuple = ()  # linked entries (phantom.files.storelinks): (file, offset, nbytes) ranges, in order
     crc: tuple | None = None  # (chunk, header crc32 or None, data crc32s): see Checksums; None in older stores
+    experts: tuple = ()  # a mixture-of-experts block: each expert's ([start, end) in the data, crc32 of its bytes)
 
 
 def read_manifest(path: Path) -> tuple[dict, ModelConfig, torch.dtype]:
@@ -93,3 +95,25 @@ def crc_record(mpath: Path, rel: str, info: dict, nbytes: int, header: bool) -> 
     if not ok:
         raise StoreError(f"{mpath}: bad crc32 record for {rel} ({rec!r:.100}); re-create the store")
     return chunk, head, data
+
+
+def expert_record(ranges: list[list[int]], read) -> dict:
+    """A block file's record of its experts: each one's [start, end) in the data section and the crc32 of
+    those bytes (read(a, b) gives them), so a reader that fetches one expert's bytes alone can check them."""
+    return {"experts": ranges, "experts_crc32": [crc32(read(a, b)) for a, b in ranges]}
+
+
+def expert_entries(mpath: Path, rel: str, info: dict, nbytes: int) -> tuple:
+    """A file's expert records as FileEntry.experts (empty where the manifest has none: a dense block, an
+    older store); mpath names the manifest in the error."""
+    ranges, crcs = info.get("experts"), info.get("experts_crc32")
+    if ranges is None or crcs is None:
+        return ()
+    try:
+        out = tuple(((int(a), int(b)), int(c)) for (a, b), c in zip(ranges, crcs, strict=True))
+        ok = all(0 <= a < b <= nbytes for (a, b), _ in out)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise StoreError(f"{mpath}: bad expert records for {rel} ({ranges!r:.100}); re-create the store")
+    return out

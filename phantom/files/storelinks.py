@@ -24,7 +24,7 @@ import torch
 
 from phantom.arch.moe import expert_ranges
 from phantom.base.checksum import Checksums
-from phantom.files.storeformat import MANIFEST, FileEntry, crc_record, safe_join
+from phantom.files.storeformat import MANIFEST, FileEntry, crc_record, expert_entries, expert_record, safe_join
 from phantom.files.tensorfile import (CODE_DTYPES, DTYPE_CODES, StoreError, TensorSpec, check_disjoint, check_specs,
                                       header_digest, read_header, tensor_order)
 
@@ -87,8 +87,21 @@ def file_record(located: dict[str, tuple], folder: Path, n_experts: int = 0) -> 
         for name, (_, _, n) in zip(order, segments):
             specs.append(TensorSpec(name, located[name][2], tuple(located[name][3]), pos, pos + n))
             pos += n
-        record["experts"] = expert_ranges(specs, n_experts)
+        record.update(expert_record(expert_ranges(specs, n_experts), lambda a, b: segments_read(segments, a, b)))
     return record
+
+
+def segments_read(segments, a: int, b: int) -> bytes:
+    """Bytes [a, b) of the data that segments ((file, offset, nbytes) ranges, in order) assemble."""
+    out, pos = [], 0
+    for path, offset, n in segments:
+        lo, hi = max(a, pos), min(b, pos + n)
+        if lo < hi:
+            with open(path, "rb") as f:
+                f.seek(offset + lo - pos)
+                out.append(f.read(hi - lo))
+        pos += n
+    return b"".join(out)
 
 
 # -- reading: the checks ------------------------------------------------------------------------
@@ -135,7 +148,8 @@ class LinkedFiles:
                 raise
             raise StoreError(f"{self.path / MANIFEST}: bad links entry for {rel} ({type(e).__name__}: {e})") from None
         check_specs(self.path / rel, specs, expected, dtype)
-        return FileEntry(self.path / rel, specs, 0, pos, sha256, tuple(segments), crc)
+        return FileEntry(self.path / rel, specs, 0, pos, sha256, tuple(segments), crc,
+                         expert_entries(self.path / MANIFEST, rel, info, pos))
 
     def source(self, name: str) -> Path:
         """A linked file, checked once: listed in links.sources, absolute or inside the store, same size

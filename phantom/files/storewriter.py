@@ -18,7 +18,7 @@ from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_s
 from phantom.base.fileio import atomic_write_json
 from phantom.arch.moe import expert_ranges
 from phantom.arch.quantformat import QuantFormat
-from phantom.files.storeformat import FORMAT, MANIFEST, VERSION, block_file, quant_record
+from phantom.files.storeformat import FORMAT, MANIFEST, VERSION, block_file, expert_record, quant_record
 from phantom.files.tensorfile import dtype_name, read_header, write_safetensors
 
 
@@ -64,7 +64,9 @@ class StoreWriter:
         self.files[rel] = write_safetensors(self.tmp / rel, tensors)
         if self._experts(rel):  # each expert's byte range
             try:
-                self.files[rel]["experts"] = expert_ranges(read_header(self.tmp / rel)[0], self.cfg.n_experts)
+                specs, start = read_header(self.tmp / rel)
+                self.files[rel].update(expert_record(expert_ranges(specs, self.cfg.n_experts),
+                                                     lambda a, b: read_bytes(self.tmp / rel, start + a, b - a)))
             except ValueError:  # quantized experts whose bytes are no whole number of their scales' (see
                 if self.quant is None:  # tensorfile.experts_together): read whole blocks, as before
                     raise
@@ -131,3 +133,9 @@ class StoreWriter:
         atomic_write_json(self.tmp / MANIFEST, manifest)
         return fileio.swap_folder(self.tmp, self.out)  # overwrite: the old store goes only once this one is complete
 
+
+
+def read_bytes(path: Path, offset: int, n: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(n)

@@ -26,6 +26,12 @@ files, then half the blocks in RAM against pure disk with the cost model's predi
 
 (alone) the same model stored bf16, NF4 and int8 (prepare_model.py --quantize), disk tier: bytes read per
 step, the loader's dequantization, step time beside the cost model's prediction; to notes/bench-quant.md.
+
+    python scripts/bench.py --modes moe --dim 256 --layers 4 --moe-batches 1x8,1x32,1x128,1x1024,4x1024
+
+(alone) a Qwen3-30B-A3B-shaped store scaled to --dim (128 experts, top-8), random and skewed routers:
+routed expert reads against whole blocks, bytes read per step and step time beside the cost model's
+prediction; to notes/moe.md.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ from phantom.files.tensorfile import dtype_name  # noqa: E402
 
 from benchlib.common import MODES, PEERS, fastest_of_rounds, host_speeds  # noqa: E402
 from benchlib.diskread import diskread  # noqa: E402
+from benchlib.moe import moe_bench  # noqa: E402
 from benchlib.quant import quant_bench  # noqa: E402
 from benchlib.steps import run_worker, step_table, worker  # noqa: E402
 
@@ -75,6 +82,8 @@ def parse_args(argv=None):
                                                          "default; all; none)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary of the synthetic model")
     p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (q and v, as PEFT's default targets)")
+    p.add_argument("--moe-batches", default="1x8,1x32,1x128,1x1024,4x1024",
+                   help="--modes moe: ROWSxTOKENS per step, comma list")
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
                    "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "
@@ -108,6 +117,9 @@ def main(argv=None):
         print(json.dumps(worker(args)))
         return
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        if args.modes == "moe":  # its own synthetic MoE stores and table, in notes/moe.md
+            append_note(moe_bench(args, Path(tmp)), args.out or NOTES / "moe.md")
+            return
         if args.store is None:
             args.store = str(synthetic_store(args, Path(tmp)))
         store = BlockStore(args.store)
@@ -136,7 +148,7 @@ def check_args(args) -> None:
     def refuse(msg: str):
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
-    for alone in ("diskread", "quant"):
+    for alone in ("diskread", "quant", "moe"):
         if alone in args.modes.split(",") and args.modes != alone:
             refuse(f"--modes {alone} runs alone (its own tables); give it in a run of its own")
     trains = args.train.split(",")

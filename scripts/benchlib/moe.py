@@ -1,0 +1,107 @@
+"""`bench.py --modes moe`: routed expert reads against whole blocks on a synthetic Qwen3-30B-A3B-shaped store
+(128 experts, top-8; dim, heads and expert width scaled down by --dim), LoRA steps streamed from disk: bytes
+read per step and the step time beside the cost model's prediction (phantom.plan.costexperts), for each
+batch of --moe-batches, with the random router and with a skewed one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+import phantom
+from phantom.arch.config import PRESETS
+from phantom.files.directio import readinto_exact
+from phantom.files.store import BlockStore
+from phantom.model.synthetic import write_synthetic
+from phantom.plan import costinputs as ci, profiles
+from phantom.plan.costexperts import predict_expert_reads
+from phantom.stream.hostmem import HostBuffer
+from phantom.stream.placement import Activations, Placement
+
+HOT, HOT_SCALE = 16, 4.0  # the skewed router: 16 experts' router rows 4x as long
+PREFETCH = 1  # two slots: blocks are read at each use (a few blocks, more than the slots)
+
+
+def moe_config(dim: int, layers: int):
+    """Qwen3-30B-A3B with dim (and heads, kv heads, expert width) scaled by dim / 2048; 128 experts, top-8."""
+    big = PRESETS["qwen3-30B-A3B"]
+    f = dim / big.dim
+    return dataclasses.replace(big, dim=dim, n_layers=layers, n_heads=max(1, int(big.n_heads * f)),
+                               n_kv_heads=max(1, int(big.kv_heads * f)), explicit_head_dim=64,
+                               expert_dim=int(big.expert_dim * f), vocab_size=1024, max_seq_len=1024)
+
+
+def skew(dst: Path, cfg) -> Path:
+    """A copy of the store whose routers favour HOT experts (their rows HOT_SCALE times as long: their
+    logits spread wider, so they top more tokens' choices), as trained routers favour some experts."""
+    store = write_synthetic(dst, cfg, torch.float32, progress=False)
+    s = BlockStore(store)
+    for i in range(s.n_blocks):
+        w = {k: v.clone() for k, v in s.load_block(i).items()}
+        w["feed_forward.gate.weight"][:HOT] *= HOT_SCALE
+        s.write_block(i, w)
+    return store
+
+
+def steps(store: Path, mode: str, rows: int, seq: int, n: int = 5) -> tuple[float, dict]:
+    """The fastest of the last n-1 of n LoRA steps (the first warms allocations up; on a shared machine
+    the fastest is the least disturbed), and the last step's counters."""
+    times, m = [], {}
+    gen = torch.Generator().manual_seed(0)
+    with phantom.load(store, offload="disk", prefetch=PREFETCH, recompute="all", expert_reads=mode, dtype="fp32",
+                      verify="none") as pm:
+        for _ in range(n):
+            tokens = torch.randint(0, pm.cfg.vocab_size, (rows, seq), generator=gen)
+            t0 = time.perf_counter()
+            pm(tokens, targets=tokens).backward()
+            times.append(time.perf_counter() - t0)
+            m = pm.backend.scheduler.take_metrics()
+            hits = pm.backend.scheduler.routed.policy
+    probs = torch.stack([hits.probs(i) for i in range(hits.n_blocks)]).mean(0) if hits and hits.rows.min() > 0 else None
+    return min(times[1:]), dict(m, probs=probs)
+
+
+def warm_gbps(store: BlockStore) -> float:
+    """GB/s of the disk tier's block reads from the page cache (every block read once, then timed)."""
+    buf = HostBuffer(store.block_nbytes, pin=False).tensor
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for e in store.blocks:
+            readinto_exact(e.path, e.data_start, buf[: e.nbytes])
+        secs = time.perf_counter() - t0
+    return store.n_blocks * store.block_nbytes / secs / 1e9
+
+
+def moe_bench(args, folder: Path) -> str:
+    cfg = moe_config(args.dim, args.layers)
+    store = write_synthetic(folder / "moe", cfg, torch.float32, progress=False)
+    skewed = skew(folder / "moe-skewed", cfg)
+    batches = [tuple(int(x) for x in b.split("x")) for b in args.moe_batches.split(",")]
+    s = BlockStore(store)
+    lines = [f"### Routed expert reads, {s.n_blocks} blocks of a Qwen3-30B-A3B shape scaled to dim {cfg.dim} "
+             f"({cfg.n_heads} heads, {cfg.kv_heads} kv, expert width {cfg.expert_dim}, {cfg.n_experts} experts, "
+             f"top-{cfg.experts_per_token}), fp32, disk tier (page cache warm), prefetch {PREFETCH}, recompute all, "
+             f"LoRA q,v; block {s.block_nbytes / 2**20:.1f} MiB; {torch.get_num_threads()} torch threads", "",
+             "| batch | router | mode | experts hit / block | MiB read / step | step s | predicted s | pred / meas |",
+             "|---|---|---|---|---|---|---|---|"]
+    for rows, seq in batches:
+        profile = profiles.measure(s, torch.device("cpu"), torch.float32, rows, seq)  # this batch's compute
+        profile = dataclasses.replace(profile, disk_warm_gbps=warm_gbps(s))  # the runs read from the page cache
+        lines.append(f"| {rows}x{seq} | profile | disk {profile.disk_gbps:.2f} GB/s, warm "
+                     f"{profile.disk_warm_gbps or 0:.2f}, forward {profile.fwd_flops / 1e9:.1f} GFLOP/s | | | | | |")
+        print(lines[-1], flush=True)
+        shape = ci.shape_of(cfg, "fp32", "fp32", seq_len=seq)
+        for name, st in (("random", store), ("skewed", skewed)):
+            for mode in ("whole", "routed"):
+                secs, m = steps(st, mode, rows, seq)
+                pred = predict_expert_reads(profile, shape, cfg, "fp32", Placement(offload="disk", prefetch=PREFETCH),
+                                            Activations(recompute="all"), rows, probs=m["probs"])
+                p = pred.whole_s if mode == "whole" else pred.routed_s
+                hit = f"{pred.hits:.1f}" if mode == "routed" else "128"
+                lines.append(f"| {rows}x{seq} | {name} | {mode} | {hit} | {m['bytes_read'] / 2**20:.1f} | {secs:.3f} | "
+                             f"{p:.3f} | {p / secs:.2f} |")
+                print(lines[-1], flush=True)
+    return "\n".join(lines)

@@ -10,6 +10,7 @@ prefetch gave the expert bytes; `block_seconds` writes both sides down, the cost
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -119,22 +120,30 @@ class ExpertLayout:
         return cls(tuple(ranges), tuple(base), tuple(tuple(n) for n in names), nbytes, cfg.experts_per_token)
 
 
-def read_ranges(entry, buf: torch.Tensor, ranges, drop_cache: bool = False) -> int:
+def read_ranges(entry, buf: torch.Tensor, ranges, drop_cache: bool = False, pool: ThreadPoolExecutor | None = None
+                ) -> int:
     """Bytes [a, b) of a block file's data section into buf[a:b] for each range (entry: the store's
-    FileEntry; a linked file's ranges are found in its segments). Returns the bytes read."""
-    total = 0
+    FileEntry; a linked file's ranges are found in its segments), several requests at once on `pool`: a
+    step's experts are many small ranges, and one request at a time pays a device's latency for each.
+    Returns the bytes read."""
+    pieces = []
     for a, b in ranges:
         if not entry.segments:
-            readinto_exact(entry.path, entry.data_start + a, buf[a:b], drop_cache)
-        else:
-            pos = 0
-            for path, offset, n in entry.segments:  # the part of [a, b) in each linked range
-                lo, hi = max(a, pos), min(b, pos + n)
-                if lo < hi:
-                    readinto_exact(path, offset + lo - pos, buf[lo:hi], drop_cache)
-                pos += n
-        total += b - a
-    return total
+            pieces.append((entry.path, entry.data_start + a, a, b))
+            continue
+        pos = 0
+        for path, offset, n in entry.segments:  # the part of [a, b) in each linked range
+            lo, hi = max(a, pos), min(b, pos + n)
+            if lo < hi:
+                pieces.append((path, offset + lo - pos, lo, hi))
+            pos += n
+    read = lambda p: readinto_exact(p[0], p[1], buf[p[2]:p[3]], drop_cache)  # noqa: E731
+    if pool is None or len(pieces) == 1:
+        for p in pieces:
+            read(p)
+    else:
+        list(pool.map(read, pieces))
+    return sum(b - a for a, b in ranges)
 
 
 @dataclass

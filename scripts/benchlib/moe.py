@@ -6,6 +6,7 @@ batch of --moe-batches, with the random router and with a skewed one.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from pathlib import Path
 
@@ -46,13 +47,14 @@ def skew(dst: Path, cfg) -> Path:
     return store
 
 
-def steps(store: Path, mode: str, rows: int, seq: int, n: int = 5) -> tuple[float, dict]:
-    """The fastest of the last n-1 of n LoRA steps (the first warms allocations up; on a shared machine
-    the fastest is the least disturbed), and the last step's counters."""
+def steps(store: Path, mode: str, rows: int, seq: int, cold: bool, n: int = 5) -> tuple[float, dict]:
+    """The median of the last n-1 of n LoRA steps (the first warms allocations up), the last step's
+    counters and the router's measured share of tokens per expert (averaged over the blocks)."""
     times, m = [], {}
     gen = torch.Generator().manual_seed(0)
-    with phantom.load(store, offload="disk", prefetch=PREFETCH, recompute="all", expert_reads=mode, dtype="fp32",
-                      verify="none") as pm:
+    placement = Placement(offload="disk", prefetch=PREFETCH, expert_reads=mode)
+    with phantom.PhantomModel(BlockStore(store, verify="none", drop_cache=cold), torch.device("cpu"), torch.float32,
+                              placement, Activations(recompute="all"), phantom.LoraConfig()) as pm:
         for _ in range(n):
             tokens = torch.randint(0, pm.cfg.vocab_size, (rows, seq), generator=gen)
             t0 = time.perf_counter()
@@ -61,7 +63,7 @@ def steps(store: Path, mode: str, rows: int, seq: int, n: int = 5) -> tuple[floa
             m = pm.backend.scheduler.take_metrics()
             hits = pm.backend.scheduler.routed.policy
     probs = torch.stack([hits.probs(i) for i in range(hits.n_blocks)]).mean(0) if hits and hits.rows.min() > 0 else None
-    return min(times[1:]), dict(m, probs=probs)
+    return statistics.median(times[1:]), dict(m, probs=probs)
 
 
 def warm_gbps(store: BlockStore) -> float:
@@ -83,20 +85,21 @@ def moe_bench(args, folder: Path) -> str:
     s = BlockStore(store)
     lines = [f"### Routed expert reads, {s.n_blocks} blocks of a Qwen3-30B-A3B shape scaled to dim {cfg.dim} "
              f"({cfg.n_heads} heads, {cfg.kv_heads} kv, expert width {cfg.expert_dim}, {cfg.n_experts} experts, "
-             f"top-{cfg.experts_per_token}), fp32, disk tier (page cache warm), prefetch {PREFETCH}, recompute all, "
+             f"top-{cfg.experts_per_token}), fp32, disk tier ({'cold: O_DIRECT, page cache dropped' if args.cold else 'page cache warm'}), prefetch {PREFETCH}, recompute all, "
              f"LoRA q,v; block {s.block_nbytes / 2**20:.1f} MiB; {torch.get_num_threads()} torch threads", "",
              "| batch | router | mode | experts hit / block | MiB read / step | step s | predicted s | pred / meas |",
              "|---|---|---|---|---|---|---|---|"]
     for rows, seq in batches:
         profile = profiles.measure(s, torch.device("cpu"), torch.float32, rows, seq)  # this batch's compute
-        profile = dataclasses.replace(profile, disk_warm_gbps=warm_gbps(s))  # the runs read from the page cache
+        if not args.cold:  # the runs read from the page cache
+            profile = dataclasses.replace(profile, disk_warm_gbps=warm_gbps(s))
         lines.append(f"| {rows}x{seq} | profile | disk {profile.disk_gbps:.2f} GB/s, warm "
                      f"{profile.disk_warm_gbps or 0:.2f}, forward {profile.fwd_flops / 1e9:.1f} GFLOP/s | | | | | |")
         print(lines[-1], flush=True)
         shape = ci.shape_of(cfg, "fp32", "fp32", seq_len=seq)
         for name, st in (("random", store), ("skewed", skewed)):
             for mode in ("whole", "routed"):
-                secs, m = steps(st, mode, rows, seq)
+                secs, m = steps(st, mode, rows, seq, args.cold)
                 pred = predict_expert_reads(profile, shape, cfg, "fp32", Placement(offload="disk", prefetch=PREFETCH),
                                             Activations(recompute="all"), rows, probs=m["probs"])
                 p = pred.whole_s if mode == "whole" else pred.routed_s

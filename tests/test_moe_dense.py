@@ -92,6 +92,9 @@ def small(config_class: str, **fields) -> dict:
 
 def test_mlp_only_layers_and_decoder_sparse_step_are_modelled():
     """Both fields, read as transformers' decoder layers read them; a layer that is not one is refused."""
+    from phantom.arch.family import FAMILIES
+    for family in ("qwen3_moe", "qwen2_moe"):  # in the field enumeration (tests/test_family_config.py): modelled
+        assert {"mlp_only_layers", "decoder_sparse_step"} <= FAMILIES[family].modelled()
     assert config_from_hf(small("Qwen3MoeConfig", mlp_only_layers=[1, 2])).dense_layers == (1, 2)
     assert config_from_hf(small("Qwen2MoeConfig", decoder_sparse_step=3)).dense_layers == (0, 1)
     assert config_from_hf(small("Qwen2MoeConfig", decoder_sparse_step=2, mlp_only_layers=[1])).dense_layers == (0, 1, 2)

@@ -252,3 +252,23 @@ def test_a_linked_store_reads_its_experts_routed_from_the_checkpoint(tmp_path):
         m = pm.backend.scheduler.take_metrics()
     assert rel_err(got, want) < 1e-5
     assert 0 < m["bytes_experts"] and m["bytes_read"] < 2 * BlockStore(store).block_nbytes
+
+
+def test_dense_layers_among_sparse_ones_read_whole_and_the_sparse_ones_routed(tmp_path):
+    """mlp_only_layers [0]: block 0 (a dense MLP) is read whole, blocks 1 and 2 routed; logits and loss
+    equal transformers'."""
+    model = make("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[0])
+    store = prepare(model, tmp_path)
+    tokens, targets = few(1, 3)
+    with torch.no_grad():
+        want = model(tokens).logits
+    with phantom.load(store, offload="disk", prefetch=0, recompute="all", expert_reads="routed", verify="none",
+                      lora=None) as pm:
+        assert pm.backend.scheduler.routed.policy.sparse == (1, 2)
+        with torch.no_grad():
+            got = pm(tokens)
+            loss = pm(tokens, targets=targets)
+        m = pm.backend.scheduler.take_metrics()
+    assert rel_err(got, want) < 1e-5
+    torch.testing.assert_close(loss, cross_entropy(want, targets), rtol=1e-5, atol=0)
+    assert m["expert_reads"] > 0

@@ -98,17 +98,19 @@ class ExpertLayout:
         if store.quant is not None:
             raise ValueError("routed expert reads need a 16-bit store: a quantized store keeps each expert's codes "
                              "and scales apart; use expert_reads whole")
-        ranges = [tuple(r) for r in expert_ranges(store.block_specs, cfg.n_experts)]
-        recorded = store.manifest.get("files", {}).get(block_file(0), {}).get("experts")
-        if recorded is not None and [tuple(r) for r in recorded] != ranges:
+        first = next(i for i in range(cfg.n_layers) if cfg.sparse(i))  # dense layers among sparse ones read whole
+        ranges = [tuple(r) for r in expert_ranges(store.blocks[first].specs, cfg.n_experts)]
+        recorded = [tuple(r) for r, _ in getattr(store.blocks[first], "experts", ())] or \
+            [tuple(r) for r in store.manifest.get("files", {}).get(block_file(first), {}).get("experts", ranges)]
+        if recorded != ranges:
             raise StoreError(f"{store.path}: the manifest's expert ranges differ from the block files' tensors; "
                              "re-create the store")
         names: list[list[str]] = [[] for _ in ranges]
-        for s in store.block_specs:
+        for s in store.blocks[first].specs:
             parts = s.name.split(".")
             if parts[:2] == ["feed_forward", "experts"]:
                 names[int(parts[2])].append(s.name)
-        nbytes = store.block_nbytes
+        nbytes = store.blocks[first].nbytes
         cuts = merge(ranges)
         base, pos = [], 0
         for a, b in cuts:
@@ -159,6 +161,7 @@ class ExpertReads:
     mode: str
     n_blocks: int
     round_trip_s: float = 1e-4
+    sparse: tuple | None = None  # the blocks with experts (None: every block; dense ones among them read whole)
     counts: torch.Tensor = field(init=False)  # (n_blocks, E): tokens that picked each expert
     rows: torch.Tensor = field(init=False)  # (n_blocks,): tokens routed
     compute_s: float | None = None  # one block's forward over a step's tokens (exponential average)
@@ -171,6 +174,10 @@ class ExpertReads:
             raise ValueError(f"expert_reads must be one of {', '.join(MODES)}, not {self.mode!r}")
         self.counts = torch.zeros(self.n_blocks, self.layout.n_experts, dtype=torch.float64)
         self.rows = torch.zeros(self.n_blocks, dtype=torch.float64)
+
+    @property
+    def blocks(self):
+        return range(self.n_blocks) if self.sparse is None else self.sparse
 
     def observe(self, block: int, chosen: torch.Tensor) -> None:
         """A block's routing of some tokens (chosen: (N, k) expert ids)."""
@@ -209,11 +216,11 @@ class ExpertReads:
         if self.mode == "whole" or tokens <= 0:
             chosen = []
         elif self.mode == "routed":
-            chosen = range(self.n_blocks)
+            chosen = self.blocks
         elif self.compute_s is None or self.s_per_byte is None:
             chosen = []
         else:
-            chosen = [i for i in range(self.n_blocks) if self.pays(i, tokens)]
+            chosen = [i for i in self.blocks if self.pays(i, tokens)]
         self.routed, self.known = frozenset(chosen), {}
         return self.routed
 

@@ -378,4 +378,5 @@ def expert_reads_for(store: BlockStore, residency: Residency, layout, mode: str)
         if mode == "routed":
             raise
         return None
-    return ExpertReads(lay, mode, store.n_blocks, round_trip_s=max(t.round_trip_s for t in tiers))
+    return ExpertReads(lay, mode, store.n_blocks, round_trip_s=max(t.round_trip_s for t in tiers),
+                       sparse=tuple(i for i in range(store.n_blocks) if store.cfg.sparse(i)))

@@ -113,12 +113,13 @@ class Transfer:
 
     def _load_routed(self, slot: Slot, block: int, source: Held, free_event, experts: frozenset) -> LoadStats:
         lay = self.experts
+        slot.converted = self._converted(slot, block)
         stats = self._ranges(slot, block, source, list(lay.base) + lay.of(experts), source.tier.lane,
                              f"read {block} (routed)", free_event)
         self._convert_names(slot, block, self._base_names() + [n for e in experts for n in lay.names[e]])
         stats.bytes_experts = len(experts) * lay.expert_bytes
         slot.experts = frozenset(experts)
-        slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf)
+        slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf, block)
         return stats
 
     def fill(self, slot: Slot, block: int, source: Held, experts) -> LoadStats:
@@ -168,7 +169,7 @@ class Transfer:
     def _convert_names(self, slot: Slot, block: int, names) -> None:
         """The named tensors of a routed slot into the compute dtype (where it differs from the store's)."""
         if slot.converted is not None:
-            stored = self.store.block_views(slot.buf)
+            stored = self.store.block_views(slot.buf, block)
             for n in names:
                 slot.converted[n].copy_(stored[n])
 

@@ -272,3 +272,21 @@ def test_dense_layers_among_sparse_ones_read_whole_and_the_sparse_ones_routed(tm
     assert rel_err(got, want) < 1e-5
     torch.testing.assert_close(loss, cross_entropy(want, targets), rtol=1e-5, atol=0)
     assert m["expert_reads"] > 0
+
+
+def test_auto_reads_whole_until_it_has_measured_then_decides_each_step(models):
+    """expert_reads auto (the default): the first step reads whole blocks and measures the routers' hits, a
+    block's compute and the read rate; the next step's choice is ExpertReads.pays on those measurements."""
+    model, store = models["qwen3_moe"]
+    tokens, targets = few(1, 3)
+    with phantom.load(store, offload="disk", prefetch=0, verify="none") as pm:
+        policy = pm.backend.scheduler.routed.policy
+        assert policy.mode == "auto"
+        pm(tokens, targets=targets).backward()
+        assert pm.backend.scheduler.take_metrics()["bytes_experts"] == 0
+        assert policy.compute_s > 0 and policy.s_per_byte > 0
+        assert [set(torch.nonzero(policy.counts[i]).flatten().tolist()) for i in range(4)] == hits(model, tokens)
+        expected = {i for i in range(4) if policy.pays(i, 3)}  # on the first step's measurements
+        pm(tokens, targets=targets).backward()
+        assert policy.routed == expected
+        assert (pm.backend.scheduler.take_metrics()["bytes_experts"] > 0) == bool(expected)

@@ -12,8 +12,8 @@ from phantom.model.phantom_model import PhantomModel
 from phantom.stream.optim import AdamWConfig
 from phantom.stream.placement import Activations, Placement
 from phantom.train.load import load, resolve_device, resolve_model, weights_dir  # noqa: F401 (resolve_device: API)
-from phantom.train.trainconfig import TrainConfig
 from phantom.train.runconfig import DataSource, ModelSource, Output, RunConfig
+from phantom.train.trainconfig import TrainConfig
 
 __all__ = ["load", "run", "RunConfig", "ModelSource", "DataSource", "TrainConfig", "Output", "Placement", "Activations", "resolve_model", "weights_dir", "LoraConfig", "AdamWConfig", "ModelConfig", "PhantomModel", "BlockStore",
            "StoreError", "PRESETS", "preset"]

@@ -47,21 +47,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # phantom, from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 
-import phantom  # noqa: E402
-import phantom.files.tensorfile  # noqa: E402
-from phantom.train import cli
-from phantom.plan import costinputs as ci, planner
-from phantom.plan import profiles, tune
-from phantom.arch.config import ModelConfig  # noqa: E402
-from phantom.model.synthetic import write_synthetic  # noqa: E402
-from phantom.files.store import BlockStore  # noqa: E402
-from phantom.files.tensorfile import dtype_name  # noqa: E402
-
 from benchlib.common import MODES, PEERS, fastest_of_rounds, host_speeds  # noqa: E402
 from benchlib.diskread import diskread  # noqa: E402
 from benchlib.moe import moe_bench  # noqa: E402
 from benchlib.quant import quant_bench  # noqa: E402
 from benchlib.steps import run_worker, step_table, worker  # noqa: E402
+
+import phantom  # noqa: E402
+import phantom.files.tensorfile  # noqa: E402
+from phantom.arch.config import ModelConfig  # noqa: E402
+from phantom.files.store import BlockStore  # noqa: E402
+from phantom.files.tensorfile import dtype_name  # noqa: E402
+from phantom.model.synthetic import write_synthetic  # noqa: E402
+from phantom.plan import costinputs as ci
+from phantom.plan import planner, profiles, tune
+from phantom.train import cli
 
 
 def parse_args(argv=None):

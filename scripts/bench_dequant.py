@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
 from phantom.arch import quant
 from phantom.arch.config import ModelConfig  # noqa: E402
+from phantom.arch.quantformat import METHODS, QuantFormat  # noqa: E402
+from phantom.files.store import BlockStore  # noqa: E402
 from phantom.model.quantstore import quantize_store  # noqa: E402
 from phantom.model.synthetic import write_synthetic  # noqa: E402
 from phantom.stream.hostmem import HostBuffer  # noqa: E402
-from phantom.arch.quantformat import METHODS, QuantFormat  # noqa: E402
-from phantom.files.store import BlockStore  # noqa: E402
 
 
 def parse_args(argv=None):

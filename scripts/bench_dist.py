@@ -56,6 +56,7 @@ def memory_kb() -> dict:
 
 def worker(args) -> None:
     import torch.distributed as dist
+
     from phantom.train.dist import average_gradients, init_from_env
     info = init_from_env("cpu")
     model = phantom.load(args.store, offload=args.offload, lora=phantom.LoraConfig(rank=8),

@@ -16,11 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import phantom  # noqa: E402
 from phantom.data import chat
-from phantom.train import cli
-from phantom.model.generate import generate_chat, generate_text  # noqa: E402
-from phantom.stream.placement import OFFLOADS  # noqa: E402
-from phantom.model.lora import read_adapter_config  # noqa: E402
 from phantom.data.tokenizer import Tokenizer  # noqa: E402
+from phantom.model.generate import generate_chat, generate_text  # noqa: E402
+from phantom.model.lora import read_adapter_config  # noqa: E402
+from phantom.stream.placement import OFFLOADS  # noqa: E402
+from phantom.train import cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:

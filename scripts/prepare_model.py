@@ -14,14 +14,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from phantom.train import cli
-from phantom.train.cli import STORE_DTYPES  # noqa: E402
 from phantom.arch.config import PRESETS, preset  # noqa: E402
+from phantom.arch.quantformat import METHODS, QuantFormat  # noqa: E402
+from phantom.files.tensorfile import parse_dtype  # noqa: E402
 from phantom.model.convert import convert_checkpoint, disk_usage  # noqa: E402
 from phantom.model.quantstore import quantize_store  # noqa: E402
 from phantom.model.synthetic import write_synthetic  # noqa: E402
-from phantom.arch.quantformat import METHODS, QuantFormat  # noqa: E402
-from phantom.files.tensorfile import parse_dtype  # noqa: E402
+from phantom.train import cli
+from phantom.train.cli import STORE_DTYPES  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -19,13 +19,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
-from phantom.train import cli
 from phantom.arch import config, family
-from phantom.plan import profiles, tune
-from phantom.plan import costexperts, costinputs as ci, costmodel as cm, planner
-from phantom.stream.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
 from phantom.arch.quantformat import METHODS  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
+from phantom.plan import costexperts, planner, profiles, tune
+from phantom.plan import costinputs as ci
+from phantom.plan import costmodel as cm
+from phantom.stream.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
+from phantom.train import cli
 
 
 def parse_args(argv=None):

@@ -13,11 +13,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from phantom.arch.config import ACTIVATIONS, ConfigError, ModelConfig, RopeScaling  # noqa: F401
+from phantom.arch.config import refuse as _refuse
+from phantom.arch.family_moe import (
+    DENSE_READERS,
+    MOE_IRRELEVANT,
+    MOE_READERS,
+    QWEN_EXPERTS,
+    QWEN_MOE,
+    QWEN_MOE_FIELDS,
+    ROUTER_KEYS,
+    SHARED_EXPERT_KEYS,
+    MoeKeys,
+    expert_keys,
+    read_moe,
+    read_qwen2_moe_window,
+    read_qwen3_moe_window,
+    refused_unless,
+)
 from phantom.base import safejson
-from phantom.arch.config import ACTIVATIONS, ConfigError, ModelConfig, RopeScaling, refuse as _refuse  # noqa: F401
-from phantom.arch.family_moe import (DENSE_READERS, MOE_IRRELEVANT, MOE_READERS, QWEN_EXPERTS, QWEN_MOE, QWEN_MOE_FIELDS, ROUTER_KEYS,
-                                SHARED_EXPERT_KEYS, MoeKeys, expert_keys, read_moe, read_qwen2_moe_window,
-                                read_qwen3_moe_window, refused_unless)
 
 # ---------------------------------------------------------------------------------------------
 # Tensor names: Hugging Face name -> store name ({} is the layer index)

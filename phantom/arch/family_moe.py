@@ -11,6 +11,7 @@ from typing import Callable
 
 from phantom.arch.config import refuse
 
+
 @dataclass(frozen=True)
 class MoeKeys:
     """experts: one expert's Hugging Face names (<e> its index) -> store names, in the per-expert layout;

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from phantom.base import safejson
-from phantom.data.tokenizer import Tokenizer
 from phantom.data.special_tokens import IGNORE_INDEX
+from phantom.data.tokenizer import Tokenizer
 
 TRAIN_ON = ("all", "last", "prompt-too")  # every assistant turn, the last one, or every token
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from phantom.data import chat, sources, tokencache, tokenfiles
 from phantom.base.safejson import read_lines
+from phantom.data import chat, sources, tokencache, tokenfiles
 from phantom.data.recordformats import Recipe, detect_format, is_records, records, segments
-from phantom.data.tokenizer import TINY_TEXT, Tokenizer
 from phantom.data.special_tokens import IGNORE_INDEX
+from phantom.data.tokenizer import TINY_TEXT, Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from phantom.data import chat, sources
 from phantom.base.safejson import read_records
+from phantom.data import chat, sources
 
 FORMATS = ("text", "prompt", "alpaca", "chat", "sharegpt", "jsonl-text", "tokens")
 CHAT_FORMATS = ("prompt", "alpaca", "chat", "sharegpt")  # rendered through the chat template, if the model has one

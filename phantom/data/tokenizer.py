@@ -131,7 +131,8 @@ class Tokenizer:
 
     def _open_hf(self, side) -> dict:
         try:
-            from tokenizers import Tokenizer as HFTokenizer, pre_tokenizers
+            from tokenizers import Tokenizer as HFTokenizer
+            from tokenizers import pre_tokenizers
         except ImportError:
             raise ValueError(f"{self.path} is a Hugging Face tokenizer.json; pip install tokenizers to use it") from None
         try:
@@ -408,7 +409,8 @@ def sentencepiece_to_json(path: Path, bos: str | None = None) -> str:
     the vocabulary's order, or Unigram scores; the normalizer's charsmap, whitespace and dummy prefix;
     byte fallback), so transformers' fast tokenizer reads it with the `tokenizers` library alone. `bos`:
     the token its post-processor puts first (as LlamaTokenizer adds BOS)."""
-    from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, processors
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
     spec = sentencepiece_spec(path)
     pieces = spec["pieces"]
     if spec["model_type"] == 2:

@@ -8,7 +8,6 @@ checked on its first read (phantom.files.storeverify); linked files are assemble
 """
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from pathlib import Path
@@ -17,16 +16,32 @@ import numpy as np
 import torch
 
 from phantom.arch import quant
-from phantom.files import workingcopy
-from phantom.base.checksum import crc32_impl
 from phantom.arch.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
 from phantom.arch.quantformat import QuantError, QuantFormat, block_layout
-from phantom.files.storeformat import (MANIFEST, FileEntry, block_file, crc_record, expert_entries, quant_record,
-                                       read_manifest, safe_join)
+from phantom.base.checksum import crc32_impl
+from phantom.files import workingcopy
+from phantom.files.storeformat import (
+    MANIFEST,
+    FileEntry,
+    block_file,
+    crc_record,
+    expert_entries,
+    quant_record,
+    read_manifest,
+    safe_join,
+)
 from phantom.files.storelinks import LinkedFiles
 from phantom.files.storeverify import Verifier
-from phantom.files.tensorfile import (StoreError, check_specs, dtype_name, packed_empty, parse_stored, read_header,
-                                      tensor_order, views)
+from phantom.files.tensorfile import (
+    StoreError,
+    check_specs,
+    dtype_name,
+    packed_empty,
+    parse_stored,
+    read_header,
+    tensor_order,
+    views,
+)
 
 
 class BlockStore:

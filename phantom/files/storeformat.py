@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from phantom.base import safejson
-from phantom.base.checksum import crc32
 from phantom.arch.config import ModelConfig, block_tensor_shapes
 from phantom.arch.quantformat import QuantFormat, quantized
+from phantom.base import safejson
+from phantom.base.checksum import crc32
 from phantom.files.tensorfile import StoreError, TensorSpec, dtype_name, parse_dtype
 
 FORMAT = "phantom-store"

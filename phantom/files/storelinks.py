@@ -25,8 +25,17 @@ import torch
 from phantom.arch.moe import expert_ranges
 from phantom.base.checksum import Checksums
 from phantom.files.storeformat import MANIFEST, FileEntry, crc_record, expert_entries, expert_record, safe_join
-from phantom.files.tensorfile import (CODE_DTYPES, DTYPE_CODES, StoreError, TensorSpec, check_disjoint, check_specs,
-                                      header_digest, read_header, tensor_order)
+from phantom.files.tensorfile import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    StoreError,
+    TensorSpec,
+    check_disjoint,
+    check_specs,
+    header_digest,
+    read_header,
+    tensor_order,
+)
 
 
 def segment_pieces(segments):

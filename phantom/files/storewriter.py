@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from phantom.base import fileio
 from phantom.arch import quant
-from phantom.files import runfolder, storelinks
 from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
-from phantom.base.fileio import atomic_write_json
 from phantom.arch.moe import expert_ranges
 from phantom.arch.quantformat import QuantFormat
+from phantom.base import fileio
+from phantom.base.fileio import atomic_write_json
+from phantom.files import runfolder, storelinks
 from phantom.files.storeformat import FORMAT, MANIFEST, VERSION, block_file, expert_record, quant_record
 from phantom.files.tensorfile import dtype_name, read_header, write_safetensors
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from phantom.arch.config import FUSED_PROJECTIONS
 from phantom.base import dtypes, faults, safejson
 from phantom.base.checksum import Checksums
-from phantom.arch.config import FUSED_PROJECTIONS
 
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header is a few KB; refuse absurd claims before reading
 DATA_ALIGN = 4096  # file offset and buffer alignment of O_DIRECT reads

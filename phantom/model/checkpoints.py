@@ -15,11 +15,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from phantom.base import safejson
-from phantom.arch.config import (ModelConfig, block_tensor_shapes, embed_tensor_shapes, from_meta_params,
-                                 head_tensor_shapes, rope_rows)
+from phantom.arch.config import (
+    ModelConfig,
+    block_tensor_shapes,
+    embed_tensor_shapes,
+    from_meta_params,
+    head_tensor_shapes,
+    rope_rows,
+)
 from phantom.arch.family import family, from_hf_config
 from phantom.arch.layers import permute_from_hf
+from phantom.base import safejson
 from phantom.files.fusedrows import fused_rows, read_rows
 from phantom.files.storeformat import safe_join
 from phantom.files.tensorfile import StoreError, read_header

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from phantom.base import provenance
 from phantom.arch.quantformat import QuantFormat
+from phantom.base import provenance
 from phantom.files.store import BlockStore
 from phantom.files.storeformat import block_file, safe_join
 from phantom.files.storewriter import StoreWriter

@@ -19,21 +19,21 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from phantom.data.chat import read_template
 from phantom.arch.config import ModelConfig, rope_rows
-from phantom.model.checkpoints import part_shapes, release_pages
-from phantom.model.convert import tokenizer_files
 from phantom.arch.family import family
 from phantom.arch.family_moe import FUSED_EXPERTS, MOE_FIELDS
 from phantom.arch.layers import LoraLinear, TransformerBlock, permute_for_hf
-from phantom.model.lora import TARGETS, apply_lora, for_family, load_adapter, lora_modules, read_adapter_config
 from phantom.base import fileio, safejson
-from phantom.files import runfolder
 from phantom.base.fileio import atomic_write as atomic_write_bytes
+from phantom.data.chat import read_template
+from phantom.data.tokenizer import Tokenizer, sentencepiece_to_json
+from phantom.files import runfolder
 from phantom.files.hfshards import DEFAULT_MAX_SHARD_SIZE, ShardWriter, parse_size
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
-from phantom.data.tokenizer import Tokenizer, sentencepiece_to_json
+from phantom.model.checkpoints import part_shapes, release_pages
+from phantom.model.convert import tokenizer_files
+from phantom.model.lora import TARGETS, apply_lora, for_family, load_adapter, lora_modules, read_adapter_config
 
 log = logging.getLogger(__name__)
 

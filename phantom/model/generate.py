@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from phantom.data.chat import ChatTemplate, end_of_turn_ids, prompt_ids
 from phantom.arch.layers import KVCache
-from phantom.model.phantom_model import PhantomModel
+from phantom.data.chat import ChatTemplate, end_of_turn_ids, prompt_ids
 from phantom.data.tokenizer import Tokenizer
+from phantom.model.phantom_model import PhantomModel
 
 
 def next_logits(model: PhantomModel, tokens: torch.Tensor, caches: list[KVCache], pos: int) -> torch.Tensor:

@@ -9,10 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from phantom.arch.layers import rms_norm, softcap
+from phantom.data.special_tokens import IGNORE_INDEX
 from phantom.stream.memory import free_device_bytes
 from phantom.stream.placement import LOSS_BYTES_PER_LOGIT, loss_budget
-from phantom.data.special_tokens import IGNORE_INDEX
-
 
 
 class ChunkedHeadLoss(torch.autograd.Function):

@@ -22,13 +22,12 @@ from safetensors.torch import load_file
 from phantom.arch.config import ModelConfig
 from phantom.arch.family import family
 from phantom.arch.layers import LoraLinear, permute_for_hf, permute_from_hf
-from phantom.stream.placement import knob
 from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write_json
-from phantom.files.storeformat import safe_join
-from phantom.files.tensorfile import StoreError
 from phantom.data.special_tokens import nested_repeat
-from phantom.files.tensorfile import read_header, write_safetensors
+from phantom.files.storeformat import safe_join
+from phantom.files.tensorfile import StoreError, read_header, write_safetensors
+from phantom.stream.placement import knob
 
 log = logging.getLogger(__name__)
 

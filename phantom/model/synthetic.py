@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from phantom.base import provenance, safejson
-from phantom.data.chat import TINY_CHAT_TEMPLATE
 from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes, preset
 from phantom.arch.quantformat import QuantFormat
-from phantom.files.storewriter import StoreWriter
+from phantom.base import provenance, safejson
+from phantom.data.chat import TINY_CHAT_TEMPLATE
 from phantom.data.tokenizer import train_tiny_tokenizer
+from phantom.files.storewriter import StoreWriter
 from phantom.model.convert import keep_tokenizer_files
 
 log = logging.getLogger(__name__)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from phantom.base import dtypes
 from phantom.arch.config import ModelConfig, block_tensor_shapes
+from phantom.arch.quantformat import QuantFormat, as_format, block_nbytes
+from phantom.base import dtypes
 from phantom.stream import placement as P
 from phantom.stream import tiers as T
-from phantom.arch.quantformat import QuantFormat, as_format, block_nbytes
 
 GB = 1e9
 

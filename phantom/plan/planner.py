@@ -7,8 +7,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from phantom.plan.costinputs import MachineProfile, Shape
-from phantom.plan.costmodel import (MARGIN, Prediction, align, device_memory, gib, host_memory, kept_blocks, layout,
-                                    predict)
+from phantom.plan.costmodel import (
+    MARGIN,
+    Prediction,
+    align,
+    device_memory,
+    gib,
+    host_memory,
+    kept_blocks,
+    layout,
+    predict,
+)
 from phantom.stream.placement import Activations, Placement
 
 PREFETCH = (0, 1, 2, 3, 4, 6, 8)

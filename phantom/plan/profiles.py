@@ -26,21 +26,22 @@ from pathlib import Path
 
 import torch
 
-from phantom.plan import costinputs as ci, planner
-from phantom.base import dtypes, safejson
 from phantom.arch import quant
-from phantom.stream import placement as P
-from phantom.model.synthetic import write_synthetic
-from phantom.model.heads import ChunkedHeadLoss
-from phantom.model.phantom_model import PhantomModel
-from phantom.stream.executor import WeightHandles
 from phantom.arch.quantformat import as_format
-from phantom.stream.hostmem import HostBuffer
-from phantom.stream.memory import free_device_bytes, free_host_bytes
-from phantom.files.directio import readinto_exact
+from phantom.base import dtypes, safejson
 from phantom.base.fileio import atomic_write_json
+from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name, parse_dtype
+from phantom.model.heads import ChunkedHeadLoss
+from phantom.model.phantom_model import PhantomModel
+from phantom.model.synthetic import write_synthetic
+from phantom.plan import costinputs as ci
+from phantom.plan import planner
+from phantom.stream import placement as P
+from phantom.stream.executor import WeightHandles
+from phantom.stream.hostmem import HostBuffer
+from phantom.stream.memory import free_device_bytes, free_host_bytes
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,16 @@ from pathlib import Path
 
 import torch
 
-from phantom.plan import costinputs as ci, costmodel as cm, planner, profiles
-from phantom.base import dtypes, fileio
-from phantom.stream import placement as P
-from phantom.model.synthetic import write_synthetic
-from phantom.model.phantom_model import PhantomModel
 from phantom.arch.quantformat import as_format
+from phantom.base import dtypes, fileio
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import parse_dtype
+from phantom.model.phantom_model import PhantomModel
+from phantom.model.synthetic import write_synthetic
+from phantom.plan import costinputs as ci
+from phantom.plan import costmodel as cm
+from phantom.plan import planner, profiles
+from phantom.stream import placement as P
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ import time
 import torch
 
 from phantom.base import faults
+from phantom.files.store import BlockStore
 from phantom.stream import tiers as T
 from phantom.stream.experts import ExpertLayout, ExpertReads
 from phantom.stream.placement import Placement
 from phantom.stream.residency import Residency, resolve_layout
-from phantom.files.store import BlockStore
 from phantom.stream.trace import Metrics, Tracer
 from phantom.stream.transfer import Slot, transfer_for
 from phantom.stream.writeback import WriteBackQueue

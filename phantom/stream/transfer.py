@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from phantom.arch import quant
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import DATA_ALIGN, packed_views
 from phantom.stream.experts import ExpertLayout
 from phantom.stream.hostmem import HostBuffer
 from phantom.stream.tiers import Held
-from phantom.files.store import BlockStore
-from phantom.files.tensorfile import DATA_ALIGN, packed_views
 from phantom.stream.trace import LoadStats, Tracer
 
 

@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 
 from phantom.base import fileio, safejson
 from phantom.files import runfolder, seal
-from phantom.files.workingcopy import link_tree
 from phantom.files.tensorfile import write_safetensors
+from phantom.files.workingcopy import link_tree
 
 log = logging.getLogger(__name__)
 

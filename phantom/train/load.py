@@ -9,8 +9,8 @@ import torch
 
 from phantom.arch.config import PRESETS
 from phantom.files.store import BlockStore
-from phantom.files.workingcopy import clone_store
 from phantom.files.tensorfile import parse_dtype
+from phantom.files.workingcopy import clone_store
 from phantom.model import fullmode, hub
 from phantom.model.lora import LoraConfig
 from phantom.model.phantom_model import MODES, PhantomModel

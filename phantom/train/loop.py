@@ -25,15 +25,28 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from phantom.data import batches as B, dataset as D
-from phantom.train import dist as pdist
 from phantom.base import faults, fileio
-from phantom.train.checkpoint import (check_free_space, find_checkpoint, planned_bytes, restore, run_identity,
-                                save_checkpoint)
-from phantom.model.export import write_tokenizer_files
+from phantom.data import batches as B
+from phantom.data import dataset as D
 from phantom.model.backends import default_keep_budget
-from phantom.train.preference import REFERENCE_FILE, PairRows, Preference, cached_reference, compute_reference, \
-    reference_key
+from phantom.model.export import write_tokenizer_files
+from phantom.train import dist as pdist
+from phantom.train.checkpoint import (
+    check_free_space,
+    find_checkpoint,
+    planned_bytes,
+    restore,
+    run_identity,
+    save_checkpoint,
+)
+from phantom.train.preference import (
+    REFERENCE_FILE,
+    PairRows,
+    Preference,
+    cached_reference,
+    compute_reference,
+    reference_key,
+)
 from phantom.train.records import describe_eval, preference_postfix, read_metrics, tier_metrics, tier_postfix, to_json
 from phantom.train.step import evaluate_with, sample, train_step
 from phantom.train.trainconfig import TrainConfig, make_optimizer, make_scheduler

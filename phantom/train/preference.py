@@ -22,13 +22,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 from torch.utils.data import Dataset
 
-from phantom.data import chat
+from phantom.arch.layers import lora_disabled
 from phantom.base import fileio
 from phantom.base.safejson import read_records
-from phantom.data import dataset as D, recordformats
-from phantom.arch.layers import lora_disabled
-from phantom.stream.placement import knob
+from phantom.data import chat, recordformats
+from phantom.data import dataset as D
 from phantom.data.tokenizer import TINY_TEXT, Tokenizer
+from phantom.stream.placement import knob
 
 log = logging.getLogger(__name__)
 

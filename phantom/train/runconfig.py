@@ -20,10 +20,10 @@ import typing
 from dataclasses import dataclass, field
 
 from phantom.data import chat
-from phantom.train import cli, runfile, trackers
 from phantom.data.tokenfiles import TOKEN_DTYPES
 from phantom.model.lora import LoraConfig
 from phantom.stream.placement import Activations, Placement, knob
+from phantom.train import cli, runfile, trackers
 from phantom.train.preference import PreferenceConfig
 from phantom.train.trainconfig import TrainConfig
 

@@ -19,25 +19,27 @@ from pathlib import Path
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from phantom.data import batches, chat, dataset as data, recordformats, showdata, tokenfiles
-from phantom.train import cli, preference, runcard, runfile, trackers
+from phantom.arch.config import PRESETS, preset
 from phantom.base import fileio, provenance
+from phantom.data import batches, chat, recordformats, showdata, tokenfiles
+from phantom.data import dataset as data
+from phantom.data.tokenizer import Tokenizer
 from phantom.files import runfolder
+from phantom.files.store import BlockStore
+from phantom.model.lora import family_targets
+from phantom.model.synthetic import ensure_tiny, write_synthetic
 from phantom.plan import planner
+from phantom.plan.tune import resolve_prefetch
 from phantom.stream import placement as P
+from phantom.stream.optim import AdamWConfig
+from phantom.train import cli, preference, runcard, runfile, trackers
 from phantom.train import runconfig as rc
 from phantom.train.checkpoint import io_error_line, prepare_work_dir, resume_point, store_fingerprint, tracker_runs
-from phantom.model.synthetic import ensure_tiny, write_synthetic
 from phantom.train.dist import init_from_env
-from phantom.model.lora import family_targets
-from phantom.stream.optim import AdamWConfig
-from phantom.files.store import BlockStore
-from phantom.data.tokenizer import Tokenizer
-from phantom.train.load import load as load_phantom, resolve_device, resolve_model, weights_dir
+from phantom.train.load import load as load_phantom
+from phantom.train.load import resolve_device, resolve_model, weights_dir
 from phantom.train.loop import train
 from phantom.train.records import read_metrics
-from phantom.arch.config import PRESETS, preset
-from phantom.plan.tune import resolve_prefetch
 
 SMALL_MODEL = 100_000_000  # parameters: below this a model takes the demo's high rates (a random tiny base)
 DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5,

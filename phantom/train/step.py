@@ -9,7 +9,8 @@ import math
 import torch
 
 from phantom.base import faults
-from phantom.data import batches as B, dataset as D
+from phantom.data import batches as B
+from phantom.data import dataset as D
 from phantom.model.generate import generate
 from phantom.train import dist as pdist
 from phantom.train.trainconfig import TrainConfig

@@ -16,7 +16,6 @@ import phantom.stream.optim
 from phantom.arch.config import block_tensor_shapes
 from phantom.files.store import BlockStore
 
-
 MODES = {  # name -> load arguments
     "resident": dict(offload="none"),
     "ram": dict(offload="ram"),

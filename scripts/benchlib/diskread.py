@@ -15,16 +15,16 @@ from pathlib import Path
 import torch
 
 import phantom
-from phantom.plan import costinputs as ci, costmodel as cm
 import phantom.base.checksum
-import phantom.files.directio
 import phantom.base.fileio
+import phantom.files.directio
 import phantom.files.storeformat
 import phantom.files.workingcopy
+from benchlib.common import lora_steps, machine, shell
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
-
-from benchlib.common import lora_steps, machine, shell
+from phantom.plan import costinputs as ci
+from phantom.plan import costmodel as cm
 
 
 def raw_read_gbps(store: BlockStore, threads: int, chunk: int, huge: bool = True) -> float:
@@ -32,8 +32,9 @@ def raw_read_gbps(store: BlockStore, threads: int, chunk: int, huge: bool = True
     bytes in flight, no checksum and no scheduler. Only the 4 KiB-aligned part of each block is read,
     into fresh memory as the tier's HostBuffers (huge pages), or with huge=False into 4 KiB pages."""
     from concurrent.futures import ThreadPoolExecutor
-    from phantom.stream.hostmem import HostBuffer, aligned_memory
+
     from phantom.files.tensorfile import DATA_ALIGN
+    from phantom.stream.hostmem import HostBuffer, aligned_memory
     sizes = [e.nbytes // DATA_ALIGN * DATA_ALIGN for e in store.blocks]
     # fresh memory, as a tier pass's fresh slots
     host = HostBuffer(sum(sizes), pin=False).tensor if huge else aligned_memory(sum(sizes))

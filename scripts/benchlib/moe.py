@@ -16,7 +16,8 @@ from phantom.arch.config import PRESETS
 from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
 from phantom.model.synthetic import write_synthetic
-from phantom.plan import costinputs as ci, profiles
+from phantom.plan import costinputs as ci
+from phantom.plan import profiles
 from phantom.plan.costexperts import predict_expert_reads
 from phantom.stream.hostmem import HostBuffer
 from phantom.stream.placement import Activations, Placement

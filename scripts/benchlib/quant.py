@@ -9,12 +9,12 @@ import time
 import torch
 
 import phantom
-from phantom.plan import costinputs as ci, costmodel as cm
-from phantom.plan import profiles
+from benchlib.common import lora_steps, machine, shell
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
-
-from benchlib.common import lora_steps, machine, shell
+from phantom.plan import costinputs as ci
+from phantom.plan import costmodel as cm
+from phantom.plan import profiles
 
 
 def quant_steps(store: BlockStore, placement, rows: int, seq: int, args) -> dict:
@@ -30,8 +30,8 @@ def quant_bench(args, store: BlockStore) -> str:
     The cost model's profile is measured once on the bf16 store (a full profiles.measure: disk, compute); each
     quantized store adds its own measured dequantization rate (profiles.measure_dequant: the loader's work).
     """
-    from phantom.model.quantstore import quantize_store
     from phantom.arch.quantformat import QuantFormat
+    from phantom.model.quantstore import quantize_store
     if store.dtype.itemsize != 2 or store.quant is not None:
         print("error: --modes quant needs a 16-bit store to quantize (--dtype bf16)", file=sys.stderr)
         sys.exit(2)

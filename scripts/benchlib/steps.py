@@ -15,16 +15,16 @@ from pathlib import Path
 import torch
 
 import phantom
-import phantom.stream.optim
 import phantom.files.workingcopy
-from phantom.plan import costinputs as ci, costmodel as cm
-from phantom.stream.placement import parse_bytes, split_knobs
-from phantom.train.preference import Preference, PreferenceConfig
-from phantom.files.store import BlockStore
-from phantom.files.tensorfile import dtype_name
-
+import phantom.stream.optim
 from benchlib.common import MODES, PEERS, free_port, machine, process_cpu_s, step_flops
 from benchlib.measure import peak_rss_gb
+from phantom.files.store import BlockStore
+from phantom.files.tensorfile import dtype_name
+from phantom.plan import costinputs as ci
+from phantom.plan import costmodel as cm
+from phantom.stream.placement import parse_bytes, split_knobs
+from phantom.train.preference import Preference, PreferenceConfig
 
 BENCH = Path(__file__).resolve().parent.parent / "bench.py"  # the workers run the entry point
 

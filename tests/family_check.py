@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 import phantom
 from phantom.arch.config import PRESETS
+from phantom.arch.quantformat import QuantFormat
 from phantom.model.export import export, to_hf
 from phantom.model.lora import TARGETS, adapted_modules
 from phantom.files.store import BlockStore
+from phantom.model.quantstore import quantize_store
 from phantom.model.synthetic import write_synthetic
 from conftest import need
 from test_convert import load_script
@@ -141,6 +143,23 @@ def synthetic_preset_loss(name: str, root, **fields) -> torch.Tensor:
         loss = pm(torch.randint(0, 97, (1, 24)), targets=torch.randint(0, 97, (1, 24)))
         loss.backward()
     return loss.detach()
+
+
+def check_quantized(store, root, method: str):
+    """A quantized copy of store (method "nf4" or "int8", the rest bfloat16) in root / "q": its streamed logits, from
+    disk and RAM, equal transformers' on the weights it dequantizes to (its --format hf export) within 1e-5.
+    Returns the copy's folder."""
+    quantize_store(store, root / "q", QuantFormat(method), dtype=torch.bfloat16, progress=False)
+    out = export(root / "q", root / "hf", None, "hf", dtype=torch.float32, progress=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens, _ = batch()
+    with torch.no_grad():
+        ref = reference(tokens).logits
+    for offload in ("disk", "ram"):
+        with phantom.load(root / "q", offload=offload, prefetch=1, lora=None, dtype=torch.float32) as pm:
+            with torch.no_grad():
+                assert rel_err(pm(tokens), ref) < 1e-5, offload
+    return root / "q"
 
 
 def make(name: str, **changes):

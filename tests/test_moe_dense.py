@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import phantom
-from family_check import (MOE, SHAPES, batch, check_full_step, check_logits, check_lora, check_merged_export, hf_model,
-                          prepare, rel_err)
+from family_check import (MOE, SHAPES, batch, check_full_step, check_logits, check_lora, check_merged_export,
+                          check_quantized, hf_model, prepare, rel_err)
 from family_check import transformers
 from phantom.arch.family import ConfigError, config_from_hf
 from phantom.files.store import BlockStore
@@ -109,20 +109,8 @@ def test_mlp_only_layers_and_decoder_sparse_step_are_modelled():
 def test_a_quantized_store_with_dense_layers_equals_transformers_on_its_weights(dense_models, method, tmp_path):
     """NF4 / int8 copies of a store with dense layers: each block dequantized in its own layout, the
     streamed logits equal transformers' on the dequantized weights (the --format hf export)."""
-    from phantom.arch.quantformat import QuantFormat
-    from phantom.model.export import export
-    from phantom.model.quantstore import quantize_store
     _, store = dense_models("qwen2_moe-mlp_only")
-    quantize_store(store, tmp_path / "q", QuantFormat(method), dtype=torch.bfloat16, progress=False)
-    out = export(tmp_path / "q", tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    tokens, _ = batch()
-    with torch.no_grad():
-        ref = reference(tokens).logits
-    for offload in ("disk", "ram"):
-        with phantom.load(tmp_path / "q", offload=offload, prefetch=1, lora=None, dtype=torch.float32) as pm:
-            with torch.no_grad():
-                assert rel_err(pm(tokens), ref) < 1e-5, offload
+    check_quantized(store, tmp_path, method)
 
 
 @pytest.mark.parametrize("method,double_quant", [("nf4", True), ("nf4", False), ("int8", True)])

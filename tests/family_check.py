@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 import phantom
 from phantom.arch.config import PRESETS
@@ -160,6 +161,25 @@ def check_quantized(store, root, method: str):
             with torch.no_grad():
                 assert rel_err(pm(tokens), ref) < 1e-5, offload
     return root / "q"
+
+
+def save_fused(model, root):
+    """transformers 5's own layout: the modules' state_dict (3-D gate_up_proj and down_proj per sparse layer)."""
+    root.mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") and v.dim() == 3 for k, v in state.items())
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(root)
+
+
+def check_converts_to(src, store, out, link: bool = False):
+    """scripts/prepare_model.py from src to out (read in place with link) gives store's blocks, tensor for tensor."""
+    args = ["--src", str(src), "--out", str(out), "--quiet"] + (["--link"] if link else [])
+    assert load_script("prepare_model").main(args) == 0
+    ours, theirs = BlockStore(out), BlockStore(store)
+    for i in range(ours.n_blocks):
+        a, b = ours.load_block(i), theirs.load_block(i)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def make(name: str, **changes):

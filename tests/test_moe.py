@@ -14,11 +14,10 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import phantom
-from family_check import (CASES, batch, check_logits, check_quantized, cross_entropy, make, prepare, rel_err,
-                          synthetic_preset_loss, transformers)
+from family_check import (CASES, batch, check_converts_to, check_logits, check_quantized, cross_entropy, make, prepare,
+                          rel_err, save_fused, synthetic_preset_loss, transformers)
 from phantom.arch.config import PRESETS, ModelConfig
 from phantom.model.export import export
 from phantom.arch.moe import load_balancing_loss, mix, route
@@ -44,15 +43,6 @@ def test_the_experts_and_the_shared_expert_matter(family_models):
             assert rel_err(other(tokens).logits, model(tokens).logits) > 1e-3, name
 
 
-def save_fused(model, root):
-    """transformers 5's own layout: the modules' state_dict (3-D gate_up_proj and down_proj per layer)."""
-    root.mkdir(parents=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    assert any(k.endswith("mlp.experts.gate_up_proj") and v.dim() == 3 for k, v in state.items())
-    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
-    model.config.save_pretrained(root)
-
-
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("link", [False, True])
 def test_the_fused_expert_layout_converts_to_the_same_model(family_models, name, link, tmp_path):
@@ -60,13 +50,7 @@ def test_the_fused_expert_layout_converts_to_the_same_model(family_models, name,
     place, as rows of the 3-D tensors (only q and k and their biases, whose rows are permuted, are copied)."""
     model, store = family_models(name)
     save_fused(model, tmp_path / "hf")
-    args = ["--src", str(tmp_path / "hf"), "--out", str(tmp_path / "store"), "--quiet"] + (["--link"] if link else [])
-    from test_convert import load_script
-    assert load_script("prepare_model").main(args) == 0
-    ours, theirs = BlockStore(tmp_path / "store"), BlockStore(store)
-    for i in range(ours.n_blocks):
-        a, b = ours.load_block(i), theirs.load_block(i)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    check_converts_to(tmp_path / "hf", store, tmp_path / "store", link)
     if link:
         linked = json.loads((tmp_path / "store" / "manifest.json").read_text())["links"]["files"]
         copied = {t["name"] for t in linked["blocks/000.safetensors"]["tensors"] if ".local." in t["file"]}

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import phantom
-from family_check import (MOE, SHAPES, batch, check_full_step, check_logits, check_lora, check_merged_export,
-                          check_quantized, hf_model, prepare, rel_err)
+from family_check import (MOE, SHAPES, batch, check_converts_to, check_full_step, check_logits, check_lora,
+                          check_merged_export, check_quantized, hf_model, prepare, rel_err, save_fused)
 from family_check import transformers
 from phantom.arch.family import ConfigError, config_from_hf
 from phantom.files.store import BlockStore
@@ -194,20 +194,11 @@ def test_dense_layers_full_step_matches_adamw_resident_and_streamed(dense_models
 def test_the_fused_expert_layout_with_dense_layers_converts_to_the_same_store(dense_models, link, tmp_path):
     """transformers 5's 3-D expert tensors (its modules' state_dict) with layer 0 dense convert to the same
     blocks as save_pretrained's files; linked, each expert's range is the one the copied store records."""
-    from safetensors.torch import save_file
-    from test_convert import load_script
     model, store = dense_models("qwen3_moe-mlp_only")
-    (tmp_path / "hf").mkdir()
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = model.state_dict()
     assert "model.layers.1.mlp.experts.gate_up_proj" in state and "model.layers.0.mlp.gate_proj.weight" in state
-    save_file(state, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    model.config.save_pretrained(tmp_path / "hf")
-    args = ["--src", str(tmp_path / "hf"), "--out", str(tmp_path / "store"), "--quiet"] + (["--link"] if link else [])
-    assert load_script("prepare_model").main(args) == 0
-    ours, theirs = BlockStore(tmp_path / "store"), BlockStore(store)
-    for i in range(ours.n_blocks):
-        a, b = ours.load_block(i), theirs.load_block(i)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    save_fused(model, tmp_path / "hf")
+    check_converts_to(tmp_path / "hf", store, tmp_path / "store", link)
     manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
     files = manifest["links"]["files"] if link else manifest["files"]
     written = json.loads((store / "manifest.json").read_text())["files"]

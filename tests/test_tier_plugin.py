@@ -193,6 +193,14 @@ def test_the_cost_model_plans_a_registered_tier_from_its_declared_latency(store,
     assert 0 <= held.host_bytes - on_disk.host_bytes - CFG.n_layers * block < 4096  # the objects' memory
 
 
+def test_full_finetuning_refuses_a_tier_that_cannot_take_updates_when_it_opens(store, objstore, tmp_path):
+    """The object store has no Held.update: a full run is refused before its first step, not at its
+    first update, and the tier's loader threads are stopped."""
+    with pytest.raises(ValueError, match=f"the {NAME} tier cannot take updated weights"):
+        phantom.load(store, offload=NAME, mode="full", work_dir=tmp_path / "work")
+    assert objstore.gets == 0  # nothing was read for a run that cannot go on
+
+
 def test_an_unregistered_tier_is_refused(store):
     with pytest.raises(ValueError, match="offload must be one of"):
         Placement(offload=NAME)

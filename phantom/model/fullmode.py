@@ -17,6 +17,7 @@ from phantom.stream.memory import free_device_bytes, free_host_bytes
 from phantom.stream.optim import AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient, state_tier
 from phantom.stream.placement import Activations, Placement
 from phantom.stream.scheduler import BlockScheduler
+from phantom.stream.tiers import Held
 
 
 def refuse_frozen(store: BlockStore) -> None:
@@ -53,6 +54,10 @@ def block_updates(cfg: ModelConfig, optim: AdamWConfig, scheduler: BlockSchedule
     disk in the folder `optim` beside the store's) and the component that runs their updates beside the
     backward."""
     device, store = scheduler.device, scheduler.store
+    frozen = sorted(name for name, held in scheduler.residency.held.items() if type(held).update is Held.update)
+    if frozen:  # refused when the run opens, not at the first update
+        raise ValueError(f"full finetuning writes every block back: the {', '.join(frozen)} tier cannot take "
+                         f"updated weights (Held.update); place the blocks in ram or disk")
     share = {i: cfg.block_params(i) / cfg.n_params() for i in range(cfg.n_layers)}  # each block its own size
     state_bytes = 12 * sum(cfg.block_params(i) for i in range(cfg.n_layers))
     tier = state_tier(optim.state, device, state_bytes, free_device_bytes(device), free_host_bytes())

@@ -277,7 +277,3 @@ class BlockStore:
 
     def write_embed(self, tensors: dict[str, torch.Tensor]) -> None:
         self.embed = workingcopy.rewrite(self, "embed.safetensors", tensors)
-
-    def set_fields(self, **fields) -> None:
-        """Record fields (e.g. the training step) in the manifest, atomically."""
-        workingcopy.set_fields(self, **fields)

@@ -3,8 +3,8 @@ because a store is only ever read, except this one way: a copy made of hard link
 changes), whose files are each replaced whole by rename with the manifest updated after, so the
 original is never touched and a crash leaves the old file or the new one, never a mix.
 
-The rewrite is reached through the open store (BlockStore.write_block, write_head, write_embed,
-set_fields), which passes itself here.
+The rewrite is reached through the open store (BlockStore.write_block, write_head, write_embed),
+which passes itself here.
 """
 from __future__ import annotations
 
@@ -80,10 +80,3 @@ def rewrite(store, rel: str, tensors: dict[str, torch.Tensor]) -> FileEntry:
         store.checks.mark(old.path)
     return FileEntry(old.path, old.specs, read_header(old.path)[1], old.nbytes, info["sha256"],
                      crc=crc_record(store.path / MANIFEST, rel, info, old.nbytes, header=True))
-
-
-def set_fields(store, **fields) -> None:
-    """Record fields (e.g. the training step) in an open store's manifest, atomically."""
-    with store.manifest_lock:
-        store.manifest.update(fields)
-        atomic_write_json(store.path / MANIFEST, store.manifest)

@@ -33,7 +33,7 @@ from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
 from phantom.model.checkpoints import part_shapes, release_pages
 from phantom.model.convert import tokenizer_files
-from phantom.model.lora import TARGETS, apply_lora, for_family, load_adapter, lora_modules, read_adapter_config
+from phantom.model.lora import apply_lora, for_family, load_adapter, read_adapter_config
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,13 @@ def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLi
     lora_cfg = for_family(read_adapter_config(adapter), cfg)
     layers = nn.ModuleList(TransformerBlock(cfg, device="meta", layer=i) for i in range(cfg.n_layers))
     for i, block in enumerate(layers):
-        apply_lora(block, lora_cfg, i)
-    load_adapter(layers, cfg, adapter)  # checks names and shapes; un-permutes q/k's lora_B
+        apply_lora(block, lora_cfg, i, experts=bool(cfg.n_experts))
+    load_adapter(layers, cfg, adapter)  # checks names and shapes; un-permutes q/k's lora_B; unstacks experts
     loras: dict[int, dict[str, LoraLinear]] = {}
-    for (i, t), m in lora_modules(layers).items():
-        loras.setdefault(i, {})[f"{TARGETS[t][0]}.weight"] = m
+    for i, block in enumerate(layers):  # each expert's own LoRA too (feed_forward.experts.E.w1.weight)
+        for name, m in block.named_modules():
+            if isinstance(m, LoraLinear):
+                loras.setdefault(i, {})[f"{name}.weight"] = m
     return loras
 
 

@@ -4,7 +4,9 @@ PEFT's files describe the family's Hugging Face model, whose q/k rows are permut
 Meta's layout that phantom keeps; lora_B of q and k is permuted on the way out and back on the way
 in, so the adapter is correct for the HF model that `peft` loads it onto. Where the family's
 checkpoint fuses projections (Phi-3's qkv_proj, gate_up_proj) peft puts one LoRA on the fused
-module: phantom's parts of it then share one A, each with its rows of B.
+module: phantom's parts of it then share one A, each with its rows of B. On a mixture of experts the MLP
+targets are its experts, as peft's target_parameters adapts transformers 5's stacked expert tensors
+(phantom.arch.expertlora: one LoraLinear per expert, saved and loaded in peft's stacked layout).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 from phantom.arch.config import ModelConfig
+from phantom.arch.expertlora import (EXPERT_PARAMS, apply_expert_lora, expert_loras, peft_parameter, peft_wrappers,
+                                     stacked, target_of, unstack_into)
 from phantom.arch.family import family
 from phantom.arch.layers import LoraLinear, permute_for_hf, permute_from_hf
 from phantom.base import fileio, safejson
@@ -43,6 +47,7 @@ TARGETS = {
 }
 # a module some families' checkpoints fuse (phantom.arch.family.Family.fused) -> the targets it holds, in row order
 GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+ALL_LINEAR = ("all-linear",)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -56,9 +61,10 @@ class LoraConfig:
         alpha: the update is scaled by alpha / rank.
         dropout: dropout on the LoRA branch's input (replayed exactly in the recompute).
         targets: any of q, k, v, o, gate, up, down, qkv (q, k, v), gate_up (gate, up), or ("all-linear",):
-            every one (peft's all-linear: each projection of every block, not the head). On a family whose
-            checkpoint fuses q, k, v (or gate, up) into one module, naming any of them targets the module
-            (see for_family).
+            every one (peft's all-linear: each projection of every block, not the head; refused on a mixture
+            of experts). On a family whose checkpoint fuses q, k, v (or gate, up) into one module, naming any
+            of them targets the module (see for_family); on a mixture of experts gate, up and down are its
+            experts (gate and up: each expert's one LoRA on gate_up_proj), as peft's target_parameters.
         seed: seeds the init of A, per layer, so two models built alike start alike.
         rslora: scale by alpha / sqrt(rank) instead (peft's use_rslora).
         rank_pattern, alpha_pattern: (regex, value) pairs, in order: a module whose peft name
@@ -72,7 +78,9 @@ class LoraConfig:
     dropout: float = knob(0.0, "dropout on the LoRA branch's input, replayed exactly in the recompute")
     targets: tuple[str, ...] = knob(("q", "v"), "comma-separated projections: q,k,v,o,gate,up,down (qkv, gate_up: "
                                                 "those together), or all-linear (every one, as peft's all-linear); "
-                                                "on Phi-3 any of q,k,v is its fused qkv_proj, as peft has it",
+                                                "on Phi-3 any of q,k,v is its fused qkv_proj, as peft has it; on a "
+                                                "mixture of experts gate,up,down are its experts (gate_up_proj, "
+                                                "down_proj, as peft's target_parameters)",
                                     type="csv")
     seed: int = knob(0, "", cli=False)  # a run seeds its LoRA with its --seed (RunConfig)
     rslora: bool = knob(False, "", cli=False)  # the patterns and layers come from adapter_config.json files
@@ -81,9 +89,8 @@ class LoraConfig:
     layers: tuple[int, ...] | None = knob(None, "", cli=False)
 
     def __post_init__(self):
-        if tuple(self.targets) == ("all-linear",):
-            object.__setattr__(self, "targets", tuple(TARGETS))
-        bad = [t for t in self.targets if t not in TARGETS and t not in GROUPS]
+        object.__setattr__(self, "targets", tuple(self.targets))  # all-linear: expanded by family_targets
+        bad = [t for t in self.targets if t not in TARGETS and t not in GROUPS] if self.targets != ALL_LINEAR else []
         if bad:
             raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join([*TARGETS, *GROUPS])} or all-linear")
         for name in ("rank_pattern", "alpha_pattern"):  # JSON and YAML give dicts and lists
@@ -128,7 +135,11 @@ def _pattern_value(patterns: tuple, key: str, default):
 
 def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     """The family's LoRA-able modules as peft sees them: short name -> (HF module inside a layer, the
-    targets it holds). A tensor the checkpoint fuses is one module (Phi-3: qkv -> self_attn.qkv_proj)."""
+    targets it holds). A tensor the checkpoint fuses is one module (Phi-3: qkv -> self_attn.qkv_proj); a
+    mixture of experts' MLP is its experts' stacked tensors (gate_up -> mlp.experts.gate_up_proj)."""
+    if cfg.n_experts:
+        return {**{t: (TARGETS[t][1], (t,)) for t in ("q", "k", "v", "o")},
+                **{t: (peft_parameter(t), GROUPS.get(t, (t,))) for t in EXPERT_PARAMS}}
     by_weight = {f"{path}.weight": t for t, (path, _) in TARGETS.items()}
     fused = {}  # first target of a fused module -> (its short name, HF module, its targets)
     for key, names in family(cfg).fused.items():
@@ -148,20 +159,33 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def family_targets(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
     """targets named as the family's modules, in the order given: on Phi-3 any of q, k, v is its fused
-    qkv_proj, which peft gives one LoRA; on a family that keeps them apart, qkv is q, k, v."""
-    owner = {t: m for m, (_, parts) in peft_modules(cfg).items() for t in parts}
+    qkv_proj, which peft gives one LoRA; on a family that keeps them apart, qkv is q, k, v. all-linear is
+    every module, and refused on a mixture of experts (ValueError)."""
+    modules = peft_modules(cfg)
+    if tuple(targets) == ALL_LINEAR:
+        if cfg.n_experts:
+            raise ValueError("LoRA targets all-linear: on a mixture of experts peft (0.21, transformers 5) turns it "
+                             "into a LoRA on the routers (gate.weight) and on gate_up_proj at twice the rank; name "
+                             "the targets instead (q,k,v,o,gate,up,down: the experts as peft's target_parameters)")
+        return tuple(modules)
+    owner = {t: m for m, (_, parts) in modules.items() for t in parts}
     return tuple(dict.fromkeys(owner[t] for name in targets for t in GROUPS.get(name, (name,))))
 
 
 def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     """lora with its targets as family_targets names them (logged where that adds a projection). On a
-    mixture of experts only attention projections take a LoRA (routers and experts stay frozen)."""
-    if cfg.n_experts and (mlp := [t for t in lora.targets if t not in ("q", "k", "v", "o", "qkv")]):
-        raise ValueError(f"LoRA targets {', '.join(mlp)}: a mixture of experts takes LoRA on its attention "
-                         f"projections only (q, k, v, o); its router and experts stay frozen")
+    mixture of experts the MLP targets are its experts (routers stay frozen), without what peft's
+    target_parameters LoRA cannot do: dropout, and layers (peft applies layers_to_transform to modules only)."""
     modules = peft_modules(cfg)
-    wanted = [t for name in lora.targets for t in GROUPS.get(name, (name,))]
     targets = family_targets(lora.targets, cfg)
+    wanted = [t for name in (targets if lora.targets == ALL_LINEAR else lora.targets) for t in GROUPS.get(name, (name,))]
+    if cfg.n_experts and (experts := [peft_parameter(t) for t in targets if t in EXPERT_PARAMS]):
+        if lora.dropout:
+            raise ValueError(f"LoRA dropout {lora.dropout:g} on {', '.join(experts)}: peft's LoRA on expert tensors "
+                             f"(target_parameters) has no dropout; use dropout 0 or attention targets only")
+        if lora.layers is not None:
+            raise ValueError(f"LoRA layers {list(lora.layers)} with {', '.join(experts)}: peft applies "
+                             f"layers_to_transform to target_modules only, every layer's experts would take a LoRA")
     added = [t for m in targets for t in modules[m][1] if t not in wanted]
     if added:
         fused = "; ".join(f"{modules[m][0].rsplit('.', 1)[1]} holds {', '.join(modules[m][1])}"
@@ -179,12 +203,18 @@ def hf_module(target: str) -> str:
     return TARGETS[target][1]
 
 
-def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int) -> None:
+def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int, experts: bool = False) -> None:
     """Replace the target linears of one block by LoraLinear (in place); cfg's targets as for_family
     names them, each with the rank and alpha cfg.module_rank gives it. The parts of a fused module
-    (GROUPS) share one A."""
+    (GROUPS) share one A. experts: the model is a mixture of experts, whose MLP targets are its experts
+    (a dense MLP among them, and a shared expert, stay frozen: peft 0.21 on transformers 5 rewrites those
+    names to the experts' tensors)."""
     gen = torch.Generator().manual_seed(cfg.seed * 100003 + layer)
     for target in cfg.targets:
+        if experts and target in EXPERT_PARAMS:
+            if (rank_alpha := cfg.module_rank(layer, peft_parameter(target))) and hasattr(block.feed_forward, "experts"):
+                apply_expert_lora(block.feed_forward, target, *rank_alpha, cfg.rslora, gen)
+            continue
         shared, rank_alpha = None, cfg.module_rank(layer, hf_module(target))
         if rank_alpha is None:
             continue
@@ -241,6 +271,11 @@ def adapter_tensors(layers: nn.ModuleList, cfg: ModelConfig) -> dict[str, torch.
             bs.append(permute_for_hf(b, heads, cfg.rope_dim) if (heads := _hf_heads(cfg, t)) is not None else b)
         out[_peft_key(i, module, "A")] = parts[0][1].lora_A.detach().float().cpu().contiguous()
         out[_peft_key(i, module, "B")] = torch.cat(bs).contiguous()
+    for i, block in enumerate(layers):  # a mixture of experts' experts: peft's stacked layout
+        loras = expert_loras(block)
+        for target, module in peft_wrappers(loras).items():
+            for ab, t in zip("AB", stacked(loras[target])):
+                out[_peft_key(i, module, ab)] = t.float().cpu().contiguous()
     return out
 
 
@@ -258,7 +293,10 @@ def save_adapter(layers: nn.ModuleList, model_cfg: ModelConfig, lora_cfg: LoraCo
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "revision": revision,
         "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
-        "target_modules": sorted(peft_modules(model_cfg)[t][0].split(".")[1] for t in lora_cfg.targets),
+        "target_modules": sorted(peft_modules(model_cfg)[t][0].split(".")[1] for t in lora_cfg.targets
+                                 if not (model_cfg.n_experts and t in EXPERT_PARAMS)),
+        "target_parameters": [peft_parameter(t) for t in EXPERT_PARAMS if model_cfg.n_experts and t in lora_cfg.targets]
+        or None,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "use_dora": False, **peft_fields(lora_cfg),
     })
@@ -274,7 +312,7 @@ def peft_fields(cfg: LoraConfig) -> dict:
 # adapter_config.json fields that change what an adapter computes and that phantom does not model: a
 # value other than a neutral one (NEUTRAL) is refused, naming the field
 UNMODELLED = ("use_dora", "bias", "fan_in_fan_out", "modules_to_save", "lora_bias", "layer_replication",
-              "target_parameters", "trainable_token_indices", "alora_invocation_tokens", "use_qalora",
+              "trainable_token_indices", "alora_invocation_tokens", "use_qalora",
               "exclude_modules", "use_bdlora", "arrow_config", "kasa_config", "monteclora_config")
 NEUTRAL = (None, False, "none", [], {}, "")
 _WEIGHT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight")
@@ -321,24 +359,32 @@ def _lora_config(cpath: Path, c) -> LoraConfig:
     if not isinstance(modules, list) or any(m not in by_hf for m in modules):
         raise StoreError(f"{cpath}: target_modules {modules!r:.80} is not a list of modules phantom adapts "
                          f"({', '.join(by_hf)})")
+    params = c.get("target_parameters") or []
+    if not isinstance(params, list) or any(target_of(t) is None for t in params):
+        raise StoreError(f"{cpath}: target_parameters {params!r:.80} is not a list of expert tensors phantom adapts "
+                         f"({', '.join(peft_parameter(t) for t in EXPERT_PARAMS)})")
     if not isinstance(c.get("use_rslora", False), bool):
         raise StoreError(f"{cpath}: use_rslora {c['use_rslora']!r:.40} is not true or false")
     return LoraConfig(rank=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout") or 0.0,
-                      targets=tuple(by_hf[m] for m in modules), rslora=c.get("use_rslora", False),
+                      targets=tuple(by_hf[m] for m in modules) + tuple(target_of(t) for t in params), rslora=c.get("use_rslora", False),
                       rank_pattern=c.get("rank_pattern") or {}, alpha_pattern=c.get("alpha_pattern") or {},
                       layers=[layers] if type(layers) is int else (layers or None))
 
 
 def check_adapter_ranks(folder: Path, cfg: LoraConfig) -> None:
     """Refuse weights whose lora_A or lora_B do not have the rank cfg gives their module, read from the
-    safetensors header alone (a config claiming r = 10**12 is refused before anything is allocated)."""
+    safetensors header alone (a config claiming r = 10**12 is refused before anything is allocated). An
+    expert tensor's LoRA has rank times the number of experts there."""
     wpath = safe_join(Path(folder), ADAPTER_WEIGHTS)
     if not wpath.is_file():
         raise FileNotFoundError(f"no LoRA weights at {wpath}")
+    wrappers = {m: peft_parameter(t) for t, m in peft_wrappers(cfg.targets).items()}
     for spec in read_header(wpath)[0]:
         key = _WEIGHT_KEY.fullmatch(spec.name)
-        rank_alpha = cfg.module_rank(int(key[1]), key[2]) if key and len(spec.shape) == 2 else None
-        if rank_alpha is not None and spec.shape[key[3] == "B"] != rank_alpha[0]:
+        module = wrappers.get(key[2], key[2]) if key else None
+        rank_alpha = cfg.module_rank(int(key[1]), module) if key and len(spec.shape) == 2 else None
+        got = spec.shape[key[3] == "B"] if rank_alpha is not None else 0
+        if rank_alpha is not None and (got % rank_alpha[0] if key[2] in wrappers else got != rank_alpha[0]):
             raise StoreError(f"{wpath}: {spec.name} has rank {spec.shape[key[3] == 'B']}, but {ADAPTER_CONFIG} gives "
                              f"its module rank {rank_alpha[0]} (r, rank_pattern)")
 
@@ -352,7 +398,10 @@ def load_adapter(layers: nn.ModuleList, cfg: ModelConfig, path: Path) -> None:
         tensors = load_file(str(wpath))
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise StoreError(f"{wpath}: cannot read adapter weights ({e})") from None
-    expected = {_peft_key(i, module, ab) for i, module, _ in adapted_modules(layers, cfg) for ab in "AB"}
+    experts = [(i, t, module, loras[t]) for i, block in enumerate(layers) if (loras := expert_loras(block))
+               for t, module in peft_wrappers(loras).items()]
+    expected = {_peft_key(i, module, ab) for i, module, _ in adapted_modules(layers, cfg) for ab in "AB"} | \
+        {_peft_key(i, module, ab) for i, _, module, _ in experts for ab in "AB"}
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors))[:3], sorted(set(tensors) - expected)[:3]
         raise StoreError(f"{wpath}: adapter does not match the model (missing {missing}, unexpected {extra})")
@@ -368,3 +417,10 @@ def load_adapter(layers: nn.ModuleList, cfg: ModelConfig, path: Path) -> None:
             for (t, m), part in zip(parts, b.split(rows)):
                 m.lora_B.copy_(permute_from_hf(part, heads, cfg.rope_dim) if (heads := _hf_heads(cfg, t)) is not None
                                else part)
+        for i, t, module, parts in experts:
+            a, b = tensors[_peft_key(i, module, "A")], tensors[_peft_key(i, module, "B")]
+            want_a, want_b = (tuple(x.shape) for x in stacked(parts))
+            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                raise StoreError(f"{wpath}: layer {i} {peft_parameter(t)}: shapes {tuple(a.shape)}, {tuple(b.shape)} "
+                                 f"do not match {want_a}, {want_b}")
+            unstack_into(parts, a, b)

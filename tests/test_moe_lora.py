@@ -1,0 +1,286 @@
+"""LoRA on the experts of mixtures of experts, against peft's `target_parameters` LoRA on transformers 5's
+stacked expert tensors (mlp.experts.gate_up_proj and down_proj): gradients (resident, streamed from disk
+and RAM, experts read routed and whole), the adapter both ways through PeftModel, one AdamW step, the
+merged export, and the CLI.
+
+peft's layout is written out here by index, apart from phantom.arch.expertlora: for a tensor (E, out, in),
+lora_A's rows e*r:(e+1)*r are expert e's A and lora_B's columns e, e+E, e+2E, ... expert e's B.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy
+import pytest
+import torch
+
+import phantom
+from family_check import adapted_modules, batch, cross_entropy, lora_grads, make, peft, peft_grads, prepare, rel_err
+from phantom.arch.layers import LoraLinear
+from phantom.model.export import export
+from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
+
+EXPERTS = ("q", "k", "v", "o", "gate", "up", "down")  # attention and the experts
+MODELS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]), "mixtral": dict(num_local_experts=8),
+          "qwen2_moe": {}, "olmoe": {}}
+# (offload, prefetch, recompute, expert_reads): resident, streamed from disk and RAM, experts routed and whole
+RUNS = [("none", 0, "none", "whole"), ("disk", 1, "all", "whole"), ("disk", 0, "none", "routed"),
+        ("ram", 1, "none", "routed"), ("ram", 0, "all", "whole")]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (the transformers model, its store), made once a module (some tests train a copy of the model)."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            model = make(name, **MODELS[name])
+            built[name] = model, prepare(model, tmp_path_factory.mktemp(name))
+        return built[name]
+    return get
+
+
+def few():
+    """Few tokens a step (every target counted), so that some experts of each layer are not hit."""
+    return batch(1, 5)[0], batch(1, 5, seed=1)[0]
+
+
+def peft_expert_keys(block) -> dict[str, tuple[str, list[list[LoraLinear]]]]:
+    """{peft module: (transformers parameter, per expert its LoraLinears in row order)} of a block's experts.
+    peft wraps gate_up_proj first and down_proj around it: where both are adapted gate_up_proj's LoRA is the
+    inner `mlp.experts.base_layer` (read from peft's own adapters in test_a_peft_adapter_loads_into_phantom)."""
+    ffn = block.feed_forward
+    if not hasattr(ffn, "experts") or not isinstance(ffn.experts[0].w2, LoraLinear):
+        return {}
+    return {"mlp.experts.base_layer": ("gate_up_proj", [[x.w1, x.w3] for x in ffn.experts]),
+            "mlp.experts": ("down_proj", [[x.w2] for x in ffn.experts])}
+
+
+def to_peft(parts, get) -> tuple[torch.Tensor, torch.Tensor]:
+    """peft's (lora_A (r*E, in), lora_B (out, r*E)) of one expert tensor, by index."""
+    n, (r, d_in) = len(parts), get(parts[0][0].lora_A).shape
+    b_e = [torch.cat([get(m.lora_B) for m in ms]) for ms in parts]
+    a, b = torch.zeros(r * n, d_in), torch.zeros(b_e[0].shape[0], r * n)
+    for e, ms in enumerate(parts):
+        a[e * r:(e + 1) * r] = get(ms[0].lora_A)
+        b[:, e::n] = b_e[e]  # column j*E + e
+    return a, b
+
+
+def expert_grads(pm) -> dict:
+    """{(layer, peft module): (A's gradient, B's)} of the experts, in peft's layout, and of attention."""
+    out = lora_grads(pm)
+    for i, block in enumerate(pm.layers):
+        for module, (_, parts) in peft_expert_keys(block).items():
+            out[(i, module)] = to_peft(parts, lambda p: p.grad)
+    return out
+
+
+def randomize(pm, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in pm.trainable_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def phantom_step(store, tokens, targets, adapter_dir=None, lora_targets=EXPERTS, **knobs):
+    with phantom.load(store, lora=phantom.LoraConfig(rank=4, alpha=8, targets=lora_targets), loss_chunk=7,
+                      verify="none", **knobs) as pm:
+        randomize(pm)
+        with torch.no_grad():
+            logits = pm(tokens)
+        if adapter_dir is not None:
+            pm.save_adapter(adapter_dir)
+        loss = pm(tokens, targets=targets)
+        loss.backward()
+        return logits, loss.detach(), expert_grads(pm)
+
+
+def peft_reference(model, adapter, tokens, targets):
+    pmodel = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True).eval()
+    try:
+        logits = pmodel(tokens).logits
+        loss = cross_entropy(logits, targets)
+        loss.backward()
+        return logits.detach(), loss.detach(), peft_grads(pmodel)
+    finally:  # the module's model is shared: leave it as it was
+        pmodel.unload()
+        for p in model.parameters():
+            p.grad = None
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+def test_expert_lora_gradients_equal_peft_target_parameters(models, name, tmp_path, ram_streams):
+    """LoRA on attention and experts: logits within 1e-5 of peft's, loss, and every A and B gradient within
+    1e-4, resident and streamed from disk and RAM, experts read routed and whole; unhit experts' gradients
+    are zeros in both (Qwen3-MoE's dense layer 1 and Qwen2-MoE's shared expert take no LoRA, as in peft)."""
+    model, store = models(name)
+    tokens, targets = few()
+    adapter = tmp_path / "adapter"
+    phantom_step(store, tokens, targets, adapter, offload="none")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    ref_logits, ref_loss, ref_grads = peft_reference(model, adapter, tokens, targets)
+    runs = RUNS if name in ("qwen3_moe", "mixtral") else RUNS[:2]
+    unhit = [(k, e) for k, (ga, _) in ref_grads.items() if "experts" in k[1]
+             for e, rows in enumerate(ga.unflatten(0, (-1, 4))) if not rows.any()]
+    assert unhit or runs == RUNS[:2]  # some experts are not hit: their gradients are zeros
+    for offload, prefetch, recompute, reads in runs:
+        run = (offload, prefetch, recompute, reads)
+        knobs = {} if offload == "none" else dict(expert_reads=reads)
+        logits, loss, grads = phantom_step(store, tokens, targets, offload=offload, prefetch=prefetch,
+                                           recompute=recompute, **knobs)
+        assert rel_err(logits, ref_logits) < 1e-5, run
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        assert grads.keys() == ref_grads.keys()
+        for key, (ga, gb) in grads.items():
+            ra, rb = ref_grads[key]
+            assert rel_err(ga, ra) < 1e-4 and rel_err(gb, rb) < 1e-4, (run, key)
+            assert torch.equal(ga == 0, ra == 0) or "experts" not in key[1], (run, key)  # the unhit experts
+
+
+def adapter_tensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_one_adamw_step_equals_peft_and_the_adapters_load_both_ways(models, name, tmp_path):
+    """From the same initial adapter (B zero), one AdamW step (weight decay on) moves every LoRA parameter as
+    peft's step moves its stacked ones, within 1e-5: unhit experts decay as peft's zero-gradient rows do.
+    After it (B non-zero) phantom's adapter gives peft's logits through PeftModel, and peft's adapter,
+    saved by peft, gives them in phantom."""
+    model, store = models(name)
+    tokens, targets = few()
+    # eps 1: the first update lr * g / (|g| + eps) is near lr * g, which gradient rounding moves by ~1e-6 of
+    # itself (a small eps makes it lr * sign(g), see family_check.check_full_step); decay moves A by 1e-3 of itself
+    opt_args = dict(lr=1e-2, weight_decay=0.1, eps=1.0)
+    lora = phantom.LoraConfig(rank=4, alpha=8, targets=EXPERTS)
+    with phantom.load(store, lora=lora, offload="disk", prefetch=1, expert_reads="routed", verify="none") as pm:
+        pm.save_adapter(tmp_path / "init")
+        opt = torch.optim.AdamW(pm.trainable_parameters(), **opt_args)
+        pm(tokens, targets=targets).backward()
+        opt.step()
+        pm.save_adapter(tmp_path / "ours")
+        with torch.no_grad():
+            ours = pm(tokens)
+    pmodel = peft.PeftModel.from_pretrained(model, tmp_path / "init", is_trainable=True).eval()
+    try:
+        params = {n: p for n, p in pmodel.named_parameters() if p.requires_grad}
+        opt = torch.optim.AdamW(params.values(), **opt_args)
+        cross_entropy(pmodel(tokens).logits, targets).backward()
+        opt.step()
+        pmodel.save_pretrained(tmp_path / "theirs")
+        with torch.no_grad():
+            theirs = pmodel(tokens).logits
+    finally:
+        pmodel.unload()
+        for p in model.parameters():
+            p.grad = None
+    saved, before = adapter_tensors(tmp_path / "ours"), adapter_tensors(tmp_path / "init")
+    stepped = {n.replace(".default", ""): p for n, p in params.items()}
+    assert saved.keys() == stepped.keys() and any("experts" in k for k in saved)
+    for key, p in stepped.items():
+        assert not torch.equal(saved[key], before[key]), key  # the step moved it (decay alone, for A)
+        assert rel_err(saved[key], p) < 1e-5, key
+    assert rel_err(ours, theirs) < 1e-5
+    assert rel_err(peft_logits(model, tmp_path / "ours", tokens), ours) < 1e-5
+    with phantom.load(store, lora=phantom.model.lora.read_adapter_config(tmp_path / "theirs"), offload="none") as pm:
+        pm.load_adapter(tmp_path / "theirs")
+        with torch.no_grad():
+            assert rel_err(pm(tokens), theirs) < 1e-5
+
+
+def peft_logits(model, adapter, tokens) -> torch.Tensor:
+    pmodel = peft.PeftModel.from_pretrained(model, adapter).eval()
+    try:
+        with torch.no_grad():
+            return pmodel(tokens).logits
+    finally:
+        pmodel.unload()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_the_merged_export_equals_peft_merged_model(models, name, tmp_path):
+    """merge_lora's --format hf adds each expert's B_e A_e: transformers loads it with the logits of peft's
+    merge_and_unload on the same adapter (Qwen3-MoE with a dense layer, Qwen2-MoE with its shared expert)."""
+    model, store = models(name)
+    tokens, targets = few()
+    phantom_step(store, tokens, targets, tmp_path / "adapter", offload="none")
+    fresh = make(name, **MODELS[name])  # merge_and_unload changes the model it is given
+    merged_ref = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter").merge_and_unload().eval()
+    out = export(store, tmp_path / "hf", tmp_path / "adapter", "hf", progress=False)
+    import transformers
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, base = merged_ref(tokens).logits, model(tokens).logits
+        assert rel_err(merged(tokens).logits, want) < 1e-5 and rel_err(base, want) > 1e-3
+
+
+def test_what_peft_cannot_do_on_experts_is_refused_in_one_line(models):
+    """all-linear (peft turns it into LoRA on the routers too), dropout and layers with expert targets."""
+    _, store = models("mixtral")
+    for lora, words in ((phantom.LoraConfig(targets=("all-linear",)), "all-linear"),
+                        (phantom.LoraConfig(targets=("q", "gate"), dropout=0.1), "dropout"),
+                        (phantom.LoraConfig(targets=("down",), layers=(0,)), "layers_to_transform")):
+        with pytest.raises(ValueError, match=words):
+            phantom.load(store, lora=lora)
+    with phantom.load(store, lora=phantom.LoraConfig(targets=("q", "v"), dropout=0.1), offload="none") as pm:
+        assert len(pm.trainable_parameters()) == 8  # dropout on attention alone is peft's as before
+
+
+def test_the_cli_trains_the_experts_and_refuses_in_one_line(tmp_path, capsys):
+    """finetune.py on a Qwen3-MoE-shaped synthetic store: --lora-targets q,v,gate,up,down trains the experts
+    (peft's adapter_config.json names them); all-linear and dropout on experts exit 2 with one line."""
+    import dataclasses
+    from test_convert import load_script
+    from phantom.arch.config import PRESETS
+    from phantom.model.synthetic import write_synthetic
+    cfg = dataclasses.replace(PRESETS["qwen3-30B-A3B"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              explicit_head_dim=16, vocab_size=97, intermediate_size=96, max_seq_len=64, n_experts=6,
+                              experts_per_token=2, expert_dim=32)
+    store = write_synthetic(tmp_path / "store", cfg, torch.float32, progress=False)
+    ids = tmp_path / "ids.npy"
+    numpy.save(ids, torch.randint(0, 97, (400,), generator=torch.Generator().manual_seed(0)).numpy().astype("int32"))
+    finetune = load_script("finetune")
+    args = ["--model", str(store), "--data", str(ids), "--iters", "2", "--seq-len", "8", "--batch-size", "1", "--offload", "disk",
+            "--device", "cpu", "--quiet"]
+    assert finetune.main([*args, "--lora-targets", "q,v,gate,up,down", "--out", str(tmp_path / "run")]) == 0
+    config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["target_modules"] == ["q_proj", "v_proj"] and config["lora_dropout"] == 0
+    assert any(t.abs().sum() > 0 for k, t in adapter_tensors(tmp_path / "run" / "adapter").items()
+               if "experts" in k and "lora_B" in k)  # the steps trained them
+    capsys.readouterr()
+    for bad in (["--lora-targets", "all-linear"], ["--lora-targets", "down", "--lora-dropout", "0.1"]):
+        assert finetune.main([*args, *bad, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+@pytest.mark.parametrize("params", [["mlp.experts.down_proj"], ["gate_up_proj"],
+                                    ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]])
+def test_an_adapter_peft_makes_loads_into_phantom_and_saves_back_the_same(models, params, tmp_path):
+    """get_peft_model's own adapter (one expert tensor, whose LoRA is then `mlp.experts`, or both, nested;
+    down_proj at rank 2 through rank_pattern): phantom loads it with peft's logits and saves it back with
+    the same names and tensors."""
+    from phantom.model.lora import read_adapter_config
+    _, store = models("qwen3_moe")
+    tokens, _ = few()
+    pmodel = peft.get_peft_model(make("qwen3_moe", **MODELS["qwen3_moe"]), peft.LoraConfig(
+        target_modules=["q_proj"], target_parameters=params, r=4, lora_alpha=8, rank_pattern={"down_proj": 2}))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in (p for n, p in pmodel.named_parameters() if "lora_" in n):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        want = pmodel.eval()(tokens).logits
+    pmodel.save_pretrained(tmp_path / "peft")
+    with phantom.load(store, lora=read_adapter_config(tmp_path / "peft"), offload="disk", prefetch=0) as pm:
+        pm.load_adapter(tmp_path / "peft")
+        with torch.no_grad():
+            assert rel_err(pm(tokens), want) < 1e-5
+        pm.save_adapter(tmp_path / "back")
+    theirs, ours = adapter_tensors(tmp_path / "peft"), adapter_tensors(tmp_path / "back")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -182,6 +182,39 @@ def test_the_hit_estimate_and_the_choice():
     assert policy.plan(8) == frozenset()
 
 
+def test_routed_expert_reads_are_judged_at_their_own_measured_rate():
+    """An expert read is a request an expert, each paying the device's latency: the choice takes the rate
+    routed reads were measured at, once one ran (before, the whole reads'), in the run and in the cost model."""
+    whole, routed = block_seconds(0.01, 100, 10, 128, 8, 1e-4, 1e-4, 5e-4)
+    assert whole == pytest.approx(1380e-4) and routed == pytest.approx(0.01 + 80 * 5e-4 + 1e-4)
+    lay = ExpertLayout(tuple((100 + 10 * e, 110 + 10 * e) for e in range(128)), ((0, 100),), (), 1380, 8)
+    policy = ExpertReads(lay, "auto", 1)
+    policy.observe_times(compute_s=1e-3, nbytes=1 << 20, read_s=(1 << 20) * 1e-4)
+    assert policy.plan(8) == {0}  # 8 experts at the whole reads' rate: routed pays
+    policy.observe_times(nbytes=1 << 20, read_s=(1 << 20) * 2e-3, experts=True)  # measured 20x slower
+    assert policy.expert_s_per_byte == pytest.approx(2e-3) and policy.s_per_byte == pytest.approx(1e-4)
+    assert policy.plan(8) == frozenset()
+
+
+def test_the_cost_model_reads_experts_at_the_profiles_expert_rate(models):
+    """predict_expert_reads: the routed step's serial expert read at disk_expert_gbps; with prefetch 0 every
+    load is in series, so halving the rate adds the expert bytes' read time once more for each forward load."""
+    import dataclasses
+    from phantom.plan import costinputs as ci
+    from phantom.plan.costexperts import expert_bytes, predict_expert_reads
+    _, store = models["qwen3_moe"]
+    cfg = BlockStore(store).cfg
+    profile = ci.MachineProfile(machine="t", device="cpu", disk_gbps=2.0, disk_expert_gbps=1.0,
+                                free_device_bytes=None, free_host_bytes=None)
+    shape = ci.shape_of(cfg, "fp32", "fp32", seq_len=1)
+    args = (shape, cfg, "fp32", phantom.Placement(offload="disk", prefetch=0), phantom.Activations(recompute="all"))
+    fast, slow = (predict_expert_reads(dataclasses.replace(profile, disk_expert_gbps=g), *args, rows=1)
+                  for g in (1.0, 0.5))
+    experts = fast.hits * expert_bytes(cfg, "fp32")
+    assert slow.routed_s - fast.routed_s == pytest.approx(cfg.n_layers * experts / 1e9, rel=1e-3)
+    assert slow.whole_s == fast.whole_s and slow.routed_bytes == fast.routed_bytes
+
+
 def test_finetune_reads_experts_routed_and_records_their_bytes(models, tmp_path):
     """finetune.py --expert-reads routed: each step's record counts the experts' bytes apart."""
     from test_convert import load_script

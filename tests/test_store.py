@@ -286,3 +286,43 @@ def test_crc32_records_do_not_depend_on_the_implementation(chunked_store, monkey
     flip_byte(chunked_store / block_file(0), -1, 0x80)
     with pytest.raises(StoreError, match=r"000\.safetensors: checksum mismatch \(crc32"):
         BlockStore(chunked_store).read_block_into(0, buf)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_many_ranges_of_one_file_read_each_byte_where_it_belongs(tmp_path, monkeypatch, refused):
+    """readinto_pieces: ranges at any offset and length (under 4 KiB, unaligned ends, longer than a request)
+    land at their buffer offsets, O_DIRECT where aligned, the same after O_DIRECT reads are refused; the
+    rest of the buffer is untouched. Against Python's own file reads."""
+    import errno
+    import fcntl
+    import os
+    monkeypatch.setattr(phantom.files.directio, "READ_CHUNK", 4 * 4096)
+    monkeypatch.setattr(phantom.files.directio, "_direct_ok", {})
+    gen = torch.Generator().manual_seed(7)
+    raw = bytes(torch.randint(0, 256, (40 * 4096 + 777,), dtype=torch.uint8, generator=gen).numpy())
+    path = tmp_path / "f"
+    path.write_bytes(raw)
+    host = torch.zeros(len(raw) + 4096, dtype=torch.uint8)
+    buf = host[-host.data_ptr() % 4096:][: len(raw)]
+    pieces = [(0, 0, 4096), (4096 + 10, 4096 + 10, 3 * 4096 - 5), (5 * 4096, 5 * 4096, 19 * 4096),  # aligned, 14 pages
+              (20 * 4096 + 1, 20 * 4096 + 1, 20 * 4096 + 100), (24 * 4096, 30 * 4096, 30 * 4096 + 8192 + 3),
+              (40 * 4096, 40 * 4096, 40 * 4096 + 777)]  # the file's last bytes; one piece read from elsewhere
+    direct, real_preadv = [], os.preadv
+
+    def preadv(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct.append(fd)
+            if refused:
+                raise OSError(errno.EINVAL, "Invalid argument (O_DIRECT read)")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    phantom.files.directio.readinto_pieces(path, pieces, buf, drop_cache=True)
+    want = bytearray(len(raw))
+    for off, s, e in pieces:
+        with open(path, "rb") as f:
+            f.seek(off)
+            want[s:e] = f.read(e - s)
+    assert bytes(buf.numpy()) == bytes(want)
+    if phantom.files.directio._direct_ok and not refused:  # this filesystem takes O_DIRECT
+        assert direct

@@ -59,6 +59,31 @@ def test_measured_rates_are_sane(small_store):
     assert p.device == "cpu" and p.free_device_bytes is None and p.free_host_bytes > 0
     assert p.disk_gbps > 0 and p.h2d_gbps > 0 and p.fwd_flops > 0 and p.head_flops > 0
     assert 0.9 < p.keep_scale < 1.1  # the config's estimate of kept bytes, checked by autograd's count
+    assert p.disk_expert_gbps is None  # a dense model reads no experts apart
+
+
+def test_the_read_jitter_is_the_spread_of_most_reads_not_of_one_stalled_read():
+    """relative_spread: about the std / mean of normally spread reads (numpy's), and a dozen reads of which one
+    is stalled 4x by other work stay near the rest's spread (pstdev / mean would be over 0.6)."""
+    import numpy as np
+    times = list(np.random.default_rng(0).normal(0.027, 0.0027, 4000))
+    assert profiles.relative_spread(times) == pytest.approx(np.std(times) / np.mean(times), rel=0.05)
+    stalled = [0.027, 0.0272, 0.0268, 0.0271, 0.0269, 0.0275, 0.0265, 0.027, 0.0273, 0.0267, 0.027, 0.108]
+    assert profiles.relative_spread(stalled) < 0.02 < 0.6 < np.std(stalled) / np.mean(stalled)
+
+
+def test_a_mixture_of_experts_profile_measures_its_routed_expert_reads(tmp_path):
+    """A 16-bit MoE store's profile has the GB/s of reading one range an expert; a quantized copy, none."""
+    from phantom.arch.config import PRESETS
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.model.quantstore import quantize_store
+    cfg = dataclasses.replace(PRESETS["qwen3-30B-A3B"], dim=64, n_layers=2, n_heads=2, n_kv_heads=1,
+                              explicit_head_dim=32, expert_dim=32, n_experts=16, experts_per_token=2,
+                              vocab_size=97, max_seq_len=64)
+    store = BlockStore(write_synthetic(tmp_path / "moe", cfg, torch.float32, progress=False))
+    assert profiles.measure_expert_disk(store) > 0
+    quantize_store(store.path, tmp_path / "nf4", QuantFormat("nf4"), progress=False)
+    assert profiles.measure_expert_disk(BlockStore(tmp_path / "nf4")) is None
 
 
 def test_profile_round_trip_and_a_stale_or_corrupt_file_is_ignored(tmp_path):

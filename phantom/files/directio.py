@@ -138,3 +138,48 @@ def readinto_exact(path: Path, offset: int, buf: torch.Tensor, drop_cache: bool 
         else:
             crcs.append(crc(mv[aligned:]))
     return crcs
+
+
+def readinto_pieces(path: Path, pieces, buf: torch.Tensor, drop_cache: bool = False) -> None:
+    """Read many byte ranges of one file into a contiguous CPU uint8 tensor: pieces are (file offset,
+    start, end), file[offset : offset + end - start] -> buf[start:end]. A routed expert read is dozens of
+    ranges of a few hundred KiB each; one descriptor serves them all, every 4 KiB-aligned part is read with
+    O_DIRECT (a buffered read of such a range pulls its readahead in too, then drop_cache evicts the whole
+    file once per range), and the requests run READ_THREADS at a time on the shared pool."""
+    mv = memoryview(buf.numpy()).cast("B")
+    base = buf.data_ptr()
+    dfd = _open_direct(Path(path)) if any(e - s >= DATA_ALIGN for _, s, e in pieces) else None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        jobs = []
+        for off, s, e in pieces:
+            lo = s + (-(off) % DATA_ALIGN)  # the first buffer index whose file offset is aligned
+            hi = lo + (e - lo) // DATA_ALIGN * DATA_ALIGN if lo < e else lo
+            if dfd is None or (base + lo) % DATA_ALIGN or hi <= lo:
+                jobs.append((fd, off, s, e))
+                continue
+            jobs += [(fd, off, s, lo)] if lo > s else []
+            jobs += [(dfd, off + a - s, a, min(a + READ_CHUNK, hi)) for a in range(lo, hi, READ_CHUNK)]
+            jobs += [(fd, off + hi - s, hi, e)] if e > hi else []
+        try:
+            _run_pieces(jobs, mv, path)
+        except OSError as err:  # open accepted O_DIRECT but reads refuse it (some FUSE, network filesystems)
+            if dfd is None or err.errno != errno.EINVAL:
+                raise
+            _direct_ok[os.fstat(dfd).st_dev] = False
+            _run_pieces([(fd, off, s, e) for off, s, e in pieces], mv, path)
+        if drop_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
+
+
+def _run_pieces(jobs, mv: memoryview, path: Path) -> None:
+    """(fd, file offset, start, end) reads into mv on the shared pool; every read has ended before an error
+    is raised (the caller may reuse the buffer at once)."""
+    futures = [_pool().submit(_pread_exact, fd, mv[s:e], off, path) for fd, off, s, e in jobs if e > s]
+    errors = [f.exception() for f in futures]
+    if err := next((e for e in errors if e is not None), None):
+        raise err

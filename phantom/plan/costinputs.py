@@ -125,6 +125,7 @@ class MachineProfile:
     dtype: str = "bf16"
     disk_gbps: float = 2.0  # cold reads (the page cache does not help a store larger than it)
     disk_warm_gbps: float | None = None
+    disk_expert_gbps: float | None = None  # routed expert reads, cold (one range an expert; None: disk_gbps)
     h2d_gbps: float = 25.0  # pinned host -> device (on a CPU: a host memcpy)
     dequant_gbps: float = 4.0  # quantized stores: compute-dtype GB/s a loader dequantizes (tune.measure_dequant)
     fwd_flops: float = 100e12
@@ -135,7 +136,7 @@ class MachineProfile:
     bwd_call_s: float = 0.0
     head_flops: float | None = None  # None: at fwd_flops
     keep_scale: float = 1.0
-    disk_jitter: float = 0.0  # relative std of one block read
+    disk_jitter: float = 0.0  # relative spread of one block read (profiles.relative_spread)
     busy_compute_slowdown: float = 1.0  # compute while blocks are read / alone
     busy_read_slowdown: float = 1.0  # reads while a block computes / alone
     compute_threads: int = 0  # a CPU: threads a block computes on (0: unknown; loader work is taken to be free)

@@ -40,12 +40,14 @@ from phantom.plan import costinputs as ci
 from phantom.plan import planner
 from phantom.stream import placement as P
 from phantom.stream.executor import WeightHandles
+from phantom.stream.experts import ExpertLayout, read_ranges
 from phantom.stream.hostmem import HostBuffer
 from phantom.stream.memory import free_device_bytes, free_host_bytes
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2  # 1: per-model times (before the cost model took rates)
+PROFILE_VERSION = 3  # 1: per-model times (before the cost model took rates); 2: before expert reads, graphs
+# timed one at a time and the read jitter as a quartile spread
 PROBE_BLOCKS = 2  # synthetic blocks `probe` writes to measure a shape without weights
 
 
@@ -75,7 +77,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 
 def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
                  readers: int = 2) -> tuple[float, float]:
-    """GB/s of block reads as the disk tier does them, and the relative std of one block's read.
+    """GB/s of block reads as the disk tier does them, and the relative spread of one block's read.
 
     Each file is dropped from the page cache first (posix_fadvise DONTNEED, no root needed), then read
     into an aligned buffer (O_DIRECT where the filesystem allows) by `readers` threads at once, as the
@@ -107,7 +109,41 @@ def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
     wall = time.perf_counter() - t0
     if len(times) != len(entries):
         raise OSError(f"reading {store.path} failed while measuring the disk (see the log)")
-    return sum(e.nbytes for e in entries) / wall / 1e9, statistics.pstdev(times) / statistics.mean(times)
+    return sum(e.nbytes for e in entries) / wall / 1e9, relative_spread(times)
+
+
+def relative_spread(times: list[float]) -> float:
+    """The relative std of the reads as a normal spread's quartiles give it (IQR / 1.349 / median): the
+    steady variation a prefetch depth must absorb. pstdev / mean let one read stalled by other work
+    (4x the rest, among a dozen) triple it, and the jitter term with it."""
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / 1.349 / statistics.median(times)
+
+
+def measure_expert_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2) -> float | None:
+    """GB/s of routed expert reads, cold: every other expert of a few blocks (an expert's range each,
+    none touching), read as a routed load reads them (phantom.stream.experts.read_ranges). None where the
+    store reads no experts apart (a dense model or a quantized store). Each request pays the device's
+    latency beside its bytes, so this is below `measure_disk`'s rate: by how much is what decides
+    whether routed reads pay."""
+    try:
+        lay = ExpertLayout.of_store(store)
+    except ValueError:
+        return None
+    sparse = [i for i in range(store.n_blocks) if store.cfg.sparse(i)]
+    k = max(1, min(len(sparse), max_bytes // max(store.block_nbytes, 1)))
+    buf = HostBuffer(store.block_nbytes, pin=False).tensor
+    nbytes, secs = 0, 0.0
+    for p in range(passes):
+        ranges = lay.of(range(p % 2, lay.n_experts, 2))
+        for i in sparse[:k]:
+            if hasattr(os, "posix_fadvise"):
+                with open(store.blocks[i].path, "rb") as f:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            nbytes += read_ranges(store.blocks[i], buf, ranges)
+            secs += time.perf_counter() - t0
+    return nbytes / secs / 1e9
 
 
 def measure_link(device: torch.device, nbytes: int, repeats: int = 3) -> tuple[float, float]:
@@ -183,7 +219,6 @@ class BlockTimer:
         x = torch.randn(b, self.seq_len, model.cfg.dim, generator=gen).to(device, model.weight_dtype)
         hooks = WeightHandles(weights)
         hooks.bind(weights)
-        graphs = []
 
         def fwd():
             with torch.no_grad(), torch.autocast(**self.amp):
@@ -193,24 +228,29 @@ class BlockTimer:
             xg = x.detach().requires_grad_()
             with torch.enable_grad(), torch.autocast(**self.amp), \
                     torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                graphs.append((xg, model.executor.run_block(0, weights, xg, self.rope)))
+                return xg, model.executor.run_block(0, weights, xg, self.rope)
 
         out = fwd()
         g = torch.randn(out.shape, generator=gen).to(device, out.dtype)
-        t_fwd, t_grad = _timed(fwd, device, repeats), _timed(fwd_grad, device, repeats)
-        t_bwd = []
-        for xg, o in graphs:
-            t0 = time.perf_counter()
+        t_fwd = _timed(fwd, device, repeats)
+        t_grad, t_bwd = [], []
+        for _ in range(repeats + 1):  # each graph's backward before the next forward, as training runs them:
+            t0 = time.perf_counter()  # graphs held at once would each take fresh pages and time that too
+            xg, o = fwd_grad()
+            sync(device)
+            t1 = time.perf_counter()
             torch.autograd.grad(o, [xg] + self.params, g)
             sync(device)
-            t_bwd.append(time.perf_counter() - t0)
+            t_grad.append(t1 - t0)
+            t_bwd.append(time.perf_counter() - t1)
+            del xg, o
         busy = (1.0, 1.0)
         if self.disk is not None and self.disk[0]:
             t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.disk[1])
             busy = (max(1.0, t_busy / t_fwd), max(1.0, self.disk[0] / gbps_busy))
-        return dict(fwd=t_fwd, fwd_grad=t_grad, bwd=statistics.median(t_bwd[1:]), busy=busy,
+        return dict(fwd=t_fwd, fwd_grad=statistics.median(t_grad[1:]), bwd=statistics.median(t_bwd[1:]), busy=busy,
                     head=self.head_s(b) / b if with_head else None,
-                    keep=hooks.kept_bytes // len(graphs) // b, act=out.element_size() * self.seq_len * model.cfg.dim)
+                    keep=hooks.kept_bytes // len(t_grad) // b, act=out.element_size() * self.seq_len * model.cfg.dim)
 
     def head_s(self, b: int) -> float:
         """Seconds of the fused head + loss (and its backward's inputs) over b rows."""
@@ -243,8 +283,8 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
         points = {1: timer.point(1, with_head=True)}  # the head's cost is per token: one size is enough
         hi = max(b for b in planner.pow2_upto(max_rows) if max_rows % b == 0)
         free = free_bytes if free_bytes is not None else free_host_bytes()
-        while hi > 1 and hi * points[1]["keep"] * (repeats + 2) > (free or 0) // 4:
-            hi //= 2  # the measurement holds repeats + 1 graphs at once: keep it well inside memory
+        while hi > 1 and hi * points[1]["keep"] * 2 > (free or 0) // 4:
+            hi //= 2  # the measurement holds a graph and its gradients at once: keep it well inside memory
         if hi > 1:
             points[hi] = timer.point(hi, with_head=False)
         head_bytes = model.output_weight.numel() * model.output_weight.element_size()
@@ -290,6 +330,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     repeats = 2 if quick else 4
     t0 = time.perf_counter()
     disk, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
+    expert_disk = measure_expert_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 2)
     h2d, _ = measure_link(device, store.block_nbytes, repeats)
     free_dev = free_device_bytes(device)
     c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, (disk, True))
@@ -299,6 +340,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     shape = ci.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     return ci.MachineProfile(
         machine=machine_key(device), device=device.type, dtype=dtype_name(dtype), disk_gbps=disk,
+        disk_expert_gbps=expert_disk,
         disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, fwd_flops=shape.flops_per_row / c["fwd_row_s"],
         fwd_grad_ratio=c["fwd_grad_row_s"] / c["fwd_row_s"], bwd_ratio=c["bwd_row_s"] / c["fwd_row_s"],
         fwd_call_s=c["fwd_call_s"], fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],

@@ -10,13 +10,12 @@ prefetch gave the expert bytes; `block_seconds` writes both sides down, the cost
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from phantom.arch.moe import expert_ranges
-from phantom.files.directio import readinto_exact
+from phantom.files.directio import readinto_pieces
 from phantom.files.storeformat import block_file
 from phantom.files.tensorfile import StoreError
 
@@ -33,12 +32,15 @@ def expected_hits(probs: torch.Tensor | None, tokens: int, n_experts: int, k: in
 
 
 def block_seconds(compute_s: float, base_bytes: int, expert_bytes: int, n_experts: int, hits: float,
-                  s_per_byte: float, round_trip_s: float) -> tuple[float, float]:
+                  s_per_byte: float, round_trip_s: float, expert_s_per_byte: float | None = None
+                  ) -> tuple[float, float]:
     """One streamed block's seconds in a prefetched pipeline, (whole, routed): a whole read overlaps the
     compute (max of the two); a routed read overlaps only the non-expert part, then reads the `hits`
-    experts after the router (one round trip, in series with the compute)."""
+    experts after the router (one round trip, in series with the compute) at `expert_s_per_byte` (one
+    request an expert, each paying the device's latency: slower than a block's; None: s_per_byte)."""
     whole = max(compute_s, (base_bytes + n_experts * expert_bytes) * s_per_byte)
-    routed = max(compute_s, base_bytes * s_per_byte) + hits * expert_bytes * s_per_byte + round_trip_s
+    routed = max(compute_s, base_bytes * s_per_byte) + hits * expert_bytes * (expert_s_per_byte or s_per_byte) + \
+        round_trip_s
     return whole, routed
 
 
@@ -122,29 +124,25 @@ class ExpertLayout:
         return cls(tuple(ranges), tuple(base), tuple(tuple(n) for n in names), nbytes, cfg.experts_per_token)
 
 
-def read_ranges(entry, buf: torch.Tensor, ranges, drop_cache: bool = False, pool: ThreadPoolExecutor | None = None
-                ) -> int:
+def read_ranges(entry, buf: torch.Tensor, ranges, drop_cache: bool = False) -> int:
     """Bytes [a, b) of a block file's data section into buf[a:b] for each range (entry: the store's
-    FileEntry; a linked file's ranges are found in its segments), several requests at once on `pool`: a
+    FileEntry; a linked file's ranges are found in its segments), each file's ranges read together
+    (phantom.files.directio.readinto_pieces: one descriptor, O_DIRECT, several requests in flight): a
     step's experts are many small ranges, and one request at a time pays a device's latency for each.
     Returns the bytes read."""
-    pieces = []
+    by_path: dict = {}
     for a, b in ranges:
         if not entry.segments:
-            pieces.append((entry.path, entry.data_start + a, a, b))
+            by_path.setdefault(entry.path, []).append((entry.data_start + a, a, b))
             continue
         pos = 0
         for path, offset, n in entry.segments:  # the part of [a, b) in each linked range
             lo, hi = max(a, pos), min(b, pos + n)
             if lo < hi:
-                pieces.append((path, offset + lo - pos, lo, hi))
+                by_path.setdefault(path, []).append((offset + lo - pos, lo, hi))
             pos += n
-    read = lambda p: readinto_exact(p[0], p[1], buf[p[2]:p[3]], drop_cache)  # noqa: E731
-    if pool is None or len(pieces) == 1:
-        for p in pieces:
-            read(p)
-    else:
-        list(pool.map(read, pieces))
+    for path, pieces in by_path.items():
+        readinto_pieces(path, pieces, buf, drop_cache)
     return sum(b - a for a, b in ranges)
 
 
@@ -165,7 +163,8 @@ class ExpertReads:
     counts: torch.Tensor = field(init=False)  # (n_blocks, E): tokens that picked each expert
     rows: torch.Tensor = field(init=False)  # (n_blocks,): tokens routed
     compute_s: float | None = None  # one block's forward over a step's tokens (exponential average)
-    s_per_byte: float | None = None
+    s_per_byte: float | None = None  # a load's, whole or the non-expert part
+    expert_s_per_byte: float | None = None  # a routed expert read's (None until one has run)
     routed: frozenset = frozenset()  # the blocks read routed this step
     known: dict = field(default_factory=dict)  # this step's experts each block's tokens routed to
 
@@ -184,16 +183,22 @@ class ExpertReads:
         self.counts[block] += torch.bincount(chosen.reshape(-1).cpu(), minlength=self.layout.n_experts).double()
         self.rows[block] += chosen.shape[0]
 
-    def observe_times(self, compute_s: float | None = None, nbytes: int = 0, read_s: float = 0.0) -> None:
+    def observe_times(self, compute_s: float | None = None, nbytes: int = 0, read_s: float = 0.0,
+                      experts: bool = False) -> None:
         avg = lambda old, new: new if old is None else 0.7 * old + 0.3 * new  # noqa: E731
         if compute_s is not None:
             self.compute_s = avg(self.compute_s, compute_s)
         if nbytes > (1 << 16) and read_s > 0:
-            self.s_per_byte = avg(self.s_per_byte, read_s / nbytes)
+            if experts:
+                self.expert_s_per_byte = avg(self.expert_s_per_byte, read_s / nbytes)
+            else:
+                self.s_per_byte = avg(self.s_per_byte, read_s / nbytes)
 
-    def observe_load(self, stats) -> None:
-        """A load's bytes and seconds (phantom.stream.trace.LoadStats): the tier's seconds per byte."""
-        self.observe_times(nbytes=stats.bytes_read + stats.bytes_ram, read_s=stats.read_s + stats.copy_s)
+    def observe_load(self, stats, experts: bool = False) -> None:
+        """A load's bytes and seconds (phantom.stream.trace.LoadStats): the tier's seconds per byte; with
+        `experts`, a routed read of experts after the router (its own rate: a request an expert)."""
+        self.observe_times(nbytes=stats.bytes_read + stats.bytes_ram, read_s=stats.read_s + stats.copy_s,
+                           experts=experts)
 
     def remember(self, block: int, experts) -> None:
         """Experts some token of this step routes to in block: its next load this step reads them too
@@ -228,5 +233,5 @@ class ExpertReads:
         lay = self.layout
         hits = expected_hits(self.probs(block), tokens, lay.n_experts, lay.k)
         whole, routed = block_seconds(self.compute_s, lay.base_bytes, lay.expert_bytes, lay.n_experts, hits,
-                                      self.s_per_byte, self.round_trip_s)
+                                      self.s_per_byte, self.round_trip_s, self.expert_s_per_byte)
         return routed < whole

@@ -14,7 +14,6 @@ stage, the cost model and the trace read it from here; nothing else names it. A 
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -141,17 +140,9 @@ class DiskHeld(Held):
     def read_into(self, block: int, into: torch.Tensor) -> Callable | None:
         return self.ctx.store.read_block_into(block, into, defer_verify=True)
 
-    pool: ThreadPoolExecutor | None = None  # a routed read's requests in flight (made on first use)
-
     def read_ranges(self, block: int, into: torch.Tensor, ranges) -> None:
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(8, thread_name_prefix="phantom-experts")
         store = self.ctx.store
-        read_ranges(store.blocks[block], into, ranges, store.drop_cache, self.pool)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
+        read_ranges(store.blocks[block], into, ranges, store.drop_cache)
 
     def update(self, block, tensors, non_blocking) -> None:
         """The store's file is rewritten by the caller (phantom.stream.optim)."""

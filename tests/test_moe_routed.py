@@ -1,7 +1,7 @@
 """Routed expert reads (phantom.stream.experts): a mixture-of-experts block streamed from disk or RAM reads its
 non-expert bytes ahead of use and, after its router has run over the step's tokens, only the experts some
-token routes to. Against transformers' own modules and peft (tiny random Qwen3-MoE and Mixtral of 4 layers,
-8 experts, a few tokens a step so that some experts are not hit); the bytes read are counted against the
+token routes to. Against transformers' own modules and peft (tiny random Qwen3-MoE, Mixtral, Qwen2-MoE with its
+shared expert and OLMoE, of 4 layers and 8 experts, a few tokens a step so that some experts are not hit); the bytes read are counted against the
 manifest's ranges of the experts transformers' routers pick.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from phantom.files.store import BlockStore
 from phantom.stream.experts import ExpertLayout, ExpertReads, block_seconds, expected_hits
 from phantom.stream.scheduler import BlockScheduler
 
-MODELS = {"qwen3_moe": dict(num_hidden_layers=4), "mixtral": dict(num_hidden_layers=4, num_local_experts=8)}
+MODELS = {"qwen3_moe": dict(num_hidden_layers=4), "mixtral": dict(num_hidden_layers=4, num_local_experts=8),
+          "qwen2_moe": dict(num_hidden_layers=4), "olmoe": dict(num_hidden_layers=4)}  # shared expert; q/k norms
 ATTENTION = ("q", "k", "v", "o")
 RUNS = [(o, p, r) for o in ("disk", "ram") for p in (0, 2) for r in ("all", "none")]
 

@@ -217,7 +217,8 @@ def test_the_cost_model_reads_experts_at_the_profiles_expert_rate(models):
 
 
 def test_finetune_reads_experts_routed_and_records_their_bytes(models, tmp_path):
-    """finetune.py --expert-reads routed: each step's record counts the experts' bytes apart."""
+    """finetune.py --expert-reads routed: each step's record counts the experts' bytes apart, and the round
+    trips reading them after a router."""
     from test_convert import load_script
     _, store = models["qwen3_moe"]
     out = tmp_path / "run"
@@ -227,6 +228,7 @@ def test_finetune_reads_experts_routed_and_records_their_bytes(models, tmp_path)
     steps = [r for r in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     block = BlockStore(store).block_nbytes
     assert all(0 < r["bytes_experts"] and r["bytes_read"] < r["loads"] * block for r in steps)
+    assert all(r["expert_reads"] == 4 for r in steps)  # one round trip a block, in the forward (prefetch 0)
 
 
 def test_the_cost_model_predicts_the_bytes_a_routed_step_reads(models):

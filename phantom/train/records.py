@@ -31,10 +31,11 @@ def describe_eval(rec: dict) -> str:
 
 
 def tier_metrics(model, m: dict, dt: float) -> dict:
-    """A step's scheduler traffic for metrics.jsonl: stall fraction, kept activations, bytes and loads per tier."""
+    """A step's scheduler traffic for metrics.jsonl: stall fraction, kept activations, bytes and loads per tier,
+    routed expert reads (round trips after a router)."""
     executor = getattr(model, "executor", None)
     return {"stall_frac": m.get("stall_s", 0.0) / dt, "kept_bytes": executor.kept_bytes if executor else 0,
-            **{k: m[k] for k in m if k.startswith(("bytes", "loads"))}}
+            **{k: m[k] for k in m if k.startswith(("bytes", "loads", "expert_reads"))}}
 
 
 def preference_postfix(rec: dict) -> dict:

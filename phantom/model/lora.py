@@ -186,6 +186,10 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
         if lora.layers is not None:
             raise ValueError(f"LoRA layers {list(lora.layers)} with {', '.join(experts)}: peft applies "
                              f"layers_to_transform to target_modules only, every layer's experts would take a LoRA")
+        if frozen := [what for what, has in (("shared expert", cfg.shared_expert_dim), ("dense layers' MLP",
+                                                                                        cfg.dense_layers)) if has]:
+            log.info("%s: gate, up, down are its experts' tensors; its %s stay frozen, as peft 0.21 on transformers "
+                     "5 turns gate_proj, up_proj, down_proj into the experts'", family(cfg).hf_class, " and ".join(frozen))
     added = [t for m in targets for t in modules[m][1] if t not in wanted]
     if added:
         fused = "; ".join(f"{modules[m][0].rsplit('.', 1)[1]} holds {', '.join(modules[m][1])}"

@@ -291,3 +291,31 @@ def test_an_adapter_peft_makes_loads_into_phantom_and_saves_back_the_same(models
         pm.save_adapter(tmp_path / "back")
     theirs, ours = adapter_tensors(tmp_path / "peft"), adapter_tensors(tmp_path / "back")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_an_unhit_experts_stale_weights_reach_nothing():
+    """A routed read leaves an unhit expert's base weights unread (whatever its slot held): run on zero rows
+    for its LoRA's zero gradients, NaN there changes no output or gradient, and its LoRA's are zeros."""
+    import torch.nn.functional as F
+    from phantom.arch.moe import Expert, mix
+    results = []
+    for stale in (0.0, float("nan")):
+        torch.manual_seed(0)
+        experts = torch.nn.ModuleList(Expert(8, 6, F.silu) for _ in range(3))
+        for expert in experts:
+            for name in ("w1", "w2", "w3"):
+                lora = LoraLinear(getattr(expert, name), 2, 4.0)
+                torch.nn.init.normal_(lora.lora_B)
+                setattr(expert, name, lora)
+        with torch.no_grad():
+            for name in ("w1", "w2", "w3"):
+                getattr(experts[2], name).weight.fill_(stale)  # expert 2: no token routes to it
+        x = torch.randn(5, 8, requires_grad=True)
+        chosen = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+        out = mix(x, torch.full((5, 2), 0.5), chosen, experts)
+        out.square().sum().backward()
+        grads = [p.grad for n, p in experts.named_parameters() if "lora_" in n]
+        assert all(g is not None for g in grads) and all(not g.any() for g in grads[-6:])  # expert 2's: zeros
+        results.append((out.detach(), x.grad, grads))
+    (out0, gx0, g0), (out1, gx1, g1) = results
+    assert torch.equal(out0, out1) and torch.equal(gx0, gx1) and all(torch.equal(a, b) for a, b in zip(g0, g1))

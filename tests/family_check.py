@@ -62,7 +62,7 @@ DENSE = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_p
 GEMMA = dict(SHAPES, head_dim=32, query_pre_attn_scalar=24, sliding_window=16)
 # Phi-3: q, k, v fused in qkv_proj, gate and up in gate_up_proj; Phi3Config's pad id 32000 is past a tiny vocabulary
 PHI3, FUSED = dict(SHAPES, pad_token_id=None), ("down_proj", "gate_up_proj", "o_proj", "qkv_proj")
-# Mixtures of experts: LoRA on attention only (routers and experts frozen), fewer streamed runs
+# Mixtures of experts: the shared checks' LoRA on attention (experts: tests/test_moe_lora.py), fewer streamed runs
 MOE = dict(runs=(("none", 0, "none"), ("disk", 0, "all"), ("disk", 2, "none"), ("ram", 0, "none"), ("ram", 2, "all")),
            lora_runs=(("disk", 1, "all"), ("ram", 0, "none")), lora_targets=("q", "k", "v", "o"),
            adapter_modules=("k_proj", "o_proj", "q_proj", "v_proj"))

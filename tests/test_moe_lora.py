@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import phantom
-from family_check import adapted_modules, batch, cross_entropy, lora_grads, make, peft, peft_grads, prepare, rel_err
+from family_check import batch, cross_entropy, lora_grads, make, peft, peft_grads, prepare, rel_err
 from phantom.arch.layers import LoraLinear
 from phantom.model.export import export
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
@@ -252,8 +252,8 @@ def test_the_cli_trains_the_experts_and_refuses_in_one_line(tmp_path, capsys):
     ids = tmp_path / "ids.npy"
     numpy.save(ids, torch.randint(0, 97, (400,), generator=torch.Generator().manual_seed(0)).numpy().astype("int32"))
     finetune = load_script("finetune")
-    args = ["--model", str(store), "--data", str(ids), "--iters", "2", "--seq-len", "8", "--batch-size", "1", "--offload", "disk",
-            "--device", "cpu", "--quiet"]
+    args = ["--model", str(store), "--data", str(ids), "--iters", "2", "--seq-len", "8", "--batch-size", "1",
+            "--offload", "disk", "--device", "cpu", "--quiet"]
     assert finetune.main([*args, "--lora-targets", "q,v,gate,up,down", "--out", str(tmp_path / "run")]) == 0
     config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -32,7 +32,7 @@ def peft_parameter(target: str) -> str:
 def target_of(parameter) -> str | None:
     """The expert target a target_parameters entry names (peft matches it at the end of the parameter's
     name: "gate_up_proj", "experts.gate_up_proj", "mlp.experts.gate_up_proj"); None for anything else."""
-    for target, (name, _) in EXPERT_PARAMS.items():
+    for target in EXPERT_PARAMS:
         full = peft_parameter(target)
         if isinstance(parameter, str) and (parameter == full or full.endswith(f".{parameter}")):
             return target

@@ -178,7 +178,8 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     target_parameters LoRA cannot do: dropout, and layers (peft applies layers_to_transform to modules only)."""
     modules = peft_modules(cfg)
     targets = family_targets(lora.targets, cfg)
-    wanted = [t for name in (targets if lora.targets == ALL_LINEAR else lora.targets) for t in GROUPS.get(name, (name,))]
+    asked = targets if lora.targets == ALL_LINEAR else lora.targets
+    wanted = [t for name in asked for t in GROUPS.get(name, (name,))]
     if cfg.n_experts and (experts := [peft_parameter(t) for t in targets if t in EXPERT_PARAMS]):
         if lora.dropout:
             raise ValueError(f"LoRA dropout {lora.dropout:g} on {', '.join(experts)}: peft's LoRA on expert tensors "
@@ -189,7 +190,8 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
         if frozen := [what for what, has in (("shared expert", cfg.shared_expert_dim), ("dense layers' MLP",
                                                                                         cfg.dense_layers)) if has]:
             log.info("%s: gate, up, down are its experts' tensors; its %s stay frozen, as peft 0.21 on transformers "
-                     "5 turns gate_proj, up_proj, down_proj into the experts'", family(cfg).hf_class, " and ".join(frozen))
+                     "5 turns gate_proj, up_proj, down_proj into the experts'", family(cfg).hf_class,
+                     " and ".join(frozen))
     added = [t for m in targets for t in modules[m][1] if t not in wanted]
     if added:
         fused = "; ".join(f"{modules[m][0].rsplit('.', 1)[1]} holds {', '.join(modules[m][1])}"
@@ -216,7 +218,8 @@ def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int, experts: bool = Fa
     gen = torch.Generator().manual_seed(cfg.seed * 100003 + layer)
     for target in cfg.targets:
         if experts and target in EXPERT_PARAMS:
-            if (rank_alpha := cfg.module_rank(layer, peft_parameter(target))) and hasattr(block.feed_forward, "experts"):
+            rank_alpha = cfg.module_rank(layer, peft_parameter(target))
+            if rank_alpha and hasattr(block.feed_forward, "experts"):  # not a dense layer among sparse ones
                 apply_expert_lora(block.feed_forward, target, *rank_alpha, cfg.rslora, gen)
             continue
         shared, rank_alpha = None, cfg.module_rank(layer, hf_module(target))
@@ -370,7 +373,8 @@ def _lora_config(cpath: Path, c) -> LoraConfig:
     if not isinstance(c.get("use_rslora", False), bool):
         raise StoreError(f"{cpath}: use_rslora {c['use_rslora']!r:.40} is not true or false")
     return LoraConfig(rank=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout") or 0.0,
-                      targets=tuple(by_hf[m] for m in modules) + tuple(target_of(t) for t in params), rslora=c.get("use_rslora", False),
+                      targets=tuple(by_hf[m] for m in modules) + tuple(target_of(t) for t in params),
+                      rslora=c.get("use_rslora", False),
                       rank_pattern=c.get("rank_pattern") or {}, alpha_pattern=c.get("alpha_pattern") or {},
                       layers=[layers] if type(layers) is int else (layers or None))
 

@@ -189,9 +189,9 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
                              f"layers_to_transform to target_modules only, every layer's experts would take a LoRA")
         if frozen := [what for what, has in (("shared expert", cfg.shared_expert_dim), ("dense layers' MLP",
                                                                                         cfg.dense_layers)) if has]:
-            log.info("%s: gate, up, down are its experts' tensors; its %s stay frozen, as peft 0.21 on transformers "
-                     "5 turns gate_proj, up_proj, down_proj into the experts'", family(cfg).hf_class,
-                     " and ".join(frozen))
+            log.info("%s: gate, up, down adapt its experts (peft's target_parameters); its %s stay frozen (peft "
+                     "reaches those through target_modules, which peft 0.21 maps to the experts on Qwen3-MoE, OLMoE "
+                     "and Mixtral)", family(cfg).hf_class, " and ".join(frozen))
     added = [t for m in targets for t in modules[m][1] if t not in wanted]
     if added:
         fused = "; ".join(f"{modules[m][0].rsplit('.', 1)[1]} holds {', '.join(modules[m][1])}"
@@ -213,8 +213,8 @@ def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int, experts: bool = Fa
     """Replace the target linears of one block by LoraLinear (in place); cfg's targets as for_family
     names them, each with the rank and alpha cfg.module_rank gives it. The parts of a fused module
     (GROUPS) share one A. experts: the model is a mixture of experts, whose MLP targets are its experts
-    (a dense MLP among them, and a shared expert, stay frozen: peft 0.21 on transformers 5 rewrites those
-    names to the experts' tensors)."""
+    (a dense MLP among them and a shared expert stay frozen: peft reaches those only through target_modules,
+    whose gate_proj, up_proj, down_proj peft 0.21 maps to the experts on Qwen3-MoE, OLMoE and Mixtral)."""
     gen = torch.Generator().manual_seed(cfg.seed * 100003 + layer)
     for target in cfg.targets:
         if experts and target in EXPERT_PARAMS:

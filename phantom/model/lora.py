@@ -362,7 +362,9 @@ def _lora_config(cpath: Path, c) -> LoraConfig:
         raise StoreError(f"{cpath}: layers_pattern {c['layers_pattern']!r:.60} is not supported (phantom's "
                          f"blocks are model.layers)")
     by_hf = {v[1].split(".")[1]: k for k, v in TARGETS.items()} | {f"{g}_proj": g for g in GROUPS}
-    modules, layers = c["target_modules"], c.get("layers_to_transform")
+    modules, layers = c.get("target_modules"), c.get("layers_to_transform")
+    if modules is None and c.get("target_parameters"):  # peft writes [] there; null means no modules too
+        modules = []
     if not isinstance(modules, list) or any(m not in by_hf for m in modules):
         raise StoreError(f"{cpath}: target_modules {modules!r:.80} is not a list of modules phantom adapts "
                          f"({', '.join(by_hf)})")

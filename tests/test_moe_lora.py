@@ -47,14 +47,14 @@ def few():
 
 
 def peft_expert_keys(block) -> dict[str, tuple[str, list[list[LoraLinear]]]]:
-    """{peft module: (transformers parameter, per expert its LoraLinears in row order)} of a block's experts.
-    peft wraps gate_up_proj first and down_proj around it: where both are adapted gate_up_proj's LoRA is the
-    inner `mlp.experts.base_layer` (read from peft's own adapters in test_a_peft_adapter_loads_into_phantom)."""
+    """{peft module: (phantom's parameter holding it, per expert its LoraLinears in row order)} of a block's
+    experts. peft wraps gate_up_proj first and down_proj around it: where both are adapted gate_up_proj's
+    LoRA is the inner `mlp.experts.base_layer` (as peft's own adapters have it: the test of those below)."""
     ffn = block.feed_forward
     if not hasattr(ffn, "experts") or not isinstance(ffn.experts[0].w2, LoraLinear):
         return {}
-    return {"mlp.experts.base_layer": ("gate_up_proj", [[x.w1, x.w3] for x in ffn.experts]),
-            "mlp.experts": ("down_proj", [[x.w2] for x in ffn.experts])}
+    return {"mlp.experts.base_layer": ("feed_forward.lora_gate_up", [[x.w1, x.w3] for x in ffn.experts]),
+            "mlp.experts": ("feed_forward.lora_down", [[x.w2] for x in ffn.experts])}
 
 
 def to_peft(parts, get) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,12 +69,24 @@ def to_peft(parts, get) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def expert_grads(pm) -> dict:
-    """{(layer, peft module): (A's gradient, B's)} of the experts, in peft's layout, and of attention."""
+    """{(layer, peft module): (A's gradient, B's)} of the experts, and of attention. The experts' parameters
+    are peft's tensors (what each expert computes with is checked against them by index: check_views)."""
     out = lora_grads(pm)
     for i, block in enumerate(pm.layers):
-        for module, (_, parts) in peft_expert_keys(block).items():
-            out[(i, module)] = to_peft(parts, lambda p: p.grad)
+        params = dict(block.named_parameters())
+        for module, (name, _) in peft_expert_keys(block).items():
+            out[(i, module)] = (params[f"{name}.lora_A"].grad, params[f"{name}.lora_B"].grad)
     return out
+
+
+def check_views(pm, adapter) -> None:
+    """Each expert computes with its A and B at peft's indices of the saved tensors (to_peft, by index)."""
+    saved = adapter_tensors(adapter)
+    for i, block in enumerate(pm.layers):
+        for module, (_, parts) in peft_expert_keys(block).items():
+            a, b = to_peft(parts, lambda t: t.detach())
+            key = f"base_model.model.model.layers.{i}.{module}"
+            assert torch.equal(a, saved[f"{key}.lora_A.weight"]) and torch.equal(b, saved[f"{key}.lora_B.weight"])
 
 
 def randomize(pm, seed: int = 1) -> None:
@@ -92,6 +104,7 @@ def phantom_step(store, tokens, targets, adapter_dir=None, lora_targets=EXPERTS,
             logits = pm(tokens)
         if adapter_dir is not None:
             pm.save_adapter(adapter_dir)
+            check_views(pm, adapter_dir)
         loss = pm(tokens, targets=targets)
         loss.backward()
         if knobs.get("expert_reads") == "routed":  # it did read some experts alone, not every block whole
@@ -301,28 +314,34 @@ def test_an_adapter_peft_makes_loads_into_phantom_and_saves_back_the_same(models
 
 
 def test_an_unhit_experts_stale_weights_reach_nothing():
-    """A routed read leaves an unhit expert's base weights unread (whatever its slot held): run on zero rows
-    for its LoRA's zero gradients, NaN there changes no output or gradient, and its LoRA's are zeros."""
+    """A routed read leaves an unhit expert's base weights unread (whatever its slot held): the expert does not
+    run, NaN there changes no output or gradient, and its rows of its bank's gradients are zeros."""
     import torch.nn.functional as F
-    from phantom.arch.moe import Expert, mix
+    from phantom.arch.config import ModelConfig
+    from phantom.arch.expertlora import apply_expert_lora
+    from phantom.arch.moe import MoeFeedForward, expert_views, mix
+    cfg = ModelConfig(dim=8, n_layers=1, n_heads=2, vocab_size=10, n_experts=3, experts_per_token=2, expert_dim=6)
     results = []
     for stale in (0.0, float("nan")):
         torch.manual_seed(0)
-        experts = torch.nn.ModuleList(Expert(8, 6, F.silu) for _ in range(3))
-        for expert in experts:
-            for name in ("w1", "w2", "w3"):
-                lora = LoraLinear(getattr(expert, name), 2, 4.0)
-                torch.nn.init.normal_(lora.lora_B)
-                setattr(expert, name, lora)
+        moe = MoeFeedForward(cfg, F.silu)
+        for p in moe.parameters():
+            p.requires_grad_(False)
+        for target in ("gate_up", "down"):
+            apply_expert_lora(moe, target, 2, 4.0, False, torch.Generator().manual_seed(1))
+        banks = [p for n, p in moe.named_parameters() if "lora_" in n]
         with torch.no_grad():
+            for p in banks:
+                p.normal_()
             for name in ("w1", "w2", "w3"):
-                getattr(experts[2], name).weight.fill_(stale)  # expert 2: no token routes to it
+                getattr(moe.experts[2], name).weight.fill_(stale)  # expert 2: no token routes to it
         x = torch.randn(5, 8, requires_grad=True)
         chosen = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
-        out = mix(x, torch.full((5, 2), 0.5), chosen, experts)
+        with expert_views(moe):  # as MoeFeedForward.forward runs them
+            out = mix(x, torch.full((5, 2), 0.5), chosen, moe.experts)
         out.square().sum().backward()
-        grads = [p.grad for n, p in experts.named_parameters() if "lora_" in n]
-        assert all(g is not None for g in grads) and all(not g.any() for g in grads[-6:])  # expert 2's: zeros
-        results.append((out.detach(), x.grad, grads))
+        for p in banks:  # A (r*E, in): rows 4:6; B (out, r*E): columns 2, 5
+            assert not (p.grad[4:6] if p.shape[0] == 6 else p.grad[:, 2::3]).any()
+        results.append((out.detach(), x.grad, [p.grad for p in banks]))
     (out0, gx0, g0), (out1, gx1, g1) = results
     assert torch.equal(out0, out1) and torch.equal(gx0, gx1) and all(torch.equal(a, b) for a, b in zip(g0, g1))

@@ -4,15 +4,18 @@ peft (0.21, `target_parameters`, its ParamWrapper) puts one LoRA on each stacked
 Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE: `mlp.experts.gate_up_proj` (E, 2*width, dim) and
 `mlp.experts.down_proj` (E, dim, width). For a tensor (E, out, in) its lora_A is Linear(in, r*E), rows
 e*r:(e+1)*r expert e's A; its lora_B is Linear(r*E, out), read as (out, r, E): column j*E + e is expert
-e's rank-j column; expert e's update is scaling * B_e @ A_e. Phantom keeps each expert as modules
-(experts.E.w1/w2/w3, swapped in by name when streamed): each gets a LoraLinear with its own slices,
-gate (w1) and up (w3), the two halves of gate_up_proj's rows, sharing one A as a fused module's parts do.
+e's rank-j column; expert e's update is scaling * B_e @ A_e. Phantom holds those two tensors as they are
+(ExpertLoraBank, one per layer and tensor: an optimizer sees peft's parameters) and keeps each expert as
+modules (experts.E.w1/w2/w3, swapped in by name when streamed): each is an ExpertLora computing with its
+views of the bank, gate (w1) and up (w3), the two halves of gate_up_proj's rows, sharing expert e's A.
 
 Where both tensors are adapted peft nests its wrappers in the order it meets the parameters (gate_up_proj
 first): gate_up_proj's LoRA is then `mlp.experts.base_layer`, down_proj's `mlp.experts`; alone, either is
 `mlp.experts`. Imports arch only.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -46,49 +49,81 @@ def peft_wrappers(targets) -> dict[str, str]:
     return {t: "mlp.experts" + ".base_layer" * (len(adapted) - 1 - n) for n, t in enumerate(adapted)}
 
 
+class ExpertLoraBank(nn.Module):
+    """One expert tensor's LoRA for every expert of a layer, held as peft holds it: lora_A (r*E, in) and
+    lora_B (out, r*E), B's columns read as (out, r, E). Two parameters a layer, as peft's, so an optimizer
+    keeps peft's state and an expert no token routes to gets zero rows of one gradient, as in peft."""
+
+    def __init__(self, n_experts: int, d_in: int, d_out: int, rank: int, alpha: float, rslora: bool,
+                 generator: torch.Generator):
+        super().__init__()
+        self.n_experts, self.rank, self.scale = n_experts, rank, alpha / (math.sqrt(rank) if rslora else rank)
+        self.lora_A = nn.Parameter(torch.empty(rank * n_experts, d_in))
+        bound = 1 / math.sqrt(d_in)  # kaiming_uniform_(a=sqrt(5)) of peft's Linear(in, r*E), as LoraLinear's A
+        with torch.no_grad():
+            self.lora_A.uniform_(-bound, bound, generator=generator)
+        self.lora_B = nn.Parameter(torch.zeros(d_out, rank * n_experts))
+        self.current: tuple | None = None  # views() while the layer's experts run (phantom.arch.moe.expert_views)
+
+    def views(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Every expert's A (r, in) and B (out, r), as two unbinds (each one node of the graph)."""
+        return (self.lora_A.view(self.n_experts, self.rank, -1).unbind(0),
+                self.lora_B.view(self.lora_B.shape[0], self.rank, self.n_experts).unbind(2))
+
+    def a(self, expert: int) -> torch.Tensor:
+        if self.current is not None:
+            return self.current[0][expert]
+        return self.lora_A[expert * self.rank:(expert + 1) * self.rank]
+
+    def b(self, expert: int, rows: slice) -> torch.Tensor:
+        if self.current is not None:
+            return self.current[1][expert][rows]
+        return self.lora_B.view(self.lora_B.shape[0], self.rank, self.n_experts)[rows, :, expert]
+
+
+class ExpertLora(LoraLinear):
+    """Expert `expert`'s module (w1, w2 or w3) with its slices of a bank as A and B (views taken at each use,
+    so gradients reach the bank); its `rows` of the bank's out side (gate: the first half of gate_up_proj's)."""
+
+    def __init__(self, base: nn.Linear, bank: ExpertLoraBank, expert: int, rows: slice):
+        nn.Module.__init__(self)
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        self.bias = None
+        self.rank, self.scale, self.expert, self.rows = bank.rank, bank.scale, expert, rows
+        object.__setattr__(self, "bank", bank)  # not a submodule: the block holds it once (feed_forward.lora_*)
+        self.dropout = nn.Identity()
+
+    @property
+    def lora_A(self) -> torch.Tensor:
+        return self.bank.a(self.expert)
+
+    @property
+    def lora_B(self) -> torch.Tensor:
+        return self.bank.b(self.expert, self.rows)
+
+
 def apply_expert_lora(moe: MoeFeedForward, target: str, rank: int, alpha: float, rslora: bool,
                       generator: torch.Generator) -> None:
-    """Give every expert of moe a LoraLinear on target's modules (in place), its parts sharing one A."""
-    for expert in moe.experts:
-        shared = None
-        for name in EXPERT_PARAMS[target][1]:
-            base = getattr(expert, name)
-            if rank > max(base.in_features, base.out_features):
-                raise ValueError(f"LoRA rank {rank} of {peft_parameter(target)} exceeds both sides of each expert's "
-                                 f"{base.out_features}x{base.in_features} weight")
-            lora = LoraLinear(base, rank, alpha, 0.0, generator=generator, lora_A=shared, rslora=rslora)
-            setattr(expert, name, lora)
-            shared = lora.lora_A
+    """Give every expert of moe its slices of one new bank on target's modules (in place); the bank is
+    moe.lora_<target>."""
+    names = EXPERT_PARAMS[target][1]
+    first = getattr(moe.experts[0], names[0])
+    d_out = first.out_features * len(names)
+    if rank > max(first.in_features, d_out):
+        raise ValueError(f"LoRA rank {rank} of {peft_parameter(target)} exceeds both sides of each expert's "
+                         f"{d_out}x{first.in_features} weight")
+    bank = ExpertLoraBank(len(moe.experts), first.in_features, d_out, rank, alpha, rslora, generator)
+    setattr(moe, f"lora_{target}", bank)
+    for e, expert in enumerate(moe.experts):
+        for n, name in enumerate(names):
+            width = getattr(expert, name).out_features
+            setattr(expert, name, ExpertLora(getattr(expert, name), bank, e, slice(n * width, (n + 1) * width)))
 
 
-def expert_loras(block: nn.Module) -> dict[str, list[list[LoraLinear]]]:
-    """{expert target: per expert, its LoraLinears in row order} of a block's adapted experts ({} where none)."""
+def expert_banks(block: nn.Module) -> dict[str, ExpertLoraBank]:
+    """{expert target: its bank} of a block's adapted experts ({} where none)."""
     ffn = getattr(block, "feed_forward", None)
     if not isinstance(ffn, MoeFeedForward):
         return {}
-    out = {}
-    for target, (_, names) in EXPERT_PARAMS.items():
-        if isinstance(getattr(ffn.experts[0], names[0]), LoraLinear):
-            out[target] = [[getattr(expert, n) for n in names] for expert in ffn.experts]
-    return out
-
-
-def stacked(parts: list[list[LoraLinear]], grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """peft's (lora_A (r*E, in), lora_B (out, r*E)) of one expert target from its per-expert LoraLinears
-    (or of their gradients, with grad)."""
-    get = (lambda p: p.grad) if grad else (lambda p: p.detach())  # noqa: E731
-    a = torch.cat([get(ms[0].lora_A) for ms in parts])  # expert e's rows e*r:(e+1)*r
-    b = torch.stack([torch.cat([get(m.lora_B) for m in ms]) for ms in parts], dim=-1)  # (out, r, E)
-    return a, b.reshape(b.shape[0], -1)
-
-
-def unstack_into(parts: list[list[LoraLinear]], a: torch.Tensor, b: torch.Tensor) -> None:
-    """Copy peft's lora_A (r*E, in) and lora_B (out, r*E) of one expert target into its per-expert
-    LoraLinears (shapes checked by the caller: those stacked() gives)."""
-    n = len(parts)
-    b = b.reshape(b.shape[0], -1, n)
-    with torch.no_grad():
-        for e, (a_e, ms) in enumerate(zip(a.reshape(n, -1, a.shape[-1]), parts)):
-            ms[0].lora_A.copy_(a_e)  # the parts share it
-            for m, rows in zip(ms, b[:, :, e].split([m.lora_B.shape[0] for m in ms])):
-                m.lora_B.copy_(rows)
+    return {t: bank for t in EXPERT_PARAMS if (bank := getattr(ffn, f"lora_{t}", None)) is not None}

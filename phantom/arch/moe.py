@@ -7,6 +7,7 @@ imports only torch and phantom.arch.config (phantom.arch.layers builds it into a
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -66,6 +67,21 @@ def mix(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, modules: 
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
 
+@contextlib.contextmanager
+def expert_views(moe: nn.Module):
+    """While the experts run: each module attached to moe that holds something for every expert stacked
+    (phantom.arch.expertlora's LoRA banks: they have `views`) takes its per-expert views once, so its
+    backward is one stack of the experts' gradients, not a full-size zero tensor per expert's slice."""
+    held = [m for m in moe.children() if hasattr(m, "views")]
+    for m in held:
+        m.current = m.views()
+    try:
+        yield
+    finally:
+        for m in held:
+            m.current = None
+
+
 class MoeFeedForward(nn.Module):
     """The block's MLP as a mixture of experts (cfg.n_experts), with Qwen2-MoE's gated shared expert
     when cfg.shared_expert_dim is set. With `router_loss` set (RouterLoss.attach), the router's
@@ -99,7 +115,8 @@ class MoeFeedForward(nn.Module):
         weights, chosen = route(logits, self.k, self.renormalise)
         if self.observer is not None:
             self.observer(chosen)
-        out = mix(flat, weights, chosen, self.experts)
+        with expert_views(self):
+            out = mix(flat, weights, chosen, self.experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(x.shape)

@@ -6,7 +6,7 @@ in, so the adapter is correct for the HF model that `peft` loads it onto. Where 
 checkpoint fuses projections (Phi-3's qkv_proj, gate_up_proj) peft puts one LoRA on the fused
 module: phantom's parts of it then share one A, each with its rows of B. On a mixture of experts the MLP
 targets are its experts, as peft's target_parameters adapts transformers 5's stacked expert tensors
-(phantom.arch.expertlora: one LoraLinear per expert, saved and loaded in peft's stacked layout).
+(phantom.arch.expertlora: peft's two stacked tensors a layer, each expert's modules computing with its views).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 from phantom.arch.config import ModelConfig
-from phantom.arch.expertlora import (EXPERT_PARAMS, apply_expert_lora, expert_loras, peft_parameter, peft_wrappers,
-                                     stacked, target_of, unstack_into)
+from phantom.arch.expertlora import (EXPERT_PARAMS, apply_expert_lora, expert_banks, peft_parameter, peft_wrappers,
+                                     target_of)
 from phantom.arch.family import family
 from phantom.arch.layers import LoraLinear, permute_for_hf, permute_from_hf
 from phantom.base import fileio, safejson
@@ -278,11 +278,11 @@ def adapter_tensors(layers: nn.ModuleList, cfg: ModelConfig) -> dict[str, torch.
             bs.append(permute_for_hf(b, heads, cfg.rope_dim) if (heads := _hf_heads(cfg, t)) is not None else b)
         out[_peft_key(i, module, "A")] = parts[0][1].lora_A.detach().float().cpu().contiguous()
         out[_peft_key(i, module, "B")] = torch.cat(bs).contiguous()
-    for i, block in enumerate(layers):  # a mixture of experts' experts: peft's stacked layout
-        loras = expert_loras(block)
-        for target, module in peft_wrappers(loras).items():
-            for ab, t in zip("AB", stacked(loras[target])):
-                out[_peft_key(i, module, ab)] = t.float().cpu().contiguous()
+    for i, block in enumerate(layers):  # a mixture of experts' experts: held in peft's layout
+        banks = expert_banks(block)
+        for target, module in peft_wrappers(banks).items():
+            for ab in "AB":
+                out[_peft_key(i, module, ab)] = getattr(banks[target], f"lora_{ab}").detach().float().cpu().contiguous()
     return out
 
 
@@ -408,8 +408,8 @@ def load_adapter(layers: nn.ModuleList, cfg: ModelConfig, path: Path) -> None:
         tensors = load_file(str(wpath))
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise StoreError(f"{wpath}: cannot read adapter weights ({e})") from None
-    experts = [(i, t, module, loras[t]) for i, block in enumerate(layers) if (loras := expert_loras(block))
-               for t, module in peft_wrappers(loras).items()]
+    experts = [(i, t, module, banks[t]) for i, block in enumerate(layers) if (banks := expert_banks(block))
+               for t, module in peft_wrappers(banks).items()]
     expected = {_peft_key(i, module, ab) for i, module, _ in adapted_modules(layers, cfg) for ab in "AB"} | \
         {_peft_key(i, module, ab) for i, _, module, _ in experts for ab in "AB"}
     if set(tensors) != expected:
@@ -427,10 +427,10 @@ def load_adapter(layers: nn.ModuleList, cfg: ModelConfig, path: Path) -> None:
             for (t, m), part in zip(parts, b.split(rows)):
                 m.lora_B.copy_(permute_from_hf(part, heads, cfg.rope_dim) if (heads := _hf_heads(cfg, t)) is not None
                                else part)
-        for i, t, module, parts in experts:
+        for i, t, module, bank in experts:
             a, b = tensors[_peft_key(i, module, "A")], tensors[_peft_key(i, module, "B")]
-            want_a, want_b = (tuple(x.shape) for x in stacked(parts))
-            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            if a.shape != bank.lora_A.shape or b.shape != bank.lora_B.shape:
                 raise StoreError(f"{wpath}: layer {i} {peft_parameter(t)}: shapes {tuple(a.shape)}, {tuple(b.shape)} "
-                                 f"do not match {want_a}, {want_b}")
-            unstack_into(parts, a, b)
+                                 f"do not match {tuple(bank.lora_A.shape)}, {tuple(bank.lora_B.shape)}")
+            bank.lora_A.copy_(a)
+            bank.lora_B.copy_(b)

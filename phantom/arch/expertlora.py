@@ -82,8 +82,9 @@ class ExpertLoraBank(nn.Module):
 
 
 class ExpertLora(LoraLinear):
-    """Expert `expert`'s module (w1, w2 or w3) with its slices of a bank as A and B (views taken at each use,
-    so gradients reach the bank); its `rows` of the bank's out side (gate: the first half of gate_up_proj's)."""
+    """Expert `expert`'s module (w1, w2 or w3) with its slices of a bank as A and B: views, so gradients reach
+    the bank (those moe.expert_views took for the forward, else sliced at each use, as the export's delta
+    weights); its `rows` of the bank's out side (gate: the first half of gate_up_proj's)."""
 
     def __init__(self, base: nn.Linear, bank: ExpertLoraBank, expert: int, rows: slice):
         nn.Module.__init__(self)

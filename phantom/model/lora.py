@@ -164,9 +164,10 @@ def family_targets(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...
     modules = peft_modules(cfg)
     if tuple(targets) == ALL_LINEAR:
         if cfg.n_experts:
-            raise ValueError("LoRA targets all-linear: on a mixture of experts peft (0.21, transformers 5) turns it "
-                             "into a LoRA on the routers (gate.weight) and on gate_up_proj at twice the rank; name "
-                             "the targets instead (q,k,v,o,gate,up,down: the experts as peft's target_parameters)")
+            raise ValueError("LoRA targets all-linear: peft 0.21's all-linear on a mixture of experts adapts the "
+                             "routers and gate_up_proj at twice the rank (Qwen3-MoE, OLMoE, Mixtral) or no expert "
+                             "(Qwen2-MoE); name the targets instead (q,k,v,o,gate,up,down: gate,up,down are the "
+                             "experts, as peft's target_parameters)")
         return tuple(modules)
     owner = {t: m for m, (_, parts) in modules.items() for t in parts}
     return tuple(dict.fromkeys(owner[t] for name in targets for t in GROUPS.get(name, (name,))))

@@ -22,7 +22,7 @@ from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier 
 
 EXPERTS = ("q", "k", "v", "o", "gate", "up", "down")  # attention and the experts
 MODELS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]), "mixtral": dict(num_local_experts=8),
-          "qwen2_moe": {}, "olmoe": {}}
+          "qwen2_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]), "olmoe": {}}
 # (offload, prefetch, recompute, expert_reads): resident, streamed from disk and RAM, experts routed and whole
 RUNS = [("none", 0, "none", "whole"), ("disk", 1, "all", "whole"), ("disk", 0, "none", "routed"),
         ("ram", 1, "none", "routed"), ("ram", 0, "all", "whole")]  # the routed ones in two micro-batches
@@ -51,10 +51,16 @@ def peft_expert_keys(block) -> dict[str, tuple[str, list[list[LoraLinear]]]]:
     experts. peft wraps gate_up_proj first and down_proj around it: where both are adapted gate_up_proj's
     LoRA is the inner `mlp.experts.base_layer` (as peft's own adapters have it: the test of those below)."""
     ffn = block.feed_forward
-    if not hasattr(ffn, "experts") or not isinstance(ffn.experts[0].w2, LoraLinear):
+    if not hasattr(ffn, "experts"):
         return {}
-    return {"mlp.experts.base_layer": ("feed_forward.lora_gate_up", [[x.w1, x.w3] for x in ffn.experts]),
-            "mlp.experts": ("feed_forward.lora_down", [[x.w2] for x in ffn.experts])}
+    gate_up, down = (isinstance(getattr(ffn.experts[0], w), LoraLinear) for w in ("w1", "w2"))
+    out = {}
+    if gate_up:
+        out["mlp.experts.base_layer" if down else "mlp.experts"] = (
+            "feed_forward.lora_experts_gate_up", [[x.w1, x.w3] for x in ffn.experts])
+    if down:
+        out["mlp.experts"] = ("feed_forward.lora_experts_down", [[x.w2] for x in ffn.experts])
+    return out
 
 
 def to_peft(parts, get) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,14 +136,16 @@ def peft_reference(model, adapter, tokens, targets):
 def test_expert_lora_gradients_equal_peft_target_parameters(models, name, tmp_path, ram_streams):
     """LoRA on attention and experts: logits within 1e-5 of peft's, loss, and every A and B gradient within
     1e-4, resident and streamed from disk and RAM, experts read routed and whole; unhit experts' gradients
-    are zeros in both (Qwen3-MoE's dense layer 1 and Qwen2-MoE's shared expert take no LoRA, as in peft)."""
+    are zeros in both. Qwen2-MoE's shared expert and dense layer 1 take one too (target_modules, as peft
+    adapts them there); Qwen3-MoE's dense layer 1 none (peft turns gate_proj there into the experts')."""
     model, store = models(name)
     tokens, targets = few()
     adapter = tmp_path / "adapter"
     phantom_step(store, tokens, targets, adapter, offload="none")
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    plain = ["down_proj", "gate_proj", "up_proj"] if name == "qwen2_moe" else []  # its shared expert, dense layer
+    assert config["target_modules"] == sorted([*plain, "k_proj", "o_proj", "q_proj", "v_proj"])
     ref_logits, ref_loss, ref_grads = peft_reference(model, adapter, tokens, targets)
     runs = RUNS if name in ("qwen3_moe", "mixtral") else RUNS[:2]
     unhit = [(k, e) for k, (ga, _) in ref_grads.items() if "experts" in k[1]
@@ -246,8 +254,20 @@ def test_the_merged_export_equals_peft_merged_model(models, name, tmp_path):
         assert rel_err(merged(tokens).logits, want) < 1e-5 and rel_err(base, want) > 1e-3
 
 
-def test_what_peft_cannot_do_on_experts_is_refused_in_one_line(models):
-    """all-linear (peft turns it into LoRA on the routers too), dropout and layers with expert targets."""
+def test_what_peft_cannot_do_on_experts_is_refused_in_one_line(models, tmp_path):
+    """all-linear (peft turns it into LoRA on the routers too), dropout and layers with expert targets; an
+    adapter naming gate_proj on Qwen3-MoE (peft makes that the experts' tensors at twice the rank); experts_*
+    on a dense model."""
+    from phantom.arch.config import ModelConfig
+    from phantom.model.lora import family_targets, read_adapter_config
+    _, qwen3 = models("qwen3_moe")
+    phantom_step(qwen3, *few(), tmp_path / "adapter", lora_targets=("q", "down"), offload="none")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config | {"target_modules": ["gate_proj"]}))
+    with pytest.raises(ValueError, match="no such plain module"):
+        phantom.load(qwen3, lora=read_adapter_config(tmp_path / "adapter"))
+    with pytest.raises(ValueError, match="has no experts"):
+        family_targets(("q", "experts_down"), ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=10))
     _, store = models("mixtral")
     for lora, words in ((phantom.LoraConfig(targets=("all-linear",)), "all-linear"),
                         (phantom.LoraConfig(targets=("q", "gate"), dropout=0.1), "dropout"),
@@ -287,17 +307,21 @@ def test_the_cli_trains_the_experts_and_refuses_in_one_line(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error: "), err
 
 
-@pytest.mark.parametrize("params", [["mlp.experts.down_proj"], ["gate_up_proj"],
-                                    ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]])
-def test_an_adapter_peft_makes_loads_into_phantom_and_saves_back_the_same(models, params, tmp_path):
+@pytest.mark.parametrize("name,modules,params", [
+    ("qwen3_moe", ["q_proj"], ["mlp.experts.down_proj"]), ("qwen3_moe", ["q_proj"], ["gate_up_proj"]),
+    ("qwen3_moe", ["q_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    ("qwen2_moe", ["gate_proj", "down_proj"], None),  # the shared expert's and the dense layer's alone
+    ("qwen2_moe", ["v_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),  # the experts alone
+])
+def test_an_adapter_peft_makes_loads_into_phantom_and_saves_back_the_same(models, name, modules, params, tmp_path):
     """get_peft_model's own adapter (one expert tensor, whose LoRA is then `mlp.experts`, or both, nested;
-    down_proj at rank 2 through rank_pattern): phantom loads it with peft's logits and saves it back with
-    the same names and tensors."""
+    down_proj at rank 2 through rank_pattern; Qwen2-MoE's plain linears or its experts alone): phantom loads
+    it with peft's logits and saves it back with the same names and tensors."""
     from phantom.model.lora import read_adapter_config
-    _, store = models("qwen3_moe")
+    _, store = models(name)
     tokens, _ = few()
-    pmodel = peft.get_peft_model(make("qwen3_moe", **MODELS["qwen3_moe"]), peft.LoraConfig(
-        target_modules=["q_proj"], target_parameters=params, r=4, lora_alpha=8, rank_pattern={"down_proj": 2}))
+    pmodel = peft.get_peft_model(make(name, **MODELS[name]), peft.LoraConfig(
+        target_modules=modules, target_parameters=params, r=4, lora_alpha=8, rank_pattern={"down_proj": 2}))
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for p in (p for n, p in pmodel.named_parameters() if "lora_" in n):
@@ -327,7 +351,7 @@ def test_an_unhit_experts_stale_weights_reach_nothing():
         moe = MoeFeedForward(cfg, F.silu)
         for p in moe.parameters():
             p.requires_grad_(False)
-        for target in ("gate_up", "down"):
+        for target in ("experts_gate_up", "experts_down"):
             apply_expert_lora(moe, target, 2, 4.0, False, torch.Generator().manual_seed(1))
         banks = [p for n, p in moe.named_parameters() if "lora_" in n]
         with torch.no_grad():

@@ -23,12 +23,12 @@ import torch.nn as nn
 from phantom.arch.layers import LoraLinear
 from phantom.arch.moe import MoeFeedForward
 
-# short target name -> (transformers' parameter of the experts, the per-expert modules it stacks, in row order)
-EXPERT_PARAMS = {"gate_up": ("gate_up_proj", ("w1", "w3")), "down": ("down_proj", ("w2",))}
+# target name -> (transformers' parameter of the experts, the per-expert modules it stacks, in row order)
+EXPERT_PARAMS = {"experts_gate_up": ("gate_up_proj", ("w1", "w3")), "experts_down": ("down_proj", ("w2",))}
 
 
 def peft_parameter(target: str) -> str:
-    """peft's target_parameters entry of an expert target: "gate_up" -> "mlp.experts.gate_up_proj"."""
+    """peft's target_parameters entry of an expert target: "experts_gate_up" -> "mlp.experts.gate_up_proj"."""
     return f"mlp.experts.{EXPERT_PARAMS[target][0]}"
 
 

@@ -32,7 +32,7 @@ def build_layers(cfg: ModelConfig, lora: LoraConfig | None, activations: Activat
         p.requires_grad_(False)
     for i, block in enumerate(layers):
         if lora is not None:
-            apply_lora(block, lora, i, experts=bool(cfg.n_experts))
+            apply_lora(block, lora, i)
         block.checkpoint_inner = activations.checkpoint_inner
         if activations.compile:
             block.compile()

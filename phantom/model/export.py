@@ -45,7 +45,7 @@ def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLi
     lora_cfg = for_family(read_adapter_config(adapter), cfg)
     layers = nn.ModuleList(TransformerBlock(cfg, device="meta", layer=i) for i in range(cfg.n_layers))
     for i, block in enumerate(layers):
-        apply_lora(block, lora_cfg, i, experts=bool(cfg.n_experts))
+        apply_lora(block, lora_cfg, i)
     load_adapter(layers, cfg, adapter)  # checks names and shapes; un-permutes q/k's lora_B; unstacks experts
     loras: dict[int, dict[str, LoraLinear]] = {}
     for i, block in enumerate(layers):  # each expert's own LoRA too (feed_forward.experts.E.w1.weight)

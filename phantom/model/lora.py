@@ -48,6 +48,12 @@ TARGETS = {
 # a module some families' checkpoints fuse (phantom.arch.family.Family.fused) -> the targets it holds, in row order
 GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 ALL_LINEAR = ("all-linear",)
+# a mixture of experts' stacked expert tensors (peft's target_parameters) -> the targets each holds
+EXPERT_TARGETS = {"experts_gate_up": ("gate", "up"), "experts_down": ("down",)}
+# mixture-of-experts model types whose plain MLP linears (a shared expert, dense layers among sparse ones) peft
+# adapts by target_modules; on the others (qwen3_moe, olmoe, mixtral) peft 0.21 rewrites gate_proj, up_proj and
+# down_proj there to the experts' tensors (transformers 5's conversion mapping)
+PLAIN_MLP = ("qwen2_moe",)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -87,10 +93,12 @@ class LoraConfig:
     rank_pattern: tuple[tuple[str, int], ...] = knob((), "", cli=False)
     alpha_pattern: tuple[tuple[str, float], ...] = knob((), "", cli=False)
     layers: tuple[int, ...] | None = knob(None, "", cli=False)
+    exact: bool = knob(False, "", cli=False)  # targets name modules one to one, as an adapter file's (for_family)
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))  # all-linear: expanded by family_targets
-        bad = [t for t in self.targets if t not in TARGETS and t not in GROUPS] if self.targets != ALL_LINEAR else []
+        known = (*TARGETS, *GROUPS, *EXPERT_TARGETS)
+        bad = [t for t in self.targets if t not in known] if self.targets != ALL_LINEAR else []
         if bad:
             raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join([*TARGETS, *GROUPS])} or all-linear")
         for name in ("rank_pattern", "alpha_pattern"):  # JSON and YAML give dicts and lists
@@ -136,10 +144,13 @@ def _pattern_value(patterns: tuple, key: str, default):
 def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     """The family's LoRA-able modules as peft sees them: short name -> (HF module inside a layer, the
     targets it holds). A tensor the checkpoint fuses is one module (Phi-3: qkv -> self_attn.qkv_proj); a
-    mixture of experts' MLP is its experts' stacked tensors (gate_up -> mlp.experts.gate_up_proj)."""
+    mixture of experts' MLP is its experts' stacked tensors (experts_gate_up -> mlp.experts.gate_up_proj), and
+    on Qwen2-MoE its plain linears too (gate -> mlp.gate_proj: a shared expert's, a dense layer's)."""
     if cfg.n_experts:
+        plain = family(cfg).model_type in PLAIN_MLP and (cfg.shared_expert_dim or cfg.dense_layers)
         return {**{t: (TARGETS[t][1], (t,)) for t in ("q", "k", "v", "o")},
-                **{t: (peft_parameter(t), GROUPS.get(t, (t,))) for t in EXPERT_PARAMS}}
+                **{t: (peft_parameter(t), parts) for t, parts in EXPERT_TARGETS.items()},
+                **{t: (TARGETS[t][1], (t,)) for t in (("gate", "up", "down") if plain else ())}}
     by_weight = {f"{path}.weight": t for t, (path, _) in TARGETS.items()}
     fused = {}  # first target of a fused module -> (its short name, HF module, its targets)
     for key, names in family(cfg).fused.items():
@@ -157,11 +168,24 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     return out
 
 
-def family_targets(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
+def family_targets(targets: tuple[str, ...], cfg: ModelConfig, exact: bool = False) -> tuple[str, ...]:
     """targets named as the family's modules, in the order given: on Phi-3 any of q, k, v is its fused
-    qkv_proj, which peft gives one LoRA; on a family that keeps them apart, qkv is q, k, v. all-linear is
-    every module, and refused on a mixture of experts (ValueError)."""
+    qkv_proj, which peft gives one LoRA; on a family that keeps them apart, qkv is q, k, v; on a mixture of
+    experts gate, up, down are its experts' tensors (and on Qwen2-MoE its plain linears too), unless `exact`
+    (an adapter file's modules, one to one). all-linear is every module, refused on a mixture of experts.
+
+    Raises:
+        ValueError: all-linear or a module the family lacks (experts_* on a dense model, an adapter's
+            gate_proj where peft makes it the experts') on a mixture of experts."""
     modules = peft_modules(cfg)
+    experts = [t for t in targets if t in EXPERT_TARGETS]
+    if experts and not cfg.n_experts:
+        raise ValueError(f"LoRA targets {', '.join(experts)} name a mixture of experts' tensors; "
+                         f"{family(cfg).hf_class} has no experts")
+    if cfg.n_experts and exact and (missing := [t for t in targets if t not in modules]):
+        raise ValueError(f"LoRA targets {', '.join(missing)}: {family(cfg).hf_class} has no such plain module (on "
+                         f"Qwen3-MoE, OLMoE and Mixtral peft 0.21 turns target_modules gate_proj, up_proj, down_proj "
+                         f"into the experts' tensors at twice the rank, which phantom does not model)")
     if tuple(targets) == ALL_LINEAR:
         if cfg.n_experts:
             raise ValueError("LoRA targets all-linear: peft 0.21's all-linear on a mixture of experts adapts the "
@@ -169,8 +193,16 @@ def family_targets(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...
                              "(Qwen2-MoE); name the targets instead (q,k,v,o,gate,up,down: gate,up,down are the "
                              "experts, as peft's target_parameters)")
         return tuple(modules)
-    owner = {t: m for m, (_, parts) in modules.items() for t in parts}
-    return tuple(dict.fromkeys(owner[t] for name in targets for t in GROUPS.get(name, (name,))))
+    if cfg.n_experts and exact:
+        return tuple(dict.fromkeys(targets))
+    owners: dict[str, list[str]] = {}
+    for m, (_, parts) in modules.items():
+        for t in parts:
+            owners.setdefault(t, []).append(m)
+    out = []
+    for name in targets:  # an experts_* name is its tensor; any other, every module holding its targets
+        out += [name] if name in EXPERT_TARGETS else [m for t in GROUPS.get(name, (name,)) for m in owners[t]]
+    return tuple(dict.fromkeys(out))
 
 
 def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
@@ -178,7 +210,7 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     mixture of experts the MLP targets are its experts (routers stay frozen), without what peft's
     target_parameters LoRA cannot do: dropout, and layers (peft applies layers_to_transform to modules only)."""
     modules = peft_modules(cfg)
-    targets = family_targets(lora.targets, cfg)
+    targets = family_targets(lora.targets, cfg, lora.exact)
     asked = targets if lora.targets == ALL_LINEAR else lora.targets
     wanted = [t for name in asked for t in GROUPS.get(name, (name,))]
     if cfg.n_experts and (experts := [peft_parameter(t) for t in targets if t in EXPERT_PARAMS]):
@@ -188,11 +220,10 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
         if lora.layers is not None:
             raise ValueError(f"LoRA layers {list(lora.layers)} with {', '.join(experts)}: peft applies "
                              f"layers_to_transform to target_modules only, every layer's experts would take a LoRA")
-        if frozen := [what for what, has in (("shared expert", cfg.shared_expert_dim), ("dense layers' MLP",
-                                                                                        cfg.dense_layers)) if has]:
-            log.info("%s: gate, up, down adapt its experts (peft's target_parameters); its %s stay frozen (peft "
-                     "reaches those through target_modules, which peft 0.21 maps to the experts on Qwen3-MoE, OLMoE "
-                     "and Mixtral)", family(cfg).hf_class, " and ".join(frozen))
+        if cfg.dense_layers and family(cfg).model_type not in PLAIN_MLP:
+            log.info("%s: gate, up, down adapt its experts (peft's target_parameters); its dense layers' MLP stays "
+                     "frozen (peft 0.21 turns target_modules gate_proj, up_proj, down_proj into the experts' tensors "
+                     "there)", family(cfg).hf_class)
     added = [t for m in targets for t in modules[m][1] if t not in wanted]
     if added:
         fused = "; ".join(f"{modules[m][0].rsplit('.', 1)[1]} holds {', '.join(modules[m][1])}"
@@ -210,25 +241,27 @@ def hf_module(target: str) -> str:
     return TARGETS[target][1]
 
 
-def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int, experts: bool = False) -> None:
+def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int) -> None:
     """Replace the target linears of one block by LoraLinear (in place); cfg's targets as for_family
     names them, each with the rank and alpha cfg.module_rank gives it. The parts of a fused module
-    (GROUPS) share one A. experts: the model is a mixture of experts, whose MLP targets are its experts
-    (a dense MLP among them and a shared expert stay frozen: peft reaches those only through target_modules,
-    whose gate_proj, up_proj, down_proj peft 0.21 maps to the experts on Qwen3-MoE, OLMoE and Mixtral)."""
+    (GROUPS) share one A. A mixture of experts' experts_* targets are its experts' stacked tensors
+    (phantom.arch.expertlora); its plain gate, up, down (Qwen2-MoE) a dense layer's or the shared expert's."""
     gen = torch.Generator().manual_seed(cfg.seed * 100003 + layer)
+    sparse = hasattr(block.feed_forward, "experts")
     for target in cfg.targets:
-        if experts and target in EXPERT_PARAMS:
+        if target in EXPERT_PARAMS:
             rank_alpha = cfg.module_rank(layer, peft_parameter(target))
-            if rank_alpha and hasattr(block.feed_forward, "experts"):  # not a dense layer among sparse ones
+            if rank_alpha and sparse:  # not a dense layer among sparse ones
                 apply_expert_lora(block.feed_forward, target, *rank_alpha, cfg.rslora, gen)
             continue
-        shared, rank_alpha = None, cfg.module_rank(layer, hf_module(target))
+        shared, rank_alpha = None, cfg.module_rank(layer, in_layer(block, hf_module(target)))
         if rank_alpha is None:
             continue
         for t in GROUPS.get(target, (target,)):
             parent_path, name = TARGETS[t][0].rsplit(".", 1)
-            parent = block.get_submodule(parent_path)
+            parent = mlp_owner(block.get_submodule(parent_path))
+            if parent is None:  # a sparse layer without a shared expert
+                break
             base = getattr(parent, name)
             if rank_alpha[0] > max(base.in_features, base.out_features):  # checked before allocating A and B
                 raise ValueError(f"LoRA rank {rank_alpha[0]} of layer {layer} {hf_module(target)} exceeds both sides "
@@ -239,13 +272,24 @@ def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int, experts: bool = Fa
             shared = lora.lora_A
 
 
+def mlp_owner(module: nn.Module) -> nn.Module | None:
+    """Where a block's plain gate, up, down are: module itself, or a sparse MLP's shared expert (or None)."""
+    return module.shared_expert if hasattr(module, "experts") else module
+
+
+def in_layer(block: nn.Module, module: str) -> str:
+    """A plain module's Hugging Face name in this block: a sparse layer's MLP ones are its shared expert's."""
+    sparse = hasattr(getattr(block, "feed_forward", None), "experts")
+    return f"mlp.shared_expert.{module.removeprefix('mlp.')}" if sparse and module.startswith("mlp.") else module
+
+
 def lora_modules(layers: nn.ModuleList) -> dict[tuple[int, str], LoraLinear]:
-    """(layer index, target short name) -> its LoraLinear."""
+    """(layer index, target short name) -> its LoraLinear (a sparse layer's gate, up, down: its shared expert's)."""
     out = {}
     for i, block in enumerate(layers):
         for t, (path, _) in TARGETS.items():
             parent, _, leaf = path.rpartition(".")
-            m = getattr(block.get_submodule(parent), leaf, None)  # a mixture of experts has no feed_forward.w1
+            m = getattr(mlp_owner(block.get_submodule(parent)), leaf, None)
             if isinstance(m, LoraLinear):
                 out[(i, t)] = m
     return out
@@ -262,10 +306,10 @@ def _hf_heads(cfg: ModelConfig, t: str) -> int | None:
 def adapted_modules(layers: nn.ModuleList, cfg: ModelConfig):
     """(layer, HF module, [(target, its LoraLinear)] in row order) for every module with a LoRA."""
     mods = lora_modules(layers)
-    for i in range(len(layers)):
-        for module, parts in peft_modules(cfg).values():
-            if (i, parts[0]) in mods:
-                yield i, module, [(t, mods[(i, t)]) for t in parts]
+    for i, block in enumerate(layers):
+        for key, (module, parts) in peft_modules(cfg).items():
+            if key not in EXPERT_TARGETS and (i, parts[0]) in mods:
+                yield i, in_layer(block, module), [(t, mods[(i, t)]) for t in parts]
 
 
 def adapter_tensors(layers: nn.ModuleList, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -302,9 +346,8 @@ def save_adapter(layers: nn.ModuleList, model_cfg: ModelConfig, lora_cfg: LoraCo
         "revision": revision,
         "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
         "target_modules": sorted(peft_modules(model_cfg)[t][0].split(".")[1] for t in lora_cfg.targets
-                                 if not (model_cfg.n_experts and t in EXPERT_PARAMS)),
-        "target_parameters": [peft_parameter(t) for t in EXPERT_PARAMS if model_cfg.n_experts and t in lora_cfg.targets]
-        or None,
+                                 if t not in EXPERT_TARGETS),
+        "target_parameters": [peft_parameter(t) for t in EXPERT_TARGETS if t in lora_cfg.targets] or None,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "use_dora": False, **peft_fields(lora_cfg),
     })
@@ -377,7 +420,7 @@ def _lora_config(cpath: Path, c) -> LoraConfig:
         raise StoreError(f"{cpath}: use_rslora {c['use_rslora']!r:.40} is not true or false")
     return LoraConfig(rank=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout") or 0.0,
                       targets=tuple(by_hf[m] for m in modules) + tuple(target_of(t) for t in params),
-                      rslora=c.get("use_rslora", False),
+                      rslora=c.get("use_rslora", False), exact=True,
                       rank_pattern=c.get("rank_pattern") or {}, alpha_pattern=c.get("alpha_pattern") or {},
                       layers=[layers] if type(layers) is int else (layers or None))
 

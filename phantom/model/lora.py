@@ -70,7 +70,9 @@ class LoraConfig:
             every one (peft's all-linear: each projection of every block, not the head; refused on a mixture
             of experts). On a family whose checkpoint fuses q, k, v (or gate, up) into one module, naming any
             of them targets the module (see for_family); on a mixture of experts gate, up and down are its
-            experts (gate and up: each expert's one LoRA on gate_up_proj), as peft's target_parameters.
+            experts (gate and up: each expert's one LoRA on gate_up_proj), as peft's target_parameters, and
+            Qwen2-MoE's shared expert's and dense layers' linears; experts_gate_up, experts_down: the tensors alone.
+        exact: targets name modules one to one, as an adapter file does (read_adapter_config).
         seed: seeds the init of A, per layer, so two models built alike start alike.
         rslora: scale by alpha / sqrt(rank) instead (peft's use_rslora).
         rank_pattern, alpha_pattern: (regex, value) pairs, in order: a module whose peft name
@@ -86,7 +88,8 @@ class LoraConfig:
                                                 "those together), or all-linear (every one, as peft's all-linear); "
                                                 "on Phi-3 any of q,k,v is its fused qkv_proj, as peft has it; on a "
                                                 "mixture of experts gate,up,down are its experts (gate_up_proj, "
-                                                "down_proj, as peft's target_parameters)",
+                                                "down_proj, as peft's target_parameters; experts_gate_up, "
+                                                "experts_down: those alone) and Qwen2-MoE's plain MLP linears",
                                     type="csv")
     seed: int = knob(0, "", cli=False)  # a run seeds its LoRA with its --seed (RunConfig)
     rslora: bool = knob(False, "", cli=False)  # the patterns and layers come from adapter_config.json files

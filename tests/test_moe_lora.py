@@ -132,8 +132,9 @@ def peft_reference(model, adapter, tokens, targets):
             p.grad = None
 
 
+@pytest.mark.usefixtures("ram_streams")
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
-def test_expert_lora_gradients_equal_peft_target_parameters(models, name, tmp_path, ram_streams):
+def test_expert_lora_gradients_equal_peft_target_parameters(models, name, tmp_path):
     """LoRA on attention and experts: logits within 1e-5 of peft's, loss, and every A and B gradient within
     1e-4, resident and streamed from disk and RAM, experts read routed and whole; unhit experts' gradients
     are zeros in both. Qwen2-MoE's shared expert and dense layer 1 take one too (target_modules, as peft

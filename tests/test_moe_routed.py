@@ -14,7 +14,8 @@ import torch
 import phantom
 from family_check import batch, cross_entropy, lora_step, make, peft_step, prepare, rel_err
 from phantom.files.store import BlockStore
-from phantom.stream.experts import ExpertLayout, ExpertReads, block_seconds, expected_hits
+from phantom.stream.experts import ExpertLayout, ExpertReads, block_seconds, expected_hits, expected_runs
+from phantom.stream.trace import LoadStats
 from phantom.stream.scheduler import BlockScheduler
 
 MODELS = {"qwen3_moe": dict(num_hidden_layers=4), "mixtral": dict(num_hidden_layers=4, num_local_experts=8),
@@ -183,36 +184,47 @@ def test_the_hit_estimate_and_the_choice():
     assert policy.plan(8) == frozenset()
 
 
-def test_routed_expert_reads_are_judged_at_their_own_measured_rate():
-    """An expert read is a request an expert, each paying the device's latency: the choice takes the rate
-    routed reads were measured at, once one ran (before, the whole reads'), in the run and in the cost model."""
-    whole, routed = block_seconds(0.01, 100, 10, 128, 8, 1e-4, 1e-4, 5e-4)
-    assert whole == pytest.approx(1380e-4) and routed == pytest.approx(0.01 + 80 * 5e-4 + 1e-4)
+def test_routed_expert_reads_pay_for_each_request_they_make():
+    """A routed read makes a request for each run of consecutive hit experts (touching ranges joined), and each
+    costs the device's latency beside its bytes: the runs expected equal those of sampled steps' hits (numpy's
+    draws), and the choice takes the request cost measured on the run's own routed reads."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    probs = torch.tensor(rng.dirichlet(np.ones(64)) * 4)  # a skewed router's share of choices, summing to k = 4
+    for tokens in (1, 8, 64):
+        draws = rng.random((4000, tokens, 64)) < probs.numpy()  # each expert picked by each token apart
+        hit = draws.any(axis=1)
+        runs = (hit[:, 0] + (hit[:, 1:] & ~hit[:, :-1]).sum(1)).mean()
+        assert expected_runs(probs, tokens, 64, 4) == pytest.approx(runs, rel=0.03)
+        assert expected_hits(probs, tokens, 64, 4) == pytest.approx(hit.sum(1).mean(), rel=0.03)
+    assert expected_runs(None, 10**6, 64, 4) == pytest.approx(1)  # every expert hit: one request
+    whole, routed = block_seconds(0.01, 100, 10, 128, 8, 1e-4, 5e-4, runs=8)
+    assert whole == pytest.approx(1380e-4) and routed == pytest.approx(0.01 + 80e-4 + 8 * 5e-4)
     lay = ExpertLayout(tuple((100 + 10 * e, 110 + 10 * e) for e in range(128)), ((0, 100),), (), 1380, 8)
     policy = ExpertReads(lay, "auto", 1)
     policy.observe_times(compute_s=1e-3, nbytes=1 << 20, read_s=(1 << 20) * 1e-4)
-    assert policy.plan(8) == {0}  # 8 experts at the whole reads' rate: routed pays
-    policy.observe_times(nbytes=1 << 20, read_s=(1 << 20) * 2e-3, experts=True)  # measured 20x slower
-    assert policy.expert_s_per_byte == pytest.approx(2e-3) and policy.s_per_byte == pytest.approx(1e-4)
+    assert policy.plan(8) == {0}  # 8 experts, a round trip each at the tier's default: routed pays
+    fill = LoadStats(bytes_read=1 << 20, read_s=(1 << 20) * 1e-4 + 8 * 5e-3, requests=8)  # 5 ms a request
+    policy.observe_fill(fill)
+    assert policy.request_s == pytest.approx(5e-3) and policy.s_per_byte == pytest.approx(1e-4)
     assert policy.plan(8) == frozenset()
 
 
-def test_the_cost_model_reads_experts_at_the_profiles_expert_rate(models):
-    """predict_expert_reads: the routed step's serial expert read at disk_expert_gbps; with prefetch 0 every
-    load is in series, so halving the rate adds the expert bytes' read time once more for each forward load."""
+def test_the_cost_model_pays_each_request_at_the_profiles_request_cost(models):
+    """predict_expert_reads: the routed step's serial expert read pays disk_request_s for each expected run of
+    hit experts; with prefetch 0 every load is in series, so doubling it adds runs x it for each forward load."""
     import dataclasses
     from phantom.plan import costinputs as ci
-    from phantom.plan.costexperts import expert_bytes, predict_expert_reads
+    from phantom.plan.costexperts import predict_expert_reads
     _, store = models["qwen3_moe"]
     cfg = BlockStore(store).cfg
-    profile = ci.MachineProfile(machine="t", device="cpu", disk_gbps=2.0, disk_expert_gbps=1.0,
-                                free_device_bytes=None, free_host_bytes=None)
+    profile = ci.MachineProfile(machine="t", device="cpu", disk_gbps=2.0, free_device_bytes=None, free_host_bytes=None)
     shape = ci.shape_of(cfg, "fp32", "fp32", seq_len=1)
     args = (shape, cfg, "fp32", phantom.Placement(offload="disk", prefetch=0), phantom.Activations(recompute="all"))
-    fast, slow = (predict_expert_reads(dataclasses.replace(profile, disk_expert_gbps=g), *args, rows=1)
-                  for g in (1.0, 0.5))
-    experts = fast.hits * expert_bytes(cfg, "fp32")
-    assert slow.routed_s - fast.routed_s == pytest.approx(cfg.n_layers * experts / 1e9, rel=1e-3)
+    fast, slow = (predict_expert_reads(dataclasses.replace(profile, disk_request_s=r), *args, rows=1)
+                  for r in (1e-3, 2e-3))
+    runs = expected_runs(None, 1, cfg.n_experts, cfg.experts_per_token)
+    assert slow.routed_s - fast.routed_s == pytest.approx(cfg.n_layers * runs * 1e-3, rel=1e-6)
     assert slow.whole_s == fast.whole_s and slow.routed_bytes == fast.routed_bytes
 
 
@@ -239,7 +251,8 @@ def test_the_cost_model_predicts_the_bytes_a_routed_step_reads(models):
     from phantom.plan.costexperts import predict_expert_reads
     _, store = models["qwen3_moe"]
     cfg = BlockStore(store).cfg
-    profile = ci.MachineProfile(machine="t", device="cpu", free_device_bytes=None, free_host_bytes=None)
+    profile = ci.MachineProfile(machine="t", device="cpu", disk_gbps=0.05, free_device_bytes=None,  # read-bound
+                                free_host_bytes=None)
     shape = ci.shape_of(cfg, "fp32", "fp32", seq_len=1)
     pred = predict_expert_reads(profile, shape, cfg, "fp32", phantom.Placement(offload="disk", prefetch=0),
                                 phantom.Activations(recompute="all"), rows=1)

@@ -59,7 +59,7 @@ def test_measured_rates_are_sane(small_store):
     assert p.device == "cpu" and p.free_device_bytes is None and p.free_host_bytes > 0
     assert p.disk_gbps > 0 and p.h2d_gbps > 0 and p.fwd_flops > 0 and p.head_flops > 0
     assert 0.9 < p.keep_scale < 1.1  # the config's estimate of kept bytes, checked by autograd's count
-    assert p.disk_expert_gbps is None  # a dense model reads no experts apart
+    assert p.disk_request_s is None  # a dense model reads no experts apart
 
 
 def test_the_read_jitter_is_the_spread_of_most_reads_not_of_one_stalled_read():
@@ -73,7 +73,7 @@ def test_the_read_jitter_is_the_spread_of_most_reads_not_of_one_stalled_read():
 
 
 def test_a_mixture_of_experts_profile_measures_its_routed_expert_reads(tmp_path):
-    """A 16-bit MoE store's profile has the GB/s of reading one range an expert; a quantized copy, none."""
+    """A 16-bit MoE store's profile has the seconds a routed read's request costs; a quantized copy, none."""
     from phantom.arch.config import PRESETS
     from phantom.arch.quantformat import QuantFormat
     from phantom.model.quantstore import quantize_store
@@ -81,9 +81,9 @@ def test_a_mixture_of_experts_profile_measures_its_routed_expert_reads(tmp_path)
                               explicit_head_dim=32, expert_dim=32, n_experts=16, experts_per_token=2,
                               vocab_size=97, max_seq_len=64)
     store = BlockStore(write_synthetic(tmp_path / "moe", cfg, torch.float32, progress=False))
-    assert profiles.measure_expert_disk(store) > 0
+    assert profiles.measure_disk_requests(store, 2.0) >= 0
     quantize_store(store.path, tmp_path / "nf4", QuantFormat("nf4"), progress=False)
-    assert profiles.measure_expert_disk(BlockStore(tmp_path / "nf4")) is None
+    assert profiles.measure_disk_requests(BlockStore(tmp_path / "nf4"), 2.0) is None
 
 
 def test_profile_round_trip_and_a_stale_or_corrupt_file_is_ignored(tmp_path):

@@ -2,8 +2,9 @@
 blocks read their non-expert bytes ahead of use and, after the router, the experts the step's tokens hit.
 
 The forward's loads carry the non-expert bytes through the prefetch pipeline (phantom.plan.costmodel.pipe_s);
-each routed block then reads its hit experts in series with its compute (one round trip, the tier's
-`round_trip_s`; from disk at the profile's `disk_expert_gbps`, measured on one range an expert); the backward's loads carry the non-expert bytes and the same experts, prefetched. The hit
+each routed block then reads its hit experts in series with its compute: their bytes, and a request for
+each run of consecutive hit experts (`expected_runs`) at the profile's `disk_request_s` (cold disk; else
+the tier's `round_trip_s`); the backward's loads carry the non-expert bytes and the same experts, prefetched. The hit
 experts come from the router's measured distribution or uniform routing (`expected_hits`). Pure functions.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from phantom.base import dtypes
 from phantom.plan.costinputs import LoadTimes, MachineProfile, Shape
 from phantom.plan.costmodel import MARGIN, Prediction, block_compute, kept_blocks, layout, pipe_s, predict
 from phantom.stream import tiers as T
-from phantom.stream.experts import expected_hits
+from phantom.stream.experts import expected_hits, expected_runs
 from phantom.stream.placement import Activations, Placement
 
 
@@ -68,12 +69,13 @@ def predict_expert_reads(profile: MachineProfile, shape: Shape, cfg: ModelConfig
     cf, cb, head = block_compute(profile, shape, activations, rows, keep)
     warm = profile.disk_warm_gbps is not None and whole.tiers.count("disk") * shape.block_bytes <= \
         (profile.free_host_bytes or 0) * (1 - MARGIN) - whole.host_bytes
-    times = lambda nbytes, rates=profile: LoadTimes.of_block(  # noqa: E731
-        rates, dataclasses.replace(shape, block_bytes=nbytes), lay.tiers, warm)
-    apart = dataclasses.replace(profile, disk_gbps=profile.disk_expert_gbps) if profile.disk_expert_gbps and not warm \
-        else profile  # one request an expert: each pays the device's latency beside its bytes
-    t_exp = times(round(hits * e_bytes), apart)
-    serial = [t_exp.of(lay.tiers[i]) + T.get(lay.tiers[i]).round_trip_s if i in lay.streamed else 0.0
+    times = lambda nbytes: LoadTimes.of_block(profile, dataclasses.replace(shape, block_bytes=nbytes),  # noqa: E731
+                                              lay.tiers, warm)
+    t_exp = times(round(hits * e_bytes))
+    runs = expected_runs(probs, rows * shape.seq_len, cfg.n_experts, cfg.experts_per_token)
+    request_s = lambda tier: profile.disk_request_s if tier == "disk" and profile.disk_request_s is not None \
+        and not warm else T.get(tier).round_trip_s  # noqa: E731
+    serial = [t_exp.of(lay.tiers[i]) + runs * request_s(lay.tiers[i]) if i in lay.streamed else 0.0
               for i in range(shape.n_blocks)]
     cf_routed = [c + s for c, s in zip(cf, serial)]
     still = set(range(shape.n_blocks)) - set(lay.streamed)

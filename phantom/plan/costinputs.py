@@ -125,7 +125,7 @@ class MachineProfile:
     dtype: str = "bf16"
     disk_gbps: float = 2.0  # cold reads (the page cache does not help a store larger than it)
     disk_warm_gbps: float | None = None
-    disk_expert_gbps: float | None = None  # routed expert reads, cold (one range an expert; None: disk_gbps)
+    disk_request_s: float | None = None  # a cold read request's cost beside its bytes (routed experts; None: the tier's)
     h2d_gbps: float = 25.0  # pinned host -> device (on a CPU: a host memcpy)
     dequant_gbps: float = 4.0  # quantized stores: compute-dtype GB/s a loader dequantizes (tune.measure_dequant)
     fwd_flops: float = 100e12

@@ -82,7 +82,9 @@ def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
     Each file is dropped from the page cache first (posix_fadvise DONTNEED, no root needed), then read
     into an aligned buffer (O_DIRECT where the filesystem allows) by `readers` threads at once, as the
     scheduler's loaders read: the disk tier's access is cyclic over a store larger than the cache, so
-    cold reads are what it gets.
+    cold reads are what it gets. The spread is of the same reads made by one thread after: with two
+    at once a read takes the whole disk or half of it as the other starts or ends, and that 2x is no
+    read's jitter.
     """
     k = max(2, min(store.n_blocks, max_bytes // max(store.block_nbytes, 1)))
     entries = store.blocks[:k] * passes
@@ -99,16 +101,21 @@ def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
             with lock:
                 times.append(time.perf_counter() - t0)
 
-    threads = [threading.Thread(target=read, args=(entries[r::readers],), name=f"phantom-tune-disk{r}")
-               for r in range(readers)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if len(times) != len(entries):
-        raise OSError(f"reading {store.path} failed while measuring the disk (see the log)")
+    def run(n: int) -> float:
+        threads = [threading.Thread(target=read, args=(entries[r::n],), name=f"phantom-tune-disk{r}")
+                   for r in range(n)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(times) != len(entries):
+            raise OSError(f"reading {store.path} failed while measuring the disk (see the log)")
+        return time.perf_counter() - t0
+
+    wall = run(readers)
+    times.clear()
+    run(1)
     return sum(e.nbytes for e in entries) / wall / 1e9, relative_spread(times)
 
 
@@ -120,12 +127,12 @@ def relative_spread(times: list[float]) -> float:
     return (q3 - q1) / 1.349 / statistics.median(times)
 
 
-def measure_expert_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2) -> float | None:
-    """GB/s of routed expert reads, cold: every other expert of a few blocks (an expert's range each,
-    none touching), read as a routed load reads them (phantom.stream.experts.read_ranges). None where the
-    store reads no experts apart (a dense model or a quantized store). Each request pays the device's
-    latency beside its bytes, so this is below `measure_disk`'s rate: by how much is what decides
-    whether routed reads pay."""
+def measure_disk_requests(store: BlockStore, disk_gbps: float, max_bytes: int = 1 << 30,
+                          passes: int = 2) -> float | None:
+    """Seconds a read request costs beside its bytes (at disk_gbps), as routed expert reads make them: every
+    other expert of a few blocks, cold, an expert's range each, several in flight
+    (phantom.stream.experts.read_ranges). A routed read of few experts is mostly these. None where the store
+    reads no experts apart (a dense model or a quantized store)."""
     try:
         lay = ExpertLayout.of_store(store)
     except ValueError:
@@ -133,7 +140,7 @@ def measure_expert_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int
     sparse = [i for i in range(store.n_blocks) if store.cfg.sparse(i)]
     k = max(1, min(len(sparse), max_bytes // max(store.block_nbytes, 1)))
     buf = HostBuffer(store.block_nbytes, pin=False).tensor
-    nbytes, secs = 0, 0.0
+    nbytes, secs, requests = 0, 0.0, 0
     for p in range(passes):
         ranges = lay.of(range(p % 2, lay.n_experts, 2))
         for i in sparse[:k]:
@@ -143,7 +150,8 @@ def measure_expert_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int
             t0 = time.perf_counter()
             nbytes += read_ranges(store.blocks[i], buf, ranges)
             secs += time.perf_counter() - t0
-    return nbytes / secs / 1e9
+            requests += len(ranges)
+    return max(0.0, secs - nbytes / (disk_gbps * 1e9)) / requests
 
 
 def measure_link(device: torch.device, nbytes: int, repeats: int = 3) -> tuple[float, float]:
@@ -330,7 +338,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     repeats = 2 if quick else 4
     t0 = time.perf_counter()
     disk, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
-    expert_disk = measure_expert_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 2)
+    request_s = measure_disk_requests(store, disk, (256 << 20) if quick else (1 << 30), 1 if quick else 2)
     h2d, _ = measure_link(device, store.block_nbytes, repeats)
     free_dev = free_device_bytes(device)
     c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, (disk, True))
@@ -340,7 +348,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     shape = ci.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     return ci.MachineProfile(
         machine=machine_key(device), device=device.type, dtype=dtype_name(dtype), disk_gbps=disk,
-        disk_expert_gbps=expert_disk,
+        disk_request_s=request_s,
         disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, fwd_flops=shape.flops_per_row / c["fwd_row_s"],
         fwd_grad_ratio=c["fwd_grad_row_s"] / c["fwd_row_s"], bwd_ratio=c["bwd_row_s"] / c["fwd_row_s"],
         fwd_call_s=c["fwd_call_s"], fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],

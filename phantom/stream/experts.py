@@ -5,7 +5,8 @@ A routed load reads a block's non-expert bytes (attention, norms, router, shared
 any block is read; after the router has run over the step's tokens, the experts some token routes to are
 read into the same slot (one more round trip, on the training thread: the router's answer is needed
 first). It saves the bytes of the experts no token picks, and costs that round trip and the overlap the
-prefetch gave the expert bytes; `block_seconds` writes both sides down, the cost model
+prefetch gave the expert bytes, and a request for each run of hit experts (`expected_runs`): each pays
+the device's latency beside its bytes; `block_seconds` writes both sides down, the cost model
 (phantom.plan.costmodel) and the run's `auto` choice (`ExpertReads`) use it. Imports arch and files only.
 """
 from __future__ import annotations
@@ -31,16 +32,24 @@ def expected_hits(probs: torch.Tensor | None, tokens: int, n_experts: int, k: in
     return float((1 - (1 - probs.double().clamp(0, 1)) ** tokens).sum())
 
 
+def expected_runs(probs: torch.Tensor | None, tokens: int, n_experts: int, k: int) -> float:
+    """Read requests a routed read of the experts a step hits makes, expected: runs of consecutive hit
+    experts (touching ranges are read as one), sum_e q_e (1 - q_(e-1)) with q_e = 1 - (1 - p_e)^tokens the
+    chance expert e is hit (p as expected_hits). Few for a step that hits nearly every expert, about one an
+    expert for a step that hits few."""
+    p = torch.full((n_experts,), k / n_experts, dtype=torch.float64) if probs is None else probs.double().clamp(0, 1)
+    q = 1 - (1 - p) ** tokens
+    return float(q[0] + (q[1:] * (1 - q[:-1])).sum())
+
+
 def block_seconds(compute_s: float, base_bytes: int, expert_bytes: int, n_experts: int, hits: float,
-                  s_per_byte: float, round_trip_s: float, expert_s_per_byte: float | None = None
-                  ) -> tuple[float, float]:
+                  s_per_byte: float, request_s: float, runs: float = 1.0) -> tuple[float, float]:
     """One streamed block's seconds in a prefetched pipeline, (whole, routed): a whole read overlaps the
     compute (max of the two); a routed read overlaps only the non-expert part, then reads the `hits`
-    experts after the router (one round trip, in series with the compute) at `expert_s_per_byte` (one
-    request an expert, each paying the device's latency: slower than a block's; None: s_per_byte)."""
+    experts after the router, in series with the compute: their bytes, and `request_s` for each of its
+    `runs` requests (what one more request costs beside its bytes, with the others in flight)."""
     whole = max(compute_s, (base_bytes + n_experts * expert_bytes) * s_per_byte)
-    routed = max(compute_s, base_bytes * s_per_byte) + hits * expert_bytes * (expert_s_per_byte or s_per_byte) + \
-        round_trip_s
+    routed = max(compute_s, base_bytes * s_per_byte) + hits * expert_bytes * s_per_byte + runs * request_s
     return whole, routed
 
 
@@ -164,7 +173,7 @@ class ExpertReads:
     rows: torch.Tensor = field(init=False)  # (n_blocks,): tokens routed
     compute_s: float | None = None  # one block's forward over a step's tokens (exponential average)
     s_per_byte: float | None = None  # a load's, whole or the non-expert part
-    expert_s_per_byte: float | None = None  # a routed expert read's (None until one has run)
+    request_s: float | None = None  # a routed expert read's cost a request beyond its bytes (None: round_trip_s)
     routed: frozenset = frozenset()  # the blocks read routed this step
     known: dict = field(default_factory=dict)  # this step's experts each block's tokens routed to
 
@@ -183,22 +192,25 @@ class ExpertReads:
         self.counts[block] += torch.bincount(chosen.reshape(-1).cpu(), minlength=self.layout.n_experts).double()
         self.rows[block] += chosen.shape[0]
 
-    def observe_times(self, compute_s: float | None = None, nbytes: int = 0, read_s: float = 0.0,
-                      experts: bool = False) -> None:
+    def observe_times(self, compute_s: float | None = None, nbytes: int = 0, read_s: float = 0.0) -> None:
         avg = lambda old, new: new if old is None else 0.7 * old + 0.3 * new  # noqa: E731
         if compute_s is not None:
             self.compute_s = avg(self.compute_s, compute_s)
         if nbytes > (1 << 16) and read_s > 0:
-            if experts:
-                self.expert_s_per_byte = avg(self.expert_s_per_byte, read_s / nbytes)
-            else:
-                self.s_per_byte = avg(self.s_per_byte, read_s / nbytes)
+            self.s_per_byte = avg(self.s_per_byte, read_s / nbytes)
 
-    def observe_load(self, stats, experts: bool = False) -> None:
-        """A load's bytes and seconds (phantom.stream.trace.LoadStats): the tier's seconds per byte; with
-        `experts`, a routed read of experts after the router (its own rate: a request an expert)."""
-        self.observe_times(nbytes=stats.bytes_read + stats.bytes_ram, read_s=stats.read_s + stats.copy_s,
-                           experts=experts)
+    def observe_load(self, stats) -> None:
+        """A load's bytes and seconds (phantom.stream.trace.LoadStats): the tier's seconds per byte."""
+        self.observe_times(nbytes=stats.bytes_read + stats.bytes_ram, read_s=stats.read_s + stats.copy_s)
+
+    def observe_fill(self, stats) -> None:
+        """A routed read of experts after the router (LoadStats with its `requests`): what each of its
+        requests cost beyond its bytes at the loads' rate (measured once a load has set that rate)."""
+        if self.s_per_byte is None or not stats.requests:
+            return
+        spent = stats.read_s + stats.copy_s - (stats.bytes_read + stats.bytes_ram) * self.s_per_byte
+        new = max(0.0, spent) / stats.requests
+        self.request_s = new if self.request_s is None else 0.7 * self.request_s + 0.3 * new
 
     def remember(self, block: int, experts) -> None:
         """Experts some token of this step routes to in block: its next load this step reads them too
@@ -231,7 +243,9 @@ class ExpertReads:
 
     def pays(self, block: int, tokens: int) -> bool:
         lay = self.layout
-        hits = expected_hits(self.probs(block), tokens, lay.n_experts, lay.k)
+        probs = self.probs(block)
+        hits, runs = (f(probs, tokens, lay.n_experts, lay.k) for f in (expected_hits, expected_runs))
+        request_s = self.round_trip_s if self.request_s is None else self.request_s
         whole, routed = block_seconds(self.compute_s, lay.base_bytes, lay.expert_bytes, lay.n_experts, hits,
-                                      self.s_per_byte, self.round_trip_s, self.expert_s_per_byte)
+                                      self.s_per_byte, request_s, runs)
         return routed < whole

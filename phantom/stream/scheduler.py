@@ -358,7 +358,7 @@ class RoutedSlots:
         if stats.bytes_experts:
             with s._cv:
                 s.metrics.add(stats, fill=True)
-            self.policy.observe_load(stats, experts=True)
+            self.policy.observe_fill(stats)
 
 
 def expert_reads_for(store: BlockStore, residency: Residency, layout, mode: str) -> ExpertReads | None:

@@ -104,4 +104,5 @@ class LoadStats:
     copy_s: float = 0.0
     dequant_s: float = 0.0
     bytes_experts: int = 0
+    requests: int = 0  # a routed read of experts: the ranges it read (touching experts' joined)
     copy_event: tuple | None = None  # CUDA: (start, end, bytes) of the copy, timed by its events

@@ -129,10 +129,11 @@ class Transfer:
         if not missing:
             return LoadStats()
         lay = self.experts
-        stats = self._ranges(slot, block, source, lay.of(missing), source.tier.expert_lane,
+        ranges = lay.of(missing)
+        stats = self._ranges(slot, block, source, ranges, source.tier.expert_lane,
                              f"experts {block} ({len(missing)})", None)
         self._convert_names(slot, block, [n for e in missing for n in lay.names[e]])
-        stats.bytes_experts = len(missing) * lay.expert_bytes
+        stats.bytes_experts, stats.requests = len(missing) * lay.expert_bytes, len(ranges)
         slot.experts = slot.experts | frozenset(missing)
         return stats
 

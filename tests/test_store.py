@@ -236,24 +236,12 @@ def test_rewritten_file_carries_a_new_crc32(chunked_store):
     BlockStore(chunked_store, verify="full")  # the original is untouched
 
 
-@pytest.mark.parametrize("crc_chunk", [4096, 3 * 4096, 3000, 1 << 20])
-@pytest.mark.parametrize("refused", [False, True])
-def test_read_hashes_each_piece_as_it_lands(tmp_path, monkeypatch, crc_chunk, refused):
-    """readinto_exact(crc_chunk=...): requests of whole pieces hashed by their threads, the bytes past
-    O_DIRECT's reach added onto their piece, the same after O_DIRECT reads are refused; other piece
-    sizes hashed after the read. Always the crc32 of each piece of the bytes read."""
+def direct_reads(monkeypatch, refused: bool) -> list:
+    """The descriptors of O_DIRECT reads, recorded as os.preadv is called; with `refused` each such read
+    fails as a filesystem that accepts O_DIRECT at open but refuses its reads (EINVAL)."""
     import errno
     import fcntl
     import os
-    monkeypatch.setattr(phantom.files.directio, "READ_CHUNK", 8 * 4096)
-    monkeypatch.setattr(phantom.files.directio, "_direct_ok", {})
-    gen = torch.Generator().manual_seed(crc_chunk)
-    raw = bytes(torch.randint(0, 256, (5 * 8 * 4096 + 3 * 4096 + 1234,), dtype=torch.uint8, generator=gen).numpy())
-    path = tmp_path / "f"
-    path.write_bytes(b"\0" * 4096 + raw)
-    host = torch.empty(len(raw) + 4096, dtype=torch.uint8)
-    skip = -host.data_ptr() % 4096
-    buf = host[skip: skip + len(raw)]
     direct, real_preadv = [], os.preadv
 
     def preadv(fd, buffers, offset):
@@ -264,6 +252,25 @@ def test_read_hashes_each_piece_as_it_lands(tmp_path, monkeypatch, crc_chunk, re
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
+    return direct
+
+
+@pytest.mark.parametrize("crc_chunk", [4096, 3 * 4096, 3000, 1 << 20])
+@pytest.mark.parametrize("refused", [False, True])
+def test_read_hashes_each_piece_as_it_lands(tmp_path, monkeypatch, crc_chunk, refused):
+    """readinto_exact(crc_chunk=...): requests of whole pieces hashed by their threads, the bytes past
+    O_DIRECT's reach added onto their piece, the same after O_DIRECT reads are refused; other piece
+    sizes hashed after the read. Always the crc32 of each piece of the bytes read."""
+    monkeypatch.setattr(phantom.files.directio, "READ_CHUNK", 8 * 4096)
+    monkeypatch.setattr(phantom.files.directio, "_direct_ok", {})
+    gen = torch.Generator().manual_seed(crc_chunk)
+    raw = bytes(torch.randint(0, 256, (5 * 8 * 4096 + 3 * 4096 + 1234,), dtype=torch.uint8, generator=gen).numpy())
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 4096 + raw)
+    host = torch.empty(len(raw) + 4096, dtype=torch.uint8)
+    skip = -host.data_ptr() % 4096
+    buf = host[skip: skip + len(raw)]
+    direct = direct_reads(monkeypatch, refused)
     got = phantom.files.directio.readinto_exact(path, 4096, buf, crc_chunk=crc_chunk)
     assert bytes(buf.numpy()) == raw
     assert got == [zlib.crc32(raw[a:a + crc_chunk]) for a in range(0, len(raw), crc_chunk)]
@@ -293,9 +300,6 @@ def test_many_ranges_of_one_file_read_each_byte_where_it_belongs(tmp_path, monke
     """readinto_pieces: ranges at any offset and length (under 4 KiB, unaligned ends, longer than a request)
     land at their buffer offsets, O_DIRECT where aligned, the same after O_DIRECT reads are refused; the
     rest of the buffer is untouched. Against Python's own file reads."""
-    import errno
-    import fcntl
-    import os
     monkeypatch.setattr(phantom.files.directio, "READ_CHUNK", 4 * 4096)
     monkeypatch.setattr(phantom.files.directio, "_direct_ok", {})
     gen = torch.Generator().manual_seed(7)
@@ -307,16 +311,7 @@ def test_many_ranges_of_one_file_read_each_byte_where_it_belongs(tmp_path, monke
     pieces = [(0, 0, 4096), (4096 + 10, 4096 + 10, 3 * 4096 - 5), (5 * 4096, 5 * 4096, 19 * 4096),  # aligned, 14 pages
               (20 * 4096 + 1, 20 * 4096 + 1, 20 * 4096 + 100), (24 * 4096, 30 * 4096, 30 * 4096 + 8192 + 3),
               (40 * 4096, 40 * 4096, 40 * 4096 + 777)]  # the file's last bytes; one piece read from elsewhere
-    direct, real_preadv = [], os.preadv
-
-    def preadv(fd, buffers, offset):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            direct.append(fd)
-            if refused:
-                raise OSError(errno.EINVAL, "Invalid argument (O_DIRECT read)")
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", preadv)
+    direct = direct_reads(monkeypatch, refused)
     phantom.files.directio.readinto_pieces(path, pieces, buf, drop_cache=True)
     want = bytearray(len(raw))
     for off, s, e in pieces:

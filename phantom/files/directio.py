@@ -4,6 +4,7 @@ everything else), each request's thread hashing its pieces as they land.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -67,18 +68,44 @@ def _pread_exact(fd: int, mv: memoryview, offset: int, path: Path, crc_chunk: in
     return None
 
 
-def _read_jobs(jobs: list[tuple[int, int, int, int]], mv: memoryview, offset: int, path: Path,
+def _read_jobs(jobs: list[tuple[int, int, int, int, int]], mv: memoryview, path: Path,
                crc: Callable = checksum.crc32) -> list:
-    """Run (fd, start, end, crc_chunk) reads into mv, in parallel; every read has ended before an error
-    is raised, so a caller may reuse (or re-read into) the buffer at once. Returns each job's crc32s."""
+    """Run (fd, file offset, start, end, crc_chunk) reads into mv[start:end], in parallel; every read has
+    ended before an error is raised, so a caller may reuse (or re-read into) the buffer at once. Returns
+    each job's crc32s."""
     if len(jobs) == 1:
-        fd, a, b, c = jobs[0]
-        return [_pread_exact(fd, mv[a:b], offset + a, path, c, crc)]
-    futures = [_pool().submit(_pread_exact, f, mv[a:b], offset + a, path, c, crc) for f, a, b, c in jobs]
+        fd, off, a, b, c = jobs[0]
+        return [_pread_exact(fd, mv[a:b], off, path, c, crc)]
+    futures = [_pool().submit(_pread_exact, f, mv[a:b], off, path, c, crc) for f, off, a, b, c in jobs]
     errors = [fut.exception() for fut in futures]
     if err := next((e for e in errors if e is not None), None):
         raise err
     return [fut.result() for fut in futures]
+
+
+@contextlib.contextmanager
+def _opened(path: Path, direct: bool, drop_cache: bool):
+    """A buffered descriptor of path and, where `direct` and the filesystem allows, an O_DIRECT one (else
+    None), both closed at the end; with drop_cache the file's pages leave the page cache after the reads."""
+    dfd = _open_direct(Path(path)) if direct else None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield fd, dfd
+        if drop_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
+
+
+def _refused(e: OSError, dfd: int | None, path: Path) -> None:
+    """Re-raise e unless it is O_DIRECT refused by reads its open accepted (some FUSE, network filesystems):
+    then remember that filesystem reads through the page cache."""
+    if dfd is None or e.errno != errno.EINVAL:
+        raise e
+    log.info("%s: O_DIRECT reads refused (%s); reading through the page cache", path, e)
+    _direct_ok[os.fstat(dfd).st_dev] = False
 
 
 def readinto_exact(path: Path, offset: int, buf: torch.Tensor, drop_cache: bool = False,
@@ -106,29 +133,18 @@ def readinto_exact(path: Path, offset: int, buf: torch.Tensor, drop_cache: bool 
     step = READ_CHUNK // crc_chunk * crc_chunk if crc_chunk else READ_CHUNK  # requests hold whole pieces
     aligned = (n // DATA_ALIGN * DATA_ALIGN) if direct and offset % DATA_ALIGN == 0 and \
         buf.data_ptr() % DATA_ALIGN == 0 else 0
-    dfd = _open_direct(Path(path)) if aligned >= READ_CHUNK else None
-    if dfd is None:
-        aligned = 0
-    fd = os.open(path, os.O_RDONLY)
-    tail = 0 < aligned < n  # the last few bytes past O_DIRECT's reach, hashed below onto their piece's crc32
-    try:
-        jobs = [(dfd, a, min(a + step, aligned), crc_chunk) for a in range(0, aligned, step)]
-        jobs += [(fd, a, min(a + step, n), 0 if tail else crc_chunk) for a in range(aligned, n, step)]
+    with _opened(path, aligned >= READ_CHUNK, drop_cache) as (fd, dfd):
+        if dfd is None:
+            aligned = 0
+        tail = 0 < aligned < n  # the last few bytes past O_DIRECT's reach, hashed below onto their piece's crc32
+        jobs = [(dfd, offset + a, a, min(a + step, aligned), crc_chunk) for a in range(0, aligned, step)]
+        jobs += [(fd, offset + a, a, min(a + step, n), 0 if tail else crc_chunk) for a in range(aligned, n, step)]
         try:
-            sums = _read_jobs(jobs, mv, offset, path, crc)
+            sums = _read_jobs(jobs, mv, path, crc)
         except OSError as e:  # open accepted O_DIRECT but reads refuse it (some FUSE, network filesystems)
-            if dfd is None or e.errno != errno.EINVAL:
-                raise
-            log.info("%s: O_DIRECT reads refused (%s); reading through the page cache", path, e)
-            _direct_ok[os.fstat(dfd).st_dev] = False
-            sums, tail = _read_jobs([(fd, a, min(a + step, n), crc_chunk) for a in range(0, n, step)], mv, offset,
-                                    path, crc), False
-        if drop_cache and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-        if dfd is not None:
-            os.close(dfd)
+            _refused(e, dfd, path)
+            sums, tail = _read_jobs([(fd, offset + a, a, min(a + step, n), crc_chunk) for a in range(0, n, step)],
+                                    mv, path, crc), False
     if not crc_chunk:
         return None
     crcs = [c for job in sums if job for c in job]
@@ -148,38 +164,19 @@ def readinto_pieces(path: Path, pieces, buf: torch.Tensor, drop_cache: bool = Fa
     file once per range), and the requests run READ_THREADS at a time on the shared pool."""
     mv = memoryview(buf.numpy()).cast("B")
     base = buf.data_ptr()
-    dfd = _open_direct(Path(path)) if any(e - s >= DATA_ALIGN for _, s, e in pieces) else None
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _opened(path, any(e - s >= DATA_ALIGN for _, s, e in pieces), drop_cache) as (fd, dfd):
         jobs = []
         for off, s, e in pieces:
-            lo = s + (-(off) % DATA_ALIGN)  # the first buffer index whose file offset is aligned
+            lo = s + (-off % DATA_ALIGN)  # the first buffer index whose file offset is aligned
             hi = lo + (e - lo) // DATA_ALIGN * DATA_ALIGN if lo < e else lo
             if dfd is None or (base + lo) % DATA_ALIGN or hi <= lo:
-                jobs.append((fd, off, s, e))
+                jobs.append((fd, off, s, e, 0))
                 continue
-            jobs += [(fd, off, s, lo)] if lo > s else []
-            jobs += [(dfd, off + a - s, a, min(a + READ_CHUNK, hi)) for a in range(lo, hi, READ_CHUNK)]
-            jobs += [(fd, off + hi - s, hi, e)] if e > hi else []
+            jobs += [(fd, off, s, lo, 0)] if lo > s else []
+            jobs += [(dfd, off + a - s, a, min(a + READ_CHUNK, hi), 0) for a in range(lo, hi, READ_CHUNK)]
+            jobs += [(fd, off + hi - s, hi, e, 0)] if e > hi else []
         try:
-            _run_pieces(jobs, mv, path)
-        except OSError as err:  # open accepted O_DIRECT but reads refuse it (some FUSE, network filesystems)
-            if dfd is None or err.errno != errno.EINVAL:
-                raise
-            _direct_ok[os.fstat(dfd).st_dev] = False
-            _run_pieces([(fd, off, s, e) for off, s, e in pieces], mv, path)
-        if drop_cache and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-        if dfd is not None:
-            os.close(dfd)
-
-
-def _run_pieces(jobs, mv: memoryview, path: Path) -> None:
-    """(fd, file offset, start, end) reads into mv on the shared pool; every read has ended before an error
-    is raised (the caller may reuse the buffer at once)."""
-    futures = [_pool().submit(_pread_exact, fd, mv[s:e], off, path) for fd, off, s, e in jobs if e > s]
-    errors = [f.exception() for f in futures]
-    if err := next((e for e in errors if e is not None), None):
-        raise err
+            _read_jobs(jobs, mv, path)
+        except OSError as err:
+            _refused(err, dfd, path)
+            _read_jobs([(fd, off, s, e, 0) for off, s, e in pieces], mv, path)

@@ -4,8 +4,9 @@ blocks read their non-expert bytes ahead of use and, after the router, the exper
 The forward's loads carry the non-expert bytes through the prefetch pipeline (phantom.plan.costmodel.pipe_s);
 each routed block then reads its hit experts in series with its compute: their bytes, and a request for
 each run of consecutive hit experts (`expected_runs`) at the profile's `disk_request_s` (cold disk; else
-the tier's `round_trip_s`); the backward's loads carry the non-expert bytes and the same experts, prefetched. The hit
-experts come from the router's measured distribution or uniform routing (`expected_hits`). Pure functions.
+the tier's `round_trip_s`); the backward's loads carry the non-expert bytes and the same experts,
+prefetched. The hit experts come from the router's measured distribution or uniform routing
+(`expected_hits`). Pure functions.
 """
 from __future__ import annotations
 

@@ -3,10 +3,10 @@ them, the router's measured hits, and the rule that says when reading only the r
 
 A routed load reads a block's non-expert bytes (attention, norms, router, shared expert) ahead of use as
 any block is read; after the router has run over the step's tokens, the experts some token routes to are
-read into the same slot (one more round trip, on the training thread: the router's answer is needed
-first). It saves the bytes of the experts no token picks, and costs that round trip and the overlap the
-prefetch gave the expert bytes, and a request for each run of hit experts (`expected_runs`): each pays
-the device's latency beside its bytes; `block_seconds` writes both sides down, the cost model
+read into the same slot (on the training thread: the router's answer is needed first). It saves the
+bytes of the experts no token picks, and costs the overlap the prefetch gave the expert bytes and a
+request for each run of consecutive hit experts (`expected_runs`), each paying the device's latency
+beside its bytes; `block_seconds` writes both sides down, the cost model
 (phantom.plan.costmodel) and the run's `auto` choice (`ExpertReads`) use it. Imports arch and files only.
 """
 from __future__ import annotations

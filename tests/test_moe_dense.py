@@ -251,8 +251,9 @@ def test_a_quantized_moe_store_in_the_older_order_still_reads(family_models, mon
 
 @pytest.mark.parametrize("kind", ["written", "linked", "nf4"])
 def test_each_expert_has_its_own_crc32_and_a_read_of_it_alone_is_checked(family_models, kind, tmp_path):
-    """The manifest keeps a crc32 of each expert's range (zlib's of those bytes), for copied, linked and
-    quantized blocks: an expert read alone is checked by itself, a damaged byte in it named by the expert."""
+    """The manifest keeps a crc32 of each expert's range (zlib's of those bytes) and of the rest of the data
+    section, for copied, linked and quantized blocks: an expert read alone is checked by itself, a damaged
+    byte in it named by the expert; the file counts as checked once every part has been."""
     import zlib
     from phantom.arch.quantformat import QuantFormat
     from phantom.files.tensorfile import StoreError
@@ -266,11 +267,21 @@ def test_each_expert_has_its_own_crc32_and_a_read_of_it_alone_is_checked(family_
     data = torch.empty(s.block_size(1), dtype=torch.uint8)
     s.read_block_into(1, data)
     assert record["experts_crc32"] == [zlib.crc32(data[a:b].numpy().tobytes()) for a, b in record["experts"]]
+    inside = torch.zeros(len(data), dtype=torch.bool)
+    for a, b in record["experts"]:
+        inside[a:b] = True
+    assert record["experts_rest_crc32"] == zlib.crc32(data[~inside].numpy().tobytes())
+    s = BlockStore(store)  # nothing checked yet
+    entry = s.blocks[1]
     routed = torch.zeros_like(data)  # experts 2 and 5 alone, as a routed read leaves a slot
-    for e in (2, 5):
-        a, b = record["experts"][e]
+    ranges = [tuple(record["experts"][e]) for e in (2, 5)]
+    for a, b in ranges:
         routed[a:b] = data[a:b]
-    assert s.check_experts(1, routed, [2, 5])
-    routed[record["experts"][5][0] + 7] ^= 1
+    s.checks.check_pieces(entry, routed, ranges)
+    assert s.checks.partial[str(entry.path)] == {2, 5} and s.checks.pending(entry)
+    bad = routed.clone()
+    bad[record["experts"][5][0] + 7] ^= 1
     with pytest.raises(StoreError, match="expert 5's bytes"):
-        s.check_experts(1, routed, [2, 5])
+        BlockStore(store).checks.check_pieces(entry, bad, ranges)
+    s.checks.check_pieces(entry, data, [(0, len(data))])  # every part: the file is checked
+    assert not s.checks.pending(entry)

@@ -110,18 +110,56 @@ def test_a_step_reads_the_hit_experts_and_the_rest_once_each_way(models, tmp_pat
     assert lay.base_bytes + lay.n_experts * expert(0) == BlockStore(store).block_nbytes
 
 
-def test_a_checked_store_reads_each_block_whole_once_then_routed(models):
-    """verify fast: a block file's first read is whole (its checksum covers the whole data section); later
-    steps read routed."""
-    _, store = models["mixtral"]
+def test_a_checked_store_reads_routed_from_the_first_step_checking_each_part(models, tmp_path):
+    """verify fast: a routed read checks what it read by the manifest's crc32 of each expert and of the rest,
+    so the first step already reads routed, with the logits of a whole read. A byte changed in a routed
+    expert, or in the rest, is one StoreError naming it; one in an expert no token picks is not read, and
+    the whole read that reads it finds it. A store without the rest's crc32 (written before it was
+    recorded) reads each file whole once, as before."""
+    import json
+    import shutil
+    from phantom.files.tensorfile import StoreError
+    model, src = models["mixtral"]
     tokens = batch(b=1, t=2)[0]
-    with phantom.load(store, offload="disk", prefetch=0, expert_reads="routed", lora=None) as pm:
-        with torch.no_grad():
-            first = pm(tokens)
-            m1 = pm.backend.scheduler.take_metrics()
-            assert torch.equal(pm(tokens), first)
-            m2 = pm.backend.scheduler.take_metrics()
-    block = BlockStore(store).block_nbytes
+    block = BlockStore(src).block_nbytes
+
+    def run(store, mode="routed"):
+        with phantom.load(store, offload="disk", prefetch=0, expert_reads=mode, lora=None) as pm, torch.no_grad():
+            return pm(tokens), pm.backend.scheduler.take_metrics()
+
+    whole, _ = run(src, "whole")
+    logits, m = run(src)
+    assert torch.equal(logits, whole) and 0 < m["bytes_experts"] and m["bytes_read"] < 4 * block
+    hit = sorted(hits(model, tokens)[0])
+    missed = next(e for e in range(8) if e not in hit)
+    entry = BlockStore(src).blocks[0]
+    for name, at, match in (("hit", entry.experts[hit[0]][0][0] + 5, f"expert {hit[0]}'s bytes"),
+                            ("rest", 3, "its bytes outside the experts"),
+                            ("missed", entry.experts[missed][0][0] + 5, None)):
+        store = tmp_path / name
+        shutil.copytree(src, store)
+        path = store / entry.path.relative_to(src)
+        raw = bytearray(path.read_bytes())
+        raw[entry.data_start + at] ^= 0x10
+        path.write_bytes(bytes(raw))
+        if match is None:
+            assert torch.equal(run(store)[0], whole)  # its bytes were not read, nor checked
+            with pytest.raises(StoreError, match="checksum mismatch"):
+                run(store, "whole")
+        else:
+            with pytest.raises(StoreError, match=match):
+                run(store)
+    older = tmp_path / "older"
+    shutil.copytree(src, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    for info in manifest["files"].values():
+        info.pop("experts_rest_crc32", None)
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    with phantom.load(older, offload="disk", prefetch=0, expert_reads="routed", lora=None) as pm, torch.no_grad():
+        assert torch.equal(pm(tokens), whole)
+        m1 = pm.backend.scheduler.take_metrics()
+        pm(tokens)
+        m2 = pm.backend.scheduler.take_metrics()
     assert m1["bytes_read"] == 4 * block and m1["bytes_experts"] == 0
     assert 0 < m2["bytes_experts"] and m2["bytes_read"] < 4 * block
 

@@ -26,6 +26,7 @@ from phantom.files.storeformat import (
     block_file,
     crc_record,
     expert_entries,
+    rest_entry,
     quant_record,
     read_manifest,
     safe_join,
@@ -181,7 +182,8 @@ class BlockStore:
         check_specs(path, specs, expected, self.dtype, dtypes)
         return FileEntry(path, specs, data_start, size - data_start, info.get("sha256", ""),
                          crc=crc_record(self.path / MANIFEST, rel, info, size - data_start, header=True),
-                         experts=expert_entries(self.path / MANIFEST, rel, info, size - data_start))
+                         experts=expert_entries(self.path / MANIFEST, rel, info, size - data_start),
+                         rest_crc=rest_entry(self.path / MANIFEST, rel, info))
 
     def read_block_into(self, i: int, buf: torch.Tensor, defer_verify: bool = False):
         """Read block i's data section into buf (a CPU uint8 tensor of block_nbytes), verified.
@@ -213,23 +215,6 @@ class BlockStore:
             buf = torch.from_numpy(arr)
         self.checks.check(e, buf)
         return buf
-
-    def check_experts(self, i: int, buf: torch.Tensor, experts) -> bool:
-        """Check the bytes of `experts` (ids) of block i, read alone into buf (its data section's offsets),
-        against the crc32 of each expert's range the manifest records. Returns False where it records
-        none (a store written before, a quantized expert that kept the size order) or verify is "none".
-
-        Raises:
-            StoreError: an expert's bytes differ from what was written."""
-        e = self.blocks[i]
-        if not e.experts or self.checks.mode == "none":
-            return False
-        for x in experts:
-            (a, b), want = e.experts[x]
-            if self.checks.crc(memoryview(buf[a:b].numpy()).cast("B")) != want:
-                raise StoreError(f"{e.path}: expert {x}'s bytes {a}..{b} differ from their crc32 in the manifest "
-                                 f"(changed or damaged since written); prepare the store again")
-        return True
 
     def block_views(self, buf: torch.Tensor, block: int | None = None) -> dict[str, torch.Tensor]:
         """Block `block`'s tensors as views of buf (its bytes, or a slot's, which may be longer); block

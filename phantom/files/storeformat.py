@@ -48,6 +48,7 @@ class FileEntry:
     segments: tuple = ()  # linked entries (phantom.files.storelinks): (file, offset, nbytes) ranges, in order
     crc: tuple | None = None  # (chunk, header crc32 or None, data crc32s): see Checksums; None in older stores
     experts: tuple = ()  # a mixture-of-experts block: each expert's ([start, end) in the data, crc32 of its bytes)
+    rest_crc: int | None = None  # and the crc32 of its other bytes (None in stores written before it was recorded)
 
 
 def read_manifest(path: Path) -> tuple[dict, ModelConfig, torch.dtype]:
@@ -97,10 +98,25 @@ def crc_record(mpath: Path, rel: str, info: dict, nbytes: int, header: bool) -> 
     return chunk, head, data
 
 
-def expert_record(ranges: list[list[int]], read) -> dict:
+def expert_record(ranges: list[list[int]], read, nbytes: int) -> dict:
     """A block file's record of its experts: each one's [start, end) in the data section and the crc32 of
-    those bytes (read(a, b) gives them), so a reader that fetches one expert's bytes alone can check them."""
-    return {"experts": ranges, "experts_crc32": [crc32(read(a, b)) for a, b in ranges]}
+    those bytes (read(a, b) gives them), and the crc32 of the rest of its nbytes of data (attention, norms,
+    router: the ranges between, in order), so a routed read, which fetches the rest and some experts, can
+    check what it read."""
+    rest = 0
+    for a, b in between(ranges, nbytes):
+        rest = crc32(read(a, b), rest)
+    return {"experts": ranges, "experts_crc32": [crc32(read(a, b)) for a, b in ranges], "experts_rest_crc32": rest}
+
+
+def between(ranges, nbytes: int) -> list[tuple[int, int]]:
+    """The [start, end) ranges of [0, nbytes) that none of `ranges` covers, in order."""
+    out, pos = [], 0
+    for a, b in sorted(tuple(r) for r in ranges):
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+    return out + ([(pos, nbytes)] if pos < nbytes else [])
 
 
 def expert_entries(mpath: Path, rel: str, info: dict, nbytes: int) -> tuple:
@@ -117,3 +133,13 @@ def expert_entries(mpath: Path, rel: str, info: dict, nbytes: int) -> tuple:
     if not ok:
         raise StoreError(f"{mpath}: bad expert records for {rel} ({ranges!r:.100}); re-create the store")
     return out
+
+
+def rest_entry(mpath: Path, rel: str, info: dict) -> int | None:
+    """A file's crc32 of the bytes outside its experts (FileEntry.rest_crc), None where not recorded."""
+    rest = info.get("experts_rest_crc32")
+    if rest is None:
+        return None
+    if not isinstance(rest, int) or isinstance(rest, bool) or not 0 <= rest < 1 << 32:
+        raise StoreError(f"{mpath}: bad experts_rest_crc32 for {rel} ({rest!r:.40}); re-create the store")
+    return rest

@@ -24,7 +24,8 @@ import torch
 
 from phantom.arch.moe import expert_ranges
 from phantom.base.checksum import Checksums
-from phantom.files.storeformat import MANIFEST, FileEntry, crc_record, expert_entries, expert_record, safe_join
+from phantom.files.storeformat import (MANIFEST, FileEntry, crc_record, expert_entries, expert_record, rest_entry,
+                                       safe_join)
 from phantom.files.tensorfile import (
     CODE_DTYPES,
     DTYPE_CODES,
@@ -96,7 +97,8 @@ def file_record(located: dict[str, tuple], folder: Path, n_experts: int = 0) -> 
         for name, (_, _, n) in zip(order, segments):
             specs.append(TensorSpec(name, located[name][2], tuple(located[name][3]), pos, pos + n))
             pos += n
-        record.update(expert_record(expert_ranges(specs, n_experts), lambda a, b: segments_read(segments, a, b)))
+        record.update(expert_record(expert_ranges(specs, n_experts), lambda a, b: segments_read(segments, a, b),
+                                    pos))
     return record
 
 
@@ -158,7 +160,7 @@ class LinkedFiles:
             raise StoreError(f"{self.path / MANIFEST}: bad links entry for {rel} ({type(e).__name__}: {e})") from None
         check_specs(self.path / rel, specs, expected, dtype)
         return FileEntry(self.path / rel, specs, 0, pos, sha256, tuple(segments), crc,
-                         expert_entries(self.path / MANIFEST, rel, info, pos))
+                         expert_entries(self.path / MANIFEST, rel, info, pos), rest_entry(self.path / MANIFEST, rel, info))
 
     def source(self, name: str) -> Path:
         """A linked file, checked once: listed in links.sources, absolute or inside the store, same size

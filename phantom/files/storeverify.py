@@ -15,7 +15,7 @@ import torch
 
 from phantom.base.checksum import Checksums, crc32_chunks
 from phantom.files.directio import readinto_exact
-from phantom.files.storeformat import FileEntry
+from phantom.files.storeformat import FileEntry, between
 from phantom.files.storelinks import segment_pieces, segments_digest
 from phantom.files.tensorfile import StoreError
 
@@ -35,10 +35,46 @@ class Verifier:
             raise ValueError(f"verify must be fast, full or none, not {mode!r}")
         self.mode, self.crc = mode, crc
         self.checked: set[str] = set()
+        self.partial: dict[str, set] = {}  # a file read routed: its experts (ids) and "rest" checked so far
 
     def pending(self, e: FileEntry) -> bool:
         """Whether e still has a check to pass."""
         return self.mode != "none" and str(e.path) not in self.checked
+
+    def routable(self, e: FileEntry) -> bool:
+        """Whether a read of some of e's experts (and the rest of its bytes) can be checked by itself, so a
+        routed read need not read the file whole first: verify "fast" and the manifest records a crc32 of
+        each expert and of the rest (stores written before it was recorded read whole once)."""
+        return self.mode == "fast" and bool(e.experts) and e.rest_crc is not None
+
+    def check_pieces(self, e: FileEntry, buf: torch.Tensor, ranges) -> None:
+        """Check what a routed read put into buf (e's data section offsets): every expert whose range `ranges`
+        cover, and the rest of the bytes where they cover it all, each once a run; the file counts as
+        checked once all of it has been. Nothing to do for a file already checked or not `routable`.
+
+        Raises:
+            StoreError: an expert's bytes, or the rest's, differ from the manifest's crc32."""
+        if not self.pending(e) or not self.routable(e):
+            return
+        done = self.partial.setdefault(str(e.path), set())
+        covered = lambda a, b: any(x <= a and b <= y for x, y in ranges)  # noqa: E731
+        for x, ((a, b), want) in enumerate(e.experts):
+            if x not in done and covered(a, b):
+                if self.crc(memoryview(buf[a:b].numpy()).cast("B")) != want:
+                    raise StoreError(f"{e.path}: expert {x}'s bytes {a}..{b} differ from their crc32 in the manifest "
+                                     f"(changed or damaged since written); prepare the store again")
+                done.add(x)
+        rest = between([r for r, _ in e.experts], e.nbytes)
+        if "rest" not in done and all(covered(a, b) for a, b in rest):
+            got = 0
+            for a, b in rest:
+                got = self.crc(memoryview(buf[a:b].numpy()).cast("B"), got)
+            if got != e.rest_crc:
+                raise StoreError(f"{e.path}: its bytes outside the experts differ from their crc32 in the manifest "
+                                 f"(changed or damaged since written); prepare the store again")
+            done.add("rest")
+        if len(done) == len(e.experts) + 1:
+            self.checked.add(str(e.path))
 
     def mark(self, path: Path) -> None:
         """path holds bytes phantom just wrote: nothing to check."""

@@ -66,7 +66,8 @@ class StoreWriter:
             try:
                 specs, start = read_header(self.tmp / rel)
                 self.files[rel].update(expert_record(expert_ranges(specs, self.cfg.n_experts),
-                                                     lambda a, b: read_bytes(self.tmp / rel, start + a, b - a)))
+                                                     lambda a, b: read_bytes(self.tmp / rel, start + a, b - a),
+                                                     self.files[rel]["size"] - start))
             except ValueError:  # quantized experts whose bytes are no whole number of their scales' (see
                 if self.quant is None:  # tensorfile.experts_together): read whole blocks, as before
                     raise

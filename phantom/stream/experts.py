@@ -219,8 +219,9 @@ class ExpertReads:
 
     def wanted(self, block: int, unchecked: bool) -> frozenset | None:
         """What a load of block reads: None, the whole block; else its non-expert bytes and the experts
-        its tokens routed to this step (none before its router ran). A file not yet checked (`unchecked`)
-        is read whole once: its checksum covers the whole data section."""
+        its tokens routed to this step (none before its router ran). A file not yet checked whose parts
+        cannot be checked alone (`unchecked`: a store without per-expert records, verify "full") is read
+        whole once: its checksum covers the whole data section."""
         if block not in self.routed or unchecked:
             return None
         return self.known.get(block, frozenset())

@@ -334,8 +334,9 @@ class RoutedSlots:
         """What a load of block reads (ExpertReads.wanted; the caller holds the scheduler's lock)."""
         if self.policy is None:
             return None
-        store = self.s.store
-        return self.policy.wanted(block, self.s.residency.tier(block).reads and store.checks.pending(store.blocks[block]))
+        store, entry = self.s.store, self.s.store.blocks[block]
+        return self.policy.wanted(block, self.s.residency.tier(block).reads and store.checks.pending(entry)
+                                  and not store.checks.routable(entry))
 
     def settle(self, block: int) -> None:
         """An acquired block read whole this step: a slot a routed load left partial (an earlier step's,

@@ -143,6 +143,7 @@ class DiskHeld(Held):
     def read_ranges(self, block: int, into: torch.Tensor, ranges) -> None:
         store = self.ctx.store
         read_ranges(store.blocks[block], into, ranges, store.drop_cache)
+        store.checks.check_pieces(store.blocks[block], into, ranges)  # what a routed read read, checked alone
 
     def update(self, block, tensors, non_blocking) -> None:
         """The store's file is rewritten by the caller (phantom.stream.optim)."""

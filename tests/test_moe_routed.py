@@ -189,14 +189,47 @@ def test_full_finetuning_reads_whole_blocks_and_refuses_routed(models, tmp_path)
     assert m["bytes_experts"] == 0 and m["bytes_read"] % BlockStore(store).block_nbytes == 0
 
 
-def test_a_store_that_cannot_read_experts_apart_reads_whole_or_refuses_routed(models, tmp_path):
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_a_quantized_store_reads_routed_when_asked(models, tmp_path, method):
+    """NF4 and int8 experts lie back to back with their ranges in the manifest: `routed` reads the hit
+    experts' codes and scales alone and dequantizes those, with the logits, loss and LoRA gradients of whole
+    reads (each tensor dequantized by the same code); `auto` reads a quantized store whole (its choice does
+    not count the experts' dequantization after the router)."""
     from phantom.arch.quantformat import QuantFormat
     from phantom.model.quantstore import quantize_store
-    _, store = models["mixtral"]
-    quantize_store(store, tmp_path / "q", QuantFormat("int8"), dtype=torch.bfloat16, progress=False)
-    with pytest.raises(ValueError, match="routed expert reads need a 16-bit store"):
-        phantom.load(tmp_path / "q", offload="disk", expert_reads="routed", lora=None)
-    with phantom.load(tmp_path / "q", offload="disk", lora=None) as pm:
+    _, src = models["mixtral"]
+    store = quantize_store(src, tmp_path / "q", QuantFormat(method), dtype=torch.bfloat16, progress=False)["out"]
+    tokens, targets = few(2, 3)
+    ref = lora_step(store, tokens, targets, lora_targets=ATTENTION, offload="disk", expert_reads="whole",
+                    dtype=torch.float32)
+    block = BlockStore(store).block_nbytes
+    with phantom.load(store, offload="disk", prefetch=0, expert_reads="routed", lora=None, dtype=torch.float32) as pm:
+        with torch.no_grad():
+            pm(tokens)
+        m = pm.backend.scheduler.take_metrics()
+    assert 0 < m["bytes_experts"] and m["bytes_read"] < 4 * block and m["dequant_s"] > 0
+    for offload, prefetch, recompute in (("disk", 0, "all"), ("disk", 2, "none"), ("ram", 2, "all")):
+        logits, loss, grads = lora_step(store, tokens, targets, lora_targets=ATTENTION, offload=offload,
+                                        prefetch=prefetch, recompute=recompute, expert_reads="routed",
+                                        dtype=torch.float32)
+        assert torch.equal(logits, ref[0]) and torch.equal(loss, ref[1]), (offload, prefetch, recompute)
+        assert all(torch.equal(g, r) for key in grads for g, r in zip(grads[key], ref[2][key]))
+    with phantom.load(store, offload="disk", lora=None) as pm:
+        assert pm.backend.scheduler.routed.policy is None
+
+
+def test_a_store_that_cannot_read_experts_apart_reads_whole_or_refuses_routed(tmp_path):
+    """Experts 33 wide: an NF4 expert's scales would fall unaligned after its codes, so the store keeps the
+    size order and records no expert ranges: `routed` is one ValueError, `auto` reads whole."""
+    from phantom.arch.config import preset
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.model.synthetic import write_synthetic
+    cfg = preset("qwen3-30B-A3B", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=64,
+                 n_experts=4, experts_per_token=2, expert_dim=33)
+    out = write_synthetic(tmp_path / "q", cfg, torch.bfloat16, progress=False, quant=QuantFormat("nf4"))
+    with pytest.raises(ValueError, match="keeps each expert's codes and scales apart"):
+        phantom.load(out, offload="disk", expert_reads="routed", lora=None)
+    with phantom.load(out, offload="disk", lora=None) as pm:
         assert pm.backend.scheduler.routed.policy is None
     with pytest.raises(ValueError, match="expert_reads must be one of auto, routed, whole"):
         phantom.Placement(expert_reads="some")

@@ -69,7 +69,8 @@ class ExpertLayout:
     """Where a store's experts lie in each block's data section (one layout for every block file).
 
     ranges: each expert's [start, end); base: the rest (attention, norms, router, shared expert);
-    names: each expert's tensor names (converted to the compute dtype after a routed read)."""
+    names: each expert's tensor names as the dense block has them (converted to the compute dtype, or
+    dequantized, after a routed read)."""
 
     ranges: tuple[tuple[int, int], ...]
     base: tuple[tuple[int, int], ...]
@@ -101,26 +102,27 @@ class ExpertLayout:
         the manifest's `files[blocks/NNN.safetensors].experts` where it records them.
 
         Raises:
-            ValueError: not a mixture of experts, or a quantized store (its experts' codes and scales are apart).
+            ValueError: not a mixture of experts, or a quantized store whose experts' codes and scales are not
+                back to back (written before they were, or of a width that keeps the size order).
             StoreError: the manifest's ranges differ from the file's tensors."""
         cfg = store.cfg
         if not cfg.n_experts:
             raise ValueError("routed expert reads need a mixture-of-experts model; this one has no experts")
-        if store.quant is not None:
-            raise ValueError("routed expert reads need a 16-bit store: a quantized store keeps each expert's codes "
-                             "and scales apart; use expert_reads whole")
         first = next(i for i in range(cfg.n_layers) if cfg.sparse(i))  # dense layers among sparse ones read whole
+        if store.quant is not None and not store.blocks[first].experts:
+            raise ValueError("routed expert reads: this quantized store keeps each expert's codes and scales apart "
+                             "(no expert ranges in its manifest); use expert_reads whole")
         ranges = [tuple(r) for r in expert_ranges(store.blocks[first].specs, cfg.n_experts)]
         recorded = [tuple(r) for r, _ in getattr(store.blocks[first], "experts", ())] or \
             [tuple(r) for r in store.manifest.get("files", {}).get(block_file(first), {}).get("experts", ranges)]
         if recorded != ranges:
             raise StoreError(f"{store.path}: the manifest's expert ranges differ from the block files' tensors; "
                              "re-create the store")
-        names: list[list[str]] = [[] for _ in ranges]
-        for s in store.blocks[first].specs:
-            parts = s.name.split(".")
+        names: list[list[str]] = [[] for _ in ranges]  # dense names: a quantized expert's are dequantized
+        for name in store.dense_like(first):
+            parts = name.split(".")
             if parts[:2] == ["feed_forward", "experts"]:
-                names[int(parts[2])].append(s.name)
+                names[int(parts[2])].append(name)
         nbytes = store.blocks[first].nbytes
         cuts = merge(ranges)
         base, pos = [], 0

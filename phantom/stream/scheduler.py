@@ -365,7 +365,8 @@ class RoutedSlots:
 def expert_reads_for(store: BlockStore, residency: Residency, layout, mode: str) -> ExpertReads | None:
     """The run's routed-read policy (phantom.stream.experts.ExpertReads), or None where nothing reads routed:
     a dense model, `whole`, no streamed block. Under `auto` a store or tier that cannot read experts apart
-    (quantized, a tier without read_ranges) reads whole blocks; `routed` refuses it (ValueError)."""
+    (a quantized store without expert ranges, a tier without read_ranges) reads whole blocks, and so does a
+    quantized store (`routed` reads it routed); `routed` refuses what cannot (ValueError)."""
     if not store.cfg.n_experts or mode == "whole" or not layout.streamed:
         return None
     try:
@@ -380,5 +381,7 @@ def expert_reads_for(store: BlockStore, residency: Residency, layout, mode: str)
         if mode == "routed":
             raise
         return None
+    if mode == "auto" and store.quant is not None:
+        return None  # its choice does not count the hit experts' dequantization, in series after the router
     return ExpertReads(lay, mode, store.n_blocks, round_trip_s=max(t.round_trip_s for t in tiers),
                        sparse=tuple(i for i in range(store.n_blocks) if store.cfg.sparse(i)))

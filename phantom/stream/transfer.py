@@ -116,7 +116,8 @@ class Transfer:
         slot.converted = self._converted(slot, block)
         stats = self._ranges(slot, block, source, list(lay.base) + lay.of(experts), source.tier.lane,
                              f"read {block} (routed)", free_event)
-        self._convert_names(slot, block, self._base_names() + [n for e in experts for n in lay.names[e]])
+        self._convert_names(slot, block, self._base_names(block) + [n for e in experts for n in lay.names[e]],
+                            stats, loader=True)
         stats.bytes_experts = len(experts) * lay.expert_bytes
         slot.experts = frozenset(experts)
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf, block)
@@ -132,7 +133,7 @@ class Transfer:
         ranges = lay.of(missing)
         stats = self._ranges(slot, block, source, ranges, source.tier.expert_lane,
                              f"experts {block} ({len(missing)})", None)
-        self._convert_names(slot, block, [n for e in missing for n in lay.names[e]])
+        self._convert_names(slot, block, [n for e in missing for n in lay.names[e]], stats)
         stats.bytes_experts, stats.requests = len(missing) * lay.expert_bytes, len(ranges)
         slot.experts = slot.experts | frozenset(missing)
         return stats
@@ -163,16 +164,26 @@ class Transfer:
         for a, b in ranges:
             slot.buf[a:b].copy_(src[a:b])
 
-    def _base_names(self) -> list[str]:
+    def _base_names(self, block: int) -> list[str]:
         experts = {n for names in self.experts.names for n in names}
-        return [s.name for s in self.store.block_specs if s.name not in experts]
+        return [n for n in self.store.dense_like(block) if n not in experts]
 
-    def _convert_names(self, slot: Slot, block: int, names) -> None:
-        """The named tensors of a routed slot into the compute dtype (where it differs from the store's)."""
-        if slot.converted is not None:
-            stored = self.store.block_views(slot.buf, block)
+    def _convert_names(self, slot: Slot, block: int, names, stats: LoadStats, loader: bool = False) -> None:
+        """The named tensors (the dense block's names) of a routed slot into the compute dtype where it differs
+        from the store's, or dequantized from a quantized store's parts (a loader on one thread, as `convert`)."""
+        if slot.converted is None:
+            return
+        stored = self.store.block_views(slot.buf, block)
+        if self.store.quant is None:
             for n in names:
                 slot.converted[n].copy_(stored[n])
+            return
+        t0 = time.perf_counter()
+        with quant.one_thread() if loader and self.device.type == "cpu" else contextlib.nullcontext():
+            self.store.dequantize_block(block, stored, {n: slot.converted[n] for n in names})
+        t1 = time.perf_counter()
+        stats.dequant_s += t1 - t0
+        self.tracer.span("dequant", f"dequant {block} ({len(names)})", t0, t1)
 
     def _staging(self, slot: Slot) -> torch.Tensor:
         """Where a reading tier's block is read to: the slot itself on a CPU, else its staging buffer."""
@@ -276,11 +287,11 @@ class CudaTransfer(Transfer):
             slot.ready_event = torch.cuda.Event()
             slot.ready_event.record(stream)
 
-    def _convert_names(self, slot: Slot, block: int, names) -> None:
+    def _convert_names(self, slot: Slot, block: int, names, stats: LoadStats, loader: bool = False) -> None:
         if slot.converted is not None:
             stream = self.stream if slot.users == 0 else torch.cuda.current_stream(self.device)
             with torch.cuda.stream(stream):
-                super()._convert_names(slot, block, names)
+                super()._convert_names(slot, block, names, stats, loader)
                 slot.ready_event = torch.cuda.Event()
                 slot.ready_event.record(stream)
 

@@ -1,7 +1,7 @@
 """LoRA on the experts of mixtures of experts, against peft's `target_parameters` LoRA on transformers 5's
 stacked expert tensors (mlp.experts.gate_up_proj and down_proj): gradients (resident, streamed from disk
-and RAM, experts read routed and whole), the adapter both ways through PeftModel, one AdamW step, the
-merged export, and the CLI.
+and RAM, experts read routed and whole; NF4 and int8 experts), the adapter both ways through PeftModel, one
+AdamW step, the merged export, and the CLI (a resumed run bit-identical to one never stopped).
 
 peft's layout is written out here by index, apart from phantom.arch.expertlora: for a tensor (E, out, in),
 lora_A's rows e*r:(e+1)*r are expert e's A and lora_B's columns e, e+E, e+2E, ... expert e's B.
@@ -390,6 +390,45 @@ def test_an_adapter_peft_makes_loads_into_phantom_and_saves_back_the_same(models
         pm.save_adapter(tmp_path / "back")
     theirs, ours = adapter_tensors(tmp_path / "peft"), adapter_tensors(tmp_path / "back")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_expert_lora_on_a_quantized_store_equals_peft_on_its_dequantized_weights(models, method, tmp_path):
+    """NF4 / int8 experts (the rest bfloat16), fp32 compute: LoRA on attention and experts gives the logits (1e-5)
+    and every A and B gradient (1e-4) of peft's target_parameters LoRA on transformers loaded with the weights
+    the store dequantizes to (its --format hf export), resident and streamed from disk and RAM, experts read
+    whole, and routed where the store's experts lie in one byte range each (else routed is refused in a line)."""
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.model.quantstore import quantize_store
+    import transformers
+    model, store = models("qwen3_moe")
+    quantize_store(store, tmp_path / "q", QuantFormat(method), dtype=torch.bfloat16, progress=False)
+    out = export(tmp_path / "q", tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    tokens, targets = few()
+    with torch.no_grad():  # the dequantized weights, not the unquantized ones, are what is compared with
+        assert rel_err(model(tokens).logits, reference(tokens).logits) > 1e-3
+    adapter = tmp_path / "adapter"
+    phantom_step(tmp_path / "q", tokens, targets, adapter, offload="none", dtype=torch.float32)
+    ref_logits, ref_loss, ref_grads = peft_reference(reference, adapter, tokens, targets)
+    assert any("experts" in k[1] for k in ref_grads)
+    runs = [("none", 0, "none", "auto"), ("disk", 1, "all", "auto"), ("ram", 0, "none", "whole"),
+            ("disk", 0, "none", "routed")]
+    for offload, prefetch, recompute, reads in runs:
+        knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
+        try:
+            logits, loss, grads = phantom_step(tmp_path / "q", tokens, targets, offload=offload, prefetch=prefetch,
+                                               recompute=recompute, dtype=torch.float32, **knobs)
+        except ValueError as e:  # a store whose experts' codes and scales are not back to back reads them whole
+            assert reads == "routed" and str(e).startswith("routed expert reads") and "\n" not in str(e), e
+            continue
+        assert rel_err(logits, ref_logits) < 1e-5, offload
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+        assert grads.keys() == ref_grads.keys()
+        for key, (ga, gb) in grads.items():
+            ra, rb = ref_grads[key]
+            assert rel_err(ga, ra) < 1e-4 and rel_err(gb, rb) < 1e-4, (offload, key)
 
 
 def test_an_unhit_experts_stale_weights_reach_nothing():

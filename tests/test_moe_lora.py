@@ -397,7 +397,7 @@ def test_expert_lora_on_a_quantized_store_equals_peft_on_its_dequantized_weights
     """NF4 / int8 experts (the rest bfloat16), fp32 compute: LoRA on attention and experts gives the logits (1e-5)
     and every A and B gradient (1e-4) of peft's target_parameters LoRA on transformers loaded with the weights
     the store dequantizes to (its --format hf export), resident and streamed from disk and RAM, experts read
-    whole, and routed where the store's experts lie in one byte range each (else routed is refused in a line)."""
+    whole, and routed (the hit experts' codes and scales alone, dequantized alone)."""
     from phantom.arch.quantformat import QuantFormat
     from phantom.model.quantstore import quantize_store
     import transformers
@@ -417,12 +417,8 @@ def test_expert_lora_on_a_quantized_store_equals_peft_on_its_dequantized_weights
             ("disk", 0, "none", "routed")]
     for offload, prefetch, recompute, reads in runs:
         knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
-        try:
-            logits, loss, grads = phantom_step(tmp_path / "q", tokens, targets, offload=offload, prefetch=prefetch,
-                                               recompute=recompute, dtype=torch.float32, **knobs)
-        except ValueError as e:  # a store whose experts' codes and scales are not back to back reads them whole
-            assert reads == "routed" and str(e).startswith("routed expert reads") and "\n" not in str(e), e
-            continue
+        logits, loss, grads = phantom_step(tmp_path / "q", tokens, targets, offload=offload, prefetch=prefetch,
+                                           recompute=recompute, dtype=torch.float32, **knobs)
         assert rel_err(logits, ref_logits) < 1e-5, offload
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
         assert grads.keys() == ref_grads.keys()

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import phantom
-from family_check import batch, cross_entropy, lora_grads, make, peft, peft_grads, prepare, rel_err
+from family_check import batch, cross_entropy, lora_grads, make, peft, peft_step, prepare, rel_err
 from phantom.arch.layers import LoraLinear
 from phantom.model.export import export
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
@@ -120,17 +120,17 @@ def phantom_step(store, tokens, targets, adapter_dir=None, lora_targets=EXPERTS,
         return logits, loss.detach(), expert_grads(pm)
 
 
-def peft_reference(model, adapter, tokens, targets):
-    pmodel = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True).eval()
-    try:
-        logits = pmodel(tokens).logits
-        loss = cross_entropy(logits, targets)
-        loss.backward()
-        return logits.detach(), loss.detach(), peft_grads(pmodel)
-    finally:  # the module's model is shared: leave it as it was
-        pmodel.unload()
-        for p in model.parameters():
-            p.grad = None
+def assert_equals_peft(got, ref, run, unhit: bool = False) -> None:
+    """Logits within 1e-5 of peft's, the loss, every A and B gradient within 1e-4; with `unhit`, the experts'
+    gradients zero exactly where peft's are (the experts no token picked)."""
+    (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = got, ref
+    assert rel_err(logits, ref_logits) < 1e-5, run
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for key, (ga, gb) in grads.items():
+        ra, rb = ref_grads[key]
+        assert rel_err(ga, ra) < 1e-4 and rel_err(gb, rb) < 1e-4, (run, key)
+        assert not unhit or torch.equal(ga == 0, ra == 0) or "experts" not in key[1], (run, key)
 
 
 @pytest.mark.usefixtures("ram_streams")
@@ -148,7 +148,7 @@ def test_expert_lora_gradients_equal_peft_target_parameters(models, name, tmp_pa
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     plain = ["down_proj", "gate_proj", "up_proj"] if name == "qwen2_moe" else []  # its shared expert, dense layer
     assert config["target_modules"] == sorted([*plain, "k_proj", "o_proj", "q_proj", "v_proj"])
-    ref_logits, ref_loss, ref_grads = peft_reference(model, adapter, tokens, targets)
+    ref_logits, ref_loss, ref_grads = peft_step(model, adapter, tokens, targets)
     runs = RUNS if name in ("qwen3_moe", "mixtral") else RUNS[:2]
     unhit = [(k, e) for k, (ga, _) in ref_grads.items() if "experts" in k[1]
              for e, rows in enumerate(ga.unflatten(0, (-1, 4))) if not rows.any()]
@@ -156,15 +156,8 @@ def test_expert_lora_gradients_equal_peft_target_parameters(models, name, tmp_pa
     for offload, prefetch, recompute, reads in runs:
         run = (offload, prefetch, recompute, reads)
         knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
-        logits, loss, grads = phantom_step(store, tokens, targets, offload=offload, prefetch=prefetch,
-                                           recompute=recompute, **knobs)
-        assert rel_err(logits, ref_logits) < 1e-5, run
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-        assert grads.keys() == ref_grads.keys()
-        for key, (ga, gb) in grads.items():
-            ra, rb = ref_grads[key]
-            assert rel_err(ga, ra) < 1e-4 and rel_err(gb, rb) < 1e-4, (run, key)
-            assert torch.equal(ga == 0, ra == 0) or "experts" not in key[1], (run, key)  # the unhit experts
+        got = phantom_step(store, tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute, **knobs)
+        assert_equals_peft(got, (ref_logits, ref_loss, ref_grads), run, unhit=True)
 
 
 def adapter_tensors(folder) -> dict[str, torch.Tensor]:
@@ -411,20 +404,15 @@ def test_expert_lora_on_a_quantized_store_equals_peft_on_its_dequantized_weights
         assert rel_err(model(tokens).logits, reference(tokens).logits) > 1e-3
     adapter = tmp_path / "adapter"
     phantom_step(tmp_path / "q", tokens, targets, adapter, offload="none", dtype=torch.float32)
-    ref_logits, ref_loss, ref_grads = peft_reference(reference, adapter, tokens, targets)
+    ref_logits, ref_loss, ref_grads = peft_step(reference, adapter, tokens, targets)
     assert any("experts" in k[1] for k in ref_grads)
     runs = [("none", 0, "none", "auto"), ("disk", 1, "all", "auto"), ("ram", 0, "none", "whole"),
             ("disk", 0, "none", "routed")]
     for offload, prefetch, recompute, reads in runs:
         knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
-        logits, loss, grads = phantom_step(tmp_path / "q", tokens, targets, offload=offload, prefetch=prefetch,
-                                           recompute=recompute, dtype=torch.float32, **knobs)
-        assert rel_err(logits, ref_logits) < 1e-5, offload
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-        assert grads.keys() == ref_grads.keys()
-        for key, (ga, gb) in grads.items():
-            ra, rb = ref_grads[key]
-            assert rel_err(ga, ra) < 1e-4 and rel_err(gb, rb) < 1e-4, (offload, key)
+        got = phantom_step(tmp_path / "q", tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute,
+                           dtype=torch.float32, **knobs)
+        assert_equals_peft(got, (ref_logits, ref_loss, ref_grads), (offload, reads))
 
 
 def test_an_unhit_experts_stale_weights_reach_nothing():

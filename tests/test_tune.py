@@ -73,7 +73,8 @@ def test_the_read_jitter_is_the_spread_of_most_reads_not_of_one_stalled_read():
 
 
 def test_a_mixture_of_experts_profile_measures_its_routed_expert_reads(tmp_path):
-    """A 16-bit MoE store's profile has the seconds a routed read's request costs; a quantized copy, none."""
+    """A MoE store's profile has the seconds a routed read's request costs, 16-bit or quantized (its experts
+    lie back to back too)."""
     from phantom.arch.config import PRESETS
     from phantom.arch.quantformat import QuantFormat
     from phantom.model.quantstore import quantize_store
@@ -83,7 +84,7 @@ def test_a_mixture_of_experts_profile_measures_its_routed_expert_reads(tmp_path)
     store = BlockStore(write_synthetic(tmp_path / "moe", cfg, torch.float32, progress=False))
     assert profiles.measure_disk_requests(store, 2.0) >= 0
     quantize_store(store.path, tmp_path / "nf4", QuantFormat("nf4"), progress=False)
-    assert profiles.measure_disk_requests(BlockStore(tmp_path / "nf4"), 2.0) is None
+    assert profiles.measure_disk_requests(BlockStore(tmp_path / "nf4"), 2.0) >= 0
 
 
 def test_profile_round_trip_and_a_stale_or_corrupt_file_is_ignored(tmp_path):

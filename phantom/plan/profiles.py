@@ -132,7 +132,7 @@ def measure_disk_requests(store: BlockStore, disk_gbps: float, max_bytes: int = 
     """Seconds a read request costs beside its bytes (at disk_gbps), as routed expert reads make them: every
     other expert of a few blocks, cold, an expert's range each, several in flight
     (phantom.stream.experts.read_ranges). A routed read of few experts is mostly these. None where the store
-    reads no experts apart (a dense model or a quantized store)."""
+    reads no experts apart (a dense model, a quantized store without expert ranges)."""
     try:
         lay = ExpertLayout.of_store(store)
     except ValueError:

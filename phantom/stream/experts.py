@@ -17,7 +17,7 @@ import torch
 
 from phantom.arch.moe import expert_ranges
 from phantom.files.directio import readinto_pieces
-from phantom.files.storeformat import block_file
+from phantom.files.storeformat import between, block_file
 from phantom.files.tensorfile import StoreError
 
 MODES = ("auto", "routed", "whole")
@@ -77,6 +77,7 @@ class ExpertLayout:
     names: tuple[tuple[str, ...], ...]
     nbytes: int
     k: int
+    base_names: tuple[str, ...] = ()  # the other tensors' names, as names (read with the base ranges)
 
     @property
     def n_experts(self) -> int:
@@ -119,20 +120,16 @@ class ExpertLayout:
             raise StoreError(f"{store.path}: the manifest's expert ranges differ from the block files' tensors; "
                              "re-create the store")
         names: list[list[str]] = [[] for _ in ranges]  # dense names: a quantized expert's are dequantized
+        rest = []
         for name in store.dense_like(first):
             parts = name.split(".")
             if parts[:2] == ["feed_forward", "experts"]:
                 names[int(parts[2])].append(name)
+            else:
+                rest.append(name)
         nbytes = store.blocks[first].nbytes
-        cuts = merge(ranges)
-        base, pos = [], 0
-        for a, b in cuts:
-            if a > pos:
-                base.append((pos, a))
-            pos = b
-        if pos < nbytes:
-            base.append((pos, nbytes))
-        return cls(tuple(ranges), tuple(base), tuple(tuple(n) for n in names), nbytes, cfg.experts_per_token)
+        return cls(tuple(ranges), tuple(between(ranges, nbytes)), tuple(tuple(n) for n in names), nbytes,
+                   cfg.experts_per_token, tuple(rest))
 
 
 def read_ranges(entry, buf: torch.Tensor, ranges, drop_cache: bool = False) -> int:

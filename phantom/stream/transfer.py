@@ -116,8 +116,8 @@ class Transfer:
         slot.converted = self._converted(slot, block)
         stats = self._ranges(slot, block, source, list(lay.base) + lay.of(experts), source.tier.lane,
                              f"read {block} (routed)", free_event)
-        self._convert_names(slot, block, self._base_names(block) + [n for e in experts for n in lay.names[e]],
-                            stats, loader=True)
+        self._convert_names(slot, block, [*lay.base_names, *(n for e in experts for n in lay.names[e])], stats,
+                            loader=True)
         stats.bytes_experts = len(experts) * lay.expert_bytes
         slot.experts = frozenset(experts)
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf, block)
@@ -163,10 +163,6 @@ class Transfer:
     def _copy_ranges(self, slot: Slot, src: torch.Tensor, ranges, free_event) -> None:
         for a, b in ranges:
             slot.buf[a:b].copy_(src[a:b])
-
-    def _base_names(self, block: int) -> list[str]:
-        experts = {n for names in self.experts.names for n in names}
-        return [n for n in self.store.dense_like(block) if n not in experts]
 
     def _convert_names(self, slot: Slot, block: int, names, stats: LoadStats, loader: bool = False) -> None:
         """The named tensors (the dense block's names) of a routed slot into the compute dtype where it differs

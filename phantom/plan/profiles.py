@@ -75,6 +75,13 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def evict(path: Path) -> None:
+    """Drop a file's pages from the page cache (posix_fadvise DONTNEED, no root needed): its next read is cold."""
+    if hasattr(os, "posix_fadvise"):
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
                  readers: int = 2) -> tuple[float, float]:
     """GB/s of block reads as the disk tier does them, and the relative spread of one block's read.
@@ -93,9 +100,7 @@ def measure_disk(store: BlockStore, max_bytes: int = 1 << 30, passes: int = 2,
     def read(mine: list) -> None:
         buf = HostBuffer(store.block_nbytes, pin=False).tensor  # what the scheduler reads into
         for e in mine:
-            if hasattr(os, "posix_fadvise"):
-                with open(e.path, "rb") as f:
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            evict(e.path)
             t0 = time.perf_counter()
             readinto_exact(e.path, e.data_start, buf[: e.nbytes])
             with lock:
@@ -144,9 +149,7 @@ def measure_disk_requests(store: BlockStore, disk_gbps: float, max_bytes: int = 
     for p in range(passes):
         ranges = lay.of(range(p % 2, lay.n_experts, 2))
         for i in sparse[:k]:
-            if hasattr(os, "posix_fadvise"):
-                with open(store.blocks[i].path, "rb") as f:
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            evict(store.blocks[i].path)
             t0 = time.perf_counter()
             nbytes += read_ranges(store.blocks[i], buf, ranges)
             secs += time.perf_counter() - t0

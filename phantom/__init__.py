@@ -4,7 +4,8 @@
 """
 from __future__ import annotations
 
-from phantom.arch.config import PRESETS, ModelConfig, preset
+from phantom.arch.config import ModelConfig
+from phantom.arch.presets import PRESETS, preset
 from phantom.base.provenance import VERSION as __version__  # noqa: F401
 from phantom.files.store import BlockStore, StoreError
 from phantom.model.lora import LoraConfig

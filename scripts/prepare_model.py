@@ -14,7 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from phantom.arch.config import PRESETS, preset  # noqa: E402
+from phantom.arch.presets import preset  # noqa: E402
+from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import METHODS, QuantFormat  # noqa: E402
 from phantom.files.tensorfile import parse_dtype  # noqa: E402
 from phantom.model.convert import convert_checkpoint, disk_usage  # noqa: E402

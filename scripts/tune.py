@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
-from phantom.arch import config, family
+from phantom.arch import config, family, presets
 from phantom.arch.quantformat import METHODS  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
 from phantom.plan import costexperts, planner, profiles, tune
@@ -34,7 +34,7 @@ def parse_args(argv=None):
     a = p.add_argument
     what = p.add_mutually_exclusive_group()
     what.add_argument("--model", default=None, help="a prepared store (folder, or preset name under weights/)")
-    what.add_argument("--preset", default=None, help=f"plan a preset without its weights: {', '.join(config.PRESETS)}")
+    what.add_argument("--preset", default=None, help=f"plan a preset without its weights: {', '.join(presets.PRESETS)}")
     what.add_argument("--config", default=None, help="plan from a config.json (HF) or params.json (Meta) alone")
     a("--vocab-size", type=int, default=None, help="with a params.json that says -1: the tokenizer's vocabulary")
     a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto")
@@ -70,7 +70,7 @@ def model_and_profile(args, device, dtype):
     """(name, ModelConfig, store dtype, quantization or None, profile, free disk bytes or None) for what the
     user named."""
     if args.preset or args.config:
-        cfg = config.preset(args.preset) if args.preset else read_config(Path(args.config), args.vocab_size)
+        cfg = presets.preset(args.preset) if args.preset else read_config(Path(args.config), args.vocab_size)
         work = ci.Workload(args.batch_size, args.seq_len, dtype, args.store_dtype, args.quantize)
         profile = profiles.probe(cfg, device, work, args.profile_dir, args.quick, args.remeasure)
         disk = args.disk_budget if args.disk_budget is not None else profiles.free_disk_bytes(phantom.weights_dir())

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import phantom
-from phantom.arch.config import PRESETS
+from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import QuantFormat
 from phantom.model.export import export, to_hf
 from phantom.model.lora import TARGETS, adapted_modules
@@ -66,6 +66,16 @@ PHI3, FUSED = dict(SHAPES, pad_token_id=None), ("down_proj", "gate_up_proj", "o_
 MOE = dict(runs=(("none", 0, "none"), ("disk", 0, "all"), ("disk", 2, "none"), ("ram", 0, "none"), ("ram", 2, "all")),
            lora_runs=(("disk", 1, "all"), ("ram", 0, "none")), lora_targets=("q", "k", "v", "o"),
            adapter_modules=("k_proj", "o_proj", "q_proj", "v_proj"))
+# DeepSeekMoE: a dense first layer, a shared expert, sigmoid scores in groups (V3, GLM-4.5) or softmax (V2)
+DEEPSEEK_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                    first_k_dense_replace=1, routed_scaling_factor=2.5)
+# latent attention: q through a rank-24 bottleneck, keys and values from a rank-16 latent; YaRN with mscale
+MLA = dict(SHAPES, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+           **DEEPSEEK_MOE)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
+MLA_LORA = dict(lora_targets=("q", "kv_a", "kv_b", "o"),
+                adapter_modules=("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_b_proj"))
 CASES = {
     # tied embeddings (Llama-3.2 1B/3B, Qwen2.5's small models): one table, both gradients add up in it
     "llama-tied": Case("LlamaConfig", dict(SHAPES, tie_word_embeddings=True, rope_theta=500000.0), "LlamaForCausalLM",
@@ -116,6 +126,17 @@ CASES = {
     # q/k norms over the whole projection; its eos id 50279 is past the vocabulary
     "olmoe": Case("OlmoeConfig", dict(SHAPES, num_experts=8, num_experts_per_tok=2, eos_token_id=2), "OlmoeForCausalLM",
                   {"family": "olmoe", "n_experts": 8}, **MOE),
+    "deepseek_v3": Case("DeepseekV3Config", dict(MLA, q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=YARN),
+                        "DeepseekV3ForCausalLM", {"family": "deepseek_v3", "n_experts": 8, "router_bias": True},
+                        **{**MOE, **MLA_LORA}),
+    # DeepSeek-V2-Lite's shape: one q projection, softmax routing (greedy), two shared experts
+    "deepseek_v2": Case("DeepseekV2Config", dict(MLA, q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.5),
+                        "DeepseekV2ForCausalLM", {"family": "deepseek_v2", "q_lora_rank": 0},
+                        **{**MOE, **MLA_LORA, "adapter_modules": ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                                                  "q_proj")}),
+    "glm4_moe": Case("Glm4MoeConfig", dict(SHAPES, head_dim=24, attention_bias=True, use_qk_norm=True,
+                                           **DEEPSEEK_MOE, n_group=2, topk_group=1), "Glm4MoeForCausalLM",
+                     {"family": "glm4_moe", "rope_dim": 12, "qk_norm": True}, **MOE),
 }
 
 
@@ -131,6 +152,9 @@ def hf_model(config_class: str, seed: int = 0, **fields):
                 p.copy_(1 + 0.2 * torch.randn(p.shape))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router: a correction bias that moves the choice
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape))
     return model
 
 

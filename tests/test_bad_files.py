@@ -20,7 +20,8 @@ from packaging.requirements import Requirement
 from phantom.data import dataset as data, tokencache
 from phantom.base import safejson
 from phantom.base.checksum import Checksums
-from phantom.arch.config import ModelConfig, preset
+from phantom.arch.config import ModelConfig
+from phantom.arch.presets import preset
 from phantom.model.convert import convert_checkpoint
 from phantom.model.hub import snapshot
 from phantom.model.lora import LoraConfig

@@ -18,7 +18,8 @@ from phantom.arch.config import ModelConfig, RopeScaling, block_tensor_shapes, e
 from phantom.arch.family import LLAMA_KEYS
 from phantom.model.checkpoints import META_SPLIT_DIMS, HF_PERMUTED
 from phantom.model.convert import convert_checkpoint
-from phantom.arch.layers import TransformerBlock, permute_for_hf, rms_norm, rope_table
+from phantom.arch.layers import TransformerBlock
+from phantom.arch.ops import permute_for_hf, rms_norm, rope_table
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA2 = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32)

@@ -16,7 +16,8 @@ import phantom.stream.hostmem
 import phantom.stream.placement
 import phantom.stream.scheduler
 from phantom.plan import costinputs as ci, costmodel as cm, planner
-from phantom.arch.config import ModelConfig, preset
+from phantom.arch.config import ModelConfig
+from phantom.arch.presets import preset
 from phantom.model.synthetic import write_synthetic
 from phantom.stream.placement import Activations, Placement
 from phantom.stream.scheduler import BlockScheduler
@@ -218,7 +219,7 @@ def test_the_scheduler_reads_what_the_split_disk_tier_predicts(store, prefetch, 
 def test_a_host_short_with_the_default_ram_tier_gets_a_smaller_one():
     """A 70B on a 20 GiB CPU: every policy with the RAM tier the default budget allows leaves the host
     short (activations live there too); a smaller RAM tier fits, and the tuner finds it."""
-    from phantom.arch import config
+    from phantom.arch import presets as config
     cpu = ci.MachineProfile(machine="c", device="cpu", free_host_bytes=20 * GiB, fwd_flops=2e11, disk_gbps=1.5)
     shape = ci.shape_of(config.preset("70B"), "bf16", "bf16", 512)
     default_ram = cm.layout(shape, cpu, Placement()).split["ram"]

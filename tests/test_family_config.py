@@ -166,7 +166,7 @@ def test_llama_biases_and_gelu_match_transformers(llama_extras, tmp_path):
 
 def test_synthetic_stores_of_every_family_preset_shape_run(tmp_path):
     """--synthetic with a family preset's fields (cut to tiny widths): written, loaded, streamed, finite."""
-    from phantom.arch.config import PRESETS
+    from phantom.arch.presets import PRESETS
     for name in ("qwen2.5-7B", "qwen3-8B", "llama3.2-1B", "gemma2-9B", "gemma3-27B", "phi4-14B", "phi3-mini-4k"):
         window = 8 if PRESETS[name].sliding_window else None
         loss = synthetic_preset_loss(name, tmp_path, n_layers=3, sliding_window=window)

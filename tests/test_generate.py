@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.arch.config import preset
+from phantom.arch.presets import preset
 from phantom.model.synthetic import write_synthetic
 from phantom.model.generate import generate
 from phantom.data.tokenizer import train_tiny_tokenizer

@@ -9,7 +9,7 @@ import torch
 import phantom
 from family_check import batch, make, rel_err
 from phantom.model.generate import next_logits
-from phantom.arch.layers import KVCache, attention_mask
+from phantom.arch.ops import KVCache, attention_mask
 
 
 def test_the_window_changes_the_logits_where_it_is_checked(family_models):

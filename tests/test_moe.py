@@ -18,7 +18,8 @@ import torch
 import phantom
 from family_check import (CASES, batch, check_converts_to, check_logits, check_quantized, cross_entropy, make, prepare,
                           rel_err, save_fused, synthetic_preset_loss, transformers)
-from phantom.arch.config import PRESETS, ModelConfig
+from phantom.arch.config import ModelConfig
+from phantom.arch.presets import PRESETS
 from phantom.model.export import export
 from phantom.arch.moe import load_balancing_loss, mix, route
 from phantom.files.store import BlockStore

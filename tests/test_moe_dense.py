@@ -144,7 +144,7 @@ def test_each_quantized_expert_is_one_byte_range_the_manifest_records(family_mod
 def test_quantized_experts_that_cannot_stay_aligned_keep_the_size_order(tmp_path):
     """Experts 33 wide: an NF4 expert is 3291 bytes, which would leave the next one's fp32 scales unaligned;
     such a store keeps tensor_order's layout (aligned, no expert ranges) and reads as before."""
-    from phantom.arch.config import preset
+    from phantom.arch.presets import preset
     from phantom.arch.quantformat import QuantFormat
     from phantom.model.synthetic import write_synthetic
     cfg = preset("qwen3-30B-A3B", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=64,

@@ -277,7 +277,7 @@ def test_what_peft_cannot_do_on_experts_is_refused_in_one_line(models, tmp_path)
 def synthetic_moe(tmp_path_factory):
     """(a Qwen3-MoE-shaped synthetic store, token ids to train on) for the CLI, made once a module."""
     import dataclasses
-    from phantom.arch.config import PRESETS
+    from phantom.arch.presets import PRESETS
     from phantom.model.synthetic import write_synthetic
     root = tmp_path_factory.mktemp("synthetic_moe")
     cfg = dataclasses.replace(PRESETS["qwen3-30B-A3B"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,

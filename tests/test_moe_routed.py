@@ -221,7 +221,7 @@ def test_a_quantized_store_reads_routed_when_asked(models, tmp_path, method):
 def test_a_store_that_cannot_read_experts_apart_reads_whole_or_refuses_routed(tmp_path):
     """Experts 33 wide: an NF4 expert's scales would fall unaligned after its codes, so the store keeps the
     size order and records no expert ranges: `routed` is one ValueError, `auto` reads whole."""
-    from phantom.arch.config import preset
+    from phantom.arch.presets import preset
     from phantom.arch.quantformat import QuantFormat
     from phantom.model.synthetic import write_synthetic
     cfg = preset("qwen3-30B-A3B", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=64,

@@ -12,7 +12,7 @@ import phantom
 from phantom.data import batches as B, dataset as D
 from phantom.arch.config import ModelConfig
 from phantom.model.synthetic import write_synthetic
-from phantom.arch.layers import packed_layout, rope_table
+from phantom.arch.ops import packed_layout, rope_table
 from conftest import max_rel_err, randomize_lora
 
 CFG = ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)

@@ -17,7 +17,8 @@ import torch
 
 import phantom
 from family_check import batch, check_logits, check_lora, check_merged_export, make, prepare, rel_err
-from phantom.arch.config import ModelConfig, preset
+from phantom.arch.config import ModelConfig
+from phantom.arch.presets import preset
 from phantom.arch.layers import LoraLinear, TransformerBlock, project
 from phantom.model.lora import apply_lora, for_family
 from phantom.model.export import export

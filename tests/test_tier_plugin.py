@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.arch.config import preset
+from phantom.arch.presets import preset
 from phantom.files.store import BlockStore
 from phantom.model.synthetic import write_synthetic
 from phantom.plan import costinputs as ci, costmodel as cm

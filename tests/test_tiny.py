@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from phantom.arch.config import preset
+from phantom.arch.presets import preset
 from phantom.model.synthetic import TINY_RECIPE, ensure_tiny
 from phantom.files.store import BlockStore
 

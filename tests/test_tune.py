@@ -75,7 +75,7 @@ def test_the_read_jitter_is_the_spread_of_most_reads_not_of_one_stalled_read():
 def test_a_mixture_of_experts_profile_measures_its_routed_expert_reads(tmp_path):
     """A MoE store's profile has the seconds a routed read's request costs, 16-bit or quantized (its experts
     lie back to back too)."""
-    from phantom.arch.config import PRESETS
+    from phantom.arch.presets import PRESETS
     from phantom.arch.quantformat import QuantFormat
     from phantom.model.quantstore import quantize_store
     cfg = dataclasses.replace(PRESETS["qwen3-30B-A3B"], dim=64, n_layers=2, n_heads=2, n_kv_heads=1,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import phantom.stream.memory
-from phantom.arch import config
+from phantom.arch import presets as config
 from phantom.plan import costinputs as ci, costmodel as cm, planner
 from phantom.stream import placement as P
 from phantom.stream.residency import resolve_layout

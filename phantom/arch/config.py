@@ -35,6 +35,7 @@ class RopeScaling:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    mscale_all_dim: float = 0.0  # YaRN: latent attention's softmax scale times mscale(factor, this)^2 (DeepSeek)
 
     def __post_init__(self):
         for name in ("short_factor", "long_factor"):  # JSON gives lists
@@ -132,6 +133,26 @@ class ModelConfig:
     # layers whose MLP is dense (hidden_dim wide) among a mixture of experts' sparse ones (Qwen-MoE's
     # mlp_only_layers, decoder_sparse_step): their blocks have their own tensor layout (block_tensor_shapes)
     dense_layers: tuple[int, ...] = ()
+    # DeepSeekMoE routing (phantom.arch.moe.route): scores by softmax or sigmoid of logits computed in fp32
+    # (router_fp32), a correction bias added for the choice alone (router_bias), the choice limited to the
+    # router_topk_groups best of router_groups groups of experts (a group's best score, "max", or its two best
+    # summed, "top2"), the chosen weights times routed_scale; a shared expert ungated (shared_expert_gate False)
+    router_score: str = "softmax"
+    router_fp32: bool = False
+    router_bias: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    router_group_score: str = "max"
+    routed_scale: float = 1.0
+    shared_expert_gate: bool = True
+    # multi-head latent attention (phantom.arch.mla) where kv_lora_rank > 0: q through a q_lora_rank bottleneck
+    # (0: one projection), keys and values from a kv_lora_rank latent and one rotated key shared by the heads;
+    # q/k heads are qk_nope_head_dim plain dims then rope_dim (rotary_dim) rotated ones, v heads v_head_dim
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True  # the rotated dims in pairs (2i, 2i+1), as Meta's; False: in halves (i, i + R/2)
 
     def __post_init__(self):
         check_numbers(self, positive=("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"))
@@ -160,6 +181,24 @@ class ModelConfig:
         if self.n_experts and not (0 < self.experts_per_token <= self.n_experts and self.expert_dim > 0):
             raise ValueError(f"a mixture of {self.n_experts} experts needs 0 < experts_per_token "
                              f"({self.experts_per_token}) <= n_experts and expert_dim > 0 ({self.expert_dim})")
+        self._check_routing_and_latents()
+
+    def _check_routing_and_latents(self):
+        if self.router_score not in ("softmax", "sigmoid") or self.router_group_score not in ("max", "top2"):
+            raise ValueError(f"router_score {self.router_score!r} / router_group_score {self.router_group_score!r} "
+                             f"must be softmax or sigmoid / max or top2")
+        if self.n_experts % self.router_groups or not 0 < self.router_topk_groups <= self.router_groups:
+            raise ValueError(f"{self.n_experts} experts in router_groups {self.router_groups} with router_topk_groups "
+                             f"{self.router_topk_groups}: the groups must divide the experts, 0 < topk_groups <= groups")
+        if self.router_groups > 1 and self.router_topk_groups * self.n_experts // self.router_groups < \
+                self.experts_per_token:
+            raise ValueError(f"the {self.router_topk_groups} groups chosen hold fewer experts than the "
+                             f"{self.experts_per_token} a token needs")
+        if self.kv_lora_rank and (self.head_dim != self.qk_nope_head_dim + self.rope_dim or not self.v_head_dim
+                                  or self.qkv_bias or self.o_bias or self.qk_norm):
+            raise ValueError(f"latent attention needs head_dim {self.head_dim} = qk_nope_head_dim "
+                             f"{self.qk_nope_head_dim} + rotary_dim {self.rope_dim}, v_head_dim > 0, no biases or q/k "
+                             f"norms")
 
     def sparse(self, layer: int | None) -> bool:
         """Whether the layer's MLP is a mixture of experts (None: a sparse layer of the model, if it has any)."""
@@ -246,117 +285,6 @@ class ModelConfig:
         return cls(**d)
 
 
-GEMMA2 = dict(family="gemma2", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0, embed_scale=True,
-              post_norms=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,
-              layer_types=("sliding_attention", "full_attention"))
-
-# Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
-PRESETS: dict[str, ModelConfig] = {
-    # Generated on first use (synthetic.ensure_tiny); small enough to train in a minute on 2 CPU cores.
-    # 64 tokens: the shipped text's characters and their commonest pairs (see ensure_tiny for why).
-    "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
-                        max_seq_len=512),
-    # Llama-2 (meta-llama/Llama-2-*b params.json)
-    "7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000),
-    "13B": ModelConfig(dim=5120, n_layers=40, n_heads=40, vocab_size=32000),
-    # CodeLlama-34b params.json: GQA, rope_theta 1e6, 16k context
-    "34B": ModelConfig(dim=8192, n_layers=48, n_heads=64, n_kv_heads=8, vocab_size=32000,
-                       ffn_dim_multiplier=1.0, rope_theta=1e6, max_seq_len=16384),
-    "70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
-                       multiple_of=4096, ffn_dim_multiplier=1.3),
-    # CodeLlama-7b params.json
-    "codellama-7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32016, rope_theta=1e6,
-                                max_seq_len=16384),
-    # Meta-Llama-3-8B / 70B params.json
-    "llama3-8B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                             multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
-    "llama3-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-                              multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
-    # mistralai/Mistral-7B-v0.1 config.json (max_position_embeddings 32768; planned at 4096 tokens)
-    "mistral-7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                              intermediate_size=14336, max_seq_len=4096, family="mistral", sliding_window=4096),
-    # Each from the config.json of the Hugging Face repo named (for the Gemma-3 and multimodal repos,
-    # its text_config); max_seq_len is max_position_embeddings.
-    # Qwen/Qwen2.5-7B, Qwen/Qwen2.5-72B (use_sliding_window false: no window)
-    "qwen2.5-7B": ModelConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
-                              intermediate_size=18944, norm_eps=1e-6, rope_theta=1e6, max_seq_len=131072,
-                              family="qwen2", qkv_bias=True),
-    "qwen2.5-72B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064,
-                               intermediate_size=29568, norm_eps=1e-5, rope_theta=1e6, max_seq_len=131072,
-                               family="qwen2", qkv_bias=True),
-    # Qwen/Qwen3-8B, Qwen/Qwen3-32B (head_dim 128)
-    "qwen3-8B": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, vocab_size=151936,
-                            intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
-                            family="qwen3", qk_norm=True),
-    "qwen3-32B": ModelConfig(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, vocab_size=151936,
-                             intermediate_size=25600, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
-                             family="qwen3", qk_norm=True, explicit_head_dim=128),
-    # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-70B (rope_scaling llama3, factor 8)
-    "llama3.1-8B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                               intermediate_size=14336, rope_theta=500000.0, rope_scaling=RopeScaling(),
-                               max_seq_len=131072),
-    "llama3.1-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-                                intermediate_size=28672, rope_theta=500000.0, rope_scaling=RopeScaling(),
-                                max_seq_len=131072),
-    # meta-llama/Llama-3.2-1B, meta-llama/Llama-3.2-3B (tied embeddings, rope_scaling llama3, factor 32)
-    "llama3.2-1B": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
-                               max_seq_len=131072, tie_embeddings=True),
-    "llama3.2-3B": ModelConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
-                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
-                               max_seq_len=131072, tie_embeddings=True),
-    # google/gemma-2-9b, google/gemma-2-27b (sliding 4096 on every other layer, soft-caps 50 and 30)
-    "gemma2-9B": ModelConfig(dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, vocab_size=256000,
-                             intermediate_size=14336, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=256,
-                             **GEMMA2, query_pre_attn_scalar=256),
-    "gemma2-27B": ModelConfig(dim=4608, n_layers=46, n_heads=32, n_kv_heads=16, vocab_size=256000,
-                              intermediate_size=36864, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=128,
-                              **GEMMA2, query_pre_attn_scalar=144),
-    # google/gemma-3-27b-pt text_config (sliding 1024 on five layers of six; RoPE 1e6 linear x8 / local 1e4)
-    "gemma3-27B": ModelConfig(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, vocab_size=262208,
-                              intermediate_size=21504, norm_eps=1e-6, max_seq_len=131072, explicit_head_dim=128,
-                              family="gemma3", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0,
-                              embed_scale=True, post_norms=True, qk_norm=True, query_pre_attn_scalar=168,
-                              rope_theta=1e6, rope_scaling=RopeScaling(rope_type="linear", factor=8.0),
-                              local_rope_theta=1e4, sliding_window=1024,
-                              layer_types=("sliding_attention",) * 5 + ("full_attention",)),
-    # microsoft/phi-4, microsoft/Phi-3-mini-4k-instruct (Phi3ForCausalLM: qkv_proj and gate_up_proj fused
-    # in the checkpoint; Phi-3-mini's window of 2047 keys)
-    "phi4-14B": ModelConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=10, vocab_size=100352,
-                            intermediate_size=17920, norm_eps=1e-5, rope_theta=250000.0, max_seq_len=16384,
-                            family="phi3"),
-    "phi3-mini-4k": ModelConfig(dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32064,
-                                intermediate_size=8192, norm_eps=1e-5, max_seq_len=4096, family="phi3",
-                                sliding_window=2047),
-    # Mixtures of experts: Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B (128 experts, 8 per token, head_dim 128),
-    # mistralai/Mixtral-8x7B-v0.1 (8 experts, 2 per token), allenai/OLMoE-1B-7B-0924 (64 experts, 8 per
-    # token, q/k norms over the whole projection)
-    "qwen3-30B-A3B": ModelConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
-                                 intermediate_size=6144, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
-                                 family="qwen3_moe", qk_norm=True, explicit_head_dim=128, n_experts=128,
-                                 experts_per_token=8, expert_dim=768, norm_topk_prob=True, router_aux_coef=0.001),
-    "qwen3-235B-A22B": ModelConfig(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, vocab_size=151936,
-                                   intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
-                                   family="qwen3_moe", qk_norm=True, explicit_head_dim=128, n_experts=128,
-                                   experts_per_token=8, expert_dim=1536, norm_topk_prob=True, router_aux_coef=0.001),
-    "mixtral-8x7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                                intermediate_size=14336, rope_theta=1e6, max_seq_len=32768, family="mixtral",
-                                n_experts=8, experts_per_token=2, expert_dim=14336, norm_topk_prob=True,
-                                router_aux_coef=0.02),
-    "olmoe-1B-7B": ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=50304,
-                               intermediate_size=1024, max_seq_len=4096, family="olmoe", qk_norm=True,
-                               qk_norm_over="projection", n_experts=64, experts_per_token=8, expert_dim=1024,
-                               router_aux_coef=0.01),
-}
-
-
-def preset(name: str, **overrides) -> ModelConfig:
-    """A preset by name, with fields replaced (e.g. n_layers for a cut-down benchmark model)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
-
-
 def from_meta_params(path: Path, vocab_size: int | None = None) -> ModelConfig:
     """ModelConfig from Meta's params.json (vocab_size -1 there means: take it from the tokenizer)."""
     p = safejson.load(path, what="params.json")
@@ -379,11 +307,12 @@ def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str,
     """Names and shapes of block `layer`'s tensors, in Meta's naming: the same in every block but where
     dense layers sit among a mixture of experts' (cfg.dense_layers); None: a sparse block's, if any."""
     kv = cfg.kv_heads * cfg.head_dim
-    shapes = {
+    shapes = latent_attention_shapes(cfg) if cfg.kv_lora_rank else {
         "attention.wq.weight": (cfg.q_dim, cfg.dim),
         "attention.wk.weight": (kv, cfg.dim),
         "attention.wv.weight": (kv, cfg.dim),
-        "attention.wo.weight": (cfg.dim, cfg.q_dim),
+        "attention.wo.weight": (cfg.dim, cfg.q_dim)}
+    shapes |= {
         "feed_forward.w1.weight": (cfg.hidden_dim, cfg.dim),
         "feed_forward.w2.weight": (cfg.dim, cfg.hidden_dim),
         "feed_forward.w3.weight": (cfg.hidden_dim, cfg.dim),
@@ -410,6 +339,19 @@ def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str,
     return shapes
 
 
+def latent_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention's weights (phantom.arch.mla), in DeepSeek's own names."""
+    if cfg.q_lora_rank:
+        q = {"attention.wq_a.weight": (cfg.q_lora_rank, cfg.dim), "attention.q_a_norm.weight": (cfg.q_lora_rank,),
+             "attention.wq_b.weight": (cfg.q_dim, cfg.q_lora_rank)}
+    else:
+        q = {"attention.wq.weight": (cfg.q_dim, cfg.dim)}
+    return q | {"attention.wkv_a.weight": (cfg.kv_lora_rank + cfg.rope_dim, cfg.dim),
+                "attention.kv_a_norm.weight": (cfg.kv_lora_rank,),
+                "attention.wkv_b.weight": (cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                "attention.wo.weight": (cfg.dim, cfg.n_heads * cfg.v_head_dim)}
+
+
 def expert_shapes(dim: int, width: int, prefix: str) -> dict[str, tuple[int, ...]]:
     """One gated MLP's weights (gate w1, down w2, up w3) under prefix, no biases."""
     return {f"{prefix}.w1.weight": (width, dim), f"{prefix}.w2.weight": (dim, width),
@@ -420,11 +362,14 @@ def moe_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """A mixture-of-experts MLP's tensors: the router, each expert (its three weights named alike, so they
     lie back to back in the file: tensorfile.tensor_order sorts by name), the shared expert and its gate."""
     shapes = {"feed_forward.gate.weight": (cfg.n_experts, cfg.dim)}
+    if cfg.router_bias:
+        shapes["feed_forward.gate.e_score_correction_bias"] = (cfg.n_experts,)
     for e in range(cfg.n_experts):
         shapes.update(expert_shapes(cfg.dim, cfg.expert_dim, f"feed_forward.experts.{e}"))
     if cfg.shared_expert_dim:
         shapes.update(expert_shapes(cfg.dim, cfg.shared_expert_dim, "feed_forward.shared_expert"))
-        shapes["feed_forward.shared_expert_gate.weight"] = (1, cfg.dim)
+        if cfg.shared_expert_gate:
+            shapes["feed_forward.shared_expert_gate.weight"] = (1, cfg.dim)
     return shapes
 
 
@@ -434,7 +379,10 @@ def rope_rows(cfg: ModelConfig) -> dict[str, int]:
     Phantom keeps Meta's interleaved pairs; Hugging Face checkpoints hold half-split pairs, so the
     converter, the exporter and the adapter writer permute these rows (the leading cfg.rope_dim of
     each head; a per-head norm's weight is one head's row order, a whole-projection norm's (OLMoE) is
-    the projection's)."""
+    the projection's). Latent attention keeps the checkpoint's rows as they are (phantom.arch.mla rotates
+    either layout)."""
+    if cfg.kv_lora_rank:
+        return {}
     per_head = cfg.qk_norm_over == "head"
     return {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads,
             "attention.wq.bias": cfg.n_heads, "attention.wk.bias": cfg.kv_heads,

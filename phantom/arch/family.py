@@ -8,13 +8,11 @@ ModelConfig's fields; the converter, exporter and LoRA writer read these tables.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from phantom.arch.config import ACTIVATIONS, ConfigError, ModelConfig, RopeScaling  # noqa: F401
+from phantom.arch.config import ACTIVATIONS, ConfigError, ModelConfig  # noqa: F401
 from phantom.arch.config import refuse as _refuse
+from phantom.arch import family_deepseek
 from phantom.arch.family_moe import (
     DENSE_READERS,
     MOE_IRRELEVANT,
@@ -31,153 +29,25 @@ from phantom.arch.family_moe import (
     read_qwen3_moe_window,
     refused_unless,
 )
+from phantom.arch.familybase import (  # noqa: F401 - the shared tables are part of this module's API
+    ATTENTION_KEYS,
+    BIAS_KEYS,
+    COMMON_DEFAULTS,
+    DENSE_MLP_KEYS,
+    IRRELEVANT,
+    MODELLED_COMMON,
+    Family,
+    LLAMA_KEYS,
+    QK_NORM_KEYS,
+    REFUSED_WHEN_SET,
+    _read_attention_bias,
+    _read_gemma3_rope,
+    _read_mistral_window,
+    _read_mlp_bias,
+    _read_rope,
+    _rope_scaling,
+)
 from phantom.base import safejson
-
-# ---------------------------------------------------------------------------------------------
-# Tensor names: Hugging Face name -> store name ({} is the layer index)
-
-LLAMA_KEYS = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "attention.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "attention.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "attention.wv.weight",
-    "model.layers.{}.self_attn.o_proj.weight": "attention.wo.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "model.layers.{}.mlp.down_proj.weight": "feed_forward.w2.weight",
-    "model.layers.{}.mlp.up_proj.weight": "feed_forward.w3.weight",
-    "model.layers.{}.input_layernorm.weight": "attention_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "ffn_norm.weight",
-}
-BIAS_KEYS = {hf.replace(".weight", ".bias"): name.replace(".weight", ".bias")
-             for hf, name in LLAMA_KEYS.items() if "_proj" in hf}
-QK_NORM_KEYS = {"model.layers.{}.self_attn.q_norm.weight": "attention.q_norm.weight",
-                "model.layers.{}.self_attn.k_norm.weight": "attention.k_norm.weight"}
-
-# ---------------------------------------------------------------------------------------------
-# config.json fields
-
-IRRELEVANT = {  # fields of every transformers config that do not change the maths, and why
-    "_name_or_path": "where transformers loaded the config from",
-    "bos_token_id": "a token id for generation; the tokenizer's files carry it",
-    "eos_token_id": "a token id for generation; the tokenizer's files carry it",
-    "pad_token_id": "a token id for padding; phantom packs rows and masks targets instead",
-    "chunk_size_feed_forward": "transformers' memory knob: the MLP run in chunks computes the same values",
-    "dtype": "the checkpoint's dtype; phantom reads it from the tensors",
-    "torch_dtype": "the checkpoint's dtype (older name); phantom reads it from the tensors",
-    "id2label": "labels of a classification head; a causal LM has none",
-    "label2id": "labels of a classification head; a causal LM has none",
-    "problem_type": "the loss of a classification head; a causal LM has none",
-    "initializer_range": "the init of new weights; phantom loads trained ones",
-    "output_attentions": "what transformers' forward returns, not what it computes",
-    "output_hidden_states": "what transformers' forward returns, not what it computes",
-    "return_dict": "what transformers' forward returns, not what it computes",
-    "use_cache": "whether transformers' generation keeps a KV cache; the same values",
-    "transformers_version": "the version of transformers that wrote the file",
-    "pretraining_tp": "a record of Meta's tensor parallelism; transformers' Llama ignores it too",
-    "max_window_layers": "read with use_sliding_window (Qwen's rule for which layers slide)",
-}
-REFUSED_WHEN_SET = {  # field -> (allowed value check, what phantom supports)
-    "attention_dropout": (lambda v: not v, "0 (no dropout on attention probabilities)"),
-    "is_encoder_decoder": (lambda v: not v, "decoder-only models"),
-    "use_bidirectional_attention": (lambda v: not v, "causal attention"),
-    "quantization_config": (lambda v: v is None, "unquantized checkpoints (bf16, fp16, fp32)"),
-    "num_experts": (lambda v: not v, "dense models (no mixture of experts)"),
-    "num_local_experts": (lambda v: not v, "dense models (no mixture of experts)"),
-    "n_routed_experts": (lambda v: not v, "dense models (no mixture of experts)"),
-    "partial_rotary_factor": (lambda v: v in (None, 1, 1.0), "1.0 (RoPE over the whole head)"),
-    "resid_pdrop": (lambda v: not v, "0 (no dropout on the residual stream)"),
-    "embd_pdrop": (lambda v: not v, "0 (no dropout on the embeddings)"),
-}
-MODELLED_COMMON = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads", "vocab_size", "intermediate_size", "rms_norm_eps",
-                   "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
-                   "tie_word_embeddings", "hidden_act", "head_dim")
-
-
-SCALED_ROPES = ("llama3", "linear", "yarn")  # what transformers' Llama, Mistral, Qwen and Gemma classes read
-
-
-def _rope_scaling(rs: dict, path, max_pos: int, kinds: tuple[str, ...] = SCALED_ROPES) -> RopeScaling | None:
-    """A rope_scaling (or rope_parameters) dict as phantom's RopeScaling; refused unless its type is one of
-    kinds. original_max_position_embeddings defaults to max_pos, as transformers fills it in."""
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind != "default" and kind not in kinds:
-        _refuse(path, "rope_scaling.rope_type", kind, "'default', " + ", ".join(repr(t) for t in kinds))
-    rs = {"original_max_position_embeddings": max_pos, **rs}
-    if kind == "default":
-        return None
-    if kind == "linear":
-        return RopeScaling(rope_type="linear", factor=rs["factor"])
-    if kind == "yarn":
-        return _yarn(rs, path)
-    if kind == "longrope":
-        return _longrope(rs, path, max_pos)
-    if kind == "llama3":
-        return RopeScaling(factor=rs["factor"], low_freq_factor=rs["low_freq_factor"],
-                           high_freq_factor=rs["high_freq_factor"],
-                           original_max_seq_len=rs["original_max_position_embeddings"])
-    raise AssertionError(f"{kind}: in ROPE_TYPES but not read")
-
-
-def _yarn(rs: dict, path) -> RopeScaling:
-    """YaRN's fields as transformers reads them (its attention factor from factor unless given)."""
-    factor = rs["factor"]
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-    gain = rs.get("attention_factor")
-    if gain is None:
-        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
-        gain = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    return RopeScaling(rope_type="yarn", factor=factor, original_max_seq_len=rs["original_max_position_embeddings"],
-                       beta_fast=rs.get("beta_fast") or 32.0, beta_slow=rs.get("beta_slow") or 1.0,
-                       attention_factor=float(gain), truncate=rs.get("truncate", True))
-
-
-def _longrope(rs: dict, path, max_pos: int) -> RopeScaling:
-    """LongRoPE's fields as transformers reads them: its attention factor from max_pos over the original
-    context (sqrt(1 + ln f / ln original)) unless given."""
-    original = rs["original_max_position_embeddings"]
-    factor = rs.get("factor") or max_pos / original
-    gain = rs.get("attention_factor")
-    if gain is None:
-        gain = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling(rope_type="longrope", factor=factor, original_max_seq_len=original, attention_factor=float(gain),
-                       short_factor=rs["short_factor"], long_factor=rs["long_factor"])
-
-
-def _read_rope(c: dict, path) -> tuple[float, RopeScaling | None]:
-    """One RoPE for every layer: rope_theta + rope_scaling (older files) or rope_parameters (transformers >= 5)."""
-    rope = c.get("rope_parameters") or {}
-    return (c.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            _rope_scaling(c.get("rope_scaling") or rope, path, c["max_position_embeddings"]))
-
-
-def _read_gemma3_rope(c: dict, path) -> dict:
-    """Gemma-3: global layers at rope_theta (1e6), scaled; sliding layers at rope_local_base_freq (1e4), unscaled."""
-    rope = c.get("rope_parameters") or {}
-    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
-    scaling = c.get("rope_scaling") or full
-    if local.get("rope_type", "default") != "default":
-        _refuse(path, "rope_parameters.sliding_attention.rope_type", local["rope_type"], "'default'")
-    return {"rope_theta": c.get("rope_theta", full.get("rope_theta", 1e6)),
-            "rope_scaling": _rope_scaling(scaling, path, c["max_position_embeddings"]),
-            "local_rope_theta": c.get("rope_local_base_freq", local.get("rope_theta", 1e4))}
-
-
-def _read_attention_bias(c: dict, path) -> dict:
-    bias = bool(c.get("attention_bias"))
-    return {"qkv_bias": bias, "o_bias": bias}
-
-
-def _read_mlp_bias(c: dict, path) -> dict:
-    return {"mlp_bias": bool(c.get("mlp_bias"))}
-
-
-def _read_mistral_window(c: dict, path) -> dict:
-    """Mistral: every layer attends to the last sliding_window keys (None: plain causal)."""
-    return {"sliding_window": c.get("sliding_window")}
 
 
 def _read_qwen_window(c: dict, path) -> dict:
@@ -238,64 +108,6 @@ def _read_gemma_window(c: dict, path) -> dict:
     return {"sliding_window": c.get("sliding_window"), "layer_types": tuple(types)}
 
 
-@dataclass(frozen=True)
-class Family:
-    """One architecture: how its config.json and tensor names map onto phantom's.
-
-    readers: config field -> function (config, path) -> ModelConfig fields, for the fields beyond
-    MODELLED_COMMON this family has; fixed: ModelConfig fields the family always sets; defaults:
-    the values transformers' config class gives fields a config.json leaves out; irrelevant:
-    family-specific fields that do not change the maths, with why; fused: a checkpoint tensor that
-    holds several of phantom's, stacked by rows in this order (Phi-3's qkv_proj: q, k, v). The
-    store keeps them apart (and back to back, so a block still runs them as one matmul); a LoRA on
-    the fused module is one A shared by its parts (phantom.model.lora). moe: a mixture of experts' names
-    and config fields (MoeKeys); None for a dense family.
-    """
-
-    name: str
-    architectures: tuple[str, ...]
-    model_type: str
-    keys: dict[str, str]
-    readers: dict[str, Callable[[dict, object], dict]] = field(default_factory=dict)
-    fixed: dict = field(default_factory=dict)
-    defaults: dict = field(default_factory=dict)
-    irrelevant: dict[str, str] = field(default_factory=dict)
-    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    moe: "MoeKeys | None" = None
-
-    @property
-    def hf_class(self) -> str:
-        return self.architectures[0]
-
-    def modelled(self) -> set[str]:
-        return set(MODELLED_COMMON) | set(self.readers)
-
-    def hf_names(self) -> dict[tuple[bool, str], str]:
-        """(in a block?, store name) -> Hugging Face name (of the fused tensor holding it, where fused)."""
-        return {**{("{}" in hf, name): hf for hf, name in self.keys.items()},
-                **{(True, name): hf for hf, names in self.fused.items() for name in names}}
-
-    def layout(self, cfg: ModelConfig, fused_experts: bool = False) -> tuple[dict, dict]:
-        """cfg's checkpoint names: ((in a block?, store name) -> Hugging Face name, fused Hugging Face name ->
-        the store names it stacks by rows). A mixture of experts is one tensor per expert and projection
-        (as the Hub's files and transformers' save_pretrained hold them), or with fused_experts the 3-D
-        tensors of transformers' modules ((experts, 2 * width, dim) gate and up; (experts, dim, width) down),
-        read as their experts' rows stacked, expert after expert."""
-        keys, fused = dict(self.keys), dict(self.fused)
-        if self.moe is not None:
-            m, each = self.moe, range(cfg.n_experts)
-            if fused_experts:
-                keys = {m.fused_renames.get(hf, hf): name for hf, name in keys.items()}
-                fused |= {hf: tuple(p.replace("<e>", str(e)) for e in each for p in parts)
-                          for hf, parts in m.fused.items()}
-            else:
-                keys |= {hf.replace("<e>", str(e)): name.replace("<e>", str(e)) for e in each
-                         for hf, name in m.experts.items()}
-        return ({**{("{}" in hf, name): hf for hf, name in keys.items()},
-                 **{(True, name): hf for hf, names in fused.items() for name in names}}, fused)
-
-
-COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
 QWEN_WINDOW = {"sliding_window": _read_qwen_window, "use_sliding_window": _read_qwen_window,
                "layer_types": _read_qwen_window}
 
@@ -348,8 +160,6 @@ FAMILIES["phi3"] = Family(
     defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
               "original_max_position_embeddings": 4096}, fused=PHI3_FUSED)
 
-ATTENTION_KEYS = {hf: name for hf, name in LLAMA_KEYS.items() if ".mlp." not in hf}
-DENSE_MLP_KEYS = {hf: name for hf, name in LLAMA_KEYS.items() if ".mlp." in hf}  # Qwen-MoE's dense layers (dense_layers)
 FAMILIES.update({f.name: f for f in (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe", {**ATTENTION_KEYS, **BIAS_KEYS, **QK_NORM_KEYS,
                                                                  **ROUTER_KEYS, **DENSE_MLP_KEYS},
@@ -387,6 +197,7 @@ FAMILIES.update({f.name: f for f in (
            defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
                      "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01}),
 )})
+FAMILIES.update(family_deepseek.FAMILIES)
 BIAS_FIELDS = ("attention_bias", "mlp_bias")  # a family without the field has no such biases
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -31,18 +32,54 @@ class Expert(nn.Module):
         return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
-def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top-k experts and their weights: softmax over every expert (in fp32), the k largest,
-    renormalised to sum to 1 where asked (norm_topk_prob; Mixtral always: its original top-k then
-    softmax over the k is the same numbers), back in the logits' dtype, as transformers' routers.
+@dataclass(frozen=True)
+class Routing:
+    """How a router turns logits into choices beyond softmax and top-k (ModelConfig's router_* fields):
+    DeepSeek-V3's and GLM-4.5's sigmoid scores in groups, DeepSeek-V2's softmax in groups, a scale."""
+
+    score: str = "softmax"  # or "sigmoid"
+    groups: int = 1  # the choice is limited to the topk_groups best groups of experts...
+    topk_groups: int = 1
+    group_score: str = "max"  # ...ranked by their best score, or their two best summed ("top2")
+    scale: float = 1.0  # routed_scaling_factor
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "Routing":
+        return cls(cfg.router_score, cfg.router_groups, cfg.router_topk_groups, cfg.router_group_score,
+                   cfg.routed_scale)
+
+
+def route(logits: torch.Tensor, k: int, renormalise: bool, rule: Routing = Routing(),
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k experts and their weights, as transformers' routers choose them: softmax over every
+    expert in fp32 (or sigmoid, rule.score), the k largest, renormalised to sum to 1 where asked
+    (norm_topk_prob; Mixtral always: its original top-k then softmax over the k is the same numbers), back in
+    the logits' dtype. DeepSeekMoE: bias (e_score_correction_bias) is added to the scores for the choice
+    alone, the choice is limited to the best groups, and the weights (the scores, unbiased) are scaled.
 
     Returns:
         weights (N, k) and expert ids (N, k)."""
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, k, dim=-1)
+    sigmoid = rule.score == "sigmoid"
+    scores = logits.float().sigmoid() if sigmoid else F.softmax(logits, dim=-1, dtype=torch.float32)
+    if bias is None and rule.groups == 1:
+        weights, experts = torch.topk(scores, k, dim=-1)
+    else:
+        choice = scores if bias is None else scores + bias.float()
+        experts = torch.topk(limit_groups(choice, rule) if rule.groups > 1 else choice, k, dim=-1).indices
+        weights = scores.gather(1, experts)
     if renormalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+    if rule.scale != 1.0:
+        weights = weights * rule.scale
     return weights.to(logits.dtype), experts
+
+
+def limit_groups(choice: torch.Tensor, rule: Routing) -> torch.Tensor:
+    """choice (N, experts) with every expert outside each row's rule.topk_groups best groups at -inf."""
+    groups = choice.view(choice.shape[0], rule.groups, -1)
+    ranked = groups.topk(2, dim=-1).values.sum(-1) if rule.group_score == "top2" else groups.max(dim=-1).values
+    keep = torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, ranked.topk(rule.topk_groups, dim=-1).indices, True)
+    return choice.masked_fill(~keep.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
 
 
 def dispatch(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:
@@ -82,22 +119,40 @@ def expert_views(moe: nn.Module):
             m.current = None
 
 
+class Router(nn.Linear):
+    """The router's logits, x W^T (in fp32 where cfg.router_fp32, as DeepSeek's routers compute them), and
+    DeepSeek-V3's e_score_correction_bias where cfg.router_bias: a buffer, as transformers keeps it (it
+    moves the choice alone, so no gradient reaches it and full finetuning leaves it as it is)."""
+
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+        super().__init__(cfg.dim, cfg.n_experts, bias=False, device=device, dtype=dtype)
+        self.fp32 = cfg.router_fp32
+        if cfg.router_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts, device=device, dtype=dtype))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float()) if self.fp32 else F.linear(x, self.weight)
+
+
 class MoeFeedForward(nn.Module):
-    """The block's MLP as a mixture of experts (cfg.n_experts), with Qwen2-MoE's gated shared expert
-    when cfg.shared_expert_dim is set. With `router_loss` set (RouterLoss.attach), the router's
-    load-balancing loss sees its logits and adds its gradient to them."""
+    """The block's MLP as a mixture of experts (cfg.n_experts), with a shared expert every token runs when
+    cfg.shared_expert_dim is set (gated by a sigmoid as Qwen2-MoE's, or not as DeepSeek's). With
+    `router_loss` set (RouterLoss.attach), the router's load-balancing loss sees its logits and adds its
+    gradient to them."""
 
     def __init__(self, cfg: ModelConfig, act: Callable, device=None, dtype=None):
         super().__init__()
-        self.k, self.renormalise = cfg.experts_per_token, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False, device=device, dtype=dtype)  # the router
+        self.k, self.renormalise, self.rule = cfg.experts_per_token, cfg.norm_topk_prob, Routing.of(cfg)
+        self.gate = Router(cfg, device, dtype)
         self.experts = nn.ModuleList(Expert(cfg.dim, cfg.expert_dim, act, device, dtype)
                                      for _ in range(cfg.n_experts))
+        self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_dim:
             self.shared_expert = Expert(cfg.dim, cfg.shared_expert_dim, act, device, dtype)
-            self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False, device=device, dtype=dtype)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False, device=device, dtype=dtype)
         self.router_loss: RouterLoss | None = None
         self.observer: Callable[[torch.Tensor], None] | None = None  # sees each forward's choices (N, k)
 
@@ -105,20 +160,25 @@ class MoeFeedForward(nn.Module):
         """The experts each row of x (N, dim) routes to, (N, k), without autograd or the router loss:
         what a routed read of the block must fetch before the experts run."""
         with torch.no_grad():
-            return route(self.gate(x), self.k, self.renormalise)[1]
+            return self.choose(self.gate(x))[1]
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, self.k, self.renormalise, self.rule, self.gate.e_score_correction_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, dim)
         logits = self.gate(flat)  # (N, n_experts)
         if self.router_loss is not None:
             logits = _RouterGrad.apply(logits, self.router_loss)
-        weights, chosen = route(logits, self.k, self.renormalise)
+        weights, chosen = self.choose(logits)
         if self.observer is not None:
             self.observer(chosen)
         with expert_views(self):
             out = mix(flat, weights, chosen, self.experts)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
         return out.view(x.shape)
 
 

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from phantom.arch.config import ModelConfig
-from phantom.arch.layers import KVCache, TransformerBlock, fuse_adjacent, lora_disabled
+from phantom.arch.layers import TransformerBlock, fuse_adjacent, lora_disabled
+from phantom.arch.ops import KVCache
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import packed_empty
 from phantom.model.lora import LoraConfig, apply_lora

@@ -24,7 +24,7 @@ from phantom.arch.config import (
     rope_rows,
 )
 from phantom.arch.family import family, from_hf_config
-from phantom.arch.layers import permute_from_hf
+from phantom.arch.ops import permute_from_hf
 from phantom.base import safejson
 from phantom.files.fusedrows import fused_rows, read_rows
 from phantom.files.storeformat import safe_join

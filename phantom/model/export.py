@@ -22,7 +22,8 @@ from tqdm import tqdm
 from phantom.arch.config import ModelConfig, rope_rows
 from phantom.arch.family import family
 from phantom.arch.family_moe import FUSED_EXPERTS, MOE_FIELDS
-from phantom.arch.layers import LoraLinear, TransformerBlock, permute_for_hf
+from phantom.arch.layers import LoraLinear, TransformerBlock
+from phantom.arch.ops import permute_for_hf
 from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write as atomic_write_bytes
 from phantom.data.chat import read_template
@@ -112,8 +113,10 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         c.update({f: getattr(cfg, MOE_FIELDS[f]) for f in fam.moe.fields})
     if "mlp_only_layers" in fam.readers:  # Qwen-MoE: its dense layers among sparse ones
         c.update(mlp_only_layers=list(cfg.dense_layers), decoder_sparse_step=1)
-    if cfg.rotary_dim is not None:  # Phi-4-mini
+    if cfg.rotary_dim is not None and not cfg.kv_lora_rank:  # Phi-4-mini (latent attention: its own fields)
         c["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    if fam.hf_fields is not None:
+        c.update(fam.hf_fields(cfg))
     if "original_max_position_embeddings" in fam.readers:  # Phi-3: read before rope_scaling's own
         c["original_max_position_embeddings"] = rope_scaling_json(cfg).get("original_max_position_embeddings",
                                                                            cfg.max_seq_len)
@@ -132,7 +135,7 @@ def rope_scaling_json(cfg: ModelConfig) -> dict:
     if s.rope_type == "yarn":
         return {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
                 "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "attention_factor": s.attention_factor,
-                "truncate": s.truncate}
+                "truncate": s.truncate, **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {})}
     return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
             "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from phantom.arch.layers import KVCache
+from phantom.arch.ops import KVCache
 from phantom.data.chat import ChatTemplate, end_of_turn_ids, prompt_ids
 from phantom.data.tokenizer import Tokenizer
 from phantom.model.phantom_model import PhantomModel

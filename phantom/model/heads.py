@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from phantom.arch.layers import rms_norm, softcap
+from phantom.arch.ops import rms_norm, softcap
 from phantom.data.special_tokens import IGNORE_INDEX
 from phantom.stream.memory import free_device_bytes
 from phantom.stream.placement import LOSS_BYTES_PER_LOGIT, loss_budget

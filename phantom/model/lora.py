@@ -25,7 +25,8 @@ from phantom.arch.config import ModelConfig
 from phantom.arch.expertlora import (EXPERT_PARAMS, apply_expert_lora, expert_banks, peft_parameter, peft_wrappers,
                                      target_of)
 from phantom.arch.family import family
-from phantom.arch.layers import LoraLinear, permute_for_hf, permute_from_hf
+from phantom.arch.layers import LoraLinear
+from phantom.arch.ops import permute_for_hf, permute_from_hf
 from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write_json
 from phantom.data.special_tokens import nested_repeat

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from phantom.arch.config import ModelConfig
-from phantom.arch.layers import KVCache, longest_example, packed_layout, rope_table
+from phantom.arch.ops import KVCache, longest_example, packed_layout, rope_table
 from phantom.arch.moe import RouterLoss
 from phantom.base import provenance
 from phantom.files.store import BlockStore

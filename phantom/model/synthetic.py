@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes, preset
+from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.arch.presets import preset
 from phantom.arch.quantformat import QuantFormat
 from phantom.base import provenance, safejson
 from phantom.data.chat import TINY_CHAT_TEMPLATE

@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from phantom.arch.layers import KVCache, fuse_adjacent, lora_disabled
+from phantom.arch.layers import fuse_adjacent, lora_disabled
+from phantom.arch.ops import KVCache
 from phantom.stream import moeblock
 from phantom.stream.scheduler import BlockScheduler
 

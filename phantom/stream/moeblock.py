@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from phantom.arch.layers import KVCache
+from phantom.arch.ops import KVCache
 from phantom.arch.moe import MoeFeedForward
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from phantom.arch.config import PRESETS
+from phantom.arch.presets import PRESETS
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import parse_dtype
 from phantom.files.workingcopy import clone_store

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from phantom.arch.config import PRESETS, preset
+from phantom.arch.presets import PRESETS, preset
 from phantom.base import fileio, provenance
 from phantom.data import batches, chat, recordformats, showdata, tokenfiles
 from phantom.data import dataset as data

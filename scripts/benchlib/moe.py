@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import phantom
-from phantom.arch.config import PRESETS
+from phantom.arch.presets import PRESETS
 from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
 from phantom.model.synthetic import write_synthetic

@@ -1,0 +1,118 @@
+"""Presets: the shapes of published models, each citing the config it came from (a size registry, as
+gpt-fast's). Imports only phantom.arch.config.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from phantom.arch.config import ModelConfig, RopeScaling
+
+GEMMA2 = dict(family="gemma2", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0, embed_scale=True,
+              post_norms=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,
+              layer_types=("sliding_attention", "full_attention"))
+
+# Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
+PRESETS: dict[str, ModelConfig] = {
+    # Generated on first use (synthetic.ensure_tiny); small enough to train in a minute on 2 CPU cores.
+    # 64 tokens: the shipped text's characters and their commonest pairs (see ensure_tiny for why).
+    "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32,
+                        max_seq_len=512),
+    # Llama-2 (meta-llama/Llama-2-*b params.json)
+    "7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000),
+    "13B": ModelConfig(dim=5120, n_layers=40, n_heads=40, vocab_size=32000),
+    # CodeLlama-34b params.json: GQA, rope_theta 1e6, 16k context
+    "34B": ModelConfig(dim=8192, n_layers=48, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                       ffn_dim_multiplier=1.0, rope_theta=1e6, max_seq_len=16384),
+    "70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                       multiple_of=4096, ffn_dim_multiplier=1.3),
+    # CodeLlama-7b params.json
+    "codellama-7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32016, rope_theta=1e6,
+                                max_seq_len=16384),
+    # Meta-Llama-3-8B / 70B params.json
+    "llama3-8B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                             multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
+    "llama3-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                              multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192),
+    # mistralai/Mistral-7B-v0.1 config.json (max_position_embeddings 32768; planned at 4096 tokens)
+    "mistral-7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                              intermediate_size=14336, max_seq_len=4096, family="mistral", sliding_window=4096),
+    # Each from the config.json of the Hugging Face repo named (for the Gemma-3 and multimodal repos,
+    # its text_config); max_seq_len is max_position_embeddings.
+    # Qwen/Qwen2.5-7B, Qwen/Qwen2.5-72B (use_sliding_window false: no window)
+    "qwen2.5-7B": ModelConfig(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
+                              intermediate_size=18944, norm_eps=1e-6, rope_theta=1e6, max_seq_len=131072,
+                              family="qwen2", qkv_bias=True),
+    "qwen2.5-72B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064,
+                               intermediate_size=29568, norm_eps=1e-5, rope_theta=1e6, max_seq_len=131072,
+                               family="qwen2", qkv_bias=True),
+    # Qwen/Qwen3-8B, Qwen/Qwen3-32B (head_dim 128)
+    "qwen3-8B": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, vocab_size=151936,
+                            intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                            family="qwen3", qk_norm=True),
+    "qwen3-32B": ModelConfig(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, vocab_size=151936,
+                             intermediate_size=25600, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                             family="qwen3", qk_norm=True, explicit_head_dim=128),
+    # meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-70B (rope_scaling llama3, factor 8)
+    "llama3.1-8B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=14336, rope_theta=500000.0, rope_scaling=RopeScaling(),
+                               max_seq_len=131072),
+    "llama3.1-70B": ModelConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                                intermediate_size=28672, rope_theta=500000.0, rope_scaling=RopeScaling(),
+                                max_seq_len=131072),
+    # meta-llama/Llama-3.2-1B, meta-llama/Llama-3.2-3B (tied embeddings, rope_scaling llama3, factor 32)
+    "llama3.2-1B": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
+                               max_seq_len=131072, tie_embeddings=True),
+    "llama3.2-3B": ModelConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                               intermediate_size=8192, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0),
+                               max_seq_len=131072, tie_embeddings=True),
+    # google/gemma-2-9b, google/gemma-2-27b (sliding 4096 on every other layer, soft-caps 50 and 30)
+    "gemma2-9B": ModelConfig(dim=3584, n_layers=42, n_heads=16, n_kv_heads=8, vocab_size=256000,
+                             intermediate_size=14336, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=256,
+                             **GEMMA2, query_pre_attn_scalar=256),
+    "gemma2-27B": ModelConfig(dim=4608, n_layers=46, n_heads=32, n_kv_heads=16, vocab_size=256000,
+                              intermediate_size=36864, norm_eps=1e-6, max_seq_len=8192, explicit_head_dim=128,
+                              **GEMMA2, query_pre_attn_scalar=144),
+    # google/gemma-3-27b-pt text_config (sliding 1024 on five layers of six; RoPE 1e6 linear x8 / local 1e4)
+    "gemma3-27B": ModelConfig(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, vocab_size=262208,
+                              intermediate_size=21504, norm_eps=1e-6, max_seq_len=131072, explicit_head_dim=128,
+                              family="gemma3", activation="gelu_pytorch_tanh", tie_embeddings=True, norm_offset=1.0,
+                              embed_scale=True, post_norms=True, qk_norm=True, query_pre_attn_scalar=168,
+                              rope_theta=1e6, rope_scaling=RopeScaling(rope_type="linear", factor=8.0),
+                              local_rope_theta=1e4, sliding_window=1024,
+                              layer_types=("sliding_attention",) * 5 + ("full_attention",)),
+    # microsoft/phi-4, microsoft/Phi-3-mini-4k-instruct (Phi3ForCausalLM: qkv_proj and gate_up_proj fused
+    # in the checkpoint; Phi-3-mini's window of 2047 keys)
+    "phi4-14B": ModelConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=10, vocab_size=100352,
+                            intermediate_size=17920, norm_eps=1e-5, rope_theta=250000.0, max_seq_len=16384,
+                            family="phi3"),
+    "phi3-mini-4k": ModelConfig(dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32064,
+                                intermediate_size=8192, norm_eps=1e-5, max_seq_len=4096, family="phi3",
+                                sliding_window=2047),
+    # Mixtures of experts: Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B (128 experts, 8 per token, head_dim 128),
+    # mistralai/Mixtral-8x7B-v0.1 (8 experts, 2 per token), allenai/OLMoE-1B-7B-0924 (64 experts, 8 per
+    # token, q/k norms over the whole projection)
+    "qwen3-30B-A3B": ModelConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
+                                 intermediate_size=6144, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                                 family="qwen3_moe", qk_norm=True, explicit_head_dim=128, n_experts=128,
+                                 experts_per_token=8, expert_dim=768, norm_topk_prob=True, router_aux_coef=0.001),
+    "qwen3-235B-A22B": ModelConfig(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, vocab_size=151936,
+                                   intermediate_size=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                                   family="qwen3_moe", qk_norm=True, explicit_head_dim=128, n_experts=128,
+                                   experts_per_token=8, expert_dim=1536, norm_topk_prob=True, router_aux_coef=0.001),
+    "mixtral-8x7B": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                                intermediate_size=14336, rope_theta=1e6, max_seq_len=32768, family="mixtral",
+                                n_experts=8, experts_per_token=2, expert_dim=14336, norm_topk_prob=True,
+                                router_aux_coef=0.02),
+    "olmoe-1B-7B": ModelConfig(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, vocab_size=50304,
+                               intermediate_size=1024, max_seq_len=4096, family="olmoe", qk_norm=True,
+                               qk_norm_over="projection", n_experts=64, experts_per_token=8, expert_dim=1024,
+                               router_aux_coef=0.01),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A preset by name, with fields replaced (e.g. n_layers for a cut-down benchmark model)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

@@ -24,6 +24,7 @@ import phantom
 from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import QuantFormat
 from phantom.model.export import export, to_hf
+from phantom.arch.config import rope_rows
 from phantom.model.lora import TARGETS, adapted_modules
 from phantom.files.store import BlockStore
 from phantom.model.quantstore import quantize_store
@@ -285,7 +286,8 @@ def lora_step(store, tokens, targets, adapter_dir=None, lora_targets=ALL_TARGETS
 def lora_grads(pm) -> dict:
     """{(layer, HF module): (A's gradient, B's in HF's rows)}, as peft has them: a fused module's (Phi-3's
     qkv_proj) is one A, shared by its parts, and its parts' B rows stacked."""
-    heads = {"q": pm.cfg.n_heads, "k": pm.cfg.kv_heads}
+    rows = rope_rows(pm.cfg)  # q's and k's heads, where their rows are permuted (not latent attention's)
+    heads = {t: rows[f"{TARGETS[t][0]}.weight"] for t in ("q", "k") if f"{TARGETS[t][0]}.weight" in rows}
     out = {}
     for i, module, parts in adapted_modules(pm.layers, pm.cfg):
         bs = [to_hf_rows(m.lora_B.grad, heads[t], pm.cfg.rope_dim) if t in heads else m.lora_B.grad for t, m in parts]
@@ -376,6 +378,7 @@ def check_full_step(model, store, tokens, targets, work_dir=None, lr: float = 1e
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ref_opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, eps=EPS)
     moe = hasattr(model.config, "router_aux_loss_coef")  # its router loss, as transformers adds it
+    fused = any(n.endswith("experts.gate_up_proj") for n, _ in model.named_parameters())
     out = model(tokens, output_router_logits=True) if moe else model(tokens)
     (cross_entropy(out.logits, targets) + (model.config.router_aux_loss_coef * out.aux_loss if moe else 0)).backward()
     ref_opt.step()
@@ -399,11 +402,14 @@ def check_full_step(model, store, tokens, targets, work_dir=None, lr: float = 1e
                 parts["head"]["output.weight"] = pm.output_weight
     ours = {}
     for part, tensors in parts.items():
-        ours |= to_hf(pm.cfg, part, {k: v.detach() for k, v in tensors.items()}, fused_experts=moe)
+        ours |= to_hf(pm.cfg, part, {k: v.detach() for k, v in tensors.items()}, fused_experts=fused)
     theirs = dict(model.named_parameters())
-    assert set(ours) == set(theirs)
+    buffers = {n: b for n, b in model.named_buffers() if n in ours}  # DeepSeek-V3's correction bias: not trained
+    assert set(ours) == set(theirs) | set(buffers)
+    for name, b in buffers.items():
+        assert torch.equal(ours[name], b), name
     if work_dir is None:
-        assert n_trained == sum(map(len, parts.values()))  # a tied table is one parameter in both
+        assert n_trained == sum(map(len, parts.values())) - len(buffers)  # a tied table is one parameter in both
     for name, p in theirs.items():
         assert not torch.equal(p, before[name]), name  # the step moved it
         assert rel_err(ours[name], p) < 1e-5, name

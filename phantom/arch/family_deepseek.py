@@ -112,7 +112,8 @@ def deepseek_fields(cfg: ModelConfig) -> dict:
 
 
 def mla_fields(cfg: ModelConfig) -> dict:
-    return {"q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+    """Latent attention's fields; head_dim is the rotated part's, as the config classes set it (RoPE's width)."""
+    return {"head_dim": cfg.rope_dim, "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
             "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.rope_dim, "v_head_dim": cfg.v_head_dim}
 
 

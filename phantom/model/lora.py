@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from phantom.arch.config import ModelConfig
+from phantom.arch.config import ModelConfig, rope_rows
 from phantom.arch.expertlora import (EXPERT_PARAMS, apply_expert_lora, expert_banks, peft_parameter, peft_wrappers,
                                      target_of)
 from phantom.arch.family import family
@@ -45,7 +45,16 @@ TARGETS = {
     "gate": ("feed_forward.w1", "mlp.gate_proj"),
     "up": ("feed_forward.w3", "mlp.up_proj"),
     "down": ("feed_forward.w2", "mlp.down_proj"),
+    # multi-head latent attention (DeepSeek-V2/V3)
+    "q_a": ("attention.wq_a", "self_attn.q_a_proj"),
+    "q_b": ("attention.wq_b", "self_attn.q_b_proj"),
+    "kv_a": ("attention.wkv_a", "self_attn.kv_a_proj_with_mqa"),
+    "kv_b": ("attention.wkv_b", "self_attn.kv_b_proj"),
 }
+GQA = ("q", "k", "v", "o")  # the attention targets of a block without latent attention
+# what q, k and v mean on latent attention: the query's (second) projection, and the one that makes every head's
+# keys and values from the latent (the names of the modules themselves are targets too)
+LATENT_ALIASES = {"q": "q_b", "k": "kv_b", "v": "kv_b"}
 # a module some families' checkpoints fuse (phantom.arch.family.Family.fused) -> the targets it holds, in row order
 GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 ALL_LINEAR = ("all-linear",)
@@ -152,10 +161,10 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     on Qwen2-MoE its plain linears too (gate -> mlp.gate_proj: a shared expert's, a dense layer's)."""
     if cfg.n_experts:
         plain = family(cfg).model_type in PLAIN_MLP and (cfg.shared_expert_dim or cfg.dense_layers)
-        return {**{t: (TARGETS[t][1], (t,)) for t in ("q", "k", "v", "o")},
+        return {**{t: (TARGETS[t][1], (t,)) for t in attention_targets(cfg)},
                 **{t: (peft_parameter(t), parts) for t, parts in EXPERT_TARGETS.items()},
                 **{t: (TARGETS[t][1], (t,)) for t in (("gate", "up", "down") if plain else ())}}
-    by_weight = {f"{path}.weight": t for t, (path, _) in TARGETS.items()}
+    by_weight = {f"{path}.weight": t for t, (path, _) in TARGETS.items() if t in GQA or t not in attention_targets(cfg)}
     fused = {}  # first target of a fused module -> (its short name, HF module, its targets)
     for key, names in family(cfg).fused.items():
         module = key.removeprefix("model.layers.{}.").removesuffix(".weight")
@@ -164,11 +173,40 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     inside = {t for _, _, parts in fused.values() for t in parts}
     out = {}
     for t, (_, module) in TARGETS.items():
+        if t.startswith(("q_", "kv_")):
+            continue
         if t in fused:
             short, module, parts = fused[t]
             out[short] = (module, parts)
         elif t not in inside:
             out[t] = (module, (t,))
+    return out
+
+
+def attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    """The attention projections a block of cfg has: q, k, v, o, or latent attention's."""
+    if not cfg.kv_lora_rank:
+        return GQA
+    return ("q_a", "q_b", "kv_a", "kv_b", "o") if cfg.q_lora_rank else ("q", "kv_a", "kv_b", "o")
+
+
+def latent_names(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
+    """targets with q, k, v read as latent attention's projections (LATENT_ALIASES) where cfg has it (q is
+    q_proj itself where there is no q bottleneck); a latent projection named on a model without it refused."""
+    latent = [t for t in targets if t.startswith(("q_", "kv_"))]
+    if not cfg.kv_lora_rank:
+        if latent:
+            raise ValueError(f"LoRA targets {', '.join(latent)} name latent attention's projections; "
+                             f"{family(cfg).hf_class} has q, k, v, o")
+        return targets
+    have = attention_targets(cfg)
+    out = tuple(t if t in have or t not in LATENT_ALIASES or (t == "q" and "q" in have) else LATENT_ALIASES[t]
+                for t in targets)
+    if missing := [t for t in out if t.startswith(("q_", "kv_")) and t not in have]:
+        raise ValueError(f"LoRA targets {', '.join(missing)}: this model's latent attention has no q bottleneck "
+                         f"(q_lora_rank is null); its query is q (q_proj)")
+    if mapped := [f"{a} -> {b}" for a, b in zip(targets, out) if a != b]:
+        log.info("latent attention: LoRA targets %s", ", ".join(mapped))
     return out
 
 
@@ -182,6 +220,9 @@ def family_targets(targets: tuple[str, ...], cfg: ModelConfig, exact: bool = Fal
         ValueError: all-linear or a module the family lacks (experts_* on a dense model, an adapter's
             gate_proj where peft makes it the experts') on a mixture of experts."""
     modules = peft_modules(cfg)
+    if tuple(targets) != ALL_LINEAR:
+        targets = latent_names(tuple(t for name in targets for t in GROUPS.get(name, (name,)))
+                               if cfg.kv_lora_rank else tuple(targets), cfg)
     experts = [t for t in targets if t in EXPERT_TARGETS]
     if experts and not cfg.n_experts:
         raise ValueError(f"LoRA targets {', '.join(experts)} name a mixture of experts' tensors; "
@@ -215,7 +256,8 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     target_parameters LoRA cannot do: dropout, and layers (peft applies layers_to_transform to modules only)."""
     modules = peft_modules(cfg)
     targets = family_targets(lora.targets, cfg, lora.exact)
-    asked = targets if lora.targets == ALL_LINEAR else lora.targets
+    asked = targets if lora.targets == ALL_LINEAR else latent_names(lora.targets, cfg) if cfg.kv_lora_rank \
+        else lora.targets
     wanted = [t for name in asked for t in GROUPS.get(name, (name,))]
     if cfg.n_experts and (experts := [peft_parameter(t) for t in targets if t in EXPERT_PARAMS]):
         if lora.dropout:
@@ -304,7 +346,8 @@ def _peft_key(i: int, module: str, ab: str) -> str:
 
 
 def _hf_heads(cfg: ModelConfig, t: str) -> int | None:
-    return {"q": cfg.n_heads, "k": cfg.kv_heads}.get(t)
+    """The heads whose RoPE rows a target's lora_B permutes to Hugging Face's layout; None: kept as it is."""
+    return rope_rows(cfg).get(f"{TARGETS[t][0]}.weight")
 
 
 def adapted_modules(layers: nn.ModuleList, cfg: ModelConfig):

@@ -133,8 +133,9 @@ class StreamedBlock(torch.autograd.Function):
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
         # The weights stay acquired until the gradients are computed: autograd reads them.
         with ex.block_weights(ctx.i, trainable=ex.trains_weights, experts=ctx.experts) as weights, rng:
-            weight_grads = dict.fromkeys(weights) if ex.trains_weights else {}  # fp32 sums, set by the first chunk
-            wrt = trained + list(weights.values()) if ex.trains_weights else trained
+            # fp32 sums, set by the first chunk; a block's buffers (DeepSeek-V3's router correction bias) do not train
+            weight_grads = dict.fromkeys(k for k, v in weights.items() if v.requires_grad) if ex.trains_weights else {}
+            wrt = trained + [weights[k] for k in weight_grads] if ex.trains_weights else trained
             if ctx.keep:
                 ctx.hooks.bind(weights)
             else:
@@ -328,7 +329,8 @@ class BlockExecutor:
         t0 = time.perf_counter()
         try:
             if trainable:
-                weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
+                buffers = {name for name, _ in self.layers[i].named_buffers()}
+                weights = {k: v.detach().requires_grad_(k not in buffers) for k, v in weights.items()}
             elif not self.trains_weights:
                 weights = fuse_adjacent(weights)
             if experts is not None:

@@ -320,7 +320,15 @@ class FullFinetune:
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 self.scheduler.update_block(i, new)
         if self.scheduler.tiers[i] != "ram":  # RAM-tier blocks are written by save
-            self.store.write_block(i, new)
+            self.store.write_block(i, self.untrained(i, new) | new)
+
+    def untrained(self, i: int, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Block i's stored tensors that new lacks: those no optimizer steps (a block's buffers, DeepSeek-V3's
+        router correction bias), read from the file's mapping (those pages alone)."""
+        if len(new) == len(self.store.blocks[i].specs):
+            return {}
+        stored = self.store.block_views(self.store.map_block(i), i)
+        return {k: v.clone() for k, v in stored.items() if k not in new}
 
     def _update_on_device(self, i: int, grads: dict[str, torch.Tensor], synced, ready) -> dict[str, torch.Tensor]:
         """Device-held state: the step on this component's stream after the backward (and the

@@ -11,6 +11,16 @@ GEMMA2 = dict(family="gemma2", activation="gelu_pytorch_tanh", tie_embeddings=Tr
               post_norms=True, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,
               layer_types=("sliding_attention", "full_attention"))
 
+# latent attention as DeepSeek-V2 and V3 have it: 192-wide q/k heads (128 plain, 64 rotated), 128-wide v heads
+LATENT = dict(kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128, explicit_head_dim=192, rotary_dim=64)
+DEEPSEEK_ROUTER = dict(router_score="sigmoid", router_fp32=True, router_bias=True, router_group_score="top2",
+                       shared_expert_gate=False)
+DEEPSEEK_V3 = dict(intermediate_size=18432, norm_eps=1e-6, max_seq_len=163840, family="deepseek_v3", q_lora_rank=1536,
+                   **LATENT, n_experts=256, experts_per_token=8, expert_dim=2048, norm_topk_prob=True,
+                   shared_expert_dim=2048, dense_layers=(0, 1, 2), router_groups=8, router_topk_groups=4,
+                   routed_scale=2.5, **DEEPSEEK_ROUTER,
+                   rope_scaling=RopeScaling(rope_type="yarn", factor=40, original_max_seq_len=4096, mscale_all_dim=1.0))
+
 # Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
 PRESETS: dict[str, ModelConfig] = {
     # Generated on first use (synthetic.ensure_tiny); small enough to train in a minute on 2 CPU cores.
@@ -108,6 +118,28 @@ PRESETS: dict[str, ModelConfig] = {
                                intermediate_size=1024, max_seq_len=4096, family="olmoe", qk_norm=True,
                                qk_norm_over="projection", n_experts=64, experts_per_token=8, expert_dim=1024,
                                router_aux_coef=0.01),
+    # DeepSeekMoE (sigmoid scores in groups, a correction bias, ungated shared experts, dense first layers):
+    # deepseek-ai/DeepSeek-V3 (latent attention, YaRN 40x with mscale; its multi-token-prediction layer left out,
+    # as transformers leaves it), moonshotai/Kimi-K2-Instruct (DeepSeek-V3's architecture, 384 experts, 64 heads),
+    # zai-org/GLM-4.5 (grouped-query attention with q/k norms and biases, RoPE over half of each head),
+    # deepseek-ai/DeepSeek-V2-Lite (no q bottleneck, softmax scores chosen greedily)
+    "deepseek-v3-671B": ModelConfig(dim=7168, n_layers=61, n_heads=128, vocab_size=129280, **DEEPSEEK_V3),
+    "kimi-k2-1T": ModelConfig(dim=7168, n_layers=61, n_heads=64, vocab_size=163840, **{
+        **DEEPSEEK_V3, "max_seq_len": 131072, "rope_theta": 50000.0, "n_experts": 384, "routed_scale": 2.827,
+        "router_groups": 1, "router_topk_groups": 1, "dense_layers": (0,),
+        "rope_scaling": RopeScaling(rope_type="yarn", factor=32.0, original_max_seq_len=4096, beta_fast=1.0,
+                                    beta_slow=1.0, mscale_all_dim=1.0)}),
+    "glm-4.5-355B": ModelConfig(dim=5120, n_layers=92, n_heads=96, n_kv_heads=8, vocab_size=151552,
+                                intermediate_size=12288, rope_theta=1e6, max_seq_len=131072, family="glm4_moe",
+                                explicit_head_dim=128, qkv_bias=True, qk_norm=True, rotary_dim=64, n_experts=160,
+                                experts_per_token=8, expert_dim=1536, norm_topk_prob=True, shared_expert_dim=1536,
+                                dense_layers=(0, 1, 2), routed_scale=2.5, **DEEPSEEK_ROUTER),
+    "deepseek-v2-lite-16B": ModelConfig(dim=2048, n_layers=27, n_heads=16, vocab_size=102400, intermediate_size=10944,
+                                        norm_eps=1e-6, max_seq_len=163840, family="deepseek_v2", n_experts=64,
+                                        experts_per_token=6, expert_dim=1408, shared_expert_dim=2816, dense_layers=(0,),
+                                        router_fp32=True, shared_expert_gate=False, **LATENT,
+                                        rope_scaling=RopeScaling(rope_type="yarn", factor=40, original_max_seq_len=4096,
+                                                                 mscale_all_dim=0.707)),
 }
 
 

@@ -1,0 +1,157 @@
+"""DeepSeek-V3 (Kimi-K2), DeepSeek-V2 and GLM-4.5 beyond the shared checks of tests/test_families.py (logits
+streamed every way, LoRA on attention against peft, the merged export, the full step against AdamW):
+
+- each feature of the family changes transformers' logits, so the shared checks see it;
+- the variants the tiny models of the shared checks leave out (rotated dims in halves, DeepSeek-V2's groups,
+  unnormalised weights, a model without multi-token-prediction layers) equal transformers too;
+- LoRA on attention and the experts (peft's target_parameters) equals peft, resident and streamed with the
+  experts read routed and whole; the merged export equals peft's merge_and_unload;
+- the presets are the published config.json files read (tests/data: the fields of each repository's file,
+  quantization_config left out), a Kimi-K2 file read as DeepSeek-V3 without running its code;
+- what phantom does not model is refused in one line.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from family_check import CASES, batch, check_logits, make, peft, peft_step, prepare, rel_err, transformers
+from phantom.arch.config import ConfigError
+from phantom.arch.family import config_from_hf
+from phantom.arch.presets import PRESETS
+from phantom.model.export import export
+from test_moe_lora import RUNS, assert_equals_peft, few, phantom_step
+from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
+
+DATA = Path(__file__).parent / "data"
+NAMES = ("deepseek_v3", "deepseek_v2", "glm4_moe")
+
+
+def differs(name: str, change: dict | None = None, edit=None) -> float:
+    """How far the logits of CASES[name]'s model move when a field changes (change) or a tensor is edited."""
+    tokens, _ = batch()
+    model = make(name)
+    other = make(name, **(change or {}))
+    other.load_state_dict(model.state_dict())
+    if edit is not None:
+        with torch.no_grad():
+            edit(other)
+    with torch.no_grad():
+        return rel_err(other(tokens).logits, model(tokens).logits)
+
+
+def zero(suffix: str):
+    def edit(model):
+        for n, t in [*model.named_parameters(), *model.named_buffers()]:
+            if n.endswith(suffix):
+                t.zero_()
+    return edit
+
+
+@pytest.mark.parametrize("name,change,edit", [
+    ("deepseek_v3", None, zero("e_score_correction_bias")),  # the correction bias moves the choice
+    ("deepseek_v3", dict(topk_group=4), None),  # the choice limited to 2 of 4 groups
+    ("deepseek_v3", dict(routed_scaling_factor=1.0), None),
+    ("deepseek_v3", dict(norm_topk_prob=False), None),
+    ("deepseek_v3", None, zero("shared_experts.down_proj.weight")),  # the shared expert, always on
+    ("deepseek_v3", None, zero("layers.0.mlp.down_proj.weight")),  # the dense first layer
+    ("deepseek_v3", dict(rope_interleave=False), None),  # the rotated dims' layout
+    ("deepseek_v3", dict(rope_parameters={**CASES["deepseek_v3"].fields["rope_parameters"], "mscale_all_dim": 1.3}),
+     None),  # YaRN's softmax scale
+    ("deepseek_v3", None, zero("q_a_layernorm.weight")),  # the q bottleneck's norm
+    ("deepseek_v2", dict(routed_scaling_factor=1.0), None),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=1), None),
+    ("glm4_moe", dict(partial_rotary_factor=1.0), None),
+    ("glm4_moe", None, zero("self_attn.q_norm.weight")),
+    ("glm4_moe", None, zero("e_score_correction_bias")),
+])
+def test_each_feature_changes_transformers_logits(name, change, edit):
+    assert differs(name, change, edit) > 1e-3
+
+
+@pytest.mark.parametrize("name,change", [
+    ("deepseek_v3", dict(rope_interleave=False, norm_topk_prob=False)),  # halves; weights not renormalised
+    ("deepseek_v3", dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0)),  # all sparse, no groups
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    ("glm4_moe", dict(partial_rotary_factor=1.0, use_qk_norm=False, attention_bias=False)),
+])
+def test_the_variants_equal_transformers_streamed(name, change, tmp_path):
+    model = make(name, **change)
+    store = prepare(model, tmp_path)
+    check_logits(model, store, *batch(), runs=[("none", 0, "none"), ("disk", 1, "all"), ("ram", 0, "none")])
+
+
+def expert_models(tmp_path_factory, cache={}):  # noqa: B006 - one build of each a session
+    def get(name):
+        if name not in cache:
+            model = make(name)
+            cache[name] = model, prepare(model, tmp_path_factory.mktemp(name))
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return expert_models(tmp_path_factory)
+
+
+@pytest.mark.usefixtures("ram_streams")
+@pytest.mark.parametrize("name", NAMES)
+def test_expert_lora_equals_peft_with_experts_read_routed_and_whole(models, name, tmp_path):
+    """LoRA on attention and every expert: logits within 1e-5 of peft's, every A and B gradient within 1e-4,
+    resident and streamed from disk and RAM, experts read routed and whole; the adapter loads in peft with
+    the names peft gives these modules (q, k, v on latent attention: q_b_proj or q_proj, kv_b_proj)."""
+    model, store = models(name)
+    tokens, targets = few()
+    adapter = tmp_path / "adapter"
+    phantom_step(store, tokens, targets, adapter, offload="none")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["target_modules"] == list(CASES[name].adapter_modules) if name == "glm4_moe" else \
+        sorted(["kv_b_proj", "o_proj", "q_b_proj" if name == "deepseek_v3" else "q_proj"])
+    ref = peft_step(model, adapter, tokens, targets)
+    for offload, prefetch, recompute, reads in RUNS:
+        knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
+        got = phantom_step(store, tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute, **knobs)
+        assert_equals_peft(got, ref, (offload, prefetch, recompute, reads), unhit=True)
+
+
+def test_the_merged_expert_lora_equals_peft_merge_and_unload(models, tmp_path):
+    model, store = models("deepseek_v3")
+    tokens, targets = few()
+    phantom_step(store, tokens, targets, tmp_path / "adapter", offload="none")
+    merged_ref = peft.PeftModel.from_pretrained(make("deepseek_v3"), tmp_path / "adapter").merge_and_unload().eval()
+    out = export(store, tmp_path / "hf", tmp_path / "adapter", "hf", progress=False)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, base = merged_ref(tokens).logits, model(tokens).logits
+        assert rel_err(merged(tokens).logits, want) < 1e-5 and rel_err(base, want) > 1e-3
+
+
+@pytest.mark.parametrize("file,preset", [("deepseek-v3", "deepseek-v3-671B"), ("kimi-k2", "kimi-k2-1T"),
+                                         ("glm-4.5", "glm-4.5-355B"), ("deepseek-v2-lite", "deepseek-v2-lite-16B")])
+def test_the_presets_are_the_published_config_files_read(file, preset):
+    """Kimi-K2's file names its own model_type and code (auto_map): its fields are DeepSeek-V3's, read as such."""
+    assert config_from_hf(json.loads((DATA / f"{file}.config.json").read_text())) == PRESETS[preset]
+
+
+def test_the_prediction_layer_is_left_out_in_one_line(caplog):
+    with caplog.at_level("INFO"):
+        config_from_hf(json.loads((DATA / "deepseek-v3.config.json").read_text()))
+    assert [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()] == [
+        "config.json: 1 multi-token-prediction layer(s) after the last block are left out, as transformers leaves "
+        "them out"]
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(moe_layer_freq=2), "moe_layer_freq"), (dict(scoring_func="softmax"), "scoring_func"),
+    (dict(topk_method="greedy"), "topk_method"), (dict(attention_bias=True), "attention_bias"),
+    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+])
+def test_what_is_not_modelled_is_refused_naming_the_field(change, named):
+    c = {**json.loads((DATA / "deepseek-v3.config.json").read_text()), **change}
+    with pytest.raises(ConfigError, match=f"{named}="):
+        config_from_hf(c)

@@ -18,12 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
+import phantom
+
 from family_check import CASES, batch, check_logits, make, peft, peft_step, prepare, rel_err, transformers
 from phantom.arch.config import ConfigError
 from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
 from phantom.model.export import export
 from test_moe_lora import RUNS, assert_equals_peft, few, phantom_step
+from test_convert import load_script
+from test_hub import add_to_cache
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
 
 DATA = Path(__file__).parent / "data"
@@ -155,3 +159,30 @@ def test_what_is_not_modelled_is_refused_naming_the_field(change, named):
     c = {**json.loads((DATA / "deepseek-v3.config.json").read_text()), **change}
     with pytest.raises(ConfigError, match=f"{named}="):
         config_from_hf(c)
+
+
+def test_finetune_trains_a_deepseek_v3_from_the_hub_cache(tmp_path, monkeypatch):
+    """finetune.py --model OWNER/NAME on a tiny DeepSeek-V3 in the local hub cache: converted on first use (read in
+    place), LoRA on latent attention and the experts streamed from disk with the experts read routed; the
+    adapter loads in peft onto the transformers model with phantom's logits."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("PHANTOM_WEIGHTS", str(tmp_path / "weights"))
+    model = make("deepseek_v3")
+    add_to_cache(tmp_path / "hub", model, "main", 0, repo_id="deepseek-ai/tiny-v3")
+    out = tmp_path / "out"
+    assert load_script("finetune").main([
+        "--model", "deepseek-ai/tiny-v3", "--offload", "disk", "--expert-reads", "routed", "--lora-targets",
+        "q,kv_a,kv_b,o,gate,up,down", "--iters", "2", "--warmup", "0", "--lr", "1e-2", "--batch-size", "2",
+        "--seq-len", "32", "--eval-every", "0", "--val-split", "0", "-q", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("bytes_experts", 0) > 0 for r in records if "loss" in r)  # the experts were read alone
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_b_proj"]
+    store = phantom.resolve_model("deepseek-ai/tiny-v3")
+    tokens, _ = batch()
+    with phantom.load(store, offload="none", lora=phantom.LoraConfig(
+            targets=("q", "kv_a", "kv_b", "o", "gate", "up", "down"))) as pm, torch.no_grad():
+        pm.load_adapter(out / "adapter")
+        ours, base = pm(tokens), model(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(model, out / "adapter").eval()(tokens).logits
+    assert rel_err(ours, base) > 1e-4 and rel_err(ours, theirs) < 1e-5

@@ -30,13 +30,13 @@ FIELDS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
               max_position_embeddings=64)
 
 
-def add_to_cache(cache, model, revision: str, seed: int) -> str:
+def add_to_cache(cache, model, revision: str, seed: int, repo_id: str = REPO_ID) -> str:
     """Write model's folder into the cache as the hub does: blobs by content, a snapshot of links, a ref."""
     tmp = cache.parent / f"save-{seed}"
     model.save_pretrained(tmp, safe_serialization=True)
     llama3_style_tokenizer_json(tmp)
-    commit = hashlib.sha1(f"{REPO_ID}{seed}".encode()).hexdigest()
-    repo = cache / f"models--{REPO_ID.replace('/', '--')}"
+    commit = hashlib.sha1(f"{repo_id}{seed}".encode()).hexdigest()
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
     snap = repo / "snapshots" / commit
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
     snap.mkdir(parents=True)

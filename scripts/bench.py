@@ -84,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (q and v, as PEFT's default targets)")
     p.add_argument("--moe-batches", default="1x8,1x32,1x128,1x1024,4x1024",
                    help="--modes moe: ROWSxTOKENS per step, comma list")
+    p.add_argument("--moe-shape", default="qwen3-30B-A3B", choices=("qwen3-30B-A3B", "deepseek-v3-671B", "kimi-k2-1T",
+                                                                   "glm-4.5-355B"),
+                   help="--modes moe: the preset whose experts, routing and attention the store has (scaled to --dim)")
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
                    "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "

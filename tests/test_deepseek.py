@@ -20,7 +20,8 @@ import torch
 
 import phantom
 
-from family_check import CASES, batch, check_logits, make, peft, peft_step, prepare, rel_err, transformers
+from family_check import (CASES, batch, check_logits, check_quantized, make, peft, peft_step, prepare, rel_err,
+                          transformers)
 from phantom.arch.config import ConfigError
 from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
@@ -186,3 +187,24 @@ def test_finetune_trains_a_deepseek_v3_from_the_hub_cache(tmp_path, monkeypatch)
         ours, base = pm(tokens), model(tokens).logits
         theirs = peft.PeftModel.from_pretrained(model, out / "adapter").eval()(tokens).logits
     assert rel_err(ours, base) > 1e-4 and rel_err(ours, theirs) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_nf4_experts_stream_as_transformers_computes_their_dequantized_weights(family_models, name, tmp_path):
+    """An NF4 copy (routers, norms and the correction bias 16-bit) from disk and RAM equals transformers on the
+    weights it dequantizes to (its --format hf export)."""
+    _, store = family_models(name)
+    check_quantized(store, tmp_path, "nf4")
+
+
+def test_a_cut_model_keeps_its_experts_and_a_probe_its_expert_shape():
+    """A benchmark's or profile's few layers of DeepSeek-V3 (three dense layers first) are sparse; a probe of the
+    671B block (22 GB in bf16) writes blocks of fewer experts of the same shape, within its byte bound."""
+    from phantom.plan import costinputs as ci
+    from phantom.plan.profiles import PROBE_BLOCK_BYTES, measurable
+    v3 = PRESETS["deepseek-v3-671B"]
+    assert v3.first_layers(2).dense_layers == () and v3.first_layers(5).dense_layers == (0, 1, 2)
+    small = measurable(v3.first_layers(2), "bf16", None)
+    assert small.expert_dim == v3.expert_dim and small.n_experts % v3.router_groups == 0
+    assert ci.shape_of(small, "bf16").block_bytes <= PROBE_BLOCK_BYTES < ci.shape_of(v3, "bf16").block_bytes
+    assert measurable(PRESETS["qwen3-30B-A3B"], "bf16", None) == PRESETS["qwen3-30B-A3B"]

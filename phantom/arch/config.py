@@ -204,6 +204,12 @@ class ModelConfig:
         """Whether the layer's MLP is a mixture of experts (None: a sparse layer of the model, if it has any)."""
         return bool(self.n_experts) and layer not in self.dense_layers
 
+    def first_layers(self, n: int) -> "ModelConfig":
+        """The model cut to n layers (a benchmark's, a profile's, a plan's check), its dense layers among them;
+        where those would all be dense, every one sparse: a cut mixture of experts still has its experts."""
+        dense = tuple(i for i in self.dense_layers if i < n)
+        return dataclasses.replace(self, n_layers=n, dense_layers=dense if len(dense) < n else ())
+
     def window(self, layer: int) -> int | None:
         """How many keys (itself included) a query of this layer sees; None: all before it."""
         if self.layer_types is None:

@@ -147,4 +147,7 @@ def preset(name: str, **overrides) -> ModelConfig:
     """A preset by name, with fields replaced (e.g. n_layers for a cut-down benchmark model)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    cfg = PRESETS[name]
+    if "n_layers" in overrides:
+        cfg = cfg.first_layers(overrides.pop("n_layers"))
+    return dataclasses.replace(cfg, **overrides)

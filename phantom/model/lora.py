@@ -99,7 +99,9 @@ class LoraConfig:
                                                 "on Phi-3 any of q,k,v is its fused qkv_proj, as peft has it; on a "
                                                 "mixture of experts gate,up,down are its experts (gate_up_proj, "
                                                 "down_proj, as peft's target_parameters; experts_gate_up, "
-                                                "experts_down: those alone) and Qwen2-MoE's plain MLP linears",
+                                                "experts_down: those alone) and Qwen2-MoE's plain MLP linears; on "
+                                                "latent attention (DeepSeek) q_a,q_b,kv_a,kv_b,o, q meaning q_b "
+                                                "and k,v kv_b",
                                     type="csv")
     seed: int = knob(0, "", cli=False)  # a run seeds its LoRA with its --seed (RunConfig)
     rslora: bool = knob(False, "", cli=False)  # the patterns and layers come from adapter_config.json files

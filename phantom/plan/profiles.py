@@ -460,6 +460,24 @@ def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
     return with_free_memory(profile, device)
 
 
+PROBE_BLOCK_BYTES = 2 << 30  # the largest synthetic block a probe writes (and holds in memory while writing it)
+
+
+def measurable(cfg, store_dtype: str, quant) -> "object":
+    """cfg with few enough experts that one block stays within PROBE_BLOCK_BYTES: a 671B mixture of experts'
+    block (11 GB in FP8, 22 in bf16) is measured on its own expert shape, but not 256 of them. The rates a
+    profile keeps (bytes/s, FLOP/s, a read request's cost) are the same on fewer experts of that shape."""
+    n, g = cfg.n_experts, cfg.router_groups
+    least = -(-cfg.experts_per_token * g // cfg.router_topk_groups // g) * g  # the chosen groups hold k experts
+    while n - g >= least and \
+            ci.shape_of(dataclasses.replace(cfg, n_experts=n), store_dtype, quant=quant).block_bytes > PROBE_BLOCK_BYTES:
+        n -= g
+    if n == cfg.n_experts:
+        return cfg
+    log.info("measuring blocks of %d experts of this shape (the model's %d would not fit in memory)", n, cfg.n_experts)
+    return dataclasses.replace(cfg, n_experts=n)
+
+
 def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None, quick: bool = True,
           remeasure: bool = False, blocks: int = PROBE_BLOCKS) -> ci.MachineProfile:
     """The profile for a model that has no weights here: measured on `blocks` synthetic blocks of its shape
@@ -474,7 +492,7 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
     if profile is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="probe-", dir=path.parent) as tmp:
-            small = dataclasses.replace(cfg, n_layers=min(blocks, cfg.n_layers))
+            small = measurable(cfg.first_layers(min(blocks, cfg.n_layers)), store_dtype, quant)
             log.info("writing %d synthetic blocks of this shape to measure them (%.1f GiB)", small.n_layers,
                      ci.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
             store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,

@@ -178,7 +178,7 @@ def check_plan(full: cm.Prediction, profile: ci.MachineProfile, cfg, work: ci.Wo
     if n_blocks < 2 or steps < 1:
         raise ValueError("--check needs at least 2 blocks and --steps >= 1")
     store_dtype, dtype, seq_len, quant = work.store_dtype, work.dtype, work.seq_len, work.quant
-    small = dataclasses.replace(cfg, n_layers=n_blocks)
+    small = cfg.first_layers(n_blocks)
     if not (path / "manifest.json").is_file():
         need, free = ci.shape_of(small, store_dtype, quant=quant).store_bytes, profiles.free_disk_bytes(path)
         if need > free:

@@ -1,5 +1,7 @@
 """`bench.py --modes moe`: routed expert reads against whole blocks on a synthetic Qwen3-30B-A3B-shaped store
-(128 experts, top-8; dim, heads and expert width scaled down by --dim), LoRA steps streamed from disk: bytes
+(128 experts, top-8) or a DeepSeek-V3-shaped one (`--moe-shape deepseek-v3-671B`: latent attention, 256 experts in
+8 groups, top-8 from the best 4 groups, a shared expert), dim, heads and expert width scaled down by --dim;
+every block sparse. LoRA steps streamed from disk: bytes
 read per step and the step time beside the cost model's prediction (phantom.plan.costexperts), for each
 batch of --moe-batches, with the random router and with a skewed one.
 """
@@ -26,13 +28,21 @@ HOT, HOT_SCALE = 16, 4.0  # the skewed router: 16 experts' router rows 4x as lon
 PREFETCH = 1  # two slots: blocks are read at each use (a few blocks, more than the slots)
 
 
-def moe_config(dim: int, layers: int):
-    """Qwen3-30B-A3B with dim (and heads, kv heads, expert width) scaled by dim / 2048; 128 experts, top-8."""
-    big = PRESETS["qwen3-30B-A3B"]
+def moe_config(dim: int, layers: int, shape: str = "qwen3-30B-A3B"):
+    """The preset `shape` with dim (and heads, kv heads, expert width, latent ranks) scaled by dim over its own;
+    its experts, top-k and groups as they are, every layer sparse."""
+    big = PRESETS[shape]
     f = dim / big.dim
-    return dataclasses.replace(big, dim=dim, n_layers=layers, n_heads=max(1, int(big.n_heads * f)),
-                               n_kv_heads=max(1, int(big.kv_heads * f)), explicit_head_dim=64,
-                               expert_dim=int(big.expert_dim * f), vocab_size=1024, max_seq_len=1024)
+    cfg = dataclasses.replace(big, dim=dim, n_layers=layers, n_heads=max(1, int(big.n_heads * f)),
+                              n_kv_heads=max(1, int(big.kv_heads * f)), explicit_head_dim=64,
+                              expert_dim=int(big.expert_dim * f), shared_expert_dim=int(big.shared_expert_dim * f),
+                              vocab_size=1024, max_seq_len=1024, dense_layers=())
+    if big.kv_lora_rank:  # latent attention: 48-wide q/k heads (16 rotated), 32-wide v heads
+        cfg = dataclasses.replace(cfg, n_kv_heads=None, explicit_head_dim=48, rotary_dim=16, qk_nope_head_dim=32,
+                                  v_head_dim=32, kv_lora_rank=max(32, int(big.kv_lora_rank * f)),
+                                  q_lora_rank=max(32, int(big.q_lora_rank * f)) if big.q_lora_rank else 0,
+                                  rope_scaling=None)
+    return cfg
 
 
 def skew(dst: Path, cfg) -> Path:
@@ -93,14 +103,15 @@ def warm_gbps(store: BlockStore) -> float:
 
 
 def moe_bench(args, folder: Path) -> str:
-    cfg = moe_config(args.dim, args.layers)
+    cfg = moe_config(args.dim, args.layers, args.moe_shape)
     store = write_synthetic(folder / "moe", cfg, torch.float32, progress=False)
     skewed = skew(folder / "moe-skewed", cfg)
     batches = [tuple(int(x) for x in b.split("x")) for b in args.moe_batches.split(",")]
     s = BlockStore(store)
-    lines = [f"### Routed expert reads, {s.n_blocks} blocks of a Qwen3-30B-A3B shape scaled to dim {cfg.dim} "
+    groups = f" in {cfg.router_groups} groups, the best {cfg.router_topk_groups}" if cfg.router_groups > 1 else ""
+    lines = [f"### Routed expert reads, {s.n_blocks} blocks of a {args.moe_shape} shape scaled to dim {cfg.dim} "
              f"({cfg.n_heads} heads, {cfg.kv_heads} kv, expert width {cfg.expert_dim}, {cfg.n_experts} experts, "
-             f"top-{cfg.experts_per_token}), fp32, disk tier ({'cold: O_DIRECT, page cache dropped' if args.cold else 'page cache warm'}), prefetch {PREFETCH}, recompute all, "
+             f"top-{cfg.experts_per_token}{groups}), fp32, disk tier ({'cold: O_DIRECT, page cache dropped' if args.cold else 'page cache warm'}), prefetch {PREFETCH}, recompute all, "
              f"LoRA q,v; block {s.block_nbytes / 2**20:.1f} MiB; {torch.get_num_threads()} torch threads", "",
              "| batch | router | mode | experts hit / block | MiB read / step | step s | predicted s | pred / meas |",
              "|---|---|---|---|---|---|---|---|"]
@@ -118,7 +129,7 @@ def moe_bench(args, folder: Path) -> str:
                 pred = predict_expert_reads(profile, shape, cfg, "fp32", Placement(offload="disk", prefetch=PREFETCH),
                                             Activations(recompute="all"), rows, probs=m["probs"])
                 p = pred.whole_s if mode == "whole" else pred.routed_s
-                hit = f"{pred.hits:.1f}" if mode == "routed" else "128"
+                hit = f"{pred.hits:.1f}" if mode == "routed" else str(cfg.n_experts)
                 lines.append(f"| {rows}x{seq} | {name} | {mode} | {hit} | {m['bytes_read'] / 2**20:.1f} | {secs:.3f} | "
                              f"{p:.3f} | {p / secs:.2f} |")
                 print(lines[-1], flush=True)

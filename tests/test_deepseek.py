@@ -208,3 +208,21 @@ def test_a_cut_model_keeps_its_experts_and_a_probe_its_expert_shape():
     assert small.expert_dim == v3.expert_dim and small.n_experts % v3.router_groups == 0
     assert ci.shape_of(small, "bf16").block_bytes <= PROBE_BLOCK_BYTES < ci.shape_of(v3, "bf16").block_bytes
     assert measurable(PRESETS["qwen3-30B-A3B"], "bf16", None) == PRESETS["qwen3-30B-A3B"]
+
+
+def test_a_tokenizer_written_in_code_is_said_in_one_line_and_the_weights_convert(tmp_path, caplog):
+    """Kimi-K2's folder holds tiktoken.model, whose pattern and special tokens are in tokenization_kimi.py: the
+    store is made without a tokenizer (training on token ids works), and one line says why."""
+    import base64
+    model = make("deepseek_v3")
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    (tmp_path / "hf" / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n"
+                                                            for i in range(256)))
+    with caplog.at_level("WARNING"):
+        assert load_script("prepare_model").main(["--src", str(tmp_path / "hf"), "--out", str(tmp_path / "store"),
+                                                  "--quiet"]) == 0
+    said = [r.getMessage() for r in caplog.records if "tiktoken.model" in r.getMessage()]
+    assert len(said) == 1 and "train on token ids" in said[0]
+    with phantom.load(tmp_path / "store", offload="disk", lora=None) as pm, torch.no_grad():
+        tokens, _ = batch()
+        assert rel_err(pm(tokens), model(tokens).logits) < 1e-5

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import mmap
 import os
 import sys
@@ -48,6 +49,8 @@ PARTS = ("embed", "head")  # besides the blocks 0..n_layers-1
 # manifest's "tokenizer_files"), so an export hands the ecosystem the files the model came with.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
+
+log = logging.getLogger(__name__)
 
 
 def tokenizer_sources(src: Path, root: Path | None = None) -> list[Path]:
@@ -224,6 +227,10 @@ class HFCheckpoint:
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
         self.tokenizer_files = tokenizer_sources(src, root)
         self.tokenizer = next((p for p in self.tokenizer_files if p.name in ("tokenizer.model", "tokenizer.json")), None)
+        if self.tokenizer is None and (src / "tiktoken.model").is_file():
+            log.warning("%s: tiktoken.model splits text with a pattern written in the model's own code (Kimi-K2's "
+                        "tokenization_kimi.py), which phantom does not run: the store has no tokenizer; train on "
+                        "token ids", src)
 
     def _fused_experts(self, weight_map: dict[str, str]) -> bool:
         """Whether a mixture of experts is stored as transformers 5's 3-D tensors (else one per expert), as

@@ -33,16 +33,14 @@ def moe_config(dim: int, layers: int, shape: str = "qwen3-30B-A3B"):
     its experts, top-k and groups as they are, every layer sparse."""
     big = PRESETS[shape]
     f = dim / big.dim
-    cfg = dataclasses.replace(big, dim=dim, n_layers=layers, n_heads=max(1, int(big.n_heads * f)),
-                              n_kv_heads=max(1, int(big.kv_heads * f)), explicit_head_dim=64,
-                              expert_dim=int(big.expert_dim * f), shared_expert_dim=int(big.shared_expert_dim * f),
-                              vocab_size=1024, max_seq_len=1024, dense_layers=())
+    shape = dict(dim=dim, n_layers=layers, n_heads=max(1, int(big.n_heads * f)), n_kv_heads=max(1, int(big.kv_heads * f)),
+                 explicit_head_dim=64, expert_dim=int(big.expert_dim * f), shared_expert_dim=int(big.shared_expert_dim * f),
+                 vocab_size=1024, max_seq_len=1024, dense_layers=())
     if big.kv_lora_rank:  # latent attention: 48-wide q/k heads (16 rotated), 32-wide v heads
-        cfg = dataclasses.replace(cfg, n_kv_heads=None, explicit_head_dim=48, rotary_dim=16, qk_nope_head_dim=32,
-                                  v_head_dim=32, kv_lora_rank=max(32, int(big.kv_lora_rank * f)),
-                                  q_lora_rank=max(32, int(big.q_lora_rank * f)) if big.q_lora_rank else 0,
-                                  rope_scaling=None)
-    return cfg
+        shape |= dict(n_kv_heads=None, explicit_head_dim=48, rotary_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                      kv_lora_rank=max(32, int(big.kv_lora_rank * f)), rope_scaling=None,
+                      q_lora_rank=max(32, int(big.q_lora_rank * f)) if big.q_lora_rank else 0)
+    return dataclasses.replace(big, **shape)
 
 
 def skew(dst: Path, cfg) -> Path:

@@ -18,7 +18,7 @@ import phantom  # noqa: E402
 from phantom.data import chat
 from phantom.data.tokenizer import Tokenizer  # noqa: E402
 from phantom.model.generate import generate_chat, generate_text  # noqa: E402
-from phantom.model.lora import read_adapter_config  # noqa: E402
+from phantom.model.adapterfiles import read_adapter_config  # noqa: E402
 from phantom.stream.placement import OFFLOADS  # noqa: E402
 from phantom.train import cli
 

@@ -11,7 +11,7 @@ import phantom
 from phantom.data import chat
 from phantom.data.dataset import DEFAULT_DATA
 from phantom.model.generate import generate
-from phantom.model.lora import read_adapter_config
+from phantom.model.adapterfiles import read_adapter_config
 from phantom.data.tokenizer import Tokenizer
 from test_convert import load_script
 

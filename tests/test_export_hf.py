@@ -114,7 +114,7 @@ def test_pipeline_greedy_equals_generate_script(merged, capsys):
     store, adapter, folder = merged
     pipe = transformers.pipeline("text-generation", model=str(folder), device="cpu", dtype=torch.float32)
     out = pipe(PROMPT, max_new_tokens=12, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
-    with phantom.load(store, offload="none", lora=phantom.model.lora.read_adapter_config(adapter)) as model:
+    with phantom.load(store, offload="none", lora=phantom.model.adapterfiles.read_adapter_config(adapter)) as model:
         model.load_adapter(adapter)
         tok = Tokenizer(BlockStore(store).tokenizer_path)
         prompt = tok.encode(PROMPT, bos=True)
@@ -130,7 +130,7 @@ def test_auto_model_loads_the_merged_weights(merged):
     store, adapter, folder = merged
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokens = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
-    with phantom.load(store, offload="none", lora=phantom.model.lora.read_adapter_config(adapter)) as pm, torch.no_grad():
+    with phantom.load(store, offload="none", lora=phantom.model.adapterfiles.read_adapter_config(adapter)) as pm, torch.no_grad():
         pm.load_adapter(adapter)
         expected = pm(tokens)
         got = model(tokens).logits

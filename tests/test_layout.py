@@ -37,7 +37,7 @@ RANK = {  # within a package
               "storeformat": 1, "storelinks": 2, "workingcopy": 2, "storeverify": 3, "storewriter": 3, "store": 4},
     "stream": {"hostmem": 0, "trace": 0, "experts": 0, "moeblock": 0, "tiers": 1, "writeback": 1, "placement": 2, "optim": 2, "memory": 3,
                "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6},
-    "model": {"lora": 0, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 2, "hub": 2,
+    "model": {"lora": 0, "adapterfiles": 1, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 2, "hub": 2,
               "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3},
     "plan": {"costinputs": 0, "costmodel": 1, "costexperts": 2, "planner": 2, "profiles": 3, "tune": 4},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,

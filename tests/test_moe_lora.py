@@ -210,7 +210,7 @@ def test_one_adamw_step_equals_peft_and_the_adapters_load_both_ways(models, name
             assert rel_err(saved[key], p) < 1e-5, (n, key)
         assert rel_err(logits, theirs) < 1e-5
         assert rel_err(peft_logits(model, tmp_path / f"ours{n}", tokens), logits) < 1e-5
-    with phantom.load(store, lora=phantom.model.lora.read_adapter_config(tmp_path / "theirs"), offload="none") as pm:
+    with phantom.load(store, lora=phantom.model.adapterfiles.read_adapter_config(tmp_path / "theirs"), offload="none") as pm:
         pm.load_adapter(tmp_path / "theirs")
         with torch.no_grad():
             assert rel_err(pm(tokens), theirs) < 1e-5
@@ -254,7 +254,8 @@ def test_what_peft_cannot_do_on_experts_is_refused_in_one_line(models, tmp_path)
     adapter naming gate_proj on Qwen3-MoE (peft makes that the experts' tensors at twice the rank); experts_*
     on a dense model."""
     from phantom.arch.config import ModelConfig
-    from phantom.model.lora import family_targets, read_adapter_config
+    from phantom.model.lora import family_targets
+    from phantom.model.adapterfiles import read_adapter_config
     _, qwen3 = models("qwen3_moe")
     phantom_step(qwen3, *few(), tmp_path / "adapter", lora_targets=("q", "down"), offload="none")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -365,7 +366,7 @@ def test_an_adapter_peft_makes_loads_into_phantom_and_saves_back_the_same(models
     """get_peft_model's own adapter (one expert tensor, whose LoRA is then `mlp.experts`, or both, nested;
     down_proj at rank 2 through rank_pattern; Qwen2-MoE's plain linears or its experts alone): phantom loads
     it with peft's logits and saves it back with the same names and tensors."""
-    from phantom.model.lora import read_adapter_config
+    from phantom.model.adapterfiles import read_adapter_config
     _, store = models(name)
     tokens, _ = few()
     pmodel = peft.get_peft_model(make(name, **MODELS[name]), peft.LoraConfig(

@@ -34,7 +34,8 @@ from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
 from phantom.model.checkpoints import part_shapes, release_pages
 from phantom.model.convert import tokenizer_files
-from phantom.model.lora import apply_lora, for_family, load_adapter, read_adapter_config
+from phantom.model.lora import apply_lora, for_family
+from phantom.model.adapterfiles import load_adapter, read_adapter_config
 
 log = logging.getLogger(__name__)
 

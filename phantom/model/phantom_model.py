@@ -23,7 +23,8 @@ from phantom.files.store import BlockStore
 from phantom.model import fullmode
 from phantom.model.backends import ResidentBlocks, StreamedBlocks, build_layers
 from phantom.model.heads import ChunkedHeadLogps, ChunkedHeadLoss, default_loss_chunk, head_logits
-from phantom.model.lora import LoraConfig, for_family, load_adapter, save_adapter
+from phantom.model.lora import LoraConfig, for_family
+from phantom.model.adapterfiles import load_adapter, save_adapter
 from phantom.stream.optim import AdamWConfig, BlockAdamW, FullFinetune
 from phantom.stream.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement
 from phantom.stream.scheduler import BlockScheduler

@@ -464,17 +464,15 @@ PROBE_BLOCK_BYTES = 2 << 30  # the largest synthetic block a probe writes (and h
 
 
 def measurable(cfg, store_dtype: str, quant) -> "object":
-    """cfg with few enough experts that one block stays within PROBE_BLOCK_BYTES: a 671B mixture of experts'
-    block (11 GB in FP8, 22 in bf16) is measured on its own expert shape, but not 256 of them. The rates a
-    profile keeps (bytes/s, FLOP/s, a read request's cost) are the same on fewer experts of that shape."""
+    """cfg with few enough experts that a block fits PROBE_BLOCK_BYTES (DeepSeek-V3's is 22 GB in bf16): the
+    rates a profile keeps (bytes/s, FLOP/s, a request's cost) are the same on fewer experts of that shape."""
     n, g = cfg.n_experts, cfg.router_groups
     least = -(-cfg.experts_per_token * g // cfg.router_topk_groups // g) * g  # the chosen groups hold k experts
     while n - g >= least and \
             ci.shape_of(dataclasses.replace(cfg, n_experts=n), store_dtype, quant=quant).block_bytes > PROBE_BLOCK_BYTES:
         n -= g
-    if n == cfg.n_experts:
-        return cfg
-    log.info("measuring blocks of %d experts of this shape (the model's %d would not fit in memory)", n, cfg.n_experts)
+    if n < cfg.n_experts:
+        log.info("measuring blocks of %d experts of this shape (%d would not fit in memory)", n, cfg.n_experts)
     return dataclasses.replace(cfg, n_experts=n)
 
 

@@ -99,7 +99,7 @@ class RunCard:
                 f"model = AutoPeftModelForCausalLM.from_pretrained({self.adapter!r})", "```"]
 
     def phantom_lines(self) -> list[str]:
-        return ["With phantom:", "", "```python", "import phantom", "from phantom.model.lora import read_adapter_config", "",
+        return ["With phantom:", "", "```python", "import phantom", "from phantom.model.adapterfiles import read_adapter_config", "",
                 f"model = phantom.load({self.store!r}, lora=read_adapter_config({self.adapter!r}))",
                 f"model.load_adapter({self.adapter!r})", "```"]
 

@@ -25,7 +25,7 @@ from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import QuantFormat
 from phantom.model.export import export, to_hf
 from phantom.arch.config import rope_rows
-from phantom.model.lora import TARGETS, adapted_modules
+from phantom.model.lora import PROJECTIONS, TARGETS, adapted_modules
 from phantom.files.store import BlockStore
 from phantom.model.quantstore import quantize_store
 from phantom.model.synthetic import write_synthetic
@@ -38,7 +38,7 @@ transformers = need("transformers")
 peft = need("peft")
 
 VOCAB = 400  # the tokenizer's size: ids the tokenizer makes are ids the model has
-ALL_TARGETS = tuple(TARGETS)
+ALL_TARGETS = PROJECTIONS
 EPS = 1e-3  # AdamW's eps in the full-finetuning step (see check_full_step)
 STREAMED = list(itertools.product(("disk", "ram"), (0, 2), ("none", "all")))  # offload, prefetch, recompute
 

@@ -31,9 +31,9 @@ def test_every_family_has_its_config_class_listed():
 def test_a_fused_tensor_is_one_lora_module_named_as_peft_names_it(name):
     """Each module peft_modules derives from the family's table is a LoRA target or group phantom knows."""
     from phantom.arch.config import ModelConfig
-    from phantom.model.lora import GROUPS, TARGETS, peft_modules
+    from phantom.model.lora import GROUPS, PROJECTIONS, peft_modules
     modules = peft_modules(ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=10, family=name))
-    assert sorted(t for _, parts in modules.values() for t in parts) == sorted(TARGETS)  # each target once
+    assert sorted(t for _, parts in modules.values() for t in parts) == sorted(PROJECTIONS)  # each target once
     for short, (module, parts) in modules.items():
         assert parts == GROUPS.get(short, (short,)) and module.endswith(f"{short}_proj")
 

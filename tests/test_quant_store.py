@@ -227,10 +227,10 @@ def test_prepare_quantize_refusals(stores, bf16, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def trained(stores, tmp_path_factory):
     """An adapter trained (3 AdamW steps, every projection) on the NF4 store, and phantom's logits with it."""
-    from phantom.model.lora import TARGETS
+    from phantom.model.lora import PROJECTIONS
     root = tmp_path_factory.mktemp("adapter")
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
-    lora = phantom.LoraConfig(rank=4, alpha=8, targets=tuple(TARGETS))
+    lora = phantom.LoraConfig(rank=4, alpha=8, targets=PROJECTIONS)
     with phantom.load(stores["nf4"], offload="disk", prefetch=2, lora=lora) as model:
         randomize_lora(model)
         opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-2)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import phantom
 from phantom.arch.config import ModelConfig, RopeScaling
 from phantom.model.convert import convert_checkpoint
-from phantom.model.lora import TARGETS, lora_modules
+from phantom.model.lora import PROJECTIONS, TARGETS, lora_modules
 from phantom.model.heads import ChunkedHeadLoss
 from conftest import need
 from test_convert import hf_config
@@ -29,7 +29,7 @@ LLAMA31 = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96
                       rope_theta=500000.0, rope_scaling=RopeScaling(original_max_seq_len=16))
 CONFIGS = {"mha": MHA, "gqa": GQA, "llama31": LLAMA31}
 T = 40  # tokens per row: past LLAMA31's original context of 16, where its scaling changes the angles
-ALL_TARGETS = tuple(TARGETS)
+ALL_TARGETS = PROJECTIONS
 
 
 def hf_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from phantom.arch.config import refuse
+from phantom.arch.familybase import ATTENTION_KEYS, BIAS_KEYS, COMMON_DEFAULTS, DENSE_MLP_KEYS, QK_NORM_KEYS, Family, \
+    _read_attention_bias, _read_mistral_window
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,41 @@ QWEN_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size"
 SHARED_EXPERT_KEYS = {**expert_keys("model.layers.{}.mlp.shared_expert", "gate_proj", "up_proj", "down_proj",
                                      "feed_forward.shared_expert"),
                       "model.layers.{}.mlp.shared_expert_gate.weight": "feed_forward.shared_expert_gate.weight"}
+
+FAMILIES = {f.name: f for f in (
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe", {**ATTENTION_KEYS, **BIAS_KEYS, **QK_NORM_KEYS,
+                                                                 **ROUTER_KEYS, **DENSE_MLP_KEYS},
+           readers={"attention_bias": _read_attention_bias, "moe_intermediate_size": read_moe, **MOE_READERS,
+                    **DENSE_READERS, "sliding_window": read_qwen3_moe_window, "use_sliding_window": read_qwen3_moe_window},
+           fixed={"qk_norm": True}, irrelevant=MOE_IRRELEVANT, moe=MoeKeys(QWEN_EXPERTS, QWEN_MOE_FIELDS),
+           defaults={**COMMON_DEFAULTS, **QWEN_MOE, "moe_intermediate_size": 768}),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), "qwen2_moe",
+           {**ATTENTION_KEYS, **{k: v for k, v in BIAS_KEYS.items() if "o_proj" not in k and "self_attn" in k},
+            **ROUTER_KEYS, **SHARED_EXPERT_KEYS, **DENSE_MLP_KEYS},
+           readers={"qkv_bias": lambda c, path: {"qkv_bias": bool(c["qkv_bias"])}, **MOE_READERS, **DENSE_READERS,
+                    "moe_intermediate_size": read_moe, "shared_expert_intermediate_size": read_moe,
+                    "sliding_window": read_qwen2_moe_window, "use_sliding_window": read_qwen2_moe_window,
+                    "layer_types": read_qwen2_moe_window},
+           irrelevant=MOE_IRRELEVANT, moe=MoeKeys(QWEN_EXPERTS, (*QWEN_MOE_FIELDS, "shared_expert_intermediate_size")),
+           defaults={**COMMON_DEFAULTS, **QWEN_MOE, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                     "shared_expert_intermediate_size": 5632, "qkv_bias": True,
+                     "max_window_layers": 28}),
+    Family("mixtral", ("MixtralForCausalLM",), "mixtral",
+           {**ATTENTION_KEYS, "model.layers.{}.block_sparse_moe.gate.weight": "feed_forward.gate.weight"},
+           readers={**MOE_READERS, "sliding_window": _read_mistral_window,
+                    "router_jitter_noise": refused_unless("router_jitter_noise", lambda v: not v, "0 (no jitter)")},
+           fixed={"norm_topk_prob": True}, irrelevant=MOE_IRRELEVANT,
+           moe=MoeKeys(expert_keys("model.layers.{}.block_sparse_moe.experts.<e>", "w1", "w3", "w2"),
+                       ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"),
+                       {"model.layers.{}.block_sparse_moe.gate.weight": "model.layers.{}.mlp.gate.weight"}),
+           defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                     "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}),
+    Family("olmoe", ("OlmoeForCausalLM",), "olmoe", {**ATTENTION_KEYS, **BIAS_KEYS, **QK_NORM_KEYS, **ROUTER_KEYS},
+           readers={"attention_bias": _read_attention_bias, **MOE_READERS,
+                    "clip_qkv": refused_unless("clip_qkv", lambda v: v is None, "null (q, k, v unclipped)")},
+           fixed={"qk_norm": True, "qk_norm_over": "projection"}, irrelevant=MOE_IRRELEVANT,
+           moe=MoeKeys(QWEN_EXPERTS, ("num_experts", "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef")),
+           defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+                     "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01}),
+)}

@@ -10,7 +10,6 @@ from typing import Callable
 
 from phantom.arch.config import ModelConfig, RopeScaling
 from phantom.arch.config import refuse as _refuse
-from phantom.arch.family_moe import MoeKeys
 
 # ---------------------------------------------------------------------------------------------
 # Tensor names: Hugging Face name -> store name ({} is the layer index)
@@ -136,17 +135,6 @@ def _read_rope(c: dict, path) -> tuple[float, RopeScaling | None]:
             _rope_scaling(c.get("rope_scaling") or rope, path, c["max_position_embeddings"]))
 
 
-def _read_gemma3_rope(c: dict, path) -> dict:
-    """Gemma-3: global layers at rope_theta (1e6), scaled; sliding layers at rope_local_base_freq (1e4), unscaled."""
-    rope = c.get("rope_parameters") or {}
-    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
-    scaling = c.get("rope_scaling") or full
-    if local.get("rope_type", "default") != "default":
-        _refuse(path, "rope_parameters.sliding_attention.rope_type", local["rope_type"], "'default'")
-    return {"rope_theta": c.get("rope_theta", full.get("rope_theta", 1e6)),
-            "rope_scaling": _rope_scaling(scaling, path, c["max_position_embeddings"]),
-            "local_rope_theta": c.get("rope_local_base_freq", local.get("rope_theta", 1e4))}
-
 
 def _read_attention_bias(c: dict, path) -> dict:
     bias = bool(c.get("attention_bias"))
@@ -185,7 +173,7 @@ class Family:
     defaults: dict = field(default_factory=dict)
     irrelevant: dict[str, str] = field(default_factory=dict)
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    moe: "MoeKeys | None" = None
+    moe: "object | None" = None  # phantom.arch.family_moe.MoeKeys (that module builds on this one)
     hf_fields: "Callable[[ModelConfig], dict] | None" = None  # config.json fields of its own an export writes
 
     @property

@@ -44,6 +44,7 @@ TARGETS = {
     "kv_b": ("attention.wkv_b", "self_attn.kv_b_proj"),
 }
 GQA = ("q", "k", "v", "o")  # the attention targets of a block without latent attention
+PROJECTIONS = (*GQA, "gate", "up", "down")  # every projection of such a block
 # what q, k and v mean on latent attention: the query's (second) projection, and the one that makes every head's
 # keys and values from the latent (the names of the modules themselves are targets too)
 LATENT_ALIASES = {"q": "q_b", "k": "kv_b", "v": "kv_b"}

@@ -276,9 +276,9 @@ class HFCheckpoint:
 
     def shapes(self, part: str | int) -> dict[str, tuple[int, ...]]:
         """The names and shapes `part` reads: a block's stored parts where the checkpoint ships FP8."""
-        return {n: s for n, (s, _) in self._layout(part).items()}
+        return {n: s for n, (s, _) in self._parts(part).items()}
 
-    def _layout(self, part: str | int) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    def _parts(self, part: str | int) -> dict[str, tuple[tuple[int, ...], str | None]]:
         shapes = part_shapes(self.cfg, part)
         if self.quant is None or isinstance(part, str):
             return {n: (s, None) for n, s in shapes.items()}
@@ -328,7 +328,7 @@ class HFCheckpoint:
         """name -> (file, byte offset, dtype, shape) of a part's tensors usable in place: in dtype (FP8 parts in
         their stored dtype), not permuted."""
         out = {}
-        for name, (_, stored) in self._layout(part).items():
+        for name, (_, stored) in self._parts(part).items():
             path, spec, start = self.index[(part, name)]
             if name not in self.permuted and spec.dtype == (dtype if stored is None else parse_stored(stored)):
                 out[name] = (path, start + spec.start, spec.dtype, spec.shape)

@@ -10,6 +10,7 @@ and linked in place, against the transformers model holding what transformers' o
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,7 +18,11 @@ import torch
 
 import phantom
 from phantom.arch import quant
-from phantom.arch.config import ConfigError
+from phantom.arch.config import ConfigError, block_tensor_shapes
+from phantom.arch.presets import PRESETS
+from phantom.arch.quantformat import QuantFormat, block_nbytes
+from phantom.model.synthetic import write_synthetic
+from phantom.plan import costinputs as ci
 from phantom.arch.family import config_from_hf
 from phantom.files.store import BlockStore
 from phantom.model.convert import disk_usage
@@ -183,3 +188,28 @@ def test_fp8_configs_phantom_does_not_read_are_refused(qc, named):
     ok = {**c, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                        "weight_block_size": [128, 128]}}
     assert config_from_hf(ok).dim == 64
+
+
+def test_the_cost_model_counts_the_stored_bytes(fp8):
+    """shape_of's fp8-block blocks (block_nbytes, as tune.py --quantize fp8-block plans them) are the bytes of the
+    store's block files; DeepSeek-V3-671B's blocks in fp8-block are half their bf16 bytes (the scales add 0.04%)."""
+    for name in MODELS:
+        store = BlockStore(fp8(name)[3]["copy"])
+        for i in range(store.n_blocks):
+            assert store.block_size(i) == block_nbytes(store.quant, block_tensor_shapes(store.cfg, i), "bfloat16")
+    cfg = PRESETS["deepseek-v3-671B"]
+    ratio = ci.shape_of(cfg, quant="fp8-block").block_bytes / ci.shape_of(cfg).block_bytes
+    assert 0.5 < ratio < 0.5005
+
+
+def test_a_synthetic_fp8_block_store_holds_its_weights(tmp_path):
+    """write_synthetic with fp8-block (bench.py's FP8 stores): tiles quantized as DeepSeek-V3's recipe, q/k rows
+    in Hugging Face's order as a checkpoint ships them, read back near the 16-bit weights (e4m3: 3 mantissa bits)."""
+    cfg = dataclasses.replace(PRESETS["tiny"], dim=160, n_heads=5, n_kv_heads=1, intermediate_size=200, n_layers=1)
+    dense = BlockStore(write_synthetic(tmp_path / "bf16", cfg, torch.bfloat16, progress=False))
+    store = BlockStore(write_synthetic(tmp_path / "fp8", cfg, torch.bfloat16, progress=False,
+                                       quant=QuantFormat("fp8-block")))
+    a, b = store.load_block(0, torch.float32), dense.load_block(0, torch.float32)
+    for k, v in b.items():
+        err = ((a[k] - v).abs().mean() / v.abs().mean()).item()
+        assert err < (0.05 if v.dim() == 2 else 1e-6), (k, err)

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from phantom.arch import quant
-from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes, rope_rows
 from phantom.arch.moe import expert_ranges
+from phantom.arch.ops import permute_for_hf
 from phantom.arch.quantformat import QuantFormat, block_layout
 from phantom.base import fileio
 from phantom.base.fileio import atomic_write_json
@@ -68,6 +69,10 @@ class StoreWriter:
         if got != expected:  # a shipped format's parts (a checkpoint's FP8 bytes), kept as they are
             tensors = {k: v.to(parse_stored(stored[k][1])) for k, v in tensors.items()}
         elif self.quant is not None and rel.startswith("blocks/"):
+            if self.quant.shipped:  # stored as a checkpoint ships them: q/k rows in Hugging Face's order
+                tensors = {k: permute_for_hf(v, rope_rows(self.cfg)[k], self.cfg.rope_dim)
+                           if k in rope_rows(self.cfg) and self.quant.quantizes(k, tuple(v.shape)) else v
+                           for k, v in tensors.items()}
             tensors = quant.quantize_block(self.quant, tensors, self.dtype)
         else:
             tensors = {k: v.to(self.dtype) for k, v in tensors.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -213,3 +214,14 @@ def test_a_synthetic_fp8_block_store_holds_its_weights(tmp_path):
     for k, v in b.items():
         err = ((a[k] - v).abs().mean() / v.abs().mean()).item()
         assert err < (0.05 if v.dim() == 2 else 1e-6), (k, err)
+
+
+def test_an_fp8_weight_without_its_scales_is_refused_in_one_line(fp8, tmp_path, capsys):
+    hf = fp8("qwen3")[3]["copy"].parent / "hf"
+    bad = tmp_path / "hf"
+    shutil.copytree(hf, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    code = script("prepare_model").main(["--src", str(bad), "--out", str(tmp_path / "s"), "--quiet"])
+    check(capsys, code, tmp_path, "o_proj.weight_scale_inv", "incomplete")

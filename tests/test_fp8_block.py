@@ -28,11 +28,13 @@ from phantom.arch.family import config_from_hf
 from phantom.files.store import BlockStore
 from phantom.model.convert import disk_usage
 from phantom.model.export import export
-from family_check import batch, check_lora, make, rel_err, transformers
+from family_check import batch, check_lora, make, peft_step, rel_err, transformers
 from fp8_checkpoint import BLOCK, _dequantize_fp8_weight, write_fp8
 from test_bad_inputs import check, script
 from test_convert import load_script
 from test_export_hf import llama3_style_tokenizer_json
+from test_moe_lora import RUNS as EXPERT_RUNS, assert_equals_peft, few, phantom_step
+from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
 
 # Qwen3 with 6 heads of 24 (q: 144 rows, two row tiles, the second partial), one MLP width 16-bit as a
 # modules_to_not_convert keeps it; DeepSeek-V3 with a 136-wide q bottleneck, experts of 40, a dense first layer
@@ -225,3 +227,22 @@ def test_an_fp8_weight_without_its_scales_is_refused_in_one_line(fp8, tmp_path, 
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
     code = script("prepare_model").main(["--src", str(bad), "--out", str(tmp_path / "s"), "--quiet"])
     check(capsys, code, tmp_path, "o_proj.weight_scale_inv", "incomplete")
+
+
+@pytest.mark.usefixtures("ram_streams")
+def test_lora_on_fp8_experts_equals_peft_with_experts_read_routed_and_whole(fp8, tmp_path):
+    """LoRA on latent attention and every routed expert of the linked FP8 DeepSeek-V3 (peft's target_parameters):
+    logits within 1e-5 of peft's on the dequantized model, every A and B gradient within 1e-4, resident and
+    streamed from disk and RAM, the experts' FP8 bytes and scales read routed (alone: checked) and whole."""
+    _, _, ref, stores = fp8("deepseek_v3")
+    tokens, targets = few()
+    adapter = tmp_path / "adapter"
+    phantom_step(stores["link"], tokens, targets, adapter, offload="none")
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_parameters"] == [
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    want = peft_step(ref, adapter, tokens, targets)
+    for offload, prefetch, recompute, reads in EXPERT_RUNS:
+        knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
+        got = phantom_step(stores["link"], tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute,
+                           **knobs)
+        assert_equals_peft(got, want, (offload, prefetch, recompute, reads), unhit=True)

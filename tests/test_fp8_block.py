@@ -180,7 +180,9 @@ def test_full_finetuning_and_quantizing_again_are_refused(fp8, tmp_path, capsys)
     ({"quant_method": "fp8"}, "quantization_config"),  # per-tensor FP8 (no weight_block_size)
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "quantization_config"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "quantization_config"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue4m3"}, "quantization_config"),
     ({"quant_method": "compressed-tensors"}, "quantization_config"),
+    ({"quant_method": "mxfp4"}, "quantization_config"),
 ])
 def test_fp8_configs_phantom_does_not_read_are_refused(qc, named):
     c = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 1,
@@ -188,9 +190,10 @@ def test_fp8_configs_phantom_does_not_read_are_refused(qc, named):
          "max_position_embeddings": 64, "head_dim": 16, "quantization_config": qc}
     with pytest.raises(ConfigError, match=f"{named}="):
         config_from_hf(c)
-    ok = {**c, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                       "weight_block_size": [128, 128]}}
-    assert config_from_hf(ok).dim == 64
+    for extra in ({}, {"scale_fmt": "ue8m0"}):  # DeepSeek-V3.1's scales: float32 powers of two
+        ok = {**c, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                           "weight_block_size": [128, 128], **extra}}
+        assert config_from_hf(ok).dim == 64
 
 
 def test_the_cost_model_counts_the_stored_bytes(fp8):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from phantom.base import dtypes
 
 METHODS = ("nf4", "int8")  # what prepare_model.py --quantize writes
-SHIPPED = ("fp8-block",)  # read as checkpoints ship them (phantom.arch.fp8), never written from 16 bits
+SHIPPED = ("fp8-block",)  # read as checkpoints ship them (phantom.model.checkpoints), not by --quantize
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size: rows, columns of weight per float32 scale
 
 
@@ -93,9 +93,10 @@ def shipped_format(qc, where) -> QuantFormat:
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(x, int) and x > 0 for x in block)):
         raise QuantError(f"{where}: quantization_config.weight_block_size {block!r} is not two positive sizes; "
                          f"phantom reads FP8 in blocks (per-tensor FP8 is not read)")
-    for key, want in (("fmt", "e4m3"), ("activation_scheme", "dynamic"), ("scale_fmt", None)):
-        if qc.get(key, want) != want:
-            raise QuantError(f"{where}: quantization_config.{key} {qc[key]!r} is not read; phantom reads {want!r}")
+    for key, want in (("fmt", ("e4m3",)), ("activation_scheme", ("dynamic",)), ("scale_fmt", (None, "ue8m0"))):
+        if qc.get(key, want[0]) not in want:  # ue8m0 (DeepSeek-V3.1): float32 scales that are powers of two
+            raise QuantError(f"{where}: quantization_config.{key} {qc[key]!r} is not read; phantom reads "
+                             f"{' or '.join(map(repr, want))}")
     return QuantFormat("fp8-block", block=tuple(block))
 
 

@@ -72,7 +72,8 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
             under a hub cache root (models--OWNER--NAME), else src's folder.
 
     Returns:
-        {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes"}.
+        {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes", "quant"} (quant: the store's
+        QuantFormat, the checkpoint's own where it ships FP8, or None).
 
     Raises:
         FileNotFoundError: a missing file. ValueError (StoreError): a corrupt or unsupported checkpoint.
@@ -96,7 +97,7 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         path = w.finish({"source": ckpt.format, "origin": provenance.of_checkpoint(src, ckpt.format, root),
                          "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files)})
     return {"out": path, "format": ckpt.format, "config": cfg, "dtype": dtype, "disk_bytes": disk_usage(path),
-            "linked_bytes": linked}
+            "linked_bytes": linked, "quant": quant}
 
 
 def _sha256(path: Path) -> str:

@@ -11,7 +11,9 @@ and linked in place, against the transformers model holding what transformers' o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import shutil
 
 import pytest
@@ -252,3 +254,46 @@ def test_lora_on_fp8_experts_equals_peft_with_experts_read_routed_and_whole(fp8,
         got = phantom_step(stores["link"], tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute,
                            **knobs)
         assert_equals_peft(got, want, (offload, prefetch, recompute, reads), unhit=True)
+
+
+def test_finetune_trains_on_an_fp8_deepseek_v3_from_the_hub_cache(fp8, tmp_path, monkeypatch):
+    """finetune.py --model OWNER/NAME on the FP8 DeepSeek-V3 in the local hub cache (a snapshot of links to blobs):
+    linked on first use, LoRA on latent attention and the experts, streamed from disk with the experts read
+    routed; the adapter loads in peft onto the dequantized transformers model with phantom's logits."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("PHANTOM_WEIGHTS", str(tmp_path / "weights"))
+    _, _, ref, stores = fp8("deepseek_v3")
+    repo = tmp_path / "hub" / "models--deepseek-ai--tiny-v3-fp8"
+    snap = repo / "snapshots" / ("0" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in (stores["link"].parent / "hf").iterdir():  # as the hub lays a download out
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    out = tmp_path / "out"
+    targets = "q,kv_a,kv_b,o,gate,up,down"
+    assert load_script("finetune").main([
+        "--model", "deepseek-ai/tiny-v3-fp8", "--offload", "disk", "--expert-reads", "routed", "--lora-targets",
+        targets, "--iters", "2", "--warmup", "0", "--lr", "1e-2", "--batch-size", "2", "--seq-len", "32",
+        "--eval-every", "0", "--val-split", "0", "-q", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("bytes_experts", 0) > 0 for r in records if "loss" in r)  # the experts were read alone
+    store = phantom.resolve_model("deepseek-ai/tiny-v3-fp8")
+    assert BlockStore(store).quant.method == "fp8-block" and "links" in json.loads((store / "manifest.json").read_text())
+    tokens, _ = batch()
+    with phantom.load(store, offload="none", dtype=torch.float32,
+                      lora=phantom.LoraConfig(targets=tuple(targets.split(",")))) as pm, torch.no_grad():
+        pm.load_adapter(out / "adapter")
+        ours, base = pm(tokens), ref(tokens).logits
+    theirs = transformers_peft_logits(ref, out / "adapter", tokens)
+    assert rel_err(ours, base) > 1e-4 and rel_err(ours, theirs) < 1e-5
+
+
+def transformers_peft_logits(model, adapter, tokens):
+    from family_check import peft
+    import copy
+    with torch.no_grad():
+        return peft.PeftModel.from_pretrained(copy.deepcopy(model), adapter).eval()(tokens).logits

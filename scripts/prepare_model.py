@@ -85,7 +85,9 @@ def run(argv=None) -> int:
     cfg = info["config"]
     print(f"wrote {info['out']} from {info['format']} in {time.perf_counter() - t0:.1f} s: {cfg.n_layers} blocks, "
           f"{cfg.n_params():,} parameters, {str(info['dtype']).removeprefix('torch.')}"
-          + (f", linear weights {quant.method}" if quant else ""))
+          + (f", linear weights {quant.method}" if quant else "")
+          + (f", linear weights {shipped.method} as the checkpoint ships them" if (shipped := info.get("quant"))
+             and shipped.shipped else ""))
     linked = info.get("linked_bytes", 0)
     print(f"disk: the store takes {size(info['disk_bytes'])}"
           + (f"; {size(linked)} more are read in place from the checkpoint's files (--link)" if linked else ""))

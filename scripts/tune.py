@@ -5,7 +5,9 @@ here: a preset, or a config.json / params.json), then prints the placement it wo
 whole model (blocks on the device / in RAM / on disk, prefetch, activations, micro-batch), the memory
 it needs, the predicted step, tokens/s and what bounds it; or how much is missing when nothing fits.
 The profile it saves is what `finetune.py --prefetch auto` reads. With --quantize nf4|int8 it plans the
-model stored quantized (prepare_model.py --quantize) and prints the 16-bit store's plan beside it:
+model stored quantized (prepare_model.py --quantize), with --quantize fp8-block as an FP8 checkpoint ships it
+(DeepSeek-V3, Kimi-K2, Qwen3-FP8: e4m3 weights and a float32 scale per 128x128 tile), and prints the 16-bit
+store's plan beside it:
 
     python scripts/tune.py --preset 70B --quantize nf4 --host-memory 64G --device cpu
 """
@@ -20,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import phantom  # noqa: E402
 from phantom.arch import config, family, presets
-from phantom.arch.quantformat import METHODS  # noqa: E402
+from phantom.arch.quantformat import METHODS, SHIPPED  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
 from phantom.plan import costexperts, planner, profiles, tune
 from phantom.plan import costinputs as ci
@@ -40,8 +42,9 @@ def parse_args(argv=None):
     a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto")
     a("--dtype", default="auto", choices=cli.DTYPES, help="compute dtype (auto: bf16 on CUDA)")
     a("--store-dtype", default="bf16", choices=cli.STORE_DTYPES, help="the dtype a store would be prepared in")
-    a("--quantize", default=None, choices=METHODS, help="plan the model stored quantized (prepare_model.py "
-                                                         "--quantize), beside its --store-dtype plan")
+    a("--quantize", default=None, choices=METHODS + SHIPPED,
+      help="plan the model stored quantized (prepare_model.py --quantize; fp8-block: an FP8 checkpoint as it "
+           "ships, 128x128 tiles), beside its --store-dtype plan")
     a("--host-memory", type=parse_bytes, default=None, help="plan for a host with this much free memory, e.g. 64G "
                                                            "(default: what is free here)")
     a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")

@@ -10,6 +10,7 @@ from typing import Callable
 
 from phantom.arch.config import ModelConfig, RopeScaling
 from phantom.arch.config import refuse as _refuse
+from phantom.arch.quantformat import read_as_shipped
 
 # ---------------------------------------------------------------------------------------------
 # Tensor names: Hugging Face name -> store name ({} is the layer index)
@@ -62,7 +63,9 @@ REFUSED_WHEN_SET = {  # field -> (allowed value check, what phantom supports)
     "attention_dropout": (lambda v: not v, "0 (no dropout on attention probabilities)"),
     "is_encoder_decoder": (lambda v: not v, "decoder-only models"),
     "use_bidirectional_attention": (lambda v: not v, "causal attention"),
-    "quantization_config": (lambda v: v is None, "unquantized checkpoints (bf16, fp16, fp32)"),
+    "quantization_config": (lambda v: v is None or read_as_shipped(v),
+                            "unquantized checkpoints (bf16, fp16, fp32) or FP8 in blocks (quant_method 'fp8', fmt "
+                            "'e4m3', activation_scheme 'dynamic', weight_block_size [rows, columns])"),
     "num_experts": (lambda v: not v, "dense models (no mixture of experts)"),
     "num_local_experts": (lambda v: not v, "dense models (no mixture of experts)"),
     "n_routed_experts": (lambda v: not v, "dense models (no mixture of experts)"),

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from phantom.base import dtypes
 
-METHODS = ("nf4", "int8")
+METHODS = ("nf4", "int8")  # what prepare_model.py --quantize writes
+SHIPPED = ("fp8-block",)  # read as checkpoints ship them (phantom.model.checkpoints), not by --quantize
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size: rows, columns of weight per float32 scale
 
 
 class QuantError(ValueError):
@@ -23,22 +25,40 @@ class QuantFormat:
     quantize_4bit); with double_quant the fp32 scales are themselves stored as 8-bit dynamic codes of
     `absmax_blocksize` scales each, an fp32 scale per group and one fp32 offset (QLoRA's "double
     quantization"). int8: LLM.int8's row-wise absmax, round(w * 127 / absmax) in [-127, 127].
+    fp8-block: the checkpoint's own bytes (DeepSeek-V3's FP8): float8 e4m3 weights and a float32
+    `scale_inv` per `block` (rows, columns) tile, partial tiles at the edges; `unquantized` names the
+    block tensors the checkpoint ships in 16 bits although quantized() would pick them.
     """
 
     method: str
     blocksize: int = 64
     double_quant: bool = True
     absmax_blocksize: int = 256
+    block: tuple[int, int] = FP8_BLOCK
+    unquantized: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise QuantError(f"unknown quantization {self.method!r}; use one of {', '.join(METHODS)}")
+        if self.method not in METHODS + SHIPPED:
+            raise QuantError(f"unknown quantization {self.method!r}; use one of {', '.join(METHODS + SHIPPED)}")
+        if self.method == "fp8-block" and (len(self.block) != 2 or min(self.block) < 1):
+            raise QuantError(f"fp8-block needs a weight_block_size of two positive sizes, not {list(self.block)}")
         if self.method == "nf4" and (self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096)
                                      or self.absmax_blocksize != 256):
             raise QuantError(f"nf4 needs a block size of 32..4096 (a power of two) and 256 scales per "
                              f"double-quantized group, not {self.blocksize} and {self.absmax_blocksize}")
 
+    @property
+    def shipped(self) -> bool:
+        """Read as a checkpoint ships it (linkable in place), not quantized by phantom."""
+        return self.method in SHIPPED
+
+    def quantizes(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether this store keeps block tensor `name` quantized."""
+        return quantized(name, shape) and name not in self.unquantized
+
     def record(self) -> dict:
+        if self.method == "fp8-block":
+            return {"method": self.method, "weight_block_size": list(self.block), "unquantized": list(self.unquantized)}
         if self.method == "int8":
             return {"method": "int8"}
         return {"method": "nf4", "blocksize": self.blocksize, "double_quant": self.double_quant,
@@ -51,13 +71,47 @@ class QuantFormat:
                 if set(rec) - {"method", "tensors"}:
                     raise QuantError(f"int8 takes no settings, got {sorted(set(rec) - {'method', 'tensors'})}")
                 return cls("int8")
+            if rec["method"] == "fp8-block":
+                if set(rec) - {"method", "weight_block_size", "unquantized", "tensors"}:
+                    raise QuantError(f"fp8-block takes weight_block_size and unquantized, got {sorted(rec)}")
+                return cls("fp8-block", block=tuple(int(x) for x in rec["weight_block_size"]),
+                           unquantized=tuple(str(n) for n in rec["unquantized"]))
             return cls(rec["method"], int(rec["blocksize"]), bool(rec["double_quant"]), int(rec["absmax_blocksize"]))
         except (KeyError, TypeError) as e:
             raise QuantError(f"bad quantization record ({type(e).__name__}: {e})") from None
 
 
+def shipped_format(qc, where) -> QuantFormat:
+    """The store format of a config.json's quantization_config that phantom reads as shipped: FP8 in
+    blocks (DeepSeek-V3, Kimi-K2, Qwen3-FP8, GLM-4.5-FP8: quant_method fp8, e4m3, dynamic activations,
+    weight_block_size); anything else is refused in one line naming `where`."""
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise QuantError(f"{where}: quantization_config.quant_method {method!r} is not read; phantom reads "
+                         f"'fp8' in blocks (DeepSeek-V3's FP8) or 16-bit checkpoints")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(x, int) and x > 0 for x in block)):
+        raise QuantError(f"{where}: quantization_config.weight_block_size {block!r} is not two positive sizes; "
+                         f"phantom reads FP8 in blocks (per-tensor FP8 is not read)")
+    for key, want in (("fmt", ("e4m3",)), ("activation_scheme", ("dynamic",)), ("scale_fmt", (None, "ue8m0"))):
+        if qc.get(key, want[0]) not in want:  # ue8m0 (DeepSeek-V3.1): float32 scales that are powers of two
+            raise QuantError(f"{where}: quantization_config.{key} {qc[key]!r} is not read; phantom reads "
+                             f"{' or '.join(map(repr, want))}")
+    return QuantFormat("fp8-block", block=tuple(block))
+
+
+def read_as_shipped(qc) -> bool:
+    """Whether shipped_format reads this quantization_config (the family tables' check of config.json)."""
+    try:
+        shipped_format(qc, "config.json")
+        return True
+    except QuantError:
+        return False
+
+
 def as_format(quant: "str | QuantFormat | None") -> "QuantFormat | None":
-    """A plan's quantization: a method name means prepare_model.py's format of it (its defaults)."""
+    """A plan's quantization: a method name means prepare_model.py's format of it (its defaults; fp8-block:
+    DeepSeek-V3's 128 x 128 tiles over every linear weight)."""
     return QuantFormat(quant) if isinstance(quant, str) else quant
 
 
@@ -74,6 +128,9 @@ def quantized(name: str, shape: tuple[int, ...]) -> bool:
 def stored_layout(fmt: QuantFormat, name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str]]:
     """The tensors (name -> shape, dtype) a quantized weight of `shape` is stored as."""
     n = shape[0] * shape[1]
+    if fmt.method == "fp8-block":
+        return {f"{name}.fp8": (tuple(shape), "float8_e4m3fn"),
+                f"{name}.scale_inv": ((-(-shape[0] // fmt.block[0]), -(-shape[1] // fmt.block[1])), "float32")}
     if fmt.method == "int8":
         return {f"{name}.int8": (tuple(shape), "int8"), f"{name}.absmax": ((shape[0],), "float32")}
     blocks = -(-n // fmt.blocksize)
@@ -91,7 +148,7 @@ def block_layout(fmt: QuantFormat, shapes: dict[str, tuple[int, ...]],
     rest as they are in `dtype` (the store's)."""
     out = {}
     for name, shape in shapes.items():
-        out.update(stored_layout(fmt, name, shape) if quantized(name, shape) else {name: (tuple(shape), dtype)})
+        out.update(stored_layout(fmt, name, shape) if fmt.quantizes(name, shape) else {name: (tuple(shape), dtype)})
     return out
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from phantom.arch import quant
-from phantom.arch.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.arch.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes, rope_rows
+from phantom.arch.ops import permute_from_hf
 from phantom.arch.quantformat import QuantError, QuantFormat, block_layout
 from phantom.base.checksum import crc32_impl
 from phantom.files import workingcopy
@@ -155,6 +156,10 @@ class BlockStore:
             quant.dequantize_block(self.quant, stored, out)
         except QuantError as e:
             raise StoreError(f"{self.blocks[i].path}: {e}; re-create the store") from None
+        if self.quant.shipped:  # q/k rows as shipped (Hugging Face's RoPE halves): into phantom's pairs
+            for name, heads in rope_rows(self.cfg).items():
+                if f"{name}.fp8" in stored and name in out:
+                    out[name].copy_(permute_from_hf(out[name], heads, self.cfg.rope_dim))
 
     @property
     def tokenizer_path(self) -> Path | None:
@@ -165,9 +170,10 @@ class BlockStore:
                dtypes: dict[str, torch.dtype] | None = None) -> FileEntry:
         files = self.manifest.get("files", {})
         if rel not in files and self.links.has(rel):
-            if dtypes is not None:
-                raise StoreError(f"{self.path / MANIFEST}: {rel} is linked, but a quantized store holds its own blocks")
-            return self.links.entry(rel, expected, self.dtype)
+            if dtypes is not None and not self.quant.shipped:
+                raise StoreError(f"{self.path / MANIFEST}: {rel} is linked, but a {self.quant.method} store holds its "
+                                 f"own blocks")
+            return self.links.entry(rel, expected, self.dtype, dtypes)
         if rel not in files:
             raise StoreError(f"{self.path}: manifest lists no {rel}")
         path = safe_join(self.path, rel)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from phantom.arch.config import ModelConfig, block_tensor_shapes
-from phantom.arch.quantformat import QuantFormat, quantized
+from phantom.arch.quantformat import QuantFormat
 from phantom.base import safejson
 from phantom.base.checksum import crc32
 from phantom.files.tensorfile import StoreError, TensorSpec, dtype_name, parse_dtype
@@ -77,7 +77,7 @@ def quant_record(fmt: QuantFormat, cfg: ModelConfig, dtype: torch.dtype) -> dict
     method's name for a quantized weight, the store's dtype for the rest). Embedding and head are
     always in the store's dtype. Dense layers among sparse ones add their MLP's names."""
     shapes = {n: s for i in (None, *cfg.dense_layers[:1]) for n, s in block_tensor_shapes(cfg, i).items()}
-    return {**fmt.record(), "tensors": {n: fmt.method if quantized(n, shape) else dtype_name(dtype)
+    return {**fmt.record(), "tensors": {n: fmt.method if fmt.quantizes(n, shape) else dtype_name(dtype)
                                         for n, shape in shapes.items()}}
 
 

@@ -33,6 +33,7 @@ from phantom.files.tensorfile import (
     TensorSpec,
     check_disjoint,
     check_specs,
+    experts_together,
     header_digest,
     read_header,
     tensor_order,
@@ -83,7 +84,9 @@ def file_record(located: dict[str, tuple], folder: Path, n_experts: int = 0) -> 
         folder: the store being written.
         n_experts: a mixture-of-experts block's experts (0: none).
     """
-    order = tensor_order({n: v[2].itemsize for n, v in located.items()})  # as write_safetensors orders
+    itemsize = {n: v[2].itemsize for n, v in located.items()}
+    order = experts_together(tensor_order(itemsize), {n: v[2].itemsize * math.prod(v[3]) for n, v in located.items()},
+                             itemsize)  # as write_safetensors orders
     segments = [(_source(folder, located[n][0]), located[n][1], located[n][2].itemsize * math.prod(located[n][3]))
                 for n in order]
     sums = Checksums()
@@ -97,8 +100,13 @@ def file_record(located: dict[str, tuple], folder: Path, n_experts: int = 0) -> 
         for name, (_, _, n) in zip(order, segments):
             specs.append(TensorSpec(name, located[name][2], tuple(located[name][3]), pos, pos + n))
             pos += n
-        record.update(expert_record(expert_ranges(specs, n_experts), lambda a, b: segments_read(segments, a, b),
-                                    pos))
+        try:
+            ranges = expert_ranges(specs, n_experts)
+        except ValueError:  # quantized experts whose parts experts_together could not keep together: read whole
+            if len(set(itemsize.values())) == 1:
+                raise
+            return record
+        record.update(expert_record(ranges, lambda a, b: segments_read(segments, a, b), pos))
     return record
 
 
@@ -132,9 +140,10 @@ class LinkedFiles:
     def has(self, rel: str) -> bool:
         return rel in self.manifest.get("links", {}).get("files", {})
 
-    def entry(self, rel: str, expected: dict[str, tuple[int, ...]], dtype: torch.dtype) -> FileEntry:
+    def entry(self, rel: str, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+              dtypes: dict[str, torch.dtype] | None = None) -> FileEntry:
         """A file that the manifest's "links" section assembles from byte ranges of (checked) safetensors
-        files; its tensors must be expected's, in dtype."""
+        files; its tensors must be expected's, in dtype (dtypes: each stored part's, in a shipped format)."""
         info, specs, segments, pos, ranges = self.manifest["links"]["files"][rel], [], [], 0, {}
         try:
             for t in info["tensors"]:
@@ -158,7 +167,7 @@ class LinkedFiles:
             if isinstance(e, StoreError):
                 raise
             raise StoreError(f"{self.path / MANIFEST}: bad links entry for {rel} ({type(e).__name__}: {e})") from None
-        check_specs(self.path / rel, specs, expected, dtype)
+        check_specs(self.path / rel, specs, expected, dtype, dtypes)
         return FileEntry(self.path / rel, specs, 0, pos, sha256, tuple(segments), crc,
                          expert_entries(self.path / MANIFEST, rel, info, pos), rest_entry(self.path / MANIFEST, rel, info))
 

@@ -12,14 +12,15 @@ from pathlib import Path
 import torch
 
 from phantom.arch import quant
-from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes, rope_rows
 from phantom.arch.moe import expert_ranges
-from phantom.arch.quantformat import QuantFormat
+from phantom.arch.ops import permute_for_hf
+from phantom.arch.quantformat import QuantFormat, block_layout
 from phantom.base import fileio
 from phantom.base.fileio import atomic_write_json
 from phantom.files import runfolder, storelinks
 from phantom.files.storeformat import FORMAT, MANIFEST, VERSION, block_file, expert_record, quant_record
-from phantom.files.tensorfile import dtype_name, read_header, write_safetensors
+from phantom.files.tensorfile import dtype_name, parse_stored, read_header, write_safetensors
 
 
 class StoreWriter:
@@ -53,11 +54,25 @@ class StoreWriter:
             shutil.rmtree(self.tmp, ignore_errors=True)
         return False
 
+    def _stored(self, rel: str, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """rel's tensors as given to the writer (name -> shape, dtype): a shipped format's blocks come as
+        their stored parts (a checkpoint's FP8 bytes), every other file as dense tensors."""
+        if self.quant is not None and self.quant.shipped and rel.startswith("blocks/"):
+            return block_layout(self.quant, expected, dtype_name(self.dtype))
+        return {n: (s, dtype_name(self.dtype)) for n, s in expected.items()}
+
     def _write(self, rel: str, tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]):
+        stored = self._stored(rel, expected)
         got = {k: tuple(v.shape) for k, v in tensors.items()}
-        if got != expected:
+        if got != expected and got != {n: s for n, (s, _) in stored.items()}:
             raise ValueError(f"{rel}: tensors {got} do not match the config's {expected}")
-        if self.quant is not None and rel.startswith("blocks/"):
+        if got != expected:  # a shipped format's parts (a checkpoint's FP8 bytes), kept as they are
+            tensors = {k: v.to(parse_stored(stored[k][1])) for k, v in tensors.items()}
+        elif self.quant is not None and rel.startswith("blocks/"):
+            if self.quant.shipped:  # stored as a checkpoint ships them: q/k rows in Hugging Face's order
+                tensors = {k: permute_for_hf(v, rope_rows(self.cfg)[k], self.cfg.rope_dim)
+                           if k in rope_rows(self.cfg) and self.quant.quantizes(k, tuple(v.shape)) else v
+                           for k, v in tensors.items()}
             tensors = quant.quantize_block(self.quant, tensors, self.dtype)
         else:
             tensors = {k: v.to(self.dtype) for k, v in tensors.items()}
@@ -98,17 +113,19 @@ class StoreWriter:
             copied: name -> tensor: the rest (e.g. rows that needed a permutation), written into the store
                 as rel's ".local.safetensors" and linked from there.
         """
-        if self.quant is not None:
+        if self.quant is not None and not self.quant.shipped:
             raise ValueError(f"{rel}: a quantized store is a copy; it cannot link the checkpoint's files")
+        stored = self._stored(rel, expected)
         got = {**{k: tuple(v[3]) for k, v in located.items()}, **{k: tuple(v.shape) for k, v in copied.items()}}
-        if got != expected or len(got) != len(located) + len(copied):
+        if got != {n: s for n, (s, _) in stored.items()} or len(got) != len(located) + len(copied):
             raise ValueError(f"{rel}: tensors {got} do not match the config's {expected}")
-        if any(v[2] != self.dtype for v in located.values()):
-            raise ValueError(f"{rel}: linked tensors must be {dtype_name(self.dtype)}, as the store")
+        if any(dtype_name(v[2]) != stored[k][1] for k, v in located.items()):
+            raise ValueError(f"{rel}: linked tensors must be stored as the store keeps them ({dtype_name(self.dtype)})")
         located = {k: (str(Path(v[0]).resolve()), *v[1:]) for k, v in located.items()}
         if copied:
             local = rel.removesuffix(".safetensors") + ".local.safetensors"
-            self.files[local] = write_safetensors(self.tmp / local, {k: v.to(self.dtype) for k, v in copied.items()})
+            self.files[local] = write_safetensors(self.tmp / local, {k: v.to(parse_stored(stored[k][1]))
+                                                                     for k, v in copied.items()})
             specs, start = read_header(self.tmp / local)
             located.update({t.name: (local, start + t.start, t.dtype, t.shape) for t in specs})
         storelinks.add_sources(self.links["sources"], located, self.tmp)

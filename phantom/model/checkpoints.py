@@ -26,10 +26,11 @@ from phantom.arch.config import (
 )
 from phantom.arch.family import family, from_hf_config
 from phantom.arch.ops import permute_from_hf
+from phantom.arch.quantformat import QuantFormat, block_layout, quantized, shipped_format, stored_layout
 from phantom.base import safejson
 from phantom.files.fusedrows import fused_rows, read_rows
 from phantom.files.storeformat import safe_join
-from phantom.files.tensorfile import StoreError, read_header
+from phantom.files.tensorfile import StoreError, dtype_name, parse_stored, read_header
 
 # Meta's model-parallel split: the dims along which consolidated.NN.pth shards cut each tensor.
 # Column-parallel weights split their output rows (0), row-parallel ones their input columns (1);
@@ -105,6 +106,10 @@ class MetaCheckpoint:
     """Meta's shards, memory-mapped once; `part()` merges one part's slices on demand."""
 
     format = "meta"
+    quant = None  # Meta's shards are 16-bit
+
+    def shapes(self, part: str | int) -> dict[str, tuple[int, ...]]:
+        return part_shapes(self.cfg, part)
 
     def __init__(self, src: Path):
         params = src / "params.json"
@@ -225,12 +230,59 @@ class HFCheckpoint:
                     raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
                 self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path), start)
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
+        qc = safejson.load(config, what="config.json").get("quantization_config")
+        self.quant = None if qc is None else self._shipped_fp8(shipped_format(qc, config), weight_map, headers, files)
         self.tokenizer_files = tokenizer_sources(src, root)
         self.tokenizer = next((p for p in self.tokenizer_files if p.name in ("tokenizer.model", "tokenizer.json")), None)
         if self.tokenizer is None and (src / "tiktoken.model").is_file():
             log.warning("%s: tiktoken.model splits text with a pattern written in the model's own code (Kimi-K2's "
                         "tokenization_kimi.py), which phantom does not run: the store has no tokenizer; train on "
                         "token ids", src)
+
+    def _shipped_fp8(self, fmt: QuantFormat, weight_map: dict, headers: dict, files: dict) -> QuantFormat:
+        """The store format of an FP8 checkpoint, its index moved to the stored parts: each FP8 weight as
+        NAME.fp8 and its `weight_scale_inv` as NAME.scale_inv, read as shipped (q/k rows too: a shipped store
+        permutes them once dequantized). The linear weights the checkpoint keeps in 16 bits (its
+        modules_to_not_convert) become the format's `unquantized`: one layout for every block."""
+        fp8 = {}
+        for (part, name), (path, spec, _) in self.index.items():
+            is_fp8 = spec.dtype == torch.float8_e4m3fn
+            if is_fp8 and (isinstance(part, str) or not quantized(name, spec.shape) or spec.rows is not None):
+                raise ValueError(f"{path}: {spec.name} is FP8; phantom reads FP8 only in a block's linear weights, "
+                                 f"each a tensor of its own")
+            if isinstance(part, int) and quantized(name, spec.shape):
+                fp8.setdefault(name, set()).add(is_fp8)
+        if mixed := sorted(n for n, kinds in fp8.items() if len(kinds) > 1):
+            raise ValueError(f"{self.src}: {mixed[0]} is FP8 in some layers and 16-bit in others; a store keeps "
+                             f"one layout for every block")
+        fmt = QuantFormat("fp8-block", block=fmt.block, unquantized=tuple(sorted(n for n, k in fp8.items() if k == {False})))
+        for part in range(self.cfg.n_layers):
+            for name, shape in part_shapes(self.cfg, part).items():
+                if not fmt.quantizes(name, shape):
+                    continue
+                path, spec, start = self.index.pop((part, name))
+                key = spec.name + "_scale_inv"
+                if key not in weight_map or key not in headers[weight_map[key]][0]:
+                    raise ValueError(f"{path}: {spec.name} is FP8 without its {key}; the checkpoint is incomplete")
+                scale, sstart = headers[weight_map[key]][0][key], headers[weight_map[key]][1]
+                want = stored_layout(fmt, name, shape)[f"{name}.scale_inv"][0]
+                if scale.shape != want or not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
+                    raise ValueError(f"{files[weight_map[key]]}: {key} is {scale.dtype} {list(scale.shape)}, not "
+                                     f"one float scale per {fmt.block[0]}x{fmt.block[1]} block ({list(want)})")
+                self.index[(part, f"{name}.fp8")] = (path, spec, start)
+                self.index[(part, f"{name}.scale_inv")] = (files[weight_map[key]], fused_rows({}, scale, key, {key: want},
+                                                                                         path), sstart)
+        return fmt
+
+    def shapes(self, part: str | int) -> dict[str, tuple[int, ...]]:
+        """The names and shapes `part` reads: a block's stored parts where the checkpoint ships FP8."""
+        return {n: s for n, (s, _) in self._parts(part).items()}
+
+    def _parts(self, part: str | int) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        shapes = part_shapes(self.cfg, part)
+        if self.quant is None or isinstance(part, str):
+            return {n: (s, None) for n, s in shapes.items()}
+        return block_layout(self.quant, shapes, dtype_name(self.dtype))
 
     def _fused_experts(self, weight_map: dict[str, str]) -> bool:
         """Whether a mixture of experts is stored as transformers 5's 3-D tensors (else one per expert), as
@@ -257,7 +309,7 @@ class HFCheckpoint:
 
     def part(self, part: str | int, names=None) -> dict[str, torch.Tensor]:
         by_file: dict[Path, list[tuple[str, str]]] = {}
-        for name in names if names is not None else part_shapes(self.cfg, part):
+        for name in names if names is not None else self.shapes(part):
             path, spec, _ = self.index[(part, name)]
             by_file.setdefault(path, []).append((name, spec.name))
         out = {}
@@ -265,17 +317,20 @@ class HFCheckpoint:
             with safe_open(path, framework="pt") as f:  # opened per part: its mapping is dropped on close
                 for name, key in names:
                     out[name] = read_rows(f, key, self.index[(part, name)][1])
+                    if name.endswith(".scale_inv"):  # 16-bit scales widen exactly to the store's float32
+                        out[name] = out[name].float()
         for name, heads in self.permuted.items():
             if name in out:
                 out[name] = permute_from_hf(out[name], heads, self.cfg.rope_dim)
         return out
 
     def located(self, part: str | int, dtype: torch.dtype) -> dict[str, tuple[Path, int, torch.dtype, tuple]]:
-        """name -> (file, byte offset, dtype, shape) of a part's tensors usable in place: in dtype, not permuted."""
+        """name -> (file, byte offset, dtype, shape) of a part's tensors usable in place: in dtype (FP8 parts in
+        their stored dtype), not permuted."""
         out = {}
-        for name in part_shapes(self.cfg, part):
+        for name, (_, stored) in self._parts(part).items():
             path, spec, start = self.index[(part, name)]
-            if name not in self.permuted and spec.dtype == dtype:
+            if name not in self.permuted and spec.dtype == (dtype if stored is None else parse_stored(stored)):
                 out[name] = (path, start + spec.start, spec.dtype, spec.shape)
         return out
 

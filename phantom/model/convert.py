@@ -42,7 +42,7 @@ def _write_part(w: StoreWriter, ckpt, part: str | int, link: bool) -> int:
             w.write_block(part, tensors)
         return 0
     located = ckpt.located(part, w.dtype)
-    copied = ckpt.part(part, [n for n in part_shapes(ckpt.cfg, part) if n not in located])
+    copied = ckpt.part(part, [n for n in ckpt.shapes(part) if n not in located])
     w.link_file(part_file(part), part_shapes(ckpt.cfg, part), located, copied)
     return sum(dtype.itemsize * math.prod(shape) for _, _, dtype, shape in located.values())
 
@@ -65,20 +65,25 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         overwrite: replace the phantom store at out (a folder that is not one is refused).
         progress: a tqdm bar over the blocks.
         quant: store every block's linear weights quantized (phantom.arch.quant; the rest in dtype, bf16
-            unless the checkpoint is 16-bit).
+            unless the checkpoint is 16-bit). A checkpoint that ships FP8 (its config.json's
+            quantization_config) makes an fp8-block store of its own bytes, copied or linked.
         root: Hugging Face folders whose shards are links (the hub cache): the folder they may lead into.
             The manifest's origin (phantom.base.provenance) is the hub id and commit when src is a snapshot
             under a hub cache root (models--OWNER--NAME), else src's folder.
 
     Returns:
-        {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes"}.
+        {"out", "format", "config", "dtype", "disk_bytes", "linked_bytes", "quant"} (quant: the store's
+        QuantFormat, the checkpoint's own where it ships FP8, or None).
 
     Raises:
         FileNotFoundError: a missing file. ValueError (StoreError): a corrupt or unsupported checkpoint.
     """
     ckpt = open_checkpoint(src, root)
+    if quant is not None and ckpt.quant is not None:
+        raise ValueError(f"{src}: the checkpoint ships {ckpt.quant.method} weights, read as they are; drop --quantize")
     if quant is not None and link:
         raise ValueError("--link and --quantize: a quantized store holds its own (quantized) copy; drop one")
+    quant = quant or ckpt.quant
     dtype = dtype or (ckpt.dtype if quant is None or ckpt.dtype.itemsize == 2 else torch.bfloat16)
     if link and ckpt.format == "hf" and dtype != ckpt.dtype:
         raise ValueError(f"{src}: --link reads the tensors as they are, in {ckpt.dtype}; drop --dtype or drop --link")
@@ -92,7 +97,7 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         path = w.finish({"source": ckpt.format, "origin": provenance.of_checkpoint(src, ckpt.format, root),
                          "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files)})
     return {"out": path, "format": ckpt.format, "config": cfg, "dtype": dtype, "disk_bytes": disk_usage(path),
-            "linked_bytes": linked}
+            "linked_bytes": linked, "quant": quant}
 
 
 def _sha256(path: Path) -> str:

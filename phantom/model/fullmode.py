@@ -23,6 +23,9 @@ from phantom.stream.tiers import Held
 def refuse_frozen(store: BlockStore) -> None:
     """A quantized store is frozen: full finetuning needs its 16-bit weights. phantom.load asks before it
     makes a working copy, the model again when it is built."""
+    if store.quant is not None and store.quant.shipped:
+        raise ValueError(f"{store.path}: full finetuning of a {store.quant.method} store is not supported: its weights "
+                         f"are read as the checkpoint ships them; train LoRA on it")
     if store.quant is not None:
         raise ValueError(f"{store.path}: a {store.quant.method} store is frozen: full finetuning needs the 16-bit "
                          f"weights (prepare the store without --quantize), or train LoRA on this one")

@@ -1,4 +1,5 @@
-"""--modes quant: the bench model stored bf16, NF4 and int8, read from disk, beside the cost model."""
+"""--modes quant: the bench model stored bf16, NF4 and int8 (or --quant-methods: fp8-block too), read from disk,
+beside the cost model."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,7 +45,8 @@ def quant_bench(args, store: BlockStore) -> str:
     load = [shell("cat /proc/loadavg")]
     t0 = time.perf_counter()
     stores = {"bf16": store}
-    for method in ("nf4", "int8"):
+    methods = args.quant_methods.split(",")
+    for method in methods:
         out = store.path.parent / f"{store.path.name}-{method}"
         if not (out / "manifest.json").is_file():
             quantize_store(store.path, out, QuantFormat(method), progress=False)
@@ -53,7 +55,7 @@ def quant_bench(args, store: BlockStore) -> str:
     quantize_s = time.perf_counter() - t0
     big = max(batches)
     profile = profiles.measure(stores["bf16"], torch.device("cpu"), store.dtype, big[0], big[1])  # a full profile
-    rates = {m: profiles.measure_dequant(stores[m], torch.device("cpu"), store.dtype) for m in ("nf4", "int8")}
+    rates = {m: profiles.measure_dequant(stores[m], torch.device("cpu"), store.dtype) for m in methods}
     place = phantom.Placement(offload="disk", prefetch=k)
     acts = phantom.Activations(recompute="none")
     rows = []
@@ -96,7 +98,7 @@ def quant_lines(args, store, run: QuantRun) -> str:
              f"{args.lora_rank} (q, v), recompute none; {args.steps} timed steps after a warm-up, medians",
              "- stores: " + "; ".join(f"{n} {s.block_nbytes / 2**20:.1f} MiB/block ({s.block_nbytes / dense:.3f}x), "
                                        f"RAM tier {s.block_nbytes * cfg.n_layers / 1e9:.2f} GB" for n, s in stores.items())
-             + f" (NF4 and int8 written from the bf16 store in {quantize_s:.0f} s)",
+             + f" ({', '.join(rates)} written from the bf16 store in {quantize_s:.0f} s)",
              "- dequantization (loader thread, per block, into the compute dtype; profiles.measure_dequant): "
              + "; ".join(f"{m} {g:.2f} GB/s of weights produced" for m, g in rates.items())
              + f", on {torch.get_num_threads()} torch threads; disk read {profile.disk_gbps:.2f} GB/s cold "
@@ -108,7 +110,7 @@ def quant_lines(args, store, run: QuantRun) -> str:
         lines.append(f"| {name} | {r} x {s} | {res['bytes_read'] / 1e6:.0f} | {res['bytes_read'] / base[(r, s)]:.3f} | "
                      f"{res['dequant_s']:.3f} | {res['stall_s'] / res['step_s']:.0%} | {res['step_s']:.3f} | "
                      f"{pred.step_s:.3f} | {res['step_s'] / pred.step_s - 1:+.1%} |")
-    for m in ("nf4", "int8"):
+    for m in rates:
         saved = (dense - stores[m].block_nbytes) / (profile.disk_gbps * 1e9)
         spent = dense / (rates[m] * 1e9)
         lines.append(f"- {m}: dequantizing a block takes {spent * 1e3:.0f} ms, the read it saves "

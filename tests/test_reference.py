@@ -149,8 +149,8 @@ def peft_lora_grads(pmodel, n_layers: int) -> dict:
     params = dict(pmodel.named_parameters())
     grads = {}
     for i in range(n_layers):
-        for t, (_, hf_name) in TARGETS.items():
-            key = f"base_model.model.model.layers.{i}.{hf_name}"
+        for t in PROJECTIONS:
+            key = f"base_model.model.model.layers.{i}.{TARGETS[t][1]}"
             grads[(i, t)] = (params[f"{key}.lora_A.default.weight"].grad, params[f"{key}.lora_B.default.weight"].grad)
     return grads
 

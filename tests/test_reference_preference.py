@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import phantom
-from phantom.model.lora import TARGETS, lora_modules
+from phantom.model.lora import PROJECTIONS, TARGETS, lora_modules
 from conftest import need
 from phantom.train.preference import Preference, PreferenceConfig
 
@@ -61,7 +61,7 @@ def dpo_reference(model, adapter, x, y, cfg: PreferenceConfig):
 
 
 def phantom_dpo(store, adapter, x, y, cfg: PreferenceConfig, **knobs):
-    lora = phantom.LoraConfig(rank=4, alpha=8, targets=tuple(TARGETS))
+    lora = phantom.LoraConfig(rank=4, alpha=8, targets=PROJECTIONS)
     with phantom.load(store, lora=lora, loss_chunk=7, micro_batch=2, **knobs) as pm:
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():

@@ -37,7 +37,7 @@ from phantom.model.lora import apply_lora, for_family, load_adapter, read_adapte
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("hf", "meta")
+FORMATS = ("hf", "meta", "gguf")
 
 
 def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLinear]]:
@@ -312,17 +312,32 @@ def write_meta(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
     (tmp / "params.json").write_text(json.dumps(meta_params(cfg), indent=2) + "\n")
 
 
+def gguf_module():
+    """phantom.model.gguf_export, which needs the optional gguf package (llama.cpp's own writer)."""
+    try:
+        from phantom.model import gguf_export
+    except ImportError as e:
+        if e.name != "gguf":
+            raise
+        raise ValueError("--format gguf needs the gguf package (llama.cpp's writer): pip install 'phantom[gguf]'") \
+            from None
+    return gguf_export
+
+
 def export(model: Path | str, out: Path | str, adapter: Path | str | None = None, fmt: str = "hf",
            dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = True,
-           max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Write a store (plus a LoRA adapter, merged) as a full checkpoint in Hugging Face's or Meta's format.
+           max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, outtype: str | None = None) -> Path:
+    """Write a store (plus a LoRA adapter, merged) as a full checkpoint in Hugging Face's, Meta's or GGUF format.
 
     Args:
         model: the store folder.
         out: the checkpoint folder to create (written to a temporary folder, renamed when complete).
         adapter: a PEFT-layout LoRA adapter folder (as PhantomModel.save_adapter writes), or None.
-        fmt: "hf" (config.json + safetensors shards + index) or "meta" (params.json + consolidated.00.pth).
-        dtype: the checkpoint's dtype (default: the store's).
+        fmt: "hf" (config.json + safetensors shards + index), "meta" (params.json + consolidated.00.pth) or
+            "gguf" (one llama.cpp file, Name-Size-Type.gguf, and an Ollama Modelfile; phantom.model.gguf_export).
+        dtype: the checkpoint's dtype (default: the store's); gguf: the merged weights' dtype, which outtype
+            is made from.
+        outtype: gguf: f32, f16, bf16 or q8_0 (default: bf16 weights bf16, others f16).
         overwrite: replace the phantom export at out (a folder that is not one is refused).
         progress: a tqdm bar over the blocks.
         max_shard_size: "hf": the most bytes of one safetensors shard (int, or like "5GB"; transformers'
@@ -332,20 +347,27 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         FileNotFoundError, ValueError, StoreError: a missing or mismatched store or adapter, a bad argument.
     """
     if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; choose hf or meta")
+        raise ValueError(f"unknown format {fmt!r}; choose hf, meta or gguf")
     parse_size(max_shard_size)  # a bad size is refused before any work
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; remove it or choose another --out")
     runfolder.check_replaceable(out, "export")  # overwrite: only an export phantom wrote goes
     store = BlockStore(model)
+    if outtype is not None and fmt != "gguf":
+        raise ValueError("--outtype is for --format gguf (hf and meta take --dtype)")
+    if fmt == "gguf":
+        gguf_export = gguf_module()
+        gguf_export.check_supported(store, outtype)  # refused before any work
     if fmt == "meta" and (fields := meta_unsupported(store.cfg)):
         raise ValueError(f"{model}: Meta's format holds Llama's maths only, and this {store.cfg.family} model sets "
                          f"{', '.join(fields)}; use --format hf")
     dtype = dtype or store.dtype
     with fileio.replacing_folder(out) as tmp:  # the old folder (overwrite) goes only once this one is complete
         parts = merged_parts(store, Path(adapter) if adapter else None, dtype, progress)
-        if fmt == "hf":
+        if fmt == "gguf":
+            gguf_export.export_gguf(store, tmp, parts, dtype, outtype, Path(model).resolve().name)
+        elif fmt == "hf":
             write_hf(tmp, store.cfg, parts, dtype, max_shard_size)
         else:
             write_meta(tmp, store.cfg, parts, dtype)
@@ -354,7 +376,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
             carry_token_ids(tmp)
             if caveat := tokenizer_caveat(store):
                 log.info("%s", caveat)
-        elif store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone
+        elif fmt == "meta" and store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone
             main = store.tokenizer_path.name
             atomic_write_bytes(tmp / main, tokenizer_files(store)[main].read_bytes())
         fileio.atomic_write_json(tmp / runfolder.EXPORT_MARKER, {"format": runfolder.EXPORT_FORMAT, "model": str(model),

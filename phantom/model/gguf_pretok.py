@@ -3,7 +3,8 @@
 llama.cpp tells BPE pre-tokenizers apart by the sha256 of str(ids) a tokenizer gives CHECK_TEXT (with the
 tokens transformers adds), and writes the name as tokenizer.ggml.pre. The text and the table are those of
 convert_hf_to_gguf.py's get_vocab_base_pre (generated there by convert_hf_to_gguf_update.py) in the
-llama.cpp that llama-cpp-python 0.3.36 vendors; a tokenizer not in it is refused, as that converter refuses it.
+llama.cpp that llama-cpp-python 0.3.36 vendors (the 89 of 0.3.28's, the reference tests/ convert with, and
+newer ones); a tokenizer not in it is refused, as the converter refuses it.
 """
 from __future__ import annotations
 

@@ -1,0 +1,236 @@
+"""GGUF export against llama.cpp's own converter and transformers' GGUF loader.
+
+For tiny models of each family GGUF export covers (built with transformers, through prepare_model.py, with a
+random LoRA adapter merged): `merge_lora.py --format gguf` must write the very file (same name, every byte:
+metadata keys, values and order, tensor names, shapes, types, order and data) that llama.cpp's
+convert_hf_to_gguf.py (pinned: conftest.llama_cpp) writes from `merge_lora.py --format hf` of the same
+store and adapter; and transformers' GGUF loader must read it back with the merged HF export's logits
+within the type's rounding. Tokenizers: a sentencepiece model trained here (Llama-2's settings), and
+the published Llama-3.1 and Qwen3 tokenizer.json files (conftest.real_tokenizer), chat templates included.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import phantom
+from conftest import llama_cpp, max_rel_err, need, real_tokenizer
+from test_convert import load_script
+from test_export_hf import llama2_style_sentencepiece
+
+transformers = need("transformers")
+gguf = need("gguf")
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, initializer_range=0.1)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+# name: (transformers config class, its fields, tokenizer, store dtype, outtypes compared with the converter)
+CASES = {
+    "llama": ("LlamaConfig", {}, "sentencepiece", "fp32", ("f32", "f16", "bf16", "q8_0")),
+    "llama3": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE, "vocab_size": 128256}, "llama3_1", "bf16", ("q8_0",)),
+    "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 32}, "sentencepiece", "fp32", ("f16",)),
+    "qwen2": ("Qwen2Config", {"vocab_size": 151936}, "qwen3", "bf16", ("bf16",)),
+    "qwen3": ("Qwen3Config", {"vocab_size": 151936, "head_dim": 128, "tie_word_embeddings": True}, "qwen3", "bf16",
+              ("q8_0",)),
+}
+# transformers' GGUF loader takes qwen3's head_dim from Qwen3Config's default (128), not the file's key_length,
+# so that case has Qwen3's own 128; it reads no rope_freqs (Llama-3.1's scaling), so the llama3 case's
+# reference drops the scaling too (the file's rope_freqs is compared byte for byte with the converter's).
+TOLERANCE = {"f32": 1e-5, "f16": 2e-2, "bf16": 1e-1, "q8_0": 1e-1}  # logits against unrounded weights, max |a - b| / max |b|
+
+
+def source_folder(folder: Path, name: str) -> int:
+    """The tokenizer files of a case in folder; its vocabulary size."""
+    if CASES[name][2] == "sentencepiece":
+        return llama2_style_sentencepiece(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real_tokenizer(CASES[name][2]) / f, folder / f)
+    return len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+def build(root: Path, name: str) -> tuple[Path, Path, Path]:
+    """(store, adapter, merged HF export) of a case: a random tiny model and a random LoRA adapter."""
+    config_class, fields, _, dtype, _ = CASES[name]
+    src = root / "hf"
+    src.mkdir()
+    vocab = source_folder(src, name)
+    config = getattr(transformers, config_class)(**{**SMALL, "vocab_size": vocab, "tie_word_embeddings": False,
+                                                    **fields})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    store = root / f"tiny-{name}"  # the GGUF's general.name comes from this folder's name, the HF export's from its own
+    assert load_script("prepare_model").main(["--src", str(src), "--out", str(store), "--dtype", dtype,
+                                              "--quiet"]) == 0
+    lora = phantom.LoraConfig(rank=4, alpha=8, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    with phantom.load(store, offload="none", lora=lora) as model, torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in model.trainable_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        model.save_adapter(root / "adapter")
+    merged = root / "merged" / store.name
+    assert load_script("merge_lora").main(["--model", str(store), "--adapter", str(root / "adapter"), "--out",
+                                           str(merged), "--format", "hf", "--quiet"]) == 0
+    return store, root / "adapter", merged
+
+
+def converted(merged: Path, outtypes, out: Path) -> dict[str, Path]:
+    """outtype -> the file llama.cpp's convert_hf_to_gguf.py writes from merged (default name), run side by side."""
+    script = llama_cpp() / "convert_hf_to_gguf.py"
+    procs = {}
+    for t in outtypes:
+        (out / t).mkdir(parents=True)
+        procs[t] = subprocess.Popen([sys.executable, str(script), str(merged), "--outtype", t, "--outfile",
+                                     str(out / t)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for t, p in procs.items():
+        log = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, f"convert_hf_to_gguf.py --outtype {t}: exit {p.returncode}\n{log[-3000:]}"
+    return {t: next((out / t).glob("*.gguf")) for t in outtypes}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(name, store, adapter, merged HF export, {outtype: phantom's GGUF}, {outtype: the converter's GGUF})."""
+    name, root = request.param, tmp_path_factory.mktemp(request.param)
+    store, adapter, merged = build(root, name)
+    ours = {}
+    for t in CASES[name][4]:
+        assert load_script("merge_lora").main(["--model", str(store), "--adapter", str(adapter), "--out",
+                                               str(root / "gguf" / t), "--format", "gguf", "--outtype", t,
+                                               "--quiet"]) == 0
+        ours[t] = next((root / "gguf" / t).glob("*.gguf"))
+    return name, store, adapter, merged, ours, converted(merged, CASES[name][4], root / "llama.cpp")
+
+
+@functools.lru_cache(maxsize=8)
+def read(path: Path):
+    """A GGUF file's reader, made once (a 150k-token vocabulary takes seconds to parse)."""
+    return gguf.GGUFReader(path)
+
+
+def differences(a: Path, b: Path) -> list[str]:
+    """What differs between two GGUF files, key by key and tensor by tensor (for an assertion's message)."""
+    ra, rb = gguf.GGUFReader(a), gguf.GGUFReader(b)
+    out = []
+    if list(ra.fields) != list(rb.fields):
+        out.append(f"keys only in {a.name}: {set(ra.fields) - set(rb.fields)}, only in the other: "
+                   f"{set(rb.fields) - set(ra.fields)}, order: {list(ra.fields) == list(rb.fields)}")
+    out += [f"{k}: {str(f.contents())[:120]} != {str(rb.fields[k].contents())[:120]}"
+            for k, f in ra.fields.items() if k in rb.fields and (f.types, f.contents()) != (rb.fields[k].types,
+                                                                                         rb.fields[k].contents())]
+    ta = [(t.name, t.shape.tolist(), t.tensor_type.name) for t in ra.tensors]
+    tb = [(t.name, t.shape.tolist(), t.tensor_type.name) for t in rb.tensors]
+    if ta != tb:
+        out.append(f"tensors: {ta} != {tb}")
+    out += [f"{x.name}: other bytes" for x, y in zip(ra.tensors, rb.tensors) if bytes(x.data.data) != bytes(y.data.data)]
+    return out or ["the same keys and tensors, other bytes (padding or alignment)"]
+
+
+def test_gguf_equals_llama_cpp_converter_output(case):
+    name, _, _, _, ours, theirs = case
+    for t in ours:
+        assert ours[t].name == theirs[t].name, (name, t)
+        assert ours[t].read_bytes() == theirs[t].read_bytes(), (name, t, differences(ours[t], theirs[t])[:8])
+        reader = read(ours[t])
+        assert reader.fields["general.file_type"].contents() == {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[t]
+        if t != "f32":  # the matrices are in the file's type, not left in f32
+            assert {x.tensor_type.name.lower() for x in reader.tensors if len(x.shape) == 2} == {t}
+
+
+def test_gguf_carries_the_tokenizer_and_chat_template(case):
+    name, store, _, merged, ours, _ = case
+    fields = read(next(iter(ours.values()))).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == json.loads((merged / "config.json").read_text())["vocab_size"]
+    kind = CASES[name][2]
+    assert fields["tokenizer.ggml.model"].contents() == ("llama" if kind == "sentencepiece" else "gpt2")
+    assert fields["tokenizer.ggml.pre"].contents() == {"sentencepiece": "default", "llama3_1": "llama-bpe",
+                                                       "qwen3": "qwen2"}[kind]
+    template = json.loads((merged / "tokenizer_config.json").read_text()).get("chat_template")
+    assert (fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None) == template
+    if kind != "sentencepiece":
+        assert template and "tokenizer.ggml.merges" in fields
+
+
+def rounded_through(model, outtype: str):
+    """model with each matrix rounded through the GGUF type (gguf's quantize, then dequantize), as the file
+    holds it; vectors (norms, biases) stay f32, as in the file."""
+    qtype = gguf.GGMLQuantizationType[outtype.upper()]
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                q = gguf.quants.quantize(p.numpy(), qtype)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, qtype).reshape(p.shape)))
+    return model
+
+
+def test_transformers_loads_the_gguf_with_the_merged_logits(case):
+    """The GGUF's logits are the merged HF export's with its matrices rounded through the file's type (to
+    float noise), and near the unrounded ones."""
+    name, _, _, merged, ours, _ = case
+    config = transformers.AutoConfig.from_pretrained(merged)
+    if name == "llama3":
+        config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(merged, config=config, dtype=torch.float32).eval()
+    tokens = torch.randint(0, reference.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = reference(tokens).logits
+        for t, path in ours.items():
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                      dtype=torch.float32).eval()
+            got = model(tokens).logits
+            assert max_rel_err(got, rounded_through(copy.deepcopy(reference), t)(tokens).logits) < 1e-5, (name, t)
+            assert max_rel_err(got, exact) < TOLERANCE[t], (name, t)
+
+
+# -- memory: one block at a time ---------------------------------------------------------------------
+CHILD = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[1] + "/scripts")
+import merge_lora
+assert merge_lora.main(["--model", sys.argv[2], "--out", sys.argv[3], "--format", "gguf", "--outtype", "q8_0",
+                        "--quiet"]) == 0
+with open("/proc/self/status") as f:  # this process image's own peak (see tests/test_memory.py)
+    print(json.dumps({"peak": next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))}))
+"""
+
+
+def test_gguf_export_peak_memory_grows_with_one_block_not_with_depth(tmp_path):
+    """Peak RSS of merge_lora.py --format gguf on fp32 stores of N and 2N blocks of ~13 MiB each (one child
+    process each, side by side): N more blocks add at most about one block, where holding the model would
+    add N."""
+    import os
+    from phantom.files.store import BlockStore
+    repo, stores = Path(__file__).resolve().parent.parent, {}
+    for n in (4, 8):
+        src = tmp_path / f"hf{n}"
+        src.mkdir()
+        config = transformers.LlamaConfig(vocab_size=llama2_style_sentencepiece(src), hidden_size=512,
+                                          intermediate_size=1536, num_hidden_layers=n, num_attention_heads=4,
+                                          max_position_embeddings=64, tie_word_embeddings=False)
+        transformers.LlamaForCausalLM(config).save_pretrained(src)
+        stores[n] = tmp_path / f"store{n}"
+        assert load_script("prepare_model").main(["--src", str(src), "--out", str(stores[n]), "--quiet"]) == 0
+    block = BlockStore(stores[4]).block_nbytes
+    assert block > 10 * 2**20
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(repo), str(stores[n]), str(tmp_path / f"out{n}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for n in (4, 8)]
+    peaks = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        peaks.append(json.loads(out.strip().splitlines()[-1])["peak"])
+    mib = [round(x / 2**20, 1) for x in (block, *peaks)]
+    print(f"block, peak RSS of N and 2N blocks: {mib} MiB")
+    assert peaks[1] - peaks[0] < 1.5 * block, f"peak RSS grows with depth: block, N, 2N = {mib} MiB"

@@ -6,14 +6,12 @@ same order and values, its tensor names, shapes, types and order (the safetensor
 reads: Hugging Face names in natural order), and the same bytes (gguf's own quantizers). The layout is
 planned from shapes first, so the header is written before any weight is read; each part (embed, a
 block, head) is then converted and written at its offset, one part in memory at a time.
-May import gguf, phantom.arch, phantom.files, phantom.model.export's Hugging Face layer.
+May import gguf, phantom.arch, phantom.data, phantom.files and phantom.model's checkpoints and HF layout.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from phantom.data.tokenizer import is_tiktoken_file
 from phantom.files.store import BlockStore
 from phantom.model.checkpoints import part_shapes
 from phantom.model.gguf_vocab import add_vocab, read_json
+from phantom.model.hflayout import to_hf
 
 T = gguf.GGMLQuantizationType
 OUTTYPES = {"f32": (gguf.LlamaFileType.ALL_F32, T.F32), "f16": (gguf.LlamaFileType.MOSTLY_F16, T.F16),
@@ -106,7 +105,6 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def gguf_tensors(cfg: ModelConfig, arch: Arch, part: str | int, tensors: dict[str, torch.Tensor]) -> dict:
     """{Hugging Face name: (GGUF name, tensor)} of one part, as the converter maps and permutes them."""
-    from phantom.model.export import to_hf  # the Hugging Face layer (export imports this module lazily)
     tmap = gguf.get_tensor_name_map(arch.arch, cfg.n_layers)
     out = {}
     for hf_name, t in to_hf(cfg, part, tensors).items():
@@ -246,23 +244,11 @@ def write_gguf(out: Path, cfg: ModelConfig, arch: Arch, parts, outtype: str, fol
     return path
 
 
-def tokenizer_folder(store: BlockStore, dtype: torch.dtype, scratch: Path, name: str) -> Path:
-    """scratch/name holding what the HF export writes beside its weights (config.json, the tokenizer files):
-    what the converter reads its metadata from, read the same way here."""
-    from phantom.model.export import carry_token_ids, hf_config, write_tokenizer_files
-    folder = scratch / name
-    folder.mkdir(parents=True)
-    write_tokenizer_files(store, folder)
-    (folder / "config.json").write_text(json.dumps(hf_config(store.cfg, dtype), indent=2) + "\n")
-    carry_token_ids(folder)
-    return folder
-
-
-def export_gguf(store: BlockStore, out: Path, parts, dtype: torch.dtype, outtype: str | None, name: str) -> Path:
-    """Write store's model (parts: merged in dtype) as out/<Name-Size-Type>.gguf plus an Ollama Modelfile."""
+def export_gguf(store: BlockStore, out: Path, parts, dtype: torch.dtype, outtype: str | None, side: Path) -> Path:
+    """Write store's model (parts: merged in dtype) as out/<Name-Size-Type>.gguf plus an Ollama Modelfile;
+    side: the HF export's config and tokenizer files, in a folder named as the model."""
     arch = check_supported(store, outtype)
     outtype = outtype or default_outtype(dtype)
-    with tempfile.TemporaryDirectory(prefix="phantom-gguf-") as scratch:
-        path = write_gguf(out, store.cfg, arch, parts, outtype, tokenizer_folder(store, dtype, Path(scratch), name))
+    path = write_gguf(out, store.cfg, arch, parts, outtype, side)
     (out / "Modelfile").write_text(f"FROM ./{path.name}\n")  # Ollama reads the chat template from the file
     return path

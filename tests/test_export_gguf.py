@@ -25,6 +25,7 @@ import torch
 
 import phantom
 from conftest import llama_cpp, max_rel_err, need, real_tokenizer
+from phantom.data.tokenizer import TINY_TEXT
 from test_convert import load_script
 from test_export_hf import llama2_style_sentencepiece
 
@@ -235,6 +236,39 @@ def test_gguf_lora_over_the_base_gguf_is_the_merged_gguf(built, tmp_path):
         w = a_name.removesuffix(".lora_a")
         expected = torch.from_numpy(base[w].copy()) + scale * pairs[w + ".lora_b"] @ pairs[a_name]
         assert max_rel_err(torch.from_numpy(merged[w].copy()), expected) < 1e-5, w
+
+
+def test_finetune_export_gguf_writes_the_merged_file_and_says_how_to_run_it(built, tmp_path):
+    """finetune.py --export gguf: OUT/gguf/ holds merge_lora.py --format gguf's file of the run's adapter (the
+    default type: f16 for this fp32 store) and a Modelfile naming it; the run card says how to run both."""
+    store = built("llama")[0]
+    run = tmp_path / "run"
+    assert load_script("finetune").main(["--model", str(store), "--data", str(TINY_TEXT), "--iters", "2", "--seq-len",
+                                         "32", "--batch-size", "2", "--out", str(run), "--device", "cpu", "--export",
+                                         "gguf", "--quiet"]) == 0
+    (path,) = (run / "gguf").glob("*.gguf")
+    assert (run / "gguf" / "Modelfile").read_text() == f"FROM ./{path.name}\n"
+    assert path.read_bytes() == merge(store, run / "adapter", tmp_path / "merged", "gguf", "f16").read_bytes()
+    card = (run / "README.md").read_text()
+    assert f"llama-cli -m {path}" in card and "ollama create" in card and "-f Modelfile" in card
+
+
+def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys):
+    store = built("llama")[0]
+    phi3 = tmp_path / "phi3"
+    shutil.copytree(store, phi3)
+    manifest = json.loads((phi3 / "manifest.json").read_text())
+    manifest["config"]["family"] = "phi3"  # a family phantom trains and GGUF export does not cover
+    (phi3 / "manifest.json").write_text(json.dumps(manifest))
+    merge_lora = load_script("merge_lora").main
+    for args, words in [(["--model", str(phi3), "--format", "gguf"], "GGUF export covers llama, mistral, qwen2, qwen3"),
+                        (["--model", str(store), "--format", "gguf-lora"], "give --adapter"),
+                        (["--model", str(store), "--format", "hf", "--outtype", "f16"], "--outtype is for")]:
+        capsys.readouterr()
+        assert merge_lora([*args, "--out", str(tmp_path / "out"), "--quiet"]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+        assert not (tmp_path / "out").exists()
 
 
 # -- memory: one block at a time ---------------------------------------------------------------------

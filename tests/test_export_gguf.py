@@ -167,6 +167,29 @@ def test_gguf_equals_llama_cpp_converter_output(built, name):
             assert {x.tensor_type.name.lower() for x in reader.tensors if len(x.shape) == 2} == {t}
 
 
+def test_gguf_written_a_few_rows_at_a_time_is_the_same_file(built, tmp_path, monkeypatch):
+    """Tensors are converted in slices of rows (a large embedding is never copied whole): the same bytes."""
+    from phantom.model import gguf_export
+    store, adapter, _, _, theirs = built("llama")
+    monkeypatch.setattr(gguf_export, "CHUNK_BYTES", 1000)  # 3 rows of 64 (attention) or 128 (down) columns
+    for t in ("q8_0", "bf16"):
+        assert merge(store, adapter, tmp_path / t, "gguf", t).read_bytes() == theirs[t].read_bytes(), t
+
+
+def test_bf16_bytes_are_gguf_quantizers_on_every_kind_of_value():
+    """encode's bf16 (torch's rounding where there is no NaN) gives gguf's quantizer's bytes: ties to even, ties
+    that carry into the exponent, the largest floats rounding to inf, subnormals, infinities, signed zeros,
+    and NaNs of any payload."""
+    from phantom.model.gguf_export import T, encode
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00000001, 0x80008000,
+                            0x7F800000, 0xFF800000, 0x00000000, 0x80000000], dtype=torch.int64).to(torch.int32)
+    for values in (torch.cat([bits, special]).view(torch.float32), torch.randn(64, 32, generator=gen)):
+        for block in (values, values[~torch.isnan(values)]):  # with NaNs (gguf's path) and without (torch's)
+            assert encode(block, T.BF16) == gguf.quants.quantize(block.numpy(), T.BF16).tobytes()
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_gguf_carries_the_tokenizer_and_chat_template(built, name):
     _, _, merged, ours, _ = built(name)

@@ -176,10 +176,11 @@ def test_gguf_written_a_few_rows_at_a_time_is_the_same_file(built, tmp_path, mon
         assert merge(store, adapter, tmp_path / t, "gguf", t).read_bytes() == theirs[t].read_bytes(), t
 
 
-def test_bf16_bytes_are_gguf_quantizers_on_every_kind_of_value():
-    """encode's bf16 (torch's rounding where there is no NaN) gives gguf's quantizer's bytes: ties to even, ties
-    that carry into the exponent, the largest floats rounding to inf, subnormals, infinities, signed zeros,
-    and NaNs of any payload."""
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # gguf's own f16 cast of huge floats: inf
+def test_float_bytes_are_gguf_quantizers_on_every_kind_of_value():
+    """encode (torch's bf16 rounding where there is no NaN, a tensor of the file's type as it is) gives gguf's
+    quantizers' bytes from float32, as the converter makes them: ties to even, ties that carry into the exponent,
+    the largest floats rounding to inf, subnormals, infinities, signed zeros, NaNs of any payload."""
     from phantom.model.gguf_export import T, encode
     gen = torch.Generator().manual_seed(0)
     bits = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64).to(torch.int32)
@@ -187,7 +188,11 @@ def test_bf16_bytes_are_gguf_quantizers_on_every_kind_of_value():
                             0x7F800000, 0xFF800000, 0x00000000, 0x80000000], dtype=torch.int64).to(torch.int32)
     for values in (torch.cat([bits, special]).view(torch.float32), torch.randn(64, 32, generator=gen)):
         for block in (values, values[~torch.isnan(values)]):  # with NaNs (gguf's path) and without (torch's)
-            assert encode(block, T.BF16) == gguf.quants.quantize(block.numpy(), T.BF16).tobytes()
+            for source in (torch.float32, torch.bfloat16, torch.float16):  # as the merged weights may be
+                x = block.to(source)
+                for qtype in (T.BF16, T.F16, T.F32):
+                    want = gguf.quants.quantize(x.to(torch.float32).numpy(), qtype).tobytes()
+                    assert encode(x, qtype) == want, (source, qtype)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -205,10 +205,15 @@ CHUNK_BYTES = 64 << 20  # float32 bytes converted at a time: a 128k-token embedd
 
 
 def encode(t: torch.Tensor, qtype: T) -> bytes:
-    """A tensor's bytes in the file: through float32, as the converter reads every 16-bit weight. bf16 by
-    torch's rounding (to nearest even, as gguf's quantizer; several times faster) unless a NaN is there,
-    whose bits gguf's own keeps."""
-    f32 = t.detach().to(torch.float32)
+    """A tensor's bytes in the file: through float32, as the converter reads every 16-bit weight (a tensor
+    already of the file's type: its own bytes, which that round trip keeps); bf16 by torch's rounding (to
+    nearest even, as gguf's quantizer; several times faster). Where a NaN is, gguf's own (it keeps NaN bits
+    its way)."""
+    t = t.detach()
+    same = {T.BF16: torch.bfloat16, T.F16: torch.float16, T.F32: torch.float32}.get(qtype)
+    if same is not None and t.dtype == same and not torch.isnan(t).any():  # exact both ways: the bytes as they are
+        return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes()
+    f32 = t.to(torch.float32)
     if qtype == T.BF16 and not torch.isnan(f32).any():
         return f32.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
     return gguf.quants.quantize(f32.numpy(), qtype).tobytes()

@@ -92,13 +92,12 @@ def pre_tokenizer(folder: Path) -> str:
     return PRE_TOKENIZERS[digest]
 
 
-def is_llama_hf(folder: Path) -> bool:
-    """A tokenizer.json gguf's LlamaHfVocab reads (sentencepiece-style BPE with byte fallback)."""
+def llama_hf_vocab(folder: Path):
+    """gguf's LlamaHfVocab of a Llama-style tokenizer.json (sentencepiece-style BPE with byte fallback), or None."""
     try:
-        gguf.LlamaHfVocab(folder)
+        return gguf.LlamaHfVocab(folder)
     except (FileNotFoundError, TypeError):
-        return False
-    return True
+        return None
 
 
 def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, llama_hf: bool) -> None:
@@ -107,8 +106,8 @@ def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, llama_hf: 
     if (folder / "tokenizer.model").is_file():
         tokens, scores, types = sentencepiece_vocab(folder, vocab_size)
         model = "llama"
-    elif llama_hf and is_llama_hf(folder):
-        tokens, scores, types = map(list, zip(*gguf.LlamaHfVocab(folder).all_tokens()))
+    elif llama_hf and (vocab := llama_hf_vocab(folder)) is not None:
+        tokens, scores, types = map(list, zip(*vocab.all_tokens()))
         model = "llama"
     else:
         tokens, types = bpe_vocab(folder, vocab_size)

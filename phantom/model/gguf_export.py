@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from phantom.arch.config import ModelConfig
+from phantom.arch.family import family
 from phantom.files.hfshards import natural_key
 from phantom.data.tokenizer import is_tiktoken_file
 from phantom.files.store import BlockStore
@@ -45,24 +47,38 @@ class Arch:
     arch: gguf.MODEL_ARCH
     permute_qk: bool = False
     llama_keys: bool = False
+    sentencepiece: bool = True  # a tokenizer.model is read first (Qwen-MoE's class reads BPE alone)
 
 
 ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, permute_qk=True, llama_keys=True),
           "mistral": Arch(gguf.MODEL_ARCH.LLAMA, permute_qk=True, llama_keys=True),
           "qwen2": Arch(gguf.MODEL_ARCH.QWEN2),
-          "qwen3": Arch(gguf.MODEL_ARCH.QWEN3)}
+          "qwen3": Arch(gguf.MODEL_ARCH.QWEN3),
+          "qwen3_moe": Arch(gguf.MODEL_ARCH.QWEN3MOE, sentencepiece=False)}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(down|gate|up)_proj\.weight")
+PROJECTIONS = ("down", "gate", "up")  # the order the converter stacks a layer's experts in
 
 
 @dataclass(frozen=True)
 class Planned:
-    """One tensor of the file: where it comes from (its Hugging Face name), its GGUF name, shape (rows
-    first, as numpy holds it), type and bytes."""
+    """One tensor of the file: where it comes from (its Hugging Face name; a layer's experts stacked: the
+    name of the stack), its GGUF name, shape (rows first, as numpy holds it), type and bytes."""
 
     hf_name: str
     name: str
     shape: tuple[int, ...]
     qtype: T
     nbytes: int
+
+
+def converter_order(hf_name: str, cfg: ModelConfig) -> tuple:
+    """Where the converter writes a tensor: in the natural order of the Hugging Face names it reads, a
+    layer's stacked experts where it reads the last expert's last tensor (down, gate, up)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(down|gate|up)_proj\.weight", hf_name)
+    if m is None:
+        return natural_key(hf_name), 0
+    last = f"model.layers.{m[1]}.mlp.experts.{cfg.n_experts - 1}.up_proj.weight"
+    return natural_key(last), PROJECTIONS.index(m[2])
 
 
 def default_outtype(dtype: torch.dtype) -> str:
@@ -81,6 +97,9 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in ("llama3", "linear"):
         raise ValueError(f"GGUF export covers RoPE scaling llama3 and linear, not {cfg.rope_scaling.rope_type!r}; "
                          f"use --format hf")
+    if cfg.family == "qwen3_moe" and not cfg.norm_topk_prob:
+        raise ValueError("llama.cpp's qwen3moe always renormalizes the chosen experts' weights (norm_topk_prob true, "
+                         "as Qwen3-MoE's own configs set it), and this model sets it false; use --format hf")
     if store.tokenizer_path is None or is_tiktoken_file(store.tokenizer_path):
         raise ValueError(f"{store.path}: GGUF export needs a sentencepiece tokenizer.model or a tokenizer.json "
                          f"(llama.cpp reads its vocabulary from the file), and this store has neither")
@@ -112,10 +131,23 @@ def gguf_tensors(cfg: ModelConfig, arch: Arch, part: str | int, tensors: dict[st
             t = llama_permute(t, cfg.n_heads)
         elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             t = llama_permute(t, cfg.kv_heads)
-        name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise AssertionError(f"gguf has no {arch.arch.name} name for {hf_name}")
-        out[hf_name] = (name, t)
+        out[hf_name] = t
+    out = stack_experts(cfg, out)
+    names = {hf_name: tmap.get_name(hf_name, try_suffixes=(".weight", ".bias")) for hf_name in out}
+    if missing := [n for n, g in names.items() if g is None]:
+        raise AssertionError(f"gguf has no {arch.arch.name} name for {missing}")
+    return {hf_name: (names[hf_name], t) for hf_name, t in out.items()}
+
+
+def stack_experts(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's experts as one (experts, rows, columns) tensor per projection, named
+    model.layers.L.mlp.experts.{down,gate,up}_proj.weight, as the converter stacks them."""
+    experts = {n: EXPERT.fullmatch(n) for n in hf}
+    out = {n: t for n, t in hf.items() if experts[n] is None}
+    for layer in sorted({int(m[1]) for m in experts.values() if m is not None}):
+        for proj in PROJECTIONS:
+            parts = [hf[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] for e in range(cfg.n_experts)]
+            out[f"model.layers.{layer}.mlp.experts.{proj}_proj.weight"] = torch.stack(parts)
     return out
 
 
@@ -149,7 +181,7 @@ def plan(cfg: ModelConfig, arch: Arch, qtype: T) -> list[Planned]:
             q = tensor_type(name, shape, qtype)
             block, size = gguf.GGML_QUANT_SIZES[q]
             out.append(Planned(hf_name, name, shape, q, math.prod(shape) // block * size))
-    out.sort(key=lambda p: natural_key(p.hf_name))
+    out.sort(key=lambda p: converter_order(p.hf_name, cfg))
     if (freqs := rope_freqs(cfg)) is not None:  # the converter's extra tensors come first
         out.insert(0, Planned("", "rope_freqs.weight", tuple(freqs.shape), T.F32, freqs.numel() * 4))
     return out
@@ -168,9 +200,16 @@ def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype: gguf.Ll
         w.add_rope_scaling_factor(cfg.rope_scaling.factor)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
+    if cfg.n_experts:
+        w.add_expert_count(cfg.n_experts)
+        w.add_expert_used_count(cfg.experts_per_token)
     w.add_key_length(cfg.head_dim)  # phantom's config.json names head_dim
     w.add_value_length(cfg.head_dim)
     w.add_file_type(ftype)
+    if cfg.n_experts:  # Qwen2MoeModel's own keys
+        w.add_expert_feed_forward_length(cfg.expert_dim)
+        if "shared_expert_intermediate_size" in family(cfg).moe.fields:
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_dim)
     if arch.llama_keys:
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(cfg.head_dim)
@@ -191,7 +230,7 @@ def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder
     prefix_space = read_json(folder / "tokenizer_config.json").get("add_prefix_space")
     if arch.llama_keys and prefix_space is not None:
         w.add_add_space_prefix(prefix_space)
-    add_vocab(w, folder, cfg.vocab_size, llama_hf=arch.llama_keys)
+    add_vocab(w, folder, cfg.vocab_size, llama_hf=arch.llama_keys, sentencepiece=arch.sentencepiece)
     return meta
 
 

@@ -100,10 +100,11 @@ def llama_hf_vocab(folder: Path):
         return None
 
 
-def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, llama_hf: bool) -> None:
+def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, llama_hf: bool, sentencepiece: bool = True) -> None:
     """Write the tokenizer keys for the files in folder, in the converter's order of tries: tokenizer.model,
-    then (llama_hf: Llama's converter class) a Llama-style tokenizer.json, then byte-level BPE."""
-    if (folder / "tokenizer.model").is_file():
+    then (llama_hf: Llama's converter class) a Llama-style tokenizer.json, then byte-level BPE; sentencepiece
+    False: byte-level BPE alone (the class that reads no tokenizer.model)."""
+    if sentencepiece and (folder / "tokenizer.model").is_file():
         tokens, scores, types = sentencepiece_vocab(folder, vocab_size)
         model = "llama"
     elif llama_hf and (vocab := llama_hf_vocab(folder)) is not None:

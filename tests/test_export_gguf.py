@@ -288,7 +288,7 @@ def test_finetune_export_gguf_writes_the_merged_file_and_says_how_to_run_it(buil
 
 
 def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys):
-    store = built("llama")[0]
+    store, moe = built("llama")[0], built("qwen3_moe")
     phi3 = tmp_path / "phi3"
     shutil.copytree(store, phi3)
     manifest = json.loads((phi3 / "manifest.json").read_text())
@@ -297,12 +297,14 @@ def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsy
     merge_lora = load_script("merge_lora").main
     for args, words in [(["--model", str(phi3), "--format", "gguf"], "GGUF export covers llama, mistral, qwen2, qwen3"),
                         (["--model", str(store), "--format", "gguf-lora"], "give --adapter"),
-                        (["--model", str(store), "--format", "hf", "--outtype", "f16"], "--outtype is for")]:
+                        (["--model", str(store), "--format", "hf", "--outtype", "f16"], "--outtype is for"),
+                        (["--model", str(moe[0]), "--adapter", str(moe[1]), "--format", "gguf-lora"],
+                         "covers dense models")]:
         capsys.readouterr()
         assert merge_lora([*args, "--out", str(tmp_path / "out"), "--quiet"]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
-        assert not (tmp_path / "out").exists()
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
 # -- memory: one block at a time ---------------------------------------------------------------------

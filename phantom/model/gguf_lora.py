@@ -68,6 +68,9 @@ def check_scaling(adapter: Path) -> float:
 def export_gguf_lora(store: BlockStore, out: Path, adapter: Path, outtype: str | None, name: str) -> Path:
     """Write the adapter as out/<Name-Size-LoRA-Type>.gguf (name: the base model's); returns its path."""
     arch, alpha = check_supported(store, outtype), check_scaling(adapter)
+    if store.cfg.n_experts:
+        raise ValueError("--format gguf-lora covers dense models; merge a mixture of experts' adapter with "
+                         "--format gguf")
     tensors = gguf_lora_tensors(store, arch, adapter)
     outtype = outtype or default_outtype(next(t.dtype for _, t in tensors))
     ftype, qtype = OUTTYPES[outtype]

@@ -46,10 +46,13 @@ CASES = {
               ("q8_0",)),
     "qwen3_moe": ("Qwen3MoeConfig", {"vocab_size": 151936, "head_dim": 128, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 768, "norm_topk_prob": True}, "qwen3", "bf16", ("q8_0",)),
+    "qwen2_moe": ("Qwen2MoeConfig", {"vocab_size": 151936, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
+                  "qwen3", "bf16", ("bf16",)),
 }
 # transformers' GGUF loader takes qwen3's head_dim from Qwen3Config's default (128), not the file's key_length,
-# so that case has Qwen3's own 128 (qwen3_moe too, and Qwen3MoeConfig's default moe_intermediate_size, 768, which
-# it takes instead of the file's expert_feed_forward_length); it reads no rope_freqs (Llama-3.1's scaling), so the llama3 case is not
+# so that case has Qwen3's own 128 (qwen3_moe too; and the MoE cases have their config classes' default expert
+# widths, which it takes instead of the file's expert_feed_forward_length); it reads no rope_freqs (Llama-3.1's scaling), so the llama3 case is not
 # loaded with it (its file, rope_freqs included, is compared byte for byte with the converter's).
 LORA_OUTTYPES = {"llama": "f32", "qwen3": "q8_0"}  # cases whose adapter is also written as a GGUF LoRA adapter
 TOLERANCE = {"f32": 1e-5, "f16": 2e-2, "bf16": 1e-1, "q8_0": 1e-1}  # logits against unrounded weights, max |a - b| / max |b|
@@ -228,7 +231,8 @@ def rounded_through(model, outtype: str):
     return model
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n != "llama3"])  # llama3: no rope_freqs in the loader
+# llama3: the loader reads no rope_freqs; qwen2_moe: it makes the shared expert's gate (1, 1, dim), not (1, dim)
+@pytest.mark.parametrize("name", [n for n in CASES if n not in ("llama3", "qwen2_moe")])
 def test_transformers_loads_the_gguf_with_the_merged_logits(built, name):
     """The GGUF's logits are the merged HF export's with its matrices rounded through the file's type (to
     float noise), and near the unrounded ones."""

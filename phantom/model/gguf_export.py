@@ -54,7 +54,10 @@ ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, permute_qk=True, llama_keys=True)
           "mistral": Arch(gguf.MODEL_ARCH.LLAMA, permute_qk=True, llama_keys=True),
           "qwen2": Arch(gguf.MODEL_ARCH.QWEN2),
           "qwen3": Arch(gguf.MODEL_ARCH.QWEN3),
-          "qwen3_moe": Arch(gguf.MODEL_ARCH.QWEN3MOE, sentencepiece=False)}
+          "qwen3_moe": Arch(gguf.MODEL_ARCH.QWEN3MOE, sentencepiece=False),
+          "qwen2_moe": Arch(gguf.MODEL_ARCH.QWEN2MOE, sentencepiece=False)}
+# whether llama.cpp renormalizes the chosen experts' weights (build_moe_ffn's norm_w in its src/models/*.cpp)
+RENORMALIZES = {"qwen3_moe": True, "qwen2_moe": False}
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(down|gate|up)_proj\.weight")
 PROJECTIONS = ("down", "gate", "up")  # the order the converter stacks a layer's experts in
 
@@ -97,9 +100,10 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in ("llama3", "linear"):
         raise ValueError(f"GGUF export covers RoPE scaling llama3 and linear, not {cfg.rope_scaling.rope_type!r}; "
                          f"use --format hf")
-    if cfg.family == "qwen3_moe" and not cfg.norm_topk_prob:
-        raise ValueError("llama.cpp's qwen3moe always renormalizes the chosen experts' weights (norm_topk_prob true, "
-                         "as Qwen3-MoE's own configs set it), and this model sets it false; use --format hf")
+    if cfg.family in RENORMALIZES and cfg.norm_topk_prob != RENORMALIZES[cfg.family]:
+        raise ValueError(f"llama.cpp's {ARCHES[cfg.family].arch.name.lower()} fixes norm_topk_prob (whether the chosen "
+                         f"experts' weights are renormalized) at {str(RENORMALIZES[cfg.family]).lower()}, as the "
+                         f"family's own configs set it, and this model sets it otherwise; use --format hf")
     if store.tokenizer_path is None or is_tiktoken_file(store.tokenizer_path):
         raise ValueError(f"{store.path}: GGUF export needs a sentencepiece tokenizer.model or a tokenizer.json "
                          f"(llama.cpp reads its vocabulary from the file), and this store has neither")

@@ -1,6 +1,7 @@
-"""Merge a LoRA adapter into its base model and write a full checkpoint (Hugging Face or Meta format).
+"""Merge a LoRA adapter into its base model and write a full checkpoint (Hugging Face, Meta or GGUF format).
 
     python scripts/merge_lora.py --model weights/7B --adapter out/adapter --out merged/7B-tuned --format hf
+    python scripts/merge_lora.py --model weights/7B --adapter out/adapter --out gguf/7B-tuned --format gguf --outtype q8_0
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from phantom import resolve_model  # noqa: E402
 from phantom.files.hfshards import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
 from phantom.files.tensorfile import parse_dtype  # noqa: E402
 from phantom.model.convert import disk_usage  # noqa: E402
-from phantom.model.export import export  # noqa: E402
+from phantom.model.export import FormatOptions, export  # noqa: E402
 from phantom.train import cli
 from phantom.train.cli import STORE_DTYPES  # noqa: E402
 
@@ -27,9 +28,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="LoRA adapter folder (PEFT layout, e.g. OUT/adapter from finetune.py); "
                         "without it the base model is exported as it is")
     p.add_argument("--out", type=Path, required=True, help="checkpoint folder to create")
-    p.add_argument("--format", choices=["hf", "meta"], default="hf",
+    p.add_argument("--format", choices=["hf", "meta", "gguf", "gguf-lora"], default="hf",
                    help="hf: config.json + safetensors shards (transformers, vLLM, llama.cpp's converter); "
-                        "meta: params.json + consolidated.00.pth (Meta's reference code)")
+                        "meta: params.json + consolidated.00.pth (Meta's reference code); "
+                        "gguf: one Name-Size-Type.gguf file for llama.cpp, Ollama and LM Studio, and a Modelfile "
+                        "(needs pip install 'phantom[gguf]'); gguf-lora: the adapter alone as a GGUF LoRA adapter, for "
+                        "llama.cpp's --lora over a base GGUF of the model")
+    p.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default=None,
+                   help="gguf: the file's weight type, as llama.cpp's convert_hf_to_gguf.py --outtype "
+                        "(default: bf16 for a bf16 store, else f16); made from the --dtype weights")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help=f"hf: the most bytes of one safetensors shard, as transformers' save_pretrained takes it "
                         f"(default: its {DEFAULT_MAX_SHARD_SIZE}; e.g. 5GB, 500MB or bytes): one model.safetensors "
@@ -49,8 +56,8 @@ def run(argv=None) -> int:
     t0 = time.perf_counter()
     out = export(resolve_model(args.model), args.out, args.adapter, args.format,
                  parse_dtype(args.dtype) if args.dtype else None, args.overwrite, progress=not args.quiet,
-                 max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE)
-    what = "base + adapter" if args.adapter else "base model"
+                 options=FormatOptions(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, args.outtype))
+    what = "adapter alone" if args.format == "gguf-lora" else "base + adapter" if args.adapter else "base model"
     print(f"wrote {out} ({args.format} format, {what}) in {time.perf_counter() - t0:.1f} s, "
           f"{disk_usage(out) / 1e9:.2f} GB on disk")
     return 0

@@ -141,3 +141,56 @@ def real_tokenizer(name: str):
                 pytest.fail(why)
             pytest.skip(why)
     return folder
+
+
+# -- llama.cpp's converters ---------------------------------------------------------------------------
+# convert_hf_to_gguf.py and convert_lora_to_gguf.py (with their conversion/ package and gguf-py) as
+# llama-cpp-python's sdist vendors llama.cpp: fetched once with `pip download`, checked against the sdist's
+# sha256, those parts unpacked into the cache. The reference GGUF writer phantom's is compared with: the
+# release whose gguf-py is the gguf package phantom pins (0.19.0; later ones read tokenizer flags otherwise).
+LLAMA_CPP = ("llama-cpp-python==0.3.28", "958227b394f413425d6039952096daa0b8b98328c6b99d652862aec775f1672d")
+LLAMA_CPP_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+
+
+def llama_cpp():
+    """The folder of llama.cpp's Python converters (vendor/llama.cpp of the pinned sdist), fetched if need be."""
+    import fcntl
+    import hashlib
+    import subprocess
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    spec, sha = LLAMA_CPP
+    folder = Path(ARTIFACTS) / f"llama.cpp-{sha[:12]}"
+    if not (folder / "convert_hf_to_gguf.py").is_file():
+        try:
+            os.makedirs(ARTIFACTS, exist_ok=True)
+            with open(os.path.join(ARTIFACTS, ".llama.cpp.lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # another pytest process may be fetching it now
+                if not (folder / "convert_hf_to_gguf.py").is_file():
+                    tmp = Path(tempfile.mkdtemp(dir=ARTIFACTS))
+                    try:
+                        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                        spec, "-d", str(tmp), "-q"], check=True, capture_output=True, timeout=600)
+                        sdist = next(tmp.glob("*.tar.gz"))
+                        got = hashlib.sha256(sdist.read_bytes()).hexdigest()
+                        if got != sha:
+                            raise RuntimeError(f"{spec}: sha256 {got}, expected {sha}")
+                        out = tmp / "llama.cpp"
+                        with tarfile.open(sdist) as tar:
+                            for member in tar.getmembers():
+                                _, _, rel = member.name.partition("/vendor/llama.cpp/")
+                                if member.isfile() and rel.startswith(LLAMA_CPP_PARTS) and ".." not in rel.split("/"):
+                                    (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                                    (out / rel).write_bytes(tar.extractfile(member).read())
+                        os.rename(out, folder)
+                    finally:
+                        shutil.rmtree(tmp, ignore_errors=True)
+        except (OSError, subprocess.SubprocessError, RuntimeError, StopIteration) as e:
+            why = f"llama.cpp's converters are not cached and could not be fetched ({type(e).__name__}: " \
+                  f"{' '.join(str(e).split())[:160]}); fetch them with `pip download --no-binary :all: {spec}`"
+            if os.environ.get("CI") == "true":
+                pytest.fail(why)
+            pytest.skip(why)
+    return folder

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import phantom
 from phantom.model.convert import convert_checkpoint
-from phantom.model.export import export
+from phantom.model.export import FormatOptions, export
 from test_convert import LLAMA3, TOKENS, hf_state_dict, load_script, random_model, store_logits, write_hf
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -53,7 +53,8 @@ def test_merged_checkpoint_gives_base_plus_adapter_logits(tmp_path, base, adapte
 
 
 def test_base_export_is_hf_layout_exactly(tmp_path, base):
-    out = export(base[0], tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False, max_shard_size=50_000)
+    out = export(base[0], tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False,
+                 options=FormatOptions(max_shard_size=50_000))
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     got = {}
     for name in sorted(set(index.values())):
@@ -73,7 +74,8 @@ def test_hf_export_is_sharded_as_save_pretrained_shards(tmp_path, base, adapter,
     loads with AutoModelForCausalLM and gives base + adapter."""
     transformers = pytest.importorskip("transformers")
     size = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    out = export(base[0], tmp_path / "hf", adapter[0], "hf", dtype=torch.float32, progress=False, **size)
+    out = export(base[0], tmp_path / "hf", adapter[0], "hf", dtype=torch.float32, progress=False,
+                 options=FormatOptions(**size))
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS).logits, adapter[1], rtol=0, atol=1e-4)

@@ -12,18 +12,17 @@ import json
 import logging
 import mmap
 import os
+import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from phantom.arch.config import ModelConfig, rope_rows
-from phantom.arch.family import family
-from phantom.arch.family_moe import FUSED_EXPERTS, MOE_FIELDS
+from phantom.arch.config import ModelConfig
 from phantom.arch.layers import LoraLinear, TransformerBlock
-from phantom.arch.ops import permute_for_hf
 from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write as atomic_write_bytes
 from phantom.data.chat import read_template
@@ -31,15 +30,15 @@ from phantom.data.tokenizer import Tokenizer, sentencepiece_to_json
 from phantom.files import runfolder
 from phantom.files.hfshards import DEFAULT_MAX_SHARD_SIZE, ShardWriter, parse_size
 from phantom.files.store import BlockStore
-from phantom.files.tensorfile import dtype_name
 from phantom.model.checkpoints import part_shapes, release_pages
 from phantom.model.convert import tokenizer_files
-from phantom.model.lora import apply_lora, for_family
 from phantom.model.adapterfiles import load_adapter, read_adapter_config
+from phantom.model.hflayout import hf_config, to_hf
+from phantom.model.lora import apply_lora, for_family
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("hf", "meta")
+FORMATS = ("hf", "meta", "gguf", "gguf-lora")
 
 
 def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLinear]]:
@@ -74,92 +73,6 @@ def merged_parts(store: BlockStore, adapter: Path | None, dtype: torch.dtype,
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face: config.json + safetensors shards by size (+ model.safetensors.index.json past one)
-
-def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """config.json for the family's own transformers class (the fields phantom.arch.family reads back)."""
-    fam = family(cfg)
-    c = {"architectures": [fam.hf_class], "model_type": fam.model_type, "hidden_size": cfg.dim,
-         "intermediate_size": cfg.hidden_dim, "num_hidden_layers": cfg.n_layers,
-         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-         "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-         "max_position_embeddings": cfg.max_seq_len, "hidden_act": cfg.activation,
-         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype_name(dtype),
-         "pad_token_id": None}  # the tokenizer's files say it; a class default (Phi-3's 32000) may exceed the vocab
-    if "attention_bias" in fam.readers:
-        c["attention_bias"] = cfg.qkv_bias
-    if "mlp_bias" in fam.readers:
-        c["mlp_bias"] = cfg.mlp_bias
-    if "qkv_bias" in fam.readers:  # Qwen2-MoE
-        c["qkv_bias"] = cfg.qkv_bias
-    if "use_sliding_window" in fam.readers:  # Qwen: the window and the layers it applies to
-        c.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
-                 max_window_layers=cfg.n_layers)
-        if cfg.sliding_window is not None:
-            c["layer_types"] = ["sliding_attention" if cfg.window(i) else "full_attention"
-                                for i in range(cfg.n_layers)]
-    elif "sliding_window" in fam.readers:
-        c["sliding_window"] = cfg.sliding_window
-    if "hidden_activation" in fam.readers:  # Gemma
-        c.update(hidden_activation=cfg.activation, query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-                 attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
-                 sliding_window=cfg.sliding_window, attention_bias=cfg.qkv_bias,
-                 layer_types=["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)])
-    if cfg.local_rope_theta is not None:  # a RoPE per layer type (Gemma-3)
-        del c["rope_theta"]
-        c["rope_parameters"] = {"full_attention": {**rope_scaling_json(cfg), "rope_theta": cfg.rope_theta},
-                                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}}
-    elif cfg.rope_scaling is not None:
-        c["rope_scaling"] = rope_scaling_json(cfg)
-    if fam.moe is not None:  # the experts' fields, as the family's config class names them
-        c.update({f: getattr(cfg, MOE_FIELDS[f]) for f in fam.moe.fields})
-    if "mlp_only_layers" in fam.readers:  # Qwen-MoE: its dense layers among sparse ones
-        c.update(mlp_only_layers=list(cfg.dense_layers), decoder_sparse_step=1)
-    if cfg.rotary_dim is not None and not cfg.kv_lora_rank:  # Phi-4-mini (latent attention: its own fields)
-        c["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
-    if fam.hf_fields is not None:
-        c.update(fam.hf_fields(cfg))
-    if "original_max_position_embeddings" in fam.readers:  # Phi-3: read before rope_scaling's own
-        c["original_max_position_embeddings"] = rope_scaling_json(cfg).get("original_max_position_embeddings",
-                                                                           cfg.max_seq_len)
-    return c
-
-
-def rope_scaling_json(cfg: ModelConfig) -> dict:
-    s = cfg.rope_scaling
-    if s is None:
-        return {"rope_type": "default"}
-    if s.rope_type == "linear":
-        return {"rope_type": "linear", "factor": s.factor}
-    if s.rope_type == "longrope":  # factor: max_position_embeddings over the original context, as it was read
-        return {"rope_type": "longrope", "short_factor": list(s.short_factor), "long_factor": list(s.long_factor),
-                "attention_factor": s.attention_factor, "original_max_position_embeddings": s.original_max_seq_len}
-    if s.rope_type == "yarn":
-        return {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
-                "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "attention_factor": s.attention_factor,
-                "truncate": s.truncate, **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {})}
-    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
-
-
-def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor],
-          fused_experts: bool = False) -> dict[str, torch.Tensor]:
-    """Store names and q/k layout -> the family's Hugging Face names and layout (its conversion script's
-    permute); the parts of a fused tensor (Phi-3's qkv_proj) stacked by rows, in the family's order.
-    Experts one tensor each (what save_pretrained writes), or transformers 5's 3-D tensors."""
-    fam, permuted = family(cfg), rope_rows(cfg)
-    hf = {name: permute_for_hf(t, permuted[name], cfg.rope_dim) if name in permuted else t
-          for name, t in tensors.items()}
-    out = {}
-    hf_names, fused = fam.layout(cfg, fused_experts)
-    for key, names in fused.items() if isinstance(part, int) else ():
-        if present := [n for n in names if n in hf]:
-            if len(present) != len(names):
-                raise ValueError(f"{key.format(part)} fuses {', '.join(names)}: {', '.join(present)} alone given")
-            out[key.format(part)] = torch.cat([hf.pop(n) for n in names])
-            if fused_experts and key in FUSED_EXPERTS:  # (experts, rows of each, columns)
-                out[key.format(part)] = out[key.format(part)].unflatten(0, (cfg.n_experts, -1))
-    return out | {hf_names[(isinstance(part, int), name)].format(part): t.contiguous() for name, t in hf.items()}
-
 
 def hf_specs(cfg: ModelConfig, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(Hugging Face name, dtype, shape) of every tensor, from shapes alone (meta tensors through
@@ -316,41 +229,96 @@ def write_meta(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
     (tmp / "params.json").write_text(json.dumps(meta_params(cfg), indent=2) + "\n")
 
 
+@dataclass(frozen=True)
+class FormatOptions:
+    """What one format lets a user choose.
+
+    max_shard_size: "hf": the most bytes of one safetensors shard (int, or like "5GB"; transformers'
+        save_pretrained default): model.safetensors alone, or shards and an index past it.
+    outtype: "gguf", "gguf-lora": the file's weight type, f32, f16, bf16 or q8_0 (None: bf16 weights bf16,
+        others f16, as llama.cpp's converter's "auto")."""
+
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
+    outtype: str | None = None
+
+
+def hf_side_files(store: BlockStore, dtype: torch.dtype, folder: Path) -> Path:
+    """folder holding what the HF export writes beside its weights (config.json, the tokenizer files): what
+    llama.cpp's converter reads a GGUF's metadata from, and the GGUF export reads the same way."""
+    folder.mkdir(parents=True)
+    write_tokenizer_files(store, folder)
+    (folder / "config.json").write_text(json.dumps(hf_config(store.cfg, dtype), indent=2) + "\n")
+    carry_token_ids(folder)
+    return folder
+
+
+def gguf_module():
+    """phantom.model.gguf_export, which needs the optional gguf package (llama.cpp's own writer)."""
+    try:
+        from phantom.model import gguf_export
+    except ImportError as e:
+        if e.name != "gguf":
+            raise
+        raise ValueError("--format gguf needs the gguf package (llama.cpp's writer): pip install 'phantom[gguf]'") \
+            from None
+    return gguf_export
+
+
+def check_format(store: BlockStore, fmt: str, adapter, outtype: str | None) -> None:
+    """Refuse, before any work, what the format cannot hold or lacks."""
+    if outtype is not None and not fmt.startswith("gguf"):
+        raise ValueError("--outtype is for --format gguf and gguf-lora (hf and meta take --dtype)")
+    if fmt == "gguf-lora" and adapter is None:
+        raise ValueError("--format gguf-lora writes the adapter alone: give --adapter")
+    if fmt.startswith("gguf"):
+        gguf_module().check_supported(store, outtype)
+    if fmt == "meta" and (fields := meta_unsupported(store.cfg)):
+        raise ValueError(f"{store.path}: Meta's format holds Llama's maths only, and this {store.cfg.family} model "
+                         f"sets {', '.join(fields)}; use --format hf")
+
+
 def export(model: Path | str, out: Path | str, adapter: Path | str | None = None, fmt: str = "hf",
            dtype: torch.dtype | None = None, overwrite: bool = False, progress: bool = True,
-           max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """Write a store (plus a LoRA adapter, merged) as a full checkpoint in Hugging Face's or Meta's format.
+           options: FormatOptions = FormatOptions()) -> Path:
+    """Write a store (plus a LoRA adapter, merged) as a full checkpoint in Hugging Face's, Meta's or GGUF format.
 
     Args:
         model: the store folder.
         out: the checkpoint folder to create (written to a temporary folder, renamed when complete).
         adapter: a PEFT-layout LoRA adapter folder (as PhantomModel.save_adapter writes), or None.
-        fmt: "hf" (config.json + safetensors shards + index) or "meta" (params.json + consolidated.00.pth).
-        dtype: the checkpoint's dtype (default: the store's).
+        fmt: "hf" (config.json + safetensors shards + index), "meta" (params.json + consolidated.00.pth) or
+            "gguf" (one llama.cpp file, Name-Size-Type.gguf, and an Ollama Modelfile; phantom.model.gguf_export).
+        dtype: the checkpoint's dtype (default: the store's); gguf: the merged weights' dtype, which outtype
+            is made from.
         overwrite: replace the phantom export at out (a folder that is not one is refused).
         progress: a tqdm bar over the blocks.
-        max_shard_size: "hf": the most bytes of one safetensors shard (int, or like "5GB"; transformers'
-            save_pretrained default): model.safetensors alone, or shards and an index past it.
+        options: the format's own choices (FormatOptions: hf's shard size, gguf's weight type).
 
     Raises:
         FileNotFoundError, ValueError, StoreError: a missing or mismatched store or adapter, a bad argument.
     """
     if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; choose hf or meta")
-    parse_size(max_shard_size)  # a bad size is refused before any work
+        raise ValueError(f"unknown format {fmt!r}; choose hf, meta, gguf or gguf-lora")
+    parse_size(options.max_shard_size)  # a bad size is refused before any work
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; remove it or choose another --out")
     runfolder.check_replaceable(out, "export")  # overwrite: only an export phantom wrote goes
     store = BlockStore(model)
-    if fmt == "meta" and (fields := meta_unsupported(store.cfg)):
-        raise ValueError(f"{model}: Meta's format holds Llama's maths only, and this {store.cfg.family} model sets "
-                         f"{', '.join(fields)}; use --format hf")
+    check_format(store, fmt, adapter, options.outtype)
     dtype = dtype or store.dtype
     with fileio.replacing_folder(out) as tmp:  # the old folder (overwrite) goes only once this one is complete
         parts = merged_parts(store, Path(adapter) if adapter else None, dtype, progress)
-        if fmt == "hf":
-            write_hf(tmp, store.cfg, parts, dtype, max_shard_size)
+        if fmt == "gguf-lora":
+            from phantom.model.gguf_lora import export_gguf_lora
+            export_gguf_lora(store, tmp, Path(adapter), options.outtype, Path(model).resolve().name)
+        elif fmt == "gguf":
+            from phantom.model import gguf_export
+            with tempfile.TemporaryDirectory(prefix="phantom-gguf-") as scratch:  # named as the model: its GGUF name
+                side = hf_side_files(store, dtype, Path(scratch) / Path(model).resolve().name)
+                gguf_export.export_gguf(store, tmp, parts, dtype, options.outtype, side)
+        elif fmt == "hf":
+            write_hf(tmp, store.cfg, parts, dtype, options.max_shard_size)
         else:
             write_meta(tmp, store.cfg, parts, dtype)
         if fmt == "hf":
@@ -358,7 +326,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
             carry_token_ids(tmp)
             if caveat := tokenizer_caveat(store):
                 log.info("%s", caveat)
-        elif store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone
+        elif fmt == "meta" and store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone
             main = store.tokenizer_path.name
             atomic_write_bytes(tmp / main, tokenizer_files(store)[main].read_bytes())
         fileio.atomic_write_json(tmp / runfolder.EXPORT_MARKER, {"format": runfolder.EXPORT_FORMAT, "model": str(model),

@@ -45,10 +45,11 @@ class RunCard:
     origin: str = ""  # what the store was prepared from (phantom.base.provenance.describe)
     base_model: str | None = None  # what peft loads the adapter onto (a Hub id or folder), None: none loadable
     base_revision: str | None = None  # the Hub commit of base_model
+    gguf: str | None = None  # the GGUF file --export gguf wrote (OUT/gguf/NAME.gguf), its Modelfile beside it
 
     def markdown(self) -> str:
         return "\n".join([f"# Run card: {Path(self.out).name}", "", *self.table(), "", *self.flag_lines(), "",
-                          *self.loading(), ""])
+                          *self.loading(), "", *self.gguf_lines()])
 
     def table(self) -> list[str]:
         evals = f"{self.final_eval[1]:.4f} (step {self.final_eval[0]})" if self.final_eval else "-"
@@ -102,6 +103,19 @@ class RunCard:
         return ["With phantom:", "", "```python", "import phantom", "from phantom.model.adapterfiles import read_adapter_config", "",
                 f"model = phantom.load({self.store!r}, lora=read_adapter_config({self.adapter!r}))",
                 f"model.load_adapter({self.adapter!r})", "```"]
+
+
+    def gguf_lines(self) -> list[str]:
+        """How to run the GGUF file with llama.cpp and with Ollama (its Modelfile names the file)."""
+        if self.gguf is None:
+            return []
+        path, name = Path(self.gguf), Path(self.out).resolve().name.lower()
+        return ["## llama.cpp and Ollama", "", f"`{path}` is the trained model in one GGUF file (the chat template "
+                f"inside); `{path.parent / 'Modelfile'}` names it for Ollama:", "", "```sh",
+                f"llama-cli -m {shlex.quote(str(path))} -cnv",
+                f"llama-server -m {shlex.quote(str(path))} --port 8080",
+                f"cd {shlex.quote(str(path.parent))} && ollama create {name} -f Modelfile && ollama run {name}",
+                "```", ""]
 
 
 def gib(n: int | None) -> str:

@@ -38,7 +38,7 @@ ORDER = ("config", "model", "revision", "synthetic", "layers", "device", "dtype"
          "chat-template", "train-on", "show-data", "show-data-ids", "iters", "batch-size", "grad-accum", "seq-len",
          "lr", "min-lr", "warmup", "weight-decay", "grad-clip", "eval-every", "eval-iters", "save-every",
          "sample-every", "prompt", "sequential", "workers", "out", "resume", "overwrite", "seed", "trace",
-         "report-to", "quiet")
+         "report-to", "export", "quiet")
 RUN_FILE_HELP = """
 run files: every flag is a YAML key of the same name (without --), at the top level or in one of the
 sections model, data, lora, optim, placement, output (a key in section S may drop an S- prefix);
@@ -106,6 +106,11 @@ class Output:
                                   "the files phantom writes are replaced)")
     report_to: str = knob("none", "comma-separated experiment trackers fed the metrics.jsonl scalars and the "
                                   "config: tensorboard, wandb, mlflow, or none", metavar="TRACKERS")
+
+    export: str = knob("none", "at the end of the run, also write OUT/gguf/: the trained model (the adapter merged) "
+                               "as one GGUF file for llama.cpp, Ollama and LM Studio, and an Ollama Modelfile "
+                               "(needs phantom[gguf]; merge_lora.py --format gguf --outtype picks another type)",
+                       choices=("none", "gguf"))
 
     def __post_init__(self):
         trackers.parse_names(self.report_to)

@@ -26,6 +26,7 @@ from phantom.data import dataset as data
 from phantom.data.tokenizer import Tokenizer
 from phantom.files import runfolder
 from phantom.files.store import BlockStore
+from phantom.model.export import export, gguf_module
 from phantom.model.lora import family_targets
 from phantom.model.synthetic import ensure_tiny, write_synthetic
 from phantom.plan import planner
@@ -111,6 +112,8 @@ def decided(cfg: rc.RunConfig, store: BlockStore) -> rc.RunConfig:
 def claimed_run(cfg, given, machine: Machine, path: Path, store: BlockStore):
     """The run inside its claimed folder: (the summary, the tuner's prediction where it chose the placement)."""
     out, main = Path(cfg.train.out), machine.ddp.is_main
+    if cfg.output.export == "gguf":  # refused before training, not after
+        gguf_module().check_supported(store)
     first = 1  # the first step this run trains (for the trackers)
     if cfg.train.resume:  # compile and recompute as the checkpoint recorded them, unless a flag says otherwise
         flags = {k: v for k, v in rc.to_args(cfg).items() if k in P.Activations.__dataclass_fields__}
@@ -129,7 +132,7 @@ def claimed_run(cfg, given, machine: Machine, path: Path, store: BlockStore):
                                out.resolve().name, first, runs) as reporter:
             s = train_run(cfg, machine, path, store, reporter)
         if main:
-            write_card(cfg, given, s, store, machine)
+            write_card(cfg, given, s, store, machine, gguf_at_end(cfg, s, store))
     except OSError as e:
         if (line := io_error_line(e, out, path)) is None:
             raise
@@ -234,9 +237,24 @@ def write_run_file(cfg: rc.RunConfig, store: BlockStore, out: Path) -> dict:
     return {**flat, **{f"recorded-{k}": v for k, v in record.items()}}
 
 
-def write_card(cfg: rc.RunConfig, given: rc.RunConfig, s: dict, store: BlockStore, machine: Machine) -> None:
+def gguf_at_end(cfg: rc.RunConfig, s: dict, store: BlockStore) -> str | None:
+    """--export gguf: OUT/gguf/ (the GGUF file and its Modelfile) from what the run wrote (the adapter merged
+    into the store, or the trained weights); the file's path, None where nothing was asked or written."""
+    if cfg.output.export != "gguf" or (s["adapter"] is None and s["weights"] is None):
+        return None
+    out = Path(s["out"]) / "gguf"
+    if s["weights"] is not None:
+        export(s["weights"], out, fmt="gguf", overwrite=True, progress=False)
+    else:
+        export(store.path, out, adapter=s["adapter"], fmt="gguf", overwrite=True, progress=False)
+    return str(next(out.glob("*.gguf")))
+
+
+def write_card(cfg: rc.RunConfig, given: rc.RunConfig, s: dict, store: BlockStore, machine: Machine,
+               gguf: str | None = None) -> None:
     """OUT/README.md: the run card (model, data, flags that differ from the defaults, how it ended).
-    `given`: the config before the run decided its own values (so only what was asked for is listed)."""
+    `given`: the config before the run decided its own values (so only what was asked for is listed);
+    gguf: the GGUF file --export wrote."""
     p, recs = rc.parser(), read_metrics(Path(s["out"]) / "metrics.jsonl", s["steps"])
     defaults, asked = vars(p.parse_args([])), rc.to_args(given)
     changed = {d: v for d, v in asked.items() if d in defaults and v != defaults[d]}
@@ -254,7 +272,7 @@ def write_card(cfg: rc.RunConfig, given: rc.RunConfig, s: dict, store: BlockStor
         best_eval=s["best_val_loss"], tokens_per_s=s["tokens"] / max(s["time_s"], 1e-9), peak_host_bytes=host,
         peak_device_bytes=dev, adapter=s["adapter"], weights=s["weights"],
         versions=f"phantom {provenance.VERSION}, torch {torch.__version__}",
-        origin=provenance.describe(store.manifest), **loadable_base(store))
+        origin=provenance.describe(store.manifest), gguf=gguf, **loadable_base(store))
     runcard.write(Path(s["out"]) / "README.md", card)
 
 

@@ -1,0 +1,126 @@
+"""A GGUF file's tokenizer keys (tokenizer.ggml.*), read from the tokenizer files an HF export carries.
+
+What llama.cpp's convert_hf_to_gguf.py writes for the same folder: a sentencepiece tokenizer.model
+(model "llama": pieces, scores, types), a Llama-style tokenizer.json without one (gguf's LlamaHfVocab), or a
+byte-level BPE tokenizer.json (model "gpt2": tokens, types, merges, and the pre-tokenizer's llama.cpp name,
+found by hashing how it splits gguf_pretok.CHECK_TEXT); then gguf's SpecialVocab for the special ids,
+add-BOS/EOS flags and the chat template. May import gguf, sentencepiece and phantom.data.
+"""
+from __future__ import annotations
+
+import json
+from hashlib import sha256
+from pathlib import Path
+
+import gguf
+
+from phantom.data.tokenizer import Tokenizer
+from phantom.model.gguf_pretok import CHECK_TEXT, PRE_TOKENIZERS
+
+SP_NORMAL, SP_UNKNOWN, SP_CONTROL, SP_USER_DEFINED, SP_UNUSED, SP_BYTE = 1, 2, 3, 4, 5, 6  # sentencepiece's types
+SPACE = "\u2581"  # sentencepiece's word mark; llama.cpp wants user-defined tokens' spaces as spaces
+
+
+def looks_special(token: str) -> bool:
+    """Added tokens llama.cpp treats as control though a tokenizer may not flag them special."""
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
+            or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+            or (token.startswith("<unused") and token.endswith(">")))
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def sentencepiece_vocab(folder: Path, vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
+    """Pieces, scores and types of tokenizer.model, padded to vocab_size, with added_tokens.json and
+    tokenizer_config.json's added_tokens_decoder laid over them (as the converter's
+    _create_vocab_sentencepiece)."""
+    from sentencepiece import SentencePieceProcessor
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(folder / "tokenizer.model"))
+    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
+    scores, types = [-10000.0] * vocab_size, [SP_UNUSED] * vocab_size
+    for i in range(min(sp.vocab_size(), vocab_size)):
+        tokens[i], scores[i] = sp.IdToPiece(i).encode(), sp.GetScore(i)
+        types[i] = (SP_UNKNOWN if sp.IsUnknown(i) else SP_CONTROL if sp.IsControl(i) else
+                    SP_UNUSED if sp.IsUnused(i) else SP_BYTE if sp.IsByte(i) else SP_NORMAL)
+    for text, i in read_json(folder / "added_tokens.json").items():
+        if i < vocab_size:
+            tokens[i], scores[i], types[i] = text.encode(), -1000.0, SP_USER_DEFINED
+    for i, data in read_json(folder / "tokenizer_config.json").get("added_tokens_decoder", {}).items():
+        i, text = int(i), data["content"]
+        if i >= vocab_size:
+            continue
+        special = data.get("special") or looks_special(text)
+        types[i] = SP_CONTROL if special else SP_USER_DEFINED
+        tokens[i], scores[i] = (text if special else text.replace(SPACE, " ")).encode(), -1000.0
+    return tokens, scores, types
+
+
+def bpe_vocab(folder: Path, vocab_size: int) -> tuple[list[str], list[int]]:
+    """tokenizer.json's tokens by id up to vocab_size ([PADi] where none), typed as the converter's
+    get_vocab_base types them: added ones control (special, or looking it) or user-defined, else normal."""
+    spec = read_json(folder / "tokenizer.json")
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    by_id = {i: text for text, i in spec["model"]["vocab"].items()} | {i: t["content"] for i, t in added.items()}
+    if by_id and max(by_id) >= vocab_size:
+        raise ValueError(f"{folder}: the tokenizer has ids up to {max(by_id)}, past the model's {vocab_size} rows")
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            special = added[i].get("special") or looks_special(by_id[i])
+            tokens.append(by_id[i] if special else by_id[i].replace(SPACE, " "))
+            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    return tokens, types
+
+
+def pre_tokenizer(folder: Path) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenizer: the sha256 of the ids (with the tokens the
+    model adds, as transformers encodes) of CHECK_TEXT, looked up in llama.cpp's table."""
+    ids = Tokenizer(folder / "tokenizer.json").encode(CHECK_TEXT, bos=True)
+    digest = sha256(str(ids).encode()).hexdigest()
+    if digest not in PRE_TOKENIZERS:
+        raise ValueError(f"{folder / 'tokenizer.json'}: its BPE pre-tokenizer is not one llama.cpp knows (sha256 "
+                         f"{digest[:16]}...), so llama.cpp could not split text as it does; use --format hf")
+    return PRE_TOKENIZERS[digest]
+
+
+def llama_hf_vocab(folder: Path):
+    """gguf's LlamaHfVocab of a Llama-style tokenizer.json (sentencepiece-style BPE with byte fallback), or None."""
+    try:
+        return gguf.LlamaHfVocab(folder)
+    except (FileNotFoundError, TypeError):
+        return None
+
+
+def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, llama_hf: bool, sentencepiece: bool = True) -> None:
+    """Write the tokenizer keys for the files in folder, in the converter's order of tries: tokenizer.model,
+    then (llama_hf: Llama's converter class) a Llama-style tokenizer.json, then byte-level BPE; sentencepiece
+    False: byte-level BPE alone (the class that reads no tokenizer.model)."""
+    if sentencepiece and (folder / "tokenizer.model").is_file():
+        tokens, scores, types = sentencepiece_vocab(folder, vocab_size)
+        model = "llama"
+    elif llama_hf and (vocab := llama_hf_vocab(folder)) is not None:
+        tokens, scores, types = map(list, zip(*vocab.all_tokens()))
+        model = "llama"
+    else:
+        tokens, types = bpe_vocab(folder, vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre_tokenizer(folder))
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
+        return
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)

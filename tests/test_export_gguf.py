@@ -1,0 +1,356 @@
+"""GGUF export against llama.cpp's own converter and transformers' GGUF loader.
+
+For tiny models of each family GGUF export covers (built with transformers, through prepare_model.py, with a
+random LoRA adapter merged): `merge_lora.py --format gguf` must write the very file (same name, every byte:
+metadata keys, values and order, tensor names, shapes, types, order and data) that llama.cpp's
+convert_hf_to_gguf.py (pinned: conftest.llama_cpp) writes from `merge_lora.py --format hf` of the same
+store and adapter; and transformers' GGUF loader must read it back with the merged HF export's logits
+within the type's rounding; the adapter alone as a GGUF LoRA adapter must be the file llama.cpp's
+convert_lora_to_gguf.py writes, and on the base GGUF give the merged one. Tokenizers: a sentencepiece model
+trained here (Llama-2's settings), and the published Llama-3.1 and Qwen3 tokenizer.json files
+(conftest.real_tokenizer), chat templates included.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import phantom
+from conftest import llama_cpp, max_rel_err, need, real_tokenizer
+from phantom.data.tokenizer import TINY_TEXT
+from test_convert import load_script
+from test_export_hf import llama2_style_sentencepiece
+
+transformers = need("transformers")
+gguf = need("gguf")
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, initializer_range=0.1)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+# name: (transformers config class, its fields, tokenizer, store dtype, outtypes compared with the converter)
+CASES = {
+    "llama": ("LlamaConfig", {}, "sentencepiece", "fp32", ("f32", "f16", "bf16", "q8_0")),
+    "llama3": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE, "vocab_size": 128256}, "llama3_1", "bf16", ("q8_0",)),
+    "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 32}, "sentencepiece", "fp32", ("f16",)),
+    "qwen2": ("Qwen2Config", {}, "sentencepiece", "bf16", ("bf16",)),  # Qwen2Model reads a tokenizer.model first
+    "qwen3": ("Qwen3Config", {"vocab_size": 151936, "head_dim": 128, "tie_word_embeddings": True}, "qwen3", "bf16",
+              ("q8_0",)),
+    "qwen3_moe": ("Qwen3MoeConfig", {"vocab_size": 151936, "head_dim": 128, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 768, "norm_topk_prob": True}, "qwen3", "bf16", ("q8_0",)),
+    "qwen2_moe": ("Qwen2MoeConfig", {"vocab_size": 151936, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
+                  "qwen3", "bf16", ("bf16",)),
+}
+# transformers' GGUF loader takes qwen3's head_dim from Qwen3Config's default (128), not the file's key_length,
+# so that case has Qwen3's own 128 (qwen3_moe too; and the MoE cases have their config classes' default expert
+# widths, which it takes instead of the file's expert_feed_forward_length); it reads no rope_freqs (Llama-3.1's scaling), so the llama3 case is not
+# loaded with it (its file, rope_freqs included, is compared byte for byte with the converter's).
+LORA_OUTTYPES = {"llama": "f32", "qwen3": "q8_0"}  # cases whose adapter is also written as a GGUF LoRA adapter
+TOLERANCE = {"f32": 1e-5, "f16": 2e-2, "bf16": 1e-1, "q8_0": 1e-1}  # logits against unrounded weights, max |a - b| / max |b|
+
+
+def source_folder(folder: Path, name: str) -> int:
+    """The tokenizer files of a case in folder; its vocabulary size."""
+    if CASES[name][2] == "sentencepiece":
+        return llama2_style_sentencepiece(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real_tokenizer(CASES[name][2]) / f, folder / f)
+    return len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+def build(root: Path, name: str) -> tuple[Path, Path, Path]:
+    """(store, adapter, merged HF export) of a case: a random tiny model and a random LoRA adapter."""
+    config_class, fields, _, dtype, _ = CASES[name]
+    src = root / "hf"
+    src.mkdir()
+    vocab = source_folder(src, name)
+    config = getattr(transformers, config_class)(**{**SMALL, "vocab_size": vocab, "tie_word_embeddings": False,
+                                                    **fields})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    store = root / f"tiny-{name}"  # the GGUF's general.name comes from this folder's name, the HF export's from its own
+    assert load_script("prepare_model").main(["--src", str(src), "--out", str(store), "--dtype", dtype,
+                                              "--quiet"]) == 0
+    lora = phantom.LoraConfig(rank=4, alpha=8, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    with phantom.load(store, offload="none", lora=lora) as model, torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in model.trainable_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        model.save_adapter(root / "adapter")
+    merged = root / "merged" / store.name
+    assert load_script("merge_lora").main(["--model", str(store), "--adapter", str(root / "adapter"), "--out",
+                                           str(merged), "--format", "hf", "--quiet"]) == 0
+    return store, root / "adapter", merged
+
+
+def converted(merged: Path, outtypes, out: Path, adapter: Path, lora_outtype: str | None) -> dict[str, Path]:
+    """outtype -> the file llama.cpp's convert_hf_to_gguf.py writes from merged (default name), and "lora" ->
+    the one its convert_lora_to_gguf.py writes from the adapter (merged as --base); run side by side."""
+    runs = {t: ["convert_hf_to_gguf.py", str(merged), "--outtype", t] for t in outtypes}
+    if lora_outtype:
+        runs["lora"] = ["convert_lora_to_gguf.py", "--base", str(merged), "--outtype", lora_outtype, str(adapter)]
+    procs = {}
+    for key, (script, *args) in runs.items():
+        (out / key).mkdir(parents=True)
+        procs[key] = subprocess.Popen([sys.executable, str(llama_cpp() / script), *args, "--outfile", str(out / key)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for key, p in procs.items():
+        log = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, f"{' '.join(runs[key])}: exit {p.returncode}\n{log[-3000:]}"
+    return {key: next((out / key).glob("*.gguf")) for key in runs}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """case(name) -> (store, adapter, merged HF export, {outtype or "lora": phantom's GGUF}, {the same: the
+    converters' GGUF}), each case built once for the module."""
+    cases = {}
+
+    def case(name: str):
+        if name not in cases:
+            root = tmp_path_factory.mktemp(name)
+            store, adapter, merged = build(root, name)
+            ours = {}
+            for t in CASES[name][4]:
+                ours[t] = merge(store, adapter, root / "gguf" / t, "gguf", t)
+            if lora := LORA_OUTTYPES.get(name):
+                ours["lora"] = merge(store, adapter, root / "gguf" / "lora", "gguf-lora", lora)
+            cases[name] = store, adapter, merged, ours, converted(merged, CASES[name][4], root / "llama.cpp", adapter,
+                                                                   lora)
+        return cases[name]
+    return case
+
+
+def merge(store: Path, adapter: Path | None, out: Path, fmt: str, outtype: str) -> Path:
+    """The file `merge_lora.py --format fmt --outtype outtype` writes into out."""
+    args = ["--model", str(store), "--out", str(out), "--format", fmt, "--outtype", outtype, "--quiet"]
+    assert load_script("merge_lora").main(args + (["--adapter", str(adapter)] if adapter else [])) == 0
+    return next(out.glob("*.gguf"))
+
+
+@functools.lru_cache(maxsize=8)
+def read(path: Path):
+    """A GGUF file's reader, made once (a 150k-token vocabulary takes seconds to parse)."""
+    return gguf.GGUFReader(path)
+
+
+def differences(a: Path, b: Path) -> list[str]:
+    """What differs between two GGUF files, key by key and tensor by tensor (for an assertion's message)."""
+    ra, rb = gguf.GGUFReader(a), gguf.GGUFReader(b)
+    out = []
+    if list(ra.fields) != list(rb.fields):
+        out.append(f"keys only in {a.name}: {set(ra.fields) - set(rb.fields)}, only in the other: "
+                   f"{set(rb.fields) - set(ra.fields)}, order: {list(ra.fields) == list(rb.fields)}")
+    out += [f"{k}: {str(f.contents())[:120]} != {str(rb.fields[k].contents())[:120]}"
+            for k, f in ra.fields.items() if k in rb.fields and (f.types, f.contents()) != (rb.fields[k].types,
+                                                                                         rb.fields[k].contents())]
+    ta = [(t.name, t.shape.tolist(), t.tensor_type.name) for t in ra.tensors]
+    tb = [(t.name, t.shape.tolist(), t.tensor_type.name) for t in rb.tensors]
+    if ta != tb:
+        out.append(f"tensors: {ta} != {tb}")
+    out += [f"{x.name}: other bytes" for x, y in zip(ra.tensors, rb.tensors) if bytes(x.data.data) != bytes(y.data.data)]
+    return out or ["the same keys and tensors, other bytes (padding or alignment)"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gguf_equals_llama_cpp_converter_output(built, name):
+    _, _, _, ours, theirs = built(name)
+    for t in CASES[name][4]:
+        assert ours[t].name == theirs[t].name, (name, t)
+        assert ours[t].read_bytes() == theirs[t].read_bytes(), (name, t, differences(ours[t], theirs[t])[:8])
+        reader = read(ours[t])
+        assert reader.fields["general.file_type"].contents() == {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[t]
+        if t != "f32":  # the matrices (experts' stacks included) are in the file's type; routers stay f32
+            assert {x.tensor_type.name.lower() for x in reader.tensors
+                    if len(x.shape) >= 2 and "ffn_gate_inp" not in x.name} == {t}
+            assert {x.tensor_type.name for x in reader.tensors if "ffn_gate_inp" in x.name} <= {"F32"}
+
+
+def test_gguf_written_a_few_rows_at_a_time_is_the_same_file(built, tmp_path, monkeypatch):
+    """Tensors are converted in slices of rows (a large embedding is never copied whole): the same bytes."""
+    from phantom.model import gguf_export
+    store, adapter, _, _, theirs = built("llama")
+    monkeypatch.setattr(gguf_export, "CHUNK_BYTES", 1000)  # 3 rows of 64 (attention) or 128 (down) columns
+    for t in ("q8_0", "bf16"):
+        assert merge(store, adapter, tmp_path / t, "gguf", t).read_bytes() == theirs[t].read_bytes(), t
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # gguf's own f16 cast of huge floats: inf
+def test_float_bytes_are_gguf_quantizers_on_every_kind_of_value():
+    """encode (torch's bf16 rounding where there is no NaN, a tensor of the file's type as it is) gives gguf's
+    quantizers' bytes from float32, as the converter makes them: ties to even, ties that carry into the exponent,
+    the largest floats rounding to inf, subnormals, infinities, signed zeros, NaNs of any payload."""
+    from phantom.model.gguf_export import T, encode
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00000001, 0x80008000,
+                            0x7F800000, 0xFF800000, 0x00000000, 0x80000000], dtype=torch.int64).to(torch.int32)
+    for values in (torch.cat([bits, special]).view(torch.float32), torch.randn(64, 32, generator=gen)):
+        for block in (values, values[~torch.isnan(values)]):  # with NaNs (gguf's path) and without (torch's)
+            for source in (torch.float32, torch.bfloat16, torch.float16):  # as the merged weights may be
+                x = block.to(source)
+                for qtype in (T.BF16, T.F16, T.F32):
+                    want = gguf.quants.quantize(x.to(torch.float32).numpy(), qtype).tobytes()
+                    assert encode(x, qtype) == want, (source, qtype)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gguf_carries_the_tokenizer_and_chat_template(built, name):
+    _, _, merged, ours, _ = built(name)
+    fields = read(ours[CASES[name][4][0]]).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == json.loads((merged / "config.json").read_text())["vocab_size"]
+    kind = CASES[name][2]
+    assert fields["tokenizer.ggml.model"].contents() == ("llama" if kind == "sentencepiece" else "gpt2")
+    assert fields["tokenizer.ggml.pre"].contents() == {"sentencepiece": "default", "llama3_1": "llama-bpe",
+                                                       "qwen3": "qwen2"}[kind]
+    template = json.loads((merged / "tokenizer_config.json").read_text()).get("chat_template")
+    assert (fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None) == template
+    if kind != "sentencepiece":
+        assert template and "tokenizer.ggml.merges" in fields
+
+
+def rounded_through(model, outtype: str):
+    """model with each matrix rounded through the GGUF type (gguf's quantize, then dequantize), as the file
+    holds it; vectors (norms, biases) and routers stay f32, as in the file."""
+    qtype = gguf.GGMLQuantizationType[outtype.upper()]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):  # experts' stacks too; routers stay f32
+                q = gguf.quants.quantize(p.numpy(), qtype)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, qtype).reshape(p.shape)))
+    return model
+
+
+# llama3: the loader reads no rope_freqs; qwen2_moe: it makes the shared expert's gate (1, 1, dim), not (1, dim)
+@pytest.mark.parametrize("name", [n for n in CASES if n not in ("llama3", "qwen2_moe")])
+def test_transformers_loads_the_gguf_with_the_merged_logits(built, name):
+    """The GGUF's logits are the merged HF export's with its matrices rounded through the file's type (to
+    float noise), and near the unrounded ones."""
+    _, _, merged, ours, _ = built(name)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    tokens = torch.randint(0, reference.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = reference(tokens).logits
+        for t in CASES[name][4]:
+            path = ours[t]
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                      dtype=torch.float32).eval()
+            got = model(tokens).logits
+            assert max_rel_err(got, rounded_through(copy.deepcopy(reference), t)(tokens).logits) < 1e-5, (name, t)
+            moe = 3 if "moe" in name else 1  # rounding moves a router's top-k choice now and then
+            assert max_rel_err(got, exact) < TOLERANCE[t] * moe, (name, t)
+
+
+@pytest.mark.parametrize("name", list(LORA_OUTTYPES))
+def test_gguf_lora_equals_llama_cpp_converter_output(built, name):
+    _, _, _, ours, theirs = built(name)
+    assert ours["lora"].name == theirs["lora"].name
+    assert ours["lora"].read_bytes() == theirs["lora"].read_bytes(), differences(ours["lora"], theirs["lora"])[:8]
+    fields = read(ours["lora"]).fields
+    assert (fields["general.type"].contents(), fields["adapter.type"].contents()) == ("adapter", "lora")
+
+
+def test_gguf_lora_over_the_base_gguf_is_the_merged_gguf(built, tmp_path):
+    """llama.cpp's LoRA maths (W + alpha / r * B @ A, per GGUF tensor) on the base model's GGUF and the adapter's
+    gives the merged GGUF's matrices: the adapter's names and q/k rows fit the base file's."""
+    store, _, _, ours, _ = built("llama")  # f32 files: the merged model's and the adapter's
+    base = {t.name: t.data for t in gguf.GGUFReader(merge(store, None, tmp_path / "base", "gguf", "f32")).tensors}
+    merged = {t.name: t.data for t in read(ours["f32"]).tensors}
+    lora = read(ours["lora"])
+    pairs = {t.name: torch.from_numpy(t.data.copy()) for t in lora.tensors}
+    scale = lora.fields["adapter.lora.alpha"].contents() / next(iter(pairs.values())).shape[0]
+    assert len(pairs) == 2 * 7 * SMALL["num_hidden_layers"]  # every projection of every block
+    for a_name in [n for n in pairs if n.endswith(".lora_a")]:
+        w = a_name.removesuffix(".lora_a")
+        expected = torch.from_numpy(base[w].copy()) + scale * pairs[w + ".lora_b"] @ pairs[a_name]
+        assert max_rel_err(torch.from_numpy(merged[w].copy()), expected) < 1e-5, w
+
+
+def test_finetune_export_gguf_writes_the_merged_file_and_says_how_to_run_it(built, tmp_path):
+    """finetune.py --export gguf: OUT/gguf/ holds merge_lora.py --format gguf's file of the run's adapter (the
+    default type: f16 for this fp32 store) and a Modelfile naming it; the run card says how to run both."""
+    store = built("llama")[0]
+    run = tmp_path / "run"
+    assert load_script("finetune").main(["--model", str(store), "--data", str(TINY_TEXT), "--iters", "2", "--seq-len",
+                                         "32", "--batch-size", "2", "--out", str(run), "--device", "cpu", "--export",
+                                         "gguf", "--quiet"]) == 0
+    (path,) = (run / "gguf").glob("*.gguf")
+    assert (run / "gguf" / "Modelfile").read_text() == f"FROM ./{path.name}\n"
+    assert path.read_bytes() == merge(store, run / "adapter", tmp_path / "merged", "gguf", "f16").read_bytes()
+    card = (run / "README.md").read_text()
+    assert f"llama-cli -m {path}" in card and "ollama create" in card and "-f Modelfile" in card
+
+
+def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys):
+    store, moe = built("llama")[0], built("qwen3_moe")
+    phi3 = tmp_path / "phi3"
+    shutil.copytree(store, phi3)
+    manifest = json.loads((phi3 / "manifest.json").read_text())
+    manifest["config"]["family"] = "phi3"  # a family phantom trains and GGUF export does not cover
+    (phi3 / "manifest.json").write_text(json.dumps(manifest))
+    merge_lora = load_script("merge_lora").main
+    for args, words in [(["--model", str(phi3), "--format", "gguf"], "GGUF export covers llama, mistral, qwen2, qwen3"),
+                        (["--model", str(store), "--format", "gguf-lora"], "give --adapter"),
+                        (["--model", str(store), "--format", "hf", "--outtype", "f16"], "--outtype is for"),
+                        (["--model", str(moe[0]), "--adapter", str(moe[1]), "--format", "gguf-lora"],
+                         "covers dense models")]:
+        capsys.readouterr()
+        assert merge_lora([*args, "--out", str(tmp_path / "out"), "--quiet"]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+# -- memory: one block at a time ---------------------------------------------------------------------
+CHILD = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[1] + "/scripts")
+import merge_lora
+assert merge_lora.main(["--model", sys.argv[2], "--out", sys.argv[3], "--format", "gguf", "--outtype", "q8_0",
+                        "--quiet"]) == 0
+with open("/proc/self/status") as f:  # this process image's own peak (see tests/test_memory.py)
+    print(json.dumps({"peak": next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))}))
+"""
+
+
+def test_gguf_export_peak_memory_grows_with_one_block_not_with_depth(tmp_path):
+    """Peak RSS of merge_lora.py --format gguf on fp32 stores of 4 and 16 blocks of ~13 MiB each (one child
+    process each, side by side): 12 more blocks add at most about two blocks (allocator noise, seen up to 2.3),
+    where holding the model would add 12."""
+    import os
+    from phantom.files.store import BlockStore
+    repo, stores = Path(__file__).resolve().parent.parent, {}
+    for n in (4, 16):
+        src = tmp_path / f"hf{n}"
+        src.mkdir()
+        config = transformers.LlamaConfig(vocab_size=llama2_style_sentencepiece(src), hidden_size=512,
+                                          intermediate_size=1536, num_hidden_layers=n, num_attention_heads=4,
+                                          max_position_embeddings=64, tie_word_embeddings=False)
+        transformers.LlamaForCausalLM(config).save_pretrained(src)
+        stores[n] = tmp_path / f"store{n}"
+        assert load_script("prepare_model").main(["--src", str(src), "--out", str(stores[n]), "--quiet"]) == 0
+    block = BlockStore(stores[4]).block_nbytes
+    assert block > 10 * 2**20
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(repo), str(stores[n]), str(tmp_path / f"out{n}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for n in (4, 16)]
+    peaks = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        peaks.append(json.loads(out.strip().splitlines()[-1])["peak"])
+    mib = [round(x / 2**20, 1) for x in (block, *peaks)]
+    print(f"block, peak RSS of 4 and 16 blocks: {mib} MiB")
+    assert peaks[1] - peaks[0] < 3 * block, f"peak RSS grows with depth: block, 4 blocks, 16 blocks = {mib} MiB"

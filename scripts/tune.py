@@ -25,7 +25,7 @@ from phantom.files.store import BlockStore  # noqa: E402
 from phantom.plan import costexperts, planner, profiles, tune
 from phantom.plan import costinputs as ci
 from phantom.plan import costmodel as cm
-from phantom.stream.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
+from phantom.stream.placement import Placement, offload_choices, parse_bytes  # noqa: E402
 from phantom.train import cli
 
 
@@ -47,7 +47,8 @@ def parse_args(argv=None):
     a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")
     a("--grad-accum", type=int, default=1, help="calls per block per step (rows per step = batch size x this)")
     a("--seq-len", type=int, default=128, help="tokens per row")
-    a("--offload", default="auto", choices=OFFLOADS, help="offload mode to plan (auto: device, RAM, disk by budget)")
+    a("--offload", default="auto", choices=offload_choices(), help="offload mode to plan (auto: device, RAM, disk by "
+                                                                  "budget; or a tier an installed package declares)")
     a("--device-budget", type=parse_bytes, default=None, help="device bytes for resident blocks and slots, e.g. 60G")
     a("--ram-budget", type=parse_bytes, default=None, help="host bytes for the RAM tier, e.g. 48G")
     a("--disk-budget", type=parse_bytes, default=None, help="disk space for the store (default: free space under "
@@ -146,7 +147,7 @@ def check(args, subject: Subject, dtype: str, device, profile, best) -> int:
     return 0 if r["within_15"] else 1
 
 
-def main(argv=None) -> int:
+def run(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     try:
@@ -190,6 +191,10 @@ def main(argv=None) -> int:
     if args.table:
         print("\n" + tune.format_table(cands, args.table, best))
     return 0
+
+
+def main(argv=None) -> int:
+    return cli.guarded(run, argv)  # a broken tier plugin, found while building the flags: one line, exit 2
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ def knob_flag(f: dataclasses.Field, kind, shown, default=None) -> dict:
     default, its choices or type from the field; `default` (None: "not given", the config decides)."""
     meta = dict(f.metadata)
     kw = dict(dest=f.name, default=default, help=meta.get("help", "") + f" (default: {shown})")
-    if "choices" in meta:
-        kw["choices"] = meta["choices"]
+    if "choices" in meta:  # a function where they change at run time (offload: the registered tiers)
+        kw["choices"] = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
     elif meta.get("type") == "bytes":
         kw.update(type=_bytes_or_none, metavar="SIZE|auto")
     elif kind is bool:

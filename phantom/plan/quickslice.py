@@ -1,0 +1,65 @@
+"""A quick profile in bounded time: a block's compute measured on a slice of it and scaled by FLOPs.
+
+A 70B-shaped block's forward over one row of 128 tokens is ~220 GFLOP; a profile times dozens of such
+calls, which on a 2-core CPU with bf16 emulated in software (~30 GFLOP/s) is many minutes. The rates a
+profile keeps are per FLOP and per byte (phantom.plan.costinputs), so they can be measured on a block
+of the same width, narrower: the same dim (every matmul's inner or outer size, the residual stream),
+1/k of the attention heads and of the MLP's hidden width (each matmul with 1/k of its rows or
+columns), 1/k of the vocabulary for the head. `slice_factor` chooses k from a matmul rate timed first
+so that the compute measurement takes about `QUICK_COMPUTE_S` (phantom.plan.computetimer.matmul_rate
+times that rate). Pure functions: no clocks here. notes/quick-profile.md records the
+error of this scaling against full measurements (7B and 70B shapes, fp32, bf16 native and emulated).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from phantom.arch.config import ModelConfig
+from phantom.plan import costinputs as ci
+
+QUICK_COMPUTE_S = 12.0  # what a quick profile's compute measurement aims to take (it may take ~2x)
+MIN_WIDTH = 64  # a sliced hidden width stays a multiple of this (the quantized formats' block size)
+MAX_FACTOR = 64
+CALLS_PER_ROW = 16  # forwards' worth of block calls a profile makes per row measured (see measured_fwds)
+
+
+def measured_fwds(rows: int) -> int:
+    """Forwards of one row the compute measurement runs, roughly: at 1 row and at `rows` (the largest power
+    of two dividing them), per row: a warm-up and 2 timed forwards, 3 graph forwards with their backwards
+    (~2 forwards each), 3 forwards beside a reader; and the head at 1 row."""
+    hi = rows & -rows  # the largest power of two dividing rows
+    return CALLS_PER_ROW * (1 + (hi if hi > 1 else 0))
+
+
+def estimate_s(shape: ci.Shape, rows: int, rate: float) -> float:
+    """Seconds the compute measurement of `shape` takes at `rate` FLOP/s (a matmul's: blocks run slower)."""
+    return (measured_fwds(rows) * shape.flops_per_row + 3 * shape.head_flops_per_row) / rate
+
+
+def slice_config(cfg: ModelConfig, k: int) -> ModelConfig:
+    """cfg with 1/k of its heads (kv heads at least 1, the q heads a multiple of them), MLP and experts'
+    widths and vocabulary; the same dim, head width and depth. k = 1: cfg itself."""
+    if k == 1:
+        return cfg
+    kv = max(1, cfg.kv_heads // k)
+    heads = kv * max(1, round(cfg.n_heads / k / kv))
+    return dataclasses.replace(
+        cfg, n_heads=heads, n_kv_heads=kv, explicit_head_dim=cfg.head_dim, intermediate_size=cfg.hidden_dim // k,
+        vocab_size=max(MIN_WIDTH, cfg.vocab_size // k), expert_dim=cfg.expert_dim // k,
+        shared_expert_dim=cfg.shared_expert_dim // k)
+
+
+def can_slice(cfg: ModelConfig, k: int) -> bool:
+    """The widths 1/k keeps are whole: the hidden widths multiples of MIN_WIDTH, at least one head."""
+    widths = [w for w in (cfg.hidden_dim, cfg.expert_dim, cfg.shared_expert_dim) if w]
+    return k <= MAX_FACTOR and cfg.n_heads >= k and all(w % (k * MIN_WIDTH) == 0 for w in widths)
+
+
+def slice_factor(cfg: ModelConfig, work: ci.Workload, rate: float, budget_s: float = QUICK_COMPUTE_S) -> int:
+    """The smallest power of two k for which the sliced block's compute measures within budget_s at
+    `rate` FLOP/s (1 where the whole block does; the largest that slices evenly where none does)."""
+    k = 1
+    while estimate_s(ci.shape_of(slice_config(cfg, k), work.store_dtype, work.dtype, work.seq_len), work.rows,
+                     rate) > budget_s and can_slice(cfg, 2 * k):
+        k *= 2
+    return k

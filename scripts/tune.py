@@ -60,7 +60,8 @@ def parse_args(argv=None):
     a("--steps", type=int, default=3, help="timed steps of the check, after one warm-up step")
     a("--json", action="store_true", help="print the plan as one JSON object")
     a("--table", type=int, default=0, help="also print the fastest N candidates")
-    a("--quick", action="store_true", help="fewer repeats and a smaller read sample when measuring")
+    a("--quick", action="store_true", help="measure in about a minute: fewer repeats, a smaller read sample, a "
+                                            "block's compute timed on a slice of it and scaled by FLOPs")
     a("--remeasure", action="store_true", help="measure again even if a profile is saved")
     a("--profile-dir", default=None, help="where profiles are saved (default $PHANTOM_CACHE/profiles or "
                                           "~/.cache/phantom/profiles)")
@@ -97,6 +98,23 @@ def beside_16bit(args, cfg, store_dtype: str, dtype: str, profile, budgets, rows
     return (f"{store_dtype} store ({cm.gib(shape.store_bytes)}): {s['device']} blocks on the device, {s['ram']} in "
             f"RAM, {s['disk']} on disk; {other.bytes_read / 1e9:.1f} GB read per step; predicted "
             f"{other.step_s:.3f} s/step against {best.step_s:.3f} s quantized ({other.step_s / best.step_s:.2f}x)")
+
+
+def fp32_beside(args, device, profile_overrides: dict, budgets: Placement, rows: int, why: str, best) -> dict:
+    """Where bf16 is emulated on this CPU: the same plan computing in fp32 (its profile measured as the
+    bf16 one was, quick if that was), as {"bf16_emulated": why, "fp32_step_s": s or None, "line": text}."""
+    name, cfg, store_dtype, quant, profile, _ = model_and_profile(args, device, "fp32")
+    profile = dataclasses.replace(profile, **profile_overrides)
+    cands = planner.search(profile, ci.shape_of(cfg, store_dtype, "fp32", args.seq_len, quant), rows,
+                           search_space(args, budgets))
+    fits = [c for c in cands if c.fits]
+    other = planner.choose(fits) if fits else None
+    beside = (f"fp32 predicted {other.step_s:.3f} s/step against {best.step_s:.3f} s in bf16 "
+              f"({best.step_s / other.step_s:.1f}x slower in bf16)" if other is not None else
+              f"fp32: nothing fits ({min(cands, key=lambda c: c.missing_bytes).missing_text()})")
+    return {"bf16_emulated": why, "fp32_step_s": other.step_s if other is not None else None,
+            "line": f"warning    bf16 is emulated on this CPU ({why}): {beside}; --dtype fp32 (what --dtype auto "
+                    f"chooses on a CPU) computes in fp32"}
 
 
 def search_space(args, budgets: Placement) -> planner.SearchSpace:
@@ -158,14 +176,17 @@ def run(argv=None) -> int:
         name, cfg, store_dtype, quant, profile, disk = model_and_profile(args, device, dtype)
         if args.seq_len > cfg.max_seq_len:
             raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-        profile = dataclasses.replace(profile, free_disk_bytes=disk)
-        if args.host_memory is not None:
-            profile = dataclasses.replace(profile, free_host_bytes=args.host_memory)
+        overrides = dict(free_disk_bytes=disk, **({} if args.host_memory is None else
+                                                  {"free_host_bytes": args.host_memory}))
+        profile = dataclasses.replace(profile, **overrides)
         budgets = Placement(device_budget=args.device_budget, ram_budget=args.ram_budget)
         rows = args.batch_size * args.grad_accum
         shape = ci.shape_of(cfg, store_dtype, dtype, args.seq_len, quant)
         cands = planner.search(profile, shape, rows, search_space(args, budgets))
         best = planner.choose(cands)
+        emulated = None  # bf16 emulated here: the fp32 plan beside it
+        if (why := cli.emulated_bf16(dtype, device)) is not None:
+            emulated = fp32_beside(args, device, overrides, budgets, rows, why, best)
         if args.check:
             return check(args, Subject(name, cfg, store_dtype, quant), dtype, device, profile, best)
     except (OSError, ValueError) as e:  # nothing fits, bad flags, a bad config file; a bug keeps its traceback
@@ -179,9 +200,12 @@ def run(argv=None) -> int:
         print(f"error: {' '.join(line.split())}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict()}))
+        extra = {k: v for k, v in (emulated or {}).items() if k != "line"}
+        print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict(), **extra}))
         return 0
     print(planner.describe_plan(best, shape, profile, name))
+    if emulated is not None:
+        print(emulated["line"])
     if cfg.n_experts and not quant:
         print(costexperts.describe_expert_reads(profile, shape, cfg, store_dtype, best))
     if args.quantize:

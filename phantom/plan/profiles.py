@@ -29,7 +29,7 @@ import torch
 
 from phantom.arch import quant
 from phantom.arch.quantformat import as_format
-from phantom.base import dtypes, safejson
+from phantom.base import cpufeatures, dtypes, safejson
 from phantom.base.fileio import atomic_write_json
 from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
@@ -250,14 +250,15 @@ def _slug(s: str) -> str:
 
 
 def machine_key(device: torch.device | str) -> str:
-    """Host name and device name, e.g. `box-nvidia-h100-80gb-hbm3` or `box-cpu-2c`."""
+    """Host name and device name, e.g. `box-nvidia-h100-80gb-hbm3`, `box-cpu-2c` or (ONEDNN_MAX_CPU_ISA set)
+    `box-cpu-2c-avx512-core`."""
     device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     elif device.type == "mps":
         name = f"mps-{platform.machine()}"
-    else:
-        name = f"cpu-{os.cpu_count()}c"
+    else:  # oneDNN's ISA cap changes the rates (it may keep bf16 instructions from oneDNN): a machine of its own
+        name = f"cpu-{os.cpu_count()}c" + (f"-{cap}" if (cap := cpufeatures.isa_cap()) else "")
     return _slug(f"{socket.gethostname()}-{name}")
 
 

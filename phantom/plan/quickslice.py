@@ -55,9 +55,11 @@ def can_slice(cfg: ModelConfig, k: int) -> bool:
     return k <= MAX_FACTOR and cfg.n_heads >= k and all(w % (k * MIN_WIDTH) == 0 for w in widths)
 
 
-def slice_factor(cfg: ModelConfig, work: ci.Workload, rate: float, budget_s: float = QUICK_COMPUTE_S) -> int:
-    """The smallest power of two k for which the sliced block's compute measures within budget_s at
-    `rate` FLOP/s (1 where the whole block does; the largest that slices evenly where none does)."""
+def slice_factor(cfg: ModelConfig, work: ci.Workload, rate: float, budget_s: float | None = None) -> int:
+    """The smallest power of two k for which the sliced block's compute measures within budget_s
+    (default QUICK_COMPUTE_S) at `rate` FLOP/s (1 where the whole block does; the largest that slices
+    evenly where none does)."""
+    budget_s = QUICK_COMPUTE_S if budget_s is None else budget_s
     k = 1
     while estimate_s(ci.shape_of(slice_config(cfg, k), work.store_dtype, work.dtype, work.seq_len), work.rows,
                      rate) > budget_s and can_slice(cfg, 2 * k):

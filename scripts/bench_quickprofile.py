@@ -8,6 +8,13 @@ with its own profile folder, quick then full for each case, side by side under t
 `--isas`: oneDNN's ISA cap per case (ONEDNN_MAX_CPU_ISA; `native` leaves it unset): AVX512_CORE keeps
 oneDNN from a CPU's bf16 instructions, so bf16 is emulated as on a CPU without them. Prints a markdown
 table (and appends it to --notes).
+
+`--ab ROUNDS` isolates the scaling: in one process per case, one block of the shape and the quick
+profile's slice of it, their compute timed alternately (slice, whole, slice, whole, ...: a shared
+machine's load drifts alike over both), each round's rates giving the whole model's compute per step
+(every block in RAM, recompute all, `cm.predict`); the error is of the medians.
+
+    python scripts/bench_quickprofile.py --ab 2 --presets 7B,70B --dtypes fp32,bf16 --isas native,AVX512_CORE
 """
 import argparse
 import json
@@ -32,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--disk-budget", default="300G", help="tune.py --disk-budget")
     p.add_argument("--quick-only", action="store_true", help="time the quick plans alone (no full measurement)")
     p.add_argument("--notes", type=Path, default=None, help="append the table to this markdown file")
+    p.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="compute alone, slice and whole block "
+                                                                      "alternately in one process, ROUNDS times")
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one --ab case, in its own process
     return p.parse_args(argv)
 
 
@@ -75,14 +85,91 @@ HEADER = ("| preset | dtype | oneDNN ISA | quick wall s | sliced to | quick fwd 
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+AB_HEADER = ("| preset | dtype | oneDNN ISA | slice | slice s (each round) | whole s (each round) | slice fwd GFLOP/s | "
+             "whole fwd GFLOP/s | slice compute s/step | whole compute s/step | compute error | load after |\n"
+             "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def ab_case(args, preset: str, dtype: str) -> dict:
+    """One case of --ab, in this process: the slice and the whole block timed alternately."""
+    import dataclasses
+    import statistics
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from phantom.arch import config
+    from phantom.files.store import BlockStore
+    from phantom.model.synthetic import write_synthetic
+    from phantom.plan import computetimer as ct, costinputs as ci, costmodel as cm, profiles, quickslice as qs
+    from phantom.stream.placement import Activations, Placement
+
+    cfg, device, dt = config.preset(preset), torch.device("cpu"), getattr(torch, {"fp32": "float32"}.get(dtype, "bfloat16"))
+    work = ci.Workload(args.batch_size, args.seq_len, dtype, "bf16")
+    k = qs.slice_factor(cfg, work, ct.matmul_rate(device, dt, cfg.dim, args.seq_len))
+    whole = ci.shape_of(cfg, "bf16", dtype, args.seq_len)
+    out = {"k": k, "slice": [], "whole": []}
+    with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
+        stores = {name: BlockStore(write_synthetic(Path(tmp) / name, dataclasses.replace(c, n_layers=1), torch.bfloat16,
+                                                   progress=False), verify="none")
+                  for name, c in (("slice", qs.slice_config(cfg, k)), ("whole", cfg))}
+        for _ in range(args.ab):
+            for name, repeats in (("slice", qs.QUICK_REPEATS), ("whole", 4)):  # as a quick and a full profile
+                store = stores[name]
+                t0 = time.perf_counter()
+                c = ct.measure_compute(store, device, dt, args.seq_len, args.batch_size, None, repeats)
+                wall = time.perf_counter() - t0
+                rates = profiles.compute_rates(c, ci.shape_of(store.cfg, "bf16", dtype, args.seq_len))
+                profile = ci.MachineProfile(machine="ab", device="cpu", dtype=dtype, **rates)
+                pred = cm.predict(profile, whole, Placement(offload="ram", prefetch=0), Activations(recompute="all"),
+                                  args.batch_size)
+                out[name].append({"wall_s": wall, "fwd_flops": rates["fwd_flops"], "compute_s": pred.compute_s})
+    for name in ("slice", "whole"):
+        out[f"{name}_compute_s"] = statistics.median(r["compute_s"] for r in out[name])
+    return out
+
+
+def ab_row(preset: str, dtype: str, isa: str, r: dict) -> str:
+    import statistics
+    cells = [preset, dtype, isa, f"1/{r['k']}", ", ".join(f"{x['wall_s']:.0f}" for x in r["slice"]),
+             ", ".join(f"{x['wall_s']:.0f}" for x in r["whole"]),
+             f"{statistics.median(x['fwd_flops'] for x in r['slice']) / 1e9:.0f}",
+             f"{statistics.median(x['fwd_flops'] for x in r['whole']) / 1e9:.0f}",
+             f"{r['slice_compute_s']:.1f}", f"{r['whole_compute_s']:.1f}",
+             f"{r['slice_compute_s'] / r['whole_compute_s'] - 1:+.1%}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def ab(args, preset: str, dtype: str, isa: str) -> str:
+    """One --ab case in its own process (oneDNN reads its ISA cap when the process starts)."""
+    env = dict(os.environ)
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    if isa != "native":
+        env["ONEDNN_MAX_CPU_ISA"] = isa
+    cmd = [sys.executable, __file__, "--case", f"{preset},{dtype}", "--ab", str(args.ab), "--batch-size",
+           str(args.batch_size), "--seq-len", str(args.seq_len)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return ab_row(preset, dtype, isa, json.loads(r.stdout.splitlines()[-1]))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.case:
+        print(json.dumps(ab_case(args, *args.case.split(","))))
+        return 0
     lines = [f"`python scripts/bench_quickprofile.py {' '.join(argv if argv is not None else sys.argv[1:])}`, "
-             f"{time.strftime('%Y-%m-%d %H:%M')}, load average before {os.getloadavg()[0]:.2f}", "", HEADER]
+             f"{time.strftime('%Y-%m-%d %H:%M')}, load average before {os.getloadavg()[0]:.2f}", "",
+             AB_HEADER if args.ab else HEADER]
     print("\n".join(lines), flush=True)
     for preset in args.presets.split(","):
         for isa in args.isas.split(","):
             for dtype in args.dtypes.split(","):
+                if args.ab:
+                    lines.append(ab(args, preset, dtype, isa) + f" {os.getloadavg()[0]:.1f} |")
+                    print(lines[-1], flush=True)
+                    continue
                 quick = tune(args, preset, dtype, isa, quick=True)
                 full = None if args.quick_only else tune(args, preset, dtype, isa, quick=False)
                 lines.append(row(preset, dtype, isa, quick, full))

@@ -179,7 +179,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
             the whole block would take long (what `auto_placement` runs without a profile).
     """
     device, dtype = torch.device(device), parse_dtype(dtype)
-    repeats = 2 if quick else 4
+    repeats = qs.QUICK_REPEATS if quick else 4
     t0 = time.perf_counter()
     disk, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
     request_s = measure_disk_requests(store, disk, (256 << 20) if quick else (1 << 30), 1 if quick else 2)
@@ -195,16 +195,22 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     return ci.MachineProfile(
         machine=machine_key(device), device=device.type, dtype=dtype_name(dtype), disk_gbps=disk,
         disk_request_s=request_s,
-        disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, fwd_flops=shape.flops_per_row / c["fwd_row_s"],
-        fwd_grad_ratio=c["fwd_grad_row_s"] / c["fwd_row_s"], bwd_ratio=c["bwd_row_s"] / c["fwd_row_s"],
-        fwd_call_s=c["fwd_call_s"], fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],
-        head_flops=shape.head_flops_per_row / c["head_row_s"],
-        keep_scale=c["keep_bytes_per_row"] / shape.keep_bytes_per_row, disk_jitter=jitter,
-        busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"],
+        disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, **compute_rates(c, shape), disk_jitter=jitter,
         compute_threads=torch.get_num_threads() if device.type == "cpu" else 0,
         free_device_bytes=free_dev, free_host_bytes=free_host_bytes(), quick=quick,
         measured_on=f"{shape_key(timed_cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens",
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def compute_rates(c: dict, shape: ci.Shape) -> dict:
+    """A profile's compute fields from ct.measure_compute's times of a block of `shape`: per FLOP, per byte
+    and per call, so they hold for any block of that width (the whole one, where a slice was timed)."""
+    return dict(fwd_flops=shape.flops_per_row / c["fwd_row_s"], fwd_grad_ratio=c["fwd_grad_row_s"] / c["fwd_row_s"],
+                bwd_ratio=c["bwd_row_s"] / c["fwd_row_s"], fwd_call_s=c["fwd_call_s"],
+                fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],
+                head_flops=shape.head_flops_per_row / c["head_row_s"],
+                keep_scale=c["keep_bytes_per_row"] / shape.keep_bytes_per_row,
+                busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"])
 
 
 @contextlib.contextmanager

@@ -20,20 +20,22 @@ from phantom.plan import costinputs as ci
 QUICK_COMPUTE_S = 12.0  # what a quick profile's compute measurement aims to take (it may take ~2x)
 MIN_WIDTH = 64  # a sliced hidden width stays a multiple of this (the quantized formats' block size)
 MAX_FACTOR = 64
-CALLS_PER_ROW = 16  # forwards' worth of block calls a profile makes per row measured (see measured_fwds)
+QUICK_REPEATS = 3  # timed calls of each kind a quick profile takes the median of: one disturbed call of three
+# (a shared machine's other work) does not move it, where the mean of two moves with it
+CALLS_PER_ROW = 5 * QUICK_REPEATS + 6  # forwards' worth of block calls a quick profile makes per row (measured_fwds)
 
 
 def measured_fwds(rows: int) -> int:
     """Forwards of one row the compute measurement runs, roughly: at 1 row and at `rows` (the largest power
-    of two dividing them), per row: a warm-up and 2 timed forwards, 3 graph forwards with their backwards
-    (~2 forwards each), 3 forwards beside a reader; and the head at 1 row."""
+    of two dividing them), per row and r = QUICK_REPEATS: r + 2 forwards (warm-ups and timed), r + 1 graph
+    forwards with their backwards (~2 forwards each), r + 1 forwards beside a reader."""
     hi = rows & -rows  # the largest power of two dividing rows
     return CALLS_PER_ROW * (1 + (hi if hi > 1 else 0))
 
 
 def estimate_s(shape: ci.Shape, rows: int, rate: float) -> float:
     """Seconds the compute measurement of `shape` takes at `rate` FLOP/s (a matmul's: blocks run slower)."""
-    return (measured_fwds(rows) * shape.flops_per_row + 3 * shape.head_flops_per_row) / rate
+    return (measured_fwds(rows) * shape.flops_per_row + (QUICK_REPEATS + 1) * shape.head_flops_per_row) / rate
 
 
 def slice_config(cfg: ModelConfig, k: int) -> ModelConfig:

@@ -108,18 +108,20 @@ def ab_case(args, preset: str, dtype: str) -> dict:
     work = ci.Workload(args.batch_size, args.seq_len, dtype, "bf16")
     k = qs.slice_factor(cfg, work, ct.matmul_rate(device, dt, cfg.dim, args.seq_len))
     whole = ci.shape_of(cfg, "bf16", dtype, args.seq_len)
-    out = {"k": k, "slice": [], "whole": []}
+    ks = [k] + [n for n in (qs.lever_slice(cfg, k),) if n is not None]
+    out = {"k": "+".join(f"1/{n}" for n in ks), "slice": [], "whole": []}
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
-        stores = {name: BlockStore(write_synthetic(Path(tmp) / name, dataclasses.replace(c, n_layers=1), torch.bfloat16,
-                                                   progress=False), verify="none")
-                  for name, c in (("slice", qs.slice_config(cfg, k)), ("whole", cfg))}
+        def store(name, c):
+            return BlockStore(write_synthetic(Path(tmp) / name, dataclasses.replace(c, n_layers=1), torch.bfloat16,
+                                              progress=False), verify="none")
+        stores = {"slice": [store(f"slice{n}", qs.slice_config(cfg, n)) for n in ks], "whole": [store("whole", cfg)]}
         for _ in range(args.ab):
             for name, repeats in (("slice", qs.QUICK_REPEATS), ("whole", 4)):  # as a quick and a full profile
-                store = stores[name]
                 t0 = time.perf_counter()
-                c = ct.measure_compute(store, device, dt, args.seq_len, args.batch_size, None, repeats)
+                points = [(ct.measure_compute(s, device, dt, args.seq_len, args.batch_size, None, repeats),
+                           ci.shape_of(s.cfg, "bf16", dtype, args.seq_len)) for s in stores[name]]
                 wall = time.perf_counter() - t0
-                rates = profiles.compute_rates(c, ci.shape_of(store.cfg, "bf16", dtype, args.seq_len))
+                rates = profiles.compute_rates(qs.scaled_times(points, whole), whole)
                 profile = ci.MachineProfile(machine="ab", device="cpu", dtype=dtype, **rates)
                 pred = cm.predict(profile, whole, Placement(offload="ram", prefetch=0), Activations(recompute="all"),
                                   args.batch_size)
@@ -131,7 +133,7 @@ def ab_case(args, preset: str, dtype: str) -> dict:
 
 def ab_row(preset: str, dtype: str, isa: str, r: dict) -> str:
     import statistics
-    cells = [preset, dtype, isa, f"1/{r['k']}", ", ".join(f"{x['wall_s']:.0f}" for x in r["slice"]),
+    cells = [preset, dtype, isa, r["k"], ", ".join(f"{x['wall_s']:.0f}" for x in r["slice"]),
              ", ".join(f"{x['wall_s']:.0f}" for x in r["whole"]),
              f"{statistics.median(x['fwd_flops'] for x in r['slice']) / 1e9:.0f}",
              f"{statistics.median(x['fwd_flops'] for x in r['whole']) / 1e9:.0f}",

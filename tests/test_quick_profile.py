@@ -108,6 +108,27 @@ def test_the_slice_is_the_smallest_that_measures_within_the_budget(name, rate, r
         assert k == 1  # a GPU times the whole block
 
 
+def test_the_whole_blocks_times_are_on_the_line_through_two_slices():
+    """What a slice does not shrink (a fixed part) is counted once: times a + b * FLOPs are recovered
+    exactly; one slice (or a line sloping down: noise) scales by FLOPs alone."""
+    cfg = PRESETS["70B"]
+    assert qs.lever_slice(cfg, 16) == 64 and qs.lever_slice(cfg, 32) is None and qs.lever_slice(PRESETS["7B"], 4) is None
+    whole, s1, s2 = (ci.shape_of(qs.slice_config(cfg, k), seq_len=128) for k in (1, 8, 64))
+
+    def times(shape, a=0.4, b=1e-11):
+        t = {n: a + b * shape.flops_per_row for n in ("fwd_row_s", "fwd_grad_row_s", "bwd_row_s")}
+        return dict(t, head_row_s=0.01 + b * shape.head_flops_per_row, fwd_call_s=0.0, keep_bytes_per_row=1000)
+    got = qs.scaled_times([(times(s1), s1), (times(s2), s2)], whole)
+    for name in ("fwd_row_s", "fwd_grad_row_s", "bwd_row_s", "head_row_s"):
+        assert got[name] == pytest.approx(times(whole)[name], rel=1e-9), name
+    assert got["keep_bytes_per_row"] == pytest.approx(1000 * whole.keep_bytes_per_row / s1.keep_bytes_per_row)
+    alone = qs.scaled_times([(times(s1), s1)], whole)
+    assert alone["fwd_row_s"] == pytest.approx(times(s1)["fwd_row_s"] * whole.flops_per_row / s1.flops_per_row)
+    down = qs.scaled_times([(times(s1), s1), (times(s2, a=5.0), s2)], whole)  # the narrower one slower: noise
+    assert down["bwd_row_s"] == alone["bwd_row_s"]
+    assert qs.scaled_times([(times(whole), whole)], whole)["fwd_row_s"] == times(whole)["fwd_row_s"]
+
+
 def test_slicing_stops_where_the_widths_would_not_be_whole():
     cfg = dataclasses.replace(PRESETS["tiny"], intermediate_size=192)  # 192 = 3 x 64
     assert qs.can_slice(cfg, 1) and not qs.can_slice(cfg, 2)
@@ -121,7 +142,8 @@ def test_a_quick_profile_of_a_store_times_compute_on_a_slice(tmp_path, monkeypat
     monkeypatch.setattr(qs, "QUICK_COMPUTE_S", 1e-9)  # any block is too large: the narrowest slice
     p = profiles.measure(store, "cpu", "fp32", 2, 32, quick=True)
     k = qs.slice_factor(cfg, ci.Workload(2, 32, "fp32", "fp32"), 1.0)
-    assert k == 8 and p.quick and p.measured_on.startswith(f"d256-f{1024 // k}-h1-kv1-")
+    assert k == 8 and qs.lever_slice(cfg, k) is None and p.quick  # 8 heads: no narrower slice
+    assert p.measured_on.startswith("d256-f1024-h8-kv4-") and p.measured_on.endswith("(compute timed on f128-h1)")
     assert p.fwd_flops > 0 and p.head_flops > 0 and p.disk_gbps > 0 and p.keep_scale > 0
 
 

@@ -162,7 +162,7 @@ def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype,
 
 
 def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | str, batch_size: int,
-            seq_len: int, quick: bool = False) -> ci.MachineProfile:
+            seq_len: int, quick: bool = False, cfg=None) -> ci.MachineProfile:
     """Measure this machine on a store's blocks: disk, link, one block's compute, free memory, as rates.
 
     Times become rates through the store's `ci.Shape` (FLOPs per row, kept bytes), so the
@@ -177,7 +177,10 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
         seq_len: tokens per row.
         quick: fewer repeats, a smaller read sample and a block's compute timed on a slice of it where
             the whole block would take long (what `auto_placement` runs without a profile).
+        cfg: the model the profile is for, where `store` holds blocks of a slice of it (`probe`);
+            default: the store's own.
     """
+    cfg = cfg or store.cfg
     device, dtype = torch.device(device), parse_dtype(dtype)
     repeats = qs.QUICK_REPEATS if quick else 4
     t0 = time.perf_counter()
@@ -185,20 +188,25 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     request_s = measure_disk_requests(store, disk, (256 << 20) if quick else (1 << 30), 1 if quick else 2)
     h2d, _ = measure_link(device, store.block_nbytes, repeats)
     free_dev = free_device_bytes(device)
-    with compute_store(store, device, dtype, batch_size, seq_len, quick) as timed_store:
-        c = ct.measure_compute(timed_store, device, dtype, seq_len, batch_size, free_dev, repeats, (disk, True))
-        timed_cfg = timed_store.cfg
+    shape = ci.shape_of(cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
+    with compute_stores(store, cfg, device, dtype, (batch_size, seq_len), quick) as timed:
+        points = [(ct.measure_compute(s, device, dtype, seq_len, batch_size, free_dev, repeats,
+                                      (disk, True) if i == 0 else None),
+                   ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant))
+                  for i, s in enumerate(timed)]
+        sliced = "" if timed == [store] else \
+            f" (compute timed on {' and '.join(f'f{s.cfg.hidden_dim}-h{s.cfg.n_heads}' for s in timed)})"
     dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
         ci.MachineProfile.dequant_gbps
     log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)
-    shape = ci.shape_of(timed_cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     return ci.MachineProfile(
         machine=machine_key(device), device=device.type, dtype=dtype_name(dtype), disk_gbps=disk,
         disk_request_s=request_s,
-        disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, **compute_rates(c, shape), disk_jitter=jitter,
+        disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, **compute_rates(qs.scaled_times(points, shape), shape),
+        disk_jitter=jitter,
         compute_threads=torch.get_num_threads() if device.type == "cpu" else 0,
         free_device_bytes=free_dev, free_host_bytes=free_host_bytes(), quick=quick,
-        measured_on=f"{shape_key(timed_cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens",
+        measured_on=f"{shape_key(cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens{sliced}",
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
@@ -214,24 +222,27 @@ def compute_rates(c: dict, shape: ci.Shape) -> dict:
 
 
 @contextlib.contextmanager
-def compute_store(store: BlockStore, device: torch.device, dtype: torch.dtype, rows: int, seq_len: int,
-                  quick: bool):
-    """The store whose block 0 a profile times: `store` itself, or for a quick profile of a block too large
-    to time quickly, one synthetic block of a slice of its shape (quickslice.slice_config) in a temporary
-    folder, stored as `store` is (its dtype, its quantization)."""
-    k, rate = 1, None
+def compute_stores(store: BlockStore, cfg, device: torch.device, dtype: torch.dtype, rows_tokens: tuple[int, int],
+                   quick: bool):
+    """The stores whose block 0 a profile times: [store] itself, or for a quick profile of a block too large
+    to time quickly, one synthetic block of each of two slices of cfg's shape (quickslice.slice_factor and
+    lever_slice; one where there is no second) in a temporary folder, stored as `store` is (its dtype,
+    its quantization): quickslice.scaled_times scales their times to the whole block."""
+    (rows, seq_len), k, rate = rows_tokens, 1, None
     if quick:
         work = ci.Workload(rows, seq_len, dtype_name(dtype), store.manifest["dtype"], store.quant)
-        rate = ct.matmul_rate(device, dtype, store.cfg.dim, seq_len)
-        k = qs.slice_factor(store.cfg, work, rate)
-    if k == 1:
-        yield store
+        rate = ct.matmul_rate(device, dtype, cfg.dim, seq_len)
+        k = qs.slice_factor(cfg, work, rate)
+    if k == 1 and dataclasses.replace(cfg, n_layers=store.cfg.n_layers) == store.cfg:
+        yield [store]
         return
-    log.info("timing compute on 1/%d of a block (matmuls at %.1f GFLOP/s here)", k, rate / 1e9)
-    small = dataclasses.replace(qs.slice_config(store.cfg, k), n_layers=1)
+    ks = [k] + [n for n in (qs.lever_slice(cfg, k),) if n is not None]
+    log.info("timing compute on %s of a block (matmuls at %.1f GFLOP/s here)", " and ".join(f"1/{n}" for n in ks),
+             (rate or 0) / 1e9)
     with tempfile.TemporaryDirectory(prefix="phantom-slice-") as tmp:
-        yield BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store.manifest["dtype"]),
-                                         progress=False, quant=store.quant), verify="none")
+        yield [BlockStore(write_synthetic(Path(tmp) / f"slice{n}", dataclasses.replace(
+            qs.slice_config(cfg, n), n_layers=1), parse_dtype(store.manifest["dtype"]), progress=False,
+            quant=store.quant), verify="none") for n in ks]
 
 
 def with_free_memory(profile: ci.MachineProfile, device: torch.device | str) -> ci.MachineProfile:
@@ -339,7 +350,7 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
     The blocks are written to a temporary folder beside the profiles (the disk a store would use)
     and removed after; the profile is saved, so the next plan for this shape measures nothing. A quick
     profile writes blocks of a slice of the shape (quickslice.slice_factor: the whole block where it
-    times quickly): its reads and compute are rates, which the whole shape's bytes and FLOPs scale.
+    times quickly) to read, and times compute as `measure` does for the whole shape (on its slices).
     """
     dtype, store_dtype, quant = work.dtype, work.store_dtype, work.quant
     path = profile_path(cfg, device, dtype, profile_dir, store_dtype, quant)
@@ -354,6 +365,6 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
                      ci.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
             store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,
                                                quant=as_format(quant)), verify="none")
-            profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick)
+            profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick, cfg=cfg)
         save_profile(profile, path)
     return with_free_memory(profile, device)

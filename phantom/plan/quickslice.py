@@ -67,3 +67,38 @@ def slice_factor(cfg: ModelConfig, work: ci.Workload, rate: float, budget_s: flo
                      rate) > budget_s and can_slice(cfg, 2 * k):
         k *= 2
     return k
+
+
+def lever_slice(cfg: ModelConfig, k: int) -> int | None:
+    """The second, narrower slice a quick profile times beside 1/k: the narrowest that slices evenly, if it
+    has at most a quarter of 1/k's width (a lever long enough to tell what shrinks from what does not);
+    None where there is none (a 7B's MLP halves evenly only twice)."""
+    if k == 1:
+        return None
+    narrow = k
+    while can_slice(cfg, 2 * narrow):
+        narrow *= 2
+    return narrow if narrow >= 4 * k else None
+
+
+def scaled_times(points: list[tuple[dict, ci.Shape]], whole: ci.Shape) -> dict:
+    """computetimer.measure_compute's times of the whole block from those of its slices.
+
+    One slice (or the block itself): each kind of call's per-row seconds and the head's scaled by FLOPs.
+    Two: on the line through them in FLOPs, so what a slice does not shrink (norms and residual adds
+    over the full width, LoRA's input projections, the casts and per-call work: ~0.4 s of a 1/64 70B
+    block's bf16 forward here, most of it) is counted once, not k times; the line falls back to the
+    scaling where noise makes it slope down. Kept bytes per row scale by the config's estimate; per-call
+    seconds are kept."""
+    (c1, s1), rest = points[0], points[1:]
+    out = dict(c1, keep_bytes_per_row=c1["keep_bytes_per_row"] * whole.keep_bytes_per_row / s1.keep_bytes_per_row)
+    for name, flops in (("fwd_row_s", "flops_per_row"), ("fwd_grad_row_s", "flops_per_row"),
+                        ("bwd_row_s", "flops_per_row"), ("head_row_s", "head_flops_per_row")):
+        f1, f = getattr(s1, flops), getattr(whole, flops)
+        out[name] = c1[name] * f / f1
+        if rest:
+            (c2, s2), = rest
+            slope = (c1[name] - c2[name]) / (f1 - getattr(s2, flops))
+            if slope > 0:
+                out[name] = c1[name] + slope * (f - f1)
+    return out

@@ -100,8 +100,10 @@ def test_the_slice_is_the_smallest_that_measures_within_the_budget(name, rate, r
 
     def est(k):
         return qs.estimate_s(ci.shape_of(qs.slice_config(cfg, k), "bf16", "bf16", 128), rows, rate)
-    assert est(k) <= qs.QUICK_COMPUTE_S or not qs.can_slice(cfg, 2 * k)
+    lever = qs.lever_slice(cfg, k)
+    assert est(k) <= qs.QUICK_COMPUTE_S or not qs.can_slice(cfg, 2 * k) or lever is not None
     assert k == 1 or est(k // 2) > qs.QUICK_COMPUTE_S  # no narrower than it must be
+    assert lever is not None or qs.lever_slice(cfg, max(1, k // 4)) is None  # a lever beside it where one fits
     if name == "70B" and rate < 1e12:
         assert k > 1  # a whole 70B block measures for minutes on a CPU
     if rate > 1e14:
@@ -142,8 +144,9 @@ def test_a_quick_profile_of_a_store_times_compute_on_a_slice(tmp_path, monkeypat
     monkeypatch.setattr(qs, "QUICK_COMPUTE_S", 1e-9)  # any block is too large: the narrowest slice
     p = profiles.measure(store, "cpu", "fp32", 2, 32, quick=True)
     k = qs.slice_factor(cfg, ci.Workload(2, 32, "fp32", "fp32"), 1.0)
-    assert k == 8 and qs.lever_slice(cfg, k) is None and p.quick  # 8 heads: no narrower slice
-    assert p.measured_on.startswith("d256-f1024-h8-kv4-") and p.measured_on.endswith("(compute timed on f128-h1)")
+    assert k == 2 and qs.lever_slice(cfg, k) == 8 and p.quick  # 1/8 is the narrowest: 1/2 beside it
+    assert p.measured_on.startswith("d256-f1024-h8-kv4-")
+    assert p.measured_on.endswith("(compute timed on f512-h4 and f128-h1)")
     assert p.fwd_flops > 0 and p.head_flops > 0 and p.disk_gbps > 0 and p.keep_scale > 0
 
 

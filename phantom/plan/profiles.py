@@ -190,8 +190,8 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     free_dev = free_device_bytes(device)
     shape = ci.shape_of(cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     with compute_stores(store, cfg, device, dtype, (batch_size, seq_len), quick) as timed:
-        points = [(ct.measure_compute(s, device, dtype, seq_len, batch_size, free_dev, repeats,
-                                      (disk, True) if i == 0 else None),
+        points = [(ct.measure_compute(s, device, dtype, seq_len, batch_size if timed == [store] else 1, free_dev,
+                                      repeats, (disk, True) if i == 0 else None),
                    ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant))
                   for i, s in enumerate(timed)]
         sliced = "" if timed == [store] else \
@@ -227,12 +227,14 @@ def compute_stores(store: BlockStore, cfg, device: torch.device, dtype: torch.dt
     """The stores whose block 0 a profile times: [store] itself, or for a quick profile of a block too large
     to time quickly, one synthetic block of each of two slices of cfg's shape (quickslice.slice_factor and
     lever_slice; one where there is no second) in a temporary folder, stored as `store` is (its dtype,
-    its quantization): quickslice.scaled_times scales their times to the whole block."""
+    its quantization), timed at one row: quickslice.scaled_times scales their times to the whole block.
+    (A block timed whole is timed at 1 row and at the most `rows` allow, as a full profile does.)"""
     (rows, seq_len), k, rate = rows_tokens, 1, None
     if quick:
         work = ci.Workload(rows, seq_len, dtype_name(dtype), store.manifest["dtype"], store.quant)
         rate = ct.matmul_rate(device, dtype, cfg.dim, seq_len)
-        k = qs.slice_factor(cfg, work, rate)
+        if qs.slice_factor(cfg, work, rate) > 1:  # slices are timed at one row (rows scale its per-row time)
+            k = max(2, qs.slice_factor(cfg, dataclasses.replace(work, rows=1), rate))
     if k == 1 and dataclasses.replace(cfg, n_layers=store.cfg.n_layers) == store.cfg:
         yield [store]
         return

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from benchlib.common import machine, process_cpu_s  # noqa: E402
-from phantom.arch.config import preset  # noqa: E402
+from phantom.arch.presets import preset  # noqa: E402
 from phantom.files.tensorfile import parse_dtype  # noqa: E402
 from phantom.model.convert import disk_usage  # noqa: E402
 from phantom.model.export import FormatOptions, export  # noqa: E402

@@ -19,7 +19,7 @@ from phantom.data import chat
 from phantom.data.tokenizer import Tokenizer  # noqa: E402
 from phantom.model.generate import generate_chat, generate_text  # noqa: E402
 from phantom.model.adapterfiles import read_adapter_config  # noqa: E402
-from phantom.stream.placement import OFFLOADS  # noqa: E402
+from phantom.stream.placement import offload_choices  # noqa: E402
 from phantom.train import cli
 
 
@@ -39,8 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.model or tokenizer.json (default: the one in the store)")
     p.add_argument("--device", default="auto", help="cpu, cuda, mps or auto")
-    p.add_argument("--offload", choices=OFFLOADS, default="disk",
-                   help="where the blocks live: streamed from disk or RAM, or all on the device")
+    p.add_argument("--offload", choices=offload_choices(), default="disk",
+                   help="where the blocks live: streamed from disk or RAM, all on the device, or in a tier an "
+                        "installed package declares (entry points phantom.tiers)")
     p.add_argument("--dtype", choices=cli.STORE_DTYPES, default="fp32", help="compute dtype")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:

@@ -12,13 +12,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
-from phantom.stream.placement import OFFLOADS, RECOMPUTE  # noqa: E402
+from phantom.stream.placement import RECOMPUTE, offload_choices  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", required=True, help="a store folder or preset")
-    p.add_argument("--offload", default="disk", choices=OFFLOADS, help="placement")
+    p.add_argument("--offload", default="disk", choices=offload_choices(), help="placement")
     p.add_argument("--batch-size", type=int, default=1, help="rows")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
     p.add_argument("--checkpoint-inner", action="store_true", help="checkpoint attention and MLP inside blocks")

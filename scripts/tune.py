@@ -27,7 +27,7 @@ from phantom.files.store import BlockStore  # noqa: E402
 from phantom.plan import costexperts, planner, profiles, tune
 from phantom.plan import costinputs as ci
 from phantom.plan import costmodel as cm
-from phantom.stream.placement import OFFLOADS, Placement, parse_bytes  # noqa: E402
+from phantom.stream.placement import Placement, offload_choices, parse_bytes  # noqa: E402
 from phantom.train import cli
 
 
@@ -50,7 +50,8 @@ def parse_args(argv=None):
     a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")
     a("--grad-accum", type=int, default=1, help="calls per block per step (rows per step = batch size x this)")
     a("--seq-len", type=int, default=128, help="tokens per row")
-    a("--offload", default="auto", choices=OFFLOADS, help="offload mode to plan (auto: device, RAM, disk by budget)")
+    a("--offload", default="auto", choices=offload_choices(), help="offload mode to plan (auto: device, RAM, disk by "
+                                                                  "budget; or a tier an installed package declares)")
     a("--device-budget", type=parse_bytes, default=None, help="device bytes for resident blocks and slots, e.g. 60G")
     a("--ram-budget", type=parse_bytes, default=None, help="host bytes for the RAM tier, e.g. 48G")
     a("--disk-budget", type=parse_bytes, default=None, help="disk space for the store (default: free space under "
@@ -62,7 +63,8 @@ def parse_args(argv=None):
     a("--steps", type=int, default=3, help="timed steps of the check, after one warm-up step")
     a("--json", action="store_true", help="print the plan as one JSON object")
     a("--table", type=int, default=0, help="also print the fastest N candidates")
-    a("--quick", action="store_true", help="fewer repeats and a smaller read sample when measuring")
+    a("--quick", action="store_true", help="measure in about a minute: fewer repeats, a smaller read sample, a "
+                                            "block's compute timed on a slice of it and scaled by FLOPs")
     a("--remeasure", action="store_true", help="measure again even if a profile is saved")
     a("--profile-dir", default=None, help="where profiles are saved (default $PHANTOM_CACHE/profiles or "
                                           "~/.cache/phantom/profiles)")
@@ -99,6 +101,23 @@ def beside_16bit(args, cfg, store_dtype: str, dtype: str, profile, budgets, rows
     return (f"{store_dtype} store ({cm.gib(shape.store_bytes)}): {s['device']} blocks on the device, {s['ram']} in "
             f"RAM, {s['disk']} on disk; {other.bytes_read / 1e9:.1f} GB read per step; predicted "
             f"{other.step_s:.3f} s/step against {best.step_s:.3f} s quantized ({other.step_s / best.step_s:.2f}x)")
+
+
+def fp32_beside(args, device, profile_overrides: dict, budgets: Placement, rows: int, why: str, best) -> dict:
+    """Where bf16 is emulated on this CPU: the same plan computing in fp32 (its profile measured as the
+    bf16 one was, quick if that was), as {"bf16_emulated": why, "fp32_step_s": s or None, "line": text}."""
+    name, cfg, store_dtype, quant, profile, _ = model_and_profile(args, device, "fp32")
+    profile = dataclasses.replace(profile, **profile_overrides)
+    cands = planner.search(profile, ci.shape_of(cfg, store_dtype, "fp32", args.seq_len, quant), rows,
+                           search_space(args, budgets))
+    fits = [c for c in cands if c.fits]
+    other = planner.choose(fits) if fits else None
+    beside = (f"fp32 predicted {other.step_s:.3f} s/step against {best.step_s:.3f} s in bf16 "
+              f"({best.step_s / other.step_s:.1f}x slower in bf16)" if other is not None else
+              f"fp32: nothing fits ({min(cands, key=lambda c: c.missing_bytes).missing_text()})")
+    return {"bf16_emulated": why, "fp32_step_s": other.step_s if other is not None else None,
+            "line": f"warning    bf16 is emulated on this CPU ({why}): {beside}; --dtype fp32 (what --dtype auto "
+                    f"chooses on a CPU) computes in fp32"}
 
 
 def search_space(args, budgets: Placement) -> planner.SearchSpace:
@@ -149,7 +168,7 @@ def check(args, subject: Subject, dtype: str, device, profile, best) -> int:
     return 0 if r["within_15"] else 1
 
 
-def main(argv=None) -> int:
+def run(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     try:
@@ -160,14 +179,17 @@ def main(argv=None) -> int:
         name, cfg, store_dtype, quant, profile, disk = model_and_profile(args, device, dtype)
         if args.seq_len > cfg.max_seq_len:
             raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-        profile = dataclasses.replace(profile, free_disk_bytes=disk)
-        if args.host_memory is not None:
-            profile = dataclasses.replace(profile, free_host_bytes=args.host_memory)
+        overrides = dict(free_disk_bytes=disk, **({} if args.host_memory is None else
+                                                  {"free_host_bytes": args.host_memory}))
+        profile = dataclasses.replace(profile, **overrides)
         budgets = Placement(device_budget=args.device_budget, ram_budget=args.ram_budget)
         rows = args.batch_size * args.grad_accum
         shape = ci.shape_of(cfg, store_dtype, dtype, args.seq_len, quant)
         cands = planner.search(profile, shape, rows, search_space(args, budgets))
         best = planner.choose(cands)
+        emulated = None  # bf16 emulated here: the fp32 plan beside it
+        if (why := cli.emulated_bf16(dtype, device)) is not None:
+            emulated = fp32_beside(args, device, overrides, budgets, rows, why, best)
         if args.check:
             return check(args, Subject(name, cfg, store_dtype, quant), dtype, device, profile, best)
     except (OSError, ValueError) as e:  # nothing fits, bad flags, a bad config file; a bug keeps its traceback
@@ -181,9 +203,12 @@ def main(argv=None) -> int:
         print(f"error: {' '.join(line.split())}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict()}))
+        extra = {k: v for k, v in (emulated or {}).items() if k != "line"}
+        print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict(), **extra}))
         return 0
     print(planner.describe_plan(best, shape, profile, name))
+    if emulated is not None:
+        print(emulated["line"])
     if cfg.n_experts and not quant:
         print(costexperts.describe_expert_reads(profile, shape, cfg, store_dtype, best))
     if args.quantize:
@@ -193,6 +218,10 @@ def main(argv=None) -> int:
     if args.table:
         print("\n" + tune.format_table(cands, args.table, best))
     return 0
+
+
+def main(argv=None) -> int:
+    return cli.guarded(run, argv)  # a broken tier plugin, found while building the flags: one line, exit 2
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ PACKAGES = {  # the flow, in import order: each package imports only those above
     "train": 7,   # the loop, checkpoints, preference pairs, trackers, run files, RunConfig and run()
 }
 RANK = {  # within a package
-    "base": {"safejson": 0, "faults": 1, "dtypes": 1, "provenance": 1, "checksum": 1, "fileio": 2},
+    "base": {"safejson": 0, "cpufeatures": 0, "faults": 1, "dtypes": 1, "provenance": 1, "checksum": 1, "fileio": 2},
     "data": {"special_tokens": 0, "tokenfiles": 0, "tokenizer": 1, "sources": 1, "chat": 2, "tokencache": 2,
              "recordformats": 3, "dataset": 4, "batches": 5, "showdata": 6},
     "arch": {"config": 0, "quantformat": 1, "moe": 1, "presets": 1, "ops": 1, "mla": 2, "familybase": 2,
@@ -41,7 +41,8 @@ RANK = {  # within a package
     "model": {"lora": 0, "adapterfiles": 1, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 4, "hub": 2,
               "hflayout": 1, "gguf_pretok": 0, "gguf_vocab": 1, "gguf_export": 2, "gguf_lora": 3,
               "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3},
-    "plan": {"costinputs": 0, "costmodel": 1, "costexperts": 2, "planner": 2, "profiles": 3, "tune": 4},
+    "plan": {"costinputs": 0, "costmodel": 1, "quickslice": 1, "costexperts": 2, "planner": 2, "computetimer": 3,
+             "profiles": 4, "tune": 5},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,
               "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 4, "runner": 5},
 }

@@ -1,8 +1,9 @@
 """Measuring this machine for the cost model, and the profiles of its rates kept on disk.
 
 `measure` times this machine on a store's first blocks (reads, the host-to-device link, one block's
-compute, free memory) and returns a `ci.MachineProfile` of rates, so a profile measured on a
-few blocks plans a whole model, and any model of the same block shape. `probe` measures a shape that
+compute through phantom.plan.computetimer, free memory) and returns a `ci.MachineProfile` of rates, so
+a profile measured on a few blocks plans a whole model, and any model of the same block shape. A quick
+profile times a block's compute on a slice of it (phantom.plan.quickslice), in bounded time. `probe` measures a shape that
 has no weights yet on a few synthetic blocks. Apart from phantom.plan.tune, which chooses a placement
 from a profile: the clocks, the reader threads and the profile files are here, the choice is not.
 """
@@ -28,18 +29,15 @@ import torch
 
 from phantom.arch import quant
 from phantom.arch.quantformat import as_format
-from phantom.base import dtypes, safejson
+from phantom.base import cpufeatures, dtypes, safejson
 from phantom.base.fileio import atomic_write_json
 from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name, parse_dtype
-from phantom.model.heads import ChunkedHeadLoss
-from phantom.model.phantom_model import PhantomModel
 from phantom.model.synthetic import write_synthetic
+from phantom.plan import computetimer as ct
 from phantom.plan import costinputs as ci
-from phantom.plan import planner
-from phantom.stream import placement as P
-from phantom.stream.executor import WeightHandles
+from phantom.plan import quickslice as qs
 from phantom.stream.experts import ExpertLayout, read_ranges
 from phantom.stream.hostmem import HostBuffer
 from phantom.stream.memory import free_device_bytes, free_host_bytes
@@ -53,27 +51,6 @@ PROBE_BLOCKS = 2  # synthetic blocks `probe` writes to measure a shape without w
 
 # ---------------------------------------------------------------------------------------------
 # Measuring
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (a clock read after it times the work, not its launch)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def _timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up call."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
 
 def evict(path: Path) -> None:
     """Drop a file's pages from the page cache (posix_fadvise DONTNEED, no root needed): its next read is cold."""
@@ -162,8 +139,8 @@ def measure_link(device: torch.device, nbytes: int, repeats: int = 3) -> tuple[f
     nbytes = max(1 << 20, min(nbytes, 256 << 20))
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats)
-    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device, repeats)
+    h2d = ct.timed(lambda: dev.copy_(host, non_blocking=True), device, repeats)
+    d2h = ct.timed(lambda: host.copy_(dev, non_blocking=True), device, repeats)
     return nbytes / h2d / 1e9, nbytes / d2h / 1e9
 
 
@@ -180,149 +157,12 @@ def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype,
     stored = store.block_views(raw.to(device))
     out = store.dense_empty(dtype, device)
     with quant.one_thread() if device.type == "cpu" else contextlib.nullcontext():  # as the scheduler's loader
-        t = _timed(lambda: store.dequantize_block(0, stored, out), device, repeats)
+        t = ct.timed(lambda: store.dequantize_block(0, stored, out), device, repeats)
     return sum(v.numel() for v in out.values()) * dtype.itemsize / t / 1e9
 
 
-def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool) -> tuple[float, float]:
-    """(median seconds of fn(), GB/s of block reads) while a thread reads block files in a loop."""
-    stop, got = threading.Event(), [0, 0.0]
-    buf = HostBuffer(store.block_nbytes, pin=False).tensor
-
-    def reader():
-        t0, i = time.perf_counter(), 0
-        while not stop.is_set():
-            e, i = store.blocks[i % store.n_blocks], i + 1
-            readinto_exact(e.path, e.data_start, buf[: e.nbytes], drop_cache=cold)
-            got[0] += e.nbytes
-        got[1] = time.perf_counter() - t0
-
-    thread = threading.Thread(target=reader, name="phantom-tune-reader", daemon=True)
-    thread.start()
-    try:
-        t = _timed(fn, device, repeats)
-    finally:
-        stop.set()
-        thread.join()
-    return t, got[0] / got[1] / 1e9
-
-
-class BlockTimer:
-    """Times block 0 of a model as training runs it: held and bound as StreamedBlock holds it, called
-    through the executor (the model's default LoRA), with the saved tensors counted."""
-
-    def __init__(self, model: PhantomModel, seq_len: int, repeats: int, disk: tuple[float, bool] | None):
-        self.model, self.seq_len, self.repeats, self.disk = model, seq_len, repeats, disk
-        self.device = model.device
-        self.held = model.executor.block_weights(0)  # acquired and bound, as StreamedBlock holds it
-        self.weights = self.held.__enter__()
-        self.params = [p for name, p in model.layers[0].named_parameters() if "lora_" in name]
-        self.rope, self.amp = model.rope[:seq_len], model.autocast_args()
-        self.gen = torch.Generator().manual_seed(0)
-
-    def close(self) -> None:
-        self.held.__exit__(None, None, None)
-
-    def point(self, b: int, with_head: bool) -> dict:
-        """Seconds of the forward, graph forward and backward of b rows (and the head per row), kept
-        bytes per row; with a disk rate, how much a concurrent read slows the forward and the read."""
-        model, device, weights, repeats, gen = self.model, self.device, self.weights, self.repeats, self.gen
-        x = torch.randn(b, self.seq_len, model.cfg.dim, generator=gen).to(device, model.weight_dtype)
-        hooks = WeightHandles(weights)
-        hooks.bind(weights)
-
-        def fwd():
-            with torch.no_grad(), torch.autocast(**self.amp):
-                return model.executor.run_block(0, weights, x, self.rope)
-
-        def fwd_grad():
-            xg = x.detach().requires_grad_()
-            with torch.enable_grad(), torch.autocast(**self.amp), \
-                    torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                return xg, model.executor.run_block(0, weights, xg, self.rope)
-
-        out = fwd()
-        g = torch.randn(out.shape, generator=gen).to(device, out.dtype)
-        t_fwd = _timed(fwd, device, repeats)
-        t_grad, t_bwd = [], []
-        for _ in range(repeats + 1):  # each graph's backward before the next forward, as training runs them:
-            t0 = time.perf_counter()  # graphs held at once would each take fresh pages and time that too
-            xg, o = fwd_grad()
-            sync(device)
-            t1 = time.perf_counter()
-            torch.autograd.grad(o, [xg] + self.params, g)
-            sync(device)
-            t_grad.append(t1 - t0)
-            t_bwd.append(time.perf_counter() - t1)
-            del xg, o
-        busy = (1.0, 1.0)
-        if self.disk is not None and self.disk[0]:
-            t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.disk[1])
-            busy = (max(1.0, t_busy / t_fwd), max(1.0, self.disk[0] / gbps_busy))
-        return dict(fwd=t_fwd, fwd_grad=statistics.median(t_grad[1:]), bwd=statistics.median(t_bwd[1:]), busy=busy,
-                    head=self.head_s(b) / b if with_head else None,
-                    keep=hooks.kept_bytes // len(t_grad) // b, act=out.element_size() * self.seq_len * model.cfg.dim)
-
-    def head_s(self, b: int) -> float:
-        """Seconds of the fused head + loss (and its backward's inputs) over b rows."""
-        model = self.model
-        h = torch.randn(b, self.seq_len, model.cfg.dim, generator=self.gen).to(self.device, model.weight_dtype)
-        h.requires_grad_()
-        tgt = torch.randint(0, model.cfg.vocab_size, (b, self.seq_len), generator=self.gen).to(self.device)
-
-        def head():
-            with torch.autocast(**self.amp):
-                ChunkedHeadLoss.apply(h, model.norm_weight, model.output_weight, tgt, model.cfg.norm_eps,
-                                      model.loss_chunk)
-        return _timed(head, self.device, self.repeats)
-
-
-def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype, seq_len: int, max_rows: int,
-                    free_bytes: int | None, repeats: int = 3, disk: tuple[float, bool] | None = None) -> dict:
-    """One block's forward, graph forward and backward per call of b rows, plus the head per row.
-
-    Runs the model's own block call (PhantomModel's default LoRA) on block 0, acquired and bound as
-    StreamedBlock holds it, at b = 1 and at the largest power of two dividing `max_rows` whose graphs
-    fit well inside `free_bytes`, and fits `call + row * b` through the two points. With `disk`
-    ((GB/s of block reads alone, whether cold)) it also times the largest forward while a thread reads
-    blocks: how much reading and computing slow each other down.
-    """
-    model = PhantomModel(store, device, dtype, P.Placement(offload="disk", prefetch=0),
-                         P.Activations(recompute="all", compile=False))
-    try:
-        timer = BlockTimer(model, seq_len, repeats, disk)
-        points = {1: timer.point(1, with_head=True)}  # the head's cost is per token: one size is enough
-        hi = max(b for b in planner.pow2_upto(max_rows) if max_rows % b == 0)
-        free = free_bytes if free_bytes is not None else free_host_bytes()
-        while hi > 1 and hi * points[1]["keep"] * 2 > (free or 0) // 4:
-            hi //= 2  # the measurement holds a graph and its gradients at once: keep it well inside memory
-        if hi > 1:
-            points[hi] = timer.point(hi, with_head=False)
-        head_bytes = model.output_weight.numel() * model.output_weight.element_size()
-        timer.close()
-    finally:
-        model.close()
-    hi = max(points)
-    return dict(fit_call_and_row(points), head_row_s=points[1]["head"], keep_bytes_per_row=points[hi]["keep"],
-                busy_compute_slowdown=points[hi]["busy"][0], busy_read_slowdown=points[hi]["busy"][1],
-                act_bytes_per_row=points[hi]["act"], head_bytes=head_bytes)
-
-
-def fit_call_and_row(points: dict[int, dict]) -> dict:
-    """`call + row * b` through the smallest and largest b measured, for each kind of block call."""
-    lo, hi = min(points), max(points)
-    fit = {}
-    for name in ("fwd", "fwd_grad", "bwd"):
-        row = (points[hi][name] - points[lo][name]) / (hi - lo) if hi > lo else points[hi][name] / hi
-        if row <= 0:  # noise swamped the slope: no per-call part
-            row = points[hi][name] / hi
-        fit[f"{name}_row_s"] = row
-        fit[f"{name}_call_s"] = max(0.0, points[lo][name] - row * lo)
-    return fit
-
-
 def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | str, batch_size: int,
-            seq_len: int, quick: bool = False) -> ci.MachineProfile:
+            seq_len: int, quick: bool = False, cfg=None) -> ci.MachineProfile:
     """Measure this machine on a store's blocks: disk, link, one block's compute, free memory, as rates.
 
     Times become rates through the store's `ci.Shape` (FLOPs per row, kept bytes), so the
@@ -335,33 +175,76 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
         batch_size: rows per step; compute is measured at 1 row and at the largest power of two
             that divides it (and fits), which gives the per-call and per-row costs.
         seq_len: tokens per row.
-        quick: fewer repeats and a smaller read sample (what `auto_placement` runs without a profile).
+        quick: fewer repeats, a smaller read sample and a block's compute timed on a slice of it where
+            the whole block would take long (what `auto_placement` runs without a profile).
+        cfg: the model the profile is for, where `store` holds blocks of a slice of it (`probe`);
+            default: the store's own.
     """
+    cfg = cfg or store.cfg
     device, dtype = torch.device(device), parse_dtype(dtype)
-    repeats = 2 if quick else 4
+    repeats = qs.QUICK_REPEATS if quick else 4
     t0 = time.perf_counter()
     disk, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
     request_s = measure_disk_requests(store, disk, (256 << 20) if quick else (1 << 30), 1 if quick else 2)
     h2d, _ = measure_link(device, store.block_nbytes, repeats)
     free_dev = free_device_bytes(device)
-    c = measure_compute(store, device, dtype, seq_len, batch_size, free_dev, repeats, (disk, True))
+    shape = ci.shape_of(cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
+    with compute_stores(store, cfg, device, dtype, (batch_size, seq_len), quick) as timed:
+        points = [(ct.measure_compute(s, device, dtype, seq_len, batch_size if timed == [store] else 1, free_dev,
+                                      repeats, (disk, True) if i == 0 else None),
+                   ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant))
+                  for i, s in enumerate(timed)]
+        sliced = "" if timed == [store] else \
+            f" (compute timed on {' and '.join(f'f{s.cfg.hidden_dim}-h{s.cfg.n_heads}' for s in timed)})"
     dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
         ci.MachineProfile.dequant_gbps
     log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)
-    shape = ci.shape_of(store.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     return ci.MachineProfile(
         machine=machine_key(device), device=device.type, dtype=dtype_name(dtype), disk_gbps=disk,
         disk_request_s=request_s,
-        disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, fwd_flops=shape.flops_per_row / c["fwd_row_s"],
-        fwd_grad_ratio=c["fwd_grad_row_s"] / c["fwd_row_s"], bwd_ratio=c["bwd_row_s"] / c["fwd_row_s"],
-        fwd_call_s=c["fwd_call_s"], fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],
-        head_flops=shape.head_flops_per_row / c["head_row_s"],
-        keep_scale=c["keep_bytes_per_row"] / shape.keep_bytes_per_row, disk_jitter=jitter,
-        busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"],
+        disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, **compute_rates(qs.scaled_times(points, shape), shape),
+        disk_jitter=jitter,
         compute_threads=torch.get_num_threads() if device.type == "cpu" else 0,
         free_device_bytes=free_dev, free_host_bytes=free_host_bytes(), quick=quick,
-        measured_on=f"{shape_key(store.cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens",
+        measured_on=f"{shape_key(cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens{sliced}",
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def compute_rates(c: dict, shape: ci.Shape) -> dict:
+    """A profile's compute fields from ct.measure_compute's times of a block of `shape`: per FLOP, per byte
+    and per call, so they hold for any block of that width (the whole one, where a slice was timed)."""
+    return dict(fwd_flops=shape.flops_per_row / c["fwd_row_s"], fwd_grad_ratio=c["fwd_grad_row_s"] / c["fwd_row_s"],
+                bwd_ratio=c["bwd_row_s"] / c["fwd_row_s"], fwd_call_s=c["fwd_call_s"],
+                fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],
+                head_flops=shape.head_flops_per_row / c["head_row_s"],
+                keep_scale=c["keep_bytes_per_row"] / shape.keep_bytes_per_row,
+                busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"])
+
+
+@contextlib.contextmanager
+def compute_stores(store: BlockStore, cfg, device: torch.device, dtype: torch.dtype, rows_tokens: tuple[int, int],
+                   quick: bool):
+    """The stores whose block 0 a profile times: [store] itself, or for a quick profile of a block too large
+    to time quickly, one synthetic block of each of two slices of cfg's shape (quickslice.slice_factor and
+    lever_slice; one where there is no second) in a temporary folder, stored as `store` is (its dtype,
+    its quantization), timed at one row: quickslice.scaled_times scales their times to the whole block.
+    (A block timed whole is timed at 1 row and at the most `rows` allow, as a full profile does.)"""
+    (rows, seq_len), k, rate = rows_tokens, 1, None
+    if quick:
+        work = ci.Workload(rows, seq_len, dtype_name(dtype), store.manifest["dtype"], store.quant)
+        rate = ct.matmul_rate(device, dtype, cfg.dim, seq_len)
+        if qs.slice_factor(cfg, work, rate) > 1:  # slices are timed at one row (rows scale its per-row time)
+            k = max(2, qs.slice_factor(cfg, dataclasses.replace(work, rows=1), rate))
+    if k == 1 and dataclasses.replace(cfg, n_layers=store.cfg.n_layers) == store.cfg:
+        yield [store]
+        return
+    ks = [k] + [n for n in (qs.lever_slice(cfg, k),) if n is not None]
+    log.info("timing compute on %s of a block (matmuls at %.1f GFLOP/s here)", " and ".join(f"1/{n}" for n in ks),
+             (rate or 0) / 1e9)
+    with tempfile.TemporaryDirectory(prefix="phantom-slice-") as tmp:
+        yield [BlockStore(write_synthetic(Path(tmp) / f"slice{n}", dataclasses.replace(
+            qs.slice_config(cfg, n), n_layers=1), parse_dtype(store.manifest["dtype"]), progress=False,
+            quant=store.quant), verify="none") for n in ks]
 
 
 def with_free_memory(profile: ci.MachineProfile, device: torch.device | str) -> ci.MachineProfile:
@@ -386,14 +269,15 @@ def _slug(s: str) -> str:
 
 
 def machine_key(device: torch.device | str) -> str:
-    """Host name and device name, e.g. `box-nvidia-h100-80gb-hbm3` or `box-cpu-2c`."""
+    """Host name and device name, e.g. `box-nvidia-h100-80gb-hbm3`, `box-cpu-2c` or (ONEDNN_MAX_CPU_ISA set)
+    `box-cpu-2c-avx512-core`."""
     device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     elif device.type == "mps":
         name = f"mps-{platform.machine()}"
-    else:
-        name = f"cpu-{os.cpu_count()}c"
+    else:  # oneDNN's ISA cap changes the rates (it may keep bf16 instructions from oneDNN): a machine of its own
+        name = f"cpu-{os.cpu_count()}c" + (f"-{cap}" if (cap := cpufeatures.isa_cap()) else "")
     return _slug(f"{socket.gethostname()}-{name}")
 
 
@@ -482,7 +366,9 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
     (stored as work.store_dtype and work.quant), computing in work.dtype.
 
     The blocks are written to a temporary folder beside the profiles (the disk a store would use)
-    and removed after; the profile is saved, so the next plan for this shape measures nothing.
+    and removed after; the profile is saved, so the next plan for this shape measures nothing. A quick
+    profile writes blocks of a slice of the shape (quickslice.slice_factor: the whole block where it
+    times quickly) to read, and times compute as `measure` does for the whole shape (on its slices).
     """
     dtype, store_dtype, quant = work.dtype, work.store_dtype, work.quant
     path = profile_path(cfg, device, dtype, profile_dir, store_dtype, quant)
@@ -490,11 +376,13 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
     if profile is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="probe-", dir=path.parent) as tmp:
-            small = measurable(cfg.first_layers(min(blocks, cfg.n_layers)), store_dtype, quant)
+            k = qs.slice_factor(cfg, work, ct.matmul_rate(torch.device(device), parse_dtype(dtype), cfg.dim,
+                                                          work.seq_len)) if quick else 1
+            small = measurable(qs.slice_config(cfg, k).first_layers(min(blocks, cfg.n_layers)), store_dtype, quant)
             log.info("writing %d synthetic blocks of this shape to measure them (%.1f GiB)", small.n_layers,
                      ci.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
             store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,
                                                quant=as_format(quant)), verify="none")
-            profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick)
+            profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick, cfg=cfg)
         save_profile(profile, path)
     return with_free_memory(profile, device)

@@ -24,7 +24,7 @@ from phantom.model.phantom_model import PhantomModel
 from phantom.model.synthetic import write_synthetic
 from phantom.plan import costinputs as ci
 from phantom.plan import costmodel as cm
-from phantom.plan import planner, profiles
+from phantom.plan import computetimer, planner, profiles
 from phantom.stream import placement as P
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def timed_steps(store_path: Path | str, device, dtype, placement: P.Placement, a
             tokens = torch.randint(0, model.cfg.vocab_size, (rows, seq_len), generator=gen).to(device)
             t0 = time.perf_counter()
             model(tokens, targets=tokens).backward()
-            profiles.sync(torch.device(device))
+            computetimer.sync(torch.device(device))
             if s:
                 times.append(time.perf_counter() - t0)
                 metrics.append(model.scheduler.take_metrics())

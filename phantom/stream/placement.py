@@ -35,8 +35,9 @@ class Placement:
     """
 
     offload: str = knob("auto", "where blocks wait between uses: auto fills device then RAM by budget, the rest "
-                                "from disk; none (all on the device), ram (all in RAM) or disk (all read per use)",
-                        choices=OFFLOADS)
+                                "from disk; none (all on the device), ram (all in RAM), disk (all read per use), "
+                                "or a tier an installed package declares (entry points phantom.tiers)",
+                        choices=lambda: offloads())
     prefetch: int = knob(2, "blocks read and copied ahead of the one computing (device slots = prefetch + 1)")
     resident: int | None = knob(None, "blocks kept on the device (default: as many as --device-budget allows "
                                       "with --offload auto, else 0)")
@@ -51,7 +52,7 @@ class Placement:
                              choices=EXPERT_READS)
 
     def __post_init__(self):
-        if self.offload not in offloads():
+        if self.offload not in offloads() and self.offload not in offload_choices():
             raise ValueError(f"offload must be one of {', '.join(offloads())}, not {self.offload!r}")
         if self.expert_reads not in EXPERT_READS:
             raise ValueError(f"expert_reads must be one of {', '.join(EXPERT_READS)}, not {self.expert_reads!r}")
@@ -92,6 +93,17 @@ class Activations:
 def offloads() -> tuple[str, ...]:
     """What `Placement.offload` may be: the built-in modes, and every registered tier but the device."""
     return OFFLOADS + tuple(t for t in T.names() if t not in TIERS)
+
+
+def offload_choices() -> tuple[str, ...]:
+    """`offloads()` once the tiers installed packages declare are registered (T.load_plugins): what a
+    script's --offload offers and its --help lists.
+
+    Raises:
+        ValueError: a tier plugin is broken or conflicts (one line).
+    """
+    T.load_plugins()
+    return offloads()
 
 
 def split_knobs(knobs: dict, *configs):

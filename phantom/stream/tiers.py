@@ -11,9 +11,19 @@ its blocks (`open`, returning a `Held`). The device, RAM and disk tiers are its 
 places blocks in it with `Placement(offload=<its name>)`, and placement, the scheduler, the transfer
 stage, the cost model and the trace read it from here; nothing else names it. A tier that declares a
 `budget` also takes blocks under `offload="auto"`, after the device and RAM tiers and before disk.
+
+A package makes its tier a choice of the scripts' `--offload` (and of a run file's `offload:`) by
+declaring it in the `phantom.tiers` entry point group, under the tier's name:
+
+    [project.entry-points."phantom.tiers"]          # pyproject.toml; setup.cfg: [options.entry_points]
+    objstore = "mypkg.tiers:ObjectStoreTier"         # a Tier subclass, a Tier, or a function returning one
+
+`load_plugins` registers them (the scripts call it before building their flags, so `--help` lists
+them; a Placement naming a tier not registered yet calls it too).
 """
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass
 from typing import Callable
 
@@ -303,3 +313,54 @@ def get(name: str) -> Tier:
 def names() -> tuple[str, ...]:
     """Every tier's name: the built-in ones, fastest first, then the registered ones."""
     return tuple(_REGISTRY)
+
+
+ENTRY_POINTS = "phantom.tiers"  # the entry point group installed packages declare their tiers in
+_loaded: set[str] = set()  # entry points registered by load_plugins
+
+
+def load_plugins() -> tuple[str, ...]:
+    """Register the tier each `phantom.tiers` entry point names (once per process); returns their names.
+
+    An entry point's object is a Tier, a Tier subclass (made with no arguments) or a function returning a
+    Tier, whose name is the entry point's. A tier its package registered itself on import, of the same
+    class, is kept.
+
+    Raises:
+        ValueError: a plugin that fails to load, is not a tier, is named unlike its entry point, takes a
+            built-in name, or is declared by two packages (one line naming the package).
+    """
+    points = importlib.metadata.entry_points(group=ENTRY_POINTS)
+    seen: dict[str, str] = {}
+    for ep in points:
+        where = f"the tier plugin {ep.name!r} ({ep.value}, package {ep.dist.name if ep.dist else 'unknown'})"
+        if ep.name in seen and seen[ep.name] != ep.value:
+            raise ValueError(f"two packages declare a tier named {ep.name!r}: {seen[ep.name]} and {ep.value}; "
+                             f"uninstall one")
+        seen[ep.name] = ep.value
+        if ep.name in _loaded:
+            continue
+        tier = _plugin_tier(ep, where)
+        if (held := _REGISTRY.get(tier.name)) is not None and type(held) is type(tier):
+            _loaded.add(ep.name)
+            continue
+        try:
+            register(tier)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        _loaded.add(ep.name)
+    return tuple(sorted(seen))
+
+
+def _plugin_tier(ep, where: str) -> Tier:
+    """The Tier an entry point names, checked."""
+    try:
+        obj = ep.load()
+        tier = obj() if isinstance(obj, type) or (callable(obj) and not isinstance(obj, Tier)) else obj
+    except Exception as e:  # noqa: BLE001 - any failure in a plugin's code is reported as its own, in one line
+        raise ValueError(f"{where} failed to load: {type(e).__name__}: {e}") from None
+    if not isinstance(tier, Tier):
+        raise ValueError(f"{where} gives {type(tier).__name__}, not a phantom.stream.tiers.Tier")
+    if tier.name != ep.name:
+        raise ValueError(f"{where} is a tier named {tier.name!r}: the entry point must be named as its tier")
+    return tier

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from phantom.base import dtypes, fileio
+from phantom.base import cpufeatures, dtypes, fileio
 from phantom.stream.placement import parse_bytes
 
 STORE_DTYPES = dtypes.NAMES  # what a store holds
@@ -64,8 +64,8 @@ def knob_flag(f: dataclasses.Field, kind, shown, default=None) -> dict:
     default, its choices or type from the field; `default` (None: "not given", the config decides)."""
     meta = dict(f.metadata)
     kw = dict(dest=f.name, default=default, help=meta.get("help", "") + f" (default: {shown})")
-    if "choices" in meta:
-        kw["choices"] = meta["choices"]
+    if "choices" in meta:  # a function where they change at run time (offload: the registered tiers)
+        kw["choices"] = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
     elif meta.get("type") == "bytes":
         kw.update(type=_bytes_or_none, metavar="SIZE|auto")
     elif kind is bool:
@@ -88,10 +88,20 @@ def configs_from_args(args: argparse.Namespace, *configs):
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """`auto`: bf16 on CUDA, fp32 elsewhere (mps bf16 kernels are incomplete)."""
+    """`auto`: bf16 on CUDA, fp32 elsewhere (mps bf16 kernels are incomplete; a CPU without bf16
+    instructions emulates bf16 at a fraction of its fp32 rate, see `emulated_bf16`, and one with them
+    is not second-guessed either: fp32 is exact and never the slow choice by much)."""
     if dtype != "auto":
         return dtype
     return "bf16" if device.type == "cuda" else "fp32"
+
+
+def emulated_bf16(dtype: str, device: torch.device) -> str | None:
+    """Why `dtype` runs emulated in software here (bf16 on a CPU without bf16 instructions, or with them
+    kept from oneDNN by ONEDNN_MAX_CPU_ISA: phantom.base.cpufeatures), or None."""
+    if torch.device(device).type != "cpu" or dtypes.lookup(dtype).name != "bf16":
+        return None
+    return cpufeatures.bf16_emulated()
 
 
 PROJECT = Path(__file__).resolve().parent.parent.parent  # phantom/ and scripts/: where user errors are raised

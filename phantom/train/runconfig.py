@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from phantom.data import chat
 from phantom.data.tokenfiles import TOKEN_DTYPES
 from phantom.model.lora import LoraConfig
-from phantom.stream.placement import Activations, Placement, knob
+from phantom.stream.placement import Activations, Placement, knob, offload_choices
 from phantom.train import cli, runfile, trackers
 from phantom.train.preference import PreferenceConfig
 from phantom.train.trainconfig import TrainConfig
@@ -237,7 +237,13 @@ def _plain_flag(name: str, kind, meta: dict, default) -> dict:
 
 
 def parser(description: str | None = None) -> argparse.ArgumentParser:
-    """The flags of a run; also the schema of its run files (phantom.train.runfile)."""
+    """The flags of a run; also the schema of its run files (phantom.train.runfile). The tiers installed
+    packages declare are registered first: they are choices of --offload (and of `offload:`).
+
+    Raises:
+        ValueError: a tier plugin is broken or conflicts (one line).
+    """
+    offload_choices()
     p = argparse.ArgumentParser(description=description, epilog=RUN_FILE_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = {}

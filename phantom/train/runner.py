@@ -98,7 +98,11 @@ def start(cfg: rc.RunConfig) -> Machine:
     ddp = init_from_env(device.type)
     if ddp.enabled and device.type == "cuda":
         device = torch.device("cuda", ddp.local_rank)
-    return Machine(device, cli.resolve_dtype(cfg.model.dtype, device), ddp)
+    dtype = cli.resolve_dtype(cfg.model.dtype, device)
+    if (why := cli.emulated_bf16(dtype, device)) is not None:
+        log.warning("bf16 is emulated on this CPU (%s): its steps take several times an fp32 step's; "
+                    "--dtype fp32 (what --dtype auto chooses on a CPU) is faster", why)
+    return Machine(device, dtype, ddp)
 
 
 def decided(cfg: rc.RunConfig, store: BlockStore) -> rc.RunConfig:

@@ -1,0 +1,190 @@
+"""Timing a block's compute as training runs it: the clock discipline (sync, medians after a warm-up),
+one block's forward, graph forward and backward at two row counts fitted to `call + row * b`, the head,
+the slowdown of computing beside a reader, and a bare matmul's rate (what a quick profile chooses its
+slice from, phantom.plan.quickslice). phantom.plan.profiles turns these times into a profile's rates.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import torch
+
+from phantom.files.directio import readinto_exact
+from phantom.files.store import BlockStore
+from phantom.model.heads import ChunkedHeadLoss
+from phantom.model.phantom_model import PhantomModel
+from phantom.plan import planner
+from phantom.stream import placement as P
+from phantom.stream.executor import WeightHandles
+from phantom.stream.hostmem import HostBuffer
+from phantom.stream.memory import free_host_bytes
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a clock read after it times the work, not its launch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+
+def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool) -> tuple[float, float]:
+    """(median seconds of fn(), GB/s of block reads) while a thread reads block files in a loop."""
+    stop, got = threading.Event(), [0, 0.0]
+    buf = HostBuffer(store.block_nbytes, pin=False).tensor
+
+    def reader():
+        t0, i = time.perf_counter(), 0
+        while not stop.is_set():
+            e, i = store.blocks[i % store.n_blocks], i + 1
+            readinto_exact(e.path, e.data_start, buf[: e.nbytes], drop_cache=cold)
+            got[0] += e.nbytes
+        got[1] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=reader, name="phantom-tune-reader", daemon=True)
+    thread.start()
+    try:
+        t = timed(fn, device, repeats)
+    finally:
+        stop.set()
+        thread.join()
+    return t, got[0] / got[1] / 1e9
+
+
+class BlockTimer:
+    """Times block 0 of a model as training runs it: held and bound as StreamedBlock holds it, called
+    through the executor (the model's default LoRA), with the saved tensors counted."""
+
+    def __init__(self, model: PhantomModel, seq_len: int, repeats: int, disk: tuple[float, bool] | None):
+        self.model, self.seq_len, self.repeats, self.disk = model, seq_len, repeats, disk
+        self.device = model.device
+        self.held = model.executor.block_weights(0)  # acquired and bound, as StreamedBlock holds it
+        self.weights = self.held.__enter__()
+        self.params = [p for name, p in model.layers[0].named_parameters() if "lora_" in name]
+        self.rope, self.amp = model.rope[:seq_len], model.autocast_args()
+        self.gen = torch.Generator().manual_seed(0)
+
+    def close(self) -> None:
+        self.held.__exit__(None, None, None)
+
+    def point(self, b: int, with_head: bool) -> dict:
+        """Seconds of the forward, graph forward and backward of b rows (and the head per row), kept
+        bytes per row; with a disk rate, how much a concurrent read slows the forward and the read."""
+        model, device, weights, repeats, gen = self.model, self.device, self.weights, self.repeats, self.gen
+        x = torch.randn(b, self.seq_len, model.cfg.dim, generator=gen).to(device, model.weight_dtype)
+        hooks = WeightHandles(weights)
+        hooks.bind(weights)
+
+        def fwd():
+            with torch.no_grad(), torch.autocast(**self.amp):
+                return model.executor.run_block(0, weights, x, self.rope)
+
+        def fwd_grad():
+            xg = x.detach().requires_grad_()
+            with torch.enable_grad(), torch.autocast(**self.amp), \
+                    torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                return xg, model.executor.run_block(0, weights, xg, self.rope)
+
+        out = fwd()
+        g = torch.randn(out.shape, generator=gen).to(device, out.dtype)
+        t_fwd = timed(fwd, device, repeats)
+        t_grad, t_bwd = [], []
+        for _ in range(repeats + 1):  # each graph's backward before the next forward, as training runs them:
+            t0 = time.perf_counter()  # graphs held at once would each take fresh pages and time that too
+            xg, o = fwd_grad()
+            sync(device)
+            t1 = time.perf_counter()
+            torch.autograd.grad(o, [xg] + self.params, g)
+            sync(device)
+            t_grad.append(t1 - t0)
+            t_bwd.append(time.perf_counter() - t1)
+            del xg, o
+        busy = (1.0, 1.0)
+        if self.disk is not None and self.disk[0]:
+            t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.disk[1])
+            busy = (max(1.0, t_busy / t_fwd), max(1.0, self.disk[0] / gbps_busy))
+        return dict(fwd=t_fwd, fwd_grad=statistics.median(t_grad[1:]), bwd=statistics.median(t_bwd[1:]), busy=busy,
+                    head=self.head_s(b) / b if with_head else None,
+                    keep=hooks.kept_bytes // len(t_grad) // b, act=out.element_size() * self.seq_len * model.cfg.dim)
+
+    def head_s(self, b: int) -> float:
+        """Seconds of the fused head + loss (and its backward's inputs) over b rows."""
+        model = self.model
+        h = torch.randn(b, self.seq_len, model.cfg.dim, generator=self.gen).to(self.device, model.weight_dtype)
+        h.requires_grad_()
+        tgt = torch.randint(0, model.cfg.vocab_size, (b, self.seq_len), generator=self.gen).to(self.device)
+
+        def head():
+            with torch.autocast(**self.amp):
+                ChunkedHeadLoss.apply(h, model.norm_weight, model.output_weight, tgt, model.cfg.norm_eps,
+                                      model.loss_chunk)
+        return timed(head, self.device, self.repeats)
+
+
+def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype, seq_len: int, max_rows: int,
+                    free_bytes: int | None, repeats: int = 3, disk: tuple[float, bool] | None = None) -> dict:
+    """One block's forward, graph forward and backward per call of b rows, plus the head per row.
+
+    Runs the model's own block call (PhantomModel's default LoRA) on block 0, acquired and bound as
+    StreamedBlock holds it, at b = 1 and at the largest power of two dividing `max_rows` whose graphs
+    fit well inside `free_bytes`, and fits `call + row * b` through the two points. With `disk`
+    ((GB/s of block reads alone, whether cold)) it also times the largest forward while a thread reads
+    blocks: how much reading and computing slow each other down.
+    """
+    model = PhantomModel(store, device, dtype, P.Placement(offload="disk", prefetch=0),
+                         P.Activations(recompute="all", compile=False))
+    try:
+        timer = BlockTimer(model, seq_len, repeats, disk)
+        points = {1: timer.point(1, with_head=True)}  # the head's cost is per token: one size is enough
+        hi = max(b for b in planner.pow2_upto(max_rows) if max_rows % b == 0)
+        free = free_bytes if free_bytes is not None else free_host_bytes()
+        while hi > 1 and hi * points[1]["keep"] * 2 > (free or 0) // 4:
+            hi //= 2  # the measurement holds a graph and its gradients at once: keep it well inside memory
+        if hi > 1:
+            points[hi] = timer.point(hi, with_head=False)
+        head_bytes = model.output_weight.numel() * model.output_weight.element_size()
+        timer.close()
+    finally:
+        model.close()
+    hi = max(points)
+    return dict(fit_call_and_row(points), head_row_s=points[1]["head"], keep_bytes_per_row=points[hi]["keep"],
+                busy_compute_slowdown=points[hi]["busy"][0], busy_read_slowdown=points[hi]["busy"][1],
+                act_bytes_per_row=points[hi]["act"], head_bytes=head_bytes)
+
+
+def fit_call_and_row(points: dict[int, dict]) -> dict:
+    """`call + row * b` through the smallest and largest b measured, for each kind of block call."""
+    lo, hi = min(points), max(points)
+    fit = {}
+    for name in ("fwd", "fwd_grad", "bwd"):
+        row = (points[hi][name] - points[lo][name]) / (hi - lo) if hi > lo else points[hi][name] / hi
+        if row <= 0:  # noise swamped the slope: no per-call part
+            row = points[hi][name] / hi
+        fit[f"{name}_row_s"] = row
+        fit[f"{name}_call_s"] = max(0.0, points[lo][name] - row * lo)
+    return fit
+
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, dim: int, tokens: int, repeats: int = 3) -> float:
+    """FLOP/s of a (tokens x dim) @ (dim x min(dim, 2048)) matmul in dtype: about what a block's matmuls
+    run at, timed in well under a second."""
+    a = torch.randn(max(tokens, 16), dim).to(device, dtype)
+    b = torch.randn(dim, min(dim, 2048)).to(device, dtype)
+    return 2 * a.shape[0] * dim * b.shape[1] / timed(lambda: a @ b, device, repeats)

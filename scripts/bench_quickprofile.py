@@ -1,0 +1,186 @@
+"""A quick profile against a full one: how far `tune.py --quick`'s plan (a block's compute timed on a
+slice of it and scaled by FLOPs, phantom.plan.quickslice) is from the plan of a full measurement of the
+whole block, and how long each takes. Each measurement is its own `tune.py --json --remeasure` process
+with its own profile folder, quick then full for each case, side by side under the same conditions:
+
+    python scripts/bench_quickprofile.py --presets 7B,70B --dtypes fp32,bf16 --isas native,AVX512_CORE
+
+`--isas`: oneDNN's ISA cap per case (ONEDNN_MAX_CPU_ISA; `native` leaves it unset): AVX512_CORE keeps
+oneDNN from a CPU's bf16 instructions, so bf16 is emulated as on a CPU without them. Prints a markdown
+table (and appends it to --notes).
+
+`--ab ROUNDS` isolates the scaling: in one process per case, one block of the shape and the quick
+profile's slice of it, their compute timed alternately (slice, whole, slice, whole, ...: a shared
+machine's load drifts alike over both), each round's rates giving the whole model's compute per step
+(every block in RAM, recompute all, `cm.predict`); the error is of the medians.
+
+    python scripts/bench_quickprofile.py --ab 2 --presets 7B,70B --dtypes fp32,bf16 --isas native,AVX512_CORE
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TUNE = ROOT / "scripts" / "tune.py"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default="7B,70B", help="comma list of presets to plan")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma list of compute dtypes")
+    p.add_argument("--isas", default="native,AVX512_CORE", help="comma list of oneDNN ISA caps (native: none)")
+    p.add_argument("--batch-size", type=int, default=1, help="tune.py --batch-size")
+    p.add_argument("--seq-len", type=int, default=128, help="tune.py --seq-len")
+    p.add_argument("--disk-budget", default="300G", help="tune.py --disk-budget")
+    p.add_argument("--quick-only", action="store_true", help="time the quick plans alone (no full measurement)")
+    p.add_argument("--notes", type=Path, default=None, help="append the table to this markdown file")
+    p.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="compute alone, slice and whole block "
+                                                                      "alternately in one process, ROUNDS times")
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one --ab case, in its own process
+    return p.parse_args(argv)
+
+
+def tune(args, preset: str, dtype: str, isa: str, quick: bool) -> dict:
+    """One `tune.py --json --remeasure` process: its plan, profile and wall seconds."""
+    env = dict(os.environ)
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    if isa != "native":
+        env["ONEDNN_MAX_CPU_ISA"] = isa
+    with tempfile.TemporaryDirectory(prefix="bench-quick-") as profiles:
+        cmd = [sys.executable, str(TUNE), "--preset", preset, "--dtype", dtype, "--device", "cpu", "--batch-size",
+               str(args.batch_size), "--seq-len", str(args.seq_len), "--disk-budget", args.disk_budget, "--json",
+               "--remeasure", "--profile-dir", profiles] + (["--quick"] if quick else [])
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return {**json.loads(r.stdout.splitlines()[-1]), "wall_s": wall}
+
+
+def row(preset: str, dtype: str, isa: str, quick: dict, full: dict | None) -> str:
+    q = quick["profile"]
+    cells = [preset, dtype, isa, f"{quick['wall_s']:.0f}", q["measured_on"].split(" x ")[0].split("-")[1:4],
+             f"{q['fwd_flops'] / 1e9:.0f}", f"{quick['step_s']:.2f}"]
+    cells[4] = "-".join(cells[4])
+    if full is None:
+        cells += ["", "", "", "", ""]
+    else:
+        f = full["profile"]
+        cells += [f"{full['wall_s']:.0f}", f"{f['fwd_flops'] / 1e9:.0f}", f"{full['step_s']:.2f}",
+                  f"{quick['step_s'] / full['step_s'] - 1:+.1%}", f"{quick['compute_s'] / full['compute_s'] - 1:+.1%}"]
+    emulated = quick.get("fp32_step_s")
+    cells.append(f"yes (fp32 {emulated:.2f} s)" if quick.get("bf16_emulated") and emulated else
+                 "yes" if quick.get("bf16_emulated") else "")
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = ("| preset | dtype | oneDNN ISA | quick wall s | sliced to | quick fwd GFLOP/s | quick step s | full wall s | "
+          "full fwd GFLOP/s | full step s | step error | compute error | emulated bf16 warning |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+AB_HEADER = ("| preset | dtype | oneDNN ISA | slice | slice s (each round) | whole s (each round) | slice fwd GFLOP/s | "
+             "whole fwd GFLOP/s | slice compute s/step | whole compute s/step | compute error | load after |\n"
+             "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def ab_case(args, preset: str, dtype: str) -> dict:
+    """One case of --ab, in this process: the slice and the whole block timed alternately."""
+    import dataclasses
+    import statistics
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from phantom.arch import config
+    from phantom.files.store import BlockStore
+    from phantom.model.synthetic import write_synthetic
+    from phantom.plan import computetimer as ct, costinputs as ci, costmodel as cm, profiles, quickslice as qs
+    from phantom.stream.placement import Activations, Placement
+
+    cfg, device, dt = config.preset(preset), torch.device("cpu"), getattr(torch, {"fp32": "float32"}.get(dtype, "bfloat16"))
+    work = ci.Workload(args.batch_size, args.seq_len, dtype, "bf16")
+    k = qs.slice_factor(cfg, work, ct.matmul_rate(device, dt, cfg.dim, args.seq_len))
+    whole = ci.shape_of(cfg, "bf16", dtype, args.seq_len)
+    ks = [k] + [n for n in (qs.lever_slice(cfg, k),) if n is not None]
+    out = {"k": "+".join(f"1/{n}" for n in ks), "slice": [], "whole": []}
+    with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
+        def store(name, c):
+            return BlockStore(write_synthetic(Path(tmp) / name, dataclasses.replace(c, n_layers=1), torch.bfloat16,
+                                              progress=False), verify="none")
+        stores = {"slice": [store(f"slice{n}", qs.slice_config(cfg, n)) for n in ks], "whole": [store("whole", cfg)]}
+        for _ in range(args.ab):
+            for name, repeats in (("slice", qs.QUICK_REPEATS), ("whole", 4)):  # as a quick and a full profile
+                t0 = time.perf_counter()
+                points = [(ct.measure_compute(s, device, dt, args.seq_len, args.batch_size, None, repeats),
+                           ci.shape_of(s.cfg, "bf16", dtype, args.seq_len)) for s in stores[name]]
+                wall = time.perf_counter() - t0
+                rates = profiles.compute_rates(qs.scaled_times(points, whole), whole)
+                profile = ci.MachineProfile(machine="ab", device="cpu", dtype=dtype, **rates)
+                pred = cm.predict(profile, whole, Placement(offload="ram", prefetch=0), Activations(recompute="all"),
+                                  args.batch_size)
+                out[name].append({"wall_s": wall, "fwd_flops": rates["fwd_flops"], "compute_s": pred.compute_s})
+    for name in ("slice", "whole"):
+        out[f"{name}_compute_s"] = statistics.median(r["compute_s"] for r in out[name])
+    return out
+
+
+def ab_row(preset: str, dtype: str, isa: str, r: dict) -> str:
+    import statistics
+    cells = [preset, dtype, isa, r["k"], ", ".join(f"{x['wall_s']:.0f}" for x in r["slice"]),
+             ", ".join(f"{x['wall_s']:.0f}" for x in r["whole"]),
+             f"{statistics.median(x['fwd_flops'] for x in r['slice']) / 1e9:.0f}",
+             f"{statistics.median(x['fwd_flops'] for x in r['whole']) / 1e9:.0f}",
+             f"{r['slice_compute_s']:.1f}", f"{r['whole_compute_s']:.1f}",
+             f"{r['slice_compute_s'] / r['whole_compute_s'] - 1:+.1%}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def ab(args, preset: str, dtype: str, isa: str) -> str:
+    """One --ab case in its own process (oneDNN reads its ISA cap when the process starts)."""
+    env = dict(os.environ)
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    if isa != "native":
+        env["ONEDNN_MAX_CPU_ISA"] = isa
+    cmd = [sys.executable, __file__, "--case", f"{preset},{dtype}", "--ab", str(args.ab), "--batch-size",
+           str(args.batch_size), "--seq-len", str(args.seq_len)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return ab_row(preset, dtype, isa, json.loads(r.stdout.splitlines()[-1]))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.case:
+        print(json.dumps(ab_case(args, *args.case.split(","))))
+        return 0
+    lines = [f"`python scripts/bench_quickprofile.py {' '.join(argv if argv is not None else sys.argv[1:])}`, "
+             f"{time.strftime('%Y-%m-%d %H:%M')}, load average before {os.getloadavg()[0]:.2f}", "",
+             AB_HEADER if args.ab else HEADER]
+    print("\n".join(lines), flush=True)
+    for preset in args.presets.split(","):
+        for isa in args.isas.split(","):
+            for dtype in args.dtypes.split(","):
+                if args.ab:
+                    lines.append(ab(args, preset, dtype, isa) + f" {os.getloadavg()[0]:.1f} |")
+                    print(lines[-1], flush=True)
+                    continue
+                quick = tune(args, preset, dtype, isa, quick=True)
+                full = None if args.quick_only else tune(args, preset, dtype, isa, quick=False)
+                lines.append(row(preset, dtype, isa, quick, full))
+                print(lines[-1], flush=True)
+    if args.notes is not None:
+        with open(args.notes, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

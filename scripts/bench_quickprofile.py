@@ -98,7 +98,7 @@ def ab_case(args, preset: str, dtype: str) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from phantom.arch import config
+    from phantom.arch import presets as config
     from phantom.files.store import BlockStore
     from phantom.model.synthetic import write_synthetic
     from phantom.plan import computetimer as ct, costinputs as ci, costmodel as cm, profiles, quickslice as qs

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from phantom.arch.config import PRESETS, preset
+from phantom.arch.presets import PRESETS, preset
 from phantom.base import cpufeatures
 from phantom.files.store import BlockStore
 from phantom.model.synthetic import write_synthetic

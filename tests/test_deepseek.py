@@ -26,7 +26,7 @@ from phantom.arch.config import ConfigError
 from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
 from phantom.model.export import export
-from test_moe_lora import RUNS, assert_equals_peft, few, phantom_step
+from test_moe_lora import RUNS, assert_equals_peft, expert_adapter, few, phantom_step
 from test_convert import load_script
 from test_hub import add_to_cache
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
@@ -109,12 +109,7 @@ def test_expert_lora_equals_peft_with_experts_read_routed_and_whole(models, name
     """LoRA on attention and every expert: logits within 1e-5 of peft's, every A and B gradient within 1e-4,
     resident and streamed from disk and RAM, experts read routed and whole; the adapter loads in peft with
     the names peft gives these modules (q, k, v on latent attention: q_b_proj or q_proj, kv_b_proj)."""
-    model, store = models(name)
-    tokens, targets = few()
-    adapter = tmp_path / "adapter"
-    phantom_step(store, tokens, targets, adapter, offload="none")
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    model, store, tokens, targets, adapter, config = expert_adapter(models, name, tmp_path)
     assert config["target_modules"] == list(CASES[name].adapter_modules) if name == "glm4_moe" else \
         sorted(["kv_b_proj", "o_proj", "q_b_proj" if name == "deepseek_v3" else "q_proj"])
     ref = peft_step(model, adapter, tokens, targets)

@@ -133,6 +133,18 @@ def assert_equals_peft(got, ref, run, unhit: bool = False) -> None:
         assert not unhit or torch.equal(ga == 0, ra == 0) or "experts" not in key[1], (run, key)
 
 
+def expert_adapter(models, name, tmp_path):
+    """The model and store of `name`, few() tokens, and an adapter on attention and the experts saved from a
+    resident phantom model (its adapter_config.json read: the experts as peft's target_parameters)."""
+    model, store = models(name)
+    tokens, targets = few()
+    adapter = tmp_path / "adapter"
+    phantom_step(store, tokens, targets, adapter, offload="none")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return model, store, tokens, targets, adapter, config
+
+
 @pytest.mark.usefixtures("ram_streams")
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_expert_lora_gradients_equal_peft_target_parameters(models, name, tmp_path):
@@ -140,12 +152,7 @@ def test_expert_lora_gradients_equal_peft_target_parameters(models, name, tmp_pa
     1e-4, resident and streamed from disk and RAM, experts read routed and whole; unhit experts' gradients
     are zeros in both. Qwen2-MoE's shared expert and dense layer 1 take one too (target_modules, as peft
     adapts them there); Qwen3-MoE's dense layer 1 none (peft turns gate_proj there into the experts')."""
-    model, store = models(name)
-    tokens, targets = few()
-    adapter = tmp_path / "adapter"
-    phantom_step(store, tokens, targets, adapter, offload="none")
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    model, store, tokens, targets, adapter, config = expert_adapter(models, name, tmp_path)
     plain = ["down_proj", "gate_proj", "up_proj"] if name == "qwen2_moe" else []  # its shared expert, dense layer
     assert config["target_modules"] == sorted([*plain, "k_proj", "o_proj", "q_proj", "v_proj"])
     ref_logits, ref_loss, ref_grads = peft_step(model, adapter, tokens, targets)

@@ -159,7 +159,7 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
         return {**{t: (TARGETS[t][1], (t,)) for t in attention_targets(cfg)},
                 **{t: (peft_parameter(t), parts) for t, parts in EXPERT_TARGETS.items()},
                 **{t: (TARGETS[t][1], (t,)) for t in (("gate", "up", "down") if plain else ())}}
-    by_weight = {f"{path}.weight": t for t, (path, _) in TARGETS.items() if t in GQA or t not in attention_targets(cfg)}
+    by_weight = {f"{path}.weight": t for t, (path, _) in TARGETS.items()}
     fused = {}  # first target of a fused module -> (its short name, HF module, its targets)
     for key, names in family(cfg).fused.items():
         module = key.removeprefix("model.layers.{}.").removesuffix(".weight")
@@ -200,8 +200,6 @@ def latent_names(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
     if missing := [t for t in out if t.startswith(("q_", "kv_")) and t not in have]:
         raise ValueError(f"LoRA targets {', '.join(missing)}: this model's latent attention has no q bottleneck "
                          f"(q_lora_rank is null); its query is q (q_proj)")
-    if mapped := [f"{a} -> {b}" for a, b in zip(targets, out) if a != b]:
-        log.info("latent attention: LoRA targets %s", ", ".join(mapped))
     return out
 
 
@@ -251,8 +249,9 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     target_parameters LoRA cannot do: dropout, and layers (peft applies layers_to_transform to modules only)."""
     modules = peft_modules(cfg)
     targets = family_targets(lora.targets, cfg, lora.exact)
-    asked = targets if lora.targets == ALL_LINEAR else latent_names(lora.targets, cfg) if cfg.kv_lora_rank \
-        else lora.targets
+    asked = targets if lora.targets == ALL_LINEAR else latent_names(lora.targets, cfg)
+    if mapped := [f"{a} -> {b}" for a, b in zip(lora.targets, asked) if a != b and lora.targets != ALL_LINEAR]:
+        log.info("latent attention: LoRA targets %s", ", ".join(mapped))
     wanted = [t for name in asked for t in GROUPS.get(name, (name,))]
     if cfg.n_experts and (experts := [peft_parameter(t) for t in targets if t in EXPERT_PARAMS]):
         if lora.dropout:

@@ -85,6 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (q and v, as PEFT's default targets)")
     p.add_argument("--moe-batches", default="1x8,1x32,1x128,1x1024,4x1024",
                    help="--modes moe: ROWSxTOKENS per step, comma list")
+    p.add_argument("--moe-base", default="stream",
+                   help="--modes moe: comma list of stream (the rest of a block read at each load) and device "
+                        "(kept on the device after its first load)")
     p.add_argument("--moe-shape", default="qwen3-30B-A3B", choices=("qwen3-30B-A3B", "deepseek-v3-671B", "kimi-k2-1T",
                                                                    "glm-4.5-355B"),
                    help="--modes moe: the preset whose experts, routing and attention the store has (scaled to --dim)")

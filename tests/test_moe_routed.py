@@ -88,7 +88,7 @@ def test_a_step_reads_the_hit_experts_and_the_rest_once_each_way(models, tmp_pat
     expert = lambda e: ranges[e][1] - ranges[e][0]  # noqa: E731
     loads = []
     with phantom.load(store, offload="disk", prefetch=0, recompute="all", expert_reads="routed", verify="none",
-                      trace=True) as pm:
+                      trace=True, moe_base="stream") as pm:
         transfer = pm.backend.scheduler.transfer
         real_load, real_fill = transfer.load, transfer.fill
         transfer.load = lambda slot, block, src, ev=None, experts=None: (
@@ -325,11 +325,13 @@ def test_the_cost_model_predicts_the_bytes_a_routed_step_reads(models):
     profile = ci.MachineProfile(machine="t", device="cpu", disk_gbps=0.05, free_device_bytes=None,  # read-bound
                                 free_host_bytes=None)
     shape = ci.shape_of(cfg, "fp32", "fp32", seq_len=1)
-    pred = predict_expert_reads(profile, shape, cfg, "fp32", phantom.Placement(offload="disk", prefetch=0),
+    pred = predict_expert_reads(profile, shape, cfg, "fp32", phantom.Placement(offload="disk", prefetch=0,
+                                                                               moe_base="stream"),
                                 phantom.Activations(recompute="all"), rows=1)
     measured = {}
     for mode in ("whole", "routed"):
-        with phantom.load(store, offload="disk", prefetch=0, recompute="all", expert_reads=mode, verify="none") as pm:
+        with phantom.load(store, offload="disk", prefetch=0, recompute="all", expert_reads=mode, verify="none",
+                          moe_base="stream") as pm:
             for _ in range(2):
                 pm(torch.tensor([[3]]), targets=torch.tensor([[4]])).backward()
                 measured[mode] = pm.backend.scheduler.take_metrics()["bytes_read"]
@@ -399,7 +401,7 @@ def test_auto_reads_whole_until_it_has_measured_then_decides_each_step(models):
     block's compute and the read rate; the next step's choice is ExpertReads.pays on those measurements."""
     model, store = models["qwen3_moe"]
     tokens, targets = few(1, 3)
-    with phantom.load(store, offload="disk", prefetch=0, verify="none") as pm:
+    with phantom.load(store, offload="disk", prefetch=0, verify="none", moe_base="stream") as pm:
         policy = pm.backend.scheduler.routed.policy
         assert policy.mode == "auto"
         pm(tokens, targets=targets).backward()

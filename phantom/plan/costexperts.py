@@ -59,8 +59,8 @@ def predict_expert_reads(profile: MachineProfile, shape: Shape, cfg: ModelConfig
     whole = predict(profile, shape, placement, activations, rows)
     e_bytes = expert_bytes(cfg, store_dtype)
     hits = expected_hits(probs, rows * shape.seq_len, cfg.n_experts, cfg.experts_per_token)
-    base = shape.block_bytes - cfg.n_experts * e_bytes
     lay = layout(shape, profile, placement, None)
+    base = shape.block_bytes - cfg.n_experts * e_bytes - (shape.base_bytes if lay.bases else 0)  # what a load reads
     fwd, bwd = (list(x) for x in lay.loaded())
     routed_block = base + round(hits * e_bytes)
     moved = lambda n: sum(n for _ in fwd) + sum(n for _ in bwd)  # noqa: E731
@@ -95,3 +95,31 @@ def describe_expert_reads(profile: MachineProfile, shape: Shape, cfg: ModelConfi
             f"tokens): routed reads {p.routed_bytes / 1e9:.1f} GB per step against {p.whole_bytes / 1e9:.1f} GB whole, "
             f"{p.routed_s:.3f} s against {p.whole_s:.3f} s: expert reads {p.choice} pay (--expert-reads auto "
             f"measures the router and picks each step)")
+
+
+def with_moe_base(profile: MachineProfile, shape: Shape, cfg: ModelConfig, store_dtype: str, chosen: Prediction,
+                  quantized: bool = False) -> Prediction:
+    """The chosen plan with `Placement.moe_base` decided (the tuner's choice): the streamed blocks' attention,
+    norms, router and shared experts kept on the device ("device"), in the memory the plan leaves or in that of
+    the fewest resident blocks given up for them, where that makes the step faster (routed or whole reads,
+    whichever the run's `auto` picks; a quantized store reads whole); else "stream". Under whole reads a kept
+    byte saves what a resident block's byte saves; under routed reads, where a step hits few experts, the
+    rest of a block is a larger share of each load, and keeping it saves more than a resident block would."""
+    if not shape.moe_blocks or not shape.sizes.base or not chosen.layout.streamed:
+        return chosen
+
+    def step(placement: Placement) -> tuple[float, Prediction]:
+        p = predict(profile, shape, placement, chosen.activations, chosen.rows)
+        e = predict_expert_reads(profile, shape, cfg, store_dtype, placement, chosen.activations, chosen.rows)
+        return (e.whole_s if quantized else min(e.whole_s, e.routed_s)), p
+    best_s, best = step(dataclasses.replace(chosen.placement, moe_base="stream"))
+    resident = chosen.split["device"]
+    for r in range(resident, -1, -1):  # the bases in what is left, else in place of r resident blocks
+        ram = chosen.placement.ram_budget  # a block given up goes to the RAM tier where the plan capped it
+        ram = None if ram is None else ram + (resident - r) * shape.tier_bytes
+        kept_s, kept = step(dataclasses.replace(chosen.placement, moe_base="device", resident=r, ram_budget=ram))
+        if kept.fits:
+            return kept if kept_s < best_s else best
+        if (resident - r + 1) * shape.sizes.resident > len(shape.moe_blocks) * shape.sizes.base:
+            break  # giving up more blocks than the bases take cannot make them fit
+    return best

@@ -7,6 +7,7 @@ before its weights exist. No I/O, no clocks: every function here is a function o
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from phantom.arch.config import ModelConfig, block_tensor_shapes
@@ -52,6 +53,14 @@ class Shape:
     seq_len: int
     store_bytes: int  # the store's files: blocks, embedding, head (headers of a few KiB left out)
     dequant_bytes: int = 0  # a quantized store: the compute-dtype bytes each load dequantizes into
+    moe_blocks: tuple[int, ...] = ()  # the blocks with experts (Placement.moe_base may keep their other weights)
+    base_bytes: int = 0  # one such block's stored non-expert bytes: what a load reads less where they are kept
+
+    def kept(self) -> "Shape":
+        """A load of a block whose attention, norms, router and shared experts the device keeps: experts alone."""
+        return dataclasses.replace(self, block_bytes=self.block_bytes - self.base_bytes,
+                                   dequant_bytes=max(0, self.dequant_bytes - self.sizes.base)
+                                   if self.dequant_bytes else 0)
 
     @property
     def slot_bytes(self) -> int:
@@ -95,9 +104,16 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
     block = round(sum(b for _, b in per_block) / len(per_block))
     head_params = cfg.vocab_size * cfg.dim + cfg.dim
     embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
+    moe = tuple(i for i in range(cfg.n_layers) if cfg.sparse(i))
+    base_shapes = {n: sh for n, sh in block_tensor_shapes(cfg, moe[0] if moe else None).items()
+                   if not n.startswith("feed_forward.experts.")} if moe else {}
+    base_params = sum(math.prod(sh) for sh in base_shapes.values())
+    base_stored = 0 if not moe else base_params * s if fmt is None else \
+        block_nbytes(fmt, base_shapes, stored.torch_name)
     return Shape(
-        n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
-        sizes=P.block_sizes(largest, largest_params, s, c, quant is not None, stored == computed),
+        n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c, moe_blocks=moe, base_bytes=base_stored,
+        sizes=dataclasses.replace(P.block_sizes(largest, largest_params, s, c, quant is not None, stored == computed),
+                                  base=base_params * c),
         head_bytes=head_params * c, embed_bytes=embed_params * s,
         # matmuls (a mixture of experts: the experts a token routes to) + causal attention
         flops_per_row=seq_len * (2 * cfg.mean_block_params(active=True) + 2 * seq_len * cfg.q_dim),

@@ -122,6 +122,7 @@ class Prediction:
         d = {k: v for k, v in d.items() if k in names}
         lay = d["layout"]
         layout = Layout(**{**lay, "tiers": tuple(lay["tiers"]), "streamed": tuple(lay["streamed"]),
+                           "bases": tuple(lay.get("bases", ())),
                            "sizes": P.BlockBytes(**lay["sizes"])})
         return cls(**{**d, "placement": Placement(**d["placement"]), "activations": Activations(**d["activations"]),
                       "layout": layout, "missing": tuple(d["missing"].items())})
@@ -130,6 +131,8 @@ class Prediction:
         s, a = self.split, self.activations
         keep = {"none": "keep all", "all": "recompute all"}.get(a.recompute, f"keep {self.kept_blocks} blocks")
         more = "".join(f", {n} in {t}" for t, n in s.items() if t not in ("device", "ram", "disk"))
+        if self.layout.bases:
+            more += f" (the attention and shared experts of {len(self.layout.bases)} of them kept on the device)"
         return (f"{s['device']} blocks on the device, {s['ram']} in RAM, {s['disk']} on disk{more}; prefetch "
                 f"{self.placement.prefetch}; {keep}; micro-batch {a.micro_batch}; compile "
                 f"{ {True: 'on', False: 'off', None: 'default'}[a.compile] }")
@@ -141,7 +144,7 @@ def layout(shape: Shape, profile: MachineProfile, placement: Placement,
     free = P.FreeMemory(device=None if profile.host_is_device else profile.free_device_bytes,
                         host=profile.free_host_bytes, unified=profile.device == "mps")
     return P.resolve(shape.n_blocks, shape.sizes, placement, free, host_is_device=profile.host_is_device,
-                     tiers=tiers)
+                     tiers=tiers, moe_blocks=shape.moe_blocks)
 
 def kept_blocks(shape: Shape, profile: MachineProfile, activations: Activations, rows: int) -> int:
     """Blocks whose activations are kept, as BlockExecutor.keeps decides (the first ones, in order)."""
@@ -161,6 +164,8 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
         X  = the tier's read (phantom.stream.tiers.Tier.read_s: block_bytes / disk for the disk tier)
              + block_bytes / h2d (unless it is read into a CPU slot)
              + dequant_bytes / dequant rate (a quantized store: the loader dequantizes each load)
+    A block whose attention, norms, router and shared experts the device keeps (Layout.bases) loads its
+    experts alone: X of Shape.kept() (its other bytes take device memory instead).
     Streamed blocks S (disk, and RAM unless used in place) pass through K + 1 slots; each pass
     loads L of them (`loads_per_step`: the blocks still in slots at each turn are reused), so
         pipe(C) = S * C + sum(X)                                     K = 0: load, then compute
@@ -175,26 +180,33 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     keep = kept_blocks(shape, profile, activations, rows)
     cf, cb, head = block_compute(profile, shape, activations, rows, keep)
     b = activations.micro_batch or rows
-    device, host, pinned = device_memory(shape, profile, tiers, slots, keep, rows, b), \
-        *host_memory(shape, profile, tiers, slots, placement, keep, rows, b)
+    bases = len(lay.bases) * shape.sizes.base
+    device, host, pinned = device_memory(shape, profile, tiers, slots, keep, rows, b) + \
+        (0 if profile.host_is_device else bases), *host_memory(shape, profile, tiers, slots, placement, keep, rows, b)
+    host += bases if profile.host_is_device else 0
     cold = profile.disk_warm_gbps is None or tiers.count("disk") * shape.block_bytes > \
         (profile.free_host_bytes or 0) * (1 - margin) - host
     t = LoadTimes.of_block(profile, shape, tiers, warm=not cold)
+    t_kept = LoadTimes.of_block(profile, shape.kept(), tiers, warm=not cold) if lay.bases else None
     fwd_loads, bwd_loads = (list(x) for x in lay.loaded())
     still = set(range(shape.n_blocks)) - set(streams)
     step = sum(cf[i] + cb[i] for i in still) + head + \
-        pipe_s(cf, fwd_loads, lay, t, profile) + pipe_s(cb, bwd_loads, lay, t, profile)
+        pipe_s(cf, fwd_loads, lay, t, profile, t_kept) + pipe_s(cb, bwd_loads, lay, t, profile, t_kept)
     compute = sum(cf) + sum(cb) + head
     loads = lay.loads()
     read = sum(n for tier, n in loads.items() if T.get(tier).reads)  # loads a tier reads (disk), the rest copied
-    transfer = sum(t.of(tiers[i]) for i in fwd_loads + bwd_loads)
+    kept = set(lay.bases)
+    saved = lambda which: sum(shape.base_bytes for i in fwd_loads + bwd_loads  # noqa: E731
+                              if i in kept and which(T.get(tiers[i]).reads))
+    transfer = sum((t_kept if i in kept else t).of(tiers[i]) for i in fwd_loads + bwd_loads)
     bound = "compute" if step <= 1.1 * compute or transfer == 0 else \
         "disk" if sum(t.read_s.get(tier, 0.0) * n for tier, n in loads.items()) >= sum(loads.values()) * t.link_s else "link"
     return Prediction(
         placement=placement, activations=activations, rows=rows, layout=lay, step_s=step, compute_s=compute,
         transfer_s=transfer, bound=bound, device_bytes=device, host_bytes=host, pinned_bytes=pinned,
-        bytes_read=read * shape.block_bytes,
-        bytes_h2d=(sum(loads.values()) - (read if profile.host_is_device else 0)) * shape.block_bytes,
+        bytes_read=read * shape.block_bytes - saved(bool),
+        bytes_h2d=(sum(loads.values()) - (read if profile.host_is_device else 0)) * shape.block_bytes -
+        saved(lambda reads: not (reads and profile.host_is_device)),
         loads=sum(loads.values()), kept_blocks=keep, seq_len=shape.seq_len,
         missing=shortfall(shape, profile, device, host, margin))
 
@@ -213,13 +225,17 @@ def block_compute(profile: MachineProfile, shape: Shape, activations: Activation
     cb = [bwd if i < keep else fwd_grad + bwd for i in range(shape.n_blocks)]
     return cf, cb, rows * shape.head_flops_per_row / (profile.head_flops or profile.fwd_flops)
 
-def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile: MachineProfile) -> float:
-    """One pass over the streamed blocks with `loads` of them loaded (see `predict`)."""
+def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile: MachineProfile,
+           t_kept: LoadTimes | None = None) -> float:
+    """One pass over the streamed blocks with `loads` of them loaded (see `predict`); `t_kept`: a load of a
+    block whose other weights the device keeps (Layout.bases)."""
     streams, prefetch = lay.streamed, lay.prefetch
     if not streams:
         return 0.0
     total, c_avg = sum(c[i] for i in streams), sum(c[i] for i in streams) / len(streams)
-    xs = [t.of(lay.tiers[i]) for i in loads]
+    kept = set(lay.bases) if t_kept is not None else set()
+    of = lambda i: t_kept if i in kept else t  # noqa: E731
+    xs = [of(i).of(lay.tiers[i]) for i in loads]
     if not xs:
         return total
     if prefetch == 0:
@@ -228,8 +244,8 @@ def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile:
     c_busy = c_avg * (1 + (profile.busy_compute_slowdown - 1) * min(1.0, x_avg / c_avg)) if c_avg else 0.0
     if profile.host_is_device and profile.compute_threads:  # a CPU's loader dequantizes on one of the cores
         c_busy += t.dequant_s / profile.compute_threads     # the block computes on: that share of it is lost
-    reads = sum(t.read_s.get(lay.tiers[i], 0.0) for i in loads)
-    x_busy = sum(xs) + reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg)
+    reads = sum(of(i).read_s.get(lay.tiers[i], 0.0) for i in loads)
+    x_busy = sum(xs) + reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg) if x_avg else 0.0
     jitter = len(xs) * profile.disk_jitter * min(c_avg, x_avg) / prefetch
     return max(total + len(xs) * (c_busy - c_avg), 2 * c_avg + x_busy) + jitter
 

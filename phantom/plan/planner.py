@@ -71,7 +71,9 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
            margin: float = MARGIN) -> list[Prediction]:
     """Every candidate, fitting ones first, each group by predicted time.
 
-    Candidates: each offload mode; blocks resident on the device 0..n (a CPU has no device tier);
+    Candidates: each offload mode; blocks resident on the device 0..n (a CPU has no device tier); for a
+    mixture of experts, each streamed block's attention, norms, router and shared experts kept on the device
+    where the memory left allows (`moe_base` "auto") or before resident blocks ("device");
     the RAM tier filled to the default RAM budget of the free host memory (more RAM, fewer disk
     reads), and where every policy with it leaves the host short, smaller by what is missing; prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
     of two and the rows); the activation policies of `activation_choices`. Compile is not a candidate:
@@ -81,13 +83,16 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
     micros = space.micro_batches or tuple(sorted({b for b in pow2_upto(rows) if rows % b == 0} | {rows}))
     n, out, seen = shape.n_blocks, [], set()
     budgets, prefetch, recompute = space.budgets or Placement(), space.prefetch, space.recompute
-    for offload in space.offloads:
+    bases = ("auto", "device") if shape.moe_blocks and shape.sizes.base else ("auto",)
+    for offload, moe_base in ((o, b) for o in space.offloads for b in bases):
         for R in ([0] if profile.host_is_device or offload == "none" else range(n + 1)):
             for K in prefetch:
-                if budgets.device_budget is not None and offload != "none" and \
-                        (R + K + 1) * shape.tier_bytes > max(budgets.device_budget, (K + 1) * shape.tier_bytes):
+                reserve = len(shape.moe_blocks) * shape.sizes.base if moe_base == "device" else 0
+                if budgets.device_budget is not None and offload != "none" and (R + K + 1) * shape.tier_bytes + \
+                        reserve > max(budgets.device_budget, (K + 1) * shape.tier_bytes):
                     continue  # more resident blocks than the device budget holds beside the slots
-                base = Placement(offload=offload, prefetch=K, resident=R)
+                base = Placement(offload=offload, prefetch=K, resident=R, moe_base=moe_base,
+                                 device_budget=budgets.device_budget)
                 n_ram = layout(shape, profile, dataclasses.replace(base, ram_budget=budgets.ram_budget)).split["ram"]
                 while n_ram is not None:  # the RAM tier the budget allows; less if none of it fits the host
                     place = dataclasses.replace(base, ram_budget=n_ram * shape.tier_bytes)
@@ -98,8 +103,8 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
                     for b in micros:
                         for acts in activation_choices(shape, profile, lay.tiers, lay.slots, rows, b, recompute,
                                                        margin):
-                            if (lay.tiers, K, acts) not in seen:
-                                seen.add((lay.tiers, K, acts))
+                            if (lay.tiers, lay.bases, K, acts) not in seen:
+                                seen.add((lay.tiers, lay.bases, K, acts))
                                 out.append(predict(profile, shape, place, acts, rows, lay.tiers, margin))
                                 short.append(dict(out[-1].missing).get("host", 0))
                     least = min(short, default=0)

@@ -22,7 +22,7 @@ from phantom.files.store import BlockStore
 from phantom.files.tensorfile import parse_dtype
 from phantom.model.phantom_model import PhantomModel
 from phantom.model.synthetic import write_synthetic
-from phantom.plan import costinputs as ci
+from phantom.plan import costexperts, costinputs as ci
 from phantom.plan import costmodel as cm
 from phantom.plan import computetimer, planner, profiles
 from phantom.stream import placement as P
@@ -39,7 +39,9 @@ def plan(profile: ci.MachineProfile, cfg, work: ci.Workload, space: planner.Sear
     """
     shape = pred_shape(cfg, work.store_dtype, work.dtype, work.seq_len, work.quant)
     cands = planner.search(profile, shape, work.rows, space)
-    return planner.choose(cands), cands, shape
+    best = costexperts.with_moe_base(profile, shape, cfg, work.store_dtype, planner.choose(cands),
+                                     quantized=work.quant is not None)
+    return best, cands, shape
 
 
 def auto_placement(store_path: Path | str, device: torch.device | str, batch_size: int, seq_len: int,
@@ -76,7 +78,8 @@ def auto_placement(store_path: Path | str, device: torch.device | str, batch_siz
 
 def tuned_placement(store_path: Path | str, device: torch.device | str, dtype: torch.dtype | str,
                     placement: P.Placement, rows: int, seq_len: int) -> tuple[cm.Prediction, P.Placement]:
-    """`prefetch="auto"`: the tuner's tiers, prefetch depth and resident blocks put into `placement` (what
+    """`prefetch="auto"`: the tuner's tiers, prefetch depth, resident blocks and (a mixture of experts, where the
+    caller left it "auto") whether the blocks' non-expert weights stay on the device put into `placement` (what
     cannot change the numbers: micro-batch and recompute stay the caller's). An offload of "auto" lets
     the tuner mix RAM and disk; another offload is kept. One process measures at a time (a lock beside
     the profiles), so ranks or runs started together measure once."""
@@ -84,7 +87,9 @@ def tuned_placement(store_path: Path | str, device: torch.device | str, dtype: t
     store = BlockStore(store_path, verify="none")
     with fileio.locked(profiles.profile_path(store, device, dtype).parent / ".measure.lock"):
         best = auto_placement(store_path, device, rows, seq_len, dtype, space=planner.SearchSpace(offloads=offloads))
-    return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident)
+    return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident,
+                                     moe_base=best.placement.moe_base if placement.moe_base == "auto" else
+                                     placement.moe_base)
 
 
 def resolve_prefetch(prefetch: int | str | None, store_path: Path | str, device: torch.device | str,

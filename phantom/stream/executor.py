@@ -217,6 +217,11 @@ class BlockExecutor:
                                  "(AdamW decays those no token routes to), so it reads whole blocks; use "
                                  "expert_reads auto or whole")
             scheduler.routed.policy = None
+        if self.trains_weights and scheduler.transfer.bases is not None:
+            if scheduler.placement.moe_base == "device":
+                raise ValueError("moe_base device needs frozen weights: full finetuning trains the attention and "
+                                 "shared experts a kept copy would hold; use moe_base auto or stream")
+            scheduler.routed.drop_bases()
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, trained: list[list[torch.Tensor]],
                  caches: list[KVCache] | None = None, start_pos: int = 0,

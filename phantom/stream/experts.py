@@ -175,6 +175,7 @@ class ExpertReads:
     request_s: float | None = None  # a routed expert read's cost a request beyond its bytes (None: round_trip_s)
     routed: frozenset = frozenset()  # the blocks read routed this step
     known: dict = field(default_factory=dict)  # this step's experts each block's tokens routed to
+    bases_kept: bool = False  # the device keeps the blocks' other weights: a load reads experts alone
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -246,6 +247,7 @@ class ExpertReads:
         probs = self.probs(block)
         hits, runs = (f(probs, tokens, lay.n_experts, lay.k) for f in (expected_hits, expected_runs))
         request_s = self.round_trip_s if self.request_s is None else self.request_s
-        whole, routed = block_seconds(self.compute_s, lay.base_bytes, lay.expert_bytes, lay.n_experts, hits,
+        base = 0 if self.bases_kept else lay.base_bytes
+        whole, routed = block_seconds(self.compute_s, base, lay.expert_bytes, lay.n_experts, hits,
                                       self.s_per_byte, request_s, runs)
         return routed < whole

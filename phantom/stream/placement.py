@@ -15,6 +15,7 @@ from phantom.stream import tiers as T
 OFFLOADS = ("auto", "none", "ram", "disk")  # and any tier added with phantom.stream.tiers.register
 RECOMPUTE = ("auto", "all", "none")
 EXPERT_READS = ("auto", "routed", "whole")
+MOE_BASE = ("auto", "device", "stream")
 TIERS = T.BUILTIN
 GiB = 1 << 30
 
@@ -50,12 +51,20 @@ class Placement:
                                      "the step's tokens route to, after the router (routed), the whole block "
                                      "(whole), or whichever the cost model says is faster (auto)",
                              choices=EXPERT_READS)
+    moe_base: str = knob("auto", "mixture-of-experts blocks that stream: keep each one's attention, norms, router and "
+                                 "shared experts on the device after its first load and stream only its experts "
+                                 "(device: their memory is set aside before resident blocks), read them with the "
+                                 "experts at each load (stream), or keep them where they fit in the memory the "
+                                 "blocks and slots leave (auto); LoRA and DPO (full finetuning trains them)",
+                         choices=MOE_BASE)
 
     def __post_init__(self):
         if self.offload not in offloads() and self.offload not in offload_choices():
             raise ValueError(f"offload must be one of {', '.join(offloads())}, not {self.offload!r}")
         if self.expert_reads not in EXPERT_READS:
             raise ValueError(f"expert_reads must be one of {', '.join(EXPERT_READS)}, not {self.expert_reads!r}")
+        if self.moe_base not in MOE_BASE:
+            raise ValueError(f"moe_base must be one of {', '.join(MOE_BASE)}, not {self.moe_base!r}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         for name in ("resident", "device_budget", "ram_budget"):
@@ -133,6 +142,8 @@ class BlockBytes:
     resident: one block kept on the device (compute dtype; dequantized for a quantized store).
     converts: the compute dtype differs from the stored one (or the store is quantized), so the
         RAM tier cannot be used in place on a CPU.
+    base: a mixture-of-experts block's attention, norms, router and shared experts as the device keeps
+        them (compute dtype; `Placement.moe_base`); 0 for a dense model.
     """
 
     stored: int
@@ -140,6 +151,7 @@ class BlockBytes:
     slot: int
     resident: int
     converts: bool = False
+    base: int = 0
 
 
 def block_sizes(stored: int, params: int, store_itemsize: int, itemsize: int, quantized: bool,
@@ -175,6 +187,8 @@ class Layout:
     device slots (disk, and RAM unless the RAM tier is used in place). slots: `Placement.slots` where
     any block streams. in_place: the RAM tier is the device memory (a CPU computing in the stored dtype).
     offload: what "auto" resolved to ("none", "ram", "disk" or "mixed"; others as asked).
+    bases: the streamed mixture-of-experts blocks whose non-expert weights stay on the device after their
+    first load, so that each later load reads only experts (`Placement.moe_base`).
     """
 
     tiers: tuple[str, ...]
@@ -184,6 +198,7 @@ class Layout:
     in_place: bool
     offload: str
     sizes: BlockBytes
+    bases: tuple[int, ...] = ()
 
     @property
     def split(self) -> dict[str, int]:
@@ -194,8 +209,8 @@ class Layout:
     def tier_bytes(self) -> dict[str, int]:
         """Bytes each tier holds: resident blocks on the device (and the slots), the others' stored blocks."""
         s = self.split
-        return {t: n * self.sizes.resident + self.slots * self.sizes.slot if t == "device" else n * self.sizes.stored
-                for t, n in s.items()}
+        return {t: n * self.sizes.resident + self.slots * self.sizes.slot + len(self.bases) * self.sizes.base
+                if t == "device" else n * self.sizes.stored for t, n in s.items()}
 
     def streams(self, block: int) -> bool:
         return block in self.streamed
@@ -214,7 +229,7 @@ class Layout:
 
 def resolve(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMemory,
             host_is_device: bool = False, in_place: bool | None = None,
-            tiers: tuple[str, ...] | None = None) -> Layout:
+            tiers: tuple[str, ...] | None = None, moe_blocks: tuple[int, ...] = ()) -> Layout:
     """The whole layout of a run: each block's tier by budget, what streams, the slots.
 
     host_is_device: a CPU run, whose device memory is host memory: no device tier by budget (only
@@ -222,16 +237,43 @@ def resolve(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMe
     streams those from RAM instead). The RAM tier is used where it lies on a CPU whenever a block needs
     no conversion; in_place=False forces the slot path a GPU takes (tests). `tiers` fixes each
     block's tier instead of the budgets (a plan being checked, a test); the rest follows from them.
+    `moe_blocks`: the blocks with experts, whose non-expert weights may stay on the device (`kept_bases`).
     """
     in_place = host_is_device and not sizes.converts and in_place is not False
     if tiers is not None:
         if len(tiers) != n_blocks or set(tiers) - set(T.names()):
             raise ValueError(f"tiers must name one of {', '.join(T.names())} for each of the {n_blocks} blocks")
-        return _layout(tuple(tiers), placement, sizes, in_place)
-    tiers = assign_tiers(n_blocks, sizes, placement, free, zero_copy=host_is_device)
-    if host_is_device and not in_place:  # a CPU converting blocks: what it keeps goes through slots
-        tiers = tuple("ram" if t == "device" else t for t in tiers)
-    return _layout(tiers, placement, sizes, in_place)
+        lay = _layout(tuple(tiers), placement, sizes, in_place)
+    else:
+        reserve = len(moe_blocks) * sizes.base if placement.moe_base == "device" else 0
+        tiers = assign_tiers(n_blocks, sizes, placement, free, zero_copy=host_is_device, reserve=reserve)
+        if host_is_device and not in_place:  # a CPU converting blocks: what it keeps goes through slots
+            tiers = tuple("ram" if t == "device" else t for t in tiers)
+        lay = _layout(tiers, placement, sizes, in_place)
+    return dataclasses.replace(lay, bases=kept_bases(lay, placement, free, host_is_device, moe_blocks))
+
+
+def kept_bases(lay: Layout, placement: Placement, free: FreeMemory, host_is_device: bool,
+               moe_blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """The streamed blocks with experts whose attention, norms, router and shared experts stay on the device
+    (`Placement.moe_base`): all of them under "device" (their memory was set aside before the resident
+    blocks), none under "stream", and under "auto" all of them where they fit in the memory the resident
+    blocks and the slots leave of the budget (the device's; on a CPU, what the RAM tier leaves of its budget), else
+    none. Each byte kept saves a byte read at every load of its block, as a resident block's do: "auto"
+    spends only what the whole blocks could not use; the tuner weighs "device" against more resident blocks."""
+    moe = tuple(i for i in lay.streamed if i in set(moe_blocks))
+    if not moe or not lay.sizes.base or placement.moe_base == "stream":
+        return ()
+    if placement.moe_base == "device":
+        return moe
+    s, n = lay.sizes, lay.split
+    if host_is_device:
+        budget = placement.ram_budget if placement.ram_budget is not None else ram_budget(free.host)
+        used = (n["ram"] + n["device"]) * s.budget  # what the RAM budget placed (its slots are not in it)
+    else:
+        budget = placement.device_budget if placement.device_budget is not None else device_budget(free.device)
+        used = n["device"] * s.resident + lay.slots * s.slot
+    return moe if budget is None or budget - used >= len(moe) * s.base else ()
 
 
 def _layout(tiers: tuple[str, ...], placement: Placement, sizes: BlockBytes, in_place: bool) -> Layout:
@@ -243,7 +285,7 @@ def _layout(tiers: tuple[str, ...], placement: Placement, sizes: BlockBytes, in_
 
 
 def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: FreeMemory,
-                 zero_copy: bool = False) -> tuple[str, ...]:
+                 zero_copy: bool = False, reserve: int = 0) -> tuple[str, ...]:
     """Each block's tier ("device", "ram", "disk" or a registered one), from the placement and the free
     memory (`resolve` calls it; nothing else should).
 
@@ -262,10 +304,12 @@ def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: F
             sizes.resident (dequantized, for a quantized store).
         placement: the requested placement; its budgets override the free-memory defaults.
         free: measured free bytes (None: unknown, treated as unlimited); a CPU's device is ignored.
+        reserve: bytes set aside before any block is placed (the bases of `Placement.moe_base` "device"):
+            out of the device budget, or a CPU's RAM budget.
     """
     block_bytes, device_block_bytes = sizes.budget, sizes.resident
     free_device, free_host = None if zero_copy else free.device, free.host
-    slots = placement.slots * sizes.slot
+    slots = placement.slots * sizes.slot + (0 if zero_copy else reserve)
     if placement.offload == "none":
         return ("device",) * n_blocks
     n_device = placement.resident or 0
@@ -284,6 +328,7 @@ def assign_tiers(n_blocks: int, sizes: BlockBytes, placement: Placement, free: F
         if free.unified and free_host is not None:
             free_host = max(0, free_host - n_device * device_block_bytes - slots)
         budget = placement.ram_budget if placement.ram_budget is not None else ram_budget(free_host)
+        budget = None if budget is None else max(0, budget - (reserve if zero_copy else 0))
         n_ram = min(n_blocks - n_device, budget // block_bytes if budget is not None else n_blocks)
     if zero_copy:  # a CPU: blocks in RAM are used where they lie; there is no separate device tier
         n_ram, n_device = min(n_blocks, n_ram + n_device), 0

@@ -6,6 +6,7 @@ own behaviour is phantom.stream.tiers', so a tier added there is held here witho
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -26,15 +27,28 @@ def resolve_layout(store: BlockStore, device: torch.device, dtype: torch.dtype, 
     """The run's layout (phantom.stream.placement.resolve) from this store's block sizes and the free memory."""
     sizes = P.block_sizes(store.block_nbytes, store.dense_nbytes // store.dtype.itemsize, store.dtype.itemsize,
                           dtype.itemsize, store.quant is not None, dtype == store.dtype)
+    moe, base_params = moe_bases(store)
+    sizes = dataclasses.replace(sizes, base=base_params * dtype.itemsize)
     free = free_memory(device, shared=placement.shared_ram, reserve=device_reserve)
     layout = P.resolve(store.n_blocks, sizes, placement, free, host_is_device=device.type == "cpu",
-                       in_place=zero_copy)
+                       in_place=zero_copy, moe_blocks=moe)
     ram_cap = placement.ram_budget if placement.ram_budget is not None else P.ram_budget(free.host)
     if placement.offload == "auto" and "disk" in layout.tiers and ram_cap is not None and ram_cap < sizes.budget:
         log.warning("RAM budget of %.1f MiB is smaller than one block (%.1f MiB): no RAM tier, the %d blocks "
                     "off the device are read from disk at each use; give --ram-budget at least %.0fM for one",
                     ram_cap / 2**20, sizes.budget / 2**20, layout.tiers.count("disk"), -(-sizes.budget // 2**20))
     return layout
+
+
+def moe_bases(store: BlockStore) -> tuple[tuple[int, ...], int]:
+    """The blocks with experts, and the parameters of one's attention, norms, router and shared experts (what
+    `Placement.moe_base` keeps on the device); ((), 0) for a dense model."""
+    cfg = store.cfg
+    moe = tuple(i for i in range(store.n_blocks) if cfg.n_experts and cfg.sparse(i))
+    if not moe:
+        return (), 0
+    like = store.dense_like(moe[0])
+    return moe, sum(t.numel() for n, t in like.items() if not n.startswith("feed_forward.experts."))
 
 
 class Residency:

@@ -100,7 +100,7 @@ class BlockScheduler:
         self.pinned_bytes = self.residency.pinned_bytes + \
             sum(s.staging.numel() for s in self.slots if s.staging is not None and self.transfer.pin)
         self.metrics = Metrics()  # loading at start-up is not a step's traffic
-        self.routed = RoutedSlots(self, expert_reads_for(store, self.residency, self.layout, placement.expert_reads))
+        self.routed = RoutedSlots(self, expert_reads_for(store, self.residency, self.layout, placement), placement)
 
         self._plan: list[int] = []
         self._pos = 0  # index into the plan of the next acquire
@@ -313,10 +313,44 @@ class RoutedSlots:
     """A scheduler's mixture-of-experts blocks read routed (phantom.stream.experts): which blocks are this
     step, what a load of one reads, and the experts read into a held slot after its router ran."""
 
-    def __init__(self, scheduler: BlockScheduler, policy: ExpertReads | None):
+    def __init__(self, scheduler: BlockScheduler, policy: ExpertReads | None, placement: Placement = Placement()):
         self.s, self.policy = scheduler, policy  # None: every block read whole
+        self.every: frozenset = frozenset()  # every expert id (a load of a block whose other weights stay)
         if self.policy is not None:
             scheduler.transfer.experts = self.policy.layout
+        self.keep_bases(placement.moe_base)
+
+    def keep_bases(self, mode: str) -> None:
+        """The layout's blocks whose attention, norms, router and shared experts stay on the device
+        (phantom.stream.placement.kept_bases): each later load reads experts alone. Where the store or a tier
+        cannot read experts apart, "auto" streams them with the experts and "device" is refused (ValueError)."""
+        s = self.s
+        if not s.layout.bases:
+            return
+        try:
+            lay = self.policy.layout if self.policy is not None else ExpertLayout.of_store(s.store)
+            for i in s.layout.bases:
+                held = s.residency.source(i)
+                if held.tier.reads and type(held).read_ranges is T.Held.read_ranges:
+                    raise ValueError(f"moe_base device: the {held.tier.name} tier does not read parts of blocks; "
+                                     "use moe_base stream")
+        except ValueError as e:
+            if mode == "device":
+                raise ValueError(f"moe_base device: {e}") from None
+            return
+        s.transfer.experts, self.every = lay, frozenset(range(lay.n_experts))
+        if self.policy is not None:
+            self.policy.bases_kept = True
+        s.transfer.bases = {i: None for i in s.layout.bases}
+        log.info("the attention, norms, router and shared experts of %d mixture-of-experts blocks stay on the "
+                 "device after their first load (%.1f MiB): later loads read experts alone",
+                 len(s.layout.bases), len(s.layout.bases) * s.layout.sizes.base / 2**20)
+
+    def drop_bases(self) -> None:
+        """Nothing kept (full finetuning trains the weights a kept copy would hold)."""
+        self.s.transfer.bases, self.every = None, frozenset()
+        if self.policy is not None:
+            self.policy.bases_kept = False
 
     def plan(self, tokens: int) -> None:
         if self.policy is not None:
@@ -331,12 +365,16 @@ class RoutedSlots:
         return self.policy is not None and block in self.policy.routed and self.s._streams(block)
 
     def wanted(self, block: int) -> frozenset | None:
-        """What a load of block reads (ExpertReads.wanted; the caller holds the scheduler's lock)."""
-        if self.policy is None:
-            return None
+        """What a load of block reads (ExpertReads.wanted; the caller holds the scheduler's lock): a block whose
+        other weights the device keeps reads every expert where it would read whole, once those weights are
+        there and the file's parts can be checked alone."""
         store, entry = self.s.store, self.s.store.blocks[block]
-        return self.policy.wanted(block, self.s.residency.tier(block).reads and store.checks.pending(entry)
-                                  and not store.checks.routable(entry))
+        unchecked = self.s.residency.tier(block).reads and store.checks.pending(entry) and \
+            not store.checks.routable(entry)
+        wanted = self.policy.wanted(block, unchecked) if self.policy is not None else None
+        if wanted is None and not unchecked and self.s.transfer.kept_base(block) is not None:
+            return self.every
+        return wanted
 
     def settle(self, block: int) -> None:
         """An acquired block read whole this step: a slot a routed load left partial (an earlier step's,
@@ -362,11 +400,12 @@ class RoutedSlots:
             self.policy.observe_fill(stats)
 
 
-def expert_reads_for(store: BlockStore, residency: Residency, layout, mode: str) -> ExpertReads | None:
+def expert_reads_for(store: BlockStore, residency: Residency, layout, placement: Placement) -> ExpertReads | None:
     """The run's routed-read policy (phantom.stream.experts.ExpertReads), or None where nothing reads routed:
     a dense model, `whole`, no streamed block. Under `auto` a store or tier that cannot read experts apart
     (a quantized store without expert ranges, a tier without read_ranges) reads whole blocks, and so does a
     quantized store (`routed` reads it routed); `routed` refuses what cannot (ValueError)."""
+    mode = placement.expert_reads
     if not store.cfg.n_experts or mode == "whole" or not layout.streamed:
         return None
     try:

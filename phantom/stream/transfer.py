@@ -57,6 +57,9 @@ class Transfer:
         # than a fast drive, and on a busy CPU it falls behind even a slow one (notes/bench-tiers.md).
         self.verifier = ThreadPoolExecutor(2, thread_name_prefix="phantom-verify")
         self.experts: ExpertLayout | None = None  # set where a run reads MoE blocks routed (the scheduler)
+        # blocks whose non-expert weights stay on the device (Placement.moe_base): their tensors after the
+        # first load (None before it); a later load reads only experts (the scheduler sets it)
+        self.bases: dict[int, dict | None] | None = None
 
     def new_slot(self, needs_staging: bool) -> Slot:
         """A slot: the block's bytes (aligned on a CPU: the disk tier reads straight in), a staging buffer
@@ -109,19 +112,34 @@ class Transfer:
         if src.data_ptr() != slot.buf.data_ptr():
             self.tracer.span("copy", f"copy {block}", t0, t1, bytes=src.numel())
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf, block)
+        self._keep_base(slot, block)
         return stats
 
     def _load_routed(self, slot: Slot, block: int, source: Held, free_event, experts: frozenset) -> LoadStats:
-        lay = self.experts
+        """The block's non-expert bytes (unless the device keeps them: `bases`) and those experts' bytes."""
+        lay, base = self.experts, self.kept_base(block)
         slot.converted = self._converted(slot, block)
-        stats = self._ranges(slot, block, source, list(lay.base) + lay.of(experts), source.tier.lane,
-                             f"read {block} (routed)", free_event)
-        self._convert_names(slot, block, [*lay.base_names, *(n for e in experts for n in lay.names[e])], stats,
-                            loader=True)
+        ranges = lay.of(experts) if base is not None else list(lay.base) + lay.of(experts)
+        stats = self._ranges(slot, block, source, ranges, source.tier.lane, f"read {block} (routed)", free_event)
+        names = [n for e in experts for n in lay.names[e]]
+        self._convert_names(slot, block, names if base is not None else [*lay.base_names, *names], stats, loader=True)
         stats.bytes_experts = len(experts) * lay.expert_bytes
         slot.experts = frozenset(experts)
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf, block)
+        if base is not None:
+            slot.views = {**slot.views, **base}
+        else:
+            self._keep_base(slot, block)
         return stats
+
+    def kept_base(self, block: int) -> dict | None:
+        """The block's non-expert weights the device keeps (None: not kept, or not loaded yet)."""
+        return self.bases.get(block) if self.bases is not None else None
+
+    def _keep_base(self, slot: Slot, block: int) -> None:
+        """After a block's first load: its non-expert weights copied out of the slot, to stay (`bases`)."""
+        if self.bases is not None and block in self.bases and self.bases[block] is None:
+            self.bases[block] = packed_copy({n: slot.views[n] for n in self.experts.base_names})
 
     def fill(self, slot: Slot, block: int, source: Held, experts) -> LoadStats:
         """Read the experts of `experts` that a routed slot lacks into it (on the training thread, which
@@ -142,6 +160,8 @@ class Transfer:
         """Bytes `ranges` of the block's data section into the slot: sliced from the tier's host copy, or
         read by the tier into the slot's host buffer, then copied where the slot is on a device."""
         stats, nbytes = LoadStats(), sum(b - a for a, b in ranges)
+        if not ranges:  # a block whose other weights the device keeps, before its router has run
+            return stats
         held = None if source.tier.reads else source.host(block)
         t0 = time.perf_counter()
         if held is None:
@@ -291,6 +311,15 @@ class CudaTransfer(Transfer):
                 slot.ready_event = torch.cuda.Event()
                 slot.ready_event.record(stream)
 
+    def _keep_base(self, slot: Slot, block: int) -> None:
+        """The copy out of the slot on the copy stream, after the load's copy and conversion; the slot's ready
+        event marks its end (the compute's later uses of the kept tensors come after it)."""
+        if self.bases is not None and block in self.bases and self.bases[block] is None:
+            with torch.cuda.stream(self.stream):
+                super()._keep_base(slot, block)
+                slot.ready_event = torch.cuda.Event(enable_timing=True)
+                slot.ready_event.record(self.stream)
+
     def wait_ready(self, slot: Slot) -> None:
         if slot.ready_event is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
@@ -302,6 +331,32 @@ class CudaTransfer(Transfer):
     def wait_staging_free(self, slot: Slot) -> None:
         if slot.ready_event is not None:
             slot.ready_event.synchronize()  # the staging buffer's last copy is done
+
+
+def packed_copy(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of `views` (one block's tensors in a slot), one buffer per dtype, that keeps which of them lie
+    back to back: a tensor goes right after the one before it where it did so in the slot, else to the next
+    64-element boundary. So phantom.arch.layers.fuse_adjacent fuses the projections it fused in the slot:
+    the block computes with the same matmuls, to the same bits."""
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, t in views.items():
+        by_dtype.setdefault(t.dtype, []).append(name)
+    for dtype, names in by_dtype.items():
+        starts, end, prev = {}, 0, None
+        for name in names:
+            t = views[name]
+            after = prev is not None and t.is_contiguous() and prev.is_contiguous() and \
+                t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr() and \
+                t.storage_offset() == prev.storage_offset() + prev.numel()
+            starts[name] = end if after else -(-end // 64) * 64
+            end, prev = starts[name] + t.numel(), t
+        flat = torch.empty(end, dtype=dtype, device=views[names[0]].device)
+        for name in names:
+            t = views[name]
+            out[name] = flat[starts[name]:starts[name] + t.numel()].view(t.shape)
+            out[name].copy_(t)
+    return out
 
 
 def transfer_for(store: BlockStore, device: torch.device, dtype: torch.dtype, tracer: Tracer) -> Transfer:

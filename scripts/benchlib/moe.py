@@ -3,7 +3,8 @@
 8 groups, top-8 from the best 4 groups, a shared expert), dim, heads and expert width scaled down by --dim;
 every block sparse. LoRA steps streamed from disk: bytes
 read per step and the step time beside the cost model's prediction (phantom.plan.costexperts), for each
-batch of --moe-batches, with the random router and with a skewed one.
+batch of --moe-batches, with the random router and with a skewed one, the rest of each block (attention,
+norms, router, shared expert) read at each load or kept on the device (`--moe-base stream,device`).
 """
 from __future__ import annotations
 
@@ -55,13 +56,14 @@ def skew(dst: Path, cfg) -> Path:
     return store
 
 
-def steps(store: Path, mode: str, rows: int, seq: int, cold: bool, n: int = 5) -> tuple[float, dict]:
+def steps(store: Path, mode: str, rows: int, seq: int, cold: bool, n: int = 5,
+          moe_base: str = "stream") -> tuple[float, dict]:
     """The fastest of the last n-1 of n LoRA steps (the first warms allocations up; the least disturbed by
     other work, as the profile), the last step's counters and the router's measured share of tokens per
     expert (averaged over the blocks)."""
     times, m = [], {}
     gen = torch.Generator().manual_seed(0)
-    placement = Placement(offload="disk", prefetch=PREFETCH, expert_reads=mode)
+    placement = Placement(offload="disk", prefetch=PREFETCH, expert_reads=mode, moe_base=moe_base)
     with phantom.PhantomModel(BlockStore(store, verify="none", drop_cache=cold), torch.device("cpu"), torch.float32,
                               placement, Activations(recompute="all"), phantom.LoraConfig()) as pm:
         for _ in range(n):
@@ -111,24 +113,26 @@ def moe_bench(args, folder: Path) -> str:
              f"({cfg.n_heads} heads, {cfg.kv_heads} kv, expert width {cfg.expert_dim}, {cfg.n_experts} experts, "
              f"top-{cfg.experts_per_token}{groups}), fp32, disk tier ({'cold: O_DIRECT, page cache dropped' if args.cold else 'page cache warm'}), prefetch {PREFETCH}, recompute all, "
              f"LoRA q,v; block {s.block_nbytes / 2**20:.1f} MiB; {torch.get_num_threads()} torch threads", "",
-             "| batch | router | mode | experts hit / block | MiB read / step | step s | predicted s | pred / meas |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| batch | router | mode | rest of a block | experts hit / block | MiB read / step | step s | predicted s | "
+             "pred / meas |", "|---|---|---|---|---|---|---|---|---|"]
     for rows, seq in batches:
         profile = least_disturbed(s, rows, seq)
         if not args.cold:  # the runs read from the page cache
             profile = dataclasses.replace(profile, disk_warm_gbps=warm_gbps(s))
         lines.append(f"| {rows}x{seq} | profile | disk {profile.disk_gbps:.2f} GB/s, warm "
-                     f"{profile.disk_warm_gbps or 0:.2f}, forward {profile.fwd_flops / 1e9:.1f} GFLOP/s | | | | | |")
+                     f"{profile.disk_warm_gbps or 0:.2f}, forward {profile.fwd_flops / 1e9:.1f} GFLOP/s | | | | | | |")
         print(lines[-1], flush=True)
         shape = ci.shape_of(cfg, "fp32", "fp32", seq_len=seq)
         for name, st in (("random", store), ("skewed", skewed)):
-            for mode in ("whole", "routed"):
-                secs, m = steps(st, mode, rows, seq, args.cold)
-                pred = predict_expert_reads(profile, shape, cfg, "fp32", Placement(offload="disk", prefetch=PREFETCH),
+            for mode, base in ((m, b) for b in args.moe_base.split(",") for m in ("whole", "routed")):
+                secs, m = steps(st, mode, rows, seq, args.cold, moe_base=base)
+                pred = predict_expert_reads(profile, shape, cfg, "fp32", Placement(offload="disk", prefetch=PREFETCH,
+                                                                                   moe_base=base),
                                             Activations(recompute="all"), rows, probs=m["probs"])
                 p = pred.whole_s if mode == "whole" else pred.routed_s
                 hit = f"{pred.hits:.1f}" if mode == "routed" else str(cfg.n_experts)
-                lines.append(f"| {rows}x{seq} | {name} | {mode} | {hit} | {m['bytes_read'] / 2**20:.1f} | {secs:.3f} | "
-                             f"{p:.3f} | {p / secs:.2f} |")
+                rest = "kept on the device" if base == "device" else "read"
+                lines.append(f"| {rows}x{seq} | {name} | {mode} | {rest} | {hit} | {m['bytes_read'] / 2**20:.1f} | "
+                             f"{secs:.3f} | {p:.3f} | {p / secs:.2f} |")
                 print(lines[-1], flush=True)
     return "\n".join(lines)

@@ -82,7 +82,8 @@ def predict_expert_reads(profile: MachineProfile, shape: Shape, cfg: ModelConfig
     still = set(range(shape.n_blocks)) - set(lay.streamed)
     routed = sum(cf[i] + cb[i] for i in still) + head + pipe_s(cf_routed, fwd, lay, times(base), profile) + \
         pipe_s(cb, bwd, lay, times(routed_block), profile)
-    return ExpertPrediction(whole.step_s, routed, moved(shape.block_bytes), moved(base) + len(fwd + bwd) *
+    kept = shape.base_bytes if lay.bases else 0  # the rest of a block the device keeps: not read
+    return ExpertPrediction(whole.step_s, routed, moved(shape.block_bytes - kept), moved(base) + len(fwd + bwd) *
                             round(hits * e_bytes), hits)
 
 

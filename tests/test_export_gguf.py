@@ -49,6 +49,14 @@ CASES = {
     "qwen2_moe": ("Qwen2MoeConfig", {"vocab_size": 151936, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
                   "qwen3", "bf16", ("bf16",)),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+                "sentencepiece", "bf16", ("q8_0",)),
+    "olmoe": ("OlmoeConfig", {"vocab_size": 151936, "num_experts": 4, "num_experts_per_tok": 2}, "qwen3", "bf16", ("bf16",)),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                "tie_word_embeddings": True}, "sentencepiece", "bf16", ("f16",)),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                    "tie_word_embeddings": True}, "sentencepiece", "bf16", ("q8_0",)),
+    "phi3": ("Phi3Config", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}, "sentencepiece", "fp32", ("bf16",)),
 }
 # transformers' GGUF loader takes qwen3's head_dim from Qwen3Config's default (128), not the file's key_length,
 # so that case has Qwen3's own 128 (qwen3_moe too; and the MoE cases have their config classes' default expert
@@ -231,8 +239,13 @@ def rounded_through(model, outtype: str):
     return model
 
 
-# llama3: the loader reads no rope_freqs; qwen2_moe: it makes the shared expert's gate (1, 1, dim), not (1, dim)
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ("llama3", "qwen2_moe")])
+# Files transformers' GGUF loader cannot read as the model: llama3 (it reads no rope_freqs), qwen2_moe (it makes the
+# shared expert's gate (1, 1, dim), not (1, dim)), mixtral (a `llama` file with experts: it builds a dense Llama),
+# olmoe (no olmoe in its architectures)
+NOT_LOADED = ("llama3", "qwen2_moe", "mixtral", "olmoe")
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n not in NOT_LOADED])
 def test_transformers_loads_the_gguf_with_the_merged_logits(built, name):
     """The GGUF's logits are the merged HF export's with its matrices rounded through the file's type (to
     float noise), and near the unrounded ones."""
@@ -291,24 +304,38 @@ def test_finetune_export_gguf_writes_the_merged_file_and_says_how_to_run_it(buil
     assert f"llama-cli -m {path}" in card and "ollama create" in card and "-f Modelfile" in card
 
 
-def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys):
-    store, moe = built("llama")[0], built("qwen3_moe")
-    phi3 = tmp_path / "phi3"
-    shutil.copytree(store, phi3)
-    manifest = json.loads((phi3 / "manifest.json").read_text())
-    manifest["config"]["family"] = "phi3"  # a family phantom trains and GGUF export does not cover
-    (phi3 / "manifest.json").write_text(json.dumps(manifest))
+def edited(store: Path, folder: Path, **fields) -> Path:
+    """A copy of store whose manifest's config has fields changed (a model llama.cpp would compute otherwise)."""
+    shutil.copytree(store, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["config"].update(fields)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys, monkeypatch):
+    from phantom.model import gguf_arch
+    store, moe, gemma2 = built("llama")[0], built("qwen3_moe"), built("gemma2")[0]
     merge_lora = load_script("merge_lora").main
-    for args, words in [(["--model", str(phi3), "--format", "gguf"], "GGUF export covers llama, mistral, qwen2, qwen3"),
-                        (["--model", str(store), "--format", "gguf-lora"], "give --adapter"),
-                        (["--model", str(store), "--format", "hf", "--outtype", "f16"], "--outtype is for"),
-                        (["--model", str(moe[0]), "--adapter", str(moe[1]), "--format", "gguf-lora"],
-                         "covers dense models")]:
+    cases = [(["--model", str(store), "--format", "gguf-lora"], "give --adapter"),
+             (["--model", str(store), "--format", "hf", "--outtype", "f16"], "--outtype is for"),
+             (["--model", str(moe[0]), "--adapter", str(moe[1]), "--format", "gguf-lora"], "covers dense models"),
+             (["--model", str(edited(gemma2, tmp_path / "g1", query_pre_attn_scalar=32.0)), "--format", "gguf"],
+              "llama.cpp scales this Gemma-2's queries by 16^-1/2"),
+             (["--model", str(edited(gemma2, tmp_path / "g2", rope_theta=20000.0)), "--format", "gguf"],
+              "llama.cpp reads Gemma-2's RoPE base as 10000"),
+             (["--model", str(edited(moe[0], tmp_path / "q", norm_topk_prob=False)), "--format", "gguf"],
+              "llama.cpp's qwen3moe fixes norm_topk_prob")]
+    for args, words in cases:
         capsys.readouterr()
         assert merge_lora([*args, "--out", str(tmp_path / "out"), "--quiet"]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
         assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    monkeypatch.delitem(gguf_arch.ARCHES, "llama")  # a family GGUF export does not cover
+    assert merge_lora(["--model", str(store), "--format", "gguf", "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GGUF export covers mistral, " in err[0] and "this is a llama model" in err[0], err
 
 
 # -- memory: one block at a time ---------------------------------------------------------------------

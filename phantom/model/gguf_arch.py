@@ -21,6 +21,9 @@ from phantom.arch.config import ModelConfig
 T = gguf.GGMLQuantizationType
 
 
+SCORING = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}
+
+
 def rope_parameters(c: dict) -> dict:
     """The converter's TextModel.rope_parameters: rope_parameters (or rope_scaling) with rope_theta mirrored in."""
     rope = dict(c.get("rope_parameters", c.get("rope_scaling")) or {})
@@ -86,6 +89,14 @@ def text_hparams(w: gguf.GGUFWriter, c: dict, ftype: gguf.LlamaFileType) -> None
         w.add_expert_count(experts)
     if (used := first(c, ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"))) is not None:
         w.add_expert_used_count(used)
+    if c.get("n_group") is not None:
+        w.add_expert_group_count(c["n_group"])
+    if c.get("topk_group") is not None:
+        w.add_expert_group_used_count(c["topk_group"])
+    score = first(c, ("score_function", "scoring_func", "score_func", "moe_router_activation",
+                      "moe_router_activation_func"))
+    if score is not None:
+        w.add_expert_gating_func(SCORING[score])
     if c.get("head_dim") is not None:
         w.add_key_length(c["head_dim"])
         w.add_value_length(c["head_dim"])
@@ -150,6 +161,39 @@ def gemma3_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
         w.add_head_count_kv(c.get("num_key_value_heads", 4))
 
 
+def deepseek2_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
+    """DeepseekV2Model (DeepSeek-V2 and V3): the base keys with one kv head (latent attention as MQA), then
+    the latent ranks and head sizes (key/value lengths written again, in place), the experts and RoPE's width."""
+    c = {**c, "num_key_value_heads": 1, "rms_norm_eps": c.get("rms_norm_eps", 1e-6)}
+    text_hparams(w, c, ftype)
+    experts = c.get("n_routed_experts")
+    first_dense = c.get("first_k_dense_replace")
+    w.add_leading_dense_block_count(first_dense if first_dense is not None else
+                                    0 if experts is not None else c["num_hidden_layers"])
+    rank = c.get("kv_lora_rank", 512)
+    w.add_vocab_size(c["vocab_size"])
+    if c.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(c["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    with rewriting():
+        w.add_key_length(rank + c["qk_rope_head_dim"])
+        w.add_value_length(rank)
+    w.add_key_length_mla(c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+    w.add_value_length_mla(c["v_head_dim"])
+    w.add_expert_feed_forward_length(first(c, ("moe_intermediate_size", "intermediate_size")))
+    if experts is not None:
+        with rewriting():
+            w.add_expert_count(experts)
+    w.add_expert_shared_count(c.get("n_shared_experts", 0))
+    if c.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(c["routed_scaling_factor"])
+    if c.get("norm_topk_prob"):
+        w.add_expert_weights_norm(c["norm_topk_prob"])
+    w.add_rope_dimension_count(c["qk_rope_head_dim"])
+    if (mscale := rope_parameters(c).get("mscale_all_dim")) is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * mscale)
+
+
 def phi3_rope_dims(c: dict) -> int:
     return int(c.get("partial_rotary_factor", 1.0) * c["hidden_size"]) // c["num_attention_heads"]
 
@@ -182,7 +226,8 @@ class Arch:
     own reading of tokenizer.model). space_prefix: add_space_prefix false after the vocabulary (Gemma).
     experts: (the HF name of a layer's experts, their projections in the order the converter stacks them).
     norm_shift: 1 added to every *norm.weight (Gemma's (1 + w) norms, as llama.cpp multiplies by w).
-    drop_head: lm_head not written (Gemma2Model: tied embeddings). renormalizes: whether llama.cpp's graph
+    drop_head: lm_head not written (Gemma2Model: tied embeddings). split_kv_b: latent attention's kv_b_proj
+    written as k_b_proj (heads, kv rank, nope dims) and v_b_proj (heads, v dims, kv rank). renormalizes: whether llama.cpp's graph
     renormalizes the chosen experts' weights (build_moe_ffn's norm_w in its src/models/*.cpp), a mixture's
     norm_topk_prob must be that."""
 
@@ -195,6 +240,7 @@ class Arch:
     norm_shift: bool = False
     drop_head: bool = False
     renormalizes: bool | None = None
+    split_kv_b: bool = False  # DeepseekV2Model: kv_b_proj as k_b (per head, transposed) and v_b
 
 
 MIXTRAL_EXPERTS = ("model.layers.{}.block_sparse_moe.experts", ("w1", "w2", "w3"))
@@ -209,7 +255,9 @@ ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, llama_hparams, permute_qk=True, v
           "olmoe": Arch(gguf.MODEL_ARCH.OLMOE, olmoe_hparams, vocab="bpe", renormalizes=False),
           "gemma2": Arch(gguf.MODEL_ARCH.GEMMA2, gemma2_hparams, space_prefix=True, norm_shift=True, drop_head=True),
           "gemma3": Arch(gguf.MODEL_ARCH.GEMMA3, gemma3_hparams, space_prefix=True, norm_shift=True),
-          "phi3": Arch(gguf.MODEL_ARCH.PHI3, phi3_hparams, vocab="phi3")}
+          "phi3": Arch(gguf.MODEL_ARCH.PHI3, phi3_hparams, vocab="phi3"),
+          "deepseek_v2": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", split_kv_b=True),
+          "deepseek_v3": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", split_kv_b=True)}
 # llama.cpp's Gemma graphs scale queries by head_dim^-1/2, but the 27B's (known by its depth) by (dim / heads)^-1/2
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}  # llama.cpp's sliding pattern: every layer but each period-th slides
@@ -220,12 +268,14 @@ def refusal(cfg: ModelConfig) -> str | None:
     arch = ARCHES[cfg.family]
     name = arch.arch.name.lower()
     scalings = ("linear", "longrope") if cfg.family == "phi3" else ("linear", "llama3") if arch.permute_qk else \
-        ("linear",)
+        ("linear", "yarn") if arch.split_kv_b else ("linear",)
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in scalings:
         return f"GGUF export of {name} covers RoPE scaling {', '.join(scalings)}, not {cfg.rope_scaling.rope_type!r}"
     if arch.renormalizes is not None and cfg.norm_topk_prob != arch.renormalizes:
         return (f"llama.cpp's {name} fixes norm_topk_prob (whether the chosen experts' weights are renormalized) at "
                 f"{str(arch.renormalizes).lower()}, as the family's own configs set it, and this model sets it otherwise")
+    if arch.split_kv_b:
+        return deepseek_refusal(cfg)
     if cfg.family == "olmoe" and cfg.norm_eps != 1e-5:
         return f"llama.cpp's converter writes OLMoE's norm epsilon as 1e-5, and this model's is {cfg.norm_eps}"
     if cfg.family in GEMMA_SWA_PERIOD:
@@ -235,6 +285,17 @@ def refusal(cfg: ModelConfig) -> str | None:
         if abs(cfg.rope_scaling.attention_factor - want) > 1e-6 * want:
             return (f"llama.cpp's converter writes LongRoPE's attention factor as {want:.6g} (from the context "
                     f"lengths), and this model's is {cfg.rope_scaling.attention_factor}")
+    return None
+
+
+def deepseek_refusal(cfg: ModelConfig) -> str | None:
+    """llama.cpp's deepseek2 rotates adjacent pairs (the checkpoint's interleaved layout), ranks expert groups by
+    their two best scores (DeepSeek-V3's rule), and routes with softmax unless the file says sigmoid."""
+    if not cfg.rope_interleave:
+        return "llama.cpp's deepseek2 rotates q/k in interleaved pairs, and this model sets rope_interleave false"
+    if cfg.family == "deepseek_v2" and 1 < cfg.router_groups and cfg.router_topk_groups < cfg.router_groups:
+        return ("llama.cpp's deepseek2 ranks expert groups by their two best scores (DeepSeek-V3's rule), and this "
+                "DeepSeek-V2 model ranks them by their best (group_limited_greedy)")
     return None
 
 

@@ -51,6 +51,9 @@ class Planned:
 def converter_order(hf_name: str, arch: Arch, cfg: ModelConfig) -> tuple:
     """Where the converter writes a tensor: in the natural order of the Hugging Face names it reads, a
     layer's stacked experts where it reads the last expert's last tensor, in the order it stacks them."""
+    if arch.split_kv_b and hf_name.endswith(("k_b_proj.weight", "v_b_proj.weight")):  # where kv_b_proj is read
+        kv_b = hf_name[:-len("k_b_proj.weight")] + "kv_b_proj.weight"
+        return natural_key(kv_b), int(hf_name.endswith("v_b_proj.weight"))
     stack, projections = arch.experts
     prefix, _, rest = hf_name.partition(".experts.")
     layer = re.fullmatch(r"model\.layers\.(\d+)\.\w+", prefix)
@@ -118,9 +121,16 @@ def gguf_tensors(cfg: ModelConfig, arch: Arch, part: str | int, tensors: dict[st
             t = (t if t.dtype in (torch.float16, torch.float32) else t.to(torch.float32)) + 1
         if embed_rows is not None and hf_name == "model.embed_tokens.weight":
             t = t[:embed_rows]
+        if arch.split_kv_b and hf_name.endswith("kv_b_proj.weight"):
+            kv_b = t.reshape(cfg.kv_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, t.shape[-1])
+            k_b, v_b = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+            out[hf_name.replace("kv_b_proj", "k_b_proj")] = k_b.transpose(1, 2)
+            out[hf_name.replace("kv_b_proj", "v_b_proj")] = v_b
+            continue
         out[hf_name] = t
     out = stack_experts(cfg, arch, out)
-    names = {hf_name: tmap.get_name(hf_name, try_suffixes=(".weight", ".bias")) for hf_name in out}
+    names = {hf_name: tmap.get_name(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"),
+                                    try_suffixes=(".weight", ".bias")) for hf_name in out}  # as filter_tensors
     if missing := [n for n, g in names.items() if g is None]:
         raise AssertionError(f"gguf has no {arch.arch.name} name for {missing}")
     return {hf_name: (names[hf_name], t) for hf_name, t in out.items()}

@@ -36,6 +36,16 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              max_position_embeddings=64, initializer_range=0.1)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+# Phi-3's LongRoPE (its factors written as extra tensors); short factors 1 and the context at the original one (no
+# attention factor), over the whole head, as transformers' GGUF loader reads neither factor nor rope.dimension_count
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+             "long_factor": [1.0 + i / 2 for i in range(8)], "original_max_position_embeddings": 64}
+# latent attention (q and kv through low ranks) and DeepSeekMoE (a dense first layer, a shared expert, routed experts)
+MLA = {"vocab_size": 129280, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 32,
+       "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 64, "first_k_dense_replace": 1}
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
 # name: (transformers config class, its fields, tokenizer, store dtype, outtypes compared with the converter)
 CASES = {
     "llama": ("LlamaConfig", {}, "sentencepiece", "fp32", ("f32", "f16", "bf16", "q8_0")),
@@ -49,12 +59,26 @@ CASES = {
     "qwen2_moe": ("Qwen2MoeConfig", {"vocab_size": 151936, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
                   "qwen3", "bf16", ("bf16",)),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+                "sentencepiece", "bf16", ("q8_0",)),
+    "olmoe": ("OlmoeConfig", {"vocab_size": 151936, "num_experts": 4, "num_experts_per_tok": 2}, "qwen3", "bf16", ("bf16",)),
+    "gemma2": ("Gemma2Config", {"sliding_window": 8,
+                                "tie_word_embeddings": True}, "sentencepiece", "bf16", ("f16",)),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 8,
+                                    "tie_word_embeddings": True}, "sentencepiece", "bf16", ("q8_0",)),
+    "deepseek_v3": ("DeepseekV3Config", {**MLA, "q_lora_rank": 32, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+                                         "routed_scaling_factor": 2.5, "rope_parameters": YARN}, "deepseek_v3", "bf16",
+                    ("q8_0",)),
+    "deepseek_v2": ("DeepseekV2Config", {**MLA, "q_lora_rank": None, "n_shared_experts": 2, "routed_scaling_factor": 1.5},
+                    "deepseek_v3", "bf16", ("bf16",)),
+    "phi3": ("Phi3Config", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
+                            "original_max_position_embeddings": 64, "rope_parameters": PHI3_ROPE}, "sentencepiece", "fp32", ("bf16",)),
 }
 # transformers' GGUF loader takes qwen3's head_dim from Qwen3Config's default (128), not the file's key_length,
 # so that case has Qwen3's own 128 (qwen3_moe too; and the MoE cases have their config classes' default expert
 # widths, which it takes instead of the file's expert_feed_forward_length); it reads no rope_freqs (Llama-3.1's scaling), so the llama3 case is not
 # loaded with it (its file, rope_freqs included, is compared byte for byte with the converter's).
-LORA_OUTTYPES = {"llama": "f32", "qwen3": "q8_0"}  # cases whose adapter is also written as a GGUF LoRA adapter
+LORA_OUTTYPES = {"llama": "f32", "qwen3": "q8_0", "gemma2": "f16"}  # cases whose adapter is also written as a GGUF LoRA adapter
 TOLERANCE = {"f32": 1e-5, "f16": 2e-2, "bf16": 1e-1, "q8_0": 1e-1}  # logits against unrounded weights, max |a - b| / max |b|
 
 
@@ -92,16 +116,34 @@ def build(root: Path, name: str) -> tuple[Path, Path, Path]:
     return store, root / "adapter", merged
 
 
-def converted(merged: Path, outtypes, out: Path, adapter: Path, lora_outtype: str | None) -> dict[str, Path]:
+# The pinned converter reads config.json through transformers' AutoConfig(...).to_dict(), written for transformers
+# 4.57.6 (its requirements), whose dict keeps rope_scaling as written; transformers 5's moves it into rope_parameters,
+# where Phi3MiniModel does not look, and LongRoPE's factors would be lost. So the phi3 case's converter reads
+# config.json as it is (what 4.57.6's to_dict gives for these fields).
+AS_WRITTEN = """import json, runpy, sys
+from pathlib import Path
+sys.argv = sys.argv[1:]
+sys.path[:0] = [str(Path(sys.argv[0]).parent), str(Path(sys.argv[0]).parent / "gguf-py")]
+import conversion.base as base
+base.ModelBase.load_hparams = staticmethod(lambda d, is_mistral_format=False: json.loads((Path(d) / "config.json").read_text()))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+CONFIG_AS_WRITTEN = ("phi3",)
+
+
+def converted(merged: Path, outtypes, out: Path, adapter: Path, lora_outtype: str | None,
+              as_written: bool = False) -> dict[str, Path]:
     """outtype -> the file llama.cpp's convert_hf_to_gguf.py writes from merged (default name), and "lora" ->
-    the one its convert_lora_to_gguf.py writes from the adapter (merged as --base); run side by side."""
+    the one its convert_lora_to_gguf.py writes from the adapter (merged as --base); run side by side.
+    as_written: the converter reads config.json as it is (AS_WRITTEN)."""
     runs = {t: ["convert_hf_to_gguf.py", str(merged), "--outtype", t] for t in outtypes}
     if lora_outtype:
         runs["lora"] = ["convert_lora_to_gguf.py", "--base", str(merged), "--outtype", lora_outtype, str(adapter)]
     procs = {}
     for key, (script, *args) in runs.items():
         (out / key).mkdir(parents=True)
-        procs[key] = subprocess.Popen([sys.executable, str(llama_cpp() / script), *args, "--outfile", str(out / key)],
+        wrap = ["-c", AS_WRITTEN] if as_written and key != "lora" else []
+        procs[key] = subprocess.Popen([sys.executable, *wrap, str(llama_cpp() / script), *args, "--outfile", str(out / key)],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for key, p in procs.items():
         log = p.communicate(timeout=600)[0]
@@ -125,7 +167,7 @@ def built(tmp_path_factory):
             if lora := LORA_OUTTYPES.get(name):
                 ours["lora"] = merge(store, adapter, root / "gguf" / "lora", "gguf-lora", lora)
             cases[name] = store, adapter, merged, ours, converted(merged, CASES[name][4], root / "llama.cpp", adapter,
-                                                                   lora)
+                                                                   lora, name in CONFIG_AS_WRITTEN)
         return cases[name]
     return case
 
@@ -231,8 +273,13 @@ def rounded_through(model, outtype: str):
     return model
 
 
-# llama3: the loader reads no rope_freqs; qwen2_moe: it makes the shared expert's gate (1, 1, dim), not (1, dim)
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ("llama3", "qwen2_moe")])
+# Files transformers' GGUF loader cannot read as the model: llama3 (it reads no rope_freqs), qwen2_moe (it makes the
+# shared expert's gate (1, 1, dim), not (1, dim)), mixtral (a `llama` file with experts: it builds a dense Llama),
+# olmoe (no olmoe in its architectures)
+NOT_LOADED = ("llama3", "qwen2_moe", "mixtral", "olmoe")
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n not in NOT_LOADED])
 def test_transformers_loads_the_gguf_with_the_merged_logits(built, name):
     """The GGUF's logits are the merged HF export's with its matrices rounded through the file's type (to
     float noise), and near the unrounded ones."""
@@ -243,8 +290,8 @@ def test_transformers_loads_the_gguf_with_the_merged_logits(built, name):
         exact = reference(tokens).logits
         for t in CASES[name][4]:
             path = ours[t]
-            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                                      dtype=torch.float32).eval()
+            model = transformers.AutoModelForCausalLM.from_pretrained(  # Phi3Config's pad id 32000 is past the vocab
+                path.parent, gguf_file=path.name, dtype=torch.float32, pad_token_id=None).eval()
             got = model(tokens).logits
             assert max_rel_err(got, rounded_through(copy.deepcopy(reference), t)(tokens).logits) < 1e-5, (name, t)
             moe = 3 if "moe" in name else 1  # rounding moves a router's top-k choice now and then
@@ -291,24 +338,38 @@ def test_finetune_export_gguf_writes_the_merged_file_and_says_how_to_run_it(buil
     assert f"llama-cli -m {path}" in card and "ollama create" in card and "-f Modelfile" in card
 
 
-def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys):
-    store, moe = built("llama")[0], built("qwen3_moe")
-    phi3 = tmp_path / "phi3"
-    shutil.copytree(store, phi3)
-    manifest = json.loads((phi3 / "manifest.json").read_text())
-    manifest["config"]["family"] = "phi3"  # a family phantom trains and GGUF export does not cover
-    (phi3 / "manifest.json").write_text(json.dumps(manifest))
+def edited(store: Path, folder: Path, **fields) -> Path:
+    """A copy of store whose manifest's config has fields changed (a model llama.cpp would compute otherwise)."""
+    shutil.copytree(store, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["config"].update(fields)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys, monkeypatch):
+    from phantom.model import gguf_arch
+    store, moe, gemma2 = built("llama")[0], built("qwen3_moe"), built("gemma2")[0]
     merge_lora = load_script("merge_lora").main
-    for args, words in [(["--model", str(phi3), "--format", "gguf"], "GGUF export covers llama, mistral, qwen2, qwen3"),
-                        (["--model", str(store), "--format", "gguf-lora"], "give --adapter"),
-                        (["--model", str(store), "--format", "hf", "--outtype", "f16"], "--outtype is for"),
-                        (["--model", str(moe[0]), "--adapter", str(moe[1]), "--format", "gguf-lora"],
-                         "covers dense models")]:
+    cases = [(["--model", str(store), "--format", "gguf-lora"], "give --adapter"),
+             (["--model", str(store), "--format", "hf", "--outtype", "f16"], "--outtype is for"),
+             (["--model", str(moe[0]), "--adapter", str(moe[1]), "--format", "gguf-lora"], "covers dense models"),
+             (["--model", str(edited(gemma2, tmp_path / "g1", query_pre_attn_scalar=32.0)), "--format", "gguf"],
+              "llama.cpp scales this Gemma-2's queries by 256^-1/2"),
+             (["--model", str(edited(gemma2, tmp_path / "g2", rope_theta=20000.0)), "--format", "gguf"],
+              "llama.cpp reads Gemma-2's RoPE base as 10000"),
+             (["--model", str(edited(moe[0], tmp_path / "q", norm_topk_prob=False)), "--format", "gguf"],
+              "llama.cpp's qwen3moe fixes norm_topk_prob")]
+    for args, words in cases:
         capsys.readouterr()
         assert merge_lora([*args, "--out", str(tmp_path / "out"), "--quiet"]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
         assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    monkeypatch.delitem(gguf_arch.ARCHES, "llama")  # a family GGUF export does not cover
+    assert merge_lora(["--model", str(store), "--format", "gguf", "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GGUF export covers mistral, " in err[0] and "this is a llama model" in err[0], err
 
 
 # -- memory: one block at a time ---------------------------------------------------------------------

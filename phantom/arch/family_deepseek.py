@@ -118,7 +118,10 @@ def mla_fields(cfg: ModelConfig) -> dict:
 
 
 def v3_fields(cfg: ModelConfig) -> dict:
-    return {**mla_fields(cfg), **deepseek_fields(cfg), "rope_interleave": cfg.rope_interleave}
+    """scoring_func and topk_method as the Hub's files say them: transformers' class has them fixed, but
+    llama.cpp's converter reads the router's scoring from them (without, llama.cpp routes with softmax)."""
+    return {**mla_fields(cfg), **deepseek_fields(cfg), "rope_interleave": cfg.rope_interleave,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
 def v2_fields(cfg: ModelConfig) -> dict:

@@ -6,7 +6,8 @@ same order and values, its tensor names, shapes, types and order (the safetensor
 reads: Hugging Face names in natural order), and the same bytes (gguf's own quantizers). The layout is
 planned from shapes first, so the header is written before any weight is read; each part (embed, a
 block, head) is then converted and written at its offset, one part in memory at a time.
-May import gguf, phantom.arch, phantom.data, phantom.files and phantom.model's checkpoints and HF layout.
+Each family's converter class (its architecture, keys and tensor changes) is in gguf_arch. May import gguf,
+phantom.arch, phantom.data, phantom.files and phantom.model's checkpoints, HF layout and GGUF modules.
 """
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ import numpy as np
 import torch
 
 from phantom.arch.config import ModelConfig
-from phantom.arch.family import family
 from phantom.files.hfshards import natural_key
 from phantom.data.tokenizer import is_tiktoken_file
 from phantom.files.store import BlockStore
 from phantom.model.checkpoints import part_shapes
+from phantom.model.gguf_arch import ARCHES, Arch, add_early_keys, embed_rows, extra_tensors, refusal
 from phantom.model.gguf_vocab import add_vocab, read_json
 from phantom.model.hflayout import to_hf
 
@@ -33,33 +34,6 @@ T = gguf.GGMLQuantizationType
 OUTTYPES = {"f32": (gguf.LlamaFileType.ALL_F32, T.F32), "f16": (gguf.LlamaFileType.MOSTLY_F16, T.F16),
             "bf16": (gguf.LlamaFileType.MOSTLY_BF16, T.BF16), "q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, T.Q8_0)}
 ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # kept in f32, as llama.cpp's quantizer keeps them
-
-
-@dataclass(frozen=True)
-class Arch:
-    """How llama.cpp's converter class for a family writes it.
-
-    permute_qk: LlamaModel's undo_permute: llama.cpp's `llama` rotates adjacent pairs, so q/k rows go back
-    into Meta's interleaved order (the store's own); the other archs rotate Hugging Face's halves.
-    llama_keys: LlamaModel's extras: vocab_size, rope.dimension_count, add_space_prefix, and a Llama-style
-    tokenizer.json read as sentencepiece pieces."""
-
-    arch: gguf.MODEL_ARCH
-    permute_qk: bool = False
-    llama_keys: bool = False
-    sentencepiece: bool = True  # a tokenizer.model is read first (Qwen-MoE's class reads BPE alone)
-
-
-ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, permute_qk=True, llama_keys=True),
-          "mistral": Arch(gguf.MODEL_ARCH.LLAMA, permute_qk=True, llama_keys=True),
-          "qwen2": Arch(gguf.MODEL_ARCH.QWEN2),
-          "qwen3": Arch(gguf.MODEL_ARCH.QWEN3),
-          "qwen3_moe": Arch(gguf.MODEL_ARCH.QWEN3MOE, sentencepiece=False),
-          "qwen2_moe": Arch(gguf.MODEL_ARCH.QWEN2MOE, sentencepiece=False)}
-# whether llama.cpp renormalizes the chosen experts' weights (build_moe_ffn's norm_w in its src/models/*.cpp)
-RENORMALIZES = {"qwen3_moe": True, "qwen2_moe": False}
-EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(down|gate|up)_proj\.weight")
-PROJECTIONS = ("down", "gate", "up")  # the order the converter stacks a layer's experts in
 
 
 @dataclass(frozen=True)
@@ -74,14 +48,20 @@ class Planned:
     nbytes: int
 
 
-def converter_order(hf_name: str, cfg: ModelConfig) -> tuple:
+def converter_order(hf_name: str, arch: Arch, cfg: ModelConfig) -> tuple:
     """Where the converter writes a tensor: in the natural order of the Hugging Face names it reads, a
-    layer's stacked experts where it reads the last expert's last tensor (down, gate, up)."""
-    m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(down|gate|up)_proj\.weight", hf_name)
-    if m is None:
+    layer's stacked experts where it reads the last expert's last tensor, in the order it stacks them."""
+    if arch.split_kv_b and hf_name.endswith(("k_b_proj.weight", "v_b_proj.weight")):  # where kv_b_proj is read
+        kv_b = hf_name[:-len("k_b_proj.weight")] + "kv_b_proj.weight"
+        return natural_key(kv_b), int(hf_name.endswith("v_b_proj.weight"))
+    stack, projections = arch.experts
+    prefix, _, rest = hf_name.partition(".experts.")
+    layer = re.fullmatch(r"model\.layers\.(\d+)\.\w+", prefix)
+    if layer is None or rest.removesuffix(".weight") not in projections or \
+            prefix + ".experts" != stack.format(layer[1]):
         return natural_key(hf_name), 0
-    last = f"model.layers.{m[1]}.mlp.experts.{cfg.n_experts - 1}.up_proj.weight"
-    return natural_key(last), PROJECTIONS.index(m[2])
+    last = f"{stack.format(layer[1])}.{cfg.n_experts - 1}.{projections[-1]}.weight"
+    return natural_key(last), projections.index(rest.removesuffix(".weight"))
 
 
 def default_outtype(dtype: torch.dtype) -> str:
@@ -97,16 +77,14 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
     if cfg.family not in ARCHES:
         raise ValueError(f"GGUF export covers {', '.join(ARCHES)} models; this is a {cfg.family} model: "
                          f"use --format hf (llama.cpp's convert_hf_to_gguf.py reads it)")
-    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in ("llama3", "linear"):
-        raise ValueError(f"GGUF export covers RoPE scaling llama3 and linear, not {cfg.rope_scaling.rope_type!r}; "
-                         f"use --format hf")
-    if cfg.family in RENORMALIZES and cfg.norm_topk_prob != RENORMALIZES[cfg.family]:
-        raise ValueError(f"llama.cpp's {ARCHES[cfg.family].arch.name.lower()} fixes norm_topk_prob (whether the chosen "
-                         f"experts' weights are renormalized) at {str(RENORMALIZES[cfg.family]).lower()}, as the "
-                         f"family's own configs set it, and this model sets it otherwise; use --format hf")
+    if (why := refusal(cfg)) is not None:
+        raise ValueError(f"{why}; use --format hf")
     if store.tokenizer_path is None or is_tiktoken_file(store.tokenizer_path):
         raise ValueError(f"{store.path}: GGUF export needs a sentencepiece tokenizer.model or a tokenizer.json "
                          f"(llama.cpp reads its vocabulary from the file), and this store has neither")
+    if ARCHES[cfg.family].space_prefix and cfg.family == "gemma2" and store.tokenizer_path.name != "tokenizer.model":
+        raise ValueError(f"{store.path}: llama.cpp's converter reads Gemma-2's vocabulary from a sentencepiece "
+                         f"tokenizer.model, and this store has none; use --format hf")
     return ARCHES[cfg.family]
 
 
@@ -126,97 +104,64 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(cfg: ModelConfig, arch: Arch, part: str | int, tensors: dict[str, torch.Tensor]) -> dict:
-    """{Hugging Face name: (GGUF name, tensor)} of one part, as the converter maps and permutes them."""
+def gguf_tensors(cfg: ModelConfig, arch: Arch, part: str | int, tensors: dict[str, torch.Tensor],
+                 embed_rows: int | None = None) -> dict:
+    """{Hugging Face name: (GGUF name, tensor)} of one part, as the converter maps, permutes and shifts them;
+    embed_rows: the rows of the embedding it keeps (Gemma3Model drops those past the tokenizer's)."""
     tmap = gguf.get_tensor_name_map(arch.arch, cfg.n_layers)
     out = {}
     for hf_name, t in to_hf(cfg, part, tensors).items():
+        if arch.drop_head and hf_name == "lm_head.weight":
+            continue
         if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             t = llama_permute(t, cfg.n_heads)
         elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             t = llama_permute(t, cfg.kv_heads)
+        if arch.norm_shift and hf_name.endswith("norm.weight"):  # in float32, or f16 where it is (as the converter)
+            t = (t if t.dtype in (torch.float16, torch.float32) else t.to(torch.float32)) + 1
+        if embed_rows is not None and hf_name == "model.embed_tokens.weight":
+            t = t[:embed_rows]
+        if arch.split_kv_b and hf_name.endswith("kv_b_proj.weight"):
+            kv_b = t.reshape(cfg.kv_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, t.shape[-1])
+            k_b, v_b = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+            out[hf_name.replace("kv_b_proj", "k_b_proj")] = k_b.transpose(1, 2)
+            out[hf_name.replace("kv_b_proj", "v_b_proj")] = v_b
+            continue
         out[hf_name] = t
-    out = stack_experts(cfg, out)
-    names = {hf_name: tmap.get_name(hf_name, try_suffixes=(".weight", ".bias")) for hf_name in out}
+    out = stack_experts(cfg, arch, out)
+    names = {hf_name: tmap.get_name(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"),
+                                    try_suffixes=(".weight", ".bias")) for hf_name in out}  # as filter_tensors
     if missing := [n for n, g in names.items() if g is None]:
         raise AssertionError(f"gguf has no {arch.arch.name} name for {missing}")
     return {hf_name: (names[hf_name], t) for hf_name, t in out.items()}
 
 
-def stack_experts(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each layer's experts as one (experts, rows, columns) tensor per projection, named
-    model.layers.L.mlp.experts.{down,gate,up}_proj.weight, as the converter stacks them."""
-    experts = {n: EXPERT.fullmatch(n) for n in hf}
-    out = {n: t for n, t in hf.items() if experts[n] is None}
-    for layer in sorted({int(m[1]) for m in experts.values() if m is not None}):
-        for proj in PROJECTIONS:
-            parts = [hf[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] for e in range(cfg.n_experts)]
-            out[f"model.layers.{layer}.mlp.experts.{proj}_proj.weight"] = torch.stack(parts)
+def stack_experts(cfg: ModelConfig, arch: Arch, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's experts as one (experts, rows, columns) tensor per projection, named as the stack
+    (model.layers.L.mlp.experts.down_proj.weight ...), as the converter stacks them."""
+    stack, projections = arch.experts
+    out = dict(hf)
+    for layer in range(cfg.n_layers) if cfg.n_experts else ():
+        names = {p: [f"{stack.format(layer)}.{e}.{p}.weight" for e in range(cfg.n_experts)] for p in projections}
+        if names[projections[0]][0] in hf:
+            for p in projections:
+                out[f"{stack.format(layer)}.{p}.weight"] = torch.stack([out.pop(n) for n in names[p]])
     return out
 
 
-def rope_freqs(cfg: ModelConfig) -> torch.Tensor | None:
-    """Llama-3.1's RoPE scaling as llama.cpp reads it: each frequency's divisor (LlamaModel.generate_extra_tensors)."""
-    s = cfg.rope_scaling
-    if s is None or s.rope_type != "llama3":
-        return None
-    freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-    low, high = s.original_max_seq_len / s.low_freq_factor, s.original_max_seq_len / s.high_freq_factor
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high:
-            factors.append(1)
-        elif wavelen > low:
-            factors.append(s.factor)
-        else:
-            smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-            factors.append(1 / ((1 - smooth) / s.factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)
-
-
-def plan(cfg: ModelConfig, arch: Arch, qtype: T) -> list[Planned]:
+def plan(cfg: ModelConfig, arch: Arch, qtype: T, embed_rows: int | None) -> list[Planned]:
     """Every tensor of the file, in the converter's order, from shapes alone (meta tensors)."""
     out = []
     for part in ("embed", *range(cfg.n_layers), "head"):
         meta = {n: torch.empty(s, device="meta") for n, s in part_shapes(cfg, part).items()}
-        for hf_name, (name, t) in gguf_tensors(cfg, arch, part, meta).items():
+        for hf_name, (name, t) in gguf_tensors(cfg, arch, part, meta, embed_rows).items():
             shape = tuple(t.shape)
             q = tensor_type(name, shape, qtype)
             block, size = gguf.GGML_QUANT_SIZES[q]
             out.append(Planned(hf_name, name, shape, q, math.prod(shape) // block * size))
-    out.sort(key=lambda p: converter_order(p.hf_name, cfg))
-    if (freqs := rope_freqs(cfg)) is not None:  # the converter's extra tensors come first
-        out.insert(0, Planned("", "rope_freqs.weight", tuple(freqs.shape), T.F32, freqs.numel() * 4))
-    return out
-
-
-def add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype: gguf.LlamaFileType) -> None:
-    """The architecture's keys, in the order the converter's TextModel.set_gguf_parameters writes them."""
-    w.add_block_count(cfg.n_layers)
-    w.add_context_length(cfg.max_seq_len)
-    w.add_embedding_length(cfg.dim)
-    w.add_feed_forward_length(cfg.hidden_dim)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.kv_heads)
-    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.norm_eps)
-    if cfg.n_experts:
-        w.add_expert_count(cfg.n_experts)
-        w.add_expert_used_count(cfg.experts_per_token)
-    w.add_key_length(cfg.head_dim)  # phantom's config.json names head_dim
-    w.add_value_length(cfg.head_dim)
-    w.add_file_type(ftype)
-    if cfg.n_experts:  # Qwen2MoeModel's own keys
-        w.add_expert_feed_forward_length(cfg.expert_dim)
-        if "shared_expert_intermediate_size" in family(cfg).moe.fields:
-            w.add_expert_shared_feed_forward_length(cfg.shared_expert_dim)
-    if arch.llama_keys:
-        w.add_vocab_size(cfg.vocab_size)
-        w.add_rope_dimension_count(cfg.head_dim)
+    out.sort(key=lambda p: converter_order(p.hf_name, arch, cfg))
+    extra = [Planned("", name, tuple(t.shape), T.F32, t.numel() * 4) for name, t in extra_tensors(cfg).items()]
+    return extra + out  # the converter's extra tensors come first
 
 
 def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder: Path) -> gguf.Metadata:
@@ -227,14 +172,17 @@ def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder
     meta.name = meta.name or folder.name
     if meta.size_label is None and total > 0:
         meta.size_label = gguf.size_label(total, shared, expert, count)
+    add_early_keys(w, cfg)
     w.add_type(gguf.GGUFType.MODEL)
     meta.set_gguf_meta_model(w)
-    add_hparams(w, cfg, arch, ftype)
+    arch.hparams(w, read_json(folder / "config.json"), ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     prefix_space = read_json(folder / "tokenizer_config.json").get("add_prefix_space")
-    if arch.llama_keys and prefix_space is not None:
+    if arch.vocab == "llama" and prefix_space is not None:
         w.add_add_space_prefix(prefix_space)
-    add_vocab(w, folder, cfg.vocab_size, llama_hf=arch.llama_keys, sentencepiece=arch.sentencepiece)
+    add_vocab(w, folder, cfg.vocab_size, arch.vocab)
+    if arch.space_prefix and (folder / "tokenizer.model").is_file():
+        w.add_add_space_prefix(False)
     return meta
 
 
@@ -279,7 +227,8 @@ def write_gguf(out: Path, cfg: ModelConfig, arch: Arch, parts, outtype: str, fol
     export.merged_parts yields them); folder holds the HF export's config and tokenizer files, named
     as the model. Returns the file's path."""
     ftype, qtype = OUTTYPES[outtype]
-    planned = plan(cfg, arch, qtype)
+    rows = embed_rows(cfg, arch, folder)
+    planned = plan(cfg, arch, qtype, rows)
     w = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch.arch])
     for p in planned:
         w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
@@ -297,10 +246,10 @@ def write_gguf(out: Path, cfg: ModelConfig, arch: Arch, parts, outtype: str, fol
     fd = os.open(path, os.O_RDWR)
     try:
         os.truncate(fd, at)  # the padding between tensors: zeros, as the writer pads
-        if (freqs := rope_freqs(cfg)) is not None:
-            os.pwrite(fd, encode(freqs, T.F32), offsets["rope_freqs.weight"][0])
+        for name, t in extra_tensors(cfg).items():
+            os.pwrite(fd, encode(t, T.F32), offsets[name][0])
         for part, tensors in parts:
-            for hf_name, (_, t) in gguf_tensors(cfg, arch, part, tensors).items():
+            for hf_name, (_, t) in gguf_tensors(cfg, arch, part, tensors, rows).items():
                 write_rows(fd, t, *offsets[hf_name])
             del tensors  # before the next part is made: one part in memory at a time
         os.fsync(fd)

@@ -100,14 +100,47 @@ def llama_hf_vocab(folder: Path):
         return None
 
 
-def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, llama_hf: bool, sentencepiece: bool = True) -> None:
-    """Write the tokenizer keys for the files in folder, in the converter's order of tries: tokenizer.model,
-    then (llama_hf: Llama's converter class) a Llama-style tokenizer.json, then byte-level BPE; sentencepiece
-    False: byte-level BPE alone (the class that reads no tokenizer.model)."""
-    if sentencepiece and (folder / "tokenizer.model").is_file():
+def phi3_vocab(folder: Path, vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
+    """Phi3MiniModel's own reading of tokenizer.model: sentencepiece's pieces padded to vocab_size, then
+    added_tokens.json, tokenizer_config.json's added_tokens_decoder and tokenizer.json's added tokens laid
+    over them as they are (score -1000, control where flagged special, else user-defined)."""
+    from sentencepiece import SentencePieceProcessor
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(folder / "tokenizer.model"))
+    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
+    scores, types = [-10000.0] * vocab_size, [SP_UNUSED] * vocab_size
+    for i in range(sp.vocab_size()):
+        tokens[i], scores[i] = sp.IdToPiece(i).encode(), sp.GetScore(i)
+        types[i] = (SP_UNKNOWN if sp.IsUnknown(i) else SP_CONTROL if sp.IsControl(i) else
+                    SP_UNUSED if sp.IsUnused(i) else SP_BYTE if sp.IsByte(i) else SP_NORMAL)
+    for text, i in read_json(folder / "added_tokens.json").items():
+        if i < vocab_size:
+            tokens[i], scores[i], types[i] = text.encode(), -1000.0, SP_USER_DEFINED
+    decoder = read_json(folder / "tokenizer_config.json").get("added_tokens_decoder", {})
+    added = [(int(i), d) for i, d in decoder.items()] + \
+        [(int(d["id"]), d) for d in read_json(folder / "tokenizer.json").get("added_tokens", [])]
+    for i, data in added:
+        tokens[i], scores[i] = data["content"].encode(), -1000.0
+        types[i] = SP_CONTROL if data.get("special") else SP_USER_DEFINED
+    return tokens, scores, types
+
+
+def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, kind: str) -> None:
+    """Write the tokenizer keys for the files in folder as the family's converter class reads them (kind:
+    gguf_arch.Arch.vocab): "llama" tries tokenizer.model, a Llama-style tokenizer.json, then byte-level BPE;
+    "sentencepiece" tokenizer.model, then byte-level BPE; "bpe" byte-level BPE alone; "phi3" its own reading
+    of tokenizer.model, or byte-level BPE where tokenizer_config.json names GPT2Tokenizer (Phi-4)."""
+    gpt2 = read_json(folder / "tokenizer_config.json").get("tokenizer_class") == "GPT2Tokenizer"
+    if kind == "phi3" and not gpt2:
+        if not (folder / "tokenizer.model").is_file():
+            raise ValueError(f"{folder}: llama.cpp's converter reads Phi-3's vocabulary from tokenizer.model (or a "
+                             f"GPT2Tokenizer's tokenizer.json), and there is neither; use --format hf")
+        tokens, scores, types = phi3_vocab(folder, vocab_size)
+        model = "llama"
+    elif kind in ("llama", "sentencepiece") and (folder / "tokenizer.model").is_file():
         tokens, scores, types = sentencepiece_vocab(folder, vocab_size)
         model = "llama"
-    elif llama_hf and (vocab := llama_hf_vocab(folder)) is not None:
+    elif kind == "llama" and (vocab := llama_hf_vocab(folder)) is not None:
         tokens, scores, types = map(list, zip(*vocab.all_tokens()))
         model = "llama"
     else:

@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from family_check import (CASES, batch, check_converts_to, check_logits, make, peft, peft_step, prepare, rel_err,
-                          transformers)
+from family_check import (CASES, batch, check_converts_to, check_logits, check_quantized, make, peft, peft_step,
+                          rel_err, synthetic_preset_loss, transformers)
 from phantom.arch.config import ConfigError
 from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
@@ -189,3 +189,22 @@ def test_what_is_not_modelled_is_refused_naming_the_field(change, named):
     c = {**json.loads((DATA / "gpt-oss-20b.config.json").read_text()), **change}
     with pytest.raises(ConfigError, match=f"{named}="):
         config_from_hf(c)
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_a_quantized_store_streams_its_dequantized_experts(family_models, method, tmp_path):
+    """NF4 and int8 linear weights (biases, sinks and the router 16-bit): from disk and RAM, the logits of
+    transformers on the weights the store dequantizes to (its --format hf export)."""
+    _, store = family_models("gpt_oss")
+    quantized = check_quantized(store, tmp_path, method)
+    record = json.loads((quantized / "manifest.json").read_text())["quantization"]["tensors"]
+    assert record["feed_forward.experts.3.w2.weight"] == record["attention.wq.weight"] == method
+    assert record["feed_forward.experts.3.w2.bias"] == record["attention.sinks"] == "bfloat16"
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_a_synthetic_store_of_the_preset_shape_streams(name, tmp_path):
+    import math
+    loss = synthetic_preset_loss(name, tmp_path, n_layers=2, n_experts=6, experts_per_token=2, expert_dim=32,
+                                 sliding_window=8)
+    assert torch.isfinite(loss) and abs(loss.item() - math.log(97)) < 1.0

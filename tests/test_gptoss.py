@@ -208,3 +208,16 @@ def test_a_synthetic_store_of_the_preset_shape_streams(name, tmp_path):
     loss = synthetic_preset_loss(name, tmp_path, n_layers=2, n_experts=6, experts_per_token=2, expert_dim=32,
                                  sliding_window=8)
     assert torch.isfinite(loss) and abs(loss.item() - math.log(97)) < 1.0
+
+
+def test_a_packed_row_equals_transformers_on_each_example_alone(family_models):
+    """Two examples of 22 and 18 tokens in one row (segment ids): each one's logits are transformers' on it alone,
+    the sinks in every softmax and the window of 16 counted from each example's own start."""
+    import phantom
+    model, store = family_models("gpt_oss")
+    tokens = batch(1, 40)[0]
+    segments = torch.tensor([[0] * 22 + [1] * 18])
+    with phantom.load(store, offload="disk", prefetch=1, lora=None) as pm, torch.no_grad():
+        packed = pm(tokens, segments=segments)[0]
+        for start, end in ((0, 22), (22, 40)):
+            assert rel_err(packed[start:end], model(tokens[:, start:end]).logits[0]) < 1e-5

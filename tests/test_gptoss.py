@@ -221,3 +221,17 @@ def test_a_packed_row_equals_transformers_on_each_example_alone(family_models):
         packed = pm(tokens, segments=segments)[0]
         for start, end in ((0, 22), (22, 40)):
             assert rel_err(packed[start:end], model(tokens[:, start:end]).logits[0]) < 1e-5
+
+
+def test_formats_that_cannot_hold_it_are_refused_in_one_line(family_models, tmp_path, capsys):
+    """Meta's format (Llama's maths: no sinks, biases or experts) and GGUF (no gpt-oss writer here): exit 2 and
+    one `error:` line each, nothing written."""
+    from test_convert import load_script
+    _, store = family_models("gpt_oss")
+    capsys.readouterr()  # what building the store printed
+    for fmt, said in (("meta", "sets explicit_head_dim, qkv_bias, o_bias, sliding_window, n_experts, attn_sinks"),
+                      ("gguf", "GGUF export covers")):
+        assert load_script("merge_lora").main(["--model", str(store), "--out", str(tmp_path / fmt), "--format", fmt,
+                                               "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and said in err[0] and not (tmp_path / fmt).exists()

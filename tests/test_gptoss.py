@@ -235,3 +235,22 @@ def test_formats_that_cannot_hold_it_are_refused_in_one_line(family_models, tmp_
                                                "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and said in err[0] and not (tmp_path / fmt).exists()
+
+
+@pytest.mark.usefixtures("ram_streams")
+def test_logits_equal_transformers_with_experts_read_routed_and_whole(family_models):
+    """The base model's logits and loss, from disk and RAM, the experts read alone (routed, a micro-batch a row)
+    or with their block (whole): within 1e-5 of transformers'; the routed runs read experts alone."""
+    import phantom
+    from family_check import cross_entropy
+    model, store = family_models("gpt_oss")
+    tokens, targets = batch()
+    with torch.no_grad():
+        ref = model(tokens).logits
+    for offload in ("disk", "ram"):
+        for reads in ("routed", "whole"):
+            with phantom.load(store, offload=offload, prefetch=1, lora=None, expert_reads=reads,
+                              micro_batch=1 if reads == "routed" else None) as pm, torch.no_grad():
+                assert rel_err(pm(tokens), ref) < 1e-5, (offload, reads)
+                torch.testing.assert_close(pm(tokens, targets=targets), cross_entropy(ref, targets), rtol=1e-5, atol=0)
+                assert (pm.backend.scheduler.take_metrics()["bytes_experts"] > 0) == (reads == "routed")

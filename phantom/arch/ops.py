@@ -213,6 +213,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     (sdpa has no such step); everything else is sdpa's. sinks (heads,): a logit per head in each
     softmax's denominator that no value goes with (gpt-oss; attend_with_sinks)."""
     if sinks is not None:
+        assert cap is None, "no family has both sinks and soft-capped scores"
         return attend_with_sinks(q, k, v, mask, scale or q.shape[-1] ** -0.5, sinks)
     if cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,

@@ -7,6 +7,8 @@ tokenizer_config.json and generation_config.json derived from the tokenizer, so 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import json
 import logging
@@ -179,11 +181,11 @@ def carry_token_ids(folder: Path) -> None:
 
 def meta_unsupported(cfg: ModelConfig) -> list[str]:
     """The ModelConfig fields Meta's Llama format cannot express (a model that has them exports as hf)."""
-    llama = ModelConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, vocab_size=cfg.vocab_size)
+    llama = {f.name: f.default for f in dataclasses.fields(ModelConfig)}  # not built: cfg's shapes may not be Llama's
     fields = ("explicit_head_dim", "qkv_bias", "o_bias", "mlp_bias", "activation", "qk_norm", "tie_embeddings",
               "sliding_window", "norm_offset", "embed_scale", "post_norms", "query_pre_attn_scalar", "attn_softcap",
-              "final_softcap", "local_rope_theta", "rotary_dim")
-    return [f for f in fields if getattr(cfg, f) != getattr(llama, f)]
+              "final_softcap", "local_rope_theta", "rotary_dim", "n_experts", "attn_sinks")
+    return [f for f in fields if getattr(cfg, f) != llama[f]]
 
 
 def meta_params(cfg: ModelConfig) -> dict:

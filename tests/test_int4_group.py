@@ -25,6 +25,7 @@ from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import block_nbytes
 from phantom.files.store import BlockStore
+from phantom.files.tensorfile import read_header
 from phantom.model.convert import disk_usage
 from phantom.model.export import export
 from phantom.plan import costinputs as ci
@@ -96,8 +97,108 @@ def test_logits_equal_the_decompressed_transformers_model_from_disk_and_ram(int4
         if moe:  # every expert one byte range (its words and scales), so a routed read fetches it alone
             store = BlockStore(path)
             assert all(len(store.blocks[i].experts) == store.cfg.n_experts for i in range(1, store.n_blocks)), kind
-        for offload, reads in RUNS if moe else [("disk", None), ("ram", None)]:
+        runs = (RUNS if kind == "link" else RUNS[1:2]) if moe else [("disk", None), ("ram", None)]
+        for offload, reads in runs:
             knobs = dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None) if moe else {}
             with phantom.load(path, offload=offload, prefetch=1, lora=None, dtype=torch.float32, **knobs) as pm:
                 with torch.no_grad():
                     assert rel_err(pm(tokens), expected) < 1e-5, (kind, offload, reads)
+
+
+def test_the_store_keeps_the_shipped_bytes_and_a_link_copies_none(int4):
+    for name in MODELS:
+        shipped, _, stores = int4(name)
+        int4_bytes = sum(v.numel() * v.element_size() for k, v in shipped.items() if k.endswith(("_packed", "_scale")))
+        copy = BlockStore(stores["copy"])
+        stored = sum(s.end - s.start for b in copy.blocks for s in b.specs if s.name.endswith((".packed", ".scale")))
+        assert stored == int4_bytes  # the quantized tensors take their shipped bytes, no more (weight_shape: checked)
+        assert disk_usage(stores["copy"]) <= 1.02 * sum(v.numel() * v.element_size() for v in shipped.values()) + \
+            (64 << 10)  # + the manifest, tokenizer and 4 KiB-aligned headers
+        linked = json.loads((stores["link"] / "manifest.json").read_text())["links"]["files"]
+        parts = [t for f in linked.values() for t in f["tensors"] if t["name"].endswith((".packed", ".scale"))]
+        assert len(parts) == sum(k.endswith("_packed") for k in shipped) * 2
+        assert all(t["file"].startswith("/") and "model-0000" in t["file"] for t in parts)  # in place
+        for local in (stores["link"] / "blocks").glob("*.local.safetensors"):  # 16-bit rows permuted for RoPE alone
+            assert not [s.name for s in read_header(local)[0] if s.name.endswith((".packed", ".scale"))], name
+
+
+def test_lora_on_the_int4_llama_equals_peft_and_the_merged_export_loads(int4, tmp_path):
+    """LoRA on every INT4 projection of the streamed Llama: gradients equal peft's on the decompressed transformers
+    model; the adapter loads in peft; merge_lora's 16-bit export loads in transformers (fp32 asked: equal to
+    peft's merge within 1e-5)."""
+    from test_fp8_block import transformers_peft_merged
+    _, ref, stores = int4("llama-tied")
+    tokens, targets = batch()
+    adapter, _ = check_lora(ref, stores["link"], tmp_path, tokens, targets, runs=(("disk", 1, "all"), ("ram", 0, "none")),
+                            lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
+    with torch.no_grad():
+        expected = transformers_peft_merged(ref, adapter)(tokens).logits
+    out = export(stores["link"], tmp_path / "merged", adapter, "hf", dtype=torch.float32, progress=False)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel_err(merged(tokens).logits, expected) < 1e-5
+
+
+@pytest.mark.usefixtures("ram_streams")
+def test_lora_on_int4_experts_equals_peft_with_experts_read_routed_and_whole(int4, tmp_path):
+    """LoRA on every routed expert of the linked Kimi-K2-Thinking-shaped store (INT4 experts, 16-bit attention):
+    logits within 1e-5 of peft's on the decompressed model, every A and B gradient within 1e-4, streamed from disk
+    and RAM, the experts' words and scales read routed (alone: checked) and whole."""
+    _, ref, stores = int4("deepseek_v3")
+    tokens, targets = few()
+    adapter = tmp_path / "adapter"
+    phantom_step(stores["link"], tokens, targets, adapter, offload="none")
+    want = peft_step(ref, adapter, tokens, targets)
+    for offload, prefetch, recompute, reads in (("disk", 0, "none", "routed"), ("ram", 1, "all", "whole")):
+        got = phantom_step(stores["link"], tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute,
+                           expert_reads=reads, micro_batch=1 if reads == "routed" else None)
+        assert_equals_peft(got, want, (offload, prefetch, recompute, reads), unhit=True)
+
+
+def test_full_finetuning_is_refused_and_an_incomplete_weight_named(int4, tmp_path, capsys):
+    stores = int4("llama-tied")[2]
+    out = tmp_path / "out"
+    code = script("finetune").main(["--model", str(stores["link"]), "--mode", "full", "--iters", "1", "--quiet",
+                                    "--batch-size", "1", "--seq-len", "8", "--val-split", "0", "--out", str(out),
+                                    "--data", str(__import__("pathlib").Path(phantom.__file__).parent / "assets" /
+                                                  "tiny.txt")])
+    check(capsys, code, tmp_path, "int4-group", "full finetuning", "LoRA")
+    assert not (out / "store").exists()
+    bad = tmp_path / "hf"
+    shutil.copytree(stores["link"].parent / "hf", bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.self_attn.o_proj.weight_scale"]
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    code = script("prepare_model").main(["--src", str(bad), "--out", str(tmp_path / "s"), "--quiet"])
+    check(capsys, code, tmp_path, "o_proj.weight_scale", "incomplete")
+
+
+@pytest.mark.parametrize("change", [
+    {"num_bits": 8}, {"symmetric": False}, {"strategy": "channel"}, {"group_size": 20}, {"actorder": "group"},
+    {"dynamic": True}, {"type": "float"}])
+def test_int4_configs_phantom_does_not_read_are_refused(change):
+    qc = {"config_groups": {"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"],
+                                        "weights": {**WEIGHTS, **change}}},
+          "format": "pack-quantized", "ignore": ["lm_head"], "quant_method": "compressed-tensors",
+          "quantization_status": "compressed"}
+    c = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "intermediate_size": 96,
+         "max_position_embeddings": 64, "quantization_config": qc}
+    with pytest.raises(ConfigError, match="quantization_config="):
+        config_from_hf(c)
+    assert config_from_hf({**c, "quantization_config": {**qc, "config_groups": {"group_0": {
+        **qc["config_groups"]["group_0"], "weights": WEIGHTS}}}}).dim == 64
+
+
+def test_the_cost_model_counts_the_stored_bytes(int4):
+    """block_nbytes of the stores' formats are the bytes of their block files; Kimi-K2 1T's blocks as
+    Kimi-K2-Thinking ships them (experts INT4, the rest bf16: tune.py --quantize int4-group) are 0.288x bf16: 4
+    bits and a bf16 scale per 32 values are 4.5 bits (0.281x), the 16-bit attention and shared expert add 0.007x."""
+    for name in MODELS:
+        store = BlockStore(int4(name)[2]["copy"])
+        for i in range(store.n_blocks):
+            assert store.block_size(i) == block_nbytes(store.quant, block_tensor_shapes(store.cfg, i), "bfloat16")
+    cfg = PRESETS["kimi-k2-1T"]
+    ratio = ci.shape_of(cfg, quant="int4-group").block_bytes / ci.shape_of(cfg).block_bytes
+    assert 0.2812 < ratio < 0.29, ratio

@@ -128,9 +128,11 @@ def quantize_int4(w: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
     rows, cols = w.shape
     groups = w.float().view(rows, cols // fmt.group, fmt.group)
     scale = (groups.abs().amax(dim=2) / 7.5).to(getattr(torch, fmt.scale_dtype))
-    q = torch.round(groups / scale.float().clamp(min=1e-30)[:, :, None]).clamp(-8, 7).to(torch.int64) + 8
-    words = (q.view(rows, cols // 8, 8) << torch.arange(0, 32, 4)).sum(dim=2)
-    return {"packed": torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32), "scale": scale}
+    q = (torch.round(groups / scale.float().clamp(min=1e-30)[:, :, None]).clamp(-8, 7).to(torch.int32) + 8)
+    q = q.view(rows, cols // 8, 8)
+    top = torch.where(q[:, :, 7] >= 8, q[:, :, 7] - 16, q[:, :, 7]) << 28  # the sign bit's nibble, without overflow
+    return {"packed": (q[:, :, :7] << torch.arange(0, 28, 4, dtype=torch.int32)).sum(dim=2, dtype=torch.int32) | top,
+            "scale": scale}
 
 
 def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:

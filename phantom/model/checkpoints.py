@@ -242,6 +242,9 @@ class HFCheckpoint:
                     raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
                 self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path), start)
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
+        if fmt is not None and fmt.method == "mxfp4":
+            raise ValueError(f"{config}: MXFP4 weights (quant_method 'mxfp4') are read in gpt-oss's experts; "
+                             f"{self.cfg.family} ships none")
         self.quant = None if fmt is None else self._shipped_int4(fmt, packed, weight_map, headers, files) \
             if fmt.method == "int4-group" else self._shipped_fp8(fmt, weight_map, headers, files)
         self.tokenizer_files = tokenizer_sources(src, root)

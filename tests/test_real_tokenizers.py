@@ -1,6 +1,7 @@
 """phantom's Tokenizer and chat masks against transformers on the tokenizers and chat templates published
-with Llama-2, Llama-3.1, Qwen3 and Gemma-3 (their tokenizer.json and tokenizer_config.json, fetched once by
-conftest.real_tokenizer): ids of real strings, special-token and stop ids, chat ids of the common record
+with Llama-2, Llama-3.1, Qwen3, Gemma-3 and gpt-oss (their tokenizer.json and tokenizer_config.json, fetched once
+by conftest.real_tokenizer; gpt-oss's o200k vocabulary and its harmony chat_template.jinja, as llama.cpp keeps
+it): ids of real strings, special-token and stop ids, chat ids of the common record
 shapes, and assistant masks against return_assistant_tokens_mask on each template with {% generation %}
 markers added around each answer and its end of turn (and the published template, unmarked, trains the
 same tokens)."""
@@ -19,8 +20,8 @@ from phantom.data.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-NAMES = ("llama2", "llama3_1", "qwen3", "gemma3")
-CHAT_NAMES = ("llama3_1", "qwen3", "gemma3")  # Llama-2's files carry no chat template
+NAMES = ("llama2", "llama3_1", "qwen3", "gemma3", "gptoss")
+CHAT_NAMES = ("llama3_1", "qwen3", "gemma3", "gptoss")  # Llama-2's files carry no chat template
 
 BASE = [
     "Hello world", "Hello  world", " leading space", "trailing space ", "  two leading", "\n", "\n\n\n", "\t\tTabs\t",
@@ -81,7 +82,8 @@ def test_special_token_ids_equal(pair, tmp_path):
         assert ours.prefix == [2] and ours.bos_token == "<bos>"
     assert ours.stop_ids == [ours.eos_id]  # no generation_config.json: EOS
     # generation_config.json's stop ids, as GenerationConfig reads them (the models' own lists)
-    stops = {"llama2": 2, "llama3_1": [128001, 128008, 128009], "qwen3": [151645, 151643], "gemma3": [1, 106]}[name]
+    stops = {"llama2": 2, "llama3_1": [128001, 128008, 128009], "qwen3": [151645, 151643], "gemma3": [1, 106],
+             "gptoss": [200002, 199999, 200012]}[name]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     want = transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id
     assert SideFiles.read(tmp_path).stop_ids() == (want if isinstance(want, list) else [want])
@@ -112,6 +114,11 @@ MARKS = {
                 "{%- elif message['content'] is string -%}\n        {{ message['content'] | trim }}"),
                ("{{ '<end_of_turn>\n' }}",
                 "{{ '\n' if role == 'model' and message['content'] is string else '<end_of_turn>\n' }}")],
+    # harmony: an answer ends with <|end|>, the conversation's last with <|return|> (its EOS); the header and
+    # channel before it are not trained
+    "gptoss": [(f'{{{{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|{end}|>" }}}}',
+                f'{{{{- "<|start|>assistant<|channel|>final<|message|>" }}}}{{% generation %}}'
+                f'{{{{- message.content + "<|{end}|>" }}}}{{% endgeneration %}}') for end in ("return", "end")],
 }
 
 SYSTEM = {"role": "system", "content": "You answer briefly."}

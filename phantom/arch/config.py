@@ -76,6 +76,8 @@ def refuse(path, key: str, value, supported: str):
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the MLP's gate activation (transformers' names)
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# how a router scores: softmax over every expert, sigmoid, or softmax over the top-k logits alone (gpt-oss)
+ROUTER_SCORES = ("softmax", "sigmoid", "topk_softmax")
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,18 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True  # the rotated dims in pairs (2i, 2i+1), as Meta's; False: in halves (i, i + R/2)
+    # gpt-oss (phantom.arch.family_gptoss): a learned sink logit per head in each softmax's denominator (attn_sinks);
+    # a router with a bias of its own on the logits (router_logit_bias: a parameter, unlike router_bias's choice
+    # correction); experts with biases on gate, up and down (expert_bias) and the clamped SwiGLU where
+    # swiglu_limit is set: (clamp(up, -l, l) + 1) * g * sigmoid(swiglu_alpha * g), g = min(gate, l)
+    attn_sinks: bool = False
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # the checkpoint's 3-D experts are (experts, in, out) with gate and up alternating on out (gpt-oss's
+    # gate_up_proj): the converter and exporter read and write them so, and peft's LoRA B rows alternate too
+    interleaved_experts: bool = False
 
     def __post_init__(self):
         check_numbers(self, positive=("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"))
@@ -184,9 +198,9 @@ class ModelConfig:
         self._check_routing_and_latents()
 
     def _check_routing_and_latents(self):
-        if self.router_score not in ("softmax", "sigmoid") or self.router_group_score not in ("max", "top2"):
+        if self.router_score not in ROUTER_SCORES or self.router_group_score not in ("max", "top2"):
             raise ValueError(f"router_score {self.router_score!r} / router_group_score {self.router_group_score!r} "
-                             f"must be softmax or sigmoid / max or top2")
+                             f"must be one of {', '.join(ROUTER_SCORES)} / max or top2")
         if self.n_experts % self.router_groups or not 0 < self.router_topk_groups <= self.router_groups:
             raise ValueError(f"{self.n_experts} experts in router_groups {self.router_groups} with router_topk_groups "
                              f"{self.router_topk_groups}: the groups must divide the experts, 0 < topk_groups <= groups")
@@ -252,7 +266,8 @@ class ModelConfig:
         """The block's weights one token runs through: all of a dense block's; a mixture of experts' minus
         the experts it does not route to (experts_per_token of n_experts run)."""
         idle = self.n_experts - self.experts_per_token if self.sparse(layer) else 0
-        return self.block_params(layer) - idle * 3 * self.dim * self.expert_dim
+        one = sum(math.prod(s) for s in expert_shapes(self.dim, self.expert_dim, "e", self.expert_bias).values())
+        return self.block_params(layer) - idle * one
 
     def mean_block_params(self, active: bool = False) -> float:
         """Weights per block averaged over the layers (all of them, or those a token runs through): what
@@ -342,6 +357,8 @@ def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str,
                        "attention.k_norm.weight": (cfg.head_dim if per_head else kv,)})
     if cfg.post_norms:
         shapes.update({"attention_post_norm.weight": (cfg.dim,), "ffn_post_norm.weight": (cfg.dim,)})
+    if cfg.attn_sinks:
+        shapes["attention.sinks"] = (cfg.n_heads,)
     return shapes
 
 
@@ -358,10 +375,13 @@ def latent_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 "attention.wo.weight": (cfg.dim, cfg.n_heads * cfg.v_head_dim)}
 
 
-def expert_shapes(dim: int, width: int, prefix: str) -> dict[str, tuple[int, ...]]:
-    """One gated MLP's weights (gate w1, down w2, up w3) under prefix, no biases."""
-    return {f"{prefix}.w1.weight": (width, dim), f"{prefix}.w2.weight": (dim, width),
-            f"{prefix}.w3.weight": (width, dim)}
+def expert_shapes(dim: int, width: int, prefix: str, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """One gated MLP's weights (gate w1, down w2, up w3) under prefix, and their biases where bias (gpt-oss)."""
+    shapes = {f"{prefix}.w1.weight": (width, dim), f"{prefix}.w2.weight": (dim, width),
+              f"{prefix}.w3.weight": (width, dim)}
+    if bias:
+        shapes |= {f"{prefix}.w1.bias": (width,), f"{prefix}.w2.bias": (dim,), f"{prefix}.w3.bias": (width,)}
+    return shapes
 
 
 def moe_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -370,8 +390,10 @@ def moe_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"feed_forward.gate.weight": (cfg.n_experts, cfg.dim)}
     if cfg.router_bias:
         shapes["feed_forward.gate.e_score_correction_bias"] = (cfg.n_experts,)
+    if cfg.router_logit_bias:
+        shapes["feed_forward.gate.bias"] = (cfg.n_experts,)
     for e in range(cfg.n_experts):
-        shapes.update(expert_shapes(cfg.dim, cfg.expert_dim, f"feed_forward.experts.{e}"))
+        shapes.update(expert_shapes(cfg.dim, cfg.expert_dim, f"feed_forward.experts.{e}", cfg.expert_bias))
     if cfg.shared_expert_dim:
         shapes.update(expert_shapes(cfg.dim, cfg.shared_expert_dim, "feed_forward.shared_expert"))
         if cfg.shared_expert_gate:

@@ -7,7 +7,8 @@ e*r:(e+1)*r expert e's A; its lora_B is Linear(r*E, out), read as (out, r, E): c
 e's rank-j column; expert e's update is scaling * B_e @ A_e. Phantom holds those two tensors as they are
 (ExpertLoraBank, one per layer and tensor: an optimizer sees peft's parameters) and keeps each expert as
 modules (experts.E.w1/w2/w3, swapped in by name when streamed): each is an ExpertLora computing with its
-views of the bank, gate (w1) and up (w3), the two halves of gate_up_proj's rows, sharing expert e's A.
+views of the bank, gate (w1) and up (w3), the two halves of gate_up_proj's rows (gpt-oss: its even and odd
+rows, as its gate and up alternate), sharing expert e's A.
 
 Where both tensors are adapted peft nests its wrappers in the order it meets the parameters (gate_up_proj
 first): gate_up_proj's LoRA is then `mlp.experts.base_layer`, down_proj's `mlp.experts`; alone, either is
@@ -90,7 +91,9 @@ class ExpertLora(LoraLinear):
         nn.Module.__init__(self)
         self.weight = base.weight
         self.weight.requires_grad_(False)
-        self.bias = None
+        self.bias = base.bias  # frozen with the weight (gpt-oss's experts), or None
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
         self.rank, self.scale, self.expert, self.rows = bank.rank, bank.scale, expert, rows
         object.__setattr__(self, "bank", bank)  # not a submodule: the block holds it once (feed_forward.lora_*)
         self.dropout = nn.Identity()
@@ -119,7 +122,8 @@ def apply_expert_lora(moe: MoeFeedForward, target: str, rank: int, alpha: float,
     for e, expert in enumerate(moe.experts):
         for n, name in enumerate(names):
             width = getattr(expert, name).out_features
-            setattr(expert, name, ExpertLora(getattr(expert, name), bank, e, slice(n * width, (n + 1) * width)))
+            rows = slice(n, None, len(names)) if moe.interleaved else slice(n * width, (n + 1) * width)
+            setattr(expert, name, ExpertLora(getattr(expert, name), bank, e, rows))
 
 
 def expert_banks(block: nn.Module) -> dict[str, ExpertLoraBank]:

@@ -77,6 +77,8 @@ class Attention(nn.Module):
         self.wv = linear(cfg.dim, kv, device, dtype, cfg.qkv_bias)
         self.wo = linear(cfg.q_dim, cfg.dim, device, dtype, cfg.o_bias)
         self.register_parameter("wqkv", None)  # a view over wq, wk, wv when bound adjacent (fuse_adjacent)
+        # gpt-oss: a logit per head in each softmax's denominator (ops.attend_with_sinks)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads, device=device, dtype=dtype)) if cfg.attn_sinks else None
         self.norm_heads = cfg.qk_norm_over == "head"  # else q/k norms span the whole projection (OLMoE)
         if cfg.qk_norm:  # RMSNorm of q and k (per head, or over the projection) before RoPE
             self.q_norm = RMSNorm(cfg.head_dim if self.norm_heads else cfg.q_dim, cfg.norm_eps, device, dtype,
@@ -110,7 +112,7 @@ class Attention(nn.Module):
             mask = window
         elif window is not None:  # a packed row under a sliding window: both apply
             mask = mask & window
-        out = attend(q, k, v, mask, self.scale, self.softcap)
+        out = attend(q, k, v, mask, self.scale, self.softcap, self.sinks)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -18,18 +18,46 @@ import torch.nn.functional as F
 from phantom.arch.config import ModelConfig
 
 
-class Expert(nn.Module):
-    """One gated MLP without biases: w2(act(w1 x) * w3 x), named as phantom's dense MLP."""
+class Gated:
+    """The usual gated MLP's hidden activations: act(gate) * up."""
 
-    def __init__(self, dim: int, width: int, act: Callable, device=None, dtype=None):
-        super().__init__()
-        self.w1 = nn.Linear(dim, width, bias=False, device=device, dtype=dtype)  # gate
-        self.w2 = nn.Linear(width, dim, bias=False, device=device, dtype=dtype)  # down
-        self.w3 = nn.Linear(dim, width, bias=False, device=device, dtype=dtype)  # up
+    def __init__(self, act: Callable):
         self.act = act
 
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
+
+
+class ClampedSwiGLU:
+    """gpt-oss's experts' activations, as transformers' GptOssExperts computes them: the gate clamped above
+    and the up projection on both sides at limit, then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def __init__(self, limit: float, alpha: float):
+        self.limit, self.alpha = limit, alpha
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def expert_glu(cfg: ModelConfig, act: Callable) -> Callable:
+    """The routed experts' hidden activations: gpt-oss's clamped SwiGLU where cfg.swiglu_limit is set."""
+    return Gated(act) if cfg.swiglu_limit is None else ClampedSwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha)
+
+
+class Expert(nn.Module):
+    """One gated MLP, w2(glu(w1 x, w3 x)) (glu: Gated(act), or gpt-oss's ClampedSwiGLU), named as phantom's
+    dense MLP; biases on the three where bias (gpt-oss's experts)."""
+
+    def __init__(self, dim: int, width: int, glu: Callable, device=None, dtype=None, bias: bool = False):
+        super().__init__()
+        self.w1 = nn.Linear(dim, width, bias=bias, device=device, dtype=dtype)  # gate
+        self.w2 = nn.Linear(width, dim, bias=bias, device=device, dtype=dtype)  # down
+        self.w3 = nn.Linear(dim, width, bias=bias, device=device, dtype=dtype)  # up
+        self.glu = glu
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
+        return self.w2(self.glu(self.w1(x), self.w3(x)))
 
 
 @dataclass(frozen=True)
@@ -59,6 +87,9 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, rule: Routing = Routi
 
     Returns:
         weights (N, k) and expert ids (N, k)."""
+    if rule.score == "topk_softmax":  # gpt-oss: the k largest logits, softmax over them alone
+        top, experts = torch.topk(logits, k, dim=-1)
+        return F.softmax(top, dim=-1, dtype=torch.float32).to(logits.dtype), experts
     sigmoid = rule.score == "sigmoid"
     scores = logits.float().sigmoid() if sigmoid else F.softmax(logits, dim=-1, dtype=torch.float32)
     if bias is None and rule.groups == 1:
@@ -120,12 +151,13 @@ def expert_views(moe: nn.Module):
 
 
 class Router(nn.Linear):
-    """The router's logits, x W^T (in fp32 where cfg.router_fp32, as DeepSeek's routers compute them), and
-    DeepSeek-V3's e_score_correction_bias where cfg.router_bias: a buffer, as transformers keeps it (it
-    moves the choice alone, so no gradient reaches it and full finetuning leaves it as it is)."""
+    """The router's logits, x W^T (in fp32 where cfg.router_fp32, as DeepSeek's routers compute them), plus
+    gpt-oss's bias where cfg.router_logit_bias (a parameter: it trains); and DeepSeek-V3's
+    e_score_correction_bias where cfg.router_bias: a buffer, as transformers keeps it (it moves the choice
+    alone, so no gradient reaches it and full finetuning leaves it as it is)."""
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
-        super().__init__(cfg.dim, cfg.n_experts, bias=False, device=device, dtype=dtype)
+        super().__init__(cfg.dim, cfg.n_experts, bias=cfg.router_logit_bias, device=device, dtype=dtype)
         self.fp32 = cfg.router_fp32
         if cfg.router_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts, device=device, dtype=dtype))
@@ -133,7 +165,9 @@ class Router(nn.Linear):
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float()) if self.fp32 else F.linear(x, self.weight)
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return F.linear(x, self.weight, self.bias)
 
 
 class MoeFeedForward(nn.Module):
@@ -145,12 +179,14 @@ class MoeFeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, act: Callable, device=None, dtype=None):
         super().__init__()
         self.k, self.renormalise, self.rule = cfg.experts_per_token, cfg.norm_topk_prob, Routing.of(cfg)
+        self.interleaved = cfg.interleaved_experts  # how peft's LoRA on gate_up_proj orders gate's and up's rows
         self.gate = Router(cfg, device, dtype)
-        self.experts = nn.ModuleList(Expert(cfg.dim, cfg.expert_dim, act, device, dtype)
+        glu = expert_glu(cfg, act)
+        self.experts = nn.ModuleList(Expert(cfg.dim, cfg.expert_dim, glu, device, dtype, cfg.expert_bias)
                                      for _ in range(cfg.n_experts))
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_dim:
-            self.shared_expert = Expert(cfg.dim, cfg.shared_expert_dim, act, device, dtype)
+            self.shared_expert = Expert(cfg.dim, cfg.shared_expert_dim, Gated(act), device, dtype)
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False, device=device, dtype=dtype)
         self.router_loss: RouterLoss | None = None

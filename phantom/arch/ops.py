@@ -207,10 +207,13 @@ def attention_mask(q_len: int, start_pos: int, window: int | None, device=None) 
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           scale: float | None = None, cap: float | None = None) -> torch.Tensor:
+           scale: float | None = None, cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(softcap(q k^T * scale, cap) + mask) v over (B, heads, T, D), scale 1/sqrt(D) unless
     given; k, v may have fewer heads (GQA). mask None: causal. Soft-capped scores are written out
-    (sdpa has no such step); everything else is sdpa's."""
+    (sdpa has no such step); everything else is sdpa's. sinks (heads,): a logit per head in each
+    softmax's denominator that no value goes with (gpt-oss; attend_with_sinks)."""
+    if sinks is not None:
+        return attend_with_sinks(q, k, v, mask, scale or q.shape[-1] ** -0.5, sinks)
     if cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
@@ -220,3 +223,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
     return F.softmax(scores.float(), dim=-1).type_as(q) @ v
+
+
+SINK_DIMS = 8  # the columns a sink adds to q and k (one carries it; eight keep the head width a multiple of 8)
+
+
+def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, sinks[h], with a zero value: transformers'
+    GptOssAttention, through sdpa (no (T, S) scores written out). The sink is one more key every query sees,
+    zero in q and k's own dims and 1 in a column where each query holds sinks[h] / scale, so its score is
+    sinks[h] and the real keys' are unchanged; its value is zero. mask None: causal."""
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    pad = (0, SINK_DIMS)
+    q = torch.cat([q, (sinks.to(q.dtype) / scale).view(1, H, 1, 1).expand(B, H, T, 1),
+                   q.new_zeros(B, H, T, SINK_DIMS - 1)], dim=-1)
+    k = torch.cat([F.pad(k, pad), F.pad(k.new_ones(B, k.shape[1], 1, 1), (D, SINK_DIMS - 1))], dim=2)
+    v = torch.cat([v, v.new_zeros(B, v.shape[1], 1, v.shape[-1])], dim=2)
+    if mask is None:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)  # every query sees the sink
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != H)

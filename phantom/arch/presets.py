@@ -4,6 +4,7 @@ gpt-fast's). Imports only phantom.arch.config.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from phantom.arch.config import ModelConfig, RopeScaling
 
@@ -20,6 +21,12 @@ DEEPSEEK_V3 = dict(intermediate_size=18432, norm_eps=1e-6, max_seq_len=163840, f
                    shared_expert_dim=2048, dense_layers=(0, 1, 2), router_groups=8, router_topk_groups=4,
                    routed_scale=2.5, **DEEPSEEK_ROUTER,
                    rope_scaling=RopeScaling(rope_type="yarn", factor=40, original_max_seq_len=4096, mscale_all_dim=1.0))
+GPT_OSS = dict(intermediate_size=2880, max_seq_len=131072, rope_theta=150000, family="gpt_oss", explicit_head_dim=64,
+               qkv_bias=True, o_bias=True, sliding_window=128, experts_per_token=4, expert_dim=2880,
+               router_aux_coef=0.9, router_score="topk_softmax", attn_sinks=True, router_logit_bias=True,
+               expert_bias=True, swiglu_limit=7.0, interleaved_experts=True,
+               rope_scaling=RopeScaling(rope_type="yarn", factor=32.0, original_max_seq_len=4096, truncate=False,
+                                        attention_factor=1 + 0.1 * math.log(32)))
 
 # Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
 PRESETS: dict[str, ModelConfig] = {
@@ -140,6 +147,12 @@ PRESETS: dict[str, ModelConfig] = {
                                         router_fp32=True, shared_expert_gate=False, **LATENT,
                                         rope_scaling=RopeScaling(rope_type="yarn", factor=40, original_max_seq_len=4096,
                                                                  mscale_all_dim=0.707)),
+    # openai/gpt-oss-20b, openai/gpt-oss-120b (sinks, a window of 128 on every other layer, biases on attention, the
+    # router and the experts, the clamped SwiGLU, yarn 32x; read from 16-bit experts, the Hub's MXFP4 ones refused)
+    "gpt-oss-20b": ModelConfig(dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, vocab_size=201088, **GPT_OSS,
+                               layer_types=("sliding_attention", "full_attention") * 12, n_experts=32),
+    "gpt-oss-120b": ModelConfig(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, vocab_size=201088, **GPT_OSS,
+                                layer_types=("sliding_attention", "full_attention") * 18, n_experts=128),
 }
 
 

@@ -240,7 +240,8 @@ class HFCheckpoint:
                 spec, path = specs.get(key), files[weight_map[key]]
                 if spec is None:
                     raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
-                self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path), start)
+                self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path,
+                                                             self.cfg.interleaved_experts), start)
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
         if fmt is not None and fmt.method == "mxfp4":
             raise ValueError(f"{config}: MXFP4 weights (quant_method 'mxfp4') are read in gpt-oss's experts; "
@@ -390,7 +391,8 @@ class HFCheckpoint:
         out = {}
         for name, (_, stored) in self._parts(part).items():
             path, spec, start = self.index[(part, name)]
-            if name not in self.permuted and spec.dtype == (dtype if stored is None else parse_stored(stored)):
+            if name not in self.permuted and spec.pick is None and \
+                    spec.dtype == (dtype if stored is None else parse_stored(stored)):
                 out[name] = (path, start + spec.start, spec.dtype, spec.shape)
         return out
 

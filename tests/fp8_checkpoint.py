@@ -40,9 +40,9 @@ def quantize_tiles(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def shipped_tensors(model, keep=()) -> dict[str, torch.Tensor]:
-    """The model's weights as an FP8 checkpoint holds them: experts one tensor each (transformers 5's 3-D
-    gate_up_proj and down_proj split), linear weights of blocks quantized unless a name in keep matches."""
+def per_expert(model) -> dict[str, torch.Tensor]:
+    """The model's weights with its experts one tensor each (transformers 5's 3-D gate_up_proj and down_proj
+    split), as checkpoints ship them; a tied head left out (as save_pretrained does)."""
     out = {}
     for k, v in model.state_dict().items():
         if k.endswith("mlp.experts.gate_up_proj"):
@@ -57,8 +57,14 @@ def shipped_tensors(model, keep=()) -> dict[str, torch.Tensor]:
             out[k] = v
     if model.config.tie_word_embeddings:  # a tied head is the embedding, not saved apart (as save_pretrained does)
         out.pop("lm_head.weight", None)
+    return out
+
+
+def shipped_tensors(model, keep=()) -> dict[str, torch.Tensor]:
+    """The model's weights as an FP8 checkpoint holds them: experts one tensor each, linear weights of blocks
+    quantized unless a name in keep matches."""
     shipped = {}
-    for k, v in out.items():
+    for k, v in per_expert(model).items():
         if QUANTIZED.match(k) and not any(m in k for m in keep):
             shipped[k], shipped[k + "_scale_inv"] = quantize_tiles(v)
         else:

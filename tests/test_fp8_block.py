@@ -187,7 +187,6 @@ def test_full_finetuning_and_quantizing_again_are_refused(fp8, tmp_path, capsys)
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "quantization_config"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue4m3"}, "quantization_config"),
     ({"quant_method": "compressed-tensors"}, "quantization_config"),
-    ({"quant_method": "mxfp4"}, "quantization_config"),
 ])
 def test_fp8_configs_phantom_does_not_read_are_refused(qc, named):
     c = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 1,

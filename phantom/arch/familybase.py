@@ -64,8 +64,9 @@ REFUSED_WHEN_SET = {  # field -> (allowed value check, what phantom supports)
     "is_encoder_decoder": (lambda v: not v, "decoder-only models"),
     "use_bidirectional_attention": (lambda v: not v, "causal attention"),
     "quantization_config": (lambda v: v is None or read_as_shipped(v),
-                            "unquantized checkpoints (bf16, fp16, fp32) or FP8 in blocks (quant_method 'fp8', fmt "
-                            "'e4m3', activation_scheme 'dynamic', weight_block_size [rows, columns])"),
+                            "unquantized checkpoints (bf16, fp16, fp32), FP8 in blocks (quant_method 'fp8', fmt "
+                            "'e4m3', activation_scheme 'dynamic', weight_block_size [rows, columns]), compressed-tensors' "
+                            "pack-quantized symmetric INT4 in groups or gpt-oss's MXFP4"),
     "num_experts": (lambda v: not v, "dense models (no mixture of experts)"),
     "num_local_experts": (lambda v: not v, "dense models (no mixture of experts)"),
     "n_routed_experts": (lambda v: not v, "dense models (no mixture of experts)"),

@@ -29,6 +29,16 @@ NF4_PAIRS = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], d
 # conversion on a CPU (8 ms against 38 for 4M values, one thread).
 FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
+# int4-group: each byte of a packed int32 word (little-endian: the word's first values) to its two values
+# q = nibble - 8, the low nibble first, as one 8-byte element (one gather a byte, as NF4_PAIRS).
+_BYTES = torch.arange(256)
+INT4_PAIRS = torch.stack([(_BYTES & 15) - 8, (_BYTES >> 4) - 8], dim=1).float().contiguous().view(torch.float64)
+# mxfp4: e2m1's 16 values (transformers' FP4_VALUES, the OCP MX spec's), a byte's two the low nibble first;
+# and each E8M0 scale byte's power of two as transformers' ldexp computes it (2.0 ** (e - 127) in fp32).
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+MXFP4_PAIRS = torch.stack([FP4_VALUES[_BYTES & 15], FP4_VALUES[_BYTES >> 4]], dim=1).contiguous().view(torch.float64)
+E8M0_POWERS = torch.pow(2.0, _BYTES.to(torch.int32) - 127)
+
 
 def dynamic_map() -> torch.Tensor:
     """bitsandbytes' signed 8-bit dynamic map (create_dynamic_map(True, 7, 8)): double quantization's codes."""
@@ -111,6 +121,37 @@ def quantize_fp8(w: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
     return {"fp8": q.contiguous(), "scale_inv": scale}
 
 
+def quantize_int4(w: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
+    """A weight's int4-group parts as compressed-tensors' minmax observer and packer make them: per group,
+    scale = absmax / 7.5 in fmt.scale_dtype, q = round(w / scale) in [-8, 7], stored q + 8 eight to an int32
+    word, the first in the low bits (synthetic stores and benchmarks; a checkpoint's are read as shipped)."""
+    rows, cols = w.shape
+    groups = w.float().view(rows, cols // fmt.group, fmt.group)
+    scale = (groups.abs().amax(dim=2) / 7.5).to(getattr(torch, fmt.scale_dtype))
+    q = (torch.round(groups / scale.float().clamp(min=1e-30)[:, :, None]).clamp(-8, 7).to(torch.int32) + 8)
+    q = q.view(rows, cols // 8, 8)
+    top = torch.where(q[:, :, 7] >= 8, q[:, :, 7] - 16, q[:, :, 7]) << 28  # the sign bit's nibble, without overflow
+    return {"packed": (q[:, :, :7] << torch.arange(0, 28, 4, dtype=torch.int32)).sum(dim=2, dtype=torch.int32) | top,
+            "scale": scale}
+
+
+def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A weight's mxfp4 parts: per 32 values the power of two 2^e (E8M0 byte e + 127) that brings the absmax
+    under e2m1's 6, each value the nearest e2m1 level (synthetic stores and benchmarks)."""
+    rows, cols = w.shape
+    groups = w.float().view(rows, cols // 32, 32)
+    amax = groups.abs().amax(dim=2).clamp(min=2.0 ** -126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    levels = FP4_VALUES[:8]
+    mag = torch.bucketize((groups.abs() / torch.pow(2.0, exp)[:, :, None]), (levels[:-1] + levels[1:]) / 2)
+    codes = (mag + 8 * (groups < 0)).to(torch.uint8).view(rows, cols // 32, 16, 2)
+    return {"blocks": codes[..., 0] | (codes[..., 1] << 4), "scales": (exp + 127).to(torch.uint8)}
+
+
+QUANTIZERS = {"int8": lambda t, fmt: quantize_int8(t), "fp8-block": quantize_fp8, "int4-group": quantize_int4,
+              "mxfp4": lambda t, fmt: quantize_mxfp4(t), "nf4": quantize_nf4}
+
+
 def quantize_block(fmt: QuantFormat, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A block's stored tensors: its linear weights quantized (from their values in `dtype`), the
     rest in `dtype`."""
@@ -120,8 +161,7 @@ def quantize_block(fmt: QuantFormat, tensors: dict[str, torch.Tensor], dtype: to
             out[name] = t.to(dtype)
             continue
         t = t.to(dtype)  # quantize what a 16-bit store would have held
-        parts = quantize_int8(t) if fmt.method == "int8" else quantize_fp8(t, fmt) if fmt.shipped else \
-            quantize_nf4(t, fmt)
+        parts = QUANTIZERS[fmt.method](t, fmt)
         out.update({f"{name}.{k}": v for k, v in parts.items()})
     return out
 
@@ -208,8 +248,58 @@ def dequantize_fp8_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: t
     return out
 
 
+def _check_shapes(name: str, parts: dict[str, torch.Tensor], want: dict[str, tuple[int, ...]]) -> None:
+    for key, shape in want.items():
+        if tuple(parts[key].shape) != shape:
+            raise QuantError(f"{name}.{key}: shape {tuple(parts[key].shape)}, the weight's needs {shape}")
+
+
+def dequantize_int4_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch.Tensor,
+                         name: str = "weight") -> torch.Tensor:
+    """out = q * its group's scale, the product rounded to the scale's dtype, then to out's (compressed-tensors'
+    decompression: x_q.to(scale.dtype) * scale; exact in fp32 before the rounding). Whole rows, CHUNK values
+    at a time."""
+    packed, scale = parts["packed"], parts["scale"]
+    rows, cols = out.shape
+    if cols % fmt.group:
+        raise QuantError(f"{name}: {cols} columns are no whole number of groups of {fmt.group}")
+    _check_shapes(name, parts, {"packed": (rows, cols // 8), "scale": (rows, cols // fmt.group)})
+    check_scales(f"{name}.scale", scale)
+    pairs = INT4_PAIRS.to(packed.device)
+    step = max(1, CHUNK // max(cols, 1))
+    for a in range(0, rows, step):
+        b = min(a + step, rows)
+        vals = pairs.index_select(0, packed[a:b].reshape(-1).view(torch.uint8).int()).view(torch.float32)
+        vals = vals.view(b - a, -1, fmt.group).mul_(scale[a:b].float()[:, :, None])
+        out[a:b].copy_(vals.view(b - a, cols).to(scale.dtype))
+    return out
+
+
+def dequantize_mxfp4_into(parts: dict[str, torch.Tensor], out: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """out = e2m1 value * 2^(scale byte - 127) in fp32, rounded to out's dtype (transformers' mxfp4
+    convert_moe_packed_tensors: lut[nibble], low nibble first, ldexp by the scale, in out's dtype; exact in
+    fp32 before the rounding). Whole rows, CHUNK values at a time."""
+    blocks, scales = parts["blocks"], parts["scales"]
+    rows, cols = out.shape
+    if cols % 32:
+        raise QuantError(f"{name}: {cols} columns are no whole number of MXFP4 groups of 32")
+    _check_shapes(name, parts, {"blocks": (rows, cols // 32, 16), "scales": (rows, cols // 32)})
+    pairs, powers = MXFP4_PAIRS.to(blocks.device), E8M0_POWERS.to(blocks.device)
+    step = max(1, CHUNK // max(cols, 1))
+    for a in range(0, rows, step):
+        b = min(a + step, rows)
+        vals = pairs.index_select(0, blocks[a:b].reshape(-1).int()).view(torch.float32).view(b - a, -1, 32)
+        vals.mul_(powers.index_select(0, scales[a:b].reshape(-1).int()).view(b - a, -1, 1))
+        out[a:b].copy_(vals.view(b - a, cols))
+    return out
+
+
 def dequantize_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch.Tensor,
                     name: str = "weight") -> torch.Tensor:
+    if fmt.method == "int4-group":
+        return dequantize_int4_into(fmt, parts, out, name)
+    if fmt.method == "mxfp4":
+        return dequantize_mxfp4_into(parts, out, name)
     if fmt.method == "fp8-block":
         return dequantize_fp8_into(fmt, parts, out, name)
     if fmt.method == "int8":

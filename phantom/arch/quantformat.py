@@ -9,8 +9,11 @@ from dataclasses import dataclass
 from phantom.base import dtypes
 
 METHODS = ("nf4", "int8")  # what prepare_model.py --quantize writes
-SHIPPED = ("fp8-block",)  # read as checkpoints ship them (phantom.model.checkpoints), not by --quantize
+SHIPPED = ("fp8-block", "int4-group", "mxfp4")  # read as checkpoints ship them (phantom.model.checkpoints)
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size: rows, columns of weight per float32 scale
+INT4_GROUP = 32  # Kimi-K2-Thinking's group_size: consecutive values of a row per scale
+MX_GROUP = 32  # MXFP4 (OCP Microscaling): e2m1 values per E8M0 scale
+SCALE_DTYPES = ("bfloat16", "float16", "float32")  # int4-group: a group scale's dtype, as the checkpoint ships it
 
 
 class QuantError(ValueError):
@@ -28,6 +31,12 @@ class QuantFormat:
     fp8-block: the checkpoint's own bytes (DeepSeek-V3's FP8): float8 e4m3 weights and a float32
     `scale_inv` per `block` (rows, columns) tile, partial tiles at the edges; `unquantized` names the
     block tensors the checkpoint ships in 16 bits although quantized() would pick them.
+    int4-group: compressed-tensors' symmetric pack-quantized weights (Kimi-K2-Thinking's INT4): each row's
+    4-bit values (q in [-8, 7], stored q + 8) eight to an int32 word, the first in the low bits, and one
+    `scale_dtype` scale per `group` values; w = q * scale rounded to scale_dtype.
+    mxfp4: gpt-oss's experts: two e2m1 values a byte (the first in the low nibble), one E8M0 byte (2^(e-127))
+    per 32 values of a row. experts_only: the plans' layout of a shipped 4-bit checkpoint (Kimi-K2-Thinking's
+    and gpt-oss's): only the routed experts quantized, every other weight 16-bit.
     """
 
     method: str
@@ -36,12 +45,18 @@ class QuantFormat:
     absmax_blocksize: int = 256
     block: tuple[int, int] = FP8_BLOCK
     unquantized: tuple[str, ...] = ()
+    group: int = INT4_GROUP
+    scale_dtype: str = "bfloat16"
+    experts_only: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS + SHIPPED:
             raise QuantError(f"unknown quantization {self.method!r}; use one of {', '.join(METHODS + SHIPPED)}")
         if self.method == "fp8-block" and (len(self.block) != 2 or min(self.block) < 1):
             raise QuantError(f"fp8-block needs a weight_block_size of two positive sizes, not {list(self.block)}")
+        if self.method == "int4-group" and (self.group < 8 or self.group % 8 or self.scale_dtype not in SCALE_DTYPES):
+            raise QuantError(f"int4-group needs a group size that is a multiple of 8 and a scale dtype of "
+                             f"{', '.join(SCALE_DTYPES)}, not {self.group} and {self.scale_dtype}")
         if self.method == "nf4" and (self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096)
                                      or self.absmax_blocksize != 256):
             raise QuantError(f"nf4 needs a block size of 32..4096 (a power of two) and 256 scales per "
@@ -54,11 +69,17 @@ class QuantFormat:
 
     def quantizes(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether this store keeps block tensor `name` quantized."""
-        return quantized(name, shape) and name not in self.unquantized
+        return quantized(name, shape) and name not in self.unquantized and \
+            (not self.experts_only or name.startswith("feed_forward.experts."))
 
     def record(self) -> dict:
         if self.method == "fp8-block":
             return {"method": self.method, "weight_block_size": list(self.block), "unquantized": list(self.unquantized)}
+        if self.method == "int4-group":
+            return {"method": self.method, "group_size": self.group, "scale_dtype": self.scale_dtype,
+                    "unquantized": list(self.unquantized), "experts_only": self.experts_only}
+        if self.method == "mxfp4":
+            return {"method": self.method, "unquantized": list(self.unquantized), "experts_only": self.experts_only}
         if self.method == "int8":
             return {"method": "int8"}
         return {"method": "nf4", "blocksize": self.blocksize, "double_quant": self.double_quant,
@@ -76,19 +97,34 @@ class QuantFormat:
                     raise QuantError(f"fp8-block takes weight_block_size and unquantized, got {sorted(rec)}")
                 return cls("fp8-block", block=tuple(int(x) for x in rec["weight_block_size"]),
                            unquantized=tuple(str(n) for n in rec["unquantized"]))
+            if rec["method"] in ("int4-group", "mxfp4"):
+                keys = set(cls(rec["method"]).record()) | {"tensors"}
+                if set(rec) - keys or set(keys) - {"tensors"} - set(rec):
+                    raise QuantError(f"{rec['method']} takes {', '.join(sorted(keys - {'method', 'tensors'}))}, "
+                                     f"got {sorted(rec)}")
+                extra = dict(group=int(rec["group_size"]), scale_dtype=str(rec["scale_dtype"])) \
+                    if rec["method"] == "int4-group" else {}
+                return cls(rec["method"], unquantized=tuple(str(n) for n in rec["unquantized"]),
+                           experts_only=rec["experts_only"] is True, **extra)
             return cls(rec["method"], int(rec["blocksize"]), bool(rec["double_quant"]), int(rec["absmax_blocksize"]))
         except (KeyError, TypeError) as e:
             raise QuantError(f"bad quantization record ({type(e).__name__}: {e})") from None
 
 
 def shipped_format(qc, where) -> QuantFormat:
-    """The store format of a config.json's quantization_config that phantom reads as shipped: FP8 in
-    blocks (DeepSeek-V3, Kimi-K2, Qwen3-FP8, GLM-4.5-FP8: quant_method fp8, e4m3, dynamic activations,
-    weight_block_size); anything else is refused in one line naming `where`."""
-    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
-        method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise QuantError(f"{where}: quantization_config.quant_method {method!r} is not read; phantom reads "
-                         f"'fp8' in blocks (DeepSeek-V3's FP8) or 16-bit checkpoints")
+    """The store format of a config.json's quantization_config that phantom reads as shipped: FP8 in blocks
+    (DeepSeek-V3, Kimi-K2, Qwen3-FP8, GLM-4.5-FP8), compressed-tensors' symmetric INT4 in groups
+    (Kimi-K2-Thinking), MXFP4 (gpt-oss); anything else is refused in one line naming `where`. Which weights
+    are quantized (and an INT4 scale's dtype) the checkpoint's files say (phantom.model.checkpoints)."""
+    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if method == "compressed-tensors":
+        return _int4_format(qc, where)
+    if method == "mxfp4":
+        return QuantFormat("mxfp4")
+    if method != "fp8":
+        raise QuantError(f"{where}: quantization_config.quant_method {method!r} is not read; phantom reads 'fp8' in "
+                         f"blocks (DeepSeek-V3's FP8), 'compressed-tensors' pack-quantized INT4 (Kimi-K2-Thinking's), "
+                         f"'mxfp4' (gpt-oss's) or 16-bit checkpoints")
     block = qc.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(x, int) and x > 0 for x in block)):
         raise QuantError(f"{where}: quantization_config.weight_block_size {block!r} is not two positive sizes; "
@@ -98,6 +134,39 @@ def shipped_format(qc, where) -> QuantFormat:
             raise QuantError(f"{where}: quantization_config.{key} {qc[key]!r} is not read; phantom reads "
                              f"{' or '.join(map(repr, want))}")
     return QuantFormat("fp8-block", block=tuple(block))
+
+
+INT4_WEIGHTS = {"num_bits": (4,), "type": ("int",), "symmetric": (True,), "strategy": ("group",),
+                "dynamic": (False,), "actorder": (None, "static"), "block_structure": (None,)}
+
+
+def _int4_format(qc: dict, where) -> QuantFormat:
+    """compressed-tensors' config of weight-only symmetric INT4 in groups, packed (Kimi-K2-Thinking's)."""
+    def refuse(what, got):
+        raise QuantError(f"{where}: quantization_config{what} {got!r} is not read; phantom reads compressed-tensors' "
+                         f"pack-quantized symmetric INT4 weights in groups (Kimi-K2-Thinking's), 16-bit activations")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        refuse(".config_groups", groups)
+    (name, group), = groups.items()
+    if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+        refuse(f".config_groups.{name}", group)
+    for key in ("input_activations", "output_activations"):
+        if group.get(key) is not None:
+            refuse(f".config_groups.{name}.{key}", group[key])
+    fmt = group.get("format") or qc.get("format")
+    if fmt != "pack-quantized":
+        refuse(".format", fmt)
+    if qc.get("quantization_status", "compressed") != "compressed" or qc.get("kv_cache_scheme") is not None:
+        refuse(".quantization_status / kv_cache_scheme", (qc.get("quantization_status"), qc.get("kv_cache_scheme")))
+    weights = group["weights"]
+    for key, want in INT4_WEIGHTS.items():
+        if weights.get(key) not in want:
+            refuse(f".config_groups.{name}.weights.{key}", weights.get(key))
+    size = weights.get("group_size")
+    if not isinstance(size, int) or size < 8 or size % 8:
+        refuse(f".config_groups.{name}.weights.group_size", size)
+    return QuantFormat("int4-group", group=size)
 
 
 def read_as_shipped(qc) -> bool:
@@ -111,8 +180,11 @@ def read_as_shipped(qc) -> bool:
 
 def as_format(quant: "str | QuantFormat | None") -> "QuantFormat | None":
     """A plan's quantization: a method name means prepare_model.py's format of it (its defaults; fp8-block:
-    DeepSeek-V3's 128 x 128 tiles over every linear weight)."""
-    return QuantFormat(quant) if isinstance(quant, str) else quant
+    DeepSeek-V3's 128 x 128 tiles over every linear weight; int4-group and mxfp4: the routed experts alone, as
+    Kimi-K2-Thinking and gpt-oss ship them)."""
+    if isinstance(quant, str):
+        return QuantFormat(quant, experts_only=quant in ("int4-group", "mxfp4"))
+    return quant
 
 
 ROUTERS = ("feed_forward.gate.weight", "feed_forward.shared_expert_gate.weight")  # a mixture of experts' (phantom.arch.moe)
@@ -133,6 +205,12 @@ def stored_layout(fmt: QuantFormat, name: str, shape: tuple[int, ...]) -> dict[s
                 f"{name}.scale_inv": ((-(-shape[0] // fmt.block[0]), -(-shape[1] // fmt.block[1])), "float32")}
     if fmt.method == "int8":
         return {f"{name}.int8": (tuple(shape), "int8"), f"{name}.absmax": ((shape[0],), "float32")}
+    if fmt.method == "int4-group":  # compressed-tensors' weight_packed and weight_scale
+        return {f"{name}.packed": ((shape[0], -(-shape[1] // 8)), "int32"),
+                f"{name}.scale": ((shape[0], -(-shape[1] // fmt.group)), fmt.scale_dtype)}
+    if fmt.method == "mxfp4":  # gpt-oss's *_blocks and *_scales, one expert's rows
+        return {f"{name}.blocks": ((shape[0], -(-shape[1] // MX_GROUP), MX_GROUP // 2), "uint8"),
+                f"{name}.scales": ((shape[0], -(-shape[1] // MX_GROUP)), "uint8")}
     blocks = -(-n // fmt.blocksize)
     out = {f"{name}.nf4": (((n + 1) // 2,), "uint8")}
     if not fmt.double_quant:

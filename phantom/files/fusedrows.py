@@ -22,6 +22,7 @@ class RowSpec(TensorSpec):
 
     rows: tuple[int, int] | None = None
     pick: tuple[int, int, int] | None = None  # (expert, part, parts): columns part::parts of the expert, transposed
+    pick_rows: bool = False  # pick's part::parts are the expert's rows, as they are (gpt-oss's MXFP4 blocks, scales)
 
 
 def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
@@ -29,7 +30,10 @@ def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
     leading two dims where it is 3-D (one expert's part of transformers 5's fused experts)."""
     if spec.pick is not None:
         e, p, parts = spec.pick
-        t = f.get_slice(key)[e:e + 1][0][..., p::parts]
+        t = f.get_slice(key)[e:e + 1][0]
+        if spec.pick_rows:
+            return t[p::parts].contiguous()
+        t = t[..., p::parts]
         return (t.T if t.dim() == 2 else t).contiguous()
     if spec.rows is None:
         return f.get_tensor(key)

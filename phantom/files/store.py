@@ -158,7 +158,7 @@ class BlockStore:
             raise StoreError(f"{self.blocks[i].path}: {e}; re-create the store") from None
         if self.quant.shipped:  # q/k rows as shipped (Hugging Face's RoPE halves): into phantom's pairs
             for name, heads in rope_rows(self.cfg).items():
-                if f"{name}.fp8" in stored and name in out:
+                if name in out and name not in stored and self.quant.quantizes(name, tuple(out[name].shape)):
                     out[name].copy_(permute_from_hf(out[name], heads, self.cfg.rope_dim))
 
     @property

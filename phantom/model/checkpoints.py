@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import mmap
 import os
 import sys
@@ -26,9 +27,16 @@ from phantom.arch.config import (
 )
 from phantom.arch.family import family, from_hf_config
 from phantom.arch.ops import permute_from_hf
-from phantom.arch.quantformat import QuantFormat, block_layout, quantized, shipped_format, stored_layout
+from phantom.arch.quantformat import (
+    SCALE_DTYPES,
+    QuantFormat,
+    block_layout,
+    quantized,
+    shipped_format,
+    stored_layout,
+)
 from phantom.base import safejson
-from phantom.files.fusedrows import fused_rows, read_rows
+from phantom.files.fusedrows import RowSpec, fused_rows, read_rows
 from phantom.files.storeformat import safe_join
 from phantom.files.tensorfile import StoreError, dtype_name, parse_stored, read_header
 
@@ -188,6 +196,9 @@ class MetaCheckpoint:
 # ---------------------------------------------------------------------------------------------
 # Hugging Face: config.json + model*.safetensors (+ model.safetensors.index.json)
 
+PACKED = {"int4-group": "_packed", "mxfp4": "_blocks"}  # a shipped 4-bit weight's first part, by its key
+
+
 class HFCheckpoint:
     """A Hugging Face folder of a family in phantom.arch.family; `part()` reads one part's tensors lazily (safetensors)."""
 
@@ -218,10 +229,15 @@ class HFCheckpoint:
         self.src, self.index = src, {}
         hf_names, fused = family(self.cfg).layout(self.cfg, fused_experts=self._fused_experts(weight_map))
         self.permuted = rope_rows(self.cfg)
+        qc = safejson.load(config, what="config.json").get("quantization_config")
+        fmt, packed = None if qc is None else shipped_format(qc, config), {}
         for part in (*PARTS, *range(self.cfg.n_layers)):
             shapes = part_shapes(self.cfg, part)
             for name, shape in shapes.items():
                 key = hf_names[(isinstance(part, int), name)].format(part)
+                if fmt is not None and key + PACKED.get(fmt.method, "-") in weight_map:
+                    packed[(part, name)] = key  # compressed-tensors' weight_packed, gpt-oss's *_blocks: their parts
+                    continue
                 if key not in weight_map:
                     raise ValueError(f"{src}: tensor {key} is in no shard; the checkpoint is incomplete")
                 specs, start = headers[weight_map[key]]
@@ -231,8 +247,11 @@ class HFCheckpoint:
                 self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path,
                                                              self.cfg.interleaved_experts), start)
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
-        qc = safejson.load(config, what="config.json").get("quantization_config")
-        self.quant = None if qc is None else self._shipped_fp8(shipped_format(qc, config), weight_map, headers, files)
+        if fmt is not None and fmt.method == "mxfp4":
+            self.quant = self._shipped_mxfp4(packed, fused, weight_map, headers, files)
+        else:
+            self.quant = None if fmt is None else self._shipped_int4(fmt, packed, weight_map, headers, files) \
+                if fmt.method == "int4-group" else self._shipped_fp8(fmt, weight_map, headers, files)
         self.tokenizer_files = tokenizer_sources(src, root)
         self.tokenizer = next((p for p in self.tokenizer_files if p.name in ("tokenizer.model", "tokenizer.json")), None)
         if self.tokenizer is None and (src / "tiktoken.model").is_file():
@@ -275,8 +294,88 @@ class HFCheckpoint:
                                                                                          path), sstart)
         return fmt
 
+    def _shipped_int4(self, fmt: QuantFormat, packed: dict, weight_map: dict, headers: dict, files: dict) -> QuantFormat:
+        """The store format of a compressed-tensors INT4 checkpoint (packed: (part, name) -> the weight's key), its
+        index given the stored parts: each weight's `weight_packed` as NAME.packed and `weight_scale` as NAME.scale,
+        read as shipped; `weight_shape` checked against config.json. The linear weights it keeps in 16 bits (its
+        `ignore`) become the format's `unquantized`, its scales' dtype the format's: one layout for every block."""
+        unquantized = self._unquantized(packed, "INT4")
+        spec = lambda key: headers[weight_map[key]][0].get(key) if key in weight_map else None  # noqa: E731
+        scales = {spec(k + "_scale").dtype for k in packed.values() if spec(k + "_scale") is not None}
+        if len(scales) != 1 or dtype_name(next(iter(scales))) not in SCALE_DTYPES:
+            raise ValueError(f"{self.src}: weight_scale dtypes {sorted(map(str, scales))}; phantom reads one of "
+                             f"{', '.join(SCALE_DTYPES)} for every INT4 weight")
+        fmt = QuantFormat("int4-group", group=fmt.group, scale_dtype=dtype_name(scales.pop()),
+                          unquantized=unquantized)
+        shapes = {}
+        for (part, name), key in packed.items():
+            shape = part_shapes(self.cfg, part)[name]
+            for suffix, part_name in (("_packed", "packed"), ("_scale", "scale"), ("_shape", None)):
+                got, path = spec(key + suffix), files.get(weight_map.get(key + suffix))
+                if got is None:
+                    raise ValueError(f"{self.src}: {key}_packed without its {key}{suffix}; the checkpoint is incomplete")
+                if part_name is None:
+                    shapes.setdefault(path, []).append((key + suffix, shape))
+                    continue
+                want, dtype = stored_layout(fmt, name, shape)[f"{name}.{part_name}"]
+                if got.shape != want or dtype_name(got.dtype) != dtype or shape[1] % fmt.group:
+                    raise ValueError(f"{path}: {got.name} is {got.dtype} {list(got.shape)}, not the {dtype} "
+                                     f"{list(want)} of a {list(shape)} weight in groups of {fmt.group}")
+                self.index[(part, f"{name}.{part_name}")] = (path, fused_rows({}, got, key, {key: want}, path),
+                                                             headers[weight_map[key + suffix]][1])
+        for path, pairs in shapes.items():  # weight_shape: the unpacked shape, a few bytes each
+            with safe_open(path, framework="pt") as f:
+                for key, shape in pairs:
+                    if f.get_tensor(key).tolist() != list(shape):
+                        raise ValueError(f"{path}: {key} is {f.get_tensor(key).tolist()}, config.json implies {list(shape)}")
+        return fmt
+
+    def _unquantized(self, packed: dict, what: str) -> tuple[str, ...]:
+        """The linear weights of the blocks a checkpoint ships in 16 bits (packed: the (part, name) it ships as
+        `what`); a weight `what` in some layers and 16-bit in others, or outside a block's linear weights, refused."""
+        kinds = {}
+        for part in range(self.cfg.n_layers):
+            for name, shape in part_shapes(self.cfg, part).items():
+                if quantized(name, shape):
+                    kinds.setdefault(name, set()).add((part, name) in packed)
+        if mixed := sorted(n for n, k in kinds.items() if len(k) > 1):
+            raise ValueError(f"{self.src}: {mixed[0]} is {what} in some layers and 16-bit in others; a store keeps "
+                             f"one layout for every block")
+        if bad := sorted(k for (part, name), k in packed.items() if isinstance(part, str) or name not in kinds):
+            raise ValueError(f"{self.src}: {bad[0]} is {what}; phantom reads {what} only in a block's linear weights")
+        return tuple(sorted(n for n, k in kinds.items() if k == {False}))
+
+    def _shipped_mxfp4(self, packed: dict, fused: dict, weight_map: dict, headers: dict, files: dict) -> QuantFormat:
+        """The store format of gpt-oss's MXFP4 experts (packed: (part, name) -> the fused experts' key), its index
+        given each expert weight's rows of `*_blocks` and `*_scales` as NAME.blocks and NAME.scales: down_proj's
+        an expert's contiguous rows (read in place), gate's and up's the alternating rows of gate_up_proj's
+        (copied). Attention, routers and the experts' biases stay bf16 (modules_to_not_convert)."""
+        fmt = QuantFormat("mxfp4", unquantized=self._unquantized(packed, "MXFP4"))
+        for (part, name), key in packed.items():
+            group = next((g for g in fused.values() if name in g), None)
+            shape = part_shapes(self.cfg, part)[name]
+            for suffix, part_name in (("_blocks", "blocks"), ("_scales", "scales")):
+                file = weight_map.get(key + suffix)
+                got = headers[file][0].get(key + suffix) if file else None
+                if got is None or group is None:
+                    raise ValueError(f"{self.src}: {key}_blocks without its {key}{suffix}, or outside a mixture of "
+                                     f"experts' fused tensors; phantom reads MXFP4 in gpt-oss's experts")
+                want = stored_layout(fmt, name, shape)[f"{name}.{part_name}"][0]
+                n = got.shape[0] if got.shape else 0
+                parts = len(group) // max(n, 1)
+                if got.dtype != torch.uint8 or parts * n != len(group) or got.shape != (n, parts * want[0], *want[1:]):
+                    raise ValueError(f"{files[file]}: {got.name} is {got.dtype} {list(got.shape)}, not uint8 "
+                                     f"[{len(group) // max(parts, 1)}, {parts * want[0]}, {', '.join(map(str, want[1:]))}]")
+                e, p = divmod(group.index(name), parts)
+                size = math.prod(got.shape[1:])
+                spec = RowSpec(got.name, got.dtype, want, got.start + e * size, got.start + (e + 1) * size,
+                               rows=(e * want[0], (e + 1) * want[0]) if parts == 1 else None,
+                               pick=None if parts == 1 else (e, p, parts), pick_rows=True)
+                self.index[(part, f"{name}.{part_name}")] = (files[file], spec, headers[file][1])
+        return fmt
+
     def shapes(self, part: str | int) -> dict[str, tuple[int, ...]]:
-        """The names and shapes `part` reads: a block's stored parts where the checkpoint ships FP8."""
+        """The names and shapes `part` reads: a block's stored parts where the checkpoint ships FP8 or INT4."""
         return {n: s for n, (s, _) in self._parts(part).items()}
 
     def _parts(self, part: str | int) -> dict[str, tuple[tuple[int, ...], str | None]]:

@@ -89,7 +89,7 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
     # mean, the slots the largest block
     per_block = [(cfg.block_params(i), cfg.block_params(i) * s if fmt is None else
                   block_nbytes(fmt, block_tensor_shapes(cfg, i), stored.torch_name))
-                 for i in (range(cfg.n_layers) if cfg.dense_layers else (None,))]
+                 for i in (range(cfg.n_layers) if cfg.mixed_layers else (None,))]
     largest_params, largest = max(per_block)
     params = round(sum(p for p, _ in per_block) / len(per_block))
     block = round(sum(b for _, b in per_block) / len(per_block))

@@ -112,7 +112,7 @@ class Transfer:
         return stats
 
     def _load_routed(self, slot: Slot, block: int, source: Held, free_event, experts: frozenset) -> LoadStats:
-        lay = self.experts
+        lay = self.experts.at(self.store.layout_index(block))
         slot.converted = self._converted(slot, block)
         stats = self._ranges(slot, block, source, list(lay.base) + lay.of(experts), source.tier.lane,
                              f"read {block} (routed)", free_event)
@@ -129,7 +129,7 @@ class Transfer:
         missing = sorted(set(experts) - slot.experts) if slot.experts is not None else []
         if not missing:
             return LoadStats()
-        lay = self.experts
+        lay = self.experts.at(self.store.layout_index(block))
         ranges = lay.of(missing)
         stats = self._ranges(slot, block, source, ranges, source.tier.expert_lane,
                              f"experts {block} ({len(missing)})", None)

@@ -77,6 +77,13 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
 MLA_LORA = dict(lora_targets=("q", "kv_a", "kv_b", "o"),
                 adapter_modules=("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_b_proj"))
+# Gated DeltaNet (Qwen3-Next, Qwen3.5): a linear-attention layer, then a gated full-attention one (RoPE over a quarter
+# of each 16-wide head), 2 q/k heads serving 4 v heads, 8 experts and a shared one; 256 positions: past the delta
+# rule's chunk of 64 (tests/test_qwen35.py runs 150 tokens)
+LINEAR = dict(SHAPES, head_dim=16, max_position_embeddings=256, linear_key_head_dim=8, linear_value_head_dim=12,
+              linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+              layer_types=["linear_attention", "full_attention"])
 CASES = {
     # tied embeddings (Llama-3.2 1B/3B, Qwen2.5's small models): one table, both gradients add up in it
     "llama-tied": Case("LlamaConfig", dict(SHAPES, tie_word_embeddings=True, rope_theta=500000.0), "LlamaForCausalLM",
@@ -138,6 +145,11 @@ CASES = {
     "glm4_moe": Case("Glm4MoeConfig", dict(SHAPES, head_dim=24, attention_bias=True, use_qk_norm=True,
                                            **DEEPSEEK_MOE, n_group=2, topk_group=1), "Glm4MoeForCausalLM",
                      {"family": "glm4_moe", "rope_dim": 12, "qk_norm": True}, **MOE),
+    "qwen3_next": Case("Qwen3NextConfig", LINEAR, "Qwen3NextForCausalLM",
+                       {"family": "qwen3_next", "n_experts": 8, "linear_grouped": True, "rope_dim": 4}, **MOE),
+    "qwen3_5_moe": Case("Qwen3_5MoeTextConfig", {k: v for k, v in LINEAR.items() if k != "intermediate_size"},
+                        "Qwen3_5MoeForCausalLM", {"family": "qwen3_5_moe", "n_experts": 8, "linear_grouped": False,
+                                                  "rope_dim": 4}, **MOE),
 }
 
 

@@ -21,6 +21,19 @@ from phantom.arch.ops import ACTIVATIONS, KVCache, linear
 CHUNK = 64  # tokens per chunk of the delta rule (transformers' chunk_size)
 
 
+def mixer_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of the token mixing beyond the projections' matmuls, averaged over the layers: a
+    full-attention layer's causal scores and weighted values (2 T q_dim), a Gated DeltaNet layer's chunked delta
+    rule (per value head: k k^T, q k^T and the within-chunk values, 2 C (2 Dk + Dv), the two triangular solves,
+    C (Dk + Dv), and three state products, 6 Dk Dv), independent of T; the conv's taps are few."""
+    full = 2 * seq_len * cfg.q_dim
+    chunk = min(CHUNK, seq_len)
+    linear = cfg.linear_v_heads * (chunk * (5 * cfg.linear_k_dim + 3 * cfg.linear_v_dim)
+                                   + 6 * cfg.linear_k_dim * cfg.linear_v_dim)
+    n_linear = sum(cfg.linear(i) for i in range(cfg.n_layers))
+    return (n_linear * linear + (cfg.n_layers - n_linear) * full) / cfg.n_layers
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim (FLA's and transformers' l2norm)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

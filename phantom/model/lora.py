@@ -173,9 +173,10 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
         fused[by_weight[names[0]]] = (module.rsplit(".", 1)[1].removesuffix("_proj"), module,
                                       tuple(by_weight[n] for n in names))
     inside = {t for _, _, parts in fused.values() for t in parts}
+    linear = [t for t in attention_targets(cfg) if t not in GQA]  # Gated DeltaNet's, where some layers have it
     out = {}
     for t, (_, module) in TARGETS.items():
-        if t.startswith(("q_", "kv_", "in_proj", "out_proj")):
+        if t.startswith(("q_", "kv_")) or (t.startswith(("in_proj", "out_proj")) and t not in linear):
             continue
         if t in fused:
             short, module, parts = fused[t]

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from phantom.arch.config import ModelConfig, block_tensor_shapes
+from phantom.arch.deltanet import mixer_flops
 from phantom.arch.quantformat import QuantFormat, as_format, block_nbytes
 from phantom.base import dtypes
 from phantom.stream import placement as P
@@ -99,8 +100,8 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
         n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c,
         sizes=P.block_sizes(largest, largest_params, s, c, quant is not None, stored == computed),
         head_bytes=head_params * c, embed_bytes=embed_params * s,
-        # matmuls (a mixture of experts: the experts a token routes to) + causal attention
-        flops_per_row=seq_len * (2 * cfg.mean_block_params(active=True) + 2 * seq_len * cfg.q_dim),
+        # matmuls (a mixture of experts: the experts a token routes to) + causal attention (or the delta rule)
+        flops_per_row=seq_len * (2 * cfg.mean_block_params(active=True) + mixer_flops(cfg, seq_len)),
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
         act_bytes_per_row=seq_len * cfg.dim * c,
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),

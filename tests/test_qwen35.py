@@ -264,3 +264,27 @@ def test_a_full_step_of_a_long_row_trains_the_decay_as_transformers_does(family_
     for name, g in want.items():
         ours = got["attention." + name.split("linear_attn.")[1]]
         assert rel_err(ours, g) < 3e-4, name
+
+
+def test_tune_plans_the_presets(tmp_path, monkeypatch, capsys):
+    """scripts/tune.py --preset plans Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B (one small measured profile, 256 GiB of
+    host memory): every block placed, the step's compute counting the delta rule's FLOPs beside attention's."""
+    import dataclasses
+    from phantom.arch.config import ModelConfig
+    from phantom.arch.deltanet import mixer_flops
+    from phantom.plan import costinputs as ci
+    from phantom.plan import profiles
+    from test_tune import script
+    small = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+    profile = dataclasses.replace(profiles.probe(small, "cpu", ci.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True),
+                                  free_device_bytes=None, free_host_bytes=256 << 30)
+    monkeypatch.setattr(profiles, "probe", lambda *a, **k: profile)  # no 35B-shaped blocks written to measure
+    for name in ("qwen3.5-35B-A3B", "qwen3-next-80B-A3B"):
+        argv = ["--preset", name, "--device", "cpu", "--batch-size", "1", "--seq-len", "1024", "--json",
+                "--ram-budget", "64GiB", "--disk-budget", "1TB"]
+        assert script().main(argv) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert len(plan["tiers"]) == PRESETS[name].n_layers and plan["step_s"] > 0
+    cfg = PRESETS["qwen3.5-35B-A3B"]  # a quarter of the layers pay T^2: three quarters a constant per token
+    assert mixer_flops(cfg, 8192) < 0.27 * 2 * 8192 * cfg.q_dim
+    assert mixer_flops(cfg, 8192) - mixer_flops(cfg, 1024) == pytest.approx(0.25 * 2 * (8192 - 1024) * cfg.q_dim)

@@ -286,5 +286,4 @@ def test_tune_plans_the_presets(tmp_path, monkeypatch, capsys):
         plan = json.loads(capsys.readouterr().out)
         assert len(plan["tiers"]) == PRESETS[name].n_layers and plan["step_s"] > 0
     cfg = PRESETS["qwen3.5-35B-A3B"]  # a quarter of the layers pay T^2: three quarters a constant per token
-    assert mixer_flops(cfg, 8192) < 0.27 * 2 * 8192 * cfg.q_dim
     assert mixer_flops(cfg, 8192) - mixer_flops(cfg, 1024) == pytest.approx(0.25 * 2 * (8192 - 1024) * cfg.q_dim)

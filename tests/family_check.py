@@ -79,7 +79,8 @@ MLA_LORA = dict(lora_targets=("q", "kv_a", "kv_b", "o"),
                 adapter_modules=("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_b_proj"))
 # Gated DeltaNet (Qwen3-Next, Qwen3.5): a linear-attention layer, then a gated full-attention one (RoPE over a quarter
 # of each 16-wide head), 2 q/k heads serving 4 v heads, 8 experts and a shared one; 256 positions: past the delta
-# rule's chunk of 64 (tests/test_qwen35.py runs 150 tokens)
+# rule's chunk of 64 (tests/test_qwen35.py runs 150 tokens, and LoRA on Gated DeltaNet and the experts: the shared
+# checks here run fewer streamed cases, the two families between them every tier)
 LINEAR = dict(SHAPES, head_dim=16, max_position_embeddings=256, linear_key_head_dim=8, linear_value_head_dim=12,
               linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
               moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -146,10 +147,12 @@ CASES = {
                                            **DEEPSEEK_MOE, n_group=2, topk_group=1), "Glm4MoeForCausalLM",
                      {"family": "glm4_moe", "rope_dim": 12, "qk_norm": True}, **MOE),
     "qwen3_next": Case("Qwen3NextConfig", LINEAR, "Qwen3NextForCausalLM",
-                       {"family": "qwen3_next", "n_experts": 8, "linear_grouped": True, "rope_dim": 4}, **MOE),
+                       {"family": "qwen3_next", "n_experts": 8, "linear_grouped": True, "rope_dim": 4},
+                       **{**MOE, "runs": MOE["runs"][:3], "lora_runs": MOE["lora_runs"][:1]}),
     "qwen3_5_moe": Case("Qwen3_5MoeTextConfig", {k: v for k, v in LINEAR.items() if k != "intermediate_size"},
                         "Qwen3_5MoeForCausalLM", {"family": "qwen3_5_moe", "n_experts": 8, "linear_grouped": False,
-                                                  "rope_dim": 4}, **MOE),
+                                                  "rope_dim": 4},
+                        **{**MOE, "runs": MOE["runs"][3:], "lora_runs": MOE["lora_runs"][1:]}),
 }
 
 

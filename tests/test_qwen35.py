@@ -133,7 +133,8 @@ def adapters(family_models, tmp_path_factory):
             tokens, targets = batch(2, 3)[0], batch(2, 3, seed=1)[0]
             adapter = tmp_path_factory.mktemp(name) / "adapter"
             phantom_step(store, tokens, targets, adapter, lora_targets=linear_lora(name), offload="none")
-            made[name] = model, store, tokens, targets, adapter, json.loads((adapter / "adapter_config.json").read_text())
+            config = json.loads((adapter / "adapter_config.json").read_text())
+            made[name] = model, store, tokens, targets, adapter, config
         return made[name]
     return get
 
@@ -142,8 +143,9 @@ def adapters(family_models, tmp_path_factory):
 @pytest.mark.parametrize("name", NAMES)
 def test_lora_on_every_projection_and_the_experts_equals_peft(adapters, name):
     """Logits within 1e-5 of peft's, every A and B gradient within 1e-4, streamed from disk and RAM, experts read
-    routed and whole (the adapter saved from a resident model); the adapter loads in peft with its module names (Qwen3.5's shared expert's
-    linears too: peft adapts them by target_modules there; on Qwen3-Next gate_proj names the experts)."""
+    routed and whole (the adapter saved from a resident model); the adapter loads in peft with its module names
+    (Qwen3.5's shared expert's linears too: peft adapts them by target_modules there; on Qwen3-Next gate_proj
+    names the experts)."""
     model, store, tokens, targets, adapter, config = adapters(name)
     plain = ["down_proj", "gate_proj", "up_proj"] if name == "qwen3_5_moe" else []
     assert config["target_modules"] == sorted([*plain, "k_proj", "o_proj", "q_proj", "v_proj", *LINEAR_TARGETS[name]])
@@ -277,8 +279,8 @@ def test_tune_plans_the_presets(tmp_path, monkeypatch, capsys):
     from phantom.plan import profiles
     from test_tune import script
     small = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
-    profile = dataclasses.replace(profiles.probe(small, "cpu", ci.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True),
-                                  free_device_bytes=None, free_host_bytes=256 << 30)
+    probed = profiles.probe(small, "cpu", ci.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True)
+    profile = dataclasses.replace(probed, free_device_bytes=None, free_host_bytes=256 << 30)
     monkeypatch.setattr(profiles, "probe", lambda *a, **k: profile)  # no 35B-shaped blocks written to measure
     for name in ("qwen3.5-35B-A3B", "qwen3-next-80B-A3B"):
         argv = ["--preset", name, "--device", "cpu", "--batch-size", "1", "--seq-len", "1024", "--json",

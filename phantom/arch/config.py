@@ -363,7 +363,8 @@ def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str,
     if cfg.linear(layer):
         pass
     elif cfg.qkv_bias:
-        shapes.update({"attention.wq.bias": (cfg.q_dim * (2 if cfg.attn_output_gate else 1),), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
+        shapes.update({"attention.wq.bias": (cfg.q_dim * (2 if cfg.attn_output_gate else 1),),
+                       "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
     if cfg.o_bias and not cfg.linear(layer):
         shapes["attention.wo.bias"] = (cfg.dim,)
     if cfg.mlp_bias:
@@ -389,7 +390,8 @@ def linear_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         inputs = {"attention.in_proj_qkvz.weight": (2 * key + 2 * value, cfg.dim),
                   "attention.in_proj_ba.weight": (2 * heads, cfg.dim)}
     else:
-        inputs = {"attention.in_proj_qkv.weight": (2 * key + value, cfg.dim), "attention.in_proj_z.weight": (value, cfg.dim),
+        inputs = {"attention.in_proj_qkv.weight": (2 * key + value, cfg.dim),
+                  "attention.in_proj_z.weight": (value, cfg.dim),
                   "attention.in_proj_b.weight": (heads, cfg.dim), "attention.in_proj_a.weight": (heads, cfg.dim)}
     return {**inputs, "attention.conv1d.weight": (2 * key + value, 1, cfg.linear_conv), "attention.dt_bias": (heads,),
             "attention.A_log": (heads,), "attention.norm.weight": (cfg.linear_v_dim,),

@@ -131,7 +131,8 @@ class GatedDeltaNet(nn.Module):
             return (self.in_proj_qkv(x), self.in_proj_z(x).view(B, T, self.hv, self.dv), self.in_proj_b(x),
                     self.in_proj_a(x))
         r = self.hv // self.hk  # value heads a key head serves: its q, k, then r v heads, r z heads; r b's, r a's
-        q, k, v, z = self.in_proj_qkvz(x).view(B, T, self.hk, -1).split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
+        q, k, v, z = self.in_proj_qkvz(x).view(B, T, self.hk, -1).split([self.dk, self.dk, r * self.dv, r * self.dv],
+                                                                          dim=-1)
         b, a = self.in_proj_ba(x).view(B, T, self.hk, 2 * r).split([r, r], -1)
         qkv = torch.cat([t.reshape(B, T, -1) for t in (q, k, v)], dim=-1)
         return qkv, z.reshape(B, T, self.hv, self.dv), b.reshape(B, T, self.hv), a.reshape(B, T, self.hv)

@@ -30,7 +30,7 @@ def gated_deltanet(n_layers: int, **fields) -> dict:
                 explicit_head_dim=256, qk_norm=True, norm_offset=1.0, rotary_dim=64, rope_interleave=False,
                 attn_output_gate=True, norm_topk_prob=True, router_aux_coef=0.001, linear_k_heads=16, linear_k_dim=128,
                 linear_v_dim=128, linear_conv=4,
-                layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * (n_layers // 4),
+                layer_types=(("linear_attention",) * 3 + ("full_attention",)) * (n_layers // 4),
                 **fields)
 
 

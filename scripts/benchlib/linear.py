@@ -72,7 +72,8 @@ def linear_bench(args, folder: Path) -> str:
         for k in KINDS:
             shape = ci.shape_of(cfgs[k], "fp32", "fp32", seq_len=seq)
             p = predict(profile[k], shape, Placement(offload="none"), ACTS, rows).step_s
-            ratio = f"{measured['linear_attention'] / measured['full_attention']:.2f}" if k == "linear_attention" else ""
+            linear = k == "linear_attention"
+            ratio = f"{measured['linear_attention'] / measured['full_attention']:.2f}" if linear else ""
             lines.append(f"| {rows}x{seq} | {k} | {measured[k]:.3f} | {ratio} | {p:.3f} | {p / measured[k]:.2f} |")
             print(lines[-1], flush=True)
     return "\n".join(lines)

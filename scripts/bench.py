@@ -33,6 +33,11 @@ the cost model's prediction; to notes/bench-quant.md.
 (alone) a Qwen3-30B-A3B-shaped store scaled to --dim (128 experts, top-8), random and skewed routers:
 routed expert reads against whole blocks, bytes read per step and step time beside the cost model's
 prediction; to notes/moe.md.
+
+    python scripts/bench.py --modes linear --dim 256 --layers 2 --linear-batches 1x1024,1x8192
+
+(alone) a Gated DeltaNet block's LoRA step against a gated full-attention block's (Qwen3.5-35B-A3B's shape
+scaled to --dim), each beside the cost model's prediction from a profile measured on the other; to notes/linear.md.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 
 from benchlib.common import MODES, PEERS, fastest_of_rounds, host_speeds  # noqa: E402
 from benchlib.diskread import diskread  # noqa: E402
+from benchlib.linear import linear_bench  # noqa: E402
 from benchlib.moe import moe_bench  # noqa: E402
 from benchlib.quant import quant_bench  # noqa: E402
 from benchlib.steps import run_worker, step_table, worker  # noqa: E402
@@ -91,6 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--moe-shape", default="qwen3-30B-A3B", choices=("qwen3-30B-A3B", "deepseek-v3-671B", "kimi-k2-1T",
                                                                    "glm-4.5-355B"),
                    help="--modes moe: the preset whose experts, routing and attention the store has (scaled to --dim)")
+    p.add_argument("--linear-batches", default="1x1024,1x8192", help="--modes linear: ROWSxTOKENS per step, comma list")
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
                    "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "
@@ -129,6 +136,9 @@ def main(argv=None):
         if args.modes == "moe":  # its own synthetic MoE stores and table, in notes/moe.md
             append_note(moe_bench(args, Path(tmp)), args.out or NOTES / "moe.md")
             return
+        if args.modes == "linear":  # its own synthetic stores and table, in notes/linear.md
+            append_note(linear_bench(args, Path(tmp)), args.out or NOTES / "linear.md")
+            return
         if args.store is None:
             args.store = str(synthetic_store(args, Path(tmp)))
         store = BlockStore(args.store)
@@ -157,7 +167,7 @@ def check_args(args) -> None:
     def refuse(msg: str):
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
-    for alone in ("diskread", "quant", "moe"):
+    for alone in ("diskread", "quant", "moe", "linear"):
         if alone in args.modes.split(",") and args.modes != alone:
             refuse(f"--modes {alone} runs alone (its own tables); give it in a run of its own")
     trains = args.train.split(",")

@@ -83,6 +83,14 @@ GPT_OSS = dict(SHAPES, head_dim=24, num_local_experts=8, num_experts_per_tok=2, 
                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
 MLA_LORA = dict(lora_targets=("q", "kv_a", "kv_b", "o"),
                 adapter_modules=("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_b_proj"))
+# Gated DeltaNet (Qwen3-Next, Qwen3.5): a linear-attention layer, then a gated full-attention one (RoPE over a quarter
+# of each 16-wide head), 2 q/k heads serving 4 v heads, 8 experts and a shared one; 256 positions: past the delta
+# rule's chunk of 64 (tests/test_qwen35.py runs 150 tokens, and LoRA on Gated DeltaNet and the experts: the shared
+# checks here run fewer streamed cases, the two families between them every tier)
+LINEAR = dict(SHAPES, head_dim=16, max_position_embeddings=256, linear_key_head_dim=8, linear_value_head_dim=12,
+              linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+              layer_types=["linear_attention", "full_attention"])
 CASES = {
     # tied embeddings (Llama-3.2 1B/3B, Qwen2.5's small models): one table, both gradients add up in it
     "llama-tied": Case("LlamaConfig", dict(SHAPES, tie_word_embeddings=True, rope_theta=500000.0), "LlamaForCausalLM",
@@ -147,6 +155,13 @@ CASES = {
     "gpt_oss": Case("GptOssConfig", GPT_OSS, "GptOssForCausalLM",
                     {"family": "gpt_oss", "attn_sinks": True, "expert_bias": True, "sliding_window": 16,
                      "layer_types": ("sliding_attention", "full_attention")}, **MOE),
+    "qwen3_next": Case("Qwen3NextConfig", LINEAR, "Qwen3NextForCausalLM",
+                       {"family": "qwen3_next", "n_experts": 8, "linear_grouped": True, "rope_dim": 4},
+                       **{**MOE, "runs": MOE["runs"][:3], "lora_runs": MOE["lora_runs"][:1]}),
+    "qwen3_5_moe": Case("Qwen3_5MoeTextConfig", {k: v for k, v in LINEAR.items() if k != "intermediate_size"},
+                        "Qwen3_5MoeForCausalLM", {"family": "qwen3_5_moe", "n_experts": 8, "linear_grouped": False,
+                                                  "rope_dim": 4},
+                        **{**MOE, "runs": MOE["runs"][3:], "lora_runs": MOE["lora_runs"][1:]}),
 }
 
 

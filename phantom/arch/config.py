@@ -75,7 +75,7 @@ def refuse(path, key: str, value, supported: str):
 
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the MLP's gate activation (transformers' names)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 # how a router scores: softmax over every expert, sigmoid, or softmax over the top-k logits alone (gpt-oss)
 ROUTER_SCORES = ("softmax", "sigmoid", "topk_softmax")
 
@@ -167,6 +167,19 @@ class ModelConfig:
     # the checkpoint's 3-D experts are (experts, in, out) with gate and up alternating on out (gpt-oss's
     # gate_up_proj): the converter and exporter read and write them so, and peft's LoRA B rows alternate too
     interleaved_experts: bool = False
+    # gated attention (Qwen3-Next, Qwen3.5): wq yields each head's query then its output gate (2 * head_dim rows a
+    # head); the heads' output is times sigmoid(gate) before wo
+    attn_output_gate: bool = False
+    # Gated DeltaNet (phantom.arch.deltanet) in the layers layer_types names linear_attention: linear_k_heads q/k
+    # heads of linear_k_dim, linear_v_heads v heads of linear_v_dim, a causal depthwise conv of linear_conv taps;
+    # linear_grouped: q, k, v, z (and b, a) in one projection grouped by key head (Qwen3-Next's in_proj_qkvz,
+    # in_proj_ba), else four (Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 0
+    linear_grouped: bool = False
 
     def __post_init__(self):
         check_numbers(self, positive=("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"))
@@ -186,6 +199,12 @@ class ModelConfig:
                                  f"got {list(self.layer_types)}")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a sliding_window")
+            if "linear_attention" in self.layer_types and not (
+                    self.linear_k_heads and self.linear_v_heads % self.linear_k_heads == 0 and self.linear_k_dim
+                    and self.linear_v_dim and self.linear_conv and not self.dense_layers):
+                raise ValueError(f"linear_attention layers need linear_k_heads ({self.linear_k_heads}) dividing "
+                                 f"linear_v_heads ({self.linear_v_heads}), linear_k_dim, linear_v_dim, linear_conv > 0 "
+                                 f"and no dense layers among them")
         if self.qk_norm_over not in ("head", "projection"):
             raise ValueError(f"qk_norm_over must be head or projection, not {self.qk_norm_over!r}")
         if self.dense_layers and (not self.n_experts or list(self.dense_layers) != sorted(set(self.dense_layers))
@@ -224,11 +243,26 @@ class ModelConfig:
         dense = tuple(i for i in self.dense_layers if i < n)
         return dataclasses.replace(self, n_layers=n, dense_layers=dense if len(dense) < n else ())
 
+    def linear(self, layer: int | None) -> bool:
+        """Whether the layer's token mixer is Gated DeltaNet (layer_types' linear_attention); None: no."""
+        return layer is not None and self.layer_types is not None and \
+            self.layer_types[layer % len(self.layer_types)] == "linear_attention"
+
+    def layout_key(self, layer: int) -> tuple[bool, bool]:
+        """What decides a block's tensor layout: its MLP sparse or dense, its mixer linear attention or not."""
+        return self.sparse(layer), self.linear(layer)
+
     def window(self, layer: int) -> int | None:
         """How many keys (itself included) a query of this layer sees; None: all before it."""
         if self.layer_types is None:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer % len(self.layer_types)] == "sliding_attention" else None
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether blocks have more than one tensor layout (dense layers among sparse ones, or linear
+        attention among full attention): counts per layer then."""
+        return bool(self.dense_layers) or (self.layer_types is not None and "linear_attention" in self.layer_types)
 
     @property
     def kv_heads(self) -> int:
@@ -273,7 +307,7 @@ class ModelConfig:
         """Weights per block averaged over the layers (all of them, or those a token runs through): what
         n_layers blocks hold where dense layers sit among sparse ones."""
         count = self.active_block_params if active else self.block_params
-        if not self.dense_layers:
+        if not self.mixed_layers:
             return count()
         return sum(count(i) for i in range(self.n_layers)) / self.n_layers
 
@@ -284,7 +318,7 @@ class ModelConfig:
 
     def n_params(self) -> int:
         heads = 1 if self.tie_embeddings else 2
-        blocks = sum(self.block_params(i) for i in range(self.n_layers)) if self.dense_layers else \
+        blocks = sum(self.block_params(i) for i in range(self.n_layers)) if self.mixed_layers else \
             self.n_layers * self.block_params()
         return blocks + heads * self.vocab_size * self.dim + self.dim
 
@@ -328,8 +362,9 @@ def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str,
     """Names and shapes of block `layer`'s tensors, in Meta's naming: the same in every block but where
     dense layers sit among a mixture of experts' (cfg.dense_layers); None: a sparse block's, if any."""
     kv = cfg.kv_heads * cfg.head_dim
-    shapes = latent_attention_shapes(cfg) if cfg.kv_lora_rank else {
-        "attention.wq.weight": (cfg.q_dim, cfg.dim),
+    shapes = linear_attention_shapes(cfg) if cfg.linear(layer) else latent_attention_shapes(cfg) if cfg.kv_lora_rank \
+        else {
+        "attention.wq.weight": (cfg.q_dim * (2 if cfg.attn_output_gate else 1), cfg.dim),
         "attention.wk.weight": (kv, cfg.dim),
         "attention.wv.weight": (kv, cfg.dim),
         "attention.wo.weight": (cfg.dim, cfg.q_dim)}
@@ -340,9 +375,12 @@ def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str,
         "attention_norm.weight": (cfg.dim,),
         "ffn_norm.weight": (cfg.dim,),
     }
-    if cfg.qkv_bias:
-        shapes.update({"attention.wq.bias": (cfg.q_dim,), "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
-    if cfg.o_bias:
+    if cfg.linear(layer):
+        pass
+    elif cfg.qkv_bias:
+        shapes.update({"attention.wq.bias": (cfg.q_dim * (2 if cfg.attn_output_gate else 1),),
+                       "attention.wk.bias": (kv,), "attention.wv.bias": (kv,)})
+    if cfg.o_bias and not cfg.linear(layer):
         shapes["attention.wo.bias"] = (cfg.dim,)
     if cfg.mlp_bias:
         shapes.update({"feed_forward.w1.bias": (cfg.hidden_dim,), "feed_forward.w2.bias": (cfg.dim,),
@@ -351,7 +389,7 @@ def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str,
         for name in ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight"):
             del shapes[name]
         shapes.update(moe_tensor_shapes(cfg))
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.linear(layer):
         per_head = cfg.qk_norm_over == "head"
         shapes.update({"attention.q_norm.weight": (cfg.head_dim if per_head else cfg.q_dim,),
                        "attention.k_norm.weight": (cfg.head_dim if per_head else kv,)})
@@ -360,6 +398,21 @@ def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str,
     if cfg.attn_sinks:
         shapes["attention.sinks"] = (cfg.n_heads,)
     return shapes
+
+
+def linear_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Gated DeltaNet's weights (phantom.arch.deltanet), in the checkpoint's own names under attention."""
+    key, value, heads = cfg.linear_k_heads * cfg.linear_k_dim, cfg.linear_v_heads * cfg.linear_v_dim, cfg.linear_v_heads
+    if cfg.linear_grouped:
+        inputs = {"attention.in_proj_qkvz.weight": (2 * key + 2 * value, cfg.dim),
+                  "attention.in_proj_ba.weight": (2 * heads, cfg.dim)}
+    else:
+        inputs = {"attention.in_proj_qkv.weight": (2 * key + value, cfg.dim),
+                  "attention.in_proj_z.weight": (value, cfg.dim),
+                  "attention.in_proj_b.weight": (heads, cfg.dim), "attention.in_proj_a.weight": (heads, cfg.dim)}
+    return {**inputs, "attention.conv1d.weight": (2 * key + value, 1, cfg.linear_conv), "attention.dt_bias": (heads,),
+            "attention.A_log": (heads,), "attention.norm.weight": (cfg.linear_v_dim,),
+            "attention.out_proj.weight": (cfg.dim, value)}
 
 
 def latent_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -409,7 +462,7 @@ def rope_rows(cfg: ModelConfig) -> dict[str, int]:
     each head; a per-head norm's weight is one head's row order, a whole-projection norm's (OLMoE) is
     the projection's). Latent attention keeps the checkpoint's rows as they are (phantom.arch.mla rotates
     either layout)."""
-    if cfg.kv_lora_rank:
+    if cfg.kv_lora_rank or not cfg.rope_interleave:
         return {}
     per_head = cfg.qk_norm_over == "head"
     return {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads,

@@ -179,6 +179,9 @@ class Family:
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
     moe: "object | None" = None  # phantom.arch.family_moe.MoeKeys (that module builds on this one)
     hf_fields: "Callable[[ModelConfig], dict] | None" = None  # config.json fields of its own an export writes
+    # a vision-language checkpoint's text model (Qwen3.5): (config.json -> the text model's fields, checkpoint
+    # tensor names -> {text model's name: checkpoint's name}, the rest left out); None: the file is the text model
+    text: "tuple[Callable[[dict, object], dict], Callable[[dict], dict]] | None" = None
 
     @property
     def hf_class(self) -> str:

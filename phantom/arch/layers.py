@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from phantom.arch.config import FUSED_PROJECTIONS, ModelConfig
+from phantom.arch.deltanet import GatedDeltaNet
 from phantom.arch.mla import LatentAttention
 from phantom.arch.moe import MoeFeedForward
-from phantom.arch.ops import ACTIVATIONS, KVCache, RMSNorm, apply_rope, attend, attention_mask, linear
+from phantom.arch.ops import ACTIVATIONS, KVCache, RMSNorm, apply_rope, apply_rope_halves, attend, attention_mask, \
+    linear
 
 
 def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,7 +74,9 @@ class Attention(nn.Module):
         # which of a two-base RoPE table this layer reads (rope_table); None: the table is one base
         self.rope_index = None if cfg.local_rope_theta is None else int(self.window is not None)
         kv = cfg.kv_heads * cfg.head_dim
-        self.wq = linear(cfg.dim, cfg.q_dim, device, dtype, cfg.qkv_bias)
+        self.gated = cfg.attn_output_gate  # wq: each head's query then its output gate (Qwen3-Next)
+        self.rotate = apply_rope if cfg.rope_interleave else apply_rope_halves  # halves: HF's rows, unpermuted
+        self.wq = linear(cfg.dim, cfg.q_dim * (2 if self.gated else 1), device, dtype, cfg.qkv_bias)
         self.wk = linear(cfg.dim, kv, device, dtype, cfg.qkv_bias)
         self.wv = linear(cfg.dim, kv, device, dtype, cfg.qkv_bias)
         self.wo = linear(cfg.q_dim, cfg.dim, device, dtype, cfg.o_bias)
@@ -93,6 +97,10 @@ class Attention(nn.Module):
         """mask: None (causal), or (B, 1, T, T) bool for packed rows (packed_layout)."""
         B, T, _ = x.shape
         q, k, v = project(x, [self.wq, self.wk, self.wv], self.wqkv)
+        gate = None
+        if self.gated:  # (B, T, H, 2D): each head's query, then its gate
+            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(B, T, -1), gate.reshape(B, T, -1)
         if self.rope_index is not None:  # (.., 2, D/2, 2): the table of this layer's RoPE base
             rope = rope.select(-3, self.rope_index)
         if not self.norm_heads:
@@ -100,7 +108,7 @@ class Attention(nn.Module):
         q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
         if self.norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)  # (B, T, H, D), (B, T, KV, D)
+        q, k = self.rotate(q, rope), self.rotate(k, rope)  # (B, T, H, D), (B, T, KV, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         if cache is not None:  # queries at start_pos.. see the cached keys before them
@@ -112,8 +120,8 @@ class Attention(nn.Module):
             mask = window
         elif window is not None:  # a packed row under a sliding window: both apply
             mask = mask & window
-        out = attend(q, k, v, mask, self.scale, self.softcap, self.sinks)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        out = attend(q, k, v, mask, self.scale, self.softcap, self.sinks).transpose(1, 2).reshape(B, T, -1)
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))
 
 
 class FeedForward(nn.Module):
@@ -139,7 +147,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         norm = lambda: RMSNorm(cfg.dim, cfg.norm_eps, device, dtype, cfg.norm_offset)  # noqa: E731
         self.attention_norm = norm()
-        self.attention = (LatentAttention if cfg.kv_lora_rank else Attention)(cfg, device, dtype, layer)
+        mixer = GatedDeltaNet if cfg.linear(layer) else LatentAttention if cfg.kv_lora_rank else Attention
+        self.attention = mixer(cfg, device, dtype, layer)
         self.attention_post_norm = norm() if cfg.post_norms else nn.Identity()
         self.ffn_norm = norm()
         self.feed_forward = MoeFeedForward(cfg, ACTIVATIONS[cfg.activation], device, dtype) if cfg.sparse(layer) \

@@ -108,7 +108,10 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 def apply_rope_halves(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """apply_rope for rows whose pairs are (i, i + D/2) rather than (2i, 2i+1): Hugging Face's rotate_half
-    layout, which an MLA checkpoint with rope_interleave false keeps (its rows are not permuted)."""
+    layout, which an MLA checkpoint with rope_interleave false keeps (its rows are not permuted); the
+    leading R dims of each head turn (partial rotary), the rest pass through."""
+    if (turned := 2 * rope.shape[-2]) < x.shape[-1]:
+        return torch.cat([apply_rope_halves(x[..., :turned], rope), x[..., turned:]], dim=-1)
     x0, x1 = x.float().chunk(2, dim=-1)
     r = rope if rope.dim() == 4 else rope[None]
     cos, sin = r[:, :, None, :, 0], r[:, :, None, :, 1]

@@ -28,6 +28,27 @@ GPT_OSS = dict(intermediate_size=2880, max_seq_len=131072, rope_theta=150000, fa
                rope_scaling=RopeScaling(rope_type="yarn", factor=32.0, original_max_seq_len=4096, truncate=False,
                                         attention_factor=1 + 0.1 * math.log(32)))
 
+
+
+def gated_deltanet(n_layers: int, **fields) -> dict:
+    """Qwen3-Next's and Qwen3.5's layers: three Gated DeltaNet layers (16 q/k heads of 128) then one gated full
+    attention (2 kv heads of 256, RoPE over a quarter of each head, base 1e7), experts with a shared one."""
+    return dict(n_layers=n_layers, n_kv_heads=2, norm_eps=1e-6, rope_theta=1e7, max_seq_len=262144,
+                explicit_head_dim=256, qk_norm=True, norm_offset=1.0, rotary_dim=64, rope_interleave=False,
+                attn_output_gate=True, norm_topk_prob=True, router_aux_coef=0.001, linear_k_heads=16, linear_k_dim=128,
+                linear_v_dim=128, linear_conv=4,
+                layer_types=(("linear_attention",) * 3 + ("full_attention",)) * (n_layers // 4),
+                **fields)
+
+
+def qwen35(n_layers: int, dim: int, n_heads: int, v_heads: int, n_experts: int, k: int, width: int) -> ModelConfig:
+    """A Qwen3.5 mixture of experts' text model (its config.json's text_config; intermediate_size: its shared
+    expert's, as no layer is dense)."""
+    return ModelConfig(dim=dim, n_heads=n_heads, vocab_size=248320, family="qwen3_5_moe", intermediate_size=width,
+                       **gated_deltanet(n_layers, linear_v_heads=v_heads, n_experts=n_experts, experts_per_token=k,
+                                        expert_dim=width, shared_expert_dim=width))
+
+
 # Shapes from Meta's params.json files (llama-2, codellama, llama-3 repos) and Mistral's config.json.
 PRESETS: dict[str, ModelConfig] = {
     # Generated on first use (synthetic.ensure_tiny); small enough to train in a minute on 2 CPU cores.
@@ -153,6 +174,16 @@ PRESETS: dict[str, ModelConfig] = {
                                layer_types=("sliding_attention", "full_attention") * 12, n_experts=32),
     "gpt-oss-120b": ModelConfig(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, vocab_size=201088, **GPT_OSS,
                                 layer_types=("sliding_attention", "full_attention") * 18, n_experts=128),
+    # Gated DeltaNet among gated attention: Qwen/Qwen3.5-35B-A3B, Qwen/Qwen3.5-122B-A10B, Qwen/Qwen3.5-397B-A17B
+    # (vision-language checkpoints: their text_config; the vision tower is left out), Qwen/Qwen3-Next-80B-A3B-Instruct
+    "qwen3.5-35B-A3B": qwen35(40, 2048, 16, 32, 256, 8, 512),
+    "qwen3.5-122B-A10B": qwen35(48, 3072, 32, 64, 256, 8, 1024),
+    "qwen3.5-397B-A17B": qwen35(60, 4096, 32, 64, 512, 10, 1024),
+    "qwen3-next-80B-A3B": ModelConfig(dim=2048, n_heads=16, vocab_size=151936, family="qwen3_next",
+                                      intermediate_size=5120, **gated_deltanet(48, linear_v_heads=32, n_experts=512,
+                                                                                experts_per_token=10, expert_dim=512,
+                                                                                shared_expert_dim=512,
+                                                                                linear_grouped=True)),
 }
 
 

@@ -89,9 +89,9 @@ class BlockStore:
         return self.cfg.n_layers
 
     def _first_alike(self, i: int) -> int:
-        """The first block with block i's tensor layout (blocks differ only where dense layers sit among
-        a mixture of experts' sparse ones: cfg.dense_layers)."""
-        return next(j for j in range(self.cfg.n_layers) if self.cfg.sparse(j) == self.cfg.sparse(i))
+        """The first block with block i's tensor layout (blocks differ where dense layers sit among a mixture of
+        experts' sparse ones, cfg.dense_layers, or linear attention among full attention: cfg.layout_key)."""
+        return next(j for j in range(self.cfg.n_layers) if self.cfg.layout_key(j) == self.cfg.layout_key(i))
 
     def layout_index(self, i: int) -> int:
         """Which of the store's block layouts block i has: 0 for every block of a store with one layout,

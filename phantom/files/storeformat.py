@@ -76,7 +76,8 @@ def quant_record(fmt: QuantFormat, cfg: ModelConfig, dtype: torch.dtype) -> dict
     """The manifest's "quantization" record: the format, and how each block tensor is stored (the
     method's name for a quantized weight, the store's dtype for the rest). Embedding and head are
     always in the store's dtype. Dense layers among sparse ones add their MLP's names."""
-    shapes = {n: s for i in (None, *cfg.dense_layers[:1]) for n, s in block_tensor_shapes(cfg, i).items()}
+    kinds = {cfg.layout_key(i): i for i in range(cfg.n_layers)}.values()  # one block of each layout
+    shapes = {n: s for i in (None, *kinds) for n, s in block_tensor_shapes(cfg, i).items()}
     return {**fmt.record(), "tensors": {n: fmt.method if fmt.quantizes(n, shape) else dtype_name(dtype)
                                         for n, shape in shapes.items()}}
 

@@ -227,18 +227,22 @@ class HFCheckpoint:
             headers[file] = ({s.name: s for s in specs}, start)
         # (part, store name) -> (path, TensorSpec, data start); a part of a fused tensor has a spec of its rows
         self.src, self.index = src, {}
-        hf_names, fused = family(self.cfg).layout(self.cfg, fused_experts=self._fused_experts(weight_map))
+        text = family(self.cfg).text  # a vision-language checkpoint's text model: its tensors under their own names
+        named = text[1](weight_map) if text is not None else {k: k for k in weight_map}  # our name -> the file's
+        hf_names, fused = family(self.cfg).layout(self.cfg, fused_experts=self._fused_experts(named))
         self.permuted = rope_rows(self.cfg)
         qc = safejson.load(config, what="config.json").get("quantization_config")
         fmt, packed = None if qc is None else shipped_format(qc, config), {}
         for part in (*PARTS, *range(self.cfg.n_layers)):
             shapes = part_shapes(self.cfg, part)
             for name, shape in shapes.items():
-                key = hf_names[(isinstance(part, int), name)].format(part)
-                if fmt is not None and key + PACKED.get(fmt.method, "-") in weight_map:
-                    packed[(part, name)] = key  # compressed-tensors' weight_packed, gpt-oss's *_blocks: their parts
+                hf = hf_names[(isinstance(part, int), name)].format(part)
+                if fmt is not None and hf + PACKED.get(fmt.method, "-") in weight_map:
+                    packed[(part, name)] = hf  # compressed-tensors' weight_packed, gpt-oss's *_blocks: their parts
                     continue
+                key = named.get(hf)
                 if key not in weight_map:
+                    key = hf
                     raise ValueError(f"{src}: tensor {key} is in no shard; the checkpoint is incomplete")
                 specs, start = headers[weight_map[key]]
                 spec, path = specs.get(key), files[weight_map[key]]

@@ -55,6 +55,10 @@ def generate(model: PhantomModel, prompt: list[int], max_new_tokens: int = 64, t
     cfg = model.cfg
     if not prompt:
         raise ValueError("the prompt is empty")
+    if any(cfg.linear(i) for i in range(cfg.n_layers)):
+        raise ValueError("generation is not supported for models with linear-attention (Gated DeltaNet) layers: "
+                         "phantom keeps no conv or recurrent state between steps; export the model (--format hf) "
+                         "and generate with transformers")
     total = len(prompt) + max_new_tokens
     if total > cfg.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "

@@ -42,7 +42,12 @@ TARGETS = {
     "q_b": ("attention.wq_b", "self_attn.q_b_proj"),
     "kv_a": ("attention.wkv_a", "self_attn.kv_a_proj_with_mqa"),
     "kv_b": ("attention.wkv_b", "self_attn.kv_b_proj"),
+    # Gated DeltaNet (Qwen3.5's four input projections, Qwen3-Next's two), in linear_attention layers
+    **{p: (f"attention.{p}", f"linear_attn.{p}") for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                            "in_proj_qkvz", "in_proj_ba", "out_proj")},
 }
+LINEAR_TARGETS = {False: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),  # by cfg.linear_grouped
+                  True: ("in_proj_qkvz", "in_proj_ba", "out_proj")}
 GQA = ("q", "k", "v", "o")  # the attention targets of a block without latent attention
 PROJECTIONS = (*GQA, "gate", "up", "down")  # every projection of such a block
 # what q, k and v mean on latent attention: the query's (second) projection, and the one that makes every head's
@@ -56,7 +61,7 @@ EXPERT_TARGETS = {"experts_gate_up": ("gate", "up"), "experts_down": ("down",)}
 # mixture-of-experts model types whose plain MLP linears (a shared expert, dense layers among sparse ones) peft
 # adapts by target_modules; on the others (qwen3_moe, olmoe, mixtral) peft 0.21 rewrites gate_proj, up_proj and
 # down_proj there to the experts' tensors (transformers 5's conversion mapping)
-PLAIN_MLP = ("qwen2_moe",)
+PLAIN_MLP = ("qwen2_moe", "qwen3_5_moe_text")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -94,7 +99,9 @@ class LoraConfig:
                                                 "down_proj, as peft's target_parameters; experts_gate_up, "
                                                 "experts_down: those alone) and Qwen2-MoE's plain MLP linears; on "
                                                 "latent attention (DeepSeek) q_a,q_b,kv_a,kv_b,o, q meaning q_b "
-                                                "and k,v kv_b",
+                                                "and k,v kv_b; on Gated DeltaNet layers (Qwen3.5, Qwen3-Next) "
+                                                "in_proj_qkv,in_proj_z,in_proj_b,in_proj_a or in_proj_qkvz,"
+                                                "in_proj_ba, and out_proj",
                                     type="csv")
     seed: int = knob(0, "", cli=False)  # a run seeds its LoRA with its --seed (RunConfig)
     rslora: bool = knob(False, "", cli=False)  # the patterns and layers come from adapter_config.json files
@@ -166,9 +173,10 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
         fused[by_weight[names[0]]] = (module.rsplit(".", 1)[1].removesuffix("_proj"), module,
                                       tuple(by_weight[n] for n in names))
     inside = {t for _, _, parts in fused.values() for t in parts}
+    linear = [t for t in attention_targets(cfg) if t not in GQA]  # Gated DeltaNet's, where some layers have it
     out = {}
     for t, (_, module) in TARGETS.items():
-        if t.startswith(("q_", "kv_")):
+        if t.startswith(("q_", "kv_")) or (t.startswith(("in_proj", "out_proj")) and t not in linear):
             continue
         if t in fused:
             short, module, parts = fused[t]
@@ -179,7 +187,10 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
-    """The attention projections a block of cfg has: q, k, v, o, or latent attention's."""
+    """The attention projections blocks of cfg have: q, k, v, o, or latent attention's; and Gated DeltaNet's
+    where some layers are linear attention."""
+    if any(cfg.linear(i) for i in range(cfg.n_layers)):
+        return (*GQA, *LINEAR_TARGETS[cfg.linear_grouped])
     if not cfg.kv_lora_rank:
         return GQA
     return ("q_a", "q_b", "kv_a", "kv_b", "o") if cfg.q_lora_rank else ("q", "kv_a", "kv_b", "o")
@@ -300,7 +311,7 @@ def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int) -> None:
         for t in GROUPS.get(target, (target,)):
             parent_path, name = TARGETS[t][0].rsplit(".", 1)
             parent = mlp_owner(block.get_submodule(parent_path))
-            if parent is None:  # a sparse layer without a shared expert
+            if parent is None or not hasattr(parent, name):  # a sparse layer without a shared expert; another mixer's
                 break
             base = getattr(parent, name)
             if rank_alpha[0] > max(base.in_features, base.out_features):  # checked before allocating A and B

@@ -25,11 +25,13 @@ log = logging.getLogger(__name__)
 
 def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std,
                     dtype: torch.dtype, offset: float = 0.0) -> dict[str, torch.Tensor]:
-    """Norm weights 1 (0 where the norm scales by 1 + w: the same identity), biases 0, matrices N(0, std^2);
-    std is a number or a function of the shape."""
+    """Norm weights 1 (0 where the norm scales by 1 + w: the same identity; Gated DeltaNet's gated output norm
+    scales by w alone), biases 0 (its decay's A_log and dt_bias too), matrices N(0, std^2); std is a number or a
+    function of the shape."""
     out = {}
     for name, shape in shapes.items():
-        if name.endswith(".bias") or (len(shape) == 1 and offset):
+        gated = name == "attention.norm.weight"  # Gated DeltaNet's output norm
+        if name.endswith((".bias", "A_log", "dt_bias")) or (len(shape) == 1 and offset and not gated):
             out[name] = torch.zeros(shape, dtype=dtype)
         elif len(shape) == 1:  # norm weights
             out[name] = torch.ones(shape, dtype=dtype)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from phantom.arch.config import ModelConfig, block_tensor_shapes
+from phantom.arch.deltanet import mixer_flops
 from phantom.arch.quantformat import QuantFormat, as_format, block_nbytes
 from phantom.base import dtypes
 from phantom.stream import placement as P
@@ -98,7 +99,7 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
     # mean, the slots the largest block
     per_block = [(cfg.block_params(i), cfg.block_params(i) * s if fmt is None else
                   block_nbytes(fmt, block_tensor_shapes(cfg, i), stored.torch_name))
-                 for i in (range(cfg.n_layers) if cfg.dense_layers else (None,))]
+                 for i in (range(cfg.n_layers) if cfg.mixed_layers else (None,))]
     largest_params, largest = max(per_block)
     params = round(sum(p for p, _ in per_block) / len(per_block))
     block = round(sum(b for _, b in per_block) / len(per_block))
@@ -115,8 +116,8 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
         sizes=dataclasses.replace(P.block_sizes(largest, largest_params, s, c, quant is not None, stored == computed),
                                   base=base_params * c),
         head_bytes=head_params * c, embed_bytes=embed_params * s,
-        # matmuls (a mixture of experts: the experts a token routes to) + causal attention
-        flops_per_row=seq_len * (2 * cfg.mean_block_params(active=True) + 2 * seq_len * cfg.q_dim),
+        # matmuls (a mixture of experts: the experts a token routes to) + causal attention (or the delta rule)
+        flops_per_row=seq_len * (2 * cfg.mean_block_params(active=True) + mixer_flops(cfg, seq_len)),
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
         act_bytes_per_row=seq_len * cfg.dim * c,
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),

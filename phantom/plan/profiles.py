@@ -124,8 +124,8 @@ def measure_disk_requests(store: BlockStore, disk_gbps: float, max_bytes: int = 
     buf = HostBuffer(store.block_nbytes, pin=False).tensor
     nbytes, secs, requests = 0, 0.0, 0
     for p in range(passes):
-        ranges = lay.of(range(p % 2, lay.n_experts, 2))
         for i in sparse[:k]:
+            ranges = lay.at(store.layout_index(i)).of(range(p % 2, lay.n_experts, 2))
             evict(store.blocks[i].path)
             t0 = time.perf_counter()
             nbytes += read_ranges(store.blocks[i], buf, ranges)

@@ -78,6 +78,12 @@ class ExpertLayout:
     nbytes: int
     k: int
     base_names: tuple[str, ...] = ()  # the other tensors' names, as names (read with the base ranges)
+    # the store's other sparse block layouts (linear attention among full attention), by layout index
+    others: tuple[tuple[int, "ExpertLayout"], ...] = ()
+
+    def at(self, layout: int) -> "ExpertLayout":
+        """The layout of the store's sparse blocks of layout index `layout` (phantom.files.store.layout_index)."""
+        return dict(self.others).get(layout, self)
 
     @property
     def n_experts(self) -> int:
@@ -98,7 +104,7 @@ class ExpertLayout:
         return merge(self.ranges[e] for e in experts)
 
     @classmethod
-    def of_store(cls, store) -> "ExpertLayout":
+    def of_store(cls, store, first: int | None = None) -> "ExpertLayout":
         """The layout of a phantom.files.store.BlockStore's MoE blocks, from its tensor specs, checked against
         the manifest's `files[blocks/NNN.safetensors].experts` where it records them.
 
@@ -109,7 +115,10 @@ class ExpertLayout:
         cfg = store.cfg
         if not cfg.n_experts:
             raise ValueError("routed expert reads need a mixture-of-experts model; this one has no experts")
-        first = next(i for i in range(cfg.n_layers) if cfg.sparse(i))  # dense layers among sparse ones read whole
+        kinds = {store.layout_index(i): i for i in reversed(range(cfg.n_layers)) if cfg.sparse(i)}
+        others = () if first is not None else tuple((k, cls.of_store(store, i)) for k, i in sorted(kinds.items())
+                                                    if i != min(kinds.values()))
+        first = min(kinds.values()) if first is None else first  # dense layers among sparse ones read whole
         if store.quant is not None and not store.blocks[first].experts:
             raise ValueError("routed expert reads: this quantized store keeps each expert's codes and scales apart "
                              "(no expert ranges in its manifest); use expert_reads whole")
@@ -129,7 +138,7 @@ class ExpertLayout:
                 rest.append(name)
         nbytes = store.blocks[first].nbytes
         return cls(tuple(ranges), tuple(between(ranges, nbytes)), tuple(tuple(n) for n in names), nbytes,
-                   cfg.experts_per_token, tuple(rest))
+                   cfg.experts_per_token, tuple(rest), others)
 
 
 def read_ranges(entry, buf: torch.Tensor, ranges, drop_cache: bool = False) -> int:

@@ -117,7 +117,7 @@ class Transfer:
 
     def _load_routed(self, slot: Slot, block: int, source: Held, free_event, experts: frozenset) -> LoadStats:
         """The block's non-expert bytes (unless the device keeps them: `bases`) and those experts' bytes."""
-        lay, base = self.experts, self.kept_base(block)
+        lay, base = self.experts.at(self.store.layout_index(block)), self.kept_base(block)
         slot.converted = self._converted(slot, block)
         ranges = lay.of(experts) if base is not None else list(lay.base) + lay.of(experts)
         stats = self._ranges(slot, block, source, ranges, source.tier.lane, f"read {block} (routed)", free_event)
@@ -139,7 +139,8 @@ class Transfer:
     def _keep_base(self, slot: Slot, block: int) -> None:
         """After a block's first load: its non-expert weights copied out of the slot, to stay (`bases`)."""
         if self.bases is not None and block in self.bases and self.bases[block] is None:
-            self.bases[block] = packed_copy({n: slot.views[n] for n in self.experts.base_names})
+            names = self.experts.at(self.store.layout_index(block)).base_names
+            self.bases[block] = packed_copy({n: slot.views[n] for n in names})
 
     def fill(self, slot: Slot, block: int, source: Held, experts) -> LoadStats:
         """Read the experts of `experts` that a routed slot lacks into it (on the training thread, which
@@ -147,7 +148,7 @@ class Transfer:
         missing = sorted(set(experts) - slot.experts) if slot.experts is not None else []
         if not missing:
             return LoadStats()
-        lay = self.experts
+        lay = self.experts.at(self.store.layout_index(block))
         ranges = lay.of(missing)
         stats = self._ranges(slot, block, source, ranges, source.tier.expert_lane,
                              f"experts {block} ({len(missing)})", None)

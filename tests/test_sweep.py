@@ -124,3 +124,42 @@ def test_each_adapter_of_a_sweep_ends_as_its_own_run(offload, data, singles, tmp
         assert s["final_loss"] == pytest.approx(refs[name]["final_loss"], abs=1e-5)
         assert_same_run(tmp_path / "sweep" / name, root / name)
         assert (tmp_path / "sweep" / name / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_three_adapters_read_the_weights_of_one(data, tmp_path):
+    """Bytes and block loads per step from the disk tier (the scheduler's counters) with three adapters
+    equal those of one adapter's run."""
+    root = tmp_path / "one"
+    single(root, data, None, "a", offload="disk")
+    with load("disk", None, 2) as model:
+        train_adapters(model, jobs(tmp_path, data))
+    one, three = metrics(root / "a"), metrics(tmp_path / "sweep" / "a")
+    steps = [r for r in one if r["step"] > 0]
+    assert len(steps) == 5 and all(r["bytes_read"] > 0 and r["loads"] > 0 for r in steps)
+    for r, q in zip(steps, [r for r in three if r["step"] > 0], strict=True):
+        assert (q["bytes_read"], q["loads"], q["adapters"]) == (r["bytes_read"], r["loads"], 3)
+
+
+def test_an_adapter_driven_to_nan_stops_alone(data, singles, tmp_path):
+    root, refs = singles
+    js = jobs(tmp_path, data)
+    js[1].cfg = cfg(tmp_path / "sweep" / "b", lr=1e12, warmup=0, seed=2)  # b blows up; a and c go on
+    with load("ram", None, 2) as model:
+        a, b, c = train_adapters(model, js)
+    assert (a["status"], b["status"], c["status"]) == ("done", "nan", "done")
+    assert b["steps"] < 5 and b["adapter"] is None and not (tmp_path / "sweep" / "b" / "adapter").exists()
+    assert metrics(tmp_path / "sweep" / "b")[-1]["step"] == b["steps"]
+    for name in "ac":
+        assert_same_run(tmp_path / "sweep" / name, root / name)
+
+
+def test_dpo_adapters_end_as_their_own_runs(tok, tmp_path):
+    pairs = preference.split_pairs(preference.load_pairs(None, tok), 0.1)
+    kw = dict(iters=3, seq_len=48, eval_every=0, grad_accum=1)
+    data = {"text": pairs, "other": pairs}
+    with load("disk", None, 4) as model:
+        assert [s["status"] for s in train_adapters(model, jobs(tmp_path, data, "dpo", ("a", "b"), **kw))] == \
+            ["done"] * 2
+    for name in "ab":
+        single(tmp_path / "single", data, tok, name, "dpo", **kw)
+        assert_same_run(tmp_path / "sweep" / name, tmp_path / "single" / name)

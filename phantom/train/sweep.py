@@ -98,7 +98,8 @@ def train_adapters(model, jobs: list[Job]) -> list[dict]:
                     log.error("adapter %s: the loss or gradient became not finite at step %d; it stops, the others "
                               "go on", m.view.adapter.name, m.step)
                     continue
-                after_step(m.run, rec, m.log, _NoBar(), last=m.step == m.run.cfg.iters or stop.set)
+                with m.view.adapter.rng.active():  # its checkpoint keeps its own dropout stream
+                    after_step(m.run, rec, m.log, _NoBar(), last=m.step == m.run.cfg.iters or stop.set)
                 m.status = "done" if m.step == m.run.cfg.iters else None
             take()  # the evaluations' and checkpoints' traffic is not the next step's
             bar.set_postfix(loss="/".join(f"{m.loss:.3f}" for m in members), refresh=False)

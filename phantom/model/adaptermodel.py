@@ -13,7 +13,22 @@ import torch
 
 from phantom.base import provenance
 from phantom.model.adapterfiles import save_adapter
-from phantom.stream.lanes import Adapter, Lane
+from phantom.model.backends import build_layers
+from phantom.model.lora import LoraConfig, for_family
+from phantom.stream.lanes import Adapter, Lane, RngStream
+
+
+def add_adapter(model, name: str, lora: LoraConfig) -> Adapter:
+    """Another LoRA on `model`'s loaded weights (a PhantomModel; phantom.stream.lanes): its own copy of the
+    block modules (base weights bound to the model's, its LoRA initialised from lora.seed as a model loaded
+    with it alone) and its own dropout stream. Forward its rows in a `lanes` list to train it beside others."""
+    if model.full:
+        raise ValueError("several adapters train LoRAs; full finetuning updates the weights they share")
+    cfg = for_family(lora, model.cfg)
+    layers = build_layers(model.cfg, cfg, model.activations, model.weight_dtype, model.device)
+    model.backend.share(layers)
+    model.adapters.append(layers)  # registered: .to(), train() and eval() reach them
+    return Adapter(name, cfg, layers, RngStream.seeded(model.device, lora.seed))
 
 
 class AdapterModel:

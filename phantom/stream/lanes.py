@@ -94,6 +94,8 @@ class Lane:
 
 def split_rows(x: torch.Tensor, lanes: list[Lane] | None, micro_batch: int | None) -> list[torch.Tensor]:
     """x's micro-batches: each lane's rows split on their own (no micro-batch spans two lanes)."""
+    if lanes and sum(lane.rows for lane in lanes) != x.shape[0]:
+        raise ValueError(f"the lanes hold {sum(lane.rows for lane in lanes)} rows, the batch {x.shape[0]}")
     parts = x.split([lane.rows for lane in lanes]) if lanes else (x,)
     return [c for part in parts for c in (part.split(micro_batch) if micro_batch else (part,))]
 
@@ -103,11 +105,6 @@ def chunk_lanes(lanes: list[Lane] | None, micro_batch: int | None, total: int) -
     if not lanes:
         return [None] * (-(-total // micro_batch) if micro_batch else 1)
     return [lane for lane in lanes for _ in range(-(-lane.rows // micro_batch) if micro_batch else 1)]
-
-
-def check(lanes: list[Lane], rows: int) -> None:
-    if sum(lane.rows for lane in lanes) != rows:
-        raise ValueError(f"the lanes hold {sum(lane.rows for lane in lanes)} rows, the batch {rows}")
 
 
 def replay_streams(lanes: list[Lane] | None) -> dict | None:

@@ -59,10 +59,11 @@ class Machine:
     ddp: object  # phantom.train.dist.DistInfo
 
 
-def run(cfg: rc.RunConfig) -> dict:
+def run(cfg: rc.RunConfig, sweep=None) -> dict:
     """Train as `cfg` says; returns the run's summary (status, steps, losses, files; `report`: the
-    lines the script prints, None on ranks other than 0). With cfg.adapters, phantom.train.sweeprun's:
-    each adapter's summary under "adapters"."""
+    lines the script prints, None on ranks other than 0). With cfg.adapters, `sweep(cfg, machine, path,
+    store)` trains them (phantom.train.launch gives phantom.train.sweeprun.run_sweep) and its summary is
+    returned."""
     machine, asked_quiet = start(cfg), not cfg.train.progress
     quiet = asked_quiet or not machine.ddp.is_main  # one voice per job: rank 0 logs, the others only errors
     logging.basicConfig(level=logging.ERROR if not machine.ddp.is_main else logging.WARNING if quiet else
@@ -79,8 +80,9 @@ def run(cfg: rc.RunConfig) -> dict:
                                               segments=True), tok, cfg.data.show_data, ids=cfg.data.show_data_ids))
         return {"status": "shown", "report": None}
     if cfg.adapters:  # several adapters, one read of the weights a step
-        from phantom.train.sweeprun import run_sweep
-        return run_sweep(cfg, machine, path, store)
+        if sweep is None:
+            raise ValueError("several adapters are trained by phantom.run (phantom.train.launch.run)")
+        return sweep(cfg, machine, path, store)
     given, cfg = cfg, decided(cfg, store)
     out = Path(cfg.train.out)
     main = machine.ddp.is_main

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from phantom.base import faults, fileio
-from phantom.model.adaptermodel import AdapterModel
+from phantom.model.adaptermodel import AdapterModel, add_adapter
 from phantom.model.lora import LoraConfig
 from phantom.stream.lanes import Lane, RngStream
 from phantom.train.loop import Run, StopFlag, after_step, finish, start_run
@@ -115,7 +115,7 @@ def train_adapters(model, jobs: list[Job]) -> list[dict]:
 def join(model, job: Job) -> Member:
     """job's adapter on `model`, and its run started as phantom.train.loop starts one: its seed (or its
     checkpoint) sets the generators, whose state then becomes the adapter's own dropout stream."""
-    adapter = model.add_adapter(job.name, job.lora)
+    adapter = add_adapter(model, job.name, job.lora)
     view = AdapterModel(model, adapter)
     run = start_run(view, job.train_data, job.val_data, job.cfg, job.tokenizer, job.sinks, job.keep)
     adapter.rng = RngStream.capture(model.device)

@@ -64,7 +64,8 @@ def run(cfg: rc.RunConfig, sweep=None) -> dict:
     lines the script prints, None on ranks other than 0). With cfg.adapters, `sweep(cfg, machine, path,
     store)` trains them (phantom.train.launch gives phantom.train.sweeprun.run_sweep) and its summary is
     returned."""
-    rc.adapter_runs(cfg)  # each adapter's values checked before anything is generated or measured
+    if cfg.adapters:
+        rc.adapter_runs(cfg)  # each adapter's values checked before anything is generated or measured
     machine, asked_quiet = start(cfg), not cfg.train.progress
     quiet = asked_quiet or not machine.ddp.is_main  # one voice per job: rank 0 logs, the others only errors
     logging.basicConfig(level=logging.ERROR if not machine.ddp.is_main else logging.WARNING if quiet else

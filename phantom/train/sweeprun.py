@@ -43,6 +43,8 @@ def run_sweep(given: rc.RunConfig, machine, path: Path, store: BlockStore) -> di
     if given.train.mode == "full":
         raise ValueError("several adapters train LoRAs (--mode lora or dpo); full finetuning updates the weights "
                          "they would share")
+    if given.output.export != "none":
+        raise ValueError("--export writes one model; export an adapter of a sweep with merge_lora.py")
     members = [(name, g, runner.decided(g, store)) for name, g in rc.adapter_runs(given)]
     top = runner.decided(given, store)
     out, t = Path(given.train.out), given.train
@@ -58,8 +60,6 @@ def run_sweep(given: rc.RunConfig, machine, path: Path, store: BlockStore) -> di
 
 def claimed_sweep(top: rc.RunConfig, members: list, machine, path: Path, store: BlockStore, held) -> list[dict]:
     """The sweep inside its claimed folders: files, model, trackers, training, run cards."""
-    if top.output.export != "none":
-        raise ValueError("--export writes one model; export an adapter of a sweep with merge_lora.py")
     first = {}
     if top.train.resume:  # activations as the first adapter's checkpoint recorded them
         flags = {k: v for k, v in rc.to_args(top).items() if k in P.Activations.__dataclass_fields__}

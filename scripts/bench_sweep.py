@@ -1,7 +1,11 @@
 """Benchmark several LoRA adapters trained in one run against the same adapters trained one run each.
 
-    python scripts/bench_sweep.py --dim 1024 --layers 8 --batch-size 1 --seq-len 16 --offload disk --adapters 4
-    python scripts/bench_sweep.py --dim 512 --layers 4 --batch-size 8 --seq-len 256 --offload ram --adapters 4
+    python scripts/bench_sweep.py --dim 1024 --layers 8 --batch-size 1 --seq-len 4 --offload disk --throttle 0.1
+    python scripts/bench_sweep.py --dim 512 --layers 4 --batch-size 4 --seq-len 128 --offload ram --adapters 4
+
+--throttle GBPS reads the disk tier's blocks no faster than GBPS (each read padded with a sleep: a slow disk or
+a network store, where streaming bounds the step; registered as the tier `slowdisk`, which the cost model
+plans from its declared rate).
 
 A synthetic store of that shape (fp32), random token data; each adapter has its own learning rate and seed.
 The sweep (phantom.train.sweep: each loaded block serves every adapter) and the separate runs
@@ -18,6 +22,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 from statistics import median
 
@@ -32,6 +37,7 @@ from phantom.base.cpufeatures import cpu_flags  # noqa: E402
 from phantom.data.dataset import TokenData  # noqa: E402
 from phantom.model.synthetic import write_synthetic  # noqa: E402
 from phantom.plan import costinputs as ci, costsweep, profiles  # noqa: E402
+from phantom.stream import tiers  # noqa: E402
 from phantom.stream.placement import Activations, Placement  # noqa: E402
 from phantom.train.loop import train  # noqa: E402
 from phantom.train.sweep import Job, train_adapters  # noqa: E402
@@ -47,12 +53,37 @@ def parse_args(argv=None):
     a("--vocab", type=int, default=1024)
     a("--batch-size", type=int, default=1)
     a("--seq-len", type=int, default=16)
-    a("--offload", default="disk", choices=("disk", "ram", "none"))
+    a("--offload", default="disk", choices=("disk", "ram", "none"), help="where the blocks stream from")
     a("--prefetch", type=int, default=2)
     a("--adapters", type=int, default=4)
+    a("--throttle", type=float, default=None, metavar="GBPS", help="with --offload disk: read no faster than this")
     a("--steps", type=int, default=5, help="timed steps of each run (after one untimed)")
     a("--out", default="notes/bench-sweep.md")
     return p.parse_args(argv)
+
+
+class SlowDiskTier(tiers.DiskTier):
+    """The disk tier read no faster than `gbps`: each block's read is padded with a sleep to that rate."""
+
+    name = "slowdisk"
+
+    def __init__(self, gbps: float):
+        self.gbps = gbps
+
+    def read_s(self, nbytes: int, profile) -> float:
+        return max(nbytes / (self.gbps * tiers.GB), super().read_s(nbytes, profile))
+
+    def open(self, ctx: tiers.TierContext, blocks: list[int]) -> tiers.Held:
+        return SlowDiskHeld(self, ctx)
+
+
+class SlowDiskHeld(tiers.DiskHeld):
+    def read_into(self, block: int, into: torch.Tensor):
+        t0 = time.perf_counter()
+        check = super().read_into(block, into)
+        floor = into.numel() * into.element_size() / (self.tier.gbps * tiers.GB)
+        time.sleep(max(0.0, floor - (time.perf_counter() - t0)))
+        return check
 
 
 def config(args, out: Path, name: str, k: int) -> TrainConfig:
@@ -69,6 +100,9 @@ def step_figures(out: Path) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.throttle:
+        tiers.register(SlowDiskTier(args.throttle), replace=True)
+        args.offload = "slowdisk"
     torch.manual_seed(0)
     cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.heads,
                       vocab_size=args.vocab, max_seq_len=max(args.seq_len, 256))

@@ -3,9 +3,9 @@
     python scripts/bench_sweep.py --dim 1024 --layers 8 --batch-size 1 --seq-len 4 --offload disk --throttle 0.1
     python scripts/bench_sweep.py --dim 512 --layers 4 --batch-size 4 --seq-len 128 --offload ram --adapters 4
 
---throttle GBPS reads the disk tier's blocks no faster than GBPS (each read padded with a sleep: a slow disk or
-a network store, where streaming bounds the step; registered as the tier `slowdisk`, which the cost model
-plans from its declared rate).
+--throttle GBPS reads the disk tier's blocks no faster than GBPS in all (one read at a time, each padded with a
+sleep: a slow disk or a network store, where streaming bounds the step; registered as the tier `slowdisk`,
+which the cost model plans from its declared rate).
 
 A synthetic store of that shape (fp32), random token data; each adapter has its own learning rate and seed.
 The sweep (phantom.train.sweep: each loaded block serves every adapter) and the separate runs
@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from statistics import median
@@ -63,12 +64,13 @@ def parse_args(argv=None):
 
 
 class SlowDiskTier(tiers.DiskTier):
-    """The disk tier read no faster than `gbps`: each block's read is padded with a sleep to that rate."""
+    """The disk tier read no faster than `gbps` in all: one read at a time (the reader threads queue for the
+    link), each padded with a sleep to that rate."""
 
     name = "slowdisk"
 
     def __init__(self, gbps: float):
-        self.gbps = gbps
+        self.gbps, self.link = gbps, threading.Lock()
 
     def read_s(self, nbytes: int, profile) -> float:
         return max(nbytes / (self.gbps * tiers.GB), super().read_s(nbytes, profile))
@@ -79,10 +81,11 @@ class SlowDiskTier(tiers.DiskTier):
 
 class SlowDiskHeld(tiers.DiskHeld):
     def read_into(self, block: int, into: torch.Tensor):
-        t0 = time.perf_counter()
-        check = super().read_into(block, into)
-        floor = into.numel() * into.element_size() / (self.tier.gbps * tiers.GB)
-        time.sleep(max(0.0, floor - (time.perf_counter() - t0)))
+        with self.tier.link:
+            t0 = time.perf_counter()
+            check = super().read_into(block, into)
+            floor = into.numel() * into.element_size() / (self.tier.gbps * tiers.GB)
+            time.sleep(max(0.0, floor - (time.perf_counter() - t0)))
         return check
 
 

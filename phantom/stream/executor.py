@@ -272,7 +272,7 @@ class BlockExecutor:
             self.reference = torch.cat(self.run_rows(i, self.rows(self.reference, rope, mask, self.lanes)))
 
     def run_rows(self, i: int, rows) -> list[torch.Tensor]:
-        """Block i (held) over each micro-batch of rows ((x, rope, mask) each): a block read routed runs
+        """Block i (held) over each micro-batch of rows ((x, rope, mask, lane) each): a block read routed runs
         the attention half of every micro-batch, reads the experts any of their tokens routes to (one
         request), then the MLP halves. A lane's micro-batch runs through its adapter's block, drawing dropout
         from its adapter's stream."""

@@ -194,7 +194,8 @@ def parse_args(parser: argparse.ArgumentParser, argv=None, sections: tuple[str, 
         return args
     path = Path(args.config)
     doc = read(path)
-    parser.set_defaults(**values(doc, parser, path, sections), adapters=doc.get(ADAPTERS))
+    listed = {ADAPTERS: doc[ADAPTERS]} if ADAPTERS in doc else {}  # a sweep's adapters (RunConfig.adapters)
+    parser.set_defaults(**values(doc, parser, path, sections), **listed)
     return parser.parse_args(argv)
 
 

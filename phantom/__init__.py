@@ -25,9 +25,10 @@ def run(cfg: RunConfig) -> dict:
 
         s = phantom.run(phantom.RunConfig(train=phantom.TrainConfig(iters=20, out="runs/demo")))
 
-    Returns the run's summary (status, steps, final loss, files). Raises ValueError or
+    Returns the run's summary (status, steps, final loss, files); with cfg.adapters (several adapters in one
+    pass over the weights), each adapter's summary under "adapters". Raises ValueError or
     FileNotFoundError on bad input, before anything is written."""
-    from phantom.train.runner import run as run_
+    from phantom.train.launch import run as run_
     return run_(cfg)
 
 

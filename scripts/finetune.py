@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from phantom.train import cli, runconfig, runner
+from phantom.train import cli, launch, runconfig
 from phantom.train.runconfig import RUN_FILE_HELP, SECTIONS, run_file_sections, train_config  # noqa: E402,F401 (tests)
 
 
@@ -25,10 +25,10 @@ def parse_args(argv=None):
 
 def run(argv=None) -> int:
     """parse -> RunConfig -> run: the summary printed, exit 0 for a run done or stopped by Ctrl-C."""
-    s = runner.run(runconfig.from_argv(argv, parser()))
+    s = launch.run(runconfig.from_argv(argv, parser()))
     if s["report"]:
         print(s["report"])
-    return runner.EXIT.get(s["status"], 1)
+    return launch.EXIT.get(s["status"], 1)
 
 
 def main(argv=None) -> int:

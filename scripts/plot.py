@@ -1,5 +1,6 @@
 """Plot a finetune run: `python scripts/plot.py --out out/finetune` writes loss.png (train and eval
-loss) and, when the run had --trace, timeline.png (compute vs reads vs copies per block).
+loss) and, when the run had --trace, timeline.png (compute vs reads vs copies per block). A sweep's
+folder (OUT/sweep.md, one run folder per adapter) gets sweep.png: every adapter's losses in one plot.
 
 Needs matplotlib (pip install matplotlib, or the package's `plot` extra).
 """
@@ -45,6 +46,30 @@ def plot_loss(plt, recs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_sweep(plt, runs: dict[str, list[dict]], path: Path) -> None:
+    """Each adapter's train loss (EMA) and held-out loss, one colour per adapter."""
+    fig, ax = plt.subplots(figsize=(9, 5))
+    cmap = plt.get_cmap("tab10")
+    for k, (name, recs) in enumerate(runs.items()):
+        train = [(r["step"], r["loss"]) for r in recs if r.get("loss") is not None]
+        evals = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
+        if train:
+            steps, losses = zip(*train)
+            ax.plot(steps, ema(list(losses)), color=cmap(k % 10), lw=1.5, label=f"{name} train (EMA)")
+        if evals:
+            ax.plot(*zip(*evals), "o--", color=cmap(k % 10), lw=1, ms=3, label=f"{name} held-out")
+    ax.set(xlabel="step", ylabel="loss (nats / token)", title=f"sweep: {path.parent}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def read_records(metrics: Path) -> list[dict]:
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
 def plot_timeline(plt, trace: dict, path: Path, last_ms: float) -> None:
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     lane_of = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e.get("ph") == "M"}
@@ -84,10 +109,16 @@ def main(argv=None) -> int:
         print("error: plotting needs matplotlib; pip install matplotlib", file=sys.stderr)
         return 2
     metrics = args.out / "metrics.jsonl"
+    if (args.out / "sweep.md").is_file() and not metrics.is_file():
+        runs = {d.name: read_records(d / "metrics.jsonl") for d in sorted(args.out.iterdir())
+                if (d / "metrics.jsonl").is_file()}
+        plot_sweep(plt, runs, args.out / "sweep.png")
+        print(f"wrote {args.out / 'sweep.png'} ({len(runs)} adapters)")
+        return 0
     if not metrics.is_file():
         print(f"error: no {metrics}; run scripts/finetune.py --out {args.out} first", file=sys.stderr)
         return 2
-    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    recs = read_records(metrics)
     plot_loss(plt, recs, args.out / "loss.png")
     print(f"wrote {args.out / 'loss.png'}")
     trace = args.out / "trace.json"

@@ -24,7 +24,7 @@ import phantom  # noqa: E402
 from phantom.arch import config, family, presets
 from phantom.arch.quantformat import METHODS, SHIPPED  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
-from phantom.plan import costexperts, planner, profiles, tune
+from phantom.plan import costexperts, costsweep, planner, profiles, tune
 from phantom.plan import costinputs as ci
 from phantom.plan import costmodel as cm
 from phantom.stream.placement import Placement, offload_choices, parse_bytes  # noqa: E402
@@ -50,6 +50,9 @@ def parse_args(argv=None):
     a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")
     a("--grad-accum", type=int, default=1, help="calls per block per step (rows per step = batch size x this)")
     a("--seq-len", type=int, default=128, help="tokens per row")
+    a("--adapters", type=int, default=1, metavar="K", help="plan K LoRA adapters trained in one run (finetune.py "
+                                                          "--sweep): their predicted step against K separate runs, "
+                                                          "and how many adapters fit beside the blocks")
     a("--offload", default="auto", choices=offload_choices(), help="offload mode to plan (auto: device, RAM, disk by "
                                                                   "budget; or a tier an installed package declares)")
     a("--device-budget", type=parse_bytes, default=None, help="device bytes for resident blocks and slots, e.g. 60G")
@@ -125,6 +128,19 @@ def search_space(args, budgets: Placement) -> planner.SearchSpace:
     return planner.SearchSpace(offloads=(args.offload,), micro_batches=(args.batch_size,), budgets=budgets)
 
 
+def describe_adapters(args, cfg, profile, shape, best) -> str:
+    """--adapters K: the plan's step for K adapters against K separate runs on its placement, and how many
+    adapters (LoRA rank 8 on q, v each) fit beside its blocks."""
+    state = costsweep.lora_params(cfg) * costsweep.LORA_STATE_BYTES
+    rows = args.batch_size * args.grad_accum
+    fit = costsweep.adapters_that_fit(profile, shape, best.placement, best.activations, rows, state)
+    fits = f"; {fit} adapters of {rows} rows (LoRA rank 8 on q, v) fit beside these blocks"
+    if args.adapters == 1:
+        return f"adapters   one{fits} (--adapters K plans a sweep of K)"
+    sweep = costsweep.predict_sweep(profile, shape, best.placement, best.activations, rows, args.adapters, state)
+    return sweep.describe() + fits
+
+
 def read_config(path: Path, vocab_size: int | None):
     if not path.is_file():
         raise FileNotFoundError(f"no config file at {path}: give a config.json (HF) or params.json (Meta)")
@@ -172,8 +188,8 @@ def run(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     try:
-        if min(args.batch_size, args.grad_accum, args.seq_len) < 1:
-            raise ValueError("--batch-size, --grad-accum and --seq-len must be >= 1")
+        if min(args.batch_size, args.grad_accum, args.seq_len, args.adapters) < 1:
+            raise ValueError("--batch-size, --grad-accum, --seq-len and --adapters must be >= 1")
         device = phantom.resolve_device(args.device)
         dtype = cli.resolve_dtype(args.dtype, device)
         name, cfg, store_dtype, quant, profile, disk = model_and_profile(args, device, dtype)
@@ -183,7 +199,7 @@ def run(argv=None) -> int:
                                                   {"free_host_bytes": args.host_memory}))
         profile = dataclasses.replace(profile, **overrides)
         budgets = Placement(device_budget=args.device_budget, ram_budget=args.ram_budget)
-        rows = args.batch_size * args.grad_accum
+        rows = args.batch_size * args.grad_accum * args.adapters  # K adapters: K times the rows, one read
         shape = ci.shape_of(cfg, store_dtype, dtype, args.seq_len, quant)
         cands = planner.search(profile, shape, rows, search_space(args, budgets))
         best = planner.choose(cands)
@@ -207,6 +223,7 @@ def run(argv=None) -> int:
         print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict(), **extra}))
         return 0
     print(planner.describe_plan(best, shape, profile, name))
+    print(describe_adapters(args, cfg, profile, shape, best))
     if emulated is not None:
         print(emulated["line"])
     if cfg.n_experts and not quant:

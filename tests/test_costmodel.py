@@ -238,3 +238,24 @@ def test_a_cpu_loader_dequantizing_takes_its_share_of_the_compute_cores():
     a, b = (cm.predict(p, shape, place, Activations(recompute="none"), 2) for p in (free, two))
     per_load = shape.dequant_bytes / 1e9
     assert a.loads > 0 and abs((b.step_s - a.step_s) - a.loads * per_load / 2) < 1e-9 * b.step_s
+
+
+def test_adapters_in_one_run_read_once_and_compute_k_times():
+    """K adapters: K times the rows through each block, the reads of one run; against K separate runs the
+    step shrinks toward 1/K where reads bound it and stays K times one run's where compute does."""
+    from phantom.plan import costsweep
+    shape = ci.shape_of(CFG, "fp32", "fp32", 16)
+    disk = ("disk",) * 8
+    slow_disk = ci.MachineProfile(machine="t", device="cuda", fwd_flops=1e12, disk_gbps=0.01, h2d_gbps=1.0,
+                                  free_device_bytes=8 * GiB, free_host_bytes=64 * GiB)
+    fast_disk = dataclasses.replace(slow_disk, fwd_flops=1e6, disk_gbps=100.0)
+    acts = Activations(recompute="all", micro_batch=4)
+    place = Placement(offload="disk", prefetch=1)
+    for profile, bound in ((slow_disk, "disk"), (fast_disk, "compute")):
+        s = costsweep.predict_sweep(profile, shape, place, acts, 4, 4, adapter_bytes=1 << 20)
+        one = cm.predict(profile, shape, place, acts, 16, tiers=disk)
+        assert s.together.step_s == pytest.approx(one.step_s) and s.together.bytes_read == s.alone.bytes_read
+        assert s.together.bound == bound and s.state_bytes == 4 << 20
+        assert (s.ratio < 0.3) if bound == "disk" else s.ratio == pytest.approx(1.0, rel=0.05)
+    fit = costsweep.adapters_that_fit(slow_disk, shape, place, acts, 4, adapter_bytes=GiB)
+    assert 1 <= fit < 8 and costsweep.adapters_that_fit(slow_disk, shape, place, acts, 4, adapter_bytes=64 * GiB) == 0

@@ -25,7 +25,8 @@ from phantom.base import fileio, safejson
 MARKER = "phantom-run.json"
 LOCK = ".lock"
 # What phantom writes at the top of a run folder; links are looked for only where it writes.
-OWN_FILES = (LOCK, MARKER, "config.yaml", "README.md", "metrics.jsonl", "trace.json", "reference_logps.safetensors")
+OWN_FILES = (LOCK, MARKER, "config.yaml", "README.md", "metrics.jsonl", "trace.json", "reference_logps.safetensors",
+             "sweep.md")
 OWN_FOLDERS = ("adapter", "checkpoint", "checkpoint.tmp", "checkpoint.old", "tensorboard", "store", "optim")
 WORK_FOLDERS = ("store", "optim")  # full finetuning's working copy: removed only where a full run made it
 SHOWN = 8  # names listed in a refusal

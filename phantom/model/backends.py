@@ -18,6 +18,7 @@ from phantom.arch.ops import KVCache
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import packed_empty
 from phantom.model.lora import LoraConfig, apply_lora
+from phantom.stream import lanes as L
 from phantom.stream.executor import BlockExecutor
 from phantom.stream.memory import free_device_bytes, free_host_bytes
 from phantom.stream.placement import Activations
@@ -69,26 +70,36 @@ class ResidentBlocks:
                         owner, _, leaf = name.rpartition(".")
                         block.get_submodule(owner).register_parameter(leaf, nn.Parameter(view, requires_grad=False))
 
+    def share(self, layers: nn.ModuleList) -> None:
+        """An adapter's copy of the blocks (phantom.stream.lanes) takes the same resident weights."""
+        for block, source in zip(layers, self.layers):
+            L.bind_shared(block, source)
+
     def embed_table(self, dtype: torch.dtype, trained: bool) -> torch.Tensor:
         """The embedding table, on the device with the blocks."""
         return self.store.load_embed()["tok_embeddings.weight"].to(self.device, dtype)
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None, start_pos: int = 0,
-                 mask: torch.Tensor | None = None, reference: torch.Tensor | None = None):
+                 mask: torch.Tensor | None = None, reference: torch.Tensor | None = None,
+                 lanes: list[L.Lane] | None = None):
         """Every block over h (micro-batches of `micro_batch` rows); with `reference`, also over that
-        hidden state with the adapters off and no autograd, block by block beside h (returns both)."""
-        split = (lambda t: t.split(self.micro_batch)) if self.micro_batch else (lambda t: (t,))
+        hidden state with the adapters off and no autograd, block by block beside h (returns both).
+        `lanes`: each adapter's rows through its own blocks, its micro-batches split on their own."""
+        split = lambda t: L.split_rows(t, lanes, self.micro_batch)  # noqa: E731
         for i, block in enumerate(self.layers):
             if caches is not None:
                 h = block(h, rope, caches[i], start_pos)
-            else:
-                ropes = split(rope) if mask is not None else [rope] * len(split(h))  # packed rows: a rope per row
-                masks = split(mask) if mask is not None else [None] * len(split(h))
-                h = torch.cat([block(hc, rc, mask=mc) for hc, rc, mc in zip(split(h), ropes, masks)])
-                if reference is not None:
-                    with torch.no_grad(), lora_disabled(block):
-                        reference = torch.cat([block(r, rc, mask=mc)
-                                               for r, rc, mc in zip(split(reference), ropes, masks)])
+                continue
+            hs = split(h)
+            ropes = split(rope) if mask is not None else [rope] * len(hs)  # packed rows: a rope per row
+            masks = split(mask) if mask is not None else [None] * len(hs)
+            which = L.chunk_lanes(lanes, self.micro_batch, h.shape[0])
+            blocks = [block if lane is None else lane.adapter.layers[i] for lane in which]
+            h = torch.cat([_drawn(b, lane, hc, rc, mc) for b, lane, hc, rc, mc in zip(blocks, which, hs, ropes, masks)])
+            if reference is not None:
+                with torch.no_grad():
+                    reference = torch.cat([_reference(b, r, rc, mc)
+                                           for b, r, rc, mc in zip(blocks, split(reference), ropes, masks)])
         return h if reference is None else (h, reference)
 
     def block_groups(self) -> list[list[nn.Parameter]]:
@@ -100,6 +111,19 @@ class ResidentBlocks:
 
     def close(self) -> None:
         """Nothing to stop."""
+
+
+def _drawn(block: nn.Module, lane: L.Lane | None, h: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
+    """block over one micro-batch; a lane's dropout draws from its adapter's stream."""
+    if lane is None:
+        return block(h, rope, mask=mask)
+    with lane.adapter.rng_for():
+        return block(h, rope, mask=mask)
+
+
+def _reference(block: nn.Module, h: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    with lora_disabled(block):
+        return block(h, rope, mask=mask)
 
 
 class StreamedBlocks:
@@ -128,10 +152,17 @@ class StreamedBlocks:
         return self.store.load_embed()["tok_embeddings.weight"].to(dtype)
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None, start_pos: int = 0,
-                 mask: torch.Tensor | None = None, reference: torch.Tensor | None = None):
-        """Every block over h on streamed weights (the executor's autograd reaches each block's LoRA)."""
+                 mask: torch.Tensor | None = None, reference: torch.Tensor | None = None,
+                 lanes: list[L.Lane] | None = None):
+        """Every block over h on streamed weights (the executor's autograd reaches each block's LoRA, and
+        each lane's adapter's)."""
         trained = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
-        return self.executor(h, rope, trained, caches, start_pos, mask, reference)
+        for lane in lanes or ():
+            trained = [ps + lane.adapter.trained(i) for i, ps in enumerate(trained)]
+        return self.executor(h, rope, trained, caches, start_pos, mask, reference, lanes)
+
+    def share(self, layers: nn.ModuleList) -> None:
+        """Nothing: an adapter's blocks are bound to the streamed weights with the model's, per use."""
 
     def block_groups(self) -> list[list[nn.Parameter]]:
         """None: each streamed block is clipped as its gradients arrive (phantom.model.fullmode)."""

@@ -27,6 +27,7 @@ from phantom.model.lora import LoraConfig, for_family
 from phantom.model.adapterfiles import load_adapter, save_adapter
 from phantom.stream.optim import AdamWConfig, BlockAdamW, FullFinetune
 from phantom.stream.placement import LOSS_BYTES_PER_LOGIT, Activations, Placement
+from phantom.stream.lanes import Lane
 from phantom.stream.scheduler import BlockScheduler
 
 MODES = ("lora", "full")
@@ -75,6 +76,7 @@ class PhantomModel(nn.Module):
         self.micro_batch = activations.micro_batch
         self.loss_chunk = activations.loss_chunk or default_loss_chunk(self.cfg.vocab_size, self.device)
         self.layers = build_layers(self.cfg, self.lora_cfg, activations, self.weight_dtype, self.device)
+        self.adapters = nn.ModuleList()  # the block modules of adapters added (phantom.model.adaptermodel)
         head_dtype = torch.float32 if self.full else self.weight_dtype  # trained ones keep fp32 masters
         self._load_head(head_dtype)
 
@@ -134,12 +136,13 @@ class PhantomModel(nn.Module):
     # -- public API ----------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                segments: torch.Tensor | None = None) -> torch.Tensor:
+                segments: torch.Tensor | None = None, lanes: list[Lane] | None = None):
         """Logits (B, T, vocab) in fp32, or with targets the mean cross-entropy (a scalar).
 
-        Tokens and targets may be on the host (pinned: their uploads overlap) or the device.
-        segments: (B, T) example ids of packed rows (phantom.data.batches.Packed): each example attends only to
-        itself and its positions start at 0, so a packed row computes what its examples do alone."""
+        Tokens and targets may be on the host (pinned: their uploads overlap) or the device. lanes: each adapter's
+        rows (phantom.model.adaptermodel.add_adapter), one loss each. segments: (B, T) example ids of packed rows
+        (phantom.data.batches.Packed): each example attends only to itself and its positions start at 0, so a
+        packed row computes what its examples do alone."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
@@ -155,22 +158,24 @@ class PhantomModel(nn.Module):
                                        segments)
         router = RouterLoss.attach(self.layers, self.cfg, self.device, on=self.full and targets is not None)
         with torch.autocast(**self.autocast_args()):
-            h = self.blocks(h, rope, mask=mask)
+            h = self.blocks(h, rope, mask=mask, lanes=lanes)
             if targets is None:
                 return self.logits(h)
             if targets.shape != tokens.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} differs from tokens {tuple(tokens.shape)}")
             targets = targets.to(self.device, non_blocking=targets.device.type == "cpu")
-            loss = ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, targets, self.cfg.norm_eps,
-                                         self.loss_chunk, self.cfg.norm_offset, self.cfg.final_softcap)
-            return loss if router is None else loss + router.term(h)  # full MoE finetuning: the routers' balance
+            tail = (self.cfg.norm_eps, self.loss_chunk, self.cfg.norm_offset, self.cfg.final_softcap)
+            loss = lambda h, t: ChunkedHeadLoss.apply(h, self.norm_weight, self.output_weight, t, *tail)  # noqa: E731
+            if lanes:  # each adapter's loss over its own rows, as its own run computes it
+                return per_lane(loss, lanes, h, targets)
+            return loss(h, targets) if router is None else loss(h, targets) + router.term(h)  # MoE: routers' balance
 
-    def sequence_logps(self, tokens: torch.Tensor, targets: torch.Tensor,
-                       reference: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sequence_logps(self, tokens: torch.Tensor, targets: torch.Tensor, reference: bool = False,
+                       lanes: list[Lane] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each row's summed log-probability of its targets (-100 ignored): (B,) fp32, with autograd
         to the LoRA weights. With `reference`, also the base model's (adapters off, no autograd) as
         the second value (else None): each block runs both while it is loaded, so the store is read
-        exactly as for the policy alone."""
+        exactly as for the policy alone. `lanes`: as forward's; one (policy, reference) pair per lane."""
         if tokens.dim() != 2 or targets.shape != tokens.shape:
             raise ValueError(f"tokens and targets must be (batch, seq_len) alike, got {tuple(tokens.shape)} and "
                              f"{tuple(targets.shape)}")
@@ -184,13 +189,10 @@ class PhantomModel(nn.Module):
         head = (self.norm_weight, self.output_weight, targets.to(self.device), self.cfg.norm_eps, self.loss_chunk,
                 self.cfg.norm_offset, self.cfg.final_softcap)
         with torch.autocast(**self.autocast_args()):
-            out = self.blocks(h, rope, reference=h.detach() if reference else None)
+            out = self.blocks(h, rope, reference=h.detach() if reference else None, lanes=lanes)
             h, h_ref = out if reference else (out, None)
-            logps = ChunkedHeadLogps.apply(h, *head)
-            if h_ref is None:
-                return logps, None
-            with torch.no_grad():
-                return logps, ChunkedHeadLogps.apply(h_ref, *head)
+            logps = lambda h, targets, h_ref: head_logps(h, (*head[:2], targets, *head[3:]), h_ref)  # noqa: E731
+            return per_lane(logps, lanes, h, head[2], h_ref) if lanes else logps(h, head[2], h_ref)
 
     def rope_for(self, positions: int) -> torch.Tensor:
         """The RoPE table of a forward over positions 0 .. positions-1: longrope's long one past its
@@ -276,11 +278,27 @@ class PhantomModel(nn.Module):
         h = h.to(self.device, self.weight_dtype, non_blocking=True)
         return h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype) if self.cfg.embed_scale else h
 
-    def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None,
-               start_pos: int = 0, mask: torch.Tensor | None = None, reference: torch.Tensor | None = None):
+    def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None, start_pos: int = 0,
+               mask: torch.Tensor | None = None, reference: torch.Tensor | None = None, lanes: list | None = None):
         """Every block over h; with `reference`, also over that hidden state (the same rows) with the
-        adapters off and no autograd, block by block beside h (returns both)."""
-        return self.backend(h, rope, caches, start_pos, mask, reference)
+        adapters off and no autograd, block by block beside h (returns both); `lanes` as forward's."""
+        return self.backend(h, rope, caches, start_pos, mask, reference, lanes)
+
+
+def per_lane(fn, lanes: list[Lane], *tensors: torch.Tensor | None) -> list:
+    """fn over each lane's rows of the tensors (None stays None): an adapter's head runs on its rows alone."""
+    sizes = [lane.rows for lane in lanes]
+    parts = [t.split(sizes) if t is not None else [None] * len(sizes) for t in tensors]
+    return [fn(*args) for args in zip(*parts)]
+
+
+def head_logps(h: torch.Tensor, head: tuple, h_ref: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ChunkedHeadLogps of h (with autograd) and of the reference hidden state (without), or None."""
+    logps = ChunkedHeadLogps.apply(h, *head)
+    if h_ref is None:
+        return logps, None
+    with torch.no_grad():
+        return logps, ChunkedHeadLogps.apply(h_ref, *head)
 
 
 def device_reserve(cfg: ModelConfig, device: torch.device, loss_chunk: int, full: bool) -> int:

@@ -29,6 +29,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from phantom.arch.layers import fuse_adjacent, lora_disabled
 from phantom.arch.ops import KVCache
+from phantom.stream import lanes as L
 from phantom.stream import moeblock
 from phantom.stream.scheduler import BlockScheduler
 
@@ -101,20 +102,22 @@ class StreamedBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, rope, mask, ex: "BlockExecutor", i: int, *params):
-        ctx.ex, ctx.i = ex, i
+        ctx.ex, ctx.i, ctx.lanes = ex, i, ex.lanes
         ctx.autocast = _autocast_state(x.device)
         ctx.keep = ex.keeps(i)
         ctx.rng = RngState(x.device) if ex.has_dropout and not ctx.keep else None
-        with ex.block_weights(i) as weights, ex.first_pass(i):
+        ctx.streams = L.replay_streams(ex.lanes) if not ctx.keep else None  # each adapter's, to replay
+        with ex.block_weights(i, lanes=ex.lanes) as weights, ex.first_pass(i):
             if not ctx.keep:
-                out = torch.cat(ex.run_rows(i, ex.rows(x, rope, mask)))
+                out = torch.cat(ex.run_rows(i, ex.rows(x, rope, mask, ex.lanes)))
                 ex.run_reference(i, weights, rope, mask)
                 ctx.experts = ex.used_experts(i)
                 ctx.save_for_backward(x, rope, mask, *params)
                 return out
             ctx.hooks = WeightHandles(weights)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ctx.hooks.pack, ctx.hooks.unpack):
-                rows = [(xc.detach().requires_grad_(x.requires_grad), rc, mc) for xc, rc, mc in ex.rows(x, rope, mask)]
+                rows = [(xc.detach().requires_grad_(x.requires_grad), rc, mc, lane)
+                        for xc, rc, mc, lane in ex.rows(x, rope, mask, ex.lanes)]
                 ctx.graphs = list(zip([r[0] for r in rows], ex.run_rows(i, rows)))
             ex.run_reference(i, weights, rope, mask)
             ctx.experts = ex.used_experts(i)
@@ -132,22 +135,22 @@ class StreamedBlock(torch.autograd.Function):
         x_grads = []
         rng = ctx.rng.replay() if ctx.rng is not None else contextlib.nullcontext()
         # The weights stay acquired until the gradients are computed: autograd reads them.
-        with ex.block_weights(ctx.i, trainable=ex.trains_weights, experts=ctx.experts) as weights, rng:
+        with ex.block_weights(ctx.i, ex.trains_weights, ctx.experts, ctx.lanes) as weights, rng:
             # fp32 sums, set by the first chunk; a block's buffers (DeepSeek-V3's router correction bias) do not train
             weight_grads = dict.fromkeys(k for k, v in weights.items() if v.requires_grad) if ex.trains_weights else {}
             wrt = trained + [weights[k] for k in weight_grads] if ex.trains_weights else trained
             if ctx.keep:
                 ctx.hooks.bind(weights)
             else:
-                chunks = list(ex.rows(*saved[:3]))
-            for k, gc in enumerate(ex.split_batch(grad_out)):
+                chunks = list(ex.rows(*saved[:3], ctx.lanes))
+            for k, gc in enumerate(ex.split_batch(grad_out, ctx.lanes)):
                 if ctx.keep:
                     xc, out = ctx.graphs[k]
                 else:
-                    xc, rc, mc = chunks[k]
+                    xc, rc, mc, lane = chunks[k]
                     xc = xc.detach().requires_grad_(needs_x)
-                    with torch.enable_grad(), torch.autocast(**ctx.autocast):
-                        out = ex.run_block(ctx.i, weights, xc, rc, mask=mc)
+                    with torch.enable_grad(), torch.autocast(**ctx.autocast), _drawing(lane, ctx.streams):
+                        out = ex.run_block(ctx.i, weights, xc, rc, mask=mc, lane=lane)
                 grads = torch.autograd.grad(out, ([xc] if needs_x else []) + wrt, gc, allow_unused=True)
                 if needs_x:
                     x_grads.append(grads[0])
@@ -172,6 +175,12 @@ def _accumulate(total: torch.Tensor | None, g: torch.Tensor | None, w: torch.Ten
     (no zero-filled block-sized buffer: on a host those are fresh pages, faulted in at every step)."""
     g = g.float() if g is not None else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     return g if total is None else total.add_(g)
+
+
+def _drawing(lane: L.Lane | None, streams: dict | None = None):
+    """Dropout draws from the lane's adapter's own stream (a replay's copy in `streams`); without lanes, from
+    the global generators as they stand."""
+    return contextlib.nullcontext() if lane is None else lane.adapter.rng_for(streams)
 
 
 def _autocast_state(device: torch.device) -> dict:
@@ -208,6 +217,7 @@ class BlockExecutor:
         self.kept_per_block = 0  # the most one block kept (the estimate for "auto")
         self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
         self.reference: torch.Tensor | None = None  # the reference hidden state of this pass (run_reference)
+        self.lanes: list[L.Lane] | None = None  # this pass's adapters and their rows (phantom.stream.lanes)
         self._used: dict[int, frozenset] = {}  # experts each block read routed in this step's forward
         self._fill_s = 0.0  # seconds the current block waited for its routed experts
         policy = scheduler.routed.policy
@@ -225,16 +235,18 @@ class BlockExecutor:
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, trained: list[list[torch.Tensor]],
                  caches: list[KVCache] | None = None, start_pos: int = 0,
-                 mask: torch.Tensor | None = None,
-                 reference: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 mask: torch.Tensor | None = None, reference: torch.Tensor | None = None,
+                 lanes: list[L.Lane] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Every block over h, in order; `trained[i]` are block i's trained parameters; rope and mask
         as phantom.arch.layers.packed_layout gives them for packed rows.
 
         `reference`: a second hidden state of the same rows run through each block while it is
         loaded, adapters off and without autograd (the reference model of preference training): the
         pair (h, reference out) is returned, and the store is read as for h alone. Without a KV
-        cache the rows run in micro-batches."""
+        cache the rows run in micro-batches. `lanes`: the rows of each adapter of a multi-adapter model, each
+        run through its own blocks while the block is loaded once (phantom.stream.lanes)."""
         n = len(self.layers)
+        self.lanes = lanes
         self.kept_bytes = self.kept_blocks = 0
         self.reference = reference
         training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in trained for p in ps))
@@ -244,13 +256,13 @@ class BlockExecutor:
             if training:
                 h = StreamedBlock.apply(h, rope, mask, self, i, *trained[i])
             else:
-                with self.block_weights(i) as weights, self.first_pass(i):
+                with self.block_weights(i, lanes=lanes) as weights, self.first_pass(i):
                     if caches:
                         h = self.run_block(i, weights, h, rope, caches[i], start_pos, mask)
                     else:
-                        h = torch.cat(self.run_rows(i, self.rows(h, rope, mask)))
+                        h = torch.cat(self.run_rows(i, self.rows(h, rope, mask, lanes)))
                     self.run_reference(i, weights, rope, mask)
-        reference, self.reference = self.reference, None
+        reference, self.reference, self.lanes = self.reference, None, None
         return h if reference is None else (h, reference)
 
     def run_reference(self, i: int, weights: dict[str, torch.Tensor], rope: torch.Tensor,
@@ -259,26 +271,48 @@ class BlockExecutor:
         this pass: adapters off, no autograd; the backward never sees it."""
         if self.reference is None:
             return
-        with torch.no_grad(), lora_disabled(self.layers[i]):
-            self.reference = torch.cat(self.run_rows(i, self.rows(self.reference, rope, mask)))
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for block in self.blocks_at(i, self.lanes):
+                stack.enter_context(lora_disabled(block))
+            self.reference = torch.cat(self.run_rows(i, self.rows(self.reference, rope, mask, self.lanes)))
 
     def run_rows(self, i: int, rows) -> list[torch.Tensor]:
-        """Block i (held) over each micro-batch of rows ((x, rope, mask) each): a block read routed runs
+        """Block i (held) over each micro-batch of rows ((x, rope, mask, lane) each): a block read routed runs
         the attention half of every micro-batch, reads the experts any of their tokens routes to (one
-        request), then the MLP halves."""
+        request), then the MLP halves. A lane's micro-batch runs through its adapter's block, drawing dropout
+        from its adapter's stream."""
         if self.scheduler.routed.reads(i):
             return self._run_halves(i, list(rows))
-        return [self.run_block(i, None, xc, rc, mask=mc) for xc, rc, mc in rows]
+        out = []
+        for xc, rc, mc, lane in rows:
+            with _drawing(lane):
+                out.append(self.run_block(i, None, xc, rc, mask=mc, lane=lane))
+        return out
+
+    def block(self, i: int, lane: L.Lane | None = None) -> nn.Module:
+        """Block i's module: the model's own, or a lane's adapter's."""
+        return self.layers[i] if lane is None else lane.adapter.layers[i]
+
+    def blocks_at(self, i: int, lanes: list[L.Lane] | None) -> list[nn.Module]:
+        """Every module block i's weights are bound into: the model's and each lane's adapter's."""
+        return list({id(b): b for b in [self.layers[i]] + [lane.adapter.layers[i] for lane in lanes or ()]}.values())
 
     def _run_halves(self, i: int, rows, cache: KVCache | None = None, start_pos: int = 0) -> list[torch.Tensor]:
-        block = self.layers[i]
-        hs = [moeblock.attention_half(block, x, rope, cache, start_pos, mask) for x, rope, mask in rows]
-        experts = set().union(*(moeblock.routed_experts(block, h).unique().tolist() for h in hs))
+        blocks = [self.block(i, lane) for *_, lane in rows]
+        hs = []
+        for block, (x, rope, mask, lane) in zip(blocks, rows):
+            with _drawing(lane):
+                hs.append(moeblock.attention_half(block, x, rope, cache, start_pos, mask))
+        experts = set().union(*(moeblock.routed_experts(block, h).unique().tolist() for block, h in zip(blocks, hs)))
         self._used[i] = self._used.get(i, frozenset()) | frozenset(experts)
         t0 = time.perf_counter()
         self.scheduler.routed.ensure(i, experts)
         self._fill_s += time.perf_counter() - t0
-        return [moeblock.mlp_half(block, h, cache) for h in hs]
+        out = []
+        for block, h, (*_, lane) in zip(blocks, hs, rows):
+            with _drawing(lane):
+                out.append(moeblock.mlp_half(block, h, cache))
+        return out
 
     def used_experts(self, i: int) -> frozenset | None:
         """The experts block i read routed this step (kept with its saved input); None where it read whole."""
@@ -313,23 +347,26 @@ class BlockExecutor:
         self.kept_per_block = max(self.kept_per_block, hooks.kept_bytes)
         self.weight_handles += hooks.weight_handles
 
-    def split_batch(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return x.split(self.micro_batch) if self.micro_batch else (x,)
+    def split_batch(self, x: torch.Tensor, lanes: list[L.Lane] | None = None) -> list[torch.Tensor]:
+        return L.split_rows(x, lanes, self.micro_batch)
 
-    def rows(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
-        """(x, rope, mask) per micro-batch; packed rows' per-row rope (B, T, ..) and mask (packed_layout
-        gives both or neither) are split with x."""
-        xs = self.split_batch(x)
-        ropes = self.split_batch(rope) if mask is not None else [rope] * len(xs)
-        masks = self.split_batch(mask) if mask is not None else [None] * len(xs)
-        return zip(xs, ropes, masks)
+    def rows(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None, lanes: list[L.Lane] | None = None):
+        """(x, rope, mask, lane) per micro-batch (each lane's rows split on their own; lane None without
+        lanes); packed rows' per-row rope (B, T, ..) and mask (packed_layout gives both or neither) are split
+        with x."""
+        xs = self.split_batch(x, lanes)
+        ropes = self.split_batch(rope, lanes) if mask is not None else [rope] * len(xs)
+        masks = self.split_batch(mask, lanes) if mask is not None else [None] * len(xs)
+        return zip(xs, ropes, masks, L.chunk_lanes(lanes, self.micro_batch, x.shape[0]))
 
     @contextlib.contextmanager
-    def block_weights(self, i: int, trainable: bool = False, experts: frozenset | None = None):
+    def block_weights(self, i: int, trainable: bool = False, experts: frozenset | None = None,
+                      lanes: list[L.Lane] | None = None):
         """Block i's weights (views into its slot) until the `with` ends; autograd may read them
         until then, so backward passes run inside it. Frozen weights get fused views (fuse_adjacent);
         `trainable` ones are leaves whose gradients the backward asks for (full finetuning). `experts`:
-        those its forward routed to (a routed read reads them with the block: the backward's reload)."""
+        those its forward routed to (a routed read reads them with the block: the backward's reload). `lanes`:
+        their adapters' modules are bound to the same weights."""
         weights = self.scheduler.acquire(i)
         t0 = time.perf_counter()
         try:
@@ -341,27 +378,33 @@ class BlockExecutor:
             if experts is not None:
                 self.scheduler.routed.ensure(i, experts)
             self.scheduler.routed.settle(i)
-            with _reparametrize_module(self.layers[i], weights, strict=False):
+            with contextlib.ExitStack() as bound:
+                for block in self.blocks_at(i, lanes):  # the model's module, and each lane's adapter's
+                    bound.enter_context(_reparametrize_module(block, weights, strict=False))
                 yield weights
         finally:
             self.scheduler.tracer.span("compute", f"block {i}", t0, time.perf_counter())  # the time it is held
             self.scheduler.release(i)
 
     def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
-                  cache: KVCache | None = None, start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Block i over x; `weights` (from block_weights(i)) are bound in place of its placeholders. A block
-        read routed runs in halves: its experts are read after its router (phantom.stream.moeblock)."""
+                  cache: KVCache | None = None, start_pos: int = 0, mask: torch.Tensor | None = None,
+                  lane: L.Lane | None = None) -> torch.Tensor:
+        """Block i (a lane's adapter's) over x; `weights` (from block_weights(i)) are bound in place of its
+        placeholders. A block read routed runs in halves: its experts are read after its router
+        (phantom.stream.moeblock)."""
         if self.scheduler.routed.reads(i):
-            return self._run_halves(i, [(x, rope, mask)], cache, start_pos)[0]
-        call = lambda: self.layers[i](x, rope, cache, start_pos, mask)  # noqa: E731
+            return self._run_halves(i, [(x, rope, mask, lane)], cache, start_pos)[0]
+        block = self.block(i, lane)
+        call = lambda: block(x, rope, cache, start_pos, mask)  # noqa: E731
         if not self.compile_unchecked:
             return call()
         try:  # the first call compiles: fall back to eager if the backend cannot
             out = call()
         except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly
             log.warning("torch.compile failed (%s: %s); running blocks eagerly", type(e).__name__, str(e)[:200])
-            for block in self.layers:
-                block._compiled_call_impl = None
+            for layers in [self.layers] + [lane.adapter.layers for lane in self.lanes or ()]:
+                for b in layers:
+                    b._compiled_call_impl = None
             out = call()
         self.compile_unchecked = False
         return out

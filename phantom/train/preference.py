@@ -319,6 +319,20 @@ def pair_logps(model, x: torch.Tensor, y: torch.Tensor, ref: torch.Tensor | None
     return policy.view(-1, 2), ref, lengths
 
 
+def lane_pair_logps(model, batches: list, lanes: list) -> list[tuple]:
+    """pair_logps of each lane's (x, y, ref) pairs (phantom.stream.lanes), every lane's rows in one pass; a
+    lane whose reference was precomputed takes it, as its own run does."""
+    rows = [as_rows(x, y) for x, y, _ in batches]
+    mine = [ref is not None and not bool(torch.isnan(ref).any()) for *_, ref in batches]
+    out = model.sequence_logps(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]),
+                               reference=not all(mine), lanes=lanes)
+    result = []
+    for (x, y, ref), own, (policy, reference) in zip(batches, mine, out):
+        ref = ref.to(policy.device, torch.float32) if own else reference.view(-1, 2)
+        result.append((policy.view(-1, 2), ref, (y != D.IGNORE_INDEX).sum(-1).to(policy.device, torch.float32)))
+    return result
+
+
 class Preference:
     """The preference objective for phantom.train.loop: the loss of a step's pairs, with its figures
     kept in `figures` for the metrics; held-out evaluation."""
@@ -327,7 +341,10 @@ class Preference:
         self.cfg, self.figures = cfg, {}
 
     def __call__(self, model, x: torch.Tensor, y: torch.Tensor, ref: torch.Tensor | None = None) -> torch.Tensor:
-        policy, reference, lengths = pair_logps(model, x, y, ref)
+        return self.loss(*pair_logps(model, x, y, ref))
+
+    def loss(self, policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The loss of pairs' log-probabilities (pair_logps'); their figures kept in `figures`."""
         loss, self.figures = preference_loss(policy, reference, self.cfg, lengths)
         return loss
 

@@ -16,6 +16,10 @@ import torch
 from phantom.base import fileio
 
 
+STATUS_NOTE = {"nan": ": the loss or gradient was no longer finite at that step, so the run stopped there (its last "
+                      "good checkpoint is kept; lower --lr or check the data, then --resume)"}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunCard:
     """What README.md says; every figure comes from the run (its summary and metrics.jsonl)."""
@@ -59,7 +63,7 @@ class RunCard:
                 *([("prepared from", self.origin)] if self.origin else []),
                 ("training", f"{self.mode}" + (f": {self.lora}" if self.mode == "lora" else "") +
                  f", {self.dtype} on {self.device}"),
-                ("data", self.data), ("status", f"{self.status} after {self.steps} step{'s' * (self.steps != 1)}"),
+                ("data", self.data), ("status", f"{self.status} after {self.steps} step{'s' * (self.steps != 1)}" + STATUS_NOTE.get(self.status, "")),
                 ("final train loss", f"{self.final_loss:.4f}"), ("final eval loss", evals),
                 ("best eval loss", f"{self.best_eval:.4f}" if self.best_eval is not None else "-"),
                 ("tokens/s", f"{self.tokens_per_s:,.0f}"),

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from phantom.data import chat
 from phantom.data.tokenfiles import TOKEN_DTYPES
@@ -57,7 +60,45 @@ phantom and torch versions, the store's fingerprint): --config OUT/config.yaml r
     output: {out: runs/7b, report-to: tensorboard}
 
 examples/ holds run files for the tiny demo, a 7B LoRA on chat data and a 70B LoRA from RAM and disk.
+
+several adapters in one run (a sweep at the price of one read of the weights per step): a top-level
+`adapters:` list, each entry a name and its own values of the per-adapter keys (ADAPTER_KEYS below),
+everything else shared; or on the command line --sweep KEY=V1,V2 (repeatable: the grid of all values;
+values holding a comma are separated by ;). Each adapter is a run folder OUT/NAME; OUT/sweep.md
+compares them.
+
+    adapters:
+      - {name: a, lr: 1.0e-3}
+      - {name: b, lr: 3.0e-3, lora-rank: 16, data: other.jsonl}
 """
+# What each adapter of a sweep sets for itself (as its flags are spelled); everything else is shared.
+ADAPTER_KEYS = ("lr", "min-lr", "warmup", "weight-decay", "grad-clip", "lora-rank", "lora-alpha", "lora-targets",
+                "lora-dropout", "seed", "data", "val-data", "columns", "train-on")
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,99}")
+
+
+def checked_adapters(adapters) -> tuple:
+    """The adapters of a sweep as ({"name": NAME, KEY: value}, ...) with keys as their flags are spelled;
+    names are folder names, each once; only ADAPTER_KEYS may differ (one line otherwise)."""
+    if not adapters:
+        return ()
+    if not isinstance(adapters, (list, tuple)) or not all(isinstance(a, dict) for a in adapters):
+        raise ValueError("adapters: a list of mappings, each a name and its own values (e.g. {name: a, lr: 1e-3})")
+    out = []
+    for a in adapters:
+        a = {str(k).replace("_", "-"): v for k, v in a.items()}
+        name = a.pop("name", None)
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name in (".", ".."):
+            raise ValueError(f"adapters: each needs a name that is a folder name (letters, digits, . _ = + -), "
+                             f"got {name!r}")
+        if bad := [k for k in a if k not in ADAPTER_KEYS]:
+            raise ValueError(f"adapters: {name}: {bad[0]!r} is shared by every adapter of a run; an adapter sets "
+                             f"only {', '.join(ADAPTER_KEYS)}")
+        out.append({"name": name, **a})
+    names = [a["name"] for a in out]
+    if len(set(names)) < len(names):
+        raise ValueError(f"adapters: the name {next(n for n in names if names.count(n) > 1)!r} is given twice")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -153,6 +194,7 @@ class RunConfig:
     sample_every: int | None = knob(None, "print a greedy sample every N steps and at the end, 0: off (default: "
                                           "100 for the tiny model, else off)", section="output")
     output: Output = part(Output(), "output")
+    adapters: tuple = knob((), "", cli=False)  # a sweep: ({"name": ..., ADAPTER_KEYS...}, ...); see adapter_runs
     given: frozenset = knob(frozenset(), "", cli=False)
 
     def __post_init__(self):
@@ -165,6 +207,7 @@ class RunConfig:
         if self.sample_every is not None:
             object.__setattr__(self, "train", dataclasses.replace(self.train, sample_every=self.sample_every))
         object.__setattr__(self, "lora", dataclasses.replace(self.lora, seed=self.train.seed))
+        object.__setattr__(self, "adapters", checked_adapters(self.adapters))
 
 
 # -- flags -------------------------------------------------------------------------------------
@@ -252,6 +295,10 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
             groups[f.group] = p.add_argument_group(f.group)
         options = [f"--{f.name}"] + ([f.meta["short"]] if "short" in f.meta else [])
         (groups[f.group] if f.group else p).add_argument(*sorted(options, key=len), **f.kwargs)
+    p.add_argument("--sweep", action="append", metavar="KEY=V1,V2,...",
+                   help=f"train one adapter per value (repeatable: the grid of all values), all in one pass over the "
+                        f"weights, each in OUT/NAME; KEY is one of {', '.join(ADAPTER_KEYS)} (values holding a "
+                        f"comma are separated by ;); a run file's `adapters:` list names them itself")
     return p
 
 
@@ -325,7 +372,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     prefetch = parse_prefetch(values.pop(("prefetch",), None))
     train = _train(values, values[("lr",)])
     given = frozenset(p[1] for p in values if p[0] in ("placement", "activations"))
-    return RunConfig(config=values[("config",)], model=ModelSource(**_part(values, "model")), placement=placement,
+    adapters = sweep_grid(args.sweep) if getattr(args, "sweep", None) else getattr(args, "adapters", None) or ()
+    return RunConfig(adapters=adapters, config=values[("config",)], model=ModelSource(**_part(values, "model")), placement=placement,
                      prefetch=prefetch, activations=activations, lora=LoraConfig(**_part(values, "lora")),
                      data=DataSource(**_part(values, "data")), train=train, lr=values[("lr",)],
                      sample_every=values[("sample_every",)], output=output, given=given)
@@ -366,4 +414,53 @@ def to_args(cfg: RunConfig, resolved: bool = False) -> dict[str, object]:
                 value == getattr(type(getattr(cfg, f.path[0]))(), f.path[1]):
             value = None
         out[f.dest] = value
+    return out
+
+
+# -- several adapters ------------------------------------------------------------------------------
+
+def sweep_grid(specs: list[str]) -> tuple[dict, ...]:
+    """--sweep KEY=V1,V2 ... as adapters: one per combination of the values, named by them (lr=1e-3_lora-rank=8)."""
+    axes = []
+    for spec in specs:
+        key, eq, text = spec.partition("=")
+        key = key.strip()
+        if not eq or key not in ADAPTER_KEYS:
+            raise ValueError(f"--sweep {spec!r}: expected KEY=V1,V2,... with KEY one of {', '.join(ADAPTER_KEYS)}")
+        values = [v.strip() for v in text.split(";" if ";" in text else ",") if v.strip()]
+        if not values or any(k == key for k, _ in axes):
+            raise ValueError(f"--sweep {spec!r}: give {key} once, with one or more values")
+        axes.append((key, values))
+    grid = itertools.product(*[[(k, v) for v in values] for k, values in axes])
+    return tuple({"name": "_".join(f"{k}={_name_part(v)}" for k, v in combo), **dict(combo)} for combo in grid)
+
+
+def _name_part(value: str) -> str:
+    """A value as part of a folder name: a file by its name, anything else its characters kept where safe."""
+    if "/" in value or "\\" in value:
+        value = value.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9._+-]", "+", value)
+
+
+def adapter_runs(cfg: RunConfig, p: argparse.ArgumentParser | None = None) -> list[tuple[str, RunConfig]]:
+    """Each adapter of a sweep as the run of it alone: cfg with the adapter's values, --out OUT/NAME, and
+    every value checked as its flag is (one line naming the adapter otherwise)."""
+    p = p or parser()
+    actions = {k: a for a in p._actions for k in (o[2:] for o in a.option_strings) if k in ADAPTER_KEYS}
+    base = to_args(cfg)
+    out = []
+    for a in cfg.adapters:
+        args = dict(base, sweep=None, adapters=None)
+        for key, value in a.items():
+            if key == "name":
+                continue
+            try:
+                args[actions[key].dest] = runfile.convert(actions[key], value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                raise ValueError(f"adapters: {a['name']}: {key}: {e}") from None
+        args["out"] = str(Path(cfg.train.out) / a["name"])
+        try:
+            out.append((a["name"], dataclasses.replace(from_args(argparse.Namespace(**args)), given=cfg.given)))
+        except ValueError as e:
+            raise ValueError(f"adapters: {a['name']}: {e}") from None
     return out

@@ -16,7 +16,8 @@ import yaml
 from phantom.base import fileio
 
 RECORDED = "recorded"  # the section a resolved run file keeps its versions and store fingerprint in
-SKIP = {"help", "config"}  # flags that are not part of a run
+SKIP = {"help", "config", "sweep"}  # flags that are not a run file's keys (a file lists `adapters:` itself)
+ADAPTERS = "adapters"  # the top-level list of a sweep's adapters (phantom.train.runconfig.checked_adapters)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -80,7 +81,7 @@ def flatten(doc: dict, keys: dict, sections: tuple[str, ...], path: Path) -> dic
     """flag -> (the key as written, its value); sections opened, unknown keys and repeats refused."""
     found: dict[str, tuple[str, object]] = {}
     for top, value in doc.items():
-        if top == RECORDED:
+        if top in (RECORDED, ADAPTERS):
             continue
         if top in sections and isinstance(value, dict):
             items = [(f"{top}.{k}", resolve_key(keys, top, k), v) for k, v in value.items()]
@@ -192,7 +193,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None, sections: tuple[str, 
     if getattr(args, "config", None) is None:
         return args
     path = Path(args.config)
-    parser.set_defaults(**values(read(path), parser, path, sections))
+    doc = read(path)
+    listed = {ADAPTERS: doc[ADAPTERS]} if ADAPTERS in doc else {}  # a sweep's adapters (RunConfig.adapters)
+    parser.set_defaults(**values(doc, parser, path, sections), **listed)
     return parser.parse_args(argv)
 
 

@@ -59,9 +59,13 @@ class Machine:
     ddp: object  # phantom.train.dist.DistInfo
 
 
-def run(cfg: rc.RunConfig) -> dict:
+def run(cfg: rc.RunConfig, sweep=None) -> dict:
     """Train as `cfg` says; returns the run's summary (status, steps, losses, files; `report`: the
-    lines the script prints, None on ranks other than 0)."""
+    lines the script prints, None on ranks other than 0). With cfg.adapters, `sweep(cfg, machine, path,
+    store)` trains them (phantom.train.launch gives phantom.train.sweeprun.run_sweep) and its summary is
+    returned."""
+    if cfg.adapters:
+        rc.adapter_runs(cfg)  # each adapter's values checked before anything is generated or measured
     machine, asked_quiet = start(cfg), not cfg.train.progress
     quiet = asked_quiet or not machine.ddp.is_main  # one voice per job: rank 0 logs, the others only errors
     logging.basicConfig(level=logging.ERROR if not machine.ddp.is_main else logging.WARNING if quiet else
@@ -77,6 +81,10 @@ def run(cfg: rc.RunConfig) -> dict:
         print(showdata.show_rows(batches.rows(train_data, cfg.train.seq_len, tok.pad_or_eos if tok else 0,
                                               segments=True), tok, cfg.data.show_data, ids=cfg.data.show_data_ids))
         return {"status": "shown", "report": None}
+    if cfg.adapters:  # several adapters, one read of the weights a step
+        if sweep is None:
+            raise ValueError("several adapters are trained by phantom.run (phantom.train.launch.run)")
+        return sweep(cfg, machine, path, store)
     given, cfg = cfg, decided(cfg, store)
     out = Path(cfg.train.out)
     main = machine.ddp.is_main

@@ -155,25 +155,18 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True  # the rotated dims in pairs (2i, 2i+1), as Meta's; False: in halves (i, i + R/2)
-    # gpt-oss (phantom.arch.family_gptoss): a learned sink logit per head in each softmax's denominator (attn_sinks);
-    # a router with a bias of its own on the logits (router_logit_bias: a parameter, unlike router_bias's choice
-    # correction); experts with biases on gate, up and down (expert_bias) and the clamped SwiGLU where
-    # swiglu_limit is set: (clamp(up, -l, l) + 1) * g * sigmoid(swiglu_alpha * g), g = min(gate, l)
+    # gpt-oss (family_gptoss): sinks in each softmax's denominator; a router bias on the logits (a parameter, unlike
+    # router_bias); biased experts; SwiGLU clamped: (clamp(up, -l, l) + 1) * g * sigmoid(swiglu_alpha * g), g = min(gate, l)
     attn_sinks: bool = False
     router_logit_bias: bool = False
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
-    # the checkpoint's 3-D experts are (experts, in, out) with gate and up alternating on out (gpt-oss's
-    # gate_up_proj): the converter and exporter read and write them so, and peft's LoRA B rows alternate too
-    interleaved_experts: bool = False
-    # gated attention (Qwen3-Next, Qwen3.5): wq yields each head's query then its output gate (2 * head_dim rows a
-    # head); the heads' output is times sigmoid(gate) before wo
-    attn_output_gate: bool = False
-    # Gated DeltaNet (phantom.arch.deltanet) in the layers layer_types names linear_attention: linear_k_heads q/k
-    # heads of linear_k_dim, linear_v_heads v heads of linear_v_dim, a causal depthwise conv of linear_conv taps;
-    # linear_grouped: q, k, v, z (and b, a) in one projection grouped by key head (Qwen3-Next's in_proj_qkvz,
-    # in_proj_ba), else four (Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+    interleaved_experts: bool = False  # 3-D experts (experts, in, out), gate and up alternating on out (gpt-oss)
+    attn_output_gate: bool = False  # wq yields each head's query then its output gate: sigmoid(gate) before wo
+    # Gated DeltaNet (phantom.arch.deltanet) where layer_types says linear_attention: linear_k_heads q/k heads of
+    # linear_k_dim, linear_v_heads v heads of linear_v_dim, a causal conv of linear_conv taps; linear_grouped: one
+    # projection grouped by key head (Qwen3-Next's in_proj_qkvz, in_proj_ba), else four (Qwen3.5's)
     linear_k_heads: int = 0
     linear_v_heads: int = 0
     linear_k_dim: int = 0

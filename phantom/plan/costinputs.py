@@ -106,11 +106,13 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
     head_params = cfg.vocab_size * cfg.dim + cfg.dim
     embed_params = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim  # tied: the head's table is it
     moe = tuple(i for i in range(cfg.n_layers) if cfg.sparse(i))
-    base_shapes = {n: sh for n, sh in block_tensor_shapes(cfg, moe[0] if moe else None).items()
-                   if not n.startswith("feed_forward.experts.")} if moe else {}
-    base_params = sum(math.prod(sh) for sh in base_shapes.values())
-    base_stored = 0 if not moe else base_params * s if fmt is None else \
-        block_nbytes(fmt, base_shapes, stored.torch_name)
+    # the rest of a sparse block beside its experts (the device keeps it: Placement.moe_base): the most parameters
+    # on the device, the mean bytes a load no longer reads (linear attention's blocks among full attention's)
+    bases = [{n: sh for n, sh in block_tensor_shapes(cfg, i).items() if not n.startswith("feed_forward.experts.")}
+             for i in moe]
+    base_params = max((sum(math.prod(sh) for sh in b.values()) for b in bases), default=0)
+    base_stored = round(sum(sum(math.prod(sh) for sh in b.values()) * s if fmt is None else
+                            block_nbytes(fmt, b, stored.torch_name) for b in bases) / len(bases)) if moe else 0
     return Shape(
         n_blocks=cfg.n_layers, block_bytes=block, resident_bytes=params * c, moe_blocks=moe, base_bytes=base_stored,
         sizes=dataclasses.replace(P.block_sizes(largest, largest_params, s, c, quant is not None, stored == computed),

@@ -41,14 +41,14 @@ def resolve_layout(store: BlockStore, device: torch.device, dtype: torch.dtype, 
 
 
 def moe_bases(store: BlockStore) -> tuple[tuple[int, ...], int]:
-    """The blocks with experts, and the parameters of one's attention, norms, router and shared experts (what
-    `Placement.moe_base` keeps on the device); ((), 0) for a dense model."""
+    """The blocks with experts, and the most parameters one of them has beside its experts (attention or linear
+    attention, norms, router, shared experts: what `Placement.moe_base` keeps on the device); ((), 0) for a
+    dense model."""
     cfg = store.cfg
     moe = tuple(i for i in range(store.n_blocks) if cfg.n_experts and cfg.sparse(i))
-    if not moe:
-        return (), 0
-    like = store.dense_like(moe[0])
-    return moe, sum(t.numel() for n, t in like.items() if not n.startswith("feed_forward.experts."))
+    kinds = {store.layout_index(i): i for i in moe}  # one block of each layout (linear attention among full)
+    return moe, max((sum(t.numel() for n, t in store.dense_like(i).items() if not n.startswith("feed_forward.experts."))
+                     for i in kinds.values()), default=0)
 
 
 class Residency:

@@ -7,8 +7,9 @@ convert_hf_to_gguf.py (pinned: conftest.llama_cpp) writes from `merge_lora.py --
 store and adapter; and transformers' GGUF loader must read it back with the merged HF export's logits
 within the type's rounding; the adapter alone as a GGUF LoRA adapter must be the file llama.cpp's
 convert_lora_to_gguf.py writes, and on the base GGUF give the merged one. Tokenizers: a sentencepiece model
-trained here (Llama-2's settings), and the published Llama-3.1 and Qwen3 tokenizer.json files
-(conftest.real_tokenizer), chat templates included.
+trained here (Llama-2's settings), and the published Llama-3.1, Qwen3 and DeepSeek-V3 tokenizer.json files
+(conftest.real_tokenizer), chat templates included. Every case is built first, then llama.cpp's converters
+run on all of them in one process.
 """
 from __future__ import annotations
 
@@ -116,59 +117,71 @@ def build(root: Path, name: str) -> tuple[Path, Path, Path]:
     return store, root / "adapter", merged
 
 
+# All conversions run in one process (DRIVER: the converters' imports, torch and transformers, made once).
 # The pinned converter reads config.json through transformers' AutoConfig(...).to_dict(), written for transformers
 # 4.57.6 (its requirements), whose dict keeps rope_scaling as written; transformers 5's moves it into rope_parameters,
 # where Phi3MiniModel does not look, and LongRoPE's factors would be lost. So the phi3 case's converter reads
 # config.json as it is (what 4.57.6's to_dict gives for these fields).
-AS_WRITTEN = """import json, runpy, sys
+DRIVER = """import json, runpy, sys
 from pathlib import Path
-sys.argv = sys.argv[1:]
-sys.path[:0] = [str(Path(sys.argv[0]).parent), str(Path(sys.argv[0]).parent / "gguf-py")]
+folder = Path(sys.argv[1])
+sys.path[:0] = [str(folder), str(folder / "gguf-py")]
 import conversion.base as base
-base.ModelBase.load_hparams = staticmethod(lambda d, is_mistral_format=False: json.loads((Path(d) / "config.json").read_text()))
-runpy.run_path(sys.argv[0], run_name="__main__")
+by_transformers = base.ModelBase.__dict__["load_hparams"]
+as_written = staticmethod(lambda d, is_mistral_format=False: json.loads((Path(d) / "config.json").read_text()))
+for raw, script, *args in json.loads(sys.argv[2]):
+    base.ModelBase.load_hparams = as_written if raw else by_transformers
+    sys.argv = [str(folder / script), *args]
+    print("+", *sys.argv, flush=True)
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
 """
 CONFIG_AS_WRITTEN = ("phi3",)
 
 
-def converted(merged: Path, outtypes, out: Path, adapter: Path, lora_outtype: str | None,
-              as_written: bool = False) -> dict[str, Path]:
-    """outtype -> the file llama.cpp's convert_hf_to_gguf.py writes from merged (default name), and "lora" ->
-    the one its convert_lora_to_gguf.py writes from the adapter (merged as --base); run side by side.
-    as_written: the converter reads config.json as it is (AS_WRITTEN)."""
-    runs = {t: ["convert_hf_to_gguf.py", str(merged), "--outtype", t] for t in outtypes}
-    if lora_outtype:
-        runs["lora"] = ["convert_lora_to_gguf.py", "--base", str(merged), "--outtype", lora_outtype, str(adapter)]
-    procs = {}
-    for key, (script, *args) in runs.items():
+def conversions(name: str, merged: Path, out: Path, adapter: Path) -> dict[str, list]:
+    """outtype -> the run of llama.cpp's convert_hf_to_gguf.py that writes merged's GGUF into out/outtype, and
+    "lora" -> convert_lora_to_gguf.py's of the adapter (merged as --base) into out/lora, for DRIVER."""
+    raw = name in CONFIG_AS_WRITTEN
+    runs = {t: [raw, "convert_hf_to_gguf.py", str(merged), "--outtype", t] for t in CASES[name][4]}
+    if lora := LORA_OUTTYPES.get(name):
+        runs["lora"] = [False, "convert_lora_to_gguf.py", "--base", str(merged), "--outtype", lora, str(adapter)]
+    for key, run in runs.items():
         (out / key).mkdir(parents=True)
-        wrap = ["-c", AS_WRITTEN] if as_written and key != "lora" else []
-        procs[key] = subprocess.Popen([sys.executable, *wrap, str(llama_cpp() / script), *args, "--outfile", str(out / key)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for key, p in procs.items():
-        log = p.communicate(timeout=600)[0]
-        assert p.returncode == 0, f"{' '.join(runs[key])}: exit {p.returncode}\n{log[-3000:]}"
-    return {key: next((out / key).glob("*.gguf")) for key in runs}
+        run += ["--outfile", str(out / key)]
+    return runs
+
+
+def convert(runs: list[list]) -> None:
+    """The runs (conversions' values), one after another in one process."""
+    p = subprocess.run([sys.executable, "-c", DRIVER, str(llama_cpp()), json.dumps(runs)], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=1200)
+    assert p.returncode == 0, f"llama.cpp's converters: exit {p.returncode}\n{p.stdout[-3000:]}"
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """case(name) -> (store, adapter, merged HF export, {outtype or "lora": phantom's GGUF}, {the same: the
-    converters' GGUF}), each case built once for the module."""
-    cases = {}
+    converters' GGUF}); every case is built at the first call, and converted by llama.cpp in one process."""
+    cases, runs = {}, []
 
     def case(name: str):
-        if name not in cases:
-            root = tmp_path_factory.mktemp(name)
-            store, adapter, merged = build(root, name)
-            ours = {}
-            for t in CASES[name][4]:
-                ours[t] = merge(store, adapter, root / "gguf" / t, "gguf", t)
-            if lora := LORA_OUTTYPES.get(name):
-                ours["lora"] = merge(store, adapter, root / "gguf" / "lora", "gguf-lora", lora)
-            cases[name] = store, adapter, merged, ours, converted(merged, CASES[name][4], root / "llama.cpp", adapter,
-                                                                   lora, name in CONFIG_AS_WRITTEN)
-        return cases[name]
+        if not cases:
+            for n in CASES:
+                root = tmp_path_factory.mktemp(n)
+                store, adapter, merged = build(root, n)
+                ours = {t: merge(store, adapter, root / "gguf" / t, "gguf", t) for t in CASES[n][4]}
+                if lora := LORA_OUTTYPES.get(n):
+                    ours["lora"] = merge(store, adapter, root / "gguf" / "lora", "gguf-lora", lora)
+                theirs = conversions(n, merged, root / "llama.cpp", adapter)
+                runs.extend(theirs.values())
+                cases[n] = store, adapter, merged, ours, {key: root / "llama.cpp" / key for key in theirs}
+            convert(runs)
+        store, adapter, merged, ours, theirs = cases[name]
+        return store, adapter, merged, ours, {key: next(folder.glob("*.gguf")) for key, folder in theirs.items()}
     return case
 
 
@@ -179,9 +192,9 @@ def merge(store: Path, adapter: Path | None, out: Path, fmt: str, outtype: str) 
     return next(out.glob("*.gguf"))
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=None)
 def read(path: Path):
-    """A GGUF file's reader, made once (a 150k-token vocabulary takes seconds to parse)."""
+    """A GGUF file's reader, made once per file (a 150k-token vocabulary takes seconds to parse)."""
     return gguf.GGUFReader(path)
 
 
@@ -253,8 +266,10 @@ def test_gguf_carries_the_tokenizer_and_chat_template(built, name):
     assert len(tokens) == json.loads((merged / "config.json").read_text())["vocab_size"]
     kind = CASES[name][2]
     assert fields["tokenizer.ggml.model"].contents() == ("llama" if kind == "sentencepiece" else "gpt2")
+    # DeepSeek-V3's tokenizer hashes as JoyAI-LLM's (its probe ids with the BOS its post-processor adds), as in the
+    # converter; llama.cpp splits "joyai-llm" with DeepSeek-V3's regex (llama-vocab.cpp)
     assert fields["tokenizer.ggml.pre"].contents() == {"sentencepiece": "default", "llama3_1": "llama-bpe",
-                                                       "qwen3": "qwen2"}[kind]
+                                                       "qwen3": "qwen2", "deepseek_v3": "joyai-llm"}[kind]
     template = json.loads((merged / "tokenizer_config.json").read_text()).get("chat_template")
     assert (fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None) == template
     if kind != "sentencepiece":
@@ -275,8 +290,8 @@ def rounded_through(model, outtype: str):
 
 # Files transformers' GGUF loader cannot read as the model: llama3 (it reads no rope_freqs), qwen2_moe (it makes the
 # shared expert's gate (1, 1, dim), not (1, dim)), mixtral (a `llama` file with experts: it builds a dense Llama),
-# olmoe (no olmoe in its architectures)
-NOT_LOADED = ("llama3", "qwen2_moe", "mixtral", "olmoe")
+# olmoe and deepseek_v2/v3 (no olmoe or deepseek2 among its architectures)
+NOT_LOADED = ("llama3", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2")
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n not in NOT_LOADED])

@@ -82,7 +82,7 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
     if store.tokenizer_path is None or is_tiktoken_file(store.tokenizer_path):
         raise ValueError(f"{store.path}: GGUF export needs a sentencepiece tokenizer.model or a tokenizer.json "
                          f"(llama.cpp reads its vocabulary from the file), and this store has neither")
-    if ARCHES[cfg.family].space_prefix and cfg.family == "gemma2" and store.tokenizer_path.name != "tokenizer.model":
+    if cfg.family == "gemma2" and store.tokenizer_path.name != "tokenizer.model":
         raise ValueError(f"{store.path}: llama.cpp's converter reads Gemma-2's vocabulary from a sentencepiece "
                          f"tokenizer.model, and this store has none; use --format hf")
     return ARCHES[cfg.family]

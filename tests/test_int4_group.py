@@ -23,7 +23,7 @@ from phantom.arch import quant
 from phantom.arch.config import ConfigError, block_tensor_shapes
 from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
-from phantom.arch.quantformat import block_nbytes
+from phantom.arch.quantformat import QuantFormat, block_nbytes
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import read_header
 from phantom.model.convert import disk_usage
@@ -84,6 +84,20 @@ def test_dequantized_weights_equal_compressed_tensors_bit_for_bit(int4, name):
                     assert torch.equal(ours, theirs.to(dtype)), (kind, i, key, dtype)
                 n += 1
         assert n == sum(k.endswith("_packed") for k in shipped), kind
+
+
+@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16", "float32"])
+def test_every_scale_dtype_and_output_dtype_equal_compressed_tensors(scale_dtype):
+    """compressed-tensors rounds each product to the scale's dtype: phantom's fp32, bf16 and fp16 outputs are its
+    decompression widened or rounded, bit for bit, whatever dtype the checkpoint's scales are in."""
+    fmt = QuantFormat("int4-group", scale_dtype=scale_dtype)
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0)).to(getattr(torch, scale_dtype))
+    parts = quant.quantize_int4(w, fmt)
+    theirs = decompress({"w_packed": parts["packed"], "w_scale": parts["scale"], "w_shape": torch.tensor([48, 128])},
+                        "w_packed")
+    assert theirs.dtype == getattr(torch, scale_dtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(quant.dequantize_into(fmt, parts, torch.empty(48, 128, dtype=dtype)), theirs.to(dtype))
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -185,3 +185,16 @@ def test_lora_on_gpt_oss_mxfp4_experts_equals_peft_and_the_merged_export_loads(g
     merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         assert rel_err(merged(tokens).logits, merged_ref(tokens).logits) < 1e-5
+
+
+def test_a_config_saying_mxfp4_over_16_bit_weights_is_refused_in_one_line(tmp_path, capsys):
+    from family_check import make
+    from test_bad_inputs import check, script
+    make("llama-tied").save_pretrained(tmp_path / "hf")
+    capsys.readouterr()  # save_pretrained's progress bar
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    code = script("prepare_model").main(["--src", str(tmp_path / "hf"), "--out", str(tmp_path / "s"), "--quiet"])
+    check(capsys, code, tmp_path, "MXFP4", "no weight")
+    assert not (tmp_path / "s").exists()

@@ -25,7 +25,7 @@ files, then half the blocks in RAM against pure disk with the cost model's predi
     python scripts/bench.py --modes quant --dim 2048 --layers 8 --dtype bf16 --quant-batches 1x32,8x256 --cold
 
 (alone) the same model stored bf16, NF4 and int8 (prepare_model.py --quantize; --quant-methods adds fp8-block,
-the tiles an FP8 checkpoint ships), disk tier: bytes read per step, the loader's dequantization, step time beside
+int4-group and mxfp4, the formats checkpoints ship), disk tier: bytes read per step, the loader's dequantization, step time beside
 the cost model's prediction; to notes/bench-quant.md.
 
     python scripts/bench.py --modes moe --dim 256 --layers 4 --moe-batches 1x8,1x32,1x128,1x1024,4x1024
@@ -118,7 +118,8 @@ def parse_args(argv=None):
     p.add_argument("--quant-batches", default="1x32,8x256", help="mode quant: rows x tokens per step to run, "
                                                                    "e.g. a read-bound and a compute-bound one")
     p.add_argument("--quant-methods", default="nf4,int8", help="mode quant: the formats stored beside bf16 (nf4, int8, "
-                                                              "fp8-block: DeepSeek-V3's FP8 tiles)")
+                                                              "fp8-block: DeepSeek-V3's FP8 tiles; int4-group: "
+                                                              "compressed-tensors' INT4 in groups of 32; mxfp4)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

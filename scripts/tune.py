@@ -6,8 +6,9 @@ whole model (blocks on the device / in RAM / on disk, prefetch, activations, mic
 it needs, the predicted step, tokens/s and what bounds it; or how much is missing when nothing fits.
 The profile it saves is what `finetune.py --prefetch auto` reads. With --quantize nf4|int8 it plans the
 model stored quantized (prepare_model.py --quantize), with --quantize fp8-block as an FP8 checkpoint ships it
-(DeepSeek-V3, Kimi-K2, Qwen3-FP8: e4m3 weights and a float32 scale per 128x128 tile), and prints the 16-bit
-store's plan beside it:
+(DeepSeek-V3, Kimi-K2, Qwen3-FP8: e4m3 weights and a float32 scale per 128x128 tile), int4-group as
+Kimi-K2-Thinking ships its experts (compressed-tensors INT4, a bf16 scale per 32 values; the rest bf16), mxfp4 as
+gpt-oss ships its experts, and prints the 16-bit store's plan beside it:
 
     python scripts/tune.py --preset 70B --quantize nf4 --host-memory 64G --device cpu
 """
@@ -44,7 +45,8 @@ def parse_args(argv=None):
     a("--store-dtype", default="bf16", choices=cli.STORE_DTYPES, help="the dtype a store would be prepared in")
     a("--quantize", default=None, choices=METHODS + SHIPPED,
       help="plan the model stored quantized (prepare_model.py --quantize; fp8-block: an FP8 checkpoint as it "
-           "ships, 128x128 tiles), beside its --store-dtype plan")
+           "ships, 128x128 tiles; int4-group, mxfp4: the routed experts as Kimi-K2-Thinking and gpt-oss ship "
+           "them), beside its --store-dtype plan")
     a("--host-memory", type=parse_bytes, default=None, help="plan for a host with this much free memory, e.g. 64G "
                                                            "(default: what is free here)")
     a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")

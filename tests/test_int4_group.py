@@ -23,12 +23,13 @@ from phantom.arch import quant
 from phantom.arch.config import ConfigError, block_tensor_shapes
 from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
-from phantom.arch.quantformat import block_nbytes
+from phantom.arch.quantformat import QuantFormat, block_nbytes
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import read_header
 from phantom.model.convert import disk_usage
 from phantom.model.export import export
 from phantom.plan import costinputs as ci
+from phantom.plan import profiles
 from family_check import batch, check_lora, make, peft_step, rel_err, transformers
 from int4_checkpoint import GROUP, KIMI_IGNORE, WEIGHTS, decompress, write_int4
 from test_bad_inputs import check, script
@@ -84,6 +85,20 @@ def test_dequantized_weights_equal_compressed_tensors_bit_for_bit(int4, name):
                     assert torch.equal(ours, theirs.to(dtype)), (kind, i, key, dtype)
                 n += 1
         assert n == sum(k.endswith("_packed") for k in shipped), kind
+
+
+@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16", "float32"])
+def test_every_scale_dtype_and_output_dtype_equal_compressed_tensors(scale_dtype):
+    """compressed-tensors rounds each product to the scale's dtype: phantom's fp32, bf16 and fp16 outputs are its
+    decompression widened or rounded, bit for bit, whatever dtype the checkpoint's scales are in."""
+    fmt = QuantFormat("int4-group", scale_dtype=scale_dtype)
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0)).to(getattr(torch, scale_dtype))
+    parts = quant.quantize_int4(w, fmt)
+    theirs = decompress({"w_packed": parts["packed"], "w_scale": parts["scale"], "w_shape": torch.tensor([48, 128])},
+                        "w_packed")
+    assert theirs.dtype == getattr(torch, scale_dtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(quant.dequantize_into(fmt, parts, torch.empty(48, 128, dtype=dtype)), theirs.to(dtype))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -192,13 +207,16 @@ def test_int4_configs_phantom_does_not_read_are_refused(change):
 
 
 def test_the_cost_model_counts_the_stored_bytes(int4):
-    """block_nbytes of the stores' formats are the bytes of their block files; Kimi-K2 1T's blocks as
+    """block_nbytes of the stores' formats are the bytes of their block files, and the profile measures their
+    dequantization; Kimi-K2 1T's blocks as
     Kimi-K2-Thinking ships them (experts INT4, the rest bf16: tune.py --quantize int4-group) are 0.288x bf16: 4
     bits and a bf16 scale per 32 values are 4.5 bits (0.281x), the 16-bit attention and shared expert add 0.007x."""
     for name in MODELS:
         store = BlockStore(int4(name)[2]["copy"])
         for i in range(store.n_blocks):
             assert store.block_size(i) == block_nbytes(store.quant, block_tensor_shapes(store.cfg, i), "bfloat16")
+        # the profile's dequantization rate, on a sparse block (the DeepSeek-V3's dense first one holds no INT4)
+        assert profiles.measure_dequant(store, torch.device("cpu"), torch.float32, repeats=1) > 0
     cfg = PRESETS["kimi-k2-1T"]
     ratio = ci.shape_of(cfg, quant="int4-group").block_bytes / ci.shape_of(cfg).block_bytes
     assert 0.2812 < ratio < 0.29, ratio

@@ -270,8 +270,11 @@ def dequantize_int4_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: 
     for a in range(0, rows, step):
         b = min(a + step, rows)
         vals = pairs.index_select(0, packed[a:b].reshape(-1).view(torch.uint8).int()).view(torch.float32)
-        vals = vals.view(b - a, -1, fmt.group).mul_(scale[a:b].float()[:, :, None])
-        out[a:b].copy_(vals.view(b - a, cols).to(scale.dtype))
+        vals, dst = vals.view(b - a, -1, fmt.group), out[a:b].view(b - a, -1, fmt.group)
+        if out.dtype == scale.dtype or scale.dtype == torch.float32:  # one rounding: the product's to out's dtype
+            torch.mul(vals, scale[a:b].float()[:, :, None], out=dst)
+        else:  # rounded to the scale's dtype first, then to out's
+            dst.copy_(vals.mul_(scale[a:b].float()[:, :, None]).to(scale.dtype))
     return out
 
 
@@ -289,8 +292,8 @@ def dequantize_mxfp4_into(parts: dict[str, torch.Tensor], out: torch.Tensor, nam
     for a in range(0, rows, step):
         b = min(a + step, rows)
         vals = pairs.index_select(0, blocks[a:b].reshape(-1).int()).view(torch.float32).view(b - a, -1, 32)
-        vals.mul_(powers.index_select(0, scales[a:b].reshape(-1).int()).view(b - a, -1, 1))
-        out[a:b].copy_(vals.view(b - a, cols))
+        torch.mul(vals, powers.index_select(0, scales[a:b].reshape(-1).int()).view(b - a, -1, 1),
+                  out=out[a:b].view(b - a, -1, 32))  # fp32, rounded once to out's dtype
     return out
 
 

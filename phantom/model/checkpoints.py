@@ -337,6 +337,8 @@ class HFCheckpoint:
     def _unquantized(self, packed: dict, what: str) -> tuple[str, ...]:
         """The linear weights of the blocks a checkpoint ships in 16 bits (packed: the (part, name) it ships as
         `what`); a weight `what` in some layers and 16-bit in others, or outside a block's linear weights, refused."""
+        if not packed:
+            raise ValueError(f"{self.src}: config.json's quantization_config says {what}, but no weight is shipped so")
         kinds = {}
         for part in range(self.cfg.n_layers):
             for name, shape in part_shapes(self.cfg, part).items():

@@ -243,3 +243,17 @@ def test_a_resumed_run_continues_its_wandb_and_mlflow_runs(cli, tmp_path):
     named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(meta['trackers']['wandb'])}(-\d+)?")
     assert len(folders) == 2 and all(named.fullmatch(f.name) for f in folders), [f.name for f in folders]
     assert [wandb_steps(next(f.glob("run-*.wandb"))) for f in folders] == [[0, 1, 2], [3, 4]]
+
+
+def test_a_sweep_s_adapter_runs_are_grouped_by_the_sweep(tmp_path, monkeypatch):
+    """Each adapter of a sweep is its own tracker run, in the sweep's group: wandb's run group (read back from
+    its offline run), MLflow's tag `phantom.sweep` (read back through MLflow's client)."""
+    need("wandb")
+    need("mlflow")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with trackers.Reporter(("wandb", "mlflow"), tmp_path / "a", {"lr": 1e-3}, "sw/a", group="sw") as reporter:
+        assert reporter.trackers.keys() == {"wandb", "mlflow"}
+        assert reporter.trackers["wandb"].run.group == "sw"
+        mlflow = reporter.trackers["mlflow"]
+        run = mlflow.client.get_run(mlflow.run_id)
+        assert run.data.tags[trackers.GROUP_TAG] == "sw" and run.info.run_name == "sw/a"

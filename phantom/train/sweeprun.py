@@ -77,9 +77,9 @@ def claimed_sweep(top: rc.RunConfig, members: list, machine, path: Path, store: 
         settings = runner.write_run_file(c, store, Path(c.train.out))
         c = dataclasses.replace(c, activations=top.activations, model=top.model)
         runs = tracker_runs(Path(c.train.out)) if top.train.resume else {}
-        reporter = held.enter_context(trackers.Reporter(names, Path(c.train.out), settings,
-                                                        f"{Path(top.train.out).resolve().name}/{name}",
-                                                        first.get(name, 1), runs))
+        sweep = Path(top.train.out).resolve().name
+        reporter = held.enter_context(trackers.Reporter(names, Path(c.train.out), settings, f"{sweep}/{name}",
+                                                        first.get(name, 1), runs, group=sweep))
         tok, _, train_data, val_data = runner.load_data(c, path, store)
         train_cfg = dataclasses.replace(c.train, sample_every=0)  # no greedy samples: they would read the weights
         jobs.append(Job(name, c.lora, train_cfg, train_data, val_data, tok, (reporter.log,),

@@ -41,7 +41,8 @@ class TensorBoard:
 
     run_id = None  # the event files are the run (OUT/tensorboard)
 
-    def __init__(self, out: Path, config: dict, name: str, first_step: int = 1, run_id: str | None = None):
+    def __init__(self, out: Path, config: dict, name: str, first_step: int = 1, run_id: str | None = None,
+                 group: str | None = None):  # a sweep's adapters: OUT/<name>/tensorboard, one logdir (OUT) shows them
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
         self.writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=first_step if first_step > 1 else None)
@@ -61,14 +62,15 @@ class WandB:
     Resumed (run_id): the same run, resume="allow"; steps it already holds (an interrupted run's past
     its checkpoint) are skipped, as wandb cannot replace a logged step."""
 
-    def __init__(self, out: Path, config: dict, name: str, first_step: int = 1, run_id: str | None = None):
+    def __init__(self, out: Path, config: dict, name: str, first_step: int = 1, run_id: str | None = None,
+                 group: str | None = None):
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False) else "offline")
         quiet = not logging.getLogger().isEnabledFor(logging.INFO)  # finetune.py -q: no wandb banners either
         resume = {"id": run_id, "resume": "allow"} if run_id else {}
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "phantom"), name=name, dir=str(out),
-                              config=config, mode=mode, reinit="create_new", settings=wandb.Settings(silent=quiet),
+                              group=group, config=config, mode=mode, reinit="create_new", settings=wandb.Settings(silent=quiet),
                               **resume)
         self.run_id, self.next_step = self.run.id, self.run.step  # a resumed online run: past its last step
 
@@ -86,7 +88,8 @@ class MLflow:
     Resumed (run_id, where that run exists): the same run, running again; steps up to the last it holds
     are skipped (MLflow keeps every point logged, so a step logged twice would be two points)."""
 
-    def __init__(self, out: Path, config: dict, name: str, first_step: int = 1, run_id: str | None = None):
+    def __init__(self, out: Path, config: dict, name: str, first_step: int = 1, run_id: str | None = None,
+                 group: str | None = None):
         from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -100,7 +103,8 @@ class MLflow:
             self.client.update_run(run_id, status="RUNNING")  # its params are the run's already
             self.last_step = max((m.step for m in self.client.get_metric_history(run_id, "loss")), default=-1)
             return
-        self.run_id = self.client.create_run(self.experiment_id(experiment), run_name=name).info.run_id
+        tags = {GROUP_TAG: group} if group else None
+        self.run_id = self.client.create_run(self.experiment_id(experiment), run_name=name, tags=tags).info.run_id
         self.client.log_batch(self.run_id, params=[_param(k, v) for k, v in config.items()])
 
     def exists(self, run_id: str) -> bool:
@@ -140,20 +144,21 @@ def _param(key: str, value):
 
 
 CLASSES = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
+GROUP_TAG = "phantom.sweep"  # MLflow's tag holding a sweep's name on each adapter's run (wandb: the run's group)
 
 
 class Reporter:
     """The trackers of a run (`first_step` > 1: a resumed run's first new step; `runs`: the tracker run
-    ids its checkpoint kept, as `runs()` gives them). `log(rec)` takes each metrics.jsonl record; a
+    ids its checkpoint kept, as `runs()` gives them; `group`: the sweep an adapter's run belongs to). `log(rec)` takes each metrics.jsonl record; a
     tracker that raises is warned about once and dropped, so the run goes on as it would without it."""
 
     def __init__(self, names: tuple[str, ...], out: Path, config: dict, name: str, first_step: int = 1,
-                 runs: dict | None = None):
+                 runs: dict | None = None, group: str | None = None):
         self.trackers = {}
         for tracker in names:
             try:
                 run_id = (runs or {}).get(tracker)
-                self.trackers[tracker] = CLASSES[tracker](Path(out), config, name, first_step, run_id)
+                self.trackers[tracker] = CLASSES[tracker](Path(out), config, name, first_step, run_id, group)
             except ImportError as e:
                 self.warn(tracker, f"{e.name or e} is not installed (pip install {PACKAGES[tracker]})")
             except Exception as e:  # noqa: BLE001 - a tracker never stops training

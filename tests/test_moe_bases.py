@@ -43,9 +43,10 @@ def steps(store, n: int = 2, logits_pass: bool = True, **knobs):
     backward; no optimizer: the same weights each time): each step's metrics and (block, experts) loads, the
     last logits, loss and LoRA gradients, and the blocks whose bases the run kept."""
     tokens, targets = few(2, 5)
-    lora = phantom.LoraConfig(rank=4, alpha=8, targets=ATTENTION)
+    lora = phantom.LoraConfig(rank=4, alpha=8, targets=knobs.pop("lora_targets", ATTENTION))
     metrics, loads = [], []
-    with phantom.load(store, lora=lora, loss_chunk=7, verify="none", recompute="all", **knobs) as pm:
+    knobs.setdefault("recompute", "all")
+    with phantom.load(store, lora=lora, loss_chunk=7, verify="none", **knobs) as pm:
         transfer = pm.backend.scheduler.transfer
         real_load = transfer.load
         transfer.load = lambda slot, block, src, ev=None, experts=None: (
@@ -72,17 +73,19 @@ def steps(store, n: int = 2, logits_pass: bool = True, **knobs):
 @pytest.mark.usefixtures("ram_streams")
 @pytest.mark.parametrize("name", NAMES)
 def test_kept_bases_give_the_bits_of_streamed_ones(models, name):
-    """From disk and RAM (through slots, as on CUDA), experts read whole and routed, prefetch 0 and 2: the
+    """From disk and RAM (through slots, as on CUDA), experts read whole and routed, prefetch 0 and 2, recompute
+    all and none (kept graphs whose saved weights lie partly in the slot, partly in the kept copy): the
     logits, loss and every LoRA gradient of a run that keeps the bases equal, bit for bit, those of the run
     that streams them; every sparse block is kept, the dense first layer is not."""
     _, store = models[name]
     ref = steps(store, offload="disk", expert_reads="whole", moe_base="stream")
     assert ref[4] == []
     sparse = [i for i in range(BlockStore(store).n_blocks) if BlockStore(store).cfg.sparse(i)]
-    for offload, reads, prefetch in (("disk", "whole", 0), ("disk", "routed", 2), ("ram", "routed", 0),
-                                     ("ram", "whole", 2)):
-        got = steps(store, offload=offload, expert_reads=reads, prefetch=prefetch, moe_base="device")
-        run = (offload, reads, prefetch)
+    for offload, reads, prefetch, recompute in (("disk", "whole", 0, "all"), ("disk", "routed", 2, "all"),
+                                                ("ram", "routed", 0, "none"), ("ram", "whole", 2, "none")):
+        got = steps(store, offload=offload, expert_reads=reads, prefetch=prefetch, moe_base="device",
+                    recompute=recompute)  # none: the kept graph's saved weights rebuilt on the slot's part
+        run = (offload, reads, prefetch, recompute)
         assert got[4] == sparse, run
         assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]), run
         assert all(torch.equal(a, b) for a, b in zip(got[3], ref[3])), run
@@ -263,3 +266,17 @@ def test_finetune_keeps_the_bases_as_asked_and_records_the_bytes(models, tmp_pat
     assert [r["loss"] for r in stream] == [r["loss"] for r in device]
     assert stream[1]["loads"] == device[1]["loads"]
     assert stream[1]["bytes_read"] - device[1]["bytes_read"] == device[1]["loads"] * lay.base_bytes
+
+
+def test_a_kept_graph_s_weights_are_rebuilt_on_the_slot_s_part(tmp_path):
+    """Qwen3-MoE with a dense layer between sparse ones, LoRA on attention and the experts, two slots, experts
+    read routed, recompute auto (kept graphs save their weights as handles into the slot): the gradients with
+    the bases kept equal those of the run streaming them, bit for bit. The handles are offsets from the slot's
+    part of the weights, which must be the same part at the forward (the block's first load) and the backward."""
+    store = prepare(make("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1]), tmp_path / "s")
+    targets = ("q", "k", "v", "o", "gate", "up", "down")
+    runs = {mode: steps(store, 1, False, offload="disk", prefetch=1, expert_reads="routed", moe_base=mode,
+                        recompute="auto", lora_targets=targets) for mode in ("stream", "device")}
+    assert runs["device"][4] == [0, 2]
+    assert torch.equal(runs["device"][2], runs["stream"][2])
+    assert all(torch.equal(a, b) for a, b in zip(runs["device"][3], runs["stream"][3]))

@@ -36,7 +36,7 @@ def scheduler_layout(store_dtype: torch.dtype, dtype: torch.dtype, cfg, placemen
     shape = ci.shape_of(cfg, str(store_dtype).removeprefix("torch.").replace("float32", "fp32")
                         .replace("bfloat16", "bf16"), "fp32")
     store = types.SimpleNamespace(block_nbytes=shape.block_bytes, dense_nbytes=shape.block_bytes, dtype=store_dtype,
-                                  quant=None, n_blocks=cfg.n_layers)
+                                  quant=None, n_blocks=cfg.n_layers, cfg=cfg)
     return resolve_layout(store, torch.device("mps"), dtype, placement, zero_copy=None, device_reserve=0)
 
 

@@ -65,25 +65,40 @@ class WeightHandles:
     """
 
     def __init__(self, weights: dict[str, torch.Tensor]):
-        self.storage_ptr = next(iter(weights.values())).untyped_storage().data_ptr()
-        self.base = self._base(weights)
+        storage = self._slot(weights)
+        self.storage_ptr = storage.data_ptr()
+        self.base = self._base(weights, storage)
+        # tensors the device keeps beyond the slot (a MoE block's attention and shared experts, Placement.moe_base):
+        # the same tensors at every load, saved as they are and not counted as kept activations
+        self.persistent = {w.untyped_storage().data_ptr() for w in weights.values()} - {self.storage_ptr}
         self.storage = None
         self.kept_bytes = 0
         self.weight_handles = 0
 
     @staticmethod
-    def _base(weights: dict[str, torch.Tensor]) -> int:
-        return min(w.storage_offset() * w.element_size() for w in weights.values())
+    def _slot(weights: dict[str, torch.Tensor]):
+        """The storage of the slot: the one holding most of the weights' bytes (a kept base's are a few)."""
+        held: dict[int, list] = {}
+        for w in weights.values():
+            entry = held.setdefault(w.untyped_storage().data_ptr(), [w.untyped_storage(), 0])
+            entry[1] += w.numel() * w.element_size()
+        return max(held.values(), key=lambda e: e[1])[0]
+
+    @staticmethod
+    def _base(weights: dict[str, torch.Tensor], storage) -> int:
+        return min(w.storage_offset() * w.element_size() for w in weights.values()
+                   if w.untyped_storage().data_ptr() == storage.data_ptr())
 
     def bind(self, weights: dict[str, torch.Tensor] | None) -> None:
-        self.storage = next(iter(weights.values())).untyped_storage() if weights else None
-        self.base = self._base(weights) if weights else None
+        self.storage = self._slot(weights) if weights else None
+        self.base = self._base(weights, self.storage) if weights else None
 
     def pack(self, t: torch.Tensor):
         if t.device.type != "meta" and t.untyped_storage().data_ptr() == self.storage_ptr:
             self.weight_handles += 1
             return (WeightHandles, t.dtype, t.storage_offset() * t.element_size() - self.base, t.shape, t.stride())
-        self.kept_bytes += t.numel() * t.element_size()
+        if t.device.type == "meta" or t.untyped_storage().data_ptr() not in self.persistent:
+            self.kept_bytes += t.numel() * t.element_size()
         return t
 
     def unpack(self, packed):

@@ -137,10 +137,13 @@ class Transfer:
         return self.bases.get(block) if self.bases is not None else None
 
     def _keep_base(self, slot: Slot, block: int) -> None:
-        """After a block's first load: its non-expert weights copied out of the slot, to stay (`bases`)."""
+        """After a block's first load: its non-expert weights copied out of the slot, to stay (`bases`), and
+        used from there at once: every use of the block sees its weights split between the slot and the kept
+        copy alike (phantom.stream.executor.WeightHandles rebuilds saved weights on the slot's part)."""
         if self.bases is not None and block in self.bases and self.bases[block] is None:
             names = self.experts.at(self.store.layout_index(block)).base_names
             self.bases[block] = packed_copy({n: slot.views[n] for n in names})
+            slot.views = {**slot.views, **self.bases[block]}
 
     def fill(self, slot: Slot, block: int, source: Held, experts) -> LoadStats:
         """Read the experts of `experts` that a routed slot lacks into it (on the training thread, which

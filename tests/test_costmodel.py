@@ -160,6 +160,32 @@ def test_recompute_policy_trades_time_for_memory():
     assert rc_all.step_s == pytest.approx(8 * 3 * f + head) and rc_none.step_s == pytest.approx(8 * 2 * f + head)
 
 
+def test_a_resident_model_keeps_every_graph_whatever_the_policy(store):
+    """offload "none" is plain autograd (ResidentBlocks): each block runs forward once a step under any recompute
+    policy (counted), so the cost model predicts it as keeping every graph: no recomputed forward, every graph's
+    bytes."""
+    shape = ci.shape_of(CFG, "fp32", "fp32", 16)
+    cpu = ci.MachineProfile(machine="t", device="cpu", fwd_flops=1e9, free_host_bytes=64 * GiB)
+    resident = {r: cm.predict(cpu, shape, Placement(offload="none"), Activations(recompute=r), 2)
+                for r in ("all", "none")}
+    assert resident["all"].step_s == resident["none"].step_s and resident["all"].kept_blocks == CFG.n_layers
+    assert resident["all"].host_bytes == resident["none"].host_bytes
+    streamed = cm.predict(cpu, shape, Placement(offload="ram"), Activations(recompute="all"), 2)
+    assert streamed.kept_blocks == 0 and streamed.compute_s > resident["all"].compute_s
+    calls = {}
+    for offload in ("none", "ram"):
+        with phantom.PhantomModel(BlockStore(store), "cpu", torch.float32, Placement(offload=offload),
+                                  Activations(recompute="all")) as model:
+            n = [0]
+            hooks = [b.register_forward_hook(lambda *_: n.__setitem__(0, n[0] + 1)) for b in model.layers]
+            tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+            model(tokens, targets=tokens).backward()
+            calls[offload] = n[0]
+            for h in hooks:
+                h.remove()
+    assert calls == {"none": CFG.n_layers, "ram": 2 * CFG.n_layers}
+
+
 def test_the_search_keeps_what_memory_allows_and_says_what_is_missing():
     shape = ci.shape_of(preset("70B"), "bf16", "bf16", 1024)
     big = ci.MachineProfile(machine="t", device="cuda", free_device_bytes=80 * GiB, free_host_bytes=1024 * GiB,

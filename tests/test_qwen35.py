@@ -60,6 +60,35 @@ def test_the_chunked_delta_rule_equals_transformers_chunked_and_per_token(hk, hv
     assert rel_err(ours, chunk_gated_delta_rule(q, k, v, torch.zeros_like(g), beta)) > 1e-2  # the decay counts
 
 
+def test_the_delta_rules_backward_is_linear_in_the_chunks():
+    """Its backward allocates no sequence-sized zeros per chunk (a slice indexed in the chunk loop would: each
+    select's backward zero-fills the whole tensor, quadratic in the length). Counted: fills of tensors the size of a
+    whole sequence's per-chunk values during the backward, at 4 and at 16 chunks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SequenceFills(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.count = numel, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in ("zeros", "zeros_like", "fill_", "new_zeros", "select_backward") and \
+                    isinstance(out, torch.Tensor) and out.numel() >= self.numel:
+                self.count += 1
+            return out
+
+    counts = []
+    for n in (4, 16):
+        q, k, v, g, beta = (t.requires_grad_() for t in delta_rule_inputs(1, 2, t=64 * n))
+        out = chunk_gated_delta_rule(q, k, v, g, beta)
+        with SequenceFills(v.numel()) as mode:
+            out.sum().backward()
+        counts.append(mode.count)
+    assert counts[1] <= counts[0] + 2, counts
+
+
 @pytest.mark.parametrize("name,runs", [("qwen3_5_moe", [("disk", 1, "all"), ("ram", 0, "none")]),
                                        ("qwen3_next", [("ram", 1, "all")])])
 def test_logits_over_three_chunks_equal_transformers_streamed(family_models, name, runs):

@@ -73,10 +73,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     chunk_decay = g[..., -1].exp()[..., None, None]
     state = q.new_zeros(B, Hv, Dk, v.shape[-1])
     out = []
-    for i in range(n):
-        v_new = u[:, :, i] - w[:, :, i] @ state  # what the state does not already predict
-        out.append(q_decayed[:, :, i] @ state + inner[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_rest[:, :, i].transpose(-1, -2) @ v_new
+    # each chunk's slices taken once by unbind: a slice indexed in the loop would, in backward, zero-fill a
+    # tensor of the whole sequence for each chunk (quadratic in the length: 70% of a block's step at 8192 tokens)
+    for u_i, w_i, qd_i, inner_i, decay_i, k_i in zip(*(t.unbind(2) for t in (u, w, q_decayed, inner, chunk_decay,
+                                                                              k_rest))):
+        v_new = u_i - w_i @ state  # what the state does not already predict
+        out.append(qd_i @ state + inner_i @ v_new)
+        state = state * decay_i + k_i.transpose(-1, -2) @ v_new
     o = torch.stack(out, dim=2).reshape(B, Hv, n * chunk, -1)[:, :, :T]
     return o.transpose(1, 2).to(dtype)
 

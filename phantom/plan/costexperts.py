@@ -57,6 +57,7 @@ def predict_expert_reads(profile: MachineProfile, shape: Shape, cfg: ModelConfig
     """Whole and routed reads of a step of `rows` rows of shape.seq_len tokens (probs: the router's measured
     share of tokens per expert, None for uniform routing). Quantized stores read whole (no prediction)."""
     whole = predict(profile, shape, placement, activations, rows)
+    activations = whole.activations  # as the placement runs it (a resident model keeps every graph)
     e_bytes = expert_bytes(cfg, store_dtype)
     hits = expected_hits(probs, rows * shape.seq_len, cfg.n_experts, cfg.experts_per_token)
     lay = layout(shape, profile, placement, None)

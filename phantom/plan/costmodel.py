@@ -154,6 +154,13 @@ def kept_blocks(shape: Shape, profile: MachineProfile, activations: Activations,
     budget = activations.keep_budget or 0
     return min(shape.n_blocks, int(budget // per_block)) if per_block > 0 else shape.n_blocks
 
+def resident_activations(placement: Placement, activations: Activations) -> Activations:
+    """What a policy does under `placement`: a resident model (offload "none") is trained by plain autograd
+    (phantom.model.backends.ResidentBlocks), which keeps every block's graph whatever `recompute` says."""
+    if placement.offload != "none" or activations.recompute == "none":
+        return activations
+    return dataclasses.replace(activations, recompute="none", keep_budget=None)
+
 def predict(profile: MachineProfile, shape: Shape, placement: Placement, activations: Activations, rows: int,
             tiers: tuple[str, ...] | None = None, margin: float = MARGIN) -> Prediction:
     """Predicted step time, memory and traffic of one placement for `rows` rows of shape.seq_len tokens.
@@ -175,6 +182,7 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
         step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
     Memory: see `device_memory` and `host_memory`.
     """
+    activations = resident_activations(placement, activations)
     lay = layout(shape, profile, placement, tiers)
     tiers, streams, slots = lay.tiers, list(lay.streamed), lay.slots
     keep = kept_blocks(shape, profile, activations, rows)

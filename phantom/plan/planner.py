@@ -101,8 +101,8 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
                         break  # deeper than the streamed blocks: the same as a shallower one
                     short = []
                     for b in micros:
-                        for acts in activation_choices(shape, profile, lay.tiers, lay.slots, rows, b, recompute,
-                                                       margin):
+                        for acts in activation_choices(shape, profile, lay.tiers, lay.slots, rows, b,
+                                                       ("none",) if offload == "none" else recompute, margin):
                             if (lay.tiers, lay.bases, K, acts) not in seen:
                                 seen.add((lay.tiers, lay.bases, K, acts))
                                 out.append(predict(profile, shape, place, acts, rows, lay.tiers, margin))

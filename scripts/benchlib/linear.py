@@ -1,11 +1,13 @@
 """`bench.py --modes linear`: a Gated DeltaNet block's LoRA step against a gated full-attention block's, on two
-synthetic stores of the Qwen3.5-35B-A3B shape scaled to --dim (its heads' widths kept: 256-wide attention heads,
-a quarter rotated; 128-wide delta-rule heads), every block of one kind, the MLP dense and as wide as the experts a
-token runs (a mixture's per-expert calls would hide the mixers), resident, recompute all, LoRA on each block's
-output projection (o or out_proj). For each batch of --linear-batches: the fastest step of each, their ratio, and
-each beside the cost model's prediction (phantom.plan.costmodel.predict) from a profile of its own store measured
-at the first batch: the longer rows' predictions test how the cost model counts each mixer's FLOPs as the rows
-grow (causal attention's T^2, the delta rule's T; phantom.arch.deltanet.mixer_flops).
+synthetic stores of the Qwen3.5-35B-A3B shape scaled to --dim (its heads' widths kept: 256-wide attention heads, a
+quarter rotated; 128-wide delta-rule heads), every block of one kind, the MLP dense and as wide as the experts a
+token runs (a mixture's per-expert calls would hide the mixers), in the RAM tier (used in place on a CPU) and run
+by the streaming executor with recompute all, as a profile times a block (a resident model is plain autograd, which
+keeps every graph); LoRA on the query and value projections (q, v: the default, what a profile's block carries) or
+on the delta rule's fused q/k/v input (in_proj_qkv). For each batch of --linear-batches: the fastest step of each,
+their ratio, and each beside the cost model's prediction (phantom.plan.costmodel.predict) from a profile of its own
+store measured at the first batch: the longer rows' predictions test how the cost model counts each mixer's FLOPs
+as the rows grow (causal attention's T^2, the delta rule's T; phantom.arch.deltanet.mixer_flops).
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from benchlib.moe import least_disturbed
 from phantom.plan.costmodel import predict
 from phantom.stream.placement import Activations, Placement
 
-KINDS = {"linear_attention": ("out_proj",), "full_attention": ("o",)}
+KINDS = {"linear_attention": ("in_proj_qkv",), "full_attention": ("q", "v")}
 ACTS = Activations(recompute="all")
+PLACE = Placement(offload="ram")  # not "none": a resident model is plain autograd, which keeps every graph
 
 
 def linear_config(dim: int, layers: int, kind: str, seq: int):
@@ -45,7 +48,7 @@ def steps(store: Path, kind: str, rows: int, seq: int, n: int = 3) -> float:
     times = []
     gen = torch.Generator().manual_seed(0)
     with phantom.PhantomModel(BlockStore(store, verify="none"), torch.device("cpu"), torch.float32,
-                              Placement(offload="none"), ACTS, phantom.LoraConfig(targets=KINDS[kind])) as pm:
+                              PLACE, ACTS, phantom.LoraConfig(targets=KINDS[kind])) as pm:
         for _ in range(n):
             tokens = torch.randint(0, pm.cfg.vocab_size, (rows, seq), generator=gen)
             t0 = time.perf_counter()
@@ -63,7 +66,7 @@ def linear_bench(args, folder: Path) -> str:
     lines = [f"### Gated DeltaNet against gated full attention: {args.layers} blocks of each, Qwen3.5-35B-A3B's shape "
              f"scaled to dim {c.dim} ({c.n_heads} attention heads of {c.head_dim}, rotary {c.rope_dim}; "
              f"{c.linear_k_heads} q/k and {c.linear_v_heads} v delta-rule heads of {c.linear_k_dim}; a dense MLP of "
-             f"{c.hidden_dim}), fp32, resident, recompute all, LoRA on o / out_proj; {torch.get_num_threads()} torch "
+             f"{c.hidden_dim}), fp32, RAM tier, recompute all, LoRA on q, v / in_proj_qkv; {torch.get_num_threads()} torch "
              f"threads; predictions from a profile of each store measured at {batches[0][0]}x{batches[0][1]}", "",
              "| batch | block | step s | linear / full | predicted s | pred / meas |", "|---|---|---|---|---|---|"]
     profile = {k: least_disturbed(BlockStore(stores[k], verify="none"), *batches[0]) for k in KINDS}
@@ -71,7 +74,7 @@ def linear_bench(args, folder: Path) -> str:
         measured = {k: steps(stores[k], k, rows, seq) for k in KINDS}  # (the less disturbed: see least_disturbed)
         for k in KINDS:
             shape = ci.shape_of(cfgs[k], "fp32", "fp32", seq_len=seq)
-            p = predict(profile[k], shape, Placement(offload="none"), ACTS, rows).step_s
+            p = predict(profile[k], shape, PLACE, ACTS, rows).step_s
             linear = k == "linear_attention"
             ratio = f"{measured['linear_attention'] / measured['full_attention']:.2f}" if linear else ""
             lines.append(f"| {rows}x{seq} | {k} | {measured[k]:.3f} | {ratio} | {p:.3f} | {p / measured[k]:.2f} |")

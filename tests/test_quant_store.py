@@ -321,10 +321,10 @@ def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf1
     from phantom.plan import profiles
     store = BlockStore(stores["nf4"])
     assert profiles.measure_dequant(store, torch.device("cpu"), torch.float32, repeats=1) > 0
-    paths = {profiles.profile_path(BlockStore(p), "cpu", "fp32", tmp_path) for p in (bf16, stores["nf4"], stores["int8"])}
+    paths = {profiles.profile_path(BlockStore(p), "cpu", "fp32", 16, tmp_path) for p in (bf16, stores["nf4"], stores["int8"])}
     assert len(paths) == 3
-    assert profiles.profile_path(CFG, "cpu", "fp32", tmp_path, "bf16", "nf4") == \
-        profiles.profile_path(store, "cpu", "fp32", tmp_path)
+    assert profiles.profile_path(CFG, "cpu", "fp32", 16, tmp_path, "bf16", "nf4") == \
+        profiles.profile_path(store, "cpu", "fp32", 16, tmp_path)
 
 
 def test_cost_model_places_a_quantized_store_as_the_scheduler_does(stores, monkeypatch):

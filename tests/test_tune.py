@@ -152,7 +152,14 @@ def test_auto_placement_measures_once_then_reads_the_profile(small_store, tmp_pa
                                 planner.SearchSpace(offloads=("disk",), micro_batches=(2,)))
     assert disk.offload == "disk" and disk.split["disk"] == 4 and disk.activations.micro_batch == 2
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
-    assert profiles.profile_path(BlockStore(small_store), "cpu", "fp32").parent == tmp_path / "cache" / "profiles"
+    assert profiles.profile_path(BlockStore(small_store), "cpu", "fp32", 16).parent == tmp_path / "cache" / "profiles"
+    # rows of about the same length share the profile; rows of another power of two of tokens measure their own
+    again = tune.auto_placement(small_store, "cpu", batch_size=4, seq_len=40, dtype="fp32", profile_dir=tmp_path)
+    assert again.seq_len == 40
+    monkeypatch.undo()
+    tune.auto_placement(small_store, "cpu", batch_size=4, seq_len=64, dtype="fp32", profile_dir=tmp_path)
+    assert sorted(json.loads(f.read_text())["measured_on"].rsplit(" x ", 1)[1] for f in tmp_path.glob("*.json")) == \
+        ["32 tokens", "64 tokens"]
 
 
 def test_load_with_prefetch_auto_takes_the_tuners_placement(small_store, tmp_path, monkeypatch):

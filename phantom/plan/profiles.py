@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -298,9 +299,13 @@ def profile_dir_default() -> Path:
     return Path(os.environ.get("PHANTOM_CACHE") or Path.home() / ".cache" / "phantom") / "profiles"
 
 
-def profile_path(model, device, dtype, profile_dir: Path | str | None = None, store_dtype: str | None = None,
-                 quant: str | None = None) -> Path:
-    """<profile_dir or $PHANTOM_CACHE/profiles or ~/.cache/phantom/profiles>/<machine>-<dtype>-<shape>.json
+def profile_path(model, device, dtype, seq_len: int, profile_dir: Path | str | None = None,
+                 store_dtype: str | None = None, quant: str | None = None) -> Path:
+    """<profile_dir or $PHANTOM_CACHE/profiles or ~/.cache/phantom/profiles>/<machine>-<dtype>-<shape>-t<tokens>.json
+
+    A profile is kept per power of two of tokens per row (`length_bucket`): a block's rate per FLOP moves with
+    the row's length (its activations outgrow the caches, attention's T^2 and a delta rule's chunk loop run at
+    their own rates), so rows of 8192 tokens are planned from a block timed at about that length, not at 1024.
 
     Args:
         model: a BlockStore, or a ModelConfig (with store_dtype and quant: how its store would be stored).
@@ -309,8 +314,14 @@ def profile_path(model, device, dtype, profile_dir: Path | str | None = None, st
         cfg, store_dtype, quant = model.cfg, model.manifest["dtype"], store_quant(model)
     else:
         cfg, store_dtype = model, store_dtype or "bf16"
-    name = f"{machine_key(device)}-{dtypes.lookup(dtype).torch_name}-{shape_key(cfg, store_dtype, quant)}.json"
+    name = f"{machine_key(device)}-{dtypes.lookup(dtype).torch_name}-{shape_key(cfg, store_dtype, quant)}" \
+        f"-t{length_bucket(seq_len)}.json"
     return Path(profile_dir or profile_dir_default()) / name
+
+
+def length_bucket(seq_len: int) -> int:
+    """The power of two nearest seq_len (in ratio): rows within ~1.4x of each other share a profile."""
+    return 1 << max(0, round(math.log2(max(1, seq_len))))
 
 
 def save_profile(profile: ci.MachineProfile, path: Path) -> None:
@@ -337,7 +348,7 @@ def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
                 profile_dir: Path | str | None = None, quick: bool = True,
                 remeasure: bool = False) -> ci.MachineProfile:
     """The saved profile for this store's block shape, or one measured on it now (and saved)."""
-    path = profile_path(store, device, dtype, profile_dir)
+    path = profile_path(store, device, dtype, seq_len, profile_dir)
     profile = None if remeasure else load_profile(path)
     if profile is None:
         log.info("no tuning profile at %s: measuring %s", path,
@@ -374,7 +385,7 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
     times quickly) to read, and times compute as `measure` does for the whole shape (on its slices).
     """
     dtype, store_dtype, quant = work.dtype, work.store_dtype, work.quant
-    path = profile_path(cfg, device, dtype, profile_dir, store_dtype, quant)
+    path = profile_path(cfg, device, dtype, work.seq_len, profile_dir, store_dtype, quant)
     profile = None if remeasure else load_profile(path)
     if profile is None:
         path.parent.mkdir(parents=True, exist_ok=True)

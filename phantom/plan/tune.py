@@ -85,7 +85,7 @@ def tuned_placement(store_path: Path | str, device: torch.device | str, dtype: t
     the profiles), so ranks or runs started together measure once."""
     offloads = ("ram", "disk") if placement.offload == "auto" else (placement.offload,)
     store = BlockStore(store_path, verify="none")
-    with fileio.locked(profiles.profile_path(store, device, dtype).parent / ".measure.lock"):
+    with fileio.locked(profiles.profile_path(store, device, dtype, seq_len).parent / ".measure.lock"):
         best = auto_placement(store_path, device, rows, seq_len, dtype, space=planner.SearchSpace(offloads=offloads))
     return best, dataclasses.replace(placement, offload=best.offload, prefetch=best.prefetch, resident=best.resident,
                                      moe_base=best.placement.moe_base if placement.moe_base == "auto" else

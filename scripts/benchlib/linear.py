@@ -6,8 +6,7 @@ by the streaming executor with recompute all, as a profile times a block (a resi
 keeps every graph); LoRA on the query and value projections (q, v: the default, what a profile's block carries) or
 on the delta rule's fused q/k/v input (in_proj_qkv). For each batch of --linear-batches: the fastest step of each,
 their ratio, and each beside the cost model's prediction (phantom.plan.costmodel.predict) from a profile of its own
-store measured at the first batch: the longer rows' predictions test how the cost model counts each mixer's FLOPs
-as the rows grow (causal attention's T^2, the delta rule's T; phantom.arch.deltanet.mixer_flops).
+store measured at that batch, as tune.py keeps a profile per power of two of tokens a row.
 """
 from __future__ import annotations
 
@@ -67,10 +66,10 @@ def linear_bench(args, folder: Path) -> str:
              f"scaled to dim {c.dim} ({c.n_heads} attention heads of {c.head_dim}, rotary {c.rope_dim}; "
              f"{c.linear_k_heads} q/k and {c.linear_v_heads} v delta-rule heads of {c.linear_k_dim}; a dense MLP of "
              f"{c.hidden_dim}), fp32, RAM tier, recompute all, LoRA on q, v / in_proj_qkv; {torch.get_num_threads()} torch "
-             f"threads; predictions from a profile of each store measured at {batches[0][0]}x{batches[0][1]}", "",
+             f"threads; each prediction from a profile of its store measured at its batch", "",
              "| batch | block | step s | linear / full | predicted s | pred / meas |", "|---|---|---|---|---|---|"]
-    profile = {k: least_disturbed(BlockStore(stores[k], verify="none"), *batches[0]) for k in KINDS}
-    for rows, seq in batches:
+    for rows, seq in batches:  # a profile per length, as tune.py keeps them (profiles.length_bucket)
+        profile = {k: least_disturbed(BlockStore(stores[k], verify="none"), rows, seq) for k in KINDS}
         measured = {k: steps(stores[k], k, rows, seq) for k in KINDS}  # (the less disturbed: see least_disturbed)
         for k in KINDS:
             shape = ci.shape_of(cfgs[k], "fp32", "fp32", seq_len=seq)

@@ -266,6 +266,29 @@ def test_a_cpu_loader_dequantizing_takes_its_share_of_the_compute_cores():
     assert a.loads > 0 and abs((b.step_s - a.step_s) - a.loads * per_load / 2) < 1e-9 * b.step_s
 
 
+def test_a_cpus_loaders_dequantize_in_parallel_and_slow_the_compute_as_measured(tmp_path):
+    """Reading from disk, the scheduler runs a loader per slot (up to 3), each reading then dequantizing on one
+    core: a load-bound step takes the dequantizations over min(loaders, cores) cores, not in series. Beside the
+    compute, a measured slowdown (the profile's, timed beside a dequantizing thread) replaces the share-of-the-cores
+    guess."""
+    shape = ci.shape_of(CFG, "bf16", "bf16", 8, "nf4")
+    prof = ci.MachineProfile(machine="c", device="cpu", fwd_flops=1e15, head_flops=1e15, dequant_gbps=0.01,
+                             disk_gbps=1000.0, compute_threads=2)
+    per_load = shape.dequant_bytes / 0.01e9
+    for k, cores in ((0, 1), (1, 2), (2, 2)):
+        p = cm.predict(prof, shape, Placement(offload="disk", prefetch=k), Activations(recompute="none"), 1)
+        assert p.step_s == pytest.approx(p.loads * per_load / cores, rel=0.02), (k, p.step_s, p.loads * per_load)
+    with BlockScheduler(BlockStore(write_synthetic(tmp_path / "s", CFG, torch.bfloat16, progress=False)), "cpu",
+                        Placement(offload="disk", prefetch=2)) as sched:
+        assert len(sched._threads) == 3  # the loaders the model counts
+    place, acts = Placement(offload="disk", prefetch=2), Activations(recompute="none")
+    cf, _, _ = cm.block_compute(dataclasses.replace(prof, fwd_flops=1e9), shape, acts, 1, CFG.n_layers)
+    slow = dataclasses.replace(prof, fwd_flops=1e9, dequant_gbps=shape.dequant_bytes / cf[0] / 1e9)  # as long as it
+    alone, beside = (cm.predict(dataclasses.replace(slow, busy_dequant_slowdown=b), shape, place, acts, 1)
+                     for b in (1.0, 1.5))
+    assert beside.step_s > 1.2 * alone.step_s
+
+
 def test_adapters_in_one_run_read_once_and_compute_k_times():
     """K adapters: K times the rows through each block, the reads of one run; against K separate runs the
     step shrinks toward 1/K where reads bound it and stays K times one run's where compute does."""

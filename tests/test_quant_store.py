@@ -321,6 +321,8 @@ def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf1
     from phantom.plan import profiles
     store = BlockStore(stores["nf4"])
     assert profiles.measure_dequant(store, torch.device("cpu"), torch.float32, repeats=1) > 0
+    measured = profiles.measure(store, "cpu", "fp32", 1, 16, quick=True)  # its compute beside a dequantizing loader
+    assert measured.busy_dequant_slowdown >= 1.0
     paths = {profiles.profile_path(BlockStore(p), "cpu", "fp32", 16, tmp_path) for p in (bf16, stores["nf4"], stores["int8"])}
     assert len(paths) == 3
     assert profiles.profile_path(CFG, "cpu", "fp32", 16, tmp_path, "bf16", "nf4") == \

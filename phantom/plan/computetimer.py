@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from phantom.arch import quant
 from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
 from phantom.model.heads import ChunkedHeadLoss
@@ -44,6 +45,36 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 
 
+def measure_beside(fn, background, device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() while a thread runs background() in a loop."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            background()
+
+    thread = threading.Thread(target=loop, name="phantom-tune-beside", daemon=True)
+    thread.start()
+    try:
+        return timed(fn, device, repeats)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def dequantizer(store: BlockStore, device: torch.device, dtype: torch.dtype):
+    """A call that dequantizes one of the store's blocks as a CPU loader does (its stored bytes in memory, on
+    one thread)."""
+    raw = HostBuffer(store.block_nbytes, pin=False).tensor
+    store.read_block_into(0, raw)
+    stored, out = store.block_views(raw.to(device), 0), store.dense_empty(dtype, device, 0)
+
+    def run():
+        with quant.one_thread():
+            store.dequantize_block(0, stored, out)
+    return run
+
+
 def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool) -> tuple[float, float]:
     """(median seconds of fn(), GB/s of block reads) while a thread reads block files in a loop."""
     stop, got = threading.Event(), [0, 0.0]
@@ -71,8 +102,9 @@ class BlockTimer:
     """Times block 0 of a model as training runs it: held and bound as StreamedBlock holds it, called
     through the executor (the model's default LoRA), with the saved tensors counted."""
 
-    def __init__(self, model: PhantomModel, seq_len: int, repeats: int, disk: tuple[float, bool] | None):
-        self.model, self.seq_len, self.repeats, self.disk = model, seq_len, repeats, disk
+    def __init__(self, model: PhantomModel, seq_len: int, repeats: int, disk: tuple[float, bool] | None,
+                 dequant: bool = False):
+        self.model, self.seq_len, self.repeats, self.disk, self.dequant = model, seq_len, repeats, disk, dequant
         self.device = model.device
         self.held = model.executor.block_weights(0)  # acquired and bound, as StreamedBlock holds it
         self.weights = self.held.__enter__()
@@ -119,7 +151,10 @@ class BlockTimer:
         if self.disk is not None and self.disk[0]:
             t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.disk[1])
             busy = (max(1.0, t_busy / t_fwd), max(1.0, self.disk[0] / gbps_busy))
+        busy_dequant = max(1.0, measure_beside(fwd, dequantizer(model.store, device, model.weight_dtype), device,
+                                               repeats) / t_fwd) if self.dequant else None
         return dict(fwd=t_fwd, fwd_grad=statistics.median(t_grad[1:]), bwd=statistics.median(t_bwd[1:]), busy=busy,
+                    busy_dequant=busy_dequant,
                     head=self.head_s(b) / b if with_head else None,
                     keep=hooks.kept_bytes // len(t_grad) // b, act=out.element_size() * self.seq_len * model.cfg.dim)
 
@@ -138,19 +173,22 @@ class BlockTimer:
 
 
 def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype, seq_len: int, max_rows: int,
-                    free_bytes: int | None, repeats: int = 3, disk: tuple[float, bool] | None = None) -> dict:
+                    free_bytes: int | None, repeats: int = 3, disk: tuple[float, bool] | None = None,
+                    dequant: bool = False) -> dict:
     """One block's forward, graph forward and backward per call of b rows, plus the head per row.
 
     Runs the model's own block call (PhantomModel's default LoRA) on block 0, acquired and bound as
     StreamedBlock holds it, at b = 1 and at the largest power of two dividing `max_rows` whose graphs
     fit well inside `free_bytes`, and fits `call + row * b` through the two points. With `disk`
     ((GB/s of block reads alone, whether cold)) it also times the largest forward while a thread reads
-    blocks: how much reading and computing slow each other down.
+    blocks: how much reading and computing slow each other down. With `dequant` (a quantized store on a CPU) it
+    times it while a thread dequantizes a block in a loop, on one core as the scheduler's loaders do: how much a
+    loader's dequantization slows the compute it shares the cores with.
     """
     model = PhantomModel(store, device, dtype, P.Placement(offload="disk", prefetch=0),
                          P.Activations(recompute="all", compile=False))
     try:
-        timer = BlockTimer(model, seq_len, repeats, disk)
+        timer = BlockTimer(model, seq_len, repeats, disk, dequant)
         points = {1: timer.point(1, with_head=True)}  # the head's cost is per token: one size is enough
         hi = max(b for b in planner.pow2_upto(max_rows) if max_rows % b == 0)
         free = free_bytes if free_bytes is not None else free_host_bytes()
@@ -165,6 +203,7 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
     hi = max(points)
     return dict(fit_call_and_row(points), head_row_s=points[1]["head"], keep_bytes_per_row=points[hi]["keep"],
                 busy_compute_slowdown=points[hi]["busy"][0], busy_read_slowdown=points[hi]["busy"][1],
+                busy_dequant_slowdown=points[hi]["busy_dequant"],
                 act_bytes_per_row=points[hi]["act"], head_bytes=head_bytes)
 
 

@@ -159,6 +159,7 @@ class MachineProfile:
     busy_compute_slowdown: float = 1.0  # compute while blocks are read / alone
     busy_read_slowdown: float = 1.0  # reads while a block computes / alone
     compute_threads: int = 0  # a CPU: threads a block computes on (0: unknown; loader work is taken to be free)
+    busy_dequant_slowdown: float | None = None  # a CPU: compute while a loader dequantizes / alone (None: unmeasured)
     compile_speedup: float | None = None
     compile_s: float | None = None
     free_device_bytes: int | None = None

@@ -176,9 +176,10 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     Streamed blocks S (disk, and RAM unless used in place) pass through K + 1 slots; each pass
     loads L of them (`loads_per_step`: the blocks still in slots at each turn are reused), so
         pipe(C) = S * C + sum(X)                                     K = 0: load, then compute
-        pipe(C) = max(S * C + L * (C' - C), 2 * C + sum(X')) + jitter   K >= 1
-    with C', X' slowed by the measured contention for the fraction of time they overlap (on a CPU, C'
-    also loses a load's dequantization time over the compute's threads: the loader takes one of them), and
+        pipe(C) = max(S * C + L * (C' - C), 2 * C + loaders(X')) + jitter   K >= 1
+    with C', X' slowed by the measured contention for the fraction of time they overlap (on a CPU, C' also
+    by the compute's measured slowdown beside a dequantizing loader), loaders(X') the loads in series or, on a
+    CPU reading from disk, spread over its loaders (`loaders_s`), and
         step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
     Memory: see `device_memory` and `host_memory`.
     """
@@ -250,12 +251,28 @@ def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile:
         return total + sum(xs)
     x_avg = sum(xs) / len(xs)
     c_busy = c_avg * (1 + (profile.busy_compute_slowdown - 1) * min(1.0, x_avg / c_avg)) if c_avg else 0.0
-    if profile.host_is_device and profile.compute_threads:  # a CPU's loader dequantizes on one of the cores
-        c_busy += t.dequant_s / profile.compute_threads     # the block computes on: that share of it is lost
+    if profile.host_is_device and t.dequant_s and c_avg:  # a CPU's loaders dequantize on the cores it computes on
+        if profile.busy_dequant_slowdown is not None:     # measured: the compute beside a dequantizing loader
+            c_busy += c_avg * (profile.busy_dequant_slowdown - 1) * min(1.0, t.dequant_s / c_avg)
+        elif profile.compute_threads:                     # else: that share of the cores is lost
+            c_busy += t.dequant_s / profile.compute_threads
     reads = sum(of(i).read_s.get(lay.tiers[i], 0.0) for i in loads)
-    x_busy = sum(xs) + reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg) if x_avg else 0.0
+    x_busy = loaders_s(xs, reads, lay, t, profile) + \
+        reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg) if x_avg else 0.0
     jitter = len(xs) * profile.disk_jitter * min(c_avg, x_avg) / prefetch
     return max(total + len(xs) * (c_busy - c_avg), 2 * c_avg + x_busy) + jitter
+
+
+def loaders_s(xs: list[float], reads: float, lay: Layout, t: LoadTimes, profile: MachineProfile) -> float:
+    """Seconds the scheduler's loaders take for loads of xs seconds each (reads of `reads` in all). Where a tier
+    reads, the scheduler runs a loader per slot, up to 3 (phantom.stream.scheduler): on a CPU, whose loads are
+    read then dequantized on one core each, they overlap, bounded by the disk (the reads one after another), by
+    the cores (the dequantizations on as many cores as loaders) and by each loader's own loads in series."""
+    n = min(lay.slots, 3) if reads else 1
+    if n == 1 or not profile.host_is_device:
+        return sum(xs)
+    cores = min(n, max(1, profile.compute_threads))
+    return max(reads, len(xs) * t.dequant_s / cores, sum(xs) / n)
 
 def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, micro_batch: int) -> int:
     """Saved for backward (kept graphs, or block inputs), one micro-batch's graph, the running output

@@ -194,8 +194,9 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     free_dev = free_device_bytes(device)
     shape = ci.shape_of(cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     with compute_stores(store, cfg, device, dtype, (batch_size, seq_len), quick) as timed:
+        loader_dequantizes = store.quant is not None and device.type == "cpu"
         points = [(ct.measure_compute(s, device, dtype, seq_len, batch_size if timed == [store] else 1, free_dev,
-                                      repeats, (disk, True) if i == 0 else None),
+                                      repeats, (disk, True) if i == 0 else None, loader_dequantizes and i == 0),
                    ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant))
                   for i, s in enumerate(timed)]
         sliced = "" if timed == [store] else \
@@ -222,7 +223,8 @@ def compute_rates(c: dict, shape: ci.Shape) -> dict:
                 fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],
                 head_flops=shape.head_flops_per_row / c["head_row_s"],
                 keep_scale=c["keep_bytes_per_row"] / shape.keep_bytes_per_row,
-                busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"])
+                busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"],
+                busy_dequant_slowdown=c.get("busy_dequant_slowdown"))
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import phantom
 from benchlib.common import lora_steps, machine, shell
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
+from phantom.plan import computetimer as ct
 from phantom.plan import costinputs as ci
 from phantom.plan import costmodel as cm
 from phantom.plan import profiles
@@ -53,16 +54,22 @@ def quant_bench(args, store: BlockStore) -> str:
         stores[method] = BlockStore(out, drop_cache=args.cold)
     stores["bf16"] = BlockStore(store.path, drop_cache=args.cold)
     quantize_s = time.perf_counter() - t0
-    big = max(batches)
-    profile = profiles.measure(stores["bf16"], torch.device("cpu"), store.dtype, big[0], big[1])  # a full profile
-    rates = {m: profiles.measure_dequant(stores[m], torch.device("cpu"), store.dtype) for m in methods}
+    big, cpu = max(batches), torch.device("cpu")
+    # full profiles, one per batch's length as tune.py keeps them (profiles.length_bucket); per method, the
+    # dequantization's rate and how much a dequantizing loader slows the compute beside it
+    by_batch = {b: profiles.measure(stores["bf16"], cpu, store.dtype, *b) for b in batches}
+    profile = by_batch[big]
+    rates = {m: profiles.measure_dequant(stores[m], cpu, store.dtype) for m in methods}
+    beside = {m: ct.measure_compute(stores[m], cpu, store.dtype, big[1], 1, None, dequant=True)["busy_dequant_slowdown"]
+              for m in methods}
     place = phantom.Placement(offload="disk", prefetch=k)
     acts = phantom.Activations(recompute="none")
     rows = []
     for rows_, seq in batches:
         for name, st in stores.items():
             r = quant_steps(st, place, rows_, seq, args)
-            prof = dataclasses.replace(profile, dequant_gbps=rates.get(name, profile.dequant_gbps))
+            prof = dataclasses.replace(by_batch[(rows_, seq)], dequant_gbps=rates.get(name, profile.dequant_gbps),
+                                       busy_dequant_slowdown=beside.get(name))
             dt = dtype_name(store.dtype)
             pred = cm.predict(prof, ci.shape_of(st.cfg, dt, dt, seq, st.quant),
                               place, acts, rows_)
@@ -70,7 +77,7 @@ def quant_bench(args, store: BlockStore) -> str:
             print(f"{name} {rows_}x{seq}: {r['step_s']:.3f} s/step (predicted {pred.step_s:.3f}), "
                   f"{r['bytes_read'] / 1e6:.0f} MB read", flush=True)
     load.append(shell("cat /proc/loadavg"))
-    return quant_lines(args, store, QuantRun(stores, rows, rates, profile, k, load, quantize_s))
+    return quant_lines(args, store, QuantRun(stores, rows, rates, beside, profile, k, load, quantize_s))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +87,7 @@ class QuantRun:
     stores: dict  # name -> BlockStore (bf16, nf4, int8)
     rows: list  # (store name, rows, tokens, store, step figures, prediction)
     rates: dict  # method -> GB/s of weights its dequantization produces
+    beside: dict  # method -> the compute's slowdown beside a dequantizing loader
     profile: object  # the cost model's profile (measured on the bf16 store)
     prefetch: int
     load: list  # /proc/loadavg before and after
@@ -101,8 +109,9 @@ def quant_lines(args, store, run: QuantRun) -> str:
              + f" ({', '.join(rates)} written from the bf16 store in {quantize_s:.0f} s)",
              "- dequantization (loader thread, per block, into the compute dtype; profiles.measure_dequant): "
              + "; ".join(f"{m} {g:.2f} GB/s of weights produced" for m, g in rates.items())
-             + f", on {torch.get_num_threads()} torch threads; disk read {profile.disk_gbps:.2f} GB/s cold "
-               f"(profiles.measure_disk)", "",
+             + f", on one thread as a CPU loader does; the compute beside a dequantizing loader "
+             + ", ".join(f"{m} {b:.2f}x" for m, b in run.beside.items()) + f" slower; disk read "
+               f"{profile.disk_gbps:.2f} GB/s cold (profiles.measure_disk)", "",
              "| store | rows x tokens | MB read/step | vs bf16 | dequant s/step | stall | step s | predicted s | "
              "error |", "|---|---|---|---|---|---|---|---|---|"]
     base = {(r, s): res["bytes_read"] for n, r, s, _, res, _ in rows if n == "bf16"}

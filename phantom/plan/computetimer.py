@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -98,13 +99,24 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
     return t, got[0] / got[1] / 1e9
 
 
+@dataclass(frozen=True)
+class Beside:
+    """What a block's forward is also timed beside. disk_gbps (GB/s of block reads alone; 0: none) and cold: a
+    thread reading block files, how much reading and computing slow each other down. dequant (a quantized store
+    on a CPU): a thread dequantizing a block in a loop on one core, as the scheduler's loaders do, how much a
+    loader's dequantization slows the compute it shares the cores with."""
+
+    disk_gbps: float = 0.0
+    cold: bool = True
+    dequant: bool = False
+
+
 class BlockTimer:
     """Times block 0 of a model as training runs it: held and bound as StreamedBlock holds it, called
     through the executor (the model's default LoRA), with the saved tensors counted."""
 
-    def __init__(self, model: PhantomModel, seq_len: int, repeats: int, disk: tuple[float, bool] | None,
-                 dequant: bool = False):
-        self.model, self.seq_len, self.repeats, self.disk, self.dequant = model, seq_len, repeats, disk, dequant
+    def __init__(self, model: PhantomModel, seq_len: int, repeats: int, beside: Beside):
+        self.model, self.seq_len, self.repeats, self.beside = model, seq_len, repeats, beside
         self.device = model.device
         self.held = model.executor.block_weights(0)  # acquired and bound, as StreamedBlock holds it
         self.weights = self.held.__enter__()
@@ -148,11 +160,11 @@ class BlockTimer:
             t_bwd.append(time.perf_counter() - t1)
             del xg, o
         busy = (1.0, 1.0)
-        if self.disk is not None and self.disk[0]:
-            t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.disk[1])
-            busy = (max(1.0, t_busy / t_fwd), max(1.0, self.disk[0] / gbps_busy))
+        if self.beside.disk_gbps:
+            t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.beside.cold)
+            busy = (max(1.0, t_busy / t_fwd), max(1.0, self.beside.disk_gbps / gbps_busy))
         busy_dequant = max(1.0, measure_beside(fwd, dequantizer(model.store, device, model.weight_dtype), device,
-                                               repeats) / t_fwd) if self.dequant else None
+                                               repeats) / t_fwd) if self.beside.dequant else None
         return dict(fwd=t_fwd, fwd_grad=statistics.median(t_grad[1:]), bwd=statistics.median(t_bwd[1:]), busy=busy,
                     busy_dequant=busy_dequant,
                     head=self.head_s(b) / b if with_head else None,
@@ -173,22 +185,18 @@ class BlockTimer:
 
 
 def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype, seq_len: int, max_rows: int,
-                    free_bytes: int | None, repeats: int = 3, disk: tuple[float, bool] | None = None,
-                    dequant: bool = False) -> dict:
+                    free_bytes: int | None, repeats: int = 3, beside: Beside = Beside()) -> dict:
     """One block's forward, graph forward and backward per call of b rows, plus the head per row.
 
     Runs the model's own block call (PhantomModel's default LoRA) on block 0, acquired and bound as
     StreamedBlock holds it, at b = 1 and at the largest power of two dividing `max_rows` whose graphs
-    fit well inside `free_bytes`, and fits `call + row * b` through the two points. With `disk`
-    ((GB/s of block reads alone, whether cold)) it also times the largest forward while a thread reads
-    blocks: how much reading and computing slow each other down. With `dequant` (a quantized store on a CPU) it
-    times it while a thread dequantizes a block in a loop, on one core as the scheduler's loaders do: how much a
-    loader's dequantization slows the compute it shares the cores with.
+    fit well inside `free_bytes`, and fits `call + row * b` through the two points. `beside`: what else the
+    largest forward is timed beside (how much they slow each other down).
     """
     model = PhantomModel(store, device, dtype, P.Placement(offload="disk", prefetch=0),
                          P.Activations(recompute="all", compile=False))
     try:
-        timer = BlockTimer(model, seq_len, repeats, disk, dequant)
+        timer = BlockTimer(model, seq_len, repeats, beside)
         points = {1: timer.point(1, with_head=True)}  # the head's cost is per token: one size is enough
         hi = max(b for b in planner.pow2_upto(max_rows) if max_rows % b == 0)
         free = free_bytes if free_bytes is not None else free_host_bytes()

@@ -196,7 +196,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     with compute_stores(store, cfg, device, dtype, (batch_size, seq_len), quick) as timed:
         loader_dequantizes = store.quant is not None and device.type == "cpu"
         points = [(ct.measure_compute(s, device, dtype, seq_len, batch_size if timed == [store] else 1, free_dev,
-                                      repeats, (disk, True) if i == 0 else None, loader_dequantizes and i == 0),
+                                      repeats, ct.Beside(disk, True, loader_dequantizes) if i == 0 else ct.Beside()),
                    ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant))
                   for i, s in enumerate(timed)]
         sliced = "" if timed == [store] else \

@@ -60,7 +60,8 @@ def quant_bench(args, store: BlockStore) -> str:
     by_batch = {b: profiles.measure(stores["bf16"], cpu, store.dtype, *b) for b in batches}
     profile = by_batch[big]
     rates = {m: profiles.measure_dequant(stores[m], cpu, store.dtype) for m in methods}
-    beside = {m: ct.measure_compute(stores[m], cpu, store.dtype, big[1], 1, None, dequant=True)["busy_dequant_slowdown"]
+    beside = {m: ct.measure_compute(stores[m], cpu, store.dtype, big[1], 1, None,
+                                       beside=ct.Beside(dequant=True))["busy_dequant_slowdown"]
               for m in methods}
     place = phantom.Placement(offload="disk", prefetch=k)
     acts = phantom.Activations(recompute="none")

@@ -95,9 +95,18 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         if ckpt.tokenizer is not None:
             w.add_tokenizer(ckpt.tokenizer)
         path = w.finish({"source": ckpt.format, "origin": provenance.of_checkpoint(src, ckpt.format, root),
-                         "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files)})
+                         "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files),
+                         **({"shipped_quantization": shipped_record(ckpt)} if ckpt.quant is not None else {})})
     return {"out": path, "format": ckpt.format, "config": cfg, "dtype": dtype, "disk_bytes": disk_usage(path),
             "linked_bytes": linked, "quant": quant}
+
+
+def shipped_record(ckpt) -> dict:
+    """What a checkpoint shipped quantized says of itself, for merge_lora.py --requantize to write it back:
+    config.json's quantization_config as it is, and an FP8 checkpoint's weight_scale_inv dtype (the store
+    widens 16-bit ones to float32)."""
+    scale = sorted(ckpt.scale_dtypes)
+    return {"quantization_config": ckpt.quantization_config, "scale_dtype": scale[0] if len(scale) == 1 else None}
 
 
 def _sha256(path: Path) -> str:

@@ -102,22 +102,27 @@ def hf_quantized(store: BlockStore, i: int, parts: dict[str, dict[str, torch.Ten
     return out
 
 
-def specs(store: BlockStore, dtype: torch.dtype, scale_dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple]]:
+def specs(store: BlockStore, dtype: torch.dtype, rec: dict, scale_dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple]]:
     """(name, dtype, shape) of every tensor the requantized checkpoint holds, from shapes alone."""
-    def meta(shapes):
-        return {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
-
     out = []
     for part in ("embed", *range(store.n_blocks), "head"):
         shapes = part_shapes(store.cfg, part)
         q = quantized_names(store, part) if isinstance(part, int) else []
-        hf = to_hf(store.cfg, part, meta({n: s for n, s in shapes.items() if n not in q}))
+        hf = to_hf(store.cfg, part, {n: torch.empty(s, dtype=plain_dtype(rec, n, dtype) if isinstance(part, int) else dtype, device="meta")
+                                     for n, s in shapes.items() if n not in q})
         if q:
             layouts = {n: stored_layout(store.quant, n, shapes[n]) for n in q}
             hf |= hf_quantized(store, part, {n: {k[len(n) + 1:]: torch.empty(s, dtype=getattr(torch, d), device="meta")
                                                  for k, (s, d) in layouts[n].items()} for n in q}, scale_dtype)
         out += [(name, t.dtype, tuple(t.shape)) for name, t in hf.items()]
     return out
+
+
+def plain_dtype(rec: dict, name: str, dtype: torch.dtype) -> torch.dtype:
+    """A block tensor the checkpoint ships unquantized: in the export's dtype, or the checkpoint's where it is wider
+    (DeepSeek-V3's and Kimi-K2's float32 router bias; its value is the store's, in the store's dtype)."""
+    wider = getattr(torch, rec.get("wider", {}).get(name, "bfloat16"))
+    return wider if wider.itemsize > dtype.itemsize else dtype
 
 
 def requantize(store: BlockStore, name: str, w: torch.Tensor, rec: dict) -> dict[str, torch.Tensor]:
@@ -152,7 +157,7 @@ def blocks(store: BlockStore, loras: dict, dtype: torch.dtype, rec: dict, scale_
                 if delta is not None and not bool(delta.any()):
                     delta = None  # a zero delta (an adapter as initialized): the weight is the base's
                 if name not in q:
-                    plain[name] = (w if delta is None else w + delta).to(dtype)
+                    plain[name] = (w if delta is None else w + delta).to(plain_dtype(rec, name, dtype))
                 elif delta is None:  # the shipped bytes, as they are
                     quantized[name] = {k: stored[f"{name}.{k}"].clone() for k in _parts(store)}
                 else:
@@ -173,7 +178,7 @@ def write_requantized(tmp: Path, store: BlockStore, loras: dict, dtype: torch.dt
     time; config.json with the checkpoint's quantization_config."""
     rec = shipped_record(store)
     scale_dtype = getattr(torch, rec.get("scale_dtype") or "float32")
-    writer = ShardWriter(tmp, specs(store, dtype, scale_dtype), parse_size(max_shard_size))
+    writer = ShardWriter(tmp, specs(store, dtype, rec, scale_dtype), parse_size(max_shard_size))
     for _, tensors in blocks(store, loras, dtype, rec, scale_dtype, progress):
         for name in list(tensors):
             writer.write(name, tensors.pop(name))

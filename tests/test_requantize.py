@@ -10,7 +10,8 @@ mxfp4_checkpoint.py):
   MXFP4, where no quantizer is installed, its definition: the E8M0 exponent of amax / 6 rounded up, each value the
   nearest e2m1 level, ties away from zero), the others keep their shipped bytes; transformers loads the export
   (dequantizing on a CPU) and its logits are within the format's rounding of the 16-bit export's;
-- --requantize on a 16-bit or NF4 store, or with --format gguf, is one `error:` line, exit 2.
+- --requantize on a 16-bit or NF4 store, on a store that does not record its checkpoint's quantization_config,
+  or with --format gguf, is one `error:` line, exit 2.
 """
 from __future__ import annotations
 
@@ -194,11 +195,17 @@ def test_changed_weights_are_the_published_quantizers_output_and_transformers_lo
     assert err < own, (err, own)  # one rounding of the changed weights, within the format's own
 
 
-@pytest.mark.parametrize("case", ["16-bit", "nf4", "gguf"])
+@pytest.mark.parametrize("case", ["16-bit", "nf4", "gguf", "unrecorded"])
 def test_requantize_without_a_shipped_format_is_refused(made, case, tmp_path, capsys):
     _, outs, _ = made("fp8")
     store = outs["base"].parent / "store"
-    if case != "gguf":
+    if case == "unrecorded":  # a store prepared before the manifest kept the checkpoint's quantization_config
+        import shutil
+        store = shutil.copytree(store, tmp_path / "old")
+        manifest = json.loads((store / "manifest.json").read_text())
+        del manifest["shipped_quantization"]
+        (store / "manifest.json").write_text(json.dumps(manifest))
+    elif case != "gguf":
         sixteen = tmp_path / "s16"
         assert load_script("prepare_model").main(["--src", str(outs["16"]), "--out", str(sixteen), "--quiet"]) == 0
         store = sixteen
@@ -207,8 +214,10 @@ def test_requantize_without_a_shipped_format_is_refused(made, case, tmp_path, ca
             assert load_script("prepare_model").main(["--src", str(sixteen), "--out", str(store), "--quantize", "nf4",
                                                       "--quiet"]) == 0
     args = ["--model", str(store), "--out", str(tmp_path / "out"), "--requantize", "--quiet"]
+    capsys.readouterr()  # what making the fixture printed
     code = script("merge_lora").main(args + (["--format", "gguf"] if case == "gguf" else []))
-    check(capsys, code, tmp_path, "--requantize", *({"16-bit": ["16-bit"], "nf4": ["nf4"], "gguf": ["--format hf"]}[case]))
+    words = {"16-bit": ["16-bit"], "nf4": ["nf4"], "gguf": ["--format hf"], "unrecorded": ["prepare it again"]}[case]
+    check(capsys, code, tmp_path, "--requantize", *words)
     assert not (tmp_path / "out").exists()
 
 

@@ -107,12 +107,15 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"int8": torch.round(w * (127.0 / absmax.unsqueeze(1))).to(torch.int8), "absmax": absmax}
 
 
-def quantize_fp8(w: torch.Tensor, fmt: QuantFormat, pow2: bool = False) -> dict[str, torch.Tensor]:
+def quantize_fp8(w: torch.Tensor, fmt: QuantFormat, pow2: bool = False,
+                 scale_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A weight's fp8-block parts as transformers' FP8 quantizer (Fp8Quantize) makes them, DeepSeek-V3's rule:
     per tile of fmt.block, scale = 448 / amax (e4m3's largest over the tile's absmax; 1 for an all-zero tile),
     scale_inv = 1 / scale in fp32 (rounded up to a power of two where pow2: DeepSeek-V3.1's ue8m0 scales, the
     scale then its exact reciprocal) and fp8 = e4m3(clamp(w * scale, -448, 448)). Tiles at the right and bottom
-    edges are cut short (transformers quantizes whole tiles only; a zero-padded weight gives the same values)."""
+    edges are cut short (transformers quantizes whole tiles only; a zero-padded weight gives the same values). A
+    16-bit scale_dtype (a checkpoint that ships its scales so) rounds scale_inv to it first, as ue8m0 does, so the
+    codes are made with the scale stored."""
     (br, bc), (rows, cols) = fmt.block, w.shape
     nr, nc = -(-rows // br), -(-cols // bc)
     padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32)
@@ -121,8 +124,10 @@ def quantize_fp8(w: torch.Tensor, fmt: QuantFormat, pow2: bool = False) -> dict[
     amax = tiles.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, 448.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
     inv = 1.0 / scale
-    if pow2:
-        inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
+    if pow2 or scale_dtype != torch.float32:
+        if pow2:
+            inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
+        inv = inv.to(scale_dtype).float()
         scale = 1.0 / inv
     q = torch.clamp(tiles * scale[:, None, :, None], -448.0, 448.0).to(torch.float8_e4m3fn)
     return {"fp8": q.view(nr * br, nc * bc)[:rows, :cols].contiguous(), "scale_inv": inv}

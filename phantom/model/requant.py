@@ -132,7 +132,8 @@ def requantize(store: BlockStore, name: str, w: torch.Tensor, rec: dict) -> dict
         w = permute_for_hf(w, rows[name], store.cfg.rope_dim)
     fmt = store.quant
     if fmt.method == "fp8-block":
-        return quant.quantize_fp8(w, fmt, pow2=rec["quantization_config"].get("scale_fmt") == "ue8m0")
+        return quant.quantize_fp8(w, fmt, pow2=rec["quantization_config"].get("scale_fmt") == "ue8m0",
+                                  scale_dtype=getattr(torch, rec.get("scale_dtype") or "float32"))
     if fmt.method == "int4-group":
         return quant.quantize_int4(w, fmt)
     return quant.quantize_mxfp4(w)

@@ -20,13 +20,13 @@ import types
 
 import pytest
 import torch
+from family_check import batch, make, rel_err, transformers
 from safetensors.torch import load_file
+from test_bad_inputs import check, script
+from test_convert import load_script
 
 import phantom
 from phantom.model.export import FormatOptions, export
-from family_check import batch, make, rel_err, transformers
-from test_bad_inputs import check, script
-from test_convert import load_script
 
 # (tiny model, its fields, LoRA targets, whether transformers loads it on a CPU): the FP8 Qwen3's weights
 # are whole tiles or one tile each (transformers' CPU dequantization derives the tile from the scales' grid), the
@@ -115,7 +115,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("kind", list(CASES))
 def test_unmerged_export_is_the_checkpoint_byte_for_byte(made, kind):
-    shipped, outs, own = made(kind)
+    shipped, outs, _ = made(kind)
     source_qc = json.loads((outs["base"].parent / "hf" / "config.json").read_text())["quantization_config"]
     for out in ("base", "zero"):
         got = tensors(outs[out])

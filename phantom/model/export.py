@@ -32,11 +32,11 @@ from phantom.data.tokenizer import Tokenizer, sentencepiece_to_json
 from phantom.files import runfolder
 from phantom.files.hfshards import DEFAULT_MAX_SHARD_SIZE, ShardWriter, parse_size
 from phantom.files.store import BlockStore
+from phantom.model import requant
 from phantom.model.checkpoints import part_shapes, release_pages
 from phantom.model.convert import tokenizer_files
 from phantom.model.adapterfiles import load_adapter, read_adapter_config
 from phantom.model.hflayout import hf_config, to_hf
-from phantom.model import requant
 from phantom.model.lora import apply_lora, for_family
 
 log = logging.getLogger(__name__)

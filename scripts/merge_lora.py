@@ -2,6 +2,7 @@
 
     python scripts/merge_lora.py --model weights/7B --adapter out/adapter --out merged/7B-tuned --format hf
     python scripts/merge_lora.py --model weights/7B --adapter out/adapter --out gguf/7B-tuned --format gguf --outtype q8_0
+    python scripts/merge_lora.py --model weights/dsv3-fp8 --adapter out/adapter --out merged/dsv3-fp8-tuned --requantize
 """
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"below it, else numbered shards and model.safetensors.index.json")
     p.add_argument("--dtype", choices=STORE_DTYPES, default=None,
                    help="dtype of the written weights (default: the store's)")
+    p.add_argument("--requantize", action="store_true",
+                   help="hf, a store of a checkpoint shipped quantized (FP8 in blocks, compressed-tensors INT4, "
+                        "gpt-oss's MXFP4): write that format again, as transformers loads it (the merged weights "
+                        "requantized by the published rule, the weights the adapter leaves as they are in their "
+                        "shipped bytes, config.json's quantization_config as shipped); default: 16-bit weights")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the phantom export at --out (a folder that is not one is refused, never removed)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -56,8 +62,10 @@ def run(argv=None) -> int:
     t0 = time.perf_counter()
     out = export(resolve_model(args.model), args.out, args.adapter, args.format,
                  parse_dtype(args.dtype) if args.dtype else None, args.overwrite, progress=not args.quiet,
-                 options=FormatOptions(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, args.outtype))
+                 options=FormatOptions(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, args.outtype,
+                                       args.requantize))
     what = "adapter alone" if args.format == "gguf-lora" else "base + adapter" if args.adapter else "base model"
+    what += ", requantized" if args.requantize else ""
     print(f"wrote {out} ({args.format} format, {what}) in {time.perf_counter() - t0:.1f} s, "
           f"{disk_usage(out) / 1e9:.2f} GB on disk")
     return 0

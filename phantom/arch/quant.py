@@ -107,45 +107,68 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"int8": torch.round(w * (127.0 / absmax.unsqueeze(1))).to(torch.int8), "absmax": absmax}
 
 
-def quantize_fp8(w: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
-    """A weight's fp8-block parts as DeepSeek-V3's weight quantizer makes them: per tile, scale_inv =
-    absmax / 448 (e4m3's largest value) and fp8 = w / scale_inv rounded to e4m3 (synthetic stores and
-    benchmarks; a checkpoint's FP8 weights are read as shipped)."""
+def quantize_fp8(w: torch.Tensor, fmt: QuantFormat, pow2: bool = False,
+                 scale_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A weight's fp8-block parts as transformers' FP8 quantizer (Fp8Quantize) makes them, DeepSeek-V3's rule:
+    per tile of fmt.block, scale = 448 / amax (e4m3's largest over the tile's absmax; 1 for an all-zero tile),
+    scale_inv = 1 / scale in fp32 (rounded up to a power of two where pow2: DeepSeek-V3.1's ue8m0 scales, the
+    scale then its exact reciprocal) and fp8 = e4m3(clamp(w * scale, -448, 448)). Tiles at the right and bottom
+    edges are cut short (transformers quantizes whole tiles only; a zero-padded weight gives the same values). A
+    16-bit scale_dtype (a checkpoint that ships its scales so) rounds scale_inv to it first, as ue8m0 does, so the
+    codes are made with the scale stored."""
     (br, bc), (rows, cols) = fmt.block, w.shape
     nr, nc = -(-rows // br), -(-cols // bc)
     padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32)
     padded[:rows, :cols] = w.float()
     tiles = padded.view(nr, br, nc, bc)
-    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
-    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nr * br, nc * bc)[:rows, :cols]
-    return {"fp8": q.contiguous(), "scale_inv": scale}
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, 448.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.ones_like(amax))
+    inv = 1.0 / scale
+    if pow2 or scale_dtype != torch.float32:
+        if pow2:
+            inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
+        inv = inv.to(scale_dtype).float()
+        scale = 1.0 / inv
+    q = torch.clamp(tiles * scale[:, None, :, None], -448.0, 448.0).to(torch.float8_e4m3fn)
+    return {"fp8": q.view(nr * br, nc * bc)[:rows, :cols].contiguous(), "scale_inv": inv}
 
 
 def quantize_int4(w: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
-    """A weight's int4-group parts as compressed-tensors' minmax observer and packer make them: per group,
-    scale = absmax / 7.5 in fmt.scale_dtype, q = round(w / scale) in [-8, 7], stored q + 8 eight to an int32
-    word, the first in the low bits (synthetic stores and benchmarks; a checkpoint's are read as shipped)."""
+    """A weight's int4-group parts as compressed-tensors' symmetric group quantizer and packer make them (its
+    calculate_qparams, quantize and pack_to_int32): per group, scale = absmax / 7.5 computed in w's dtype and
+    held in fmt.scale_dtype (0 becomes that dtype's eps), q = clamp(round(w / scale), -8, 7) with the quotient
+    in the wider of the two dtypes (rounded half to even), stored q + 8 eight to an int32 word, the first in the
+    low bits."""
     rows, cols = w.shape
-    groups = w.float().view(rows, cols // fmt.group, fmt.group)
-    scale = (groups.abs().amax(dim=2) / 7.5).to(getattr(torch, fmt.scale_dtype))
-    q = (torch.round(groups / scale.float().clamp(min=1e-30)[:, :, None]).clamp(-8, 7).to(torch.int32) + 8)
-    q = q.view(rows, cols // 8, 8)
+    groups = w.view(rows, cols // fmt.group, fmt.group)
+    sdtype = getattr(torch, fmt.scale_dtype)
+    scale = (groups.abs().amax(dim=2) / 7.5).to(sdtype)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(sdtype).eps, dtype=sdtype), scale)
+    quotient = (groups.float() / scale.float()[:, :, None]).to(torch.promote_types(w.dtype, sdtype))
+    q = (torch.round(quotient.float()).clamp(-8, 7).to(torch.int32) + 8).view(rows, cols // 8, 8)
     top = torch.where(q[:, :, 7] >= 8, q[:, :, 7] - 16, q[:, :, 7]) << 28  # the sign bit's nibble, without overflow
     return {"packed": (q[:, :, :7] << torch.arange(0, 28, 4, dtype=torch.int32)).sum(dim=2, dtype=torch.int32) | top,
             "scale": scale}
 
 
 def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A weight's mxfp4 parts: per 32 values the power of two 2^e (E8M0 byte e + 127) that brings the absmax
-    under e2m1's 6, each value the nearest e2m1 level (synthetic stores and benchmarks)."""
+    """A weight's mxfp4 parts as transformers' MXFP4 quantizer makes them (quantize_to_mxfp4: OpenAI's
+    triton_kernels downcast_to_mxfp_torch on the weight in bf16): per 32 values of a row the E8M0 scale is
+    amax / 6 rounded up to a power of two (its fp32 bits), each value times its reciprocal rounded to e2m1 from
+    its sign, exponent and top mantissa bits (half away from zero, saturating at 6), two a byte, low nibble
+    first."""
     rows, cols = w.shape
-    groups = w.float().view(rows, cols // 32, 32)
-    amax = groups.abs().amax(dim=2).clamp(min=2.0 ** -126)
-    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    levels = FP4_VALUES[:8]
-    mag = torch.bucketize((groups.abs() / torch.pow(2.0, exp)[:, :, None]), (levels[:-1] + levels[1:]) / 2)
-    codes = (mag + 8 * (groups < 0)).to(torch.uint8).view(rows, cols // 32, 16, 2)
-    return {"blocks": codes[..., 0] | (codes[..., 1] << 4), "scales": (exp + 127).to(torch.uint8)}
+    x = w.to(torch.bfloat16).float().view(rows, cols // 32, 32)
+    bits = (x.abs().amax(dim=2, keepdim=True) / 6.0).view(torch.int32)
+    bits = (bits + 0x007FFFFF) & 0x7F800000
+    dq = bits.view(torch.float32)
+    q = (x * torch.where(dq == 0, torch.zeros_like(dq), 1.0 / dq)).view(torch.int32)
+    exp, mant = (q >> 23) & 0xFF, q & 0x7FFFFF
+    mant = torch.where(exp < 127, (0x400000 | (mant >> 1)) >> (126 - exp).clamp(0, 31), mant)
+    exp = exp.clamp(min=126) - 126
+    code = (((exp << 2) | (mant >> 21)) + 1) >> 1
+    code = (code.clamp(max=7) | ((q >> 28) & 8)).to(torch.uint8).view(rows, cols // 32, 16, 2)
+    return {"blocks": code[..., 0] | (code[..., 1] << 4), "scales": (bits.squeeze(2) >> 23).to(torch.uint8)}
 
 
 QUANTIZERS = {"int8": lambda t, fmt: quantize_int8(t), "fp8-block": quantize_fp8, "int4-group": quantize_int4,

@@ -233,6 +233,7 @@ class HFCheckpoint:
         self.permuted = rope_rows(self.cfg)
         qc = safejson.load(config, what="config.json").get("quantization_config")
         fmt, packed = None if qc is None else shipped_format(qc, config), {}
+        self.quantization_config, self.scale_dtypes = qc, set()  # as shipped: what --requantize writes back
         for part in (*PARTS, *range(self.cfg.n_layers)):
             shapes = part_shapes(self.cfg, part)
             for name, shape in shapes.items():
@@ -289,6 +290,7 @@ class HFCheckpoint:
                 if key not in weight_map or key not in headers[weight_map[key]][0]:
                     raise ValueError(f"{path}: {spec.name} is FP8 without its {key}; the checkpoint is incomplete")
                 scale, sstart = headers[weight_map[key]][0][key], headers[weight_map[key]][1]
+                self.scale_dtypes.add(dtype_name(scale.dtype))
                 want = stored_layout(fmt, name, shape)[f"{name}.scale_inv"][0]
                 if scale.shape != want or not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
                     raise ValueError(f"{files[weight_map[key]]}: {key} is {scale.dtype} {list(scale.shape)}, not "

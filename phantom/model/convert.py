@@ -17,7 +17,7 @@ from phantom.base import provenance
 from phantom.files.store import BlockStore
 from phantom.files.storeformat import block_file, safe_join
 from phantom.files.storewriter import StoreWriter
-from phantom.files.tensorfile import StoreError
+from phantom.files.tensorfile import StoreError, dtype_name
 from phantom.model.checkpoints import TOKENIZER_FILES, open_checkpoint, part_shapes
 
 
@@ -95,9 +95,22 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         if ckpt.tokenizer is not None:
             w.add_tokenizer(ckpt.tokenizer)
         path = w.finish({"source": ckpt.format, "origin": provenance.of_checkpoint(src, ckpt.format, root),
-                         "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files)})
+                         "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files),
+                         **({"shipped_quantization": shipped_record(ckpt)} if ckpt.quant is not None else {})})
     return {"out": path, "format": ckpt.format, "config": cfg, "dtype": dtype, "disk_bytes": disk_usage(path),
             "linked_bytes": linked, "quant": quant}
+
+
+def shipped_record(ckpt) -> dict:
+    """What a checkpoint shipped quantized says of itself, for merge_lora.py --requantize to write it back:
+    config.json's quantization_config as it is, an FP8 checkpoint's weight_scale_inv dtype (the store widens
+    16-bit ones to float32), and the block tensors it ships wider than its 16-bit weights (DeepSeek-V3's float32
+    router bias; the store holds them in its dtype)."""
+    scale = sorted(ckpt.scale_dtypes)
+    wider = {name: dtype_name(spec.dtype) for (part, name), (_, spec, _) in ckpt.index.items()
+             if isinstance(part, int) and spec.dtype.is_floating_point and spec.dtype.itemsize > ckpt.dtype.itemsize}
+    return {"quantization_config": ckpt.quantization_config, "scale_dtype": scale[0] if len(scale) == 1 else None,
+            "wider": wider}
 
 
 def _sha256(path: Path) -> str:

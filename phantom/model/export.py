@@ -32,6 +32,7 @@ from phantom.data.tokenizer import Tokenizer, sentencepiece_to_json
 from phantom.files import runfolder
 from phantom.files.hfshards import DEFAULT_MAX_SHARD_SIZE, ShardWriter, parse_size
 from phantom.files.store import BlockStore
+from phantom.model import requant
 from phantom.model.checkpoints import part_shapes, release_pages
 from phantom.model.convert import tokenizer_files
 from phantom.model.adapterfiles import load_adapter, read_adapter_config
@@ -238,10 +239,13 @@ class FormatOptions:
     max_shard_size: "hf": the most bytes of one safetensors shard (int, or like "5GB"; transformers'
         save_pretrained default): model.safetensors alone, or shards and an index past it.
     outtype: "gguf", "gguf-lora": the file's weight type, f32, f16, bf16 or q8_0 (None: bf16 weights bf16,
-        others f16, as llama.cpp's converter's "auto")."""
+        others f16, as llama.cpp's converter's "auto").
+    requantize: "hf": a store of a checkpoint shipped quantized (fp8-block, int4-group, mxfp4) written in that
+        format again, the merged weights requantized (phantom.model.requant); else 16-bit weights."""
 
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
     outtype: str | None = None
+    requantize: bool = False
 
 
 def hf_side_files(store: BlockStore, dtype: torch.dtype, folder: Path) -> Path:
@@ -266,8 +270,13 @@ def gguf_module():
     return gguf_export
 
 
-def check_format(store: BlockStore, fmt: str, adapter, outtype: str | None) -> None:
+def check_format(store: BlockStore, fmt: str, adapter, options: FormatOptions) -> None:
     """Refuse, before any work, what the format cannot hold or lacks."""
+    outtype = options.outtype
+    if options.requantize and fmt != "hf":
+        raise ValueError("--requantize is for --format hf (the checkpoint's own quantized format)")
+    if options.requantize:
+        requant.shipped_record(store)
     if outtype is not None and not fmt.startswith("gguf"):
         raise ValueError("--outtype is for --format gguf and gguf-lora (hf and meta take --dtype)")
     if fmt == "gguf-lora" and adapter is None:
@@ -307,7 +316,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         raise FileExistsError(f"{out} already exists; remove it or choose another --out")
     runfolder.check_replaceable(out, "export")  # overwrite: only an export phantom wrote goes
     store = BlockStore(model)
-    check_format(store, fmt, adapter, options.outtype)
+    check_format(store, fmt, adapter, options)
     dtype = dtype or store.dtype
     with fileio.replacing_folder(out) as tmp:  # the old folder (overwrite) goes only once this one is complete
         parts = merged_parts(store, Path(adapter) if adapter else None, dtype, progress)
@@ -319,6 +328,9 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
             with tempfile.TemporaryDirectory(prefix="phantom-gguf-") as scratch:  # named as the model: its GGUF name
                 side = hf_side_files(store, dtype, Path(scratch) / Path(model).resolve().name)
                 gguf_export.export_gguf(store, tmp, parts, dtype, options.outtype, side)
+        elif fmt == "hf" and options.requantize:
+            loras = adapter_loras(store.cfg, Path(adapter)) if adapter else {}
+            requant.write_requantized(tmp, store, loras, dtype, options.max_shard_size, progress)
         elif fmt == "hf":
             write_hf(tmp, store.cfg, parts, dtype, options.max_shard_size)
         else:

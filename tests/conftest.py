@@ -189,6 +189,46 @@ def llama_cpp():
                   "llama.cpp's converters", f"`pip download --no-binary :all: {spec}`")
 
 
+# llama.cpp itself (its C++ library, through llama-cpp-python's bindings), built from the same pinned sdist with cmake
+# and a C++ compiler: ~30 minutes on 2 cores, more than the suite's whole budget, so it is built only when asked
+# (PHANTOM_BUILD_LLAMA_CPP=1) and its tests skip elsewhere, CI included; the build is cached like the artifacts.
+LLAMA_CPP_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF " \
+    "-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_COMMON=OFF"
+
+
+def llama_cpp_runtime():
+    """The `llama_cpp` module (llama.cpp's library and its Python bindings) built from the pinned sdist, or a skip
+    saying how to build it."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    spec, sha = LLAMA_CPP
+    folder = Path(ARTIFACTS) / f"llama-cpp-python-{sha[:12]}"
+    if not (folder / "llama_cpp" / "__init__.py").is_file() and os.environ.get("PHANTOM_BUILD_LLAMA_CPP") != "1":
+        pytest.skip("llama.cpp is not built here (its build takes ~30 minutes on 2 cores, more than the suite's "
+                    "budget): PHANTOM_BUILD_LLAMA_CPP=1 python3 -m pytest tests/test_gguf_llama_cpp.py builds it")
+
+    def build(tmp: Path) -> Path:
+        llama_cpp_sdist(tmp, lambda rel: False)  # downloaded and checked against its sha256
+        sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+        env = {**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())}
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", str(sdist), "-w", str(tmp / "wheel"), "-q"],
+                       check=True, capture_output=True, timeout=4 * 3600, env=env)
+        out = tmp / "unpacked"
+        with zipfile.ZipFile(next((tmp / "wheel").glob("llama_cpp_python-*.whl"))) as whl:
+            whl.extractall(out)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(out), "-q",
+                        "diskcache==5.6.3"], check=True, capture_output=True, timeout=600)  # its one import not here
+        return out
+    folder = cached(folder, "llama_cpp/__init__.py", build, "llama.cpp's build", f"`pip wheel {spec}` (cmake, C++)")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    import llama_cpp
+    return llama_cpp
+
+
 def llama_cpp_sdist(tmp, wanted) -> list:
     """[(path under vendor/llama.cpp/, bytes)] of the files wanted(path) picks in the pinned llama-cpp-python
     sdist, downloaded into tmp (once) and checked against its sha256."""

@@ -47,6 +47,15 @@ MLA = {"vocab_size": 129280, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_n
        "moe_intermediate_size": 64, "first_k_dense_replace": 1}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
+# gpt-oss's YaRN as its config.json has it (truncate false), at a context of 16
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 16}
+# Gated DeltaNet layers before a full-attention one (RoPE over a quarter of each head), 2 q/k heads serving 4 v
+# heads, 4 experts and a shared one
+LINEAR = {"vocab_size": 151936, "head_dim": 32, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+          "layer_types": ["linear_attention", "full_attention"]}
 # name: (transformers config class, its fields, tokenizer, store dtype, outtypes compared with the converter)
 CASES = {
     "llama": ("LlamaConfig", {}, "sentencepiece", "fp32", ("f32", "f16", "bf16", "q8_0")),
@@ -74,6 +83,16 @@ CASES = {
                     "deepseek_v3", "bf16", ("bf16",)),
     "phi3": ("Phi3Config", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
                             "original_max_position_embeddings": 64, "rope_parameters": PHI3_ROPE}, "sentencepiece", "fp32", ("bf16",)),
+    # Phi-4: Phi-3's layout with a GPT2Tokenizer's byte-level BPE (o200k here; Phi-4's own is cl100k's kin)
+    "phi4": ("Phi3Config", {"pad_token_id": None, "vocab_size": 201088}, "phi4", "bf16", ("q8_0",)),
+    "glm4_moe": ("Glm4MoeConfig", {"vocab_size": 151936, "head_dim": 32, "attention_bias": True, "use_qk_norm": True,
+                                   "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                                   "n_group": 1, "topk_group": 1}, "glm", "bf16", ("q8_0",)),
+    "gpt_oss": ("GptOssConfig", {"vocab_size": 201088, "head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "sliding_window": 8, "rope_parameters": GPT_OSS_YARN}, "gptoss", "bf16", ("bf16",)),
+    "qwen3_next": ("Qwen3NextConfig", {**LINEAR, "intermediate_size": 128}, "qwen3", "bf16", ("q8_0",)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", LINEAR, "qwen3", "bf16", ("f16",)),
 }
 # transformers' GGUF loader takes qwen3's head_dim from Qwen3Config's default (128), not the file's key_length,
 # so that case has Qwen3's own 128 (qwen3_moe too; and the MoE cases have their config classes' default expert
@@ -83,12 +102,31 @@ LORA_OUTTYPES = {"llama": "f32", "qwen3": "q8_0", "gemma2": "f16"}  # cases whos
 TOLERANCE = {"f32": 1e-5, "f16": 2e-2, "bf16": 1e-1, "q8_0": 1e-1}  # logits against unrounded weights, max |a - b| / max |b|
 
 
+TOKENIZER_FILES = {"phi4": "gptoss", "glm": "qwen3"}  # cases' tokenizers made from a real one
+GLM_TOKENS = ("[gMASK]", "<|user|>", "<|observation|>")  # GLM's own, beside <|endoftext|>
+
+
 def source_folder(folder: Path, name: str) -> int:
     """The tokenizer files of a case in folder; its vocabulary size."""
-    if CASES[name][2] == "sentencepiece":
+    kind = CASES[name][2]
+    if kind == "sentencepiece":
         return llama2_style_sentencepiece(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(real_tokenizer(CASES[name][2]) / f, folder / f)
+    real = real_tokenizer(TOKENIZER_FILES.get(kind, kind))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real / f).is_file():
+            shutil.copy(real / f, folder / f)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    if kind == "phi4":  # Phi-4's tokenizer_config.json names GPT2Tokenizer, which the converter reads as BPE
+        config["tokenizer_class"] = "GPT2Tokenizer"
+    if kind == "glm":  # the special tokens the converter's GLM vocabulary looks up, after Qwen3's
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        first = max(t["id"] for t in spec["added_tokens"]) + 1
+        added = [{"id": first + i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                  "normalized": False, "special": True} for i, text in enumerate(GLM_TOKENS)]
+        spec["added_tokens"] += added
+        config["added_tokens_decoder"].update({str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added})
+        (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
     return len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
 
 

@@ -52,7 +52,8 @@ GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "bet
                 "truncate": False, "original_max_position_embeddings": 16}
 # Gated DeltaNet layers before a full-attention one (RoPE over a quarter of each head), 2 q/k heads serving 4 v
 # heads, 4 experts and a shared one
-LINEAR = {"vocab_size": 151936, "head_dim": 32, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+NEW_SMALL = {"hidden_size": 32, "head_dim": 32}  # the newer families' cases: narrower, their vocabularies being large
+LINEAR = {**NEW_SMALL, "vocab_size": 151936, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
           "layer_types": ["linear_attention", "full_attention"]}
@@ -83,26 +84,33 @@ CASES = {
                     "deepseek_v3", "bf16", ("bf16",)),
     "phi3": ("Phi3Config", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
                             "original_max_position_embeddings": 64, "rope_parameters": PHI3_ROPE}, "sentencepiece", "fp32", ("bf16",)),
-    # Phi-4: Phi-3's layout with a GPT2Tokenizer's byte-level BPE (o200k here; Phi-4's own is cl100k's kin)
-    "phi4": ("Phi3Config", {"pad_token_id": None, "vocab_size": 201088}, "phi4", "bf16", ("q8_0",)),
-    "glm4_moe": ("Glm4MoeConfig", {"vocab_size": 151936, "head_dim": 32, "attention_bias": True, "use_qk_norm": True,
+    # Phi-4: Phi-3's layout with a GPT2Tokenizer's byte-level BPE (Qwen3's here, a cl100k-style one as Phi-4's own)
+    "phi4": ("Phi3Config", {"hidden_size": 32, "pad_token_id": None, "vocab_size": 151936}, "phi4", "bf16", ("bf16",)),
+    # GLM-4.5: q/k/v biases, q/k norms, RoPE over half of each head, a dense first layer, sigmoid routing with a
+    # correction bias, a shared expert
+    "glm4_moe": ("Glm4MoeConfig", {**NEW_SMALL, "vocab_size": 151936, "attention_bias": True, "use_qk_norm": True,
                                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                   "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
-                                   "n_group": 1, "topk_group": 1}, "glm", "bf16", ("q8_0",)),
-    "gpt_oss": ("GptOssConfig", {"vocab_size": 201088, "head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-                                 "sliding_window": 8, "rope_parameters": GPT_OSS_YARN}, "gptoss", "bf16", ("bf16",)),
-    "qwen3_next": ("Qwen3NextConfig", {**LINEAR, "intermediate_size": 128}, "qwen3", "bf16", ("q8_0",)),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", LINEAR, "qwen3", "bf16", ("f16",)),
+                                   "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5},
+                 "glm", "bf16", ("q8_0",)),
+    # gpt-oss: sinks, a window on the even layers, biases everywhere, experts as (experts, in, out) with gate and up
+    # alternating, YaRN
+    "gpt_oss": ("GptOssConfig", {**NEW_SMALL, "vocab_size": 201088, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "sliding_window": 8, "rope_parameters": GPT_OSS_YARN}, "gptoss", "bf16", ("q8_0",)),
+    "qwen3_next": ("Qwen3NextConfig", {**LINEAR, "intermediate_size": 128}, "qwen3", "bf16", ("f16",)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", LINEAR, "qwen3", "bf16", ("bf16",)),
 }
 # transformers' GGUF loader takes qwen3's head_dim from Qwen3Config's default (128), not the file's key_length,
 # so that case has Qwen3's own 128 (qwen3_moe too; and the MoE cases have their config classes' default expert
 # widths, which it takes instead of the file's expert_feed_forward_length); it reads no rope_freqs (Llama-3.1's scaling), so the llama3 case is not
 # loaded with it (its file, rope_freqs included, is compared byte for byte with the converter's).
+# the newer families' files are the converter's byte for byte, and not parsed again here: gguf's reader takes 8 s
+# (Qwen3's vocabulary) to 16 s (o200k's) a file on this machine
+NOT_PARSED = ("phi4", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe")
 LORA_OUTTYPES = {"llama": "f32", "qwen3": "q8_0", "gemma2": "f16"}  # cases whose adapter is also written as a GGUF LoRA adapter
 TOLERANCE = {"f32": 1e-5, "f16": 2e-2, "bf16": 1e-1, "q8_0": 1e-1}  # logits against unrounded weights, max |a - b| / max |b|
 
 
-TOKENIZER_FILES = {"phi4": "gptoss", "glm": "qwen3"}  # cases' tokenizers made from a real one
+TOKENIZER_FILES = {"phi4": "qwen3", "glm": "qwen3"}  # cases' tokenizers made from a real one
 GLM_TOKENS = ("[gMASK]", "<|user|>", "<|observation|>")  # GLM's own, beside <|endoftext|>
 
 
@@ -260,11 +268,13 @@ def test_gguf_equals_llama_cpp_converter_output(built, name):
     for t in CASES[name][4]:
         assert ours[t].name == theirs[t].name, (name, t)
         assert ours[t].read_bytes() == theirs[t].read_bytes(), (name, t, differences(ours[t], theirs[t])[:8])
+        if name in NOT_PARSED:
+            continue
         reader = read(ours[t])
         assert reader.fields["general.file_type"].contents() == {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}[t]
         if t != "f32":  # the matrices (experts' stacks included) are in the file's type; routers stay f32
             assert {x.tensor_type.name.lower() for x in reader.tensors
-                    if len(x.shape) >= 2 and "ffn_gate_inp" not in x.name} == {t}
+                    if len(x.shape) >= 2 and "ffn_gate_inp" not in x.name and x.name.endswith(".weight")} == {t}
             assert {x.tensor_type.name for x in reader.tensors if "ffn_gate_inp" in x.name} <= {"F32"}
 
 
@@ -296,7 +306,7 @@ def test_float_bytes_are_gguf_quantizers_on_every_kind_of_value():
                     assert encode(x, qtype) == want, (source, qtype)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n not in NOT_PARSED])
 def test_gguf_carries_the_tokenizer_and_chat_template(built, name):
     _, _, merged, ours, _ = built(name)
     fields = read(ours[CASES[name][4][0]]).fields
@@ -307,8 +317,11 @@ def test_gguf_carries_the_tokenizer_and_chat_template(built, name):
     # DeepSeek-V3's tokenizer hashes as JoyAI-LLM's (its probe ids with the BOS its post-processor adds), as in the
     # converter; llama.cpp splits "joyai-llm" with DeepSeek-V3's regex (llama-vocab.cpp)
     assert fields["tokenizer.ggml.pre"].contents() == {"sentencepiece": "default", "llama3_1": "llama-bpe",
-                                                       "qwen3": "qwen2", "deepseek_v3": "joyai-llm"}[kind]
+                                                       "qwen3": "qwen2", "glm": "qwen2", "deepseek_v3": "joyai-llm",
+                                                       "gptoss": "gpt-4o", "phi4": "qwen2"}[kind]
     template = json.loads((merged / "tokenizer_config.json").read_text()).get("chat_template")
+    if (merged / "chat_template.jinja").is_file():
+        template = (merged / "chat_template.jinja").read_text()
     assert (fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None) == template
     if kind != "sentencepiece":
         assert template and "tokenizer.ggml.merges" in fields
@@ -328,8 +341,11 @@ def rounded_through(model, outtype: str):
 
 # Files transformers' GGUF loader cannot read as the model: llama3 (it reads no rope_freqs), qwen2_moe (it makes the
 # shared expert's gate (1, 1, dim), not (1, dim)), mixtral (a `llama` file with experts: it builds a dense Llama),
-# olmoe and deepseek_v2/v3 (no olmoe or deepseek2 among its architectures)
-NOT_LOADED = ("llama3", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2")
+# olmoe, deepseek_v2/v3, glm4_moe, qwen3_next and qwen3_5_moe (none of those among its architectures), gpt_oss (its
+# reader fails on the file: float() of an array); phi4's tensors are the phi3 case's kind, its 201k-token
+# vocabulary alone differs (compared byte for byte), not loaded for the time it takes
+NOT_LOADED = ("llama3", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss",
+              "qwen3_next", "qwen3_5_moe", "phi4")
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n not in NOT_LOADED])
@@ -402,11 +418,12 @@ def edited(store: Path, folder: Path, **fields) -> Path:
 
 def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys, monkeypatch):
     from phantom.model import gguf_arch
-    store, moe, gemma2 = built("llama")[0], built("qwen3_moe"), built("gemma2")[0]
+    store, moe, gemma2, glm = built("llama")[0], built("qwen3_moe"), built("gemma2")[0], built("glm4_moe")
     merge_lora = load_script("merge_lora").main
     cases = [(["--model", str(store), "--format", "gguf-lora"], "give --adapter"),
              (["--model", str(store), "--format", "hf", "--outtype", "f16"], "--outtype is for"),
              (["--model", str(moe[0]), "--adapter", str(moe[1]), "--format", "gguf-lora"], "covers dense models"),
+             (["--model", str(glm[0]), "--adapter", str(glm[1]), "--format", "gguf-lora"], "stacks a mixture's"),
              (["--model", str(edited(gemma2, tmp_path / "g1", query_pre_attn_scalar=32.0)), "--format", "gguf"],
               "llama.cpp scales this Gemma-2's queries by 256^-1/2"),
              (["--model", str(edited(gemma2, tmp_path / "g2", rope_theta=20000.0)), "--format", "gguf"],
@@ -423,6 +440,26 @@ def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsy
     assert merge_lora(["--model", str(store), "--format", "gguf", "--out", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "GGUF export covers mistral, " in err[0] and "this is a llama model" in err[0], err
+
+
+def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
+    """gpt-oss: llama.cpp clamps the experts' SwiGLU at 7 (alpha 1.702), slides the even layers, and scales YaRN's
+    attention by 0.1 ln(factor) + 1; Qwen3-Next / Qwen3.5: it lays full-attention layers out by a period."""
+    import dataclasses
+    from phantom.files.store import BlockStore
+    from phantom.model.gguf_arch import refusal
+    oss, nxt, q35 = (BlockStore(built(n)[0]).cfg for n in ("gpt_oss", "qwen3_next", "qwen3_5_moe"))
+    assert refusal(oss) is None and refusal(nxt) is None and refusal(q35) is None
+    yarn = dataclasses.replace(oss.rope_scaling, attention_factor=1.0)
+    for cfg, words in [(dataclasses.replace(oss, swiglu_limit=1.5), "SwiGLU at limit 7 with alpha 1.702"),
+                       (dataclasses.replace(oss, layer_types=("full_attention", "sliding_attention")),
+                        "slides the even layers"),
+                       (dataclasses.replace(oss, rope_scaling=yarn), "0.1 ln(factor) + 1 = 1.13863"),
+                       (dataclasses.replace(nxt, layer_types=("full_attention", "linear_attention")),
+                        "qwen3next makes every full_attention_interval-th layer full attention"),
+                       (dataclasses.replace(q35, layer_types=("full_attention", "linear_attention")),
+                        "qwen35moe makes every")]:
+        assert words in refusal(cfg), (words, refusal(cfg))
 
 
 # -- memory: one block at a time ---------------------------------------------------------------------

@@ -47,9 +47,10 @@ MLA = {"vocab_size": 129280, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_n
        "moe_intermediate_size": 64, "first_k_dense_replace": 1}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
-# gpt-oss's YaRN as its config.json has it (truncate false), at a context of 16
+# gpt-oss's YaRN at a context of 16, its ramp rounded out to whole dims as llama.cpp rounds it (the published configs'
+# truncate false is refused)
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                "truncate": False, "original_max_position_embeddings": 16}
+                "truncate": True, "original_max_position_embeddings": 16}
 # Gated DeltaNet layers before a full-attention one (RoPE over a quarter of each head), 2 q/k heads serving 4 v
 # heads, 4 experts and a shared one
 NEW_SMALL = {"hidden_size": 32, "head_dim": 32}  # the newer families' cases: narrower, their vocabularies being large
@@ -443,8 +444,9 @@ def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsy
 
 
 def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
-    """gpt-oss: llama.cpp clamps the experts' SwiGLU at 7 (alpha 1.702), slides the even layers, and scales YaRN's
-    attention by 0.1 ln(factor) + 1; Qwen3-Next / Qwen3.5: it lays full-attention layers out by a period."""
+    """gpt-oss: llama.cpp clamps the experts' SwiGLU at 7 (alpha 1.702), slides the even layers, scales YaRN's
+    attention by 0.1 ln(factor) + 1 and ramps it between whole dims; Qwen3-Next / Qwen3.5: it lays full-attention
+    layers out by a period."""
     import dataclasses
     from phantom.files.store import BlockStore
     from phantom.model.gguf_arch import refusal
@@ -455,6 +457,8 @@ def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
                        (dataclasses.replace(oss, layer_types=("full_attention", "sliding_attention")),
                         "slides the even layers"),
                        (dataclasses.replace(oss, rope_scaling=yarn), "0.1 ln(factor) + 1 = 1.13863"),
+                       (dataclasses.replace(oss, rope_scaling=dataclasses.replace(oss.rope_scaling, truncate=False)),
+                        "llama.cpp ramps YaRN between whole dims (0 and 2)"),
                        (dataclasses.replace(nxt, layer_types=("full_attention", "linear_attention")),
                         "qwen3next makes every full_attention_interval-th layer full attention"),
                        (dataclasses.replace(q35, layer_types=("full_attention", "linear_attention")),

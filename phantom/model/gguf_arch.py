@@ -167,6 +167,8 @@ def refusal(cfg: ModelConfig) -> str | None:
         ("linear", "yarn") if arch.reshape in (split_kv_b, gpt_oss_split) else ("linear",)
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in scalings:
         return f"GGUF export of {name} covers RoPE scaling {', '.join(scalings)}, not {cfg.rope_scaling.rope_type!r}"
+    if (why := yarn_refusal(cfg)) is not None:
+        return why
     if arch.renormalizes is not None and cfg.norm_topk_prob != arch.renormalizes:
         return (f"llama.cpp's {name} fixes norm_topk_prob (whether the chosen experts' weights are renormalized) at "
                 f"{str(arch.renormalizes).lower()}, as the family's own configs set it, and this model sets it otherwise")
@@ -187,6 +189,23 @@ def refusal(cfg: ModelConfig) -> str | None:
             return (f"llama.cpp's converter writes LongRoPE's attention factor as {want:.6g} (from the context "
                     f"lengths), and this model's is {cfg.rope_scaling.attention_factor}")
     return None
+
+
+def yarn_refusal(cfg: ModelConfig) -> str | None:
+    """llama.cpp (ggml_rope_yarn_corr_dims) rounds YaRN's ramp out to whole dims, floor(low) and ceil(high); a
+    config with truncate false ramps between the unrounded ones (gpt-oss's published configs), other rotations."""
+    s = cfg.rope_scaling
+    if s is None or s.rope_type != "yarn" or s.truncate:
+        return None
+    def pair_of(rotations: float) -> float:
+        return cfg.rope_dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+    low, high = pair_of(s.beta_fast), pair_of(s.beta_slow)
+    exact = (max(low, 0), min(high, cfg.rope_dim - 1))
+    whole = (max(math.floor(low), 0), min(math.ceil(high), cfg.rope_dim - 1))
+    if exact == whole:
+        return None
+    return (f"llama.cpp ramps YaRN between whole dims ({whole[0]} and {whole[1]}), and this model says truncate "
+            f"false: it ramps between {exact[0]:.4g} and {exact[1]:.4g}, other rotations")
 
 
 def gpt_oss_refusal(cfg: ModelConfig) -> str | None:

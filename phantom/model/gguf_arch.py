@@ -1,8 +1,8 @@
-"""What llama.cpp's convert_hf_to_gguf.py does per family: its converter class's architecture, the keys its
-set_gguf_parameters writes (read, as it reads them, from the config.json of phantom's HF export), how it
-renames and reshapes tensors, and what a family's GGUF cannot say (refused, one line).
+"""What llama.cpp's convert_hf_to_gguf.py does per family: its converter class's architecture, which of
+gguf_hparams' key writers it is (set_gguf_parameters, read as it reads them from the config.json of phantom's
+HF export), how it renames and reshapes tensors, and what a family's GGUF cannot say (refused, one line).
 
-gguf_export plans and writes the file from these. May import gguf and phantom.arch.
+gguf_export plans and writes the file from these. May import gguf, phantom.arch and gguf_hparams.
 """
 from __future__ import annotations
 
@@ -30,10 +30,12 @@ class Arch:
     permute_qk: LlamaModel's undo_permute: llama.cpp's `llama` rotates adjacent pairs, so q/k rows go back
     into Meta's interleaved order (the store's own); the other archs rotate Hugging Face's halves.
     vocab: the class's set_vocab: "llama" (tokenizer.model, else a Llama-style tokenizer.json, else BPE),
-    "sentencepiece" (tokenizer.model first, then BPE), "bpe" (byte-level BPE alone), "phi3" (Phi3MiniModel's
-    own reading of tokenizer.model). space_prefix: add_space_prefix false after the vocabulary (Gemma).
-    experts: (the HF name of a layer's experts, their projections in the order the converter stacks them).
-    norm_shift: 1 added to every *norm.weight (Gemma's (1 + w) norms, as llama.cpp multiplies by w).
+    "sentencepiece" (tokenizer.model first, then BPE), "bpe" (byte-level BPE alone), "glm" (BPE with GLM's
+    special ids), "phi3" (Phi3MiniModel's own reading of tokenizer.model, or BPE for a GPT2Tokenizer).
+    space_prefix: add_space_prefix false after the vocabulary (Gemma). experts: (the HF name of a layer's
+    experts, one tensor each, their projections in the order the converter stacks them).
+    norm_shift: 1 added to every *norm.weight but Gated DeltaNet's gated one (Gemma's, Qwen3-Next's (1 + w)
+    norms, as llama.cpp multiplies by w).
     drop_head: lm_head not written (Gemma2Model: tied embeddings). renormalizes: whether llama.cpp's graph
     renormalizes the chosen experts' weights (build_moe_ffn's norm_w in its src/models/*.cpp), a mixture's
     norm_topk_prob must be that. reshape: the class's own tensor changes, (cfg, HF name, tensor) -> [(a name

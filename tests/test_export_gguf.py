@@ -86,8 +86,10 @@ CASES = {
                     "deepseek_v3", "bf16", ("bf16",)),
     "phi3": ("Phi3Config", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
                             "original_max_position_embeddings": 64, "rope_parameters": PHI3_ROPE}, "sentencepiece", "fp32", ("bf16",)),
-    # Phi-4: Phi-3's layout with a GPT2Tokenizer's byte-level BPE (Qwen3's here, a cl100k-style one as Phi-4's own)
-    "phi4": ("Phi3Config", {"hidden_size": 32, "pad_token_id": None, "vocab_size": 151936}, "phi4", "bf16", ("bf16",)),
+    # Phi-4: Phi-3's layout with a GPT2Tokenizer's byte-level BPE (Qwen3's here, a cl100k-style one as Phi-4's own);
+    # RoPE over 3/4 of each head (Phi-4-mini's rope.dimension_count)
+    "phi4": ("Phi3Config", {"hidden_size": 32, "pad_token_id": None, "vocab_size": 151936,
+                            "partial_rotary_factor": 0.75}, "phi4", "bf16", ("bf16",)),
     # GLM-4.5: q/k/v biases, q/k norms, RoPE over half of each head, a dense first layer, sigmoid routing with a
     # correction bias, a shared expert
     "glm4_moe": ("Glm4MoeConfig", {**NEW_SMALL, "vocab_size": 151936, "attention_bias": True, "use_qk_norm": True,
@@ -184,7 +186,7 @@ for raw, script, *args in json.loads(sys.argv[2]):
         if e.code:
             raise
 """
-CONFIG_AS_WRITTEN = ("phi3",)
+CONFIG_AS_WRITTEN = ("phi3", "phi4")  # (transformers 5's to_dict also moves partial_rotary_factor into rope_parameters)
 
 
 def conversions(name: str, merged: Path, out: Path, adapter: Path) -> dict[str, list]:

@@ -501,7 +501,7 @@ def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsy
 def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
     """gpt-oss: llama.cpp clamps the experts' SwiGLU at 7 (alpha 1.702), slides the even layers, scales YaRN's
     attention by 0.1 ln(factor) + 1 and ramps it between whole dims; Qwen3-Next / Qwen3.5: it lays full-attention
-    layers out by a period."""
+    layers out by a period and has no attention output bias."""
     import dataclasses
     from phantom.files.store import BlockStore
     from phantom.model.gguf_arch import refusal
@@ -509,6 +509,7 @@ def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
     assert refusal(oss) is None and refusal(nxt) is None and refusal(q35) is None
     yarn = dataclasses.replace(oss.rope_scaling, attention_factor=1.0)
     for cfg, words in [(dataclasses.replace(oss, swiglu_limit=1.5), "SwiGLU at limit 7 with alpha 1.702"),
+                       (dataclasses.replace(oss, qkv_bias=False, o_bias=False), "loads attention biases"),
                        (dataclasses.replace(oss, layer_types=("full_attention", "sliding_attention")),
                         "slides the even layers"),
                        (dataclasses.replace(oss, rope_scaling=yarn), "0.1 ln(factor) + 1 = 1.13863"),
@@ -517,7 +518,8 @@ def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
                        (dataclasses.replace(nxt, layer_types=("full_attention", "linear_attention")),
                         "qwen3next makes every full_attention_interval-th layer full attention"),
                        (dataclasses.replace(q35, layer_types=("full_attention", "linear_attention")),
-                        "qwen35moe makes every")]:
+                        "qwen35moe makes every"),
+                       (dataclasses.replace(nxt, qkv_bias=True, o_bias=True), "qwen3next has no attention output bias")]:
         assert words in refusal(cfg), (words, refusal(cfg))
 
 

@@ -185,6 +185,8 @@ def refusal(cfg: ModelConfig) -> str | None:
     if arch.reshape is linear_attention_split and full_attention_interval(cfg) is None:
         return (f"llama.cpp's {name} makes every full_attention_interval-th layer full attention, and this model's "
                 f"layer_types follow no such period")
+    if arch.reshape is linear_attention_split and cfg.o_bias:
+        return f"llama.cpp's {name} has no attention output bias, and this model sets attention_bias"
     if cfg.family == "phi3" and cfg.rope_scaling is not None:
         want = longrope_attention_factor(cfg)
         if abs(cfg.rope_scaling.attention_factor - want) > 1e-6 * want:
@@ -211,11 +213,14 @@ def yarn_refusal(cfg: ModelConfig) -> str | None:
 
 
 def gpt_oss_refusal(cfg: ModelConfig) -> str | None:
-    """llama.cpp's gpt-oss (openai-moe.cpp, build_moe_ffn) clamps the experts' SwiGLU at fixed constants, slides
-    the even layers' attention, and scales YaRN's attention by 0.1 ln(factor) + 1 whatever the file says."""
+    """llama.cpp's gpt-oss (openai-moe.cpp, build_moe_ffn) clamps the experts' SwiGLU at fixed constants, needs the
+    attention biases, slides the even layers' attention, and scales YaRN's attention by 0.1 ln(factor) + 1
+    whatever the file says."""
     if (cfg.swiglu_limit, cfg.swiglu_alpha) != (7.0, 1.702):
         return (f"llama.cpp's gpt-oss clamps the experts' SwiGLU at limit 7 with alpha 1.702, and this model's are "
                 f"{cfg.swiglu_limit:g} and {cfg.swiglu_alpha:g}")
+    if not (cfg.qkv_bias and cfg.o_bias):
+        return "llama.cpp's gpt-oss loads attention biases (every gpt-oss has them), and this model has none"
     if cfg.sliding_window is None or any(bool(cfg.window(i)) != (i % 2 == 0) for i in range(cfg.n_layers)):
         return "llama.cpp's gpt-oss slides the even layers' attention (the first included), and this model's layers differ"
     s = cfg.rope_scaling

@@ -62,7 +62,7 @@ def converter_order(hf_name: str, source: tuple[str, int], arch: Arch, cfg: Mode
     layer = re.fullmatch(r"model\.layers\.(\d+)\.\w+", prefix)
     if layer is None or rest.removesuffix(".weight") not in projections or \
             prefix + ".experts" != stack.format(layer[1]):
-        return natural_key(source[0]), source[1]
+        return natural_key(hf_name), 0
     last = f"{stack.format(layer[1])}.{cfg.n_experts - 1}.{projections[-1]}.weight"
     return natural_key(last), projections.index(rest.removesuffix(".weight"))
 
@@ -130,7 +130,7 @@ def gguf_tensors(cfg: ModelConfig, arch: Arch, part: str | int, tensors: dict[st
     out = stack_experts(cfg, arch, out)
     names = {hf_name: tmap.get_name(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"),
                                     try_suffixes=(".weight", ".bias")) for hf_name in out}  # as filter_tensors
-    if missing := [n for n in names if names[n] is None]:
+    if missing := [n for n, g in names.items() if g is None]:
         raise AssertionError(f"gguf has no {arch.arch.name} name for {missing}")
     return {hf_name: (names[hf_name], t, sources.get(hf_name, (hf_name, 0))) for hf_name, t in out.items()}
 

@@ -41,7 +41,7 @@ RANK = {  # within a package
                "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6, "lanes": 0},
     "model": {"lora": 0, "adapterfiles": 1, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 4, "hub": 2,
               "requant": 2,
-              "hflayout": 1, "gguf_pretok": 0, "gguf_vocab": 1, "gguf_arch": 1, "gguf_export": 2, "gguf_lora": 3,
+              "hflayout": 1, "gguf_pretok": 0, "gguf_vocab": 1, "gguf_hparams": 0, "gguf_arch": 1, "gguf_export": 2, "gguf_lora": 3,
               "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3, "adaptermodel": 2},
     "plan": {"costinputs": 0, "costmodel": 1, "quickslice": 1, "costexperts": 2, "planner": 2, "computetimer": 3,
              "profiles": 4, "tune": 5, "costsweep": 2},

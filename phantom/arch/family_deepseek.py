@@ -131,8 +131,10 @@ def v2_fields(cfg: ModelConfig) -> dict:
 
 
 def glm_fields(cfg: ModelConfig) -> dict:
+    """GLM-4.5's fields; no prediction layers (they are left out: Glm4MoeConfig's default counts one, and
+    llama.cpp would look for its tensors)."""
     return {**deepseek_fields(cfg), "attention_bias": cfg.qkv_bias, "use_qk_norm": cfg.qk_norm,
-            "partial_rotary_factor": cfg.rope_dim / cfg.head_dim}
+            "partial_rotary_factor": cfg.rope_dim / cfg.head_dim, "num_nextn_predict_layers": 0}
 
 
 MOE_COMMON = {f: read_deepseek_moe for f in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",

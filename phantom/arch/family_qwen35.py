@@ -79,9 +79,20 @@ def text_weights(weight_map: dict[str, str]) -> dict[str, str]:
     return out | {k: k for k in weight_map if k.startswith("lm_head.")}
 
 
+def full_attention_interval(cfg: ModelConfig) -> int | None:
+    """p where every p-th layer (and only those) is full attention, as the config classes and llama.cpp lay
+    layers out from full_attention_interval; None where the layers follow no such period."""
+    full = [i + 1 for i in range(cfg.n_layers) if not cfg.linear(i)]
+    period = full[0] if full else cfg.n_layers + 1
+    return period if full == list(range(period, cfg.n_layers + 1, period)) else None
+
+
 def linear_fields(cfg: ModelConfig) -> dict:
-    """The fields an export's config.json writes for these families (what read_linear and read_gated_attention read)."""
+    """The fields an export's config.json writes for these families (what read_linear and read_gated_attention
+    read); full_attention_interval beside layer_types where they agree (llama.cpp's converter reads it alone)."""
+    period = full_attention_interval(cfg)
     return {"layer_types": ["linear_attention" if cfg.linear(i) else "full_attention" for i in range(cfg.n_layers)],
+            **({"full_attention_interval": period} if period else {}),
             "linear_num_key_heads": cfg.linear_k_heads, "linear_num_value_heads": cfg.linear_v_heads,
             "linear_key_head_dim": cfg.linear_k_dim, "linear_value_head_dim": cfg.linear_v_dim,
             "linear_conv_kernel_dim": cfg.linear_conv, "partial_rotary_factor": cfg.rope_dim / cfg.head_dim,

@@ -1,14 +1,12 @@
-"""What llama.cpp's convert_hf_to_gguf.py does per family: its converter class's architecture, the keys its
-set_gguf_parameters writes (read, as it reads them, from the config.json of phantom's HF export), how it
-renames and reshapes tensors, and what a family's GGUF cannot say (refused, one line).
+"""What llama.cpp's convert_hf_to_gguf.py does per family: its converter class's architecture, which of
+gguf_hparams' key writers it is (set_gguf_parameters, read as it reads them from the config.json of phantom's
+HF export), how it renames and reshapes tensors, and what a family's GGUF cannot say (refused, one line).
 
-gguf_export plans and writes the file from these. May import gguf and phantom.arch.
+gguf_export plans and writes the file from these. May import gguf, phantom.arch and gguf_hparams.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -17,202 +15,12 @@ import gguf
 import torch
 
 from phantom.arch.config import ModelConfig
+from phantom.arch.family_qwen35 import full_attention_interval
+from phantom.model.gguf_hparams import deepseek2_hparams, gemma2_hparams, gemma3_hparams, glm4moe_hparams, \
+    gpt_oss_hparams, llama_hparams, olmoe_hparams, phi3_hparams, qwen35moe_hparams, qwen3next_hparams, \
+    qwen_moe_hparams, text_hparams
 
 T = gguf.GGMLQuantizationType
-
-
-SCORING = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}
-
-
-def rope_parameters(c: dict) -> dict:
-    """The converter's TextModel.rope_parameters: rope_parameters (or rope_scaling) with rope_theta mirrored in."""
-    rope = dict(c.get("rope_parameters", c.get("rope_scaling")) or {})
-    if "full_attention" not in rope and "sliding_attention" not in rope:
-        if "rope_theta" not in rope and c.get("rope_theta") is not None:
-            rope["rope_theta"] = c["rope_theta"]
-        if "rope_type" not in rope and rope.get("type") is not None:
-            rope["rope_type"] = rope["type"]
-    return rope
-
-
-def first(c: dict, keys: tuple[str, ...]):
-    """The converter's find_hparam(keys, optional=True): the first key present (its value, None included)."""
-    return next((c[k] for k in keys if k in c), None)
-
-
-@contextlib.contextmanager
-def rewriting():
-    """Keys written a second time, as some converter classes do (the new value in the old one's place),
-    without gguf's warning about it."""
-    log = logging.getLogger("gguf.gguf_writer")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-def text_hparams(w: gguf.GGUFWriter, c: dict, ftype: gguf.LlamaFileType) -> None:
-    """TextModel.set_gguf_parameters: the keys every family's class starts from, in its order."""
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    if (ff := first(c, ("intermediate_size", "n_inner", "hidden_dim"))) is not None:
-        w.add_feed_forward_length(ff)
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    rope = rope_parameters(c)
-    full = rope.get("full_attention", rope)
-    kind, factor = full.get("rope_type"), full.get("factor")
-    if kind == "linear" and factor is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(factor)
-    elif kind == "yarn" and factor is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(factor)
-        w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
-        if (attn := full.get("attention_factor", full.get("attn_factor"))) is not None:
-            w.add_rope_scaling_yarn_attn_factor(attn)
-        if full.get("beta_fast") is not None:
-            w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
-        if full.get("beta_slow") is not None:
-            w.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
-    elif kind in ("su", "longrope"):
-        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
-    if full.get("rope_theta") is not None:
-        w.add_rope_freq_base(full["rope_theta"])
-    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
-        w.add_rope_freq_base_swa(local)
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    if (experts := first(c, ("num_local_experts", "num_experts"))) is not None:
-        w.add_expert_count(experts)
-    if (used := first(c, ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"))) is not None:
-        w.add_expert_used_count(used)
-    if c.get("n_group") is not None:
-        w.add_expert_group_count(c["n_group"])
-    if c.get("topk_group") is not None:
-        w.add_expert_group_used_count(c["topk_group"])
-    score = first(c, ("score_function", "scoring_func", "score_func", "moe_router_activation",
-                      "moe_router_activation_func"))
-    if score is not None:
-        w.add_expert_gating_func(SCORING[score])
-    if c.get("head_dim") is not None:
-        w.add_key_length(c["head_dim"])
-        w.add_value_length(c["head_dim"])
-    w.add_file_type(ftype)
-
-
-def llama_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
-    """LlamaModel: the vocabulary size and RoPE's width after the base keys."""
-    text_hparams(w, c, ftype)
-    w.add_vocab_size(c["vocab_size"])
-    w.add_rope_dimension_count(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
-
-
-def qwen_moe_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
-    """Qwen2MoeModel (Qwen3MoeModel's base): the experts' widths."""
-    text_hparams(w, c, ftype)
-    if c.get("moe_intermediate_size") is not None:
-        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
-    if c.get("shared_expert_intermediate_size") is not None:
-        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
-
-
-def olmoe_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
-    """OlmoeModel: the base keys, its norms' epsilon set to 1e-5 (check_supported refuses another)."""
-    text_hparams(w, c, ftype)
-    with rewriting():
-        w.add_layer_norm_rms_eps(1e-5)
-
-
-def gemma2_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
-    """Gemma2Model's own keys (no RoPE base: llama.cpp's default 10000, which check_supported requires)."""
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_key_length(c["head_dim"])
-    w.add_value_length(c["head_dim"])
-    w.add_file_type(ftype)
-    w.add_attn_logit_softcapping(c["attn_logit_softcapping"])
-    w.add_final_logit_softcapping(c["final_logit_softcapping"])
-    w.add_sliding_window(c["sliding_window"])
-
-
-def gemma3_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
-    """Gemma3Model: the base keys, some written again (in place), then soft-capping and the window."""
-    text_hparams(w, c, ftype)
-    with rewriting():
-        w.add_context_length(c.get("max_position_embeddings", 131072))
-        w.add_head_count(c.get("num_attention_heads", 8))
-        w.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-6))
-        w.add_key_length(c.get("head_dim", 256))
-        w.add_value_length(c.get("head_dim", 256))
-        rope = rope_parameters(c)
-        w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 1_000_000.0))
-        if c.get("final_logit_softcapping"):
-            w.add_final_logit_softcapping(c["final_logit_softcapping"])
-        if c.get("sliding_window_pattern") != 1:
-            w.add_sliding_window(c["sliding_window"])
-        w.add_head_count_kv(c.get("num_key_value_heads", 4))
-
-
-def deepseek2_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
-    """DeepseekV2Model (DeepSeek-V2 and V3): the base keys with one kv head (latent attention as MQA), then
-    the latent ranks and head sizes (key/value lengths written again, in place), the experts and RoPE's width."""
-    c = {**c, "num_key_value_heads": 1, "rms_norm_eps": c.get("rms_norm_eps", 1e-6)}
-    text_hparams(w, c, ftype)
-    experts = c.get("n_routed_experts")
-    first_dense = c.get("first_k_dense_replace")
-    w.add_leading_dense_block_count(first_dense if first_dense is not None else
-                                    0 if experts is not None else c["num_hidden_layers"])
-    rank = c.get("kv_lora_rank", 512)
-    w.add_vocab_size(c["vocab_size"])
-    if c.get("q_lora_rank") is not None:
-        w.add_q_lora_rank(c["q_lora_rank"])
-    w.add_kv_lora_rank(rank)
-    with rewriting():
-        w.add_key_length(rank + c["qk_rope_head_dim"])
-        w.add_value_length(rank)
-    w.add_key_length_mla(c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
-    w.add_value_length_mla(c["v_head_dim"])
-    w.add_expert_feed_forward_length(first(c, ("moe_intermediate_size", "intermediate_size")))
-    if experts is not None:
-        with rewriting():
-            w.add_expert_count(experts)
-    w.add_expert_shared_count(c.get("n_shared_experts", 0))
-    if c.get("routed_scaling_factor") is not None:
-        w.add_expert_weights_scale(c["routed_scaling_factor"])
-    if c.get("norm_topk_prob"):
-        w.add_expert_weights_norm(c["norm_topk_prob"])
-    w.add_rope_dimension_count(c["qk_rope_head_dim"])
-    if (mscale := rope_parameters(c).get("mscale_all_dim")) is not None:
-        w.add_rope_scaling_yarn_log_mul(0.1 * mscale)
-
-
-def phi3_rope_dims(c: dict) -> int:
-    return int(c.get("partial_rotary_factor", 1.0) * c["hidden_size"]) // c["num_attention_heads"]
-
-
-def phi3_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
-    """Phi3MiniModel's own keys (sliding window 0 where there is none)."""
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_rope_scaling_orig_ctx_len(c["original_max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_rope_dimension_count(phi3_rope_dims(c))
-    rope = rope_parameters(c)
-    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
-    w.add_file_type(ftype)
-    w.add_sliding_window(c.get("sliding_window") or 0)
 
 
 @dataclass(frozen=True)
@@ -222,14 +30,16 @@ class Arch:
     permute_qk: LlamaModel's undo_permute: llama.cpp's `llama` rotates adjacent pairs, so q/k rows go back
     into Meta's interleaved order (the store's own); the other archs rotate Hugging Face's halves.
     vocab: the class's set_vocab: "llama" (tokenizer.model, else a Llama-style tokenizer.json, else BPE),
-    "sentencepiece" (tokenizer.model first, then BPE), "bpe" (byte-level BPE alone), "phi3" (Phi3MiniModel's
-    own reading of tokenizer.model). space_prefix: add_space_prefix false after the vocabulary (Gemma).
-    experts: (the HF name of a layer's experts, their projections in the order the converter stacks them).
-    norm_shift: 1 added to every *norm.weight (Gemma's (1 + w) norms, as llama.cpp multiplies by w).
-    drop_head: lm_head not written (Gemma2Model: tied embeddings). split_kv_b: latent attention's kv_b_proj
-    written as k_b_proj (heads, kv rank, nope dims) and v_b_proj (heads, v dims, kv rank). renormalizes: whether llama.cpp's graph
+    "sentencepiece" (tokenizer.model first, then BPE), "bpe" (byte-level BPE alone), "glm" (BPE with GLM's
+    special ids), "phi3" (Phi3MiniModel's own reading of tokenizer.model, or BPE for a GPT2Tokenizer).
+    space_prefix: add_space_prefix false after the vocabulary (Gemma). experts: (the HF name of a layer's
+    experts, one tensor each, their projections in the order the converter stacks them).
+    norm_shift: 1 added to every *norm.weight but Gated DeltaNet's gated one (Gemma's, Qwen3-Next's (1 + w)
+    norms, as llama.cpp multiplies by w).
+    drop_head: lm_head not written (Gemma2Model: tied embeddings). renormalizes: whether llama.cpp's graph
     renormalizes the chosen experts' weights (build_moe_ffn's norm_w in its src/models/*.cpp), a mixture's
-    norm_topk_prob must be that."""
+    norm_topk_prob must be that. reshape: the class's own tensor changes, (cfg, HF name, tensor) -> [(a name
+    gguf maps, tensor)], written where the converter reads the HF tensor, in that order (None: as they are)."""
 
     arch: gguf.MODEL_ARCH
     hparams: Callable = text_hparams
@@ -240,7 +50,89 @@ class Arch:
     norm_shift: bool = False
     drop_head: bool = False
     renormalizes: bool | None = None
-    split_kv_b: bool = False  # DeepseekV2Model: kv_b_proj as k_b (per head, transposed) and v_b
+    reshape: Callable | None = None
+
+
+def split_kv_b(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """DeepseekV2Model: latent attention's kv_b_proj as k_b_proj (heads, kv rank, nope dims) and v_b_proj
+    (heads, v dims, kv rank)."""
+    if not name.endswith("kv_b_proj.weight"):
+        return [(name, t)]
+    kv_b = t.reshape(cfg.kv_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, t.shape[-1])
+    k_b, v_b = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+    return [(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)), (name.replace("kv_b_proj", "v_b_proj"), v_b)]
+
+
+def gpt_oss_split(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """GptOssModel: the sinks named .weight; the experts' (experts, in, out) weights transposed, gate_up_proj's
+    alternating gate and up rows (its bias's entries) split in two."""
+    stem = name.rpartition(".")[0] + "."
+    if name.endswith("self_attn.sinks"):
+        return [(name + ".weight", t)]
+    if name.endswith("mlp.experts.gate_up_proj"):
+        t = t.transpose(-1, -2)
+        return [(stem + "gate_proj.weight", t[:, ::2]), (stem + "up_proj.weight", t[:, 1::2])]
+    if name.endswith("mlp.experts.gate_up_proj_bias"):
+        return [(stem + "gate_proj.bias", t[..., ::2]), (stem + "up_proj.bias", t[..., 1::2])]
+    if name.endswith("mlp.experts.down_proj"):
+        return [(stem + "down_proj.weight", t.transpose(-1, -2))]
+    if name.endswith("mlp.experts.down_proj_bias"):
+        return [(stem + "down_proj.bias", t)]
+    return [(name, t)]
+
+
+def v_heads_tiled(t: torch.Tensor, dim: int, k_heads: int, width: int) -> torch.Tensor:
+    """_LinearAttentionVReorderBase._reorder_v_heads: v heads grouped by their k head -> tiled over the k heads."""
+    shape = list(t.shape)
+    dim %= len(shape)
+    t = t.reshape(*shape[:dim], k_heads, shape[dim] // k_heads // width, width, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
+def qwen35_v_order(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's classes' V-head reorder, where fewer k heads than v heads serve them."""
+    k, kd, vd = cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    if k == cfg.linear_v_heads or "linear_attn." not in name:
+        return t
+    if ".in_proj_qkv." in name:
+        return torch.cat([t[:2 * k * kd], v_heads_tiled(t[2 * k * kd:], 0, k, vd)])
+    if ".in_proj_z." in name:
+        return v_heads_tiled(t, 0, k, vd)
+    if ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+        return v_heads_tiled(t, 0, k, 1)
+    if ".conv1d" in name:
+        t = t.squeeze()
+        return torch.cat([t[:2 * k * kd], v_heads_tiled(t[2 * k * kd:], 0, k, vd)])
+    if ".out_proj." in name:
+        return v_heads_tiled(t, 1, k, vd)
+    return t
+
+
+def linear_attention_split(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Qwen3NextModel (Qwen3.5's reordering its v heads first): A_log as -exp(A_log), dt_bias named dt_proj.bias,
+    conv1d squeezed, in_proj_qkvz as q, k, v of every head (attn_qkv) and z (attn_gate); then Qwen2MoeModel's
+    3-D experts, gate_up_proj's halves split."""
+    if cfg.family == "qwen3_5_moe":
+        t = qwen35_v_order(cfg, name, t)
+    if name.endswith(".A_log"):
+        t = -torch.exp(t if t.dtype in (torch.float16, torch.float32) else t.to(torch.float32))
+    elif name.endswith(".dt_bias"):
+        name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+    elif "conv1d" in name:
+        t = t.squeeze()
+    if "in_proj_qkvz.weight" in name:
+        kd, vd = cfg.linear_k_dim, cfg.linear_v_heads // cfg.linear_k_heads * cfg.linear_v_dim
+        parts = t.transpose(0, 1).reshape(-1, cfg.linear_k_heads, 2 * kd + 2 * vd).split([kd, kd, vd, vd], dim=-1)
+        q, k, v, z = (p.reshape(cfg.dim, -1) for p in parts)
+        return [(name.replace("in_proj_qkvz", "in_proj_qkv"), torch.cat([q, k, v], dim=-1).transpose(0, 1)),
+                (name.replace("in_proj_qkvz", "in_proj_z"), z.transpose(0, 1))]
+    if name.endswith("mlp.experts.gate_up_proj"):
+        half = t.shape[-2] // 2
+        return [(name[:-len("gate_up_proj")] + "gate_proj.weight", t[..., :half, :]),
+                (name[:-len("gate_up_proj")] + "up_proj.weight", t[..., half:, :])]
+    if name.endswith("mlp.experts.down_proj"):
+        return [(name + ".weight", t)]
+    return [(name, t)]
 
 
 MIXTRAL_EXPERTS = ("model.layers.{}.block_sparse_moe.experts", ("w1", "w2", "w3"))
@@ -256,8 +148,14 @@ ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, llama_hparams, permute_qk=True, v
           "gemma2": Arch(gguf.MODEL_ARCH.GEMMA2, gemma2_hparams, space_prefix=True, norm_shift=True, drop_head=True),
           "gemma3": Arch(gguf.MODEL_ARCH.GEMMA3, gemma3_hparams, space_prefix=True, norm_shift=True),
           "phi3": Arch(gguf.MODEL_ARCH.PHI3, phi3_hparams, vocab="phi3"),
-          "deepseek_v2": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", split_kv_b=True),
-          "deepseek_v3": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", split_kv_b=True)}
+          "deepseek_v2": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", reshape=split_kv_b),
+          "deepseek_v3": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", reshape=split_kv_b),
+          "glm4_moe": Arch(gguf.MODEL_ARCH.GLM4_MOE, glm4moe_hparams, vocab="glm"),
+          "gpt_oss": Arch(gguf.MODEL_ARCH.GPT_OSS, gpt_oss_hparams, vocab="bpe", reshape=gpt_oss_split),
+          "qwen3_next": Arch(gguf.MODEL_ARCH.QWEN3NEXT, qwen3next_hparams, vocab="bpe", norm_shift=True,
+                             renormalizes=True, reshape=linear_attention_split),
+          "qwen3_5_moe": Arch(gguf.MODEL_ARCH.QWEN35MOE, qwen35moe_hparams, vocab="bpe", norm_shift=True,
+                              renormalizes=True, reshape=linear_attention_split)}
 # llama.cpp's Gemma graphs scale queries by head_dim^-1/2, but the 27B's (known by its depth) by (dim / heads)^-1/2
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}  # llama.cpp's sliding pattern: every layer but each period-th slides
@@ -268,23 +166,69 @@ def refusal(cfg: ModelConfig) -> str | None:
     arch = ARCHES[cfg.family]
     name = arch.arch.name.lower()
     scalings = ("linear", "longrope") if cfg.family == "phi3" else ("linear", "llama3") if arch.permute_qk else \
-        ("linear", "yarn") if arch.split_kv_b else ("linear",)
+        ("linear", "yarn") if arch.reshape in (split_kv_b, gpt_oss_split) else ("linear",)
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in scalings:
         return f"GGUF export of {name} covers RoPE scaling {', '.join(scalings)}, not {cfg.rope_scaling.rope_type!r}"
+    if (why := yarn_refusal(cfg)) is not None:
+        return why
     if arch.renormalizes is not None and cfg.norm_topk_prob != arch.renormalizes:
         return (f"llama.cpp's {name} fixes norm_topk_prob (whether the chosen experts' weights are renormalized) at "
                 f"{str(arch.renormalizes).lower()}, as the family's own configs set it, and this model sets it otherwise")
-    if arch.split_kv_b:
+    if arch.reshape is split_kv_b:
         return deepseek_refusal(cfg)
     if cfg.family == "olmoe" and cfg.norm_eps != 1e-5:
         return f"llama.cpp's converter writes OLMoE's norm epsilon as 1e-5, and this model's is {cfg.norm_eps}"
     if cfg.family in GEMMA_SWA_PERIOD:
         return gemma_refusal(cfg)
+    if cfg.family == "gpt_oss":
+        return gpt_oss_refusal(cfg)
+    if arch.reshape is linear_attention_split and full_attention_interval(cfg) is None:
+        return (f"llama.cpp's {name} makes every full_attention_interval-th layer full attention, and this model's "
+                f"layer_types follow no such period")
+    if arch.reshape is linear_attention_split and cfg.o_bias:
+        return f"llama.cpp's {name} has no attention output bias, and this model sets attention_bias"
     if cfg.family == "phi3" and cfg.rope_scaling is not None:
         want = longrope_attention_factor(cfg)
         if abs(cfg.rope_scaling.attention_factor - want) > 1e-6 * want:
             return (f"llama.cpp's converter writes LongRoPE's attention factor as {want:.6g} (from the context "
                     f"lengths), and this model's is {cfg.rope_scaling.attention_factor}")
+    return None
+
+
+def yarn_refusal(cfg: ModelConfig) -> str | None:
+    """llama.cpp (ggml_rope_yarn_corr_dims) rounds YaRN's ramp out to whole dims, floor(low) and ceil(high); a
+    config with truncate false ramps between the unrounded ones (gpt-oss's published configs), other rotations."""
+    s = cfg.rope_scaling
+    if s is None or s.rope_type != "yarn" or s.truncate:
+        return None
+    def pair_of(rotations: float) -> float:
+        return cfg.rope_dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+    low, high = pair_of(s.beta_fast), pair_of(s.beta_slow)
+    exact = (max(low, 0), min(high, cfg.rope_dim - 1))
+    whole = (max(math.floor(low), 0), min(math.ceil(high), cfg.rope_dim - 1))
+    if exact == whole:
+        return None
+    return (f"llama.cpp ramps YaRN between whole dims ({whole[0]} and {whole[1]}), and this model says truncate "
+            f"false: it ramps between {exact[0]:.4g} and {exact[1]:.4g}, other rotations")
+
+
+def gpt_oss_refusal(cfg: ModelConfig) -> str | None:
+    """llama.cpp's gpt-oss (openai-moe.cpp, build_moe_ffn) clamps the experts' SwiGLU at fixed constants, needs the
+    attention biases, slides the even layers' attention, and scales YaRN's attention by 0.1 ln(factor) + 1
+    whatever the file says."""
+    if (cfg.swiglu_limit, cfg.swiglu_alpha) != (7.0, 1.702):
+        return (f"llama.cpp's gpt-oss clamps the experts' SwiGLU at limit 7 with alpha 1.702, and this model's are "
+                f"{cfg.swiglu_limit:g} and {cfg.swiglu_alpha:g}")
+    if not (cfg.qkv_bias and cfg.o_bias):
+        return "llama.cpp's gpt-oss loads attention biases (every gpt-oss has them), and this model has none"
+    if cfg.sliding_window is None or any(bool(cfg.window(i)) != (i % 2 == 0) for i in range(cfg.n_layers)):
+        return "llama.cpp's gpt-oss slides the even layers' attention (the first included), and this model's layers differ"
+    s = cfg.rope_scaling
+    if s is not None and s.rope_type == "yarn":
+        want = 0.1 * math.log(s.factor) + 1 if s.factor > 1 else 1.0
+        if abs(s.attention_factor - want) > 1e-6 * want:
+            return (f"llama.cpp scales YaRN's attention by 0.1 ln(factor) + 1 = {want:.6g}, and this model's "
+                    f"attention factor is {s.attention_factor:g}")
     return None
 
 

@@ -33,27 +33,30 @@ from phantom.model.hflayout import to_hf
 T = gguf.GGMLQuantizationType
 OUTTYPES = {"f32": (gguf.LlamaFileType.ALL_F32, T.F32), "f16": (gguf.LlamaFileType.MOSTLY_F16, T.F16),
             "bf16": (gguf.LlamaFileType.MOSTLY_BF16, T.BF16), "q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, T.Q8_0)}
-ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # kept in f32, as llama.cpp's quantizer keeps them
+# kept in f32, as llama.cpp's quantizer keeps them: routers and the convolution of linear attention
+KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
 @dataclass(frozen=True)
 class Planned:
-    """One tensor of the file: where it comes from (its Hugging Face name; a layer's experts stacked: the
-    name of the stack), its GGUF name, shape (rows first, as numpy holds it), type and bytes."""
+    """One tensor of the file: where it comes from (its Hugging Face name, or the name a family's reshape gives
+    it; a layer's experts stacked: the name of the stack), its GGUF name, shape (rows first, as numpy holds it),
+    type and bytes, and where the converter writes it."""
 
     hf_name: str
     name: str
     shape: tuple[int, ...]
     qtype: T
     nbytes: int
+    order: tuple = ()
 
 
-def converter_order(hf_name: str, arch: Arch, cfg: ModelConfig) -> tuple:
-    """Where the converter writes a tensor: in the natural order of the Hugging Face names it reads, a
-    layer's stacked experts where it reads the last expert's last tensor, in the order it stacks them."""
-    if arch.split_kv_b and hf_name.endswith(("k_b_proj.weight", "v_b_proj.weight")):  # where kv_b_proj is read
-        kv_b = hf_name[:-len("k_b_proj.weight")] + "kv_b_proj.weight"
-        return natural_key(kv_b), int(hf_name.endswith("v_b_proj.weight"))
+def converter_order(hf_name: str, source: tuple[str, int], arch: Arch, cfg: ModelConfig) -> tuple:
+    """Where the converter writes a tensor: in the natural order of the Hugging Face names it reads (source:
+    that name and the tensor's place among those the family's reshape makes of it), a layer's stacked experts
+    where it reads the last expert's last tensor, in the order it stacks them."""
+    if source[0] != hf_name:  # made by the family's reshape
+        return natural_key(source[0]), source[1]
     stack, projections = arch.experts
     prefix, _, rest = hf_name.partition(".experts.")
     layer = re.fullmatch(r"model\.layers\.(\d+)\.\w+", prefix)
@@ -89,10 +92,10 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], qtype: T) -> T:
-    """The converter's rule: vectors, norms, biases and routers in f32; q8_0 rows that are not whole
+    """The converter's rule: vectors, norms, biases, routers and convolutions in f32; q8_0 rows that are not whole
     blocks of 32 in f16 (its QuantError fallback); the rest in the file's type."""
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or \
-            name.split(".", 2)[-1] in ROUTERS:
+            name.split(".", 2)[-1] in KEPT_F32:
         return T.F32
     if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
         return T.F16
@@ -106,10 +109,11 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def gguf_tensors(cfg: ModelConfig, arch: Arch, part: str | int, tensors: dict[str, torch.Tensor],
                  embed_rows: int | None = None) -> dict:
-    """{Hugging Face name: (GGUF name, tensor)} of one part, as the converter maps, permutes and shifts them;
-    embed_rows: the rows of the embedding it keeps (Gemma3Model drops those past the tokenizer's)."""
+    """{Hugging Face name: (GGUF name, tensor, source)} of one part, as the converter maps, permutes, shifts and
+    reshapes them (source: converter_order's); embed_rows: the rows of the embedding it keeps (Gemma3Model
+    drops those past the tokenizer's)."""
     tmap = gguf.get_tensor_name_map(arch.arch, cfg.n_layers)
-    out = {}
+    out, sources = {}, {}
     for hf_name, t in to_hf(cfg, part, tensors).items():
         if arch.drop_head and hf_name == "lm_head.weight":
             continue
@@ -117,23 +121,18 @@ def gguf_tensors(cfg: ModelConfig, arch: Arch, part: str | int, tensors: dict[st
             t = llama_permute(t, cfg.n_heads)
         elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             t = llama_permute(t, cfg.kv_heads)
-        if arch.norm_shift and hf_name.endswith("norm.weight"):  # in float32, or f16 where it is (as the converter)
-            t = (t if t.dtype in (torch.float16, torch.float32) else t.to(torch.float32)) + 1
+        if arch.norm_shift and hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+            t = (t if t.dtype in (torch.float16, torch.float32) else t.to(torch.float32)) + 1  # as the converter
         if embed_rows is not None and hf_name == "model.embed_tokens.weight":
             t = t[:embed_rows]
-        if arch.split_kv_b and hf_name.endswith("kv_b_proj.weight"):
-            kv_b = t.reshape(cfg.kv_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, t.shape[-1])
-            k_b, v_b = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
-            out[hf_name.replace("kv_b_proj", "k_b_proj")] = k_b.transpose(1, 2)
-            out[hf_name.replace("kv_b_proj", "v_b_proj")] = v_b
-            continue
-        out[hf_name] = t
+        for i, (name, u) in enumerate(arch.reshape(cfg, hf_name, t) if arch.reshape else [(hf_name, t)]):
+            out[name], sources[name] = u, (hf_name, i)
     out = stack_experts(cfg, arch, out)
     names = {hf_name: tmap.get_name(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"),
                                     try_suffixes=(".weight", ".bias")) for hf_name in out}  # as filter_tensors
     if missing := [n for n, g in names.items() if g is None]:
         raise AssertionError(f"gguf has no {arch.arch.name} name for {missing}")
-    return {hf_name: (names[hf_name], t) for hf_name, t in out.items()}
+    return {hf_name: (names[hf_name], t, sources.get(hf_name, (hf_name, 0))) for hf_name, t in out.items()}
 
 
 def stack_experts(cfg: ModelConfig, arch: Arch, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,12 +153,13 @@ def plan(cfg: ModelConfig, arch: Arch, qtype: T, embed_rows: int | None) -> list
     out = []
     for part in ("embed", *range(cfg.n_layers), "head"):
         meta = {n: torch.empty(s, device="meta") for n, s in part_shapes(cfg, part).items()}
-        for hf_name, (name, t) in gguf_tensors(cfg, arch, part, meta, embed_rows).items():
+        for hf_name, (name, t, source) in gguf_tensors(cfg, arch, part, meta, embed_rows).items():
             shape = tuple(t.shape)
             q = tensor_type(name, shape, qtype)
             block, size = gguf.GGML_QUANT_SIZES[q]
-            out.append(Planned(hf_name, name, shape, q, math.prod(shape) // block * size))
-    out.sort(key=lambda p: converter_order(p.hf_name, arch, cfg))
+            out.append(Planned(hf_name, name, shape, q, math.prod(shape) // block * size,
+                               converter_order(hf_name, source, arch, cfg)))
+    out.sort(key=lambda p: p.order)
     extra = [Planned("", name, tuple(t.shape), T.F32, t.numel() * 4) for name, t in extra_tensors(cfg).items()]
     return extra + out  # the converter's extra tensors come first
 
@@ -249,7 +249,7 @@ def write_gguf(out: Path, cfg: ModelConfig, arch: Arch, parts, outtype: str, fol
         for name, t in extra_tensors(cfg).items():
             os.pwrite(fd, encode(t, T.F32), offsets[name][0])
         for part, tensors in parts:
-            for hf_name, (_, t) in gguf_tensors(cfg, arch, part, tensors, rows).items():
+            for hf_name, (_, t, _) in gguf_tensors(cfg, arch, part, tensors, rows).items():
                 write_rows(fd, t, *offsets[hf_name])
             del tensors  # before the next part is made: one part in memory at a time
         os.fsync(fd)

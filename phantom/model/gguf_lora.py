@@ -71,7 +71,8 @@ def export_gguf_lora(store: BlockStore, out: Path, adapter: Path, outtype: str |
     """Write the adapter as out/<Name-Size-LoRA-Type>.gguf (name: the base model's); returns its path."""
     arch, alpha = check_supported(store, outtype), check_scaling(adapter)
     if store.cfg.n_experts:
-        raise ValueError("--format gguf-lora covers dense models; merge a mixture of experts' adapter with "
+        raise ValueError("--format gguf-lora covers dense models (its adapters are 2-D matrices, where the file "
+                         "stacks a mixture's experts in 3-D tensors); merge a mixture of experts' adapter with "
                          "--format gguf")
     tensors = gguf_lora_tensors(store, arch, adapter)
     outtype = outtype or default_outtype(next(t.dtype for _, t in tensors))

@@ -58,10 +58,10 @@ def sentencepiece_vocab(folder: Path, vocab_size: int) -> tuple[list[bytes], lis
     return tokens, scores, types
 
 
-def bpe_vocab(folder: Path, vocab_size: int) -> tuple[list[str], list[int]]:
+def bpe_vocab(folder: Path, vocab_size: int, spec: dict) -> tuple[list[str], list[int]]:
     """tokenizer.json's tokens by id up to vocab_size ([PADi] where none), typed as the converter's
-    get_vocab_base types them: added ones control (special, or looking it) or user-defined, else normal."""
-    spec = read_json(folder / "tokenizer.json")
+    get_vocab_base types them: added ones control (special, or looking it) or user-defined, else normal
+    (spec: tokenizer.json, read)."""
     added = {t["id"]: t for t in spec.get("added_tokens", [])}
     by_id = {i: text for text, i in spec["model"]["vocab"].items()} | {i: t["content"] for i, t in added.items()}
     if by_id and max(by_id) >= vocab_size:
@@ -125,10 +125,26 @@ def phi3_vocab(folder: Path, vocab_size: int) -> tuple[list[bytes], list[float],
     return tokens, scores, types
 
 
+GLM_SPECIAL = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
+
+
+def glm_special_tokens(special: gguf.SpecialVocab, folder: Path, spec: dict) -> None:
+    """The converter's _set_vocab_glm: GLM's BOS, end-of-turn, unknown and end-of-message ids from its added tokens
+    (each where tokenizer_config.json names none; spec: tokenizer.json, read)."""
+    added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    if missing := [text for text in GLM_SPECIAL.values() if text not in added]:
+        raise ValueError(f"{folder / 'tokenizer.json'}: llama.cpp's converter reads GLM's special tokens "
+                         f"{', '.join(GLM_SPECIAL.values())} from its added tokens, and {', '.join(missing)} "
+                         f"is not among them; use --format hf")
+    for kind, text in GLM_SPECIAL.items():
+        special._set_special_token(kind, added[text])
+
+
 def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, kind: str) -> None:
     """Write the tokenizer keys for the files in folder as the family's converter class reads them (kind:
     gguf_arch.Arch.vocab): "llama" tries tokenizer.model, a Llama-style tokenizer.json, then byte-level BPE;
-    "sentencepiece" tokenizer.model, then byte-level BPE; "bpe" byte-level BPE alone; "phi3" its own reading
+    "sentencepiece" tokenizer.model, then byte-level BPE; "bpe" byte-level BPE alone; "glm" byte-level BPE with
+    GLM's special ids; "phi3" its own reading
     of tokenizer.model, or byte-level BPE where tokenizer_config.json names GPT2Tokenizer (Phi-4)."""
     gpt2 = read_json(folder / "tokenizer_config.json").get("tokenizer_class") == "GPT2Tokenizer"
     if kind == "phi3" and not gpt2:
@@ -144,12 +160,16 @@ def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, kind: str)
         tokens, scores, types = map(list, zip(*vocab.all_tokens()))
         model = "llama"
     else:
-        tokens, types = bpe_vocab(folder, vocab_size)
+        spec = read_json(folder / "tokenizer.json")
+        tokens, types = bpe_vocab(folder, vocab_size, spec)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre_tokenizer(folder))
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
+        special = gguf.SpecialVocab(folder, load_merges=True)
+        if kind == "glm":
+            glm_special_tokens(special, folder, spec)
+        special.add_to_gguf(writer)
         return
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre("default")

@@ -49,7 +49,7 @@ MLA = {"vocab_size": 129280, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_n
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
 # gpt-oss's YaRN at a context of 16, its ramp rounded out to whole dims as llama.cpp rounds it (the published configs'
-# truncate false is refused)
+# truncate false is exported with a warning: llama.cpp rotates some dims otherwise)
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": True, "original_max_position_embeddings": 16}
 # Gated DeltaNet layers before a full-attention one (RoPE over a quarter of each head), 2 q/k heads serving 4 v
@@ -500,7 +500,7 @@ def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsy
 
 def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
     """gpt-oss: llama.cpp clamps the experts' SwiGLU at 7 (alpha 1.702), slides the even layers, scales YaRN's
-    attention by 0.1 ln(factor) + 1 and ramps it between whole dims; Qwen3-Next / Qwen3.5: it lays full-attention
+    attention by 0.1 ln(factor) + 1 (and ramps YaRN between whole dims: warned); Qwen3-Next / Qwen3.5: it lays full-attention
     layers out by a period and has no attention output bias."""
     import dataclasses
     from phantom.files.store import BlockStore
@@ -513,14 +513,17 @@ def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
                        (dataclasses.replace(oss, layer_types=("full_attention", "sliding_attention")),
                         "slides the even layers"),
                        (dataclasses.replace(oss, rope_scaling=yarn), "0.1 ln(factor) + 1 = 1.13863"),
-                       (dataclasses.replace(oss, rope_scaling=dataclasses.replace(oss.rope_scaling, truncate=False)),
-                        "llama.cpp ramps YaRN between whole dims (0 and 2)"),
                        (dataclasses.replace(nxt, layer_types=("full_attention", "linear_attention")),
                         "qwen3next makes every full_attention_interval-th layer full attention"),
                        (dataclasses.replace(q35, layer_types=("full_attention", "linear_attention")),
                         "qwen35moe makes every"),
                        (dataclasses.replace(nxt, qkv_bias=True, o_bias=True), "qwen3next has no attention output bias")]:
         assert words in refusal(cfg), (words, refusal(cfg))
+    # the published configs' YaRN (truncate false), which llama.cpp ramps between whole dims: said, not refused
+    from phantom.model.gguf_arch import yarn_difference
+    untruncated = dataclasses.replace(oss, rope_scaling=dataclasses.replace(oss.rope_scaling, truncate=False))
+    assert refusal(untruncated) is None and yarn_difference(oss) is None
+    assert "llama.cpp ramps YaRN between whole dims (0 and 2)" in yarn_difference(untruncated)
 
 
 # -- memory: one block at a time ---------------------------------------------------------------------

@@ -169,8 +169,6 @@ def refusal(cfg: ModelConfig) -> str | None:
         ("linear", "yarn") if arch.reshape in (split_kv_b, gpt_oss_split) else ("linear",)
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in scalings:
         return f"GGUF export of {name} covers RoPE scaling {', '.join(scalings)}, not {cfg.rope_scaling.rope_type!r}"
-    if (why := yarn_refusal(cfg)) is not None:
-        return why
     if arch.renormalizes is not None and cfg.norm_topk_prob != arch.renormalizes:
         return (f"llama.cpp's {name} fixes norm_topk_prob (whether the chosen experts' weights are renormalized) at "
                 f"{str(arch.renormalizes).lower()}, as the family's own configs set it, and this model sets it otherwise")
@@ -195,9 +193,11 @@ def refusal(cfg: ModelConfig) -> str | None:
     return None
 
 
-def yarn_refusal(cfg: ModelConfig) -> str | None:
+def yarn_difference(cfg: ModelConfig) -> str | None:
     """llama.cpp (ggml_rope_yarn_corr_dims) rounds YaRN's ramp out to whole dims, floor(low) and ceil(high); a
-    config with truncate false ramps between the unrounded ones (gpt-oss's published configs), other rotations."""
+    config with truncate false ramps between the unrounded ones (gpt-oss's published configs), other rotations.
+    Said as a warning, not refused: llama.cpp's converter writes the same file for the published model, and every
+    gpt-oss GGUF runs so in llama.cpp."""
     s = cfg.rope_scaling
     if s is None or s.rope_type != "yarn" or s.truncate:
         return None
@@ -209,7 +209,8 @@ def yarn_refusal(cfg: ModelConfig) -> str | None:
     if exact == whole:
         return None
     return (f"llama.cpp ramps YaRN between whole dims ({whole[0]} and {whole[1]}), and this model says truncate "
-            f"false: it ramps between {exact[0]:.4g} and {exact[1]:.4g}, other rotations")
+            f"false: it ramps between {exact[0]:.4g} and {exact[1]:.4g}, so llama.cpp rotates some dims otherwise than "
+            f"transformers (as in every GGUF of this model llama.cpp's converter writes)")
 
 
 def gpt_oss_refusal(cfg: ModelConfig) -> str | None:

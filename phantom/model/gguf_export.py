@@ -11,6 +11,7 @@ phantom.arch, phantom.data, phantom.files and phantom.model's checkpoints, HF la
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -26,9 +27,12 @@ from phantom.files.hfshards import natural_key
 from phantom.data.tokenizer import is_tiktoken_file
 from phantom.files.store import BlockStore
 from phantom.model.checkpoints import part_shapes
-from phantom.model.gguf_arch import ARCHES, Arch, add_early_keys, embed_rows, extra_tensors, refusal
+from phantom.model.gguf_arch import ARCHES, Arch, add_early_keys, embed_rows, extra_tensors, refusal, \
+    yarn_difference
 from phantom.model.gguf_vocab import add_vocab, read_json
 from phantom.model.hflayout import to_hf
+
+log = logging.getLogger(__name__)
 
 T = gguf.GGMLQuantizationType
 OUTTYPES = {"f32": (gguf.LlamaFileType.ALL_F32, T.F32), "f16": (gguf.LlamaFileType.MOSTLY_F16, T.F16),
@@ -82,6 +86,8 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
                          f"use --format hf (llama.cpp's convert_hf_to_gguf.py reads it)")
     if (why := refusal(cfg)) is not None:
         raise ValueError(f"{why}; use --format hf")
+    if (difference := yarn_difference(cfg)) is not None:
+        log.warning("%s", difference)
     if store.tokenizer_path is None or is_tiktoken_file(store.tokenizer_path):
         raise ValueError(f"{store.path}: GGUF export needs a sentencepiece tokenizer.model or a tokenizer.json "
                          f"(llama.cpp reads its vocabulary from the file), and this store has neither")

@@ -253,7 +253,7 @@ def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile:
     c_busy = c_avg * (1 + (profile.busy_compute_slowdown - 1) * min(1.0, x_avg / c_avg)) if c_avg else 0.0
     if profile.host_is_device and t.dequant_s and c_avg:  # a CPU's loaders dequantize on the cores it computes on
         if profile.busy_dequant_slowdown is not None:     # measured: the compute beside a dequantizing loader
-            c_busy += c_avg * (profile.busy_dequant_slowdown - 1) * min(1.0, t.dequant_s / c_avg)
+            c_busy += dequant_loss_s(c_avg, t.dequant_s, profile.busy_dequant_slowdown)
         elif profile.compute_threads:                     # else: that share of the cores is lost
             c_busy += t.dequant_s / profile.compute_threads
     reads = sum(of(i).read_s.get(lay.tiers[i], 0.0) for i in loads)
@@ -261,6 +261,13 @@ def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile:
         reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg) if x_avg else 0.0
     jitter = len(xs) * profile.disk_jitter * min(c_avg, x_avg) / prefetch
     return max(total + len(xs) * (c_busy - c_avg), 2 * c_avg + x_busy) + jitter
+
+
+def dequant_loss_s(c: float, d: float, slowdown: float) -> float:
+    """Seconds a block's compute of c seconds loses to a load's dequantization of d seconds beside it, the compute
+    running `slowdown` times slower while they overlap: for the d seconds the dequantization runs, the compute
+    makes 1/slowdown of its progress, or, shorter than that, all of it runs slowed."""
+    return min(d * (1 - 1 / slowdown), c * (slowdown - 1))
 
 
 def loaders_s(xs: list[float], reads: float, lay: Layout, t: LoadTimes, profile: MachineProfile) -> float:

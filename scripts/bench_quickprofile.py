@@ -15,10 +15,17 @@ machine's load drifts alike over both), each round's rates giving the whole mode
 (every block in RAM, recompute all, `cm.predict`); the error is of the medians.
 
     python scripts/bench_quickprofile.py --ab 2 --presets 7B,70B --dtypes fp32,bf16 --isas native,AVX512_CORE
+
+`--slices K,K,...` times each call kind (forward, graph forward, backward) of one block of each slice 1/K of the
+shape (1: the whole block) in one process per case, as GFLOP/s of the block's forward FLOPs: whether the call
+kinds scale with the slice alike (what the quick profile's line through two slices assumes).
+
+    python scripts/bench_quickprofile.py --slices 64,16,4,1 --presets 70B --dtypes bf16 --isas native,AVX512_CORE
 """
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--notes", type=Path, default=None, help="append the table to this markdown file")
     p.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="compute alone, slice and whole block "
                                                                       "alternately in one process, ROUNDS times")
+    p.add_argument("--slices", default=None, help="time each call kind on slices 1/K of a block (comma list of K)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one --ab case, in its own process
     return p.parse_args(argv)
 
@@ -88,6 +96,8 @@ HEADER = ("| preset | dtype | oneDNN ISA | quick wall s | sliced to | quick fwd 
 AB_HEADER = ("| preset | dtype | oneDNN ISA | slice | slice s (each round) | whole s (each round) | slice fwd GFLOP/s | "
              "whole fwd GFLOP/s | slice compute s/step | whole compute s/step | compute error | load after |\n"
              "|---|---|---|---|---|---|---|---|---|---|---|---|")
+SLICES_HEADER = ("| preset | dtype | oneDNN ISA | slice | forward GFLOP/s | graph forward GFLOP/s | backward GFLOP/s |\n"
+                 "|---|---|---|---|---|---|---|")
 
 
 def ab_case(args, preset: str, dtype: str) -> dict:
@@ -131,6 +141,46 @@ def ab_case(args, preset: str, dtype: str) -> dict:
     return out
 
 
+def slices_case(args, preset: str, dtype: str) -> list[dict]:
+    """Per slice 1/K: GFLOP/s of the block's forward FLOPs over each call kind's seconds."""
+    import dataclasses
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from phantom.arch import presets as config
+    from phantom.files.store import BlockStore
+    from phantom.model.synthetic import write_synthetic
+    from phantom.plan import computetimer as ct, costinputs as ci, quickslice as qs
+
+    cfg, device, dt = config.preset(preset), torch.device("cpu"), getattr(torch, {"fp32": "float32"}.get(dtype, "bfloat16"))
+    out = []
+    with tempfile.TemporaryDirectory(prefix="bench-slices-") as tmp:
+        for k in (int(x) for x in args.slices.split(",")):
+            c = dataclasses.replace(qs.slice_config(cfg, k) if k > 1 else cfg, n_layers=1)
+            store = BlockStore(write_synthetic(Path(tmp) / f"k{k}", c, torch.bfloat16, progress=False), verify="none")
+            r = ct.measure_compute(store, device, dt, args.seq_len, 1, None, 3)
+            flops = ci.shape_of(c, "bf16", dtype, args.seq_len).flops_per_row
+            out.append({"k": k, **{name: flops / r[f"{name}_row_s"] / 1e9 for name in ("fwd", "fwd_grad", "bwd")}})
+            shutil.rmtree(store.path)
+    return out
+
+
+def slices(args, preset: str, dtype: str, isa: str) -> list[str]:
+    """One --slices case in its own process (oneDNN reads its ISA cap when the process starts): table rows."""
+    env = dict(os.environ)
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    if isa != "native":
+        env["ONEDNN_MAX_CPU_ISA"] = isa
+    cmd = [sys.executable, __file__, "--case", f"{preset},{dtype}", "--slices", args.slices, "--seq-len",
+           str(args.seq_len)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    return [f"| {preset} | {dtype} | {isa} | 1/{x['k']} | {x['fwd']:.1f} | {x['fwd_grad']:.1f} | {x['bwd']:.1f} |"
+            for x in json.loads(r.stdout.splitlines()[-1])]
+
+
 def ab_row(preset: str, dtype: str, isa: str, r: dict) -> str:
     import statistics
     cells = [preset, dtype, isa, r["k"], ", ".join(f"{x['wall_s']:.0f}" for x in r["slice"]),
@@ -159,15 +209,20 @@ def ab(args, preset: str, dtype: str, isa: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.case:
-        print(json.dumps(ab_case(args, *args.case.split(","))))
+        print(json.dumps(slices_case(args, *args.case.split(",")) if args.slices else
+                         ab_case(args, *args.case.split(","))))
         return 0
     lines = [f"`python scripts/bench_quickprofile.py {' '.join(argv if argv is not None else sys.argv[1:])}`, "
              f"{time.strftime('%Y-%m-%d %H:%M')}, load average before {os.getloadavg()[0]:.2f}", "",
-             AB_HEADER if args.ab else HEADER]
+             SLICES_HEADER if args.slices else AB_HEADER if args.ab else HEADER]
     print("\n".join(lines), flush=True)
     for preset in args.presets.split(","):
         for isa in args.isas.split(","):
             for dtype in args.dtypes.split(","):
+                if args.slices:
+                    lines.extend(slices(args, preset, dtype, isa))
+                    print("\n".join(lines[-len(args.slices.split(",")):]), flush=True)
+                    continue
                 if args.ab:
                     lines.append(ab(args, preset, dtype, isa) + f" {os.getloadavg()[0]:.1f} |")
                     print(lines[-1], flush=True)

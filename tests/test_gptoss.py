@@ -224,13 +224,13 @@ def test_a_packed_row_equals_transformers_on_each_example_alone(family_models):
 
 
 def test_formats_that_cannot_hold_it_are_refused_in_one_line(family_models, tmp_path, capsys):
-    """Meta's format (Llama's maths: no sinks, biases or experts) and GGUF (no gpt-oss writer here): exit 2 and
-    one `error:` line each, nothing written."""
+    """Meta's format (Llama's maths: no sinks, biases or experts) and GGUF of this model (its SwiGLU clamp is not
+    the one llama.cpp's gpt-oss fixes): exit 2 and one `error:` line each, nothing written."""
     from test_convert import load_script
     _, store = family_models("gpt_oss")
     capsys.readouterr()  # what building the store printed
     for fmt, said in (("meta", "sets explicit_head_dim, qkv_bias, o_bias, sliding_window, n_experts, attn_sinks"),
-                      ("gguf", "GGUF export covers")):
+                      ("gguf", "llama.cpp's gpt-oss clamps the experts' SwiGLU at limit 7 with alpha 1.702")):
         assert load_script("merge_lora").main(["--model", str(store), "--out", str(tmp_path / fmt), "--format", fmt,
                                                "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()

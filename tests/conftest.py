@@ -190,7 +190,7 @@ def llama_cpp():
 
 
 # llama.cpp itself (its C++ library, through llama-cpp-python's bindings), built from the same pinned sdist with cmake
-# and a C++ compiler: ~30 minutes on 2 cores, more than the suite's whole budget, so it is built only when asked
+# and a C++ compiler: 17 minutes on 2 cores, more than the suite's whole budget, so it is built only when asked
 # (PHANTOM_BUILD_LLAMA_CPP=1) and its tests skip elsewhere, CI included; the build is cached like the artifacts.
 LLAMA_CPP_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF " \
     "-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_COMMON=OFF"
@@ -207,7 +207,7 @@ def llama_cpp_runtime():
     spec, sha = LLAMA_CPP
     folder = Path(ARTIFACTS) / f"llama-cpp-python-{sha[:12]}"
     if not (folder / "llama_cpp" / "__init__.py").is_file() and os.environ.get("PHANTOM_BUILD_LLAMA_CPP") != "1":
-        pytest.skip("llama.cpp is not built here (its build takes ~30 minutes on 2 cores, more than the suite's "
+        pytest.skip("llama.cpp is not built here (its build took 17 minutes on 2 cores, more than the suite's "
                     "budget): PHANTOM_BUILD_LLAMA_CPP=1 python3 -m pytest tests/test_gguf_llama_cpp.py builds it")
 
     def build(tmp: Path) -> Path:

@@ -60,6 +60,20 @@ def test_the_chunked_delta_rule_equals_transformers_chunked_and_per_token(hk, hv
     assert rel_err(ours, chunk_gated_delta_rule(q, k, v, torch.zeros_like(g), beta)) > 1e-2  # the decay counts
 
 
+def test_targets_that_leave_some_blocks_bare_are_said(family_models, caplog):
+    """q, v adapt the full-attention layers alone: a warning names the linear-attention blocks they leave bare; the
+    delta rule's projections named too, none is."""
+    _, store = family_models("qwen3_5_moe")
+    with caplog.at_level("WARNING", logger="phantom.model.backends"):
+        phantom.load(store, offload="none", lora=phantom.LoraConfig(targets=("q", "v"))).close()
+    said = [r.getMessage() for r in caplog.records if "adapt no module" in r.getMessage()]
+    assert len(said) == 1 and "of 1 of the 2 blocks (0)" in said[0], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="phantom.model.backends"):
+        phantom.load(store, offload="none", lora=phantom.LoraConfig(targets=("q", "v", "in_proj_qkv"))).close()
+    assert not [r for r in caplog.records if "adapt no module" in r.getMessage()]
+
+
 def test_the_delta_rules_backward_is_linear_in_the_chunks():
     """Its backward allocates no sequence-sized zeros per chunk (a slice indexed in the chunk loop would: each
     select's backward zero-fills the whole tensor, quadratic in the length). Counted: fills of tensors the size of a

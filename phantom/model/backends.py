@@ -7,6 +7,7 @@ finetuning updates streamed blocks is phantom.model.fullmode's.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -23,6 +24,8 @@ from phantom.stream.executor import BlockExecutor
 from phantom.stream.memory import free_device_bytes, free_host_bytes
 from phantom.stream.placement import Activations
 from phantom.stream.scheduler import BlockScheduler
+
+log = logging.getLogger(__name__)
 
 
 def build_layers(cfg: ModelConfig, lora: LoraConfig | None, activations: Activations, dtype: torch.dtype,
@@ -41,7 +44,19 @@ def build_layers(cfg: ModelConfig, lora: LoraConfig | None, activations: Activat
     for name, p in layers.named_parameters():
         if "lora_" in name:
             p.data = p.data.to(device)  # fp32 master weights on the device
+    if lora is not None and lora.layers is None:
+        warn_unadapted(layers, lora)
     return layers
+
+
+def warn_unadapted(layers: nn.ModuleList, lora: LoraConfig) -> None:
+    """Say which blocks the targets leave without a LoRA, where some get one: a model mixing kinds of block
+    (Qwen3.5's Gated DeltaNet layers among attention ones) would otherwise train a quarter of them, silently."""
+    bare = [i for i, block in enumerate(layers) if not any("lora_" in n for n, _ in block.named_parameters())]
+    if bare and len(bare) < len(layers):
+        log.warning("LoRA targets %s adapt no module of %d of the %d blocks (%s); see --lora-targets for the "
+                    "names their modules take", ",".join(lora.targets), len(bare), len(layers),
+                    ", ".join(map(str, bare[:8])) + (", ..." if len(bare) > 8 else ""))
 
 
 class ResidentBlocks:

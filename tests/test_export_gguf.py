@@ -542,8 +542,8 @@ with open("/proc/self/status") as f:  # this process image's own peak (see tests
 
 def test_gguf_export_peak_memory_grows_with_one_block_not_with_depth(tmp_path):
     """Peak RSS of merge_lora.py --format gguf on fp32 stores of 4 and 16 blocks of ~13 MiB each (one child
-    process each, side by side): 12 more blocks add at most about two blocks (allocator noise, seen up to 2.3),
-    where holding the model would add 12."""
+    process each, side by side): 12 more blocks add less than half of what holding the model would (12 blocks):
+    allocator noise, seen from 0.2 to 3.1 blocks (the larger beside the rest of the suite)."""
     import os
     from phantom.files.store import BlockStore
     repo, stores = Path(__file__).resolve().parent.parent, {}
@@ -568,4 +568,4 @@ def test_gguf_export_peak_memory_grows_with_one_block_not_with_depth(tmp_path):
         peaks.append(json.loads(out.strip().splitlines()[-1])["peak"])
     mib = [round(x / 2**20, 1) for x in (block, *peaks)]
     print(f"block, peak RSS of 4 and 16 blocks: {mib} MiB")
-    assert peaks[1] - peaks[0] < 3 * block, f"peak RSS grows with depth: block, 4 blocks, 16 blocks = {mib} MiB"
+    assert peaks[1] - peaks[0] < 6 * block, f"peak RSS grows with depth: block, 4 blocks, 16 blocks = {mib} MiB"

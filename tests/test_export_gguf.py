@@ -47,7 +47,7 @@ MLA = {"vocab_size": 129280, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_n
        "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
        "moe_intermediate_size": 64, "first_k_dense_replace": 1}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-        "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}
+        "mscale": 0.7, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}  # equal, as published (else refused)
 # gpt-oss's YaRN at a context of 16, its ramp rounded out to whole dims as llama.cpp rounds it (the published configs'
 # truncate false is exported with a warning: llama.cpp rotates some dims otherwise)
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -74,7 +74,8 @@ CASES = {
                   "qwen3", "bf16", ("bf16",)),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
                 "sentencepiece", "bf16", ("q8_0",)),
-    "olmoe": ("OlmoeConfig", {"vocab_size": 151936, "num_experts": 4, "num_experts_per_tok": 2}, "qwen3", "bf16", ("bf16",)),
+    "olmoe": ("OlmoeConfig", {"vocab_size": 151936, "num_experts": 4, "num_experts_per_tok": 2, "num_key_value_heads": 4},
+              "qwen3", "bf16", ("bf16",)),  # llama.cpp's olmoe has no grouped-query attention
     "gemma2": ("Gemma2Config", {"sliding_window": 8,
                                 "tie_word_embeddings": True}, "sentencepiece", "bf16", ("f16",)),
     "gemma3": ("Gemma3TextConfig", {"sliding_window": 8,
@@ -82,7 +83,7 @@ CASES = {
     "deepseek_v3": ("DeepseekV3Config", {**MLA, "q_lora_rank": 32, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
                                          "routed_scaling_factor": 2.5, "rope_parameters": YARN}, "deepseek_v3", "bf16",
                     ("q8_0",)),
-    "deepseek_v2": ("DeepseekV2Config", {**MLA, "q_lora_rank": None, "n_shared_experts": 2, "routed_scaling_factor": 1.5},
+    "deepseek_v2": ("DeepseekV2Config", {**MLA, "q_lora_rank": 32, "n_shared_experts": 2, "routed_scaling_factor": 1.5},
                     "deepseek_v3", "bf16", ("bf16",)),
     "phi3": ("Phi3Config", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
                             "original_max_position_embeddings": 64, "rope_parameters": PHI3_ROPE}, "sentencepiece", "fp32", ("bf16",)),
@@ -519,6 +520,14 @@ def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
                         "qwen35moe makes every"),
                        (dataclasses.replace(nxt, qkv_bias=True, o_bias=True), "qwen3next has no attention output bias")]:
         assert words in refusal(cfg), (words, refusal(cfg))
+    olmoe, dsv2 = (BlockStore(built(n)[0]).cfg for n in ("olmoe", "deepseek_v2"))
+    assert refusal(olmoe) is None and refusal(dsv2) is None
+    assert "no grouped-query attention" in refusal(dataclasses.replace(olmoe, n_kv_heads=2))
+    assert "only at DeepSeek-V2-Lite's depths" in refusal(dataclasses.replace(dsv2, q_lora_rank=0))
+    assert refusal(dataclasses.replace(dsv2, q_lora_rank=0, n_layers=27)) is None
+    dsv3 = BlockStore(built("deepseek_v3")[0]).cfg
+    assert refusal(dsv3) is None and "differs from its mscale_all_dim" in refusal(
+        dataclasses.replace(dsv3, rope_scaling=dataclasses.replace(dsv3.rope_scaling, attention_factor=1.038)))
     # the published configs' YaRN (truncate false), which llama.cpp ramps between whole dims: said, not refused
     from phantom.model.gguf_arch import yarn_difference
     untruncated = dataclasses.replace(oss, rope_scaling=dataclasses.replace(oss.rope_scaling, truncate=False))

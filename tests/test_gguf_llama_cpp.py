@@ -19,7 +19,11 @@ PROMPTS = [[1, 5, 9, 2, 17, 33, 4, 8], [3, 3, 40, 12, 7, 1, 60, 25, 11, 2, 9, 14
 # name -> the file types run (test_export_gguf's cases); f32 logits agree to llama.cpp's own sums (its matmuls add
 # in another order; its delta rule, Qwen3-Next's and Qwen3.5's, in its own chunks: 6e-5)
 CASES = {"llama": ("f32", "q8_0"), "qwen3_moe": ("q8_0",), "glm4_moe": ("f32",), "gpt_oss": ("f32",),
-         "qwen3_next": ("f32",), "qwen3_5_moe": ("f32",), "phi4": ("f32",)}
+         "qwen3_next": ("f32",), "qwen3_5_moe": ("f32",), "phi4": ("f32",), "mixtral": ("f32",), "qwen2_moe": ("f32",),
+         "olmoe": ("f32",), "deepseek_v2": ("f32",), "deepseek_v3": ("f32",)}
+# not run: gemma2
+# (2.2e-4), gemma3 (its tiny file stops llama.cpp at GGML_ASSERT(buffer)), phi3 (the tiny sentencepiece vocabulary
+# lacks the special tokens llama.cpp's phi3 vocabulary looks up), qwen2, mistral, llama3 (not tried)
 F32 = 1e-4
 F32_CACHE = 0  # GGML_TYPE_F32: llama.cpp's KV cache is f16 unless asked
 

@@ -176,6 +176,9 @@ def refusal(cfg: ModelConfig) -> str | None:
         return deepseek_refusal(cfg)
     if cfg.family == "olmoe" and cfg.norm_eps != 1e-5:
         return f"llama.cpp's converter writes OLMoE's norm epsilon as 1e-5, and this model's is {cfg.norm_eps}"
+    if cfg.family == "olmoe" and cfg.kv_heads != cfg.n_heads:
+        return (f"llama.cpp's olmoe loads the key norm as wide as the model (no grouped-query attention), and this "
+                f"model has {cfg.kv_heads} key/value heads of {cfg.n_heads}")
     if cfg.family in GEMMA_SWA_PERIOD:
         return gemma_refusal(cfg)
     if cfg.family == "gpt_oss":
@@ -234,10 +237,19 @@ def gpt_oss_refusal(cfg: ModelConfig) -> str | None:
 
 
 def deepseek_refusal(cfg: ModelConfig) -> str | None:
-    """llama.cpp's deepseek2 rotates adjacent pairs (the checkpoint's interleaved layout), ranks expert groups by
-    their two best scores (DeepSeek-V3's rule), and routes with softmax unless the file says sigmoid."""
+    """llama.cpp's deepseek2 rotates adjacent pairs (the checkpoint's interleaved layout), scales YaRN's attention
+    from mscale_all_dim alone (the published models' mscale equals it), reads a model without q_lora_rank only at
+    DeepSeek-V2-Lite's depths, ranks expert groups by their two best scores (DeepSeek-V3's rule), and routes with
+    softmax unless the file says sigmoid."""
     if not cfg.rope_interleave:
         return "llama.cpp's deepseek2 rotates q/k in interleaved pairs, and this model sets rope_interleave false"
+    s = cfg.rope_scaling
+    if s is not None and s.rope_type == "yarn" and abs(s.attention_factor - 1.0) > 1e-6:
+        return ("llama.cpp's deepseek2 scales YaRN's attention by mscale_all_dim alone, its rotations unscaled, and "
+                f"this model's mscale differs from its mscale_all_dim (rotations scaled by {s.attention_factor:.6g})")
+    if not cfg.q_lora_rank and cfg.n_layers not in (26, 27) and (cfg.n_layers, cfg.vocab_size) != (48, 128256):
+        return ("llama.cpp's deepseek2 reads a model without q_lora_rank (queries projected directly) only at "
+                f"DeepSeek-V2-Lite's depths (26 or 27 layers), and this model has {cfg.n_layers}")
     if cfg.family == "deepseek_v2" and 1 < cfg.router_groups and cfg.router_topk_groups < cfg.router_groups:
         return ("llama.cpp's deepseek2 ranks expert groups by their two best scores (DeepSeek-V3's rule), and this "
                 "DeepSeek-V2 model ranks them by their best (group_limited_greedy)")

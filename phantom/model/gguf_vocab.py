@@ -21,6 +21,13 @@ SP_NORMAL, SP_UNKNOWN, SP_CONTROL, SP_USER_DEFINED, SP_UNUSED, SP_BYTE = 1, 2, 3
 SPACE = "\u2581"  # sentencepiece's word mark; llama.cpp wants user-defined tokens' spaces as spaces
 
 
+def sp_piece(sp, i: int) -> tuple[bytes, float, int]:
+    """A sentencepiece piece as llama.cpp's converter writes it: its bytes, score and token type."""
+    kind = (SP_UNKNOWN if sp.IsUnknown(i) else SP_CONTROL if sp.IsControl(i) else
+            SP_UNUSED if sp.IsUnused(i) else SP_BYTE if sp.IsByte(i) else SP_NORMAL)
+    return sp.IdToPiece(i).encode(), sp.GetScore(i), kind
+
+
 def looks_special(token: str) -> bool:
     """Added tokens llama.cpp treats as control though a tokenizer may not flag them special."""
     return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
@@ -42,9 +49,7 @@ def sentencepiece_vocab(folder: Path, vocab_size: int) -> tuple[list[bytes], lis
     tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
     scores, types = [-10000.0] * vocab_size, [SP_UNUSED] * vocab_size
     for i in range(min(sp.vocab_size(), vocab_size)):
-        tokens[i], scores[i] = sp.IdToPiece(i).encode(), sp.GetScore(i)
-        types[i] = (SP_UNKNOWN if sp.IsUnknown(i) else SP_CONTROL if sp.IsControl(i) else
-                    SP_UNUSED if sp.IsUnused(i) else SP_BYTE if sp.IsByte(i) else SP_NORMAL)
+        tokens[i], scores[i], types[i] = sp_piece(sp, i)
     for text, i in read_json(folder / "added_tokens.json").items():
         if i < vocab_size:
             tokens[i], scores[i], types[i] = text.encode(), -1000.0, SP_USER_DEFINED
@@ -110,9 +115,7 @@ def phi3_vocab(folder: Path, vocab_size: int) -> tuple[list[bytes], list[float],
     tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
     scores, types = [-10000.0] * vocab_size, [SP_UNUSED] * vocab_size
     for i in range(sp.vocab_size()):
-        tokens[i], scores[i] = sp.IdToPiece(i).encode(), sp.GetScore(i)
-        types[i] = (SP_UNKNOWN if sp.IsUnknown(i) else SP_CONTROL if sp.IsControl(i) else
-                    SP_UNUSED if sp.IsUnused(i) else SP_BYTE if sp.IsByte(i) else SP_NORMAL)
+        tokens[i], scores[i], types[i] = sp_piece(sp, i)
     for text, i in read_json(folder / "added_tokens.json").items():
         if i < vocab_size:
             tokens[i], scores[i], types[i] = text.encode(), -1000.0, SP_USER_DEFINED

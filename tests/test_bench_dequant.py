@@ -17,6 +17,6 @@ def test_bench_dequant_reports_both_placements(tmp_path, monkeypatch, capsys):
     assert bench.main(["--dim", "128", "--layers", "2", "--heads", "4", "--vocab", "256", "--method", "int8",
                        "--batches", "1x8", "--steps", "1", "--repeats", "1", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "projection by projection" in text and "| 1 x 8 |" in text
+    assert "projection by projection" in text and "| 1 x 8 |" in text and "a loader on one core beside" in text
     assert capsys.readouterr().out.strip() == text.strip()
     assert [p.name for p in tmp_path.iterdir()] == ["notes.md"]  # its stores are removed

@@ -280,3 +280,17 @@ def test_a_kept_graph_s_weights_are_rebuilt_on_the_slot_s_part(tmp_path):
     assert runs["device"][4] == [0, 2]
     assert torch.equal(runs["device"][2], runs["stream"][2])
     assert all(torch.equal(a, b) for a, b in zip(runs["device"][3], runs["stream"][3]))
+
+
+def test_kept_bases_of_a_quantized_store_give_the_bits_of_streamed_ones(models, tmp_path):
+    """A quantized store on a CPU: the training thread dequantizes a load at its acquire, and only then are a
+    block's bases copied out to stay; the run that keeps them equals, bit for bit, the run that streams them."""
+    from phantom.arch.quantformat import QuantFormat
+    from phantom.model.quantstore import quantize_store
+    _, store = models["deepseek_v3"]
+    q = quantize_store(store, tmp_path / "int8", QuantFormat("int8"), progress=False)["out"]
+    ref = steps(q, offload="disk", expert_reads="whole", moe_base="stream")
+    for reads, prefetch in (("whole", 0), ("routed", 2)):
+        got = steps(q, offload="disk", expert_reads=reads, prefetch=prefetch, moe_base="device")
+        assert got[4] and torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]), (reads, prefetch)
+        assert all(torch.equal(a, b) for a, b in zip(got[3], ref[3])), (reads, prefetch)

@@ -60,7 +60,6 @@ def test_measured_rates_are_sane(small_store):
     assert p.disk_gbps > 0 and p.h2d_gbps > 0 and p.fwd_flops > 0 and p.head_flops > 0
     assert 0.9 < p.keep_scale < 1.1  # the config's estimate of kept bytes, checked by autograd's count
     assert p.disk_request_s is None  # a dense model reads no experts apart
-    assert p.busy_dequant_slowdown is None  # nothing to dequantize
 
 
 def test_the_read_jitter_is_the_spread_of_most_reads_not_of_one_stalled_read():

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from phantom.arch import quant
 from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
 from phantom.model.heads import ChunkedHeadLoss
@@ -63,19 +62,6 @@ def measure_beside(fn, background, device: torch.device, repeats: int) -> float:
         thread.join()
 
 
-def dequantizer(store: BlockStore, device: torch.device, dtype: torch.dtype):
-    """A call that dequantizes one of the store's blocks as a CPU loader does (its stored bytes in memory, on
-    one thread)."""
-    raw = HostBuffer(store.block_nbytes, pin=False).tensor
-    store.read_block_into(0, raw)
-    stored, out = store.block_views(raw.to(device), 0), store.dense_empty(dtype, device, 0)
-
-    def run():
-        with quant.one_thread():
-            store.dequantize_block(0, stored, out)
-    return run
-
-
 def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool) -> tuple[float, float]:
     """(median seconds of fn(), GB/s of block reads) while a thread reads block files in a loop."""
     stop, got = threading.Event(), [0, 0.0]
@@ -101,14 +87,11 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
 
 @dataclass(frozen=True)
 class Beside:
-    """What a block's forward is also timed beside. disk_gbps (GB/s of block reads alone; 0: none) and cold: a
-    thread reading block files, how much reading and computing slow each other down. dequant (a quantized store
-    on a CPU): a thread dequantizing a block in a loop on one core, as the scheduler's loaders do, how much a
-    loader's dequantization slows the compute it shares the cores with."""
+    """What a block's forward is also timed beside: a thread reading block files at disk_gbps (GB/s of block
+    reads alone; 0: none), cold or not, how much reading and computing slow each other down."""
 
     disk_gbps: float = 0.0
     cold: bool = True
-    dequant: bool = False
 
 
 class BlockTimer:
@@ -163,10 +146,7 @@ class BlockTimer:
         if self.beside.disk_gbps:
             t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.beside.cold)
             busy = (max(1.0, t_busy / t_fwd), max(1.0, self.beside.disk_gbps / gbps_busy))
-        busy_dequant = max(1.0, measure_beside(fwd, dequantizer(model.store, device, model.weight_dtype), device,
-                                               repeats) / t_fwd) if self.beside.dequant else None
         return dict(fwd=t_fwd, fwd_grad=statistics.median(t_grad[1:]), bwd=statistics.median(t_bwd[1:]), busy=busy,
-                    busy_dequant=busy_dequant,
                     head=self.head_s(b) / b if with_head else None,
                     keep=hooks.kept_bytes // len(t_grad) // b, act=out.element_size() * self.seq_len * model.cfg.dim)
 
@@ -211,7 +191,6 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
     hi = max(points)
     return dict(fit_call_and_row(points), head_row_s=points[1]["head"], keep_bytes_per_row=points[hi]["keep"],
                 busy_compute_slowdown=points[hi]["busy"][0], busy_read_slowdown=points[hi]["busy"][1],
-                busy_dequant_slowdown=points[hi]["busy_dequant"],
                 act_bytes_per_row=points[hi]["act"], head_bytes=head_bytes)
 
 

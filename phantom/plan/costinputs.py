@@ -146,7 +146,7 @@ class MachineProfile:
     disk_warm_gbps: float | None = None
     disk_request_s: float | None = None  # a cold read request's cost beside its bytes (routed experts; None: the tier's)
     h2d_gbps: float = 25.0  # pinned host -> device (on a CPU: a host memcpy)
-    dequant_gbps: float = 4.0  # quantized stores: compute-dtype GB/s a loader dequantizes (tune.measure_dequant)
+    dequant_gbps: float = 4.0  # quantized stores: compute-dtype GB/s dequantized (profiles.measure_dequant)
     fwd_flops: float = 100e12
     fwd_grad_ratio: float = 1.0
     bwd_ratio: float = 1.0  # LoRA: input gradients only, about the forward's FLOPs
@@ -158,8 +158,6 @@ class MachineProfile:
     disk_jitter: float = 0.0  # relative spread of one block read (profiles.relative_spread)
     busy_compute_slowdown: float = 1.0  # compute while blocks are read / alone
     busy_read_slowdown: float = 1.0  # reads while a block computes / alone
-    compute_threads: int = 0  # a CPU: threads a block computes on (0: unknown; loader work is taken to be free)
-    busy_dequant_slowdown: float | None = None  # a CPU: compute while a loader dequantizes / alone (None: unmeasured)
     compile_speedup: float | None = None
     compile_s: float | None = None
     free_device_bytes: int | None = None
@@ -185,7 +183,8 @@ class MachineProfile:
 @dataclass(frozen=True)
 class LoadTimes:
     """Seconds one block load takes: read by its tier (phantom.stream.tiers.Tier.read_s; 0 for a tier
-    that holds the block in host memory), copied over the link, dequantized."""
+    that holds the block in host memory), copied over the link, dequantized (on a CPU by the compute's
+    threads, not the loader: `compute_dequant_s`)."""
 
     read_s: dict[str, float]  # by tier name
     link_s: float
@@ -202,6 +201,12 @@ class LoadTimes:
                    dequant_s=shape.dequant_bytes / (profile.dequant_gbps * GB), host_is_device=profile.host_is_device)
 
     def of(self, tier: str) -> float:
-        """X of a block of this tier: a CPU reads a reading tier's block straight into its slot (no copy)."""
+        """X of a block of this tier, the loader's: a CPU reads a reading tier's block straight into its slot (no
+        copy) and leaves the dequantization to the compute."""
         copy = 0.0 if T.get(tier).reads and self.host_is_device else self.link_s
-        return self.read_s.get(tier, 0.0) + copy + self.dequant_s
+        return self.read_s.get(tier, 0.0) + copy + (0.0 if self.host_is_device else self.dequant_s)
+
+    @property
+    def compute_dequant_s(self) -> float:
+        """Seconds of a load's dequantization on the compute's threads (a CPU's; a device's is the loader's)."""
+        return self.dequant_s if self.host_is_device else 0.0

@@ -170,16 +170,17 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
         Cb = backward, + a graph forward if recomputed
         X  = the tier's read (phantom.stream.tiers.Tier.read_s: block_bytes / disk for the disk tier)
              + block_bytes / h2d (unless it is read into a CPU slot)
-             + dequant_bytes / dequant rate (a quantized store: the loader dequantizes each load)
+             + D = dequant_bytes / dequant rate (a quantized store dequantizes each load on the device)
+    On a CPU the compute's threads dequantize a loaded block when it is acquired (phantom.stream.transfer):
+    D is the compute's, once per load, not the loader's.
     A block whose attention, norms, router and shared experts the device keeps (Layout.bases) loads its
     experts alone: X of Shape.kept() (its other bytes take device memory instead).
     Streamed blocks S (disk, and RAM unless used in place) pass through K + 1 slots; each pass
     loads L of them (`loads_per_step`: the blocks still in slots at each turn are reused), so
         pipe(C) = S * C + sum(X)                                     K = 0: load, then compute
-        pipe(C) = max(S * C + L * (C' - C), 2 * C + loaders(X')) + jitter   K >= 1
-    with C', X' slowed by the measured contention for the fraction of time they overlap (on a CPU, C' also
-    by the compute's measured slowdown beside a dequantizing loader), loaders(X') the loads in series or, on a
-    CPU reading from disk, spread over its loaders (`loaders_s`), and
+        pipe(C) = max(S * C + L * (C' - C + D), 2 * (C + D) + loaders(X')) + jitter   K >= 1 (D: a CPU's)
+    with C', X' slowed by the measured contention for the fraction of time they overlap, loaders(X') the loads
+    in series or, on a CPU reading from disk, spread over its loaders (`loaders_s`), and
         step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
     Memory: see `device_memory` and `host_memory`.
     """
@@ -247,39 +248,27 @@ def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile:
     xs = [of(i).of(lay.tiers[i]) for i in loads]
     if not xs:
         return total
+    deq = sum(of(i).compute_dequant_s for i in loads)  # a CPU's: on the compute's threads, once per load
     if prefetch == 0:
-        return total + sum(xs)
+        return total + sum(xs) + deq
     x_avg = sum(xs) / len(xs)
     c_busy = c_avg * (1 + (profile.busy_compute_slowdown - 1) * min(1.0, x_avg / c_avg)) if c_avg else 0.0
-    if profile.host_is_device and t.dequant_s and c_avg:  # a CPU's loaders dequantize on the cores it computes on
-        if profile.busy_dequant_slowdown is not None:     # measured: the compute beside a dequantizing loader
-            c_busy += dequant_loss_s(c_avg, t.dequant_s, profile.busy_dequant_slowdown)
-        elif profile.compute_threads:                     # else: that share of the cores is lost
-            c_busy += t.dequant_s / profile.compute_threads
     reads = sum(of(i).read_s.get(lay.tiers[i], 0.0) for i in loads)
-    x_busy = loaders_s(xs, reads, lay, t, profile) + \
+    x_busy = loaders_s(xs, reads, lay, profile) + \
         reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg) if x_avg else 0.0
     jitter = len(xs) * profile.disk_jitter * min(c_avg, x_avg) / prefetch
-    return max(total + len(xs) * (c_busy - c_avg), 2 * c_avg + x_busy) + jitter
+    return max(total + len(xs) * (c_busy - c_avg) + deq, 2 * (c_avg + deq / len(xs)) + x_busy) + jitter
 
 
-def dequant_loss_s(c: float, d: float, slowdown: float) -> float:
-    """Seconds a block's compute of c seconds loses to a load's dequantization of d seconds beside it, the compute
-    running `slowdown` times slower while they overlap: for the d seconds the dequantization runs, the compute
-    makes 1/slowdown of its progress, or, shorter than that, all of it runs slowed."""
-    return min(d * (1 - 1 / slowdown), c * (slowdown - 1))
-
-
-def loaders_s(xs: list[float], reads: float, lay: Layout, t: LoadTimes, profile: MachineProfile) -> float:
+def loaders_s(xs: list[float], reads: float, lay: Layout, profile: MachineProfile) -> float:
     """Seconds the scheduler's loaders take for loads of xs seconds each (reads of `reads` in all). Where a tier
-    reads, the scheduler runs a loader per slot, up to 3 (phantom.stream.scheduler): on a CPU, whose loads are
-    read then dequantized on one core each, they overlap, bounded by the disk (the reads one after another), by
-    the cores (the dequantizations on as many cores as loaders) and by each loader's own loads in series."""
+    reads, the scheduler runs a loader per slot, up to 3 (phantom.stream.scheduler): on a CPU, whose loaders
+    only read (and copy), they overlap, bounded by the disk (the reads one after another) and by each loader's
+    own loads in series."""
     n = min(lay.slots, 3) if reads else 1
     if n == 1 or not profile.host_is_device:
         return sum(xs)
-    cores = min(n, max(1, profile.compute_threads))
-    return max(reads, len(xs) * t.dequant_s / cores, sum(xs) / n)
+    return max(reads, sum(xs) / n)
 
 def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, micro_batch: int) -> int:
     """Saved for backward (kept graphs, or block inputs), one micro-batch's graph, the running output

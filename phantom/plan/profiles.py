@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from phantom.arch import quant
 from phantom.arch.quantformat import as_format
 from phantom.base import cpufeatures, dtypes, safejson
 from phantom.base.fileio import atomic_write_json
@@ -42,6 +41,7 @@ from phantom.plan import quickslice as qs
 from phantom.stream.experts import ExpertLayout, read_ranges
 from phantom.stream.hostmem import HostBuffer
 from phantom.stream.memory import free_device_bytes, free_host_bytes
+from phantom.stream.transfer import DequantPool
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +151,8 @@ def store_quant(store: BlockStore) -> str | None:
 
 
 def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype, repeats: int = 3) -> float:
-    """GB/s of compute-dtype weights a loader produces dequantizing a quantized block, as the scheduler
-    does it (the block's stored bytes already where it computes; on a CPU on one thread). The block is a
+    """GB/s of compute-dtype weights produced dequantizing a quantized block, as the scheduler does it (the
+    block's stored bytes already where it computes; on a CPU over its cores, DequantPool). The block is a
     sparse one where dense layers sit among a mixture of experts' (the experts: what a shipped 4-bit format
     quantizes), read, viewed and dequantized in its own layout."""
     i = next((j for j in range(store.n_blocks) if store.cfg.sparse(j)), 0)
@@ -160,8 +160,11 @@ def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype,
     store.read_block_into(i, raw)
     stored = store.block_views(raw.to(device), i)
     out = store.dense_empty(dtype, device, i)
-    with quant.one_thread() if device.type == "cpu" else contextlib.nullcontext():  # as the scheduler's loader
-        t = ct.timed(lambda: store.dequantize_block(i, stored, out), device, repeats)
+    pool = DequantPool(torch.get_num_threads() if device.type == "cpu" else 1)
+    try:
+        t = ct.timed(lambda: pool.dequantize(store, i, stored, out), device, repeats)
+    finally:
+        pool.close()
     return sum(v.numel() for v in out.values()) * dtype.itemsize / t / 1e9
 
 
@@ -194,9 +197,8 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     free_dev = free_device_bytes(device)
     shape = ci.shape_of(cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     with compute_stores(store, cfg, device, dtype, (batch_size, seq_len), quick) as timed:
-        loader_dequantizes = store.quant is not None and device.type == "cpu"
         points = [(ct.measure_compute(s, device, dtype, seq_len, batch_size if timed == [store] else 1, free_dev,
-                                      repeats, ct.Beside(disk, True, loader_dequantizes) if i == 0 else ct.Beside()),
+                                      repeats, ct.Beside(disk, True) if i == 0 else ct.Beside()),
                    ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant))
                   for i, s in enumerate(timed)]
         sliced = "" if timed == [store] else \
@@ -209,7 +211,6 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
         disk_request_s=request_s,
         disk_warm_gbps=None, h2d_gbps=h2d, dequant_gbps=dequant, **compute_rates(qs.scaled_times(points, shape), shape),
         disk_jitter=jitter,
-        compute_threads=torch.get_num_threads() if device.type == "cpu" else 0,
         free_device_bytes=free_dev, free_host_bytes=free_host_bytes(), quick=quick,
         measured_on=f"{shape_key(cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens{sliced}",
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -223,8 +224,7 @@ def compute_rates(c: dict, shape: ci.Shape) -> dict:
                 fwd_grad_call_s=c["fwd_grad_call_s"], bwd_call_s=c["bwd_call_s"],
                 head_flops=shape.head_flops_per_row / c["head_row_s"],
                 keep_scale=c["keep_bytes_per_row"] / shape.keep_bytes_per_row,
-                busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"],
-                busy_dequant_slowdown=c.get("busy_dequant_slowdown"))
+                busy_compute_slowdown=c["busy_compute_slowdown"], busy_read_slowdown=c["busy_read_slowdown"])
 
 
 @contextlib.contextmanager

@@ -154,8 +154,11 @@ class BlockScheduler:
             slot.users += 1
             self._pos += 1
             self._cv.notify_all()
-        self.transfer.wait_ready(slot)
-        t1 = time.perf_counter()
+        dequant_s = self.transfer.wait_ready(slot)  # a CPU dequantizes a quantized block here: not a stall
+        t1 = time.perf_counter() - dequant_s
+        if dequant_s:
+            with self._cv:
+                self.metrics.dequant_s += dequant_s
         if t1 - t0 > 1e-4:
             self.metrics.stall_s += t1 - t0
             self.tracer.span("stall", f"wait {block}", t0, t1)

@@ -2,6 +2,9 @@
 
 `Transfer` is the host-side stage (a CPU, and `mps`): a reading tier (phantom.stream.tiers: the disk
 tier) reads straight into the slot on a CPU, the copy and the conversion run in the loader thread and are done when `load` returns.
+A CPU dequantizes a quantized block with every core when the training thread acquires it (`wait_ready`), as a
+GPU dequantizes on the device: in loader threads it competed with the compute for the same cores, and each of
+the compute's OpenMP ops waited at its barrier for the thread that lost its core (notes/bench-quant.md).
 `CudaTransfer` reads into the slot's pinned staging buffer, then queues the copy and the conversion
 on a dedicated copy stream after the slot's free event and marks their end with a ready event that
 the compute stream waits on: neither the host nor the compute waits for a copy it does not need yet.
@@ -10,14 +13,13 @@ returns its counts (`LoadStats`) for the scheduler to add.
 """
 from __future__ import annotations
 
-import contextlib
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from phantom.arch import quant
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import DATA_ALIGN, packed_views
 from phantom.stream.experts import ExpertLayout
@@ -43,6 +45,48 @@ class Slot:
     flat: torch.Tensor | None = None  # the compute-dtype buffer `converted` views (the largest block's size)
     layouts: dict = field(default_factory=dict)  # the store's layout index -> `converted` for a block of it
     experts: frozenset | None = None  # a routed load: the experts in the slot beside the non-expert bytes
+    dequant: tuple | None = None  # a CPU: (block, names or None for all) loaded, to dequantize when acquired
+
+
+class DequantPool:
+    """A CPU's dequantization of a block, its tensors split over one worker per core, each on one OpenMP thread.
+
+    torch's gather (index_select), on which NF4 and FP8 dequantization turn, runs on one thread whatever
+    torch.get_num_threads() says; whole tensors on single-threaded workers use every core. A dim-2048 block on
+    2 cores, against one call on torch's 2 threads: NF4 36 -> 22 ms, FP8 48-92 -> 32-36, int4-group 60 -> 49,
+    MXFP4 55 -> 46, int8 16 -> 13 (the same bits)."""
+
+    def __init__(self, threads: int):
+        self.threads, self.pool = threads, None
+        if threads < 2:
+            return
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="phantom-dequant")
+        started, n = threading.Barrier(threads + 1), torch.get_num_threads()
+
+        def one_thread():  # OpenMP's thread count is per thread: each worker's stays 1
+            torch.set_num_threads(1)
+            started.wait()
+        workers = [self.pool.submit(one_thread) for _ in range(threads)]
+        started.wait()  # every worker has its own thread (each waited for the others)
+        for w in workers:
+            w.result()
+        torch.set_num_threads(n)  # threads started later take torch's last count: the caller's again
+
+    def dequantize(self, store: BlockStore, block: int, stored: dict, out: dict) -> None:
+        """Block's stored views into out's dense tensors, the largest tensors first, each to the least-loaded
+        worker."""
+        if self.pool is None or len(out) < 2:
+            return store.dequantize_block(block, stored, out)
+        groups, sizes = [{} for _ in range(self.threads)], [0] * self.threads
+        for name, t in sorted(out.items(), key=lambda kv: -kv[1].numel()):
+            j = sizes.index(min(sizes))
+            groups[j][name], sizes[j] = t, sizes[j] + t.numel()
+        for _ in self.pool.map(lambda g: store.dequantize_block(block, stored, g), [g for g in groups if g]):
+            pass
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 class Transfer:
@@ -60,6 +104,7 @@ class Transfer:
         # blocks whose non-expert weights stay on the device (Placement.moe_base): their tensors after the
         # first load (None before it); a later load reads only experts (the scheduler sets it)
         self.bases: dict[int, dict | None] | None = None
+        self.dequant_pool = DequantPool(torch.get_num_threads()) if self.defers_dequant else None
 
     def new_slot(self, needs_staging: bool) -> Slot:
         """A slot: the block's bytes (aligned on a CPU: the disk tier reads straight in), a staging buffer
@@ -97,7 +142,7 @@ class Transfer:
         """Fill slot with block (without any lock) from its tier: copied from the bytes the tier holds in
         host memory (RAM), or read by the tier into the slot's host buffer (disk). `experts` (a routed
         load): only the block's non-expert bytes and those experts' (`fill` adds others later)."""
-        slot.experts = None
+        slot.experts, slot.dequant = None, None
         if experts is not None:
             return self._load_routed(slot, block, source, free_event, experts)
         stats = LoadStats()
@@ -112,7 +157,8 @@ class Transfer:
         if src.data_ptr() != slot.buf.data_ptr():
             self.tracer.span("copy", f"copy {block}", t0, t1, bytes=src.numel())
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf, block)
-        self._keep_base(slot, block)
+        if slot.dequant is None:
+            self._keep_base(slot, block)
         return stats
 
     def _load_routed(self, slot: Slot, block: int, source: Held, free_event, experts: frozenset) -> LoadStats:
@@ -128,7 +174,7 @@ class Transfer:
         slot.views = slot.converted if slot.converted is not None else self.store.block_views(slot.buf, block)
         if base is not None:
             slot.views = {**slot.views, **base}
-        else:
+        elif slot.dequant is None:
             self._keep_base(slot, block)
         return stats
 
@@ -190,20 +236,36 @@ class Transfer:
 
     def _convert_names(self, slot: Slot, block: int, names, stats: LoadStats, loader: bool = False) -> None:
         """The named tensors (the dense block's names) of a routed slot into the compute dtype where it differs
-        from the store's, or dequantized from a quantized store's parts (a loader on one thread, as `convert`)."""
+        from the store's, or dequantized from a quantized store's parts (a CPU's loader leaves that to
+        `wait_ready`, as `convert` does)."""
         if slot.converted is None:
             return
-        stored = self.store.block_views(slot.buf, block)
         if self.store.quant is None:
+            stored = self.store.block_views(slot.buf, block)
             for n in names:
                 slot.converted[n].copy_(stored[n])
-            return
+        elif loader and self.defers_dequant:
+            slot.dequant = (block, list(names))
+        else:
+            stats.dequant_s += self._dequantize(slot, block, names)
+
+    @property
+    def defers_dequant(self) -> bool:
+        """A loader leaves a quantized block's dequantization to the compute's threads (a CPU, see the module)."""
+        return self.device.type == "cpu" and self.store.quant is not None
+
+    def _dequantize(self, slot: Slot, block: int, names=None) -> float:
+        """The slot's quantized block (or its tensors `names`, the dense block's) into slot.converted (a CPU's
+        over its cores: DequantPool); the seconds it took."""
+        out = slot.converted if names is None else {n: slot.converted[n] for n in names}
         t0 = time.perf_counter()
-        with quant.one_thread() if loader and self.device.type == "cpu" else contextlib.nullcontext():
-            self.store.dequantize_block(block, stored, {n: slot.converted[n] for n in names})
+        if self.dequant_pool is not None:
+            self.dequant_pool.dequantize(self.store, block, self.store.block_views(slot.buf, block), out)
+        else:
+            self.store.dequantize_block(block, self.store.block_views(slot.buf, block), out)
         t1 = time.perf_counter()
-        stats.dequant_s += t1 - t0
-        self.tracer.span("dequant", f"dequant {block} ({len(names)})", t0, t1)
+        self.tracer.span("dequant", f"dequant {block}" + (f" ({len(names)})" if names is not None else ""), t0, t1)
+        return t1 - t0
 
     def _staging(self, slot: Slot) -> torch.Tensor:
         """Where a reading tier's block is read to: the slot itself on a CPU, else its staging buffer."""
@@ -234,20 +296,25 @@ class Transfer:
 
     def convert(self, slot: Slot, block: int, stats: LoadStats) -> None:
         """The slot's block into the compute dtype: a dtype conversion, or a quantized block
-        dequantized (on the device after the copy; on a CPU here, in the loader thread, one thread)."""
-        if self.store.quant is not None:
-            t0 = time.perf_counter()
-            with quant.one_thread() if self.device.type == "cpu" else contextlib.nullcontext():
-                self.store.dequantize_block(block, self.store.block_views(slot.buf, block), slot.converted)
-            t1 = time.perf_counter()
-            stats.dequant_s += t1 - t0
-            self.tracer.span("dequant", f"dequant {block}", t0, t1)
+        dequantized (on the device after the copy; on a CPU when acquired, see `wait_ready`)."""
+        if self.defers_dequant:
+            slot.dequant = (block, None)
+        elif self.store.quant is not None:
+            stats.dequant_s += self._dequantize(slot, block)
         elif slot.converted is not None:
             for k, v in self.store.block_views(slot.buf, block).items():
                 slot.converted[k].copy_(v)
 
-    def wait_ready(self, slot: Slot) -> None:
-        """Make the compute wait for the slot's block (a CPU's load is done when it returns)."""
+    def wait_ready(self, slot: Slot) -> float:
+        """Make the compute wait for the slot's block; the seconds it spent dequantizing (the training thread,
+        which holds the slot). A CPU's load is done when it returns, but for a quantized block's dequantization,
+        done here on the compute's threads at the block's first acquire after its load."""
+        if slot.dequant is None:
+            return 0.0
+        (block, names), slot.dequant = slot.dequant, None
+        seconds = self._dequantize(slot, block, names)
+        self._keep_base(slot, block)  # a block whose other weights the device keeps: after their first load
+        return seconds
 
     def mark_free(self, slot: Slot) -> None:
         """The compute has queued its last use of the slot's block."""
@@ -256,7 +323,9 @@ class Transfer:
         """The host waits until the staging buffer's last copy is done (nothing to wait for here)."""
 
     def sync_ready(self, slot: Slot) -> None:
-        """The host waits for the slot's copy and its checksum."""
+        """The host waits for the slot's copy, its checksum and its dequantization (a CPU's, deferred)."""
+        if slot.dequant is not None:
+            self.wait_ready(slot)
         if slot.ready_event is not None:
             slot.ready_event.synchronize()
         if slot.verify is not None:
@@ -265,6 +334,8 @@ class Transfer:
 
     def close(self) -> None:
         self.verifier.shutdown(wait=True)
+        if self.dequant_pool is not None:
+            self.dequant_pool.close()
 
 
 class CudaTransfer(Transfer):
@@ -324,9 +395,10 @@ class CudaTransfer(Transfer):
                 slot.ready_event = torch.cuda.Event(enable_timing=True)
                 slot.ready_event.record(self.stream)
 
-    def wait_ready(self, slot: Slot) -> None:
+    def wait_ready(self, slot: Slot) -> float:
         if slot.ready_event is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
+        return 0.0
 
     def mark_free(self, slot: Slot) -> None:
         slot.free_event = torch.cuda.Event()

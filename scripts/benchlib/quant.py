@@ -13,7 +13,6 @@ import phantom
 from benchlib.common import lora_steps, machine, shell
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name
-from phantom.plan import computetimer as ct
 from phantom.plan import costinputs as ci
 from phantom.plan import costmodel as cm
 from phantom.plan import profiles
@@ -30,7 +29,8 @@ def quant_bench(args, store: BlockStore) -> str:
     """Mode quant: the bench model stored bf16 (this store), NF4 (double-quantized scales) and int8, each
     read from disk (prefetch K, cold: O_DIRECT and the page cache dropped) at each of --quant-batches.
     The cost model's profile is measured once on the bf16 store (a full profiles.measure: disk, compute); each
-    quantized store adds its own measured dequantization rate (profiles.measure_dequant: the loader's work).
+    quantized store adds its own measured dequantization rate (profiles.measure_dequant: on a CPU the compute's
+    threads dequantize each loaded block when it is acquired).
     """
     from phantom.arch.quantformat import QuantFormat
     from phantom.model.quantstore import quantize_store
@@ -56,21 +56,17 @@ def quant_bench(args, store: BlockStore) -> str:
     quantize_s = time.perf_counter() - t0
     big, cpu = max(batches), torch.device("cpu")
     # full profiles, one per batch's length as tune.py keeps them (profiles.length_bucket); per method, the
-    # dequantization's rate and how much a dequantizing loader slows the compute beside it
+    # dequantization's rate
     by_batch = {b: profiles.measure(stores["bf16"], cpu, store.dtype, *b) for b in batches}
     profile = by_batch[big]
     rates = {m: profiles.measure_dequant(stores[m], cpu, store.dtype) for m in methods}
-    beside = {m: ct.measure_compute(stores[m], cpu, store.dtype, big[1], 1, None,
-                                       beside=ct.Beside(dequant=True))["busy_dequant_slowdown"]
-              for m in methods}
     place = phantom.Placement(offload="disk", prefetch=k)
     acts = phantom.Activations(recompute="none")
     rows = []
     for rows_, seq in batches:
         for name, st in stores.items():
             r = quant_steps(st, place, rows_, seq, args)
-            prof = dataclasses.replace(by_batch[(rows_, seq)], dequant_gbps=rates.get(name, profile.dequant_gbps),
-                                       busy_dequant_slowdown=beside.get(name))
+            prof = dataclasses.replace(by_batch[(rows_, seq)], dequant_gbps=rates.get(name, profile.dequant_gbps))
             dt = dtype_name(store.dtype)
             pred = cm.predict(prof, ci.shape_of(st.cfg, dt, dt, seq, st.quant),
                               place, acts, rows_)
@@ -78,7 +74,7 @@ def quant_bench(args, store: BlockStore) -> str:
             print(f"{name} {rows_}x{seq}: {r['step_s']:.3f} s/step (predicted {pred.step_s:.3f}), "
                   f"{r['bytes_read'] / 1e6:.0f} MB read", flush=True)
     load.append(shell("cat /proc/loadavg"))
-    return quant_lines(args, store, QuantRun(stores, rows, rates, beside, profile, k, load, quantize_s))
+    return quant_lines(args, store, QuantRun(stores, rows, rates, profile, k, load, quantize_s))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +84,6 @@ class QuantRun:
     stores: dict  # name -> BlockStore (bf16, nf4, int8)
     rows: list  # (store name, rows, tokens, store, step figures, prediction)
     rates: dict  # method -> GB/s of weights its dequantization produces
-    beside: dict  # method -> the compute's slowdown beside a dequantizing loader
     profile: object  # the cost model's profile (measured on the bf16 store)
     prefetch: int
     load: list  # /proc/loadavg before and after
@@ -108,11 +103,10 @@ def quant_lines(args, store, run: QuantRun) -> str:
              "- stores: " + "; ".join(f"{n} {s.block_nbytes / 2**20:.1f} MiB/block ({s.block_nbytes / dense:.3f}x), "
                                        f"RAM tier {s.block_nbytes * cfg.n_layers / 1e9:.2f} GB" for n, s in stores.items())
              + f" ({', '.join(rates)} written from the bf16 store in {quantize_s:.0f} s)",
-             "- dequantization (loader thread, per block, into the compute dtype; profiles.measure_dequant): "
+             "- dequantization (per block, into the compute dtype, on the compute's threads as a CPU run does it "
+             "when a block is acquired; profiles.measure_dequant): "
              + "; ".join(f"{m} {g:.2f} GB/s of weights produced" for m, g in rates.items())
-             + f", on one thread as a CPU loader does; the compute beside a dequantizing loader "
-             + ", ".join(f"{m} {b:.2f}x" for m, b in run.beside.items()) + f" slower; disk read "
-               f"{profile.disk_gbps:.2f} GB/s cold (profiles.measure_disk)", "",
+             + f"; disk read {profile.disk_gbps:.2f} GB/s cold (profiles.measure_disk)", "",
              "| store | rows x tokens | MB read/step | vs bf16 | dequant s/step | stall | step s | predicted s | "
              "error |", "|---|---|---|---|---|---|---|---|---|"]
     base = {(r, s): res["bytes_read"] for n, r, s, _, res, _ in rows if n == "bf16"}

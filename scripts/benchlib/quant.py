@@ -103,8 +103,8 @@ def quant_lines(args, store, run: QuantRun) -> str:
              "- stores: " + "; ".join(f"{n} {s.block_nbytes / 2**20:.1f} MiB/block ({s.block_nbytes / dense:.3f}x), "
                                        f"RAM tier {s.block_nbytes * cfg.n_layers / 1e9:.2f} GB" for n, s in stores.items())
              + f" ({', '.join(rates)} written from the bf16 store in {quantize_s:.0f} s)",
-             "- dequantization (per block, into the compute dtype, on the compute's threads as a CPU run does it "
-             "when a block is acquired; profiles.measure_dequant): "
+             "- dequantization (per block, into the compute dtype, over the cores as a CPU run does it when a block "
+             "is acquired; profiles.measure_dequant): "
              + "; ".join(f"{m} {g:.2f} GB/s of weights produced" for m, g in rates.items())
              + f"; disk read {profile.disk_gbps:.2f} GB/s cold (profiles.measure_disk)", "",
              "| store | rows x tokens | MB read/step | vs bf16 | dequant s/step | stall | step s | predicted s | "

@@ -154,11 +154,10 @@ class BlockScheduler:
             slot.users += 1
             self._pos += 1
             self._cv.notify_all()
-        dequant_s = self.transfer.wait_ready(slot)  # a CPU dequantizes a quantized block here: not a stall
+        dequant_s = self.transfer.wait_ready(slot)  # a CPU dequantizes here: not a stall (no loader counts it then)
         t1 = time.perf_counter() - dequant_s
         if dequant_s:
-            with self._cv:
-                self.metrics.dequant_s += dequant_s
+            self.metrics.dequant_s += dequant_s
         if t1 - t0 > 1e-4:
             self.metrics.stall_s += t1 - t0
             self.tracer.span("stall", f"wait {block}", t0, t1)
@@ -195,8 +194,7 @@ class BlockScheduler:
         without blocking, and the calling thread, not the compute stream, waits for them."""
         self.residency.update(block, tensors, non_blocking=self._cuda)
         if self._cuda:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
+            (done := torch.cuda.Event()).record(torch.cuda.current_stream(self.device))
             done.synchronize()
         with self._cv:
             for s in self.slots:
@@ -234,7 +232,6 @@ class BlockScheduler:
 
     def __exit__(self, *exc):
         self.close()
-        return False
 
     # -- internals (hold self._cv unless noted) ---------------------------------------------------
 

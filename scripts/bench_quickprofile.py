@@ -109,6 +109,7 @@ def ab_case(args, preset: str, dtype: str) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from phantom.arch import presets as config
+    from phantom.base import cpufeatures
     from phantom.files.store import BlockStore
     from phantom.model.synthetic import write_synthetic
     from phantom.plan import computetimer as ct, costinputs as ci, costmodel as cm, profiles, quickslice as qs
@@ -116,20 +117,22 @@ def ab_case(args, preset: str, dtype: str) -> dict:
 
     cfg, device, dt = config.preset(preset), torch.device("cpu"), getattr(torch, {"fp32": "float32"}.get(dtype, "bfloat16"))
     work = ci.Workload(args.batch_size, args.seq_len, dtype, "bf16")
-    k = qs.slice_factor(cfg, work, ct.matmul_rate(device, dt, cfg.dim, args.seq_len))
+    emulated = dt == torch.bfloat16 and cpufeatures.bf16_emulated() is not None
+    timed = qs.points(cfg, work, ct.matmul_rate(device, dt, cfg.dim, args.seq_len), emulated)  # as compute_stores
     whole = ci.shape_of(cfg, "bf16", dtype, args.seq_len)
-    ks = [k] + [n for n in (qs.lever_slice(cfg, k),) if n is not None]
-    out = {"k": "+".join(f"1/{n}" for n in ks), "slice": [], "whole": []}
+    out = {"k": "+".join(f"1/{k}" if t == args.seq_len else f"{t} tokens" for k, t in timed), "slice": [], "whole": []}
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         def store(name, c):
             return BlockStore(write_synthetic(Path(tmp) / name, dataclasses.replace(c, n_layers=1), torch.bfloat16,
                                               progress=False), verify="none")
-        stores = {"slice": [store(f"slice{n}", qs.slice_config(cfg, n)) for n in ks], "whole": [store("whole", cfg)]}
+        by_k = {k: store(f"slice{k}", qs.slice_config(cfg, k)) for k in dict.fromkeys(k for k, _ in timed)}
+        stores = {"slice": [(by_k[k], t) for k, t in timed],
+                  "whole": [(by_k[1] if 1 in by_k else store("whole", cfg), args.seq_len)]}
         for _ in range(args.ab):
             for name, repeats in (("slice", qs.QUICK_REPEATS), ("whole", 4)):  # as a quick and a full profile
                 t0 = time.perf_counter()
-                points = [(ct.measure_compute(s, device, dt, args.seq_len, args.batch_size, None, repeats),
-                           ci.shape_of(s.cfg, "bf16", dtype, args.seq_len)) for s in stores[name]]
+                points = [(ct.measure_compute(s, device, dt, t, args.batch_size if name == "whole" else 1, None,
+                                              repeats), ci.shape_of(s.cfg, "bf16", dtype, t)) for s, t in stores[name]]
                 wall = time.perf_counter() - t0
                 rates = profiles.compute_rates(qs.scaled_times(points, whole), whole)
                 profile = ci.MachineProfile(machine="ab", device="cpu", dtype=dtype, **rates)

@@ -150,6 +150,51 @@ def test_a_quick_profile_of_a_store_times_compute_on_a_slice(tmp_path, monkeypat
     assert p.fwd_flops > 0 and p.head_flops > 0 and p.disk_gbps > 0 and p.keep_scale > 0
 
 
+def test_where_bf16_is_emulated_the_whole_block_is_timed_over_shorter_rows():
+    """Emulated bf16 matmuls slow down as they narrow, so no slice predicts the whole block: its two points are
+    the whole block over a quarter and an eighth of the row, where that times within SHORT_ROWS_S; else (a
+    block too large, rows too short to shorten) the slices as where bf16 is native. The line through two
+    lengths recovers times a + b * FLOPs exactly, as through two slices."""
+    cfg, work = PRESETS["70B"], ci.Workload(1, 128, "bf16")
+    assert qs.points(cfg, work, 60e9, emulated=True) == [(1, 32), (1, 16)]
+    assert qs.points(cfg, work, 60e9) == [(k, 128) for k in (8, 64)]
+    assert qs.points(cfg, work, 1e9, emulated=True) == qs.points(cfg, work, 1e9)  # the whole block too slow
+    assert qs.points(cfg, ci.Workload(1, 32, "bf16"), 60e9, emulated=True) == \
+        qs.points(cfg, ci.Workload(1, 32, "bf16"), 60e9)  # 4 tokens: too short
+    assert qs.points(PRESETS["tiny"], work, 1e12, emulated=True) == [(1, 128)]  # times whole, at its own length
+    whole, t32, t16 = (ci.shape_of(cfg, seq_len=t) for t in (128, 32, 16))
+
+    def times(shape, a=0.3, b=1.5e-11):
+        t = {n: a + b * shape.flops_per_row for n in ("fwd_row_s", "fwd_grad_row_s", "bwd_row_s")}
+        return dict(t, head_row_s=0.2 + b * shape.head_flops_per_row, fwd_call_s=0.0, keep_bytes_per_row=1000)
+    got = qs.scaled_times([(times(t32), t32), (times(t16), t16)], whole)
+    assert all(got[n] == pytest.approx(times(whole)[n], rel=1e-9) for n in ("fwd_row_s", "bwd_row_s", "head_row_s"))
+
+
+def test_an_emulated_quick_profile_times_the_whole_block_over_shorter_rows(tmp_path, monkeypatch):
+    cfg = dataclasses.replace(preset("tiny"), dim=256, n_heads=8, n_kv_heads=4, intermediate_size=1024, n_layers=2)
+    store = BlockStore(write_synthetic(tmp_path / "s", cfg, torch.bfloat16, progress=False), verify="none")
+    monkeypatch.setattr(qs, "QUICK_COMPUTE_S", 1e-9)  # any block is too large to time whole at its length
+    fake_cpu(monkeypatch, X86 | {"avx512_bf16"}, "AVX512_CORE")
+    p = profiles.measure(store, "cpu", "bf16", 2, 64, quick=True)
+    assert p.measured_on.endswith("(compute timed on f1024-h8 x 16 tokens and f1024-h8 x 8 tokens)")
+    assert p.fwd_flops > 0 and p.head_flops > 0 and p.keep_scale > 0
+    fake_cpu(monkeypatch, X86 | {"avx512_bf16"})
+    assert profiles.measure(store, "cpu", "bf16", 2, 64, quick=True).measured_on.endswith("f512-h4 and f128-h1)")
+
+
+def test_a_tiled_store_has_the_shapes_and_scale_of_a_normal_one_in_one_repeated_pattern(tmp_path):
+    from phantom.model.synthetic import TILE
+    cfg = dataclasses.replace(preset("tiny"), dim=256, intermediate_size=1024, n_layers=1)
+    normal, tiled = (BlockStore(write_synthetic(tmp_path / i, cfg, torch.float32, progress=False, init=i))
+                     for i in ("normal", "tiled"))
+    a, b = normal.load_block(0), tiled.load_block(0)
+    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+    w = b["feed_forward.w1.weight"].reshape(-1)
+    assert torch.equal(w[:TILE], w[TILE:2 * TILE]) and 0.018 < float(w.std()) < 0.022
+    assert float(a["feed_forward.w1.weight"].std()) == pytest.approx(float(w.std()), rel=0.1)
+
+
 def test_the_plan_on_an_emulated_cpu_says_so_with_the_fp32_step_beside(tmp_path, monkeypatch, capsys):
     tune = load_script("tune")
     base = ["--preset", "tiny", "--device", "cpu", "--dtype", "bf16", "--quick", "--seq-len", "32",

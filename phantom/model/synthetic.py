@@ -23,11 +23,14 @@ from phantom.model.convert import keep_tokenizer_files
 log = logging.getLogger(__name__)
 
 
+TILE = 1 << 16  # init "tiled": one pattern of this many values repeated through each matrix
+
+
 def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, std,
-                    dtype: torch.dtype, offset: float = 0.0) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype, offset: float = 0.0, tiled: bool = False) -> dict[str, torch.Tensor]:
     """Norm weights 1 (0 where the norm scales by 1 + w: the same identity; Gated DeltaNet's gated output norm
     scales by w alone), biases 0 (its decay's A_log and dt_bias too), matrices N(0, std^2); std is a number or a
-    function of the shape."""
+    function of the shape. `tiled`: each matrix one N(0, std^2) pattern of TILE values repeated."""
     out = {}
     for name, shape in shapes.items():
         gated = name == "attention.norm.weight"  # Gated DeltaNet's output norm
@@ -36,11 +39,16 @@ def _random_tensors(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, st
         elif len(shape) == 1:  # norm weights
             out[name] = torch.ones(shape, dtype=dtype)
         else:
-            out[name] = (torch.randn(shape, generator=gen) * (std(shape) if callable(std) else std)).to(dtype)
+            n = torch.Size(shape).numel()
+            values = torch.randn(min(n, TILE) if tiled else n, generator=gen)
+            values = (values * (std(shape) if callable(std) else std)).to(dtype)
+            out[name] = (values.repeat(-(-n // TILE))[:n] if tiled else values).view(shape)
     return out
 
 
-SYNTHETIC_INITS = ("normal", "fan_in")
+# "tiled": "normal"'s values, one pattern repeated through each matrix: a block to time (as the profiles write),
+# where only the shapes, dtype and scale matter, written in about half the time (most of it was drawing values)
+SYNTHETIC_INITS = ("normal", "fan_in", "tiled")
 
 
 def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
@@ -51,26 +59,28 @@ def write_synthetic(out: Path, cfg: ModelConfig, dtype: torch.dtype = torch.bflo
 
     init "normal": every matrix N(0, 0.02) as in GPT-2/Llama init; "fan_in": the block and head
     matrices N(0, 1/in_features) (nn.Linear's scale; at dim 128 that is 0.088, so attention scores
-    and logits are not all near zero), the embedding N(0, 0.02). Either way the residual projections
+    and logits are not all near zero), the embedding N(0, 0.02); "tiled": "normal"'s values, a pattern of
+    TILE repeated through each matrix (timing stores). Either way the residual projections
     (wo, w2) are scaled by 1/sqrt(2 * n_layers); the same seed and init give the same store. extra:
     more manifest fields; tokenizer_extra: more tokenizer files to keep (TOKENIZER_FILES names);
     quant: the blocks' linear weights quantized from those values.
     """
     if init not in SYNTHETIC_INITS:
         raise ValueError(f"unknown init {init!r}; choose from {', '.join(SYNTHETIC_INITS)}")
-    std = 0.02 if init == "normal" else (lambda shape: shape[1] ** -0.5)
+    std = (lambda shape: shape[1] ** -0.5) if init == "fan_in" else 0.02
+    tiled = init == "tiled"
     resid_std = 0.02 / (2 * cfg.n_layers) ** 0.5
     with StoreWriter(out, cfg, dtype, overwrite=overwrite, quant=quant) as w:
         gen = torch.Generator().manual_seed(seed)
-        w.write_embed(_random_tensors(embed_tensor_shapes(cfg), gen, 0.02, dtype))
+        w.write_embed(_random_tensors(embed_tensor_shapes(cfg), gen, 0.02, dtype, tiled=tiled))
         for i in tqdm(range(cfg.n_layers), desc="writing blocks", unit="block", disable=not progress or None):
             gen = torch.Generator().manual_seed(seed * 1000003 + i + 1)
-            block = _random_tensors(block_tensor_shapes(cfg, i), gen, std, dtype, cfg.norm_offset)
+            block = _random_tensors(block_tensor_shapes(cfg, i), gen, std, dtype, cfg.norm_offset, tiled)
             for name in [n for n in block if n == "attention.wo.weight" or n.endswith(".w2.weight")]:  # experts' too
                 block[name] = (block[name].float() * (resid_std / 0.02)).to(dtype)
             w.write_block(i, block)
         gen = torch.Generator().manual_seed(seed * 1000003)
-        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset))
+        w.write_head(_random_tensors(head_tensor_shapes(cfg), gen, std, dtype, cfg.norm_offset, tiled))
         if tokenizer is not None:
             w.add_tokenizer(tokenizer)
         kept = keep_tokenizer_files(w, ([w.tmp / w.tokenizer] if tokenizer is not None else []) + list(tokenizer_extra))

@@ -197,12 +197,12 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     free_dev = free_device_bytes(device)
     shape = ci.shape_of(cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     with compute_stores(store, cfg, device, dtype, (batch_size, seq_len), quick) as timed:
-        points = [(ct.measure_compute(s, device, dtype, seq_len, batch_size if timed == [store] else 1, free_dev,
-                                      repeats, ct.Beside(disk, True) if i == 0 else ct.Beside()),
-                   ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant))
-                  for i, s in enumerate(timed)]
-        sliced = "" if timed == [store] else \
-            f" (compute timed on {' and '.join(f'f{s.cfg.hidden_dim}-h{s.cfg.n_heads}' for s in timed)})"
+        points = [(ct.measure_compute(s, device, dtype, t, batch_size if timed == [(store, seq_len)] else 1,
+                                      free_dev, repeats, ct.Beside(disk, True) if i == 0 else ct.Beside()),
+                   ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), t, store.quant))
+                  for i, (s, t) in enumerate(timed)]
+        sliced = "" if timed == [(store, seq_len)] else " (compute timed on " + " and ".join(
+            f"f{s.cfg.hidden_dim}-h{s.cfg.n_heads}" + (f" x {t} tokens" if t != seq_len else "") for s, t in timed) + ")"
     dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
         ci.MachineProfile.dequant_gbps
     log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)
@@ -230,27 +230,31 @@ def compute_rates(c: dict, shape: ci.Shape) -> dict:
 @contextlib.contextmanager
 def compute_stores(store: BlockStore, cfg, device: torch.device, dtype: torch.dtype, rows_tokens: tuple[int, int],
                    quick: bool):
-    """The stores whose block 0 a profile times: [store] itself, or for a quick profile of a block too large
-    to time quickly, one synthetic block of each of two slices of cfg's shape (quickslice.slice_factor and
-    lever_slice; one where there is no second) in a temporary folder, stored as `store` is (its dtype,
-    its quantization), timed at one row: quickslice.scaled_times scales their times to the whole block.
-    (A block timed whole is timed at 1 row and at the most `rows` allow, as a full profile does.)"""
-    (rows, seq_len), k, rate = rows_tokens, 1, None
+    """(store, tokens a row) for each block 0 a profile times: (store, seq_len) itself, or for a quick profile
+    of a block too large to time quickly, what quickslice.points says: one synthetic block of each of two slices
+    of cfg's shape (one where there is no second), or where bf16 is emulated on a CPU the whole block over two
+    shorter rows, in a temporary folder, stored as `store` is (its dtype, its quantization), timed at one row:
+    quickslice.scaled_times scales their times to the whole block. (A block timed whole at seq_len is timed at 1
+    row and at the most `rows` allow, as a full profile does.)"""
+    (rows, seq_len), rate = rows_tokens, None
+    timed = [(1, seq_len)]
     if quick:
         work = ci.Workload(rows, seq_len, dtype_name(dtype), store.manifest["dtype"], store.quant)
         rate = ct.matmul_rate(device, dtype, cfg.dim, seq_len)
-        if qs.slice_factor(cfg, work, rate) > 1:  # slices are timed at one row (rows scale its per-row time)
-            k = max(2, qs.slice_factor(cfg, dataclasses.replace(work, rows=1), rate))
-    if k == 1 and cfg.first_layers(store.cfg.n_layers) == store.cfg:
-        yield [store]
+        emulated = device.type == "cpu" and dtype == torch.bfloat16 and cpufeatures.bf16_emulated() is not None
+        timed = qs.points(cfg, work, rate, emulated)
+    if timed == [(1, seq_len)] and cfg.first_layers(store.cfg.n_layers) == store.cfg:
+        yield [(store, seq_len)]
         return
-    ks = [k] + [n for n in (qs.lever_slice(cfg, k),) if n is not None]
-    log.info("timing compute on %s of a block (matmuls at %.1f GFLOP/s here)", " and ".join(f"1/{n}" for n in ks),
-             (rate or 0) / 1e9)
+    log.info("timing compute on %s (matmuls at %.1f GFLOP/s here)", " and ".join(
+        f"1/{k} of a block" if t == seq_len else f"a block over {t} tokens" for k, t in timed), (rate or 0) / 1e9)
     with tempfile.TemporaryDirectory(prefix="phantom-slice-") as tmp:
-        yield [BlockStore(write_synthetic(Path(tmp) / f"slice{n}", measurable(qs.slice_config(cfg, n).first_layers(1)),
-                                          parse_dtype(store.manifest["dtype"]), progress=False,
-            quant=store.quant), verify="none") for n in ks]
+        def block_of(k: int) -> BlockStore:  # a timing store: a tiled init writes in half the time
+            return BlockStore(write_synthetic(Path(tmp) / f"slice{k}", measurable(qs.slice_config(cfg, k).first_layers(1)),
+                                              parse_dtype(store.manifest["dtype"]), progress=False, quant=store.quant,
+                                              init="tiled"), verify="none")
+        stores = {k: block_of(k) for k in dict.fromkeys(k for k, _ in timed)}
+        yield [(stores[k], t) for k, t in timed]
 
 
 def with_free_memory(profile: ci.MachineProfile, device: torch.device | str) -> ci.MachineProfile:
@@ -398,7 +402,7 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
             log.info("writing %d synthetic blocks of this shape to measure them (%.1f GiB)", small.n_layers,
                      ci.shape_of(small, store_dtype, quant=quant).store_bytes / 2**30)
             store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,
-                                               quant=as_format(quant)), verify="none")
+                                               quant=as_format(quant), init="tiled"), verify="none")
             profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick, cfg=cfg)
         save_profile(profile, path)
     return with_free_memory(profile, device)

@@ -7,7 +7,10 @@ of the same width, narrower: the same dim (every matmul's inner or outer size, t
 1/k of the attention heads and of the MLP's hidden width (each matmul with 1/k of its rows or
 columns), 1/k of the vocabulary for the head. `slice_factor` chooses k from a matmul rate timed first
 so that the compute measurement takes about `QUICK_COMPUTE_S` (phantom.plan.computetimer.matmul_rate
-times that rate). Pure functions: no clocks here. notes/quick-profile.md records the
+times that rate). Where bf16 is emulated on a CPU, a block's matmuls run at a rate that falls with their
+width (a 1/64 70B block's backward at a tenth of the whole block's per FLOP), so no line through narrow slices
+finds the whole block: there the whole block is timed over two shorter rows (`token_lengths`) and put on the
+line in FLOPs through them, as slices are. Pure functions: no clocks here. notes/quick-profile.md records the
 error of this scaling against full measurements (7B and 70B shapes, fp32, bf16 native and emulated).
 """
 from __future__ import annotations
@@ -18,6 +21,8 @@ from phantom.arch.config import ModelConfig
 from phantom.plan import costinputs as ci
 
 QUICK_COMPUTE_S = 12.0  # what a quick profile's compute measurement aims to take (it may take ~2x)
+SHORT_ROWS_S = 4 * QUICK_COMPUTE_S  # the whole block over two short rows (bf16 emulated) may take this long
+MIN_TOKENS = 8  # the shorter of those rows, at least
 MIN_WIDTH = 64  # a sliced hidden width stays a multiple of this (the quantized formats' block size)
 MAX_FACTOR = 64
 QUICK_REPEATS = 3  # timed calls of each kind a quick profile takes the median of: one disturbed call of three
@@ -72,6 +77,30 @@ def slice_factor(cfg: ModelConfig, work: ci.Workload, rate: float, budget_s: flo
     return k
 
 
+def token_lengths(cfg: ModelConfig, work: ci.Workload, rate: float) -> tuple[int, int] | None:
+    """The two row lengths, a quarter and an eighth of work.seq_len, over which the whole block is timed where its
+    width must not be sliced, or None where the shorter is under MIN_TOKENS or timing both would take longer
+    than SHORT_ROWS_S at `rate`."""
+    lengths = (work.seq_len // 4, work.seq_len // 8)
+    if lengths[1] < MIN_TOKENS:
+        return None
+    est = sum(estimate_s(ci.shape_of(cfg, work.store_dtype, work.dtype, t), 1, rate) for t in lengths)
+    return lengths if est <= SHORT_ROWS_S else None
+
+
+def points(cfg: ModelConfig, work: ci.Workload, rate: float, emulated: bool = False) -> list[tuple[int, int]]:
+    """What a quick profile times, as (slice k, tokens a row), the most FLOPs first: [(1, seq_len)] where the
+    whole block times quickly; else two slices 1/k and the lever beside it (one where there is none), timed at
+    one row; where bf16 is `emulated` on a CPU, the whole block over two short rows (token_lengths) if that
+    fits."""
+    if slice_factor(cfg, work, rate) == 1:
+        return [(1, work.seq_len)]
+    if emulated and (lengths := token_lengths(cfg, work, rate)) is not None:
+        return [(1, t) for t in lengths]
+    k = max(2, slice_factor(cfg, dataclasses.replace(work, rows=1), rate))
+    return [(n, work.seq_len) for n in (k, lever_slice(cfg, k)) if n is not None]
+
+
 def lever_slice(cfg: ModelConfig, k: int) -> int | None:
     """The second, narrower slice a quick profile times beside 1/k: the narrowest that slices evenly, if it
     has at most a quarter of 1/k's width (a lever long enough to tell what shrinks from what does not);
@@ -85,7 +114,8 @@ def lever_slice(cfg: ModelConfig, k: int) -> int | None:
 
 
 def scaled_times(points: list[tuple[dict, ci.Shape]], whole: ci.Shape) -> dict:
-    """computetimer.measure_compute's times of the whole block from those of its slices.
+    """computetimer.measure_compute's times of the whole block from those of its slices (or of itself over
+    shorter rows: `points`).
 
     One slice (or the block itself): each kind of call's per-row seconds and the head's scaled by FLOPs.
     Two: on the line through them in FLOPs, so what a slice does not shrink (norms and residual adds

@@ -71,26 +71,41 @@ def tune(args, preset: str, dtype: str, isa: str, quick: bool) -> dict:
     return {**json.loads(r.stdout.splitlines()[-1]), "wall_s": wall}
 
 
-def row(preset: str, dtype: str, isa: str, quick: dict, full: dict | None) -> str:
+def at_placement(preset: str, dtype: str, seq_len: int, quick: dict, full: dict) -> float:
+    """The quick profile's predicted step for the full plan's placement and activations (with the full
+    measurement's free memory): the two plans may choose differently where free memory moved between them."""
+    sys.path.insert(0, str(ROOT))
+    from phantom.arch import presets as config
+    from phantom.plan import costinputs as ci, costmodel as cm
+
+    plan = cm.Prediction.from_dict(full)
+    profile = ci.MachineProfile.from_dict({**quick["profile"], **{k: full["profile"][k] for k in (
+        "free_host_bytes", "free_device_bytes", "free_disk_bytes")}})
+    shape = ci.shape_of(config.preset(preset), "bf16", dtype, seq_len)
+    return cm.predict(profile, shape, plan.placement, plan.activations, plan.rows, tiers=plan.tiers).step_s
+
+
+def row(preset: str, dtype: str, isa: str, quick: dict, full: dict | None, seq_len: int = 128) -> str:
     q = quick["profile"]
-    cells = [preset, dtype, isa, f"{quick['wall_s']:.0f}", q["measured_on"].split(" x ")[0].split("-")[1:4],
-             f"{q['fwd_flops'] / 1e9:.0f}", f"{quick['step_s']:.2f}"]
-    cells[4] = "-".join(cells[4])
+    timed = q["measured_on"].partition("(compute timed on ")[2].rstrip(")") or "the whole block"
+    cells = [preset, dtype, isa, f"{quick['wall_s']:.0f}", timed, f"{q['fwd_flops'] / 1e9:.0f}", f"{quick['step_s']:.2f}"]
     if full is None:
-        cells += ["", "", "", "", ""]
+        cells += ["", "", "", "", "", ""]
     else:
         f = full["profile"]
+        same = at_placement(preset, dtype, seq_len, quick, full)
         cells += [f"{full['wall_s']:.0f}", f"{f['fwd_flops'] / 1e9:.0f}", f"{full['step_s']:.2f}",
-                  f"{quick['step_s'] / full['step_s'] - 1:+.1%}", f"{quick['compute_s'] / full['compute_s'] - 1:+.1%}"]
+                  f"{quick['step_s'] / full['step_s'] - 1:+.1%}", f"{same / full['step_s'] - 1:+.1%}",
+                  f"{quick['compute_s'] / full['compute_s'] - 1:+.1%}"]
     emulated = quick.get("fp32_step_s")
     cells.append(f"yes (fp32 {emulated:.2f} s)" if quick.get("bf16_emulated") and emulated else
                  "yes" if quick.get("bf16_emulated") else "")
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| preset | dtype | oneDNN ISA | quick wall s | sliced to | quick fwd GFLOP/s | quick step s | full wall s | "
-          "full fwd GFLOP/s | full step s | step error | compute error | emulated bf16 warning |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| preset | dtype | oneDNN ISA | quick wall s | compute timed on | quick fwd GFLOP/s | quick step s | full wall s "
+          "| full fwd GFLOP/s | full step s | step error | step error at the full plan's placement | compute error | "
+          "emulated bf16 warning |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 AB_HEADER = ("| preset | dtype | oneDNN ISA | slice | slice s (each round) | whole s (each round) | slice fwd GFLOP/s | "
@@ -232,7 +247,7 @@ def main(argv=None) -> int:
                     continue
                 quick = tune(args, preset, dtype, isa, quick=True)
                 full = None if args.quick_only else tune(args, preset, dtype, isa, quick=False)
-                lines.append(row(preset, dtype, isa, quick, full))
+                lines.append(row(preset, dtype, isa, quick, full, args.seq_len))
                 print(lines[-1], flush=True)
     if args.notes is not None:
         with open(args.notes, "a") as f:

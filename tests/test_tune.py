@@ -225,3 +225,24 @@ def test_script_check_runs_the_plan_on_a_scaled_store(tmp_path, capsys):
     assert r["blocks"] == 4 and r["split"]["disk"] == 4 and r["tiers_match"]
     assert r["bytes_read_measured"] == [r["bytes_read_predicted"]] * 2 and len(r["steps_s"]) == 2
     assert BlockStore(tmp_path / "s4").n_blocks == 4
+
+
+def test_free_memory_is_read_after_unreachable_cycles_are_collected():
+    """A measured model's reference cycles held its buffers until the next collection (5 GB after a whole fp32
+    70B block's measurement): the plan read them as used and placed otherwise. with_free_memory collects first."""
+    import gc
+    import weakref
+
+    class Cycle:
+        pass
+    held = Cycle()
+    held.self, held.buffer = held, torch.empty(1 << 20)
+    gone = weakref.ref(held)
+    gc.disable()
+    try:
+        del held
+        assert gone() is not None  # only a collection frees a cycle
+        profiles.with_free_memory(ci.MachineProfile(machine="t", device="cpu"), "cpu")
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -88,23 +88,12 @@ def dequant_rates(store: BlockStore, dtype: torch.dtype, repeats: int) -> dict:
 
 
 @contextlib.contextmanager
-def one_thread():
-    """This thread's torch ops on one core (OpenMP's thread count is per calling thread), restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-@contextlib.contextmanager
 def loader_dequantizes():
     """The transfer stage as it was: a CPU's loader thread dequantizes each block it loads, on one core."""
     real, defers = Transfer._dequantize, Transfer.__dict__["defers_dequant"]
 
     def on_one_core(self, *a, **k):
-        with one_thread():
+        with quant.one_thread():
             return real(self, *a, **k)
     Transfer.defers_dequant, Transfer._dequantize = property(lambda self: False), on_one_core
     try:

@@ -124,7 +124,6 @@ def ab_case(args, preset: str, dtype: str) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from phantom.arch import presets as config
-    from phantom.base import cpufeatures
     from phantom.files.store import BlockStore
     from phantom.model.synthetic import write_synthetic
     from phantom.plan import computetimer as ct, costinputs as ci, costmodel as cm, profiles, quickslice as qs
@@ -132,8 +131,7 @@ def ab_case(args, preset: str, dtype: str) -> dict:
 
     cfg, device, dt = config.preset(preset), torch.device("cpu"), getattr(torch, {"fp32": "float32"}.get(dtype, "bfloat16"))
     work = ci.Workload(args.batch_size, args.seq_len, dtype, "bf16")
-    emulated = dt == torch.bfloat16 and cpufeatures.bf16_emulated() is not None
-    timed = qs.points(cfg, work, ct.matmul_rate(device, dt, cfg.dim, args.seq_len), emulated)  # as compute_stores
+    timed, _ = profiles.quick_points(cfg, work, device, dt)  # as a quick profile chooses them
     whole = ci.shape_of(cfg, "bf16", dtype, args.seq_len)
     out = {"k": "+".join(f"1/{k}" if t == args.seq_len else f"{t} tokens" for k, t in timed), "slice": [], "whole": []}
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:

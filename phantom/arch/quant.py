@@ -337,8 +337,10 @@ def dequantize_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch
 def one_thread():
     """This thread's torch ops on one core (OpenMP's thread count is per calling thread), restored after.
 
-    A CPU loader dequantizes beside the compute, which has the cores: on a busy 2-core machine two
-    OpenMP threads spinning at each op's barrier made a dim-2048 block take 5-9 s, one thread 0.18 s."""
+    Work beside a compute that has the cores: on a busy 2-core machine a loader's dequantization on two OpenMP
+    threads spinning at each op's barrier took 5-9 s for a dim-2048 block, on one thread 0.18 s
+    (scripts/bench_dequant.py runs that former placement; phantom.stream.transfer.DequantPool's workers keep
+    one thread each for good)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -198,11 +198,12 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     free_dev = free_device_bytes(device)
     shape = ci.shape_of(cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     with compute_stores(store, cfg, device, dtype, (batch_size, seq_len), quick) as timed:
-        points = [(ct.measure_compute(s, device, dtype, t, batch_size if timed == [(store, seq_len)] else 1,
+        itself = timed == [(store, seq_len)]  # the store's own block at the row's length: at 1 row and batch_size
+        points = [(ct.measure_compute(s, device, dtype, t, batch_size if itself else 1,
                                       free_dev, repeats, ct.Beside(disk, True) if i == 0 else ct.Beside()),
                    ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), t, store.quant))
                   for i, (s, t) in enumerate(timed)]
-        sliced = "" if timed == [(store, seq_len)] else " (compute timed on " + " and ".join(
+        sliced = "" if itself else " (compute timed on " + " and ".join(
             f"f{s.cfg.hidden_dim}-h{s.cfg.n_heads}" + (f" x {t} tokens" if t != seq_len else "") for s, t in timed) + ")"
     dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
         ci.MachineProfile.dequant_gbps
@@ -240,10 +241,8 @@ def compute_stores(store: BlockStore, cfg, device: torch.device, dtype: torch.dt
     (rows, seq_len), rate = rows_tokens, None
     timed = [(1, seq_len)]
     if quick:
-        work = ci.Workload(rows, seq_len, dtype_name(dtype), store.manifest["dtype"], store.quant)
-        rate = ct.matmul_rate(device, dtype, cfg.dim, seq_len)
-        emulated = device.type == "cpu" and dtype == torch.bfloat16 and cpufeatures.bf16_emulated() is not None
-        timed = qs.points(cfg, work, rate, emulated)
+        timed, rate = quick_points(cfg, ci.Workload(rows, seq_len, dtype_name(dtype), store.manifest["dtype"],
+                                                    store.quant), device, dtype)
     if timed == [(1, seq_len)] and cfg.first_layers(store.cfg.n_layers) == store.cfg:
         yield [(store, seq_len)]
         return
@@ -256,6 +255,14 @@ def compute_stores(store: BlockStore, cfg, device: torch.device, dtype: torch.dt
                                               init="tiled"), verify="none")
         stores = {k: block_of(k) for k in dict.fromkeys(k for k, _ in timed)}
         yield [(stores[k], t) for k, t in timed]
+
+
+def quick_points(cfg, work: ci.Workload, device: torch.device, dtype: torch.dtype) -> tuple[list, float]:
+    """quickslice.points for this machine, and the matmul rate (FLOP/s) they were chosen by: bf16 emulated or
+    not told by the CPU's flags and oneDNN's cap."""
+    rate = ct.matmul_rate(device, dtype, cfg.dim, work.seq_len)
+    emulated = device.type == "cpu" and dtype == torch.bfloat16 and cpufeatures.bf16_emulated() is not None
+    return qs.points(cfg, work, rate, emulated), rate
 
 
 def with_free_memory(profile: ci.MachineProfile, device: torch.device | str) -> ci.MachineProfile:

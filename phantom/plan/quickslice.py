@@ -124,20 +124,17 @@ def scaled_times(points: list[tuple[dict, ci.Shape]], whole: ci.Shape) -> dict:
     scaling where noise makes it slope down. Kept bytes per row are on the line through the two in the config's
     estimate of them (one point: scaled by it); per-call seconds are kept."""
     (c1, s1), rest = points[0], points[1:]
-    out = dict(c1, keep_bytes_per_row=c1["keep_bytes_per_row"] * whole.keep_bytes_per_row / s1.keep_bytes_per_row)
-    if rest and rest[0][1].keep_bytes_per_row < s1.keep_bytes_per_row:  # on the line in the config's estimate:
-        (c2, s2), = rest  # a slice keeps full-width tensors its estimate scales down (70B fp32: 1/4 and 1/64
-        slope = (c1["keep_bytes_per_row"] - c2["keep_bytes_per_row"]) / (s1.keep_bytes_per_row - s2.keep_bytes_per_row)
-        if slope > 0:  # keep 0.84x and 0.74x their estimates, the whole block 0.99x; the line gives it within 0.1%)
-            out["keep_bytes_per_row"] = c1["keep_bytes_per_row"] + slope * (whole.keep_bytes_per_row -
-                                                                             s1.keep_bytes_per_row)
-    for name, flops in (("fwd_row_s", "flops_per_row"), ("fwd_grad_row_s", "flops_per_row"),
-                        ("bwd_row_s", "flops_per_row"), ("head_row_s", "head_flops_per_row")):
-        f1, f = getattr(s1, flops), getattr(whole, flops)
-        out[name] = c1[name] * f / f1
-        if rest and getattr(rest[0][1], flops) < f1:  # (a vocabulary at its floor does not shrink)
+    out = dict(c1)
+    # kept bytes in the config's estimate of them: a slice keeps full-width tensors its estimate scales down (70B
+    # fp32: 1/4 and 1/64 keep 0.84x and 0.74x their estimates, the whole block 0.99x; the line gives it within 0.1%)
+    for name, size in (("keep_bytes_per_row", "keep_bytes_per_row"), ("fwd_row_s", "flops_per_row"),
+                       ("fwd_grad_row_s", "flops_per_row"), ("bwd_row_s", "flops_per_row"),
+                       ("head_row_s", "head_flops_per_row")):
+        x1, x = getattr(s1, size), getattr(whole, size)
+        out[name] = c1[name] * x / x1
+        if rest and getattr(rest[0][1], size) < x1:  # (a vocabulary at its floor does not shrink)
             (c2, s2), = rest
-            slope = (c1[name] - c2[name]) / (f1 - getattr(s2, flops))
+            slope = (c1[name] - c2[name]) / (x1 - getattr(s2, size))
             if slope > 0:
-                out[name] = c1[name] + slope * (f - f1)
+                out[name] = c1[name] + slope * (x - x1)
     return out

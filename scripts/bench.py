@@ -105,7 +105,8 @@ def parse_args(argv=None):
                    "preference pairs (LoRA, the reference beside the policy), with its ratio to the lora row")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--rounds", type=int, default=1, help="run every row this many times, interleaved, and keep "
-                   "each row's fastest: on a shared machine rows measured minutes apart differ by the load")
+                   "each row's fastest: on a shared machine rows measured minutes apart differ by the load (--modes quant: "
+                   "the medians over rounds, each round's cost-model inputs measured before its row)")
     p.add_argument("--cold", action="store_true", help="evict block files from the page cache after each read")
     p.add_argument("--device", default="cpu", help="cpu, cuda, mps")
     p.add_argument("--store", default=None, help="use this store instead of writing a synthetic one")

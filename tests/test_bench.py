@@ -38,16 +38,17 @@ def test_diskread_races_every_contender_and_predicts_the_bytes_read(tmp_path):
 
 
 def test_quant_mode_reports_each_store_and_refuses_a_store_that_would_read_nothing(tmp_path, capsys):
-    """--modes quant on a tiny bf16 store: a row per store and batch with its bytes against bf16's; a
-    store no larger than the slots (nothing read after the warm-up) is one error line, exit 2."""
+    """--modes quant on a tiny bf16 store: a row per store and batch with its bytes against bf16's (rounds:
+    the medians, and each round's error); a store no larger than the slots (nothing read after the warm-up) is one error line, exit 2."""
     bench = load_script("bench")
     common = ["--modes", "quant", "--dim", "128", "--heads", "4", "--vocab", "256", "--dtype", "bf16",
               "--quant-batches", "1x8", "--steps", "1", "--out", str(tmp_path / "q.md")]
     with pytest.raises(SystemExit) as e:
         bench.main(common + ["--layers", "3"])
     assert e.value.code == 2 and capsys.readouterr().err.startswith("error: --modes quant needs more blocks")
-    bench.main(common + ["--layers", "4"])
+    bench.main(common + ["--layers", "4", "--rounds", "2"])
     rows = [l.split("|") for l in (tmp_path / "q.md").read_text().splitlines() if l.startswith("| ") and " x 8 " in l]
-    assert [r[1].strip() for r in rows] == ["bf16", "nf4", "int8"]
+    assert [r[1].strip() for r in rows] == ["bf16", "nf4", "int8"]  # a row each, over both rounds
+    assert all(len(r[10].split(",")) == 2 for r in rows)  # each round's error beside the medians'
     ratio = {r[1].strip(): float(r[4]) for r in rows}
     assert ratio["bf16"] == 1.0 and ratio["nf4"] < 0.3 < ratio["int8"] < 0.55

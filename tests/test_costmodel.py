@@ -274,6 +274,20 @@ def test_a_cpu_dequantizes_each_load_on_the_compute_threads_and_a_gpu_in_the_loa
         cm.predict(gpu_fast, shape, place, acts, 2).step_s, rel=1e-6)
 
 
+def test_a_cpus_dequantization_slows_beside_reads_as_its_compute():
+    """The compute's threads dequantize a CPU's loads, beside the loaders' reads of the next blocks: the measured
+    compute-beside-reads slowdown applies to that work too, for as long as a load's reads overlap it."""
+    shape = ci.shape_of(CFG, "bf16", "bf16", 8, "nf4")
+    place, acts = Placement(offload="disk", prefetch=2), Activations(recompute="none")
+    per_load = shape.dequant_bytes / 1e9  # seconds at 1 GB/s
+    disk = 2 * shape.block_bytes / per_load / 1e9  # a load's read half as long as its dequantization
+    alone = ci.MachineProfile(machine="c", device="cpu", fwd_flops=1e15, head_flops=1e15, dequant_gbps=1.0,
+                              disk_gbps=disk)
+    beside = dataclasses.replace(alone, busy_compute_slowdown=1.5)
+    a, b = (cm.predict(p, shape, place, acts, 1) for p in (alone, beside))
+    assert a.loads > 0 and b.step_s - a.step_s == pytest.approx(a.loads * 0.5 * per_load / 2, rel=0.02)
+
+
 def test_a_cpus_loaders_read_in_parallel(tmp_path):
     """Reading from disk, the scheduler runs a loader per slot (up to 3): a load-bound step with a slow read
     request per block takes the loads over the loaders, bounded by the disk's bytes one after another."""

@@ -246,3 +246,22 @@ def test_free_memory_is_read_after_unreachable_cycles_are_collected():
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_dequantization_is_timed_as_the_mean_of_calls_sampled_for_long_enough():
+    """A step adds up one dequantization per load: the profile takes the mean cost of a call (a median would
+    miss a CPU's slow calls), over at least `repeats` calls and more while the sample is short."""
+    import time as clock
+
+    from phantom.plan import computetimer as ct
+    calls = []
+
+    def fn():
+        calls.append(None)
+        clock.sleep(0.02 if len(calls) % 4 == 0 else 0.0)  # every fourth call slow
+    calls.clear()
+    assert ct.timed_mean(fn, torch.device("cpu"), 3, 0.0, 20) >= 0 and len(calls) == 1 + 3  # warm-up + repeats
+    calls.clear()
+    mean = ct.timed_mean(fn, torch.device("cpu"), 3, 60.0, 9)
+    assert len(calls) == 1 + 9  # sampled up to `most` calls while under sample_s
+    assert 0.02 * 2 / 9 * 0.9 < mean < 0.02 * 3 / 9 + 0.005  # the slow calls (2 of the 9 timed) counted in

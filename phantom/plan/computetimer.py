@@ -44,6 +44,20 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def timed_mean(fn, device: torch.device, repeats: int, sample_s: float, most: int) -> float:
+    """Mean seconds of fn() after one warm-up call: at least `repeats` calls, more until `sample_s` seconds
+    have passed, at most `most` (an expected cost per call, where `timed`'s median is one typical call)."""
+    fn()
+    sync(device)
+    times = []
+    start = time.perf_counter()
+    while len(times) < repeats or (len(times) < most and time.perf_counter() - start < sample_s):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.fmean(times)
+
 
 def measure_beside(fn, background, device: torch.device, repeats: int) -> float:
     """Median seconds of fn() while a thread runs background() in a loop."""

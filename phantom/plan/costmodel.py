@@ -178,8 +178,10 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     Streamed blocks S (disk, and RAM unless used in place) pass through K + 1 slots; each pass
     loads L of them (`loads_per_step`: the blocks still in slots at each turn are reused), so
         pipe(C) = S * C + sum(X)                                     K = 0: load, then compute
-        pipe(C) = max(S * C + L * (C' - C + D), 2 * (C + D) + loaders(X')) + jitter   K >= 1 (D: a CPU's)
-    with C', X' slowed by the measured contention for the fraction of time they overlap, loaders(X') the loads
+        pipe(C) = max(S * C + L * (D + W' - W), 2 * W + loaders(X')) + jitter   K >= 1, W = C + D (D: a CPU's)
+    with W', X' slowed by the measured contention for the fraction of time they overlap (a CPU's D slowed as its
+    compute: the same threads, beside the same reads; dequantizing a dim-2048 block beside a loop of cold reads
+    took 1.25-1.66x as long as alone, where the profiled compute took 1.39x), loaders(X') the loads
     in series or, on a CPU reading from disk, spread over its loaders (`loaders_s`), and
         step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
     Memory: see `device_memory` and `host_memory`.
@@ -251,13 +253,14 @@ def pipe_s(c: list[float], loads: list[int], lay: Layout, t: LoadTimes, profile:
     deq = sum(of(i).compute_dequant_s for i in loads)  # a CPU's: on the compute's threads, once per load
     if prefetch == 0:
         return total + sum(xs) + deq
-    x_avg = sum(xs) / len(xs)
-    c_busy = c_avg * (1 + (profile.busy_compute_slowdown - 1) * min(1.0, x_avg / c_avg)) if c_avg else 0.0
+    x_avg, d_avg = sum(xs) / len(xs), deq / len(xs)
+    work = c_avg + d_avg  # the compute's threads' per load; a CPU's dequantization slows beside reads as its compute
+    slowed = (profile.busy_compute_slowdown - 1) * min(x_avg, work)  # for the time a load's reads overlap it
     reads = sum(of(i).read_s.get(lay.tiers[i], 0.0) for i in loads)
     x_busy = loaders_s(xs, reads, lay, profile) + \
-        reads * (profile.busy_read_slowdown - 1) * min(1.0, c_avg / x_avg) if x_avg else 0.0
+        reads * (profile.busy_read_slowdown - 1) * min(1.0, work / x_avg) if x_avg else 0.0
     jitter = len(xs) * profile.disk_jitter * min(c_avg, x_avg) / prefetch
-    return max(total + len(xs) * (c_busy - c_avg) + deq, 2 * (c_avg + deq / len(xs)) + x_busy) + jitter
+    return max(total + len(xs) * slowed + deq, 2 * work + x_busy) + jitter
 
 
 def loaders_s(xs: list[float], reads: float, lay: Layout, profile: MachineProfile) -> float:

@@ -151,11 +151,16 @@ def store_quant(store: BlockStore) -> str | None:
     return store.quant.method if store.quant is not None else None
 
 
-def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype, repeats: int = 3) -> float:
+def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype, repeats: int = 3,
+                    sample_s: float = 1.5) -> float:
     """GB/s of compute-dtype weights produced dequantizing a quantized block, as the scheduler does it (the
     block's stored bytes already where it computes; on a CPU over its cores, DequantPool). The block is a
     sparse one where dense layers sit among a mixture of experts' (the experts: what a shipped 4-bit format
-    quantizes), read, viewed and dequantized in its own layout."""
+    quantizes), read, viewed and dequantized in its own layout.
+
+    The mean of at least `repeats` calls, more until `sample_s` seconds (up to 20): a step adds up one
+    dequantization per load, and on a shared CPU one call's time spreads widely (a dim-2048 int4-group block:
+    59-132 ms over 30 calls in a row, medians of 3 of them 65-110)."""
     i = next((j for j in range(store.n_blocks) if store.cfg.sparse(j)), 0)
     raw = HostBuffer(store.block_nbytes, pin=False).tensor
     store.read_block_into(i, raw)
@@ -163,7 +168,7 @@ def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype,
     out = store.dense_empty(dtype, device, i)
     pool = DequantPool(torch.get_num_threads() if device.type == "cpu" else 1)
     try:
-        t = ct.timed(lambda: pool.dequantize(store, i, stored, out), device, repeats)
+        t = ct.timed_mean(lambda: pool.dequantize(store, i, stored, out), device, repeats, sample_s, 20)
     finally:
         pool.close()
     return sum(v.numel() for v in out.values()) * dtype.itemsize / t / 1e9

@@ -28,9 +28,9 @@ def quant_steps(store: BlockStore, placement, rows: int, seq: int, args) -> dict
 def quant_bench(args, store: BlockStore) -> str:
     """Mode quant: the bench model stored bf16 (this store), NF4 (double-quantized scales) and int8, each
     read from disk (prefetch K, cold: O_DIRECT and the page cache dropped) at each of --quant-batches.
-    The cost model's profile is measured once on the bf16 store (a full profiles.measure: disk, compute); each
-    quantized store adds its own measured dequantization rate (profiles.measure_dequant: on a CPU the compute's
-    threads dequantize each loaded block when it is acquired).
+    The cost model's profile is measured on the bf16 store before each batch's rows (a full profiles.measure:
+    disk, compute); each quantized store adds its own dequantization rate, measured before its row
+    (profiles.measure_dequant: on a CPU the compute's threads dequantize each loaded block when it is acquired).
     """
     from phantom.arch.quantformat import QuantFormat
     from phantom.model.quantstore import quantize_store
@@ -54,25 +54,29 @@ def quant_bench(args, store: BlockStore) -> str:
         stores[method] = BlockStore(out, drop_cache=args.cold)
     stores["bf16"] = BlockStore(store.path, drop_cache=args.cold)
     quantize_s = time.perf_counter() - t0
-    big, cpu = max(batches), torch.device("cpu")
-    # full profiles, one per batch's length as tune.py keeps them (profiles.length_bucket); per method, the
-    # dequantization's rate
-    by_batch = {b: profiles.measure(stores["bf16"], cpu, store.dtype, *b) for b in batches}
-    profile = by_batch[big]
-    rates = {m: profiles.measure_dequant(stores[m], cpu, store.dtype) for m in methods}
+    cpu = torch.device("cpu")
+    # Each row's cost-model inputs are measured just before its steps: the compute and disk once per batch's
+    # length on the bf16 store (a full profiles.measure, as tune.py keeps one per profiles.length_bucket), each
+    # quantized store's dequantization rate (profiles.measure_dequant) right before its own steps. This CPU's rates
+    # drift by tens of percent over a minute (a memory-bound dequantization most), which a profile taken once
+    # at the start would charge to the model.
     place = phantom.Placement(offload="disk", prefetch=k)
     acts = phantom.Activations(recompute="none")
-    rows = []
-    for rows_, seq in batches:
-        for name, st in stores.items():
-            r = quant_steps(st, place, rows_, seq, args)
-            prof = dataclasses.replace(by_batch[(rows_, seq)], dequant_gbps=rates.get(name, profile.dequant_gbps))
-            dt = dtype_name(store.dtype)
-            pred = cm.predict(prof, ci.shape_of(st.cfg, dt, dt, seq, st.quant),
-                              place, acts, rows_)
-            rows.append((name, rows_, seq, st, r, pred))
-            print(f"{name} {rows_}x{seq}: {r['step_s']:.3f} s/step (predicted {pred.step_s:.3f}), "
-                  f"{r['bytes_read'] / 1e6:.0f} MB read", flush=True)
+    rows, rates, profile = [], {m: [] for m in methods}, None
+    for _ in range(args.rounds):  # rounds interleave the rows (A B A B): a drift of the machine reaches every row
+        for rows_, seq in batches:
+            profile = profiles.measure(stores["bf16"], cpu, store.dtype, rows_, seq)
+            for name, st in stores.items():
+                rate = profiles.measure_dequant(st, cpu, store.dtype) if name in rates else profile.dequant_gbps
+                if name in rates:
+                    rates[name].append(rate)
+                r = quant_steps(st, place, rows_, seq, args)
+                dt = dtype_name(store.dtype)
+                pred = cm.predict(dataclasses.replace(profile, dequant_gbps=rate),
+                                  ci.shape_of(st.cfg, dt, dt, seq, st.quant), place, acts, rows_)
+                rows.append((name, rows_, seq, st, r, pred.step_s))
+                print(f"{name} {rows_}x{seq}: {r['step_s']:.3f} s/step (predicted {pred.step_s:.3f}), "
+                      f"{r['bytes_read'] / 1e6:.0f} MB read", flush=True)
     load.append(shell("cat /proc/loadavg"))
     return quant_lines(args, store, QuantRun(stores, rows, rates, profile, k, load, quantize_s))
 
@@ -82,9 +86,9 @@ class QuantRun:
     """What quant_bench measured, for its lines in the notes."""
 
     stores: dict  # name -> BlockStore (bf16, nf4, int8)
-    rows: list  # (store name, rows, tokens, store, step figures, prediction)
-    rates: dict  # method -> GB/s of weights its dequantization produces
-    profile: object  # the cost model's profile (measured on the bf16 store)
+    rows: list  # (store name, rows, tokens, store, step figures, predicted step s), each round's
+    rates: dict  # method -> GB/s of weights its dequantization produces, measured before each of its rows
+    profile: object  # the cost model's profile of the last batch (measured on the bf16 store)
     prefetch: int
     load: list  # /proc/loadavg before and after
     quantize_s: float  # seconds to write the quantized stores
@@ -99,24 +103,33 @@ def quant_lines(args, store, run: QuantRun) -> str:
              f"- load (/proc/loadavg) before `{load[0]}`; after `{load[1]}` (the CPU is shared)",
              f"- model: dim {cfg.dim}, {cfg.n_layers} blocks, vocab {cfg.vocab_size}; compute {dtype_name(store.dtype)}; "
              f"disk tier, prefetch {k}, {'cold (O_DIRECT; page cache dropped)' if args.cold else 'warm'}; LoRA rank "
-             f"{args.lora_rank} (q, v), recompute none; {args.steps} timed steps after a warm-up, medians",
+             f"{args.lora_rank} (q, v), recompute none; {args.steps} timed steps after a warm-up, medians; {args.rounds} "
+             f"round(s), the rows interleaved, each round's inputs measured before its row: medians over rounds",
              "- stores: " + "; ".join(f"{n} {s.block_nbytes / 2**20:.1f} MiB/block ({s.block_nbytes / dense:.3f}x), "
                                        f"RAM tier {s.block_nbytes * cfg.n_layers / 1e9:.2f} GB" for n, s in stores.items())
              + f" ({', '.join(rates)} written from the bf16 store in {quantize_s:.0f} s)",
              "- dequantization (per block, into the compute dtype, over the cores as a CPU run does it when a block "
-             "is acquired; profiles.measure_dequant): "
-             + "; ".join(f"{m} {g:.2f} GB/s of weights produced" for m, g in rates.items())
-             + f"; disk read {profile.disk_gbps:.2f} GB/s cold (profiles.measure_disk)", "",
+             "is acquired; profiles.measure_dequant, just before each row's steps, in the rows' order): "
+             + "; ".join(f"{m} {', '.join(f'{g:.2f}' for g in gs)} GB/s of weights produced" for m, gs in rates.items())
+             + f"; disk read {profile.disk_gbps:.2f} GB/s cold (profiles.measure_disk, the last batch's profile)", "",
              "| store | rows x tokens | MB read/step | vs bf16 | dequant s/step | stall | step s | predicted s | "
-             "error |", "|---|---|---|---|---|---|---|---|---|"]
-    base = {(r, s): res["bytes_read"] for n, r, s, _, res, _ in rows if n == "bf16"}
+             "error | error by round |", "|---|---|---|---|---|---|---|---|---|---|"]
+    by_row: dict = {}  # (store name, rows, tokens) -> that row's rounds, in the first round's order
     for name, r, s, st, res, pred in rows:
-        lines.append(f"| {name} | {r} x {s} | {res['bytes_read'] / 1e6:.0f} | {res['bytes_read'] / base[(r, s)]:.3f} | "
-                     f"{res['dequant_s']:.3f} | {res['stall_s'] / res['step_s']:.0%} | {res['step_s']:.3f} | "
-                     f"{pred.step_s:.3f} | {res['step_s'] / pred.step_s - 1:+.1%} |")
+        by_row.setdefault((name, r, s), []).append((res, pred))
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    base = {(r, s): med([res["bytes_read"] for res, _ in runs]) for (n, r, s), runs in by_row.items() if n == "bf16"}
+    for (name, r, s), runs in by_row.items():
+        step, pred = med([res["step_s"] for res, _ in runs]), med([p for _, p in runs])
+        read = med([res["bytes_read"] for res, _ in runs])
+        by_round = ", ".join(f"{res['step_s'] / p - 1:+.0%}" for res, p in runs)
+        lines.append(f"| {name} | {r} x {s} | {read / 1e6:.0f} | {read / base[(r, s)]:.3f} | "
+                     f"{med([res['dequant_s'] for res, _ in runs]):.3f} | "
+                     f"{med([res['stall_s'] / res['step_s'] for res, _ in runs]):.0%} | {step:.3f} | {pred:.3f} | "
+                     f"{step / pred - 1:+.1%} | {by_round} |")
     for m in rates:
         saved = (dense - stores[m].block_nbytes) / (profile.disk_gbps * 1e9)
-        spent = dense / (rates[m] * 1e9)
+        spent = dense / (statistics.median(rates[m]) * 1e9)
         lines.append(f"- {m}: dequantizing a block takes {spent * 1e3:.0f} ms, the read it saves "
                      f"{saved * 1e3:.0f} ms: the dequantization is {'slower' if spent > saved else 'faster'} than "
                      f"the read it saves on this CPU")

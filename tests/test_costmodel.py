@@ -324,3 +324,25 @@ def test_adapters_in_one_run_read_once_and_compute_k_times():
         assert (s.ratio < 0.3) if bound == "disk" else s.ratio == pytest.approx(1.0, rel=0.05)
     fit = costsweep.adapters_that_fit(slow_disk, shape, place, acts, 4, adapter_bytes=GiB)
     assert 1 <= fit < 8 and costsweep.adapters_that_fit(slow_disk, shape, place, acts, 4, adapter_bytes=64 * GiB) == 0
+
+
+def test_compute_beside_reads_is_timed_once_the_readers_read_and_over_several_reads(tmp_path, monkeypatch):
+    """The compute-beside-reads slowdown (profiles.measure) times a block call after every reader has finished
+    its first read (a reader's start is no read), over at least min_s seconds and min_reads reads however short
+    the call (a few tokens: far less than one read), and rates the reads by the bytes read in that window."""
+    import time as clock
+
+    from phantom.plan import computetimer as ct
+    store = BlockStore(write_synthetic(tmp_path / "s", CFG, torch.bfloat16, progress=False))
+    reads = []
+
+    def slow_read(path, offset, buf, drop_cache=False):  # a disk that takes 20 ms a block
+        clock.sleep(0.02)
+        reads.append(buf.numel())
+    monkeypatch.setattr(ct, "readinto_exact", slow_read)
+    seen = []
+    t, gbps = ct.measure_overlap(store, lambda: seen.append(len(reads)), torch.device("cpu"), 3, True,
+                                 readers=2, min_s=0.3, min_reads=4)
+    assert seen[0] >= 2 and len(seen) > 3  # both readers read before the first call; calls for min_s, not 3
+    expected = 2 * store.block_nbytes / 0.02 / 1e9  # two readers, a block each per 20 ms
+    assert 0.6 * expected < gbps < 1.05 * expected

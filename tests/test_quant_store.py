@@ -340,6 +340,22 @@ def test_cost_model_counts_quantized_bytes_and_dequantization(bf16, stores, link
     assert q.split["ram"] == 6 and bf.split["ram"] == 1
 
 
+def test_a_cpus_dequantization_is_timed_on_bytes_just_read_as_a_run_dequantizes_them(stores, monkeypatch):
+    """A run dequantizes a block right after its read (an O_DIRECT read: nothing of it in the caches); timed
+    again and again on the same bytes a dim-2048 fp8-block block took two thirds of that. measure_dequant reads
+    the block before each timed call."""
+    import itertools
+
+    from phantom.plan import profiles
+    store, log = BlockStore(stores["nf4"]), []
+    read, dequantize = store.read_block_into, store.dequantize_block
+    monkeypatch.setattr(store, "read_block_into", lambda *a, **k: (log.append("R"), read(*a, **k))[1])
+    monkeypatch.setattr(store, "dequantize_block", lambda *a, **k: (log.append("D"), dequantize(*a, **k))[1])
+    assert profiles.measure_dequant(store, torch.device("cpu"), torch.float32, repeats=3, sample_s=0.0) > 0
+    calls = "".join(k for k, _ in itertools.groupby(log))  # a call's tensors may go to several workers
+    assert calls == "RD" + "RD" * 3  # the first read and the warm-up, then a read before each timed call
+
+
 def test_tuner_measures_the_dequantization_and_keeps_its_own_profile(stores, bf16, tmp_path):
     from phantom.plan import profiles
     store = BlockStore(stores["nf4"])

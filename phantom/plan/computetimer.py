@@ -44,14 +44,17 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def timed_mean(fn, device: torch.device, repeats: int, sample_s: float, most: int) -> float:
+def timed_mean(fn, device: torch.device, repeats: int, sample_s: float, most: int, before=None) -> float:
     """Mean seconds of fn() after one warm-up call: at least `repeats` calls, more until `sample_s` seconds
-    have passed, at most `most` (an expected cost per call, where `timed`'s median is one typical call)."""
+    have passed, at most `most` (an expected cost per call, where `timed`'s median is one typical call);
+    `before()` runs untimed before each."""
     fn()
     sync(device)
     times = []
     start = time.perf_counter()
     while len(times) < repeats or (len(times) < most and time.perf_counter() - start < sample_s):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         sync(device)

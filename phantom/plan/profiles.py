@@ -160,15 +160,19 @@ def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype,
 
     The mean of at least `repeats` calls, more until `sample_s` seconds (up to 20): a step adds up one
     dequantization per load, and on a shared CPU one call's time spreads widely (a dim-2048 int4-group block:
-    59-132 ms over 30 calls in a row, medians of 3 of them 65-110)."""
+    59-132 ms over 30 calls in a row, medians of 3 of them 65-110). On a CPU the block is read again before
+    each call, as the store reads it (O_DIRECT where it drops the cache): a run dequantizes bytes just read,
+    and a dim-2048 fp8-block block took 1.5x as long from a fresh O_DIRECT read (58-64 ms) as dequantized
+    again from the same bytes (38 ms), where a run's loads took 52-71 ms."""
     i = next((j for j in range(store.n_blocks) if store.cfg.sparse(j)), 0)
     raw = HostBuffer(store.block_nbytes, pin=False).tensor
     store.read_block_into(i, raw)
     stored = store.block_views(raw.to(device), i)
     out = store.dense_empty(dtype, device, i)
     pool = DequantPool(torch.get_num_threads() if device.type == "cpu" else 1)
+    fresh = (lambda: store.read_block_into(i, raw)) if device.type == "cpu" else None  # as a run: just read
     try:
-        t = ct.timed_mean(lambda: pool.dequantize(store, i, stored, out), device, repeats, sample_s, 20)
+        t = ct.timed_mean(lambda: pool.dequantize(store, i, stored, out), device, repeats, sample_s, 20, fresh)
     finally:
         pool.close()
     return sum(v.numel() for v in out.values()) * dtype.itemsize / t / 1e9

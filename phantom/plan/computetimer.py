@@ -88,7 +88,10 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
     reads (up to `most` calls): a block call of a few tokens takes milliseconds, far less than one read, and
     timed over a handful of calls it caught a reader starting or none at all (slowdowns of 1.3x to 7x in a
     row on one machine). The read rate counts the bytes read within that window, a read that straddles its
-    ends in proportion."""
+    ends in proportion. One reader where two blocks' buffers would take over a quarter of the free host memory
+    (the measured block and its graphs are in memory too)."""
+    if readers > 1 and readers * store.block_nbytes > (free_host_bytes() or 0) // 4:
+        readers = 1
     stop, lock, started = threading.Event(), threading.Lock(), threading.Barrier(readers + 1)
     spans: list[tuple[float, float, int]] = []
     failed: list[BaseException] = []

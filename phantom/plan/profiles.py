@@ -163,7 +163,7 @@ def measure_dequant(store: BlockStore, device: torch.device, dtype: torch.dtype,
     59-132 ms over 30 calls in a row, medians of 3 of them 65-110). On a CPU the block is read again before
     each call, as the store reads it (O_DIRECT where it drops the cache): a run dequantizes bytes just read,
     and a dim-2048 fp8-block block took 1.5x as long from a fresh O_DIRECT read (58-64 ms) as dequantized
-    again from the same bytes (38 ms), where a run's loads took 52-71 ms."""
+    again from the same bytes (38 ms), where a run's loads took 51-71 ms."""
     i = next((j for j in range(store.n_blocks) if store.cfg.sparse(j)), 0)
     raw = HostBuffer(store.block_nbytes, pin=False).tensor
     store.read_block_into(i, raw)

@@ -25,8 +25,9 @@ files, then half the blocks in RAM against pure disk with the cost model's predi
     python scripts/bench.py --modes quant --dim 2048 --layers 8 --dtype bf16 --quant-batches 1x32,8x256 --cold
 
 (alone) the same model stored bf16, NF4 and int8 (prepare_model.py --quantize; --quant-methods adds fp8-block,
-int4-group and mxfp4, the formats checkpoints ship), disk tier: bytes read per step, the loader's dequantization, step time beside
-the cost model's prediction; to notes/bench-quant.md.
+int4-group and mxfp4, the formats checkpoints ship), disk tier: bytes read per step, the dequantization (a CPU's on the compute's
+threads), step time beside the cost model's prediction from inputs measured just before each row (--rounds N: the rows
+interleaved N times, medians); to notes/bench-quant.md.
 
     python scripts/bench.py --modes moe --dim 256 --layers 4 --moe-batches 1x8,1x32,1x128,1x1024,4x1024
 

@@ -79,13 +79,16 @@ def measure_beside(fn, background, device: torch.device, repeats: int) -> float:
         thread.join()
 
 
+OVERLAP_MOST_CALLS = 200  # measure_overlap's bound on the calls it times
+
+
 def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool, readers: int = 2,
-                    min_s: float = 0.5, min_reads: int = 4, most: int = 200) -> tuple[float, float]:
+                    min_s: float = 0.5, min_reads: int = 4) -> tuple[float, float]:
     """(median seconds of fn(), GB/s of block reads) while `readers` threads read block files in a loop, as
     profiles.measure_disk reads them alone (the same threads: the ratio is the contention, not the readers).
 
     fn() is timed once the readers are reading, for at least `repeats` calls, `min_s` seconds and `min_reads`
-    reads (up to `most` calls): a block call of a few tokens takes milliseconds, far less than one read, and
+    reads (up to OVERLAP_MOST_CALLS calls): a block call of a few tokens takes milliseconds, far less than one read, and
     timed over a handful of calls it caught a reader starting or none at all (slowdowns of 1.3x to 7x in a
     row on one machine). The read rate counts the bytes read within that window, a read that straddles its
     ends in proportion. One reader where two blocks' buffers would take over a quarter of the free host memory
@@ -122,7 +125,7 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
     try:
         started.wait()  # every reader past its first read: reading steadily
         w0 = time.perf_counter()
-        while len(times) < most and (len(times) < repeats or time.perf_counter() - w0 < min_s or
+        while len(times) < OVERLAP_MOST_CALLS and (len(times) < repeats or time.perf_counter() - w0 < min_s or
                                      sum(1 for a, b, _ in list(spans) if a >= w0) < min_reads):
             t0 = time.perf_counter()
             fn()

@@ -179,10 +179,9 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     loads L of them (`loads_per_step`: the blocks still in slots at each turn are reused), so
         pipe(C) = S * C + sum(X)                                     K = 0: load, then compute
         pipe(C) = max(S * C + L * (D + W' - W), 2 * W + loaders(X')) + jitter   K >= 1, W = C + D (D: a CPU's)
-    with W', X' slowed by the measured contention for the fraction of time they overlap (a CPU's D slowed as its
-    compute: the same threads, beside the same reads; beside two steady cold readers a dim-2048 block's
-    dequantization took 0.86-1.46x its time alone over six trials of fp8-block, int4-group and mxfp4, its
-    forward 1.0-1.13x: one factor within the spread), loaders(X') the loads
+    with W', X' slowed by the measured contention for the time they overlap (a CPU's D as its compute: beside
+    two cold readers a dim-2048 block's dequantization took 0.86-1.46x its time alone, its forward 1.0-1.13x:
+    one factor within the spread), loaders(X') the loads
     in series or, on a CPU reading from disk, spread over its loaders (`loaders_s`), and
         step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
     Memory: see `device_memory` and `host_memory`.

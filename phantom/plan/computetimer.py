@@ -79,7 +79,7 @@ def measure_beside(fn, background, device: torch.device, repeats: int) -> float:
         thread.join()
 
 
-OVERLAP_MOST_CALLS = 200  # measure_overlap's bound on the calls it times
+OVERLAP_MOST_S = 60.0  # measure_overlap's bound on its window (a reader that stalls ends it)
 
 
 def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, cold: bool, readers: int = 2,
@@ -88,7 +88,7 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
     profiles.measure_disk reads them alone (the same threads: the ratio is the contention, not the readers).
 
     fn() is timed once the readers are reading, for at least `repeats` calls, `min_s` seconds and `min_reads`
-    reads (up to OVERLAP_MOST_CALLS calls): a block call of a few tokens takes milliseconds, far less than one read, and
+    reads (up to OVERLAP_MOST_S): a block call of a few tokens takes milliseconds, far less than one read, and
     timed over a handful of calls it caught a reader starting or none at all (slowdowns of 1.3x to 7x in a
     row on one machine). The read rate counts the bytes read within that window, a read that straddles its
     ends in proportion. One reader where two blocks' buffers would take over a quarter of the free host memory
@@ -125,8 +125,8 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
     try:
         started.wait()  # every reader past its first read: reading steadily
         w0 = time.perf_counter()
-        while len(times) < OVERLAP_MOST_CALLS and (len(times) < repeats or time.perf_counter() - w0 < min_s or
-                                     sum(1 for a, b, _ in list(spans) if a >= w0) < min_reads):
+        while time.perf_counter() - w0 < OVERLAP_MOST_S and (len(times) < repeats or time.perf_counter() - w0 < min_s
+                                                              or sum(1 for a, _, _ in list(spans) if a >= w0) < min_reads):
             t0 = time.perf_counter()
             fn()
             sync(device)
@@ -146,11 +146,13 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
 
 @dataclass(frozen=True)
 class Beside:
-    """What a block's forward is also timed beside: a thread reading block files at disk_gbps (GB/s of block
-    reads alone; 0: none), cold or not, how much reading and computing slow each other down."""
+    """What a block's forward is also timed beside: threads reading block files at disk_gbps (GB/s of block
+    reads alone; 0: none), cold or not, for at least window_s seconds (and four reads: measure_overlap), how
+    much reading and computing slow each other down."""
 
     disk_gbps: float = 0.0
     cold: bool = True
+    window_s: float = 0.5
 
 
 class BlockTimer:
@@ -203,7 +205,8 @@ class BlockTimer:
             del xg, o
         busy = (1.0, 1.0)
         if self.beside.disk_gbps:
-            t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.beside.cold)
+            t_busy, gbps_busy = measure_overlap(model.store, fwd, device, repeats, self.beside.cold,
+                                               min_s=self.beside.window_s)
             busy = (max(1.0, t_busy / t_fwd), max(1.0, self.beside.disk_gbps / gbps_busy))
         return dict(fwd=t_fwd, fwd_grad=statistics.median(t_grad[1:]), bwd=statistics.median(t_bwd[1:]), busy=busy,
                     head=self.head_s(b) / b if with_head else None,

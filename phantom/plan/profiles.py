@@ -208,13 +208,14 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     shape = ci.shape_of(cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
     with compute_stores(store, cfg, device, dtype, (batch_size, seq_len), quick) as timed:
         itself = timed == [(store, seq_len)]  # the store's own block at the row's length: at 1 row and batch_size
+        beside = ct.Beside(disk, True, window_s=0.0 if quick else 0.5)  # quick: over its four reads alone
         points = [(ct.measure_compute(s, device, dtype, t, batch_size if itself else 1,
-                                      free_dev, repeats, ct.Beside(disk, True) if i == 0 else ct.Beside()),
+                                      free_dev, repeats, beside if i == 0 else ct.Beside()),
                    ci.shape_of(s.cfg, store.manifest["dtype"], dtype_name(dtype), t, store.quant))
                   for i, (s, t) in enumerate(timed)]
         sliced = "" if itself else " (compute timed on " + " and ".join(
             f"f{s.cfg.hidden_dim}-h{s.cfg.n_heads}" + (f" x {t} tokens" if t != seq_len else "") for s, t in timed) + ")"
-    dequant = measure_dequant(store, device, dtype, repeats) if store.quant is not None else \
+    dequant = measure_dequant(store, device, dtype, repeats, 0.5 if quick else 1.5) if store.quant is not None else \
         ci.MachineProfile.dequant_gbps
     log.info("measured a %s in %.1f s", "quick profile" if quick else "profile", time.perf_counter() - t0)
     return ci.MachineProfile(

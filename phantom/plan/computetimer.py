@@ -31,34 +31,31 @@ def sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up call."""
+def call_s(fn, device: torch.device) -> float:
+    """Seconds of one fn() call, its queued device work included."""
+    t0 = time.perf_counter()
     fn()
     sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time.perf_counter() - t0
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    call_s(fn, device)
+    return statistics.median(call_s(fn, device) for _ in range(repeats))
 
 
 def timed_mean(fn, device: torch.device, repeats: int, sample_s: float, most: int, before=None) -> float:
     """Mean seconds of fn() after one warm-up call: at least `repeats` calls, more until `sample_s` seconds
     have passed, at most `most` (an expected cost per call, where `timed`'s median is one typical call);
     `before()` runs untimed before each."""
-    fn()
-    sync(device)
+    call_s(fn, device)
     times = []
     start = time.perf_counter()
     while len(times) < repeats or (len(times) < most and time.perf_counter() - start < sample_s):
         if before is not None:
             before()
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(call_s(fn, device))
     return statistics.fmean(times)
 
 
@@ -127,10 +124,7 @@ def measure_overlap(store: BlockStore, fn, device: torch.device, repeats: int, c
         w0 = time.perf_counter()
         while time.perf_counter() - w0 < OVERLAP_MOST_S and (len(times) < repeats or time.perf_counter() - w0 < min_s
                                                               or sum(1 for a, _, _ in list(spans) if a >= w0) < min_reads):
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
+            times.append(call_s(fn, device))
         w1 = time.perf_counter()
     except threading.BrokenBarrierError:
         pass

@@ -67,8 +67,9 @@ def quant_bench(args, store: BlockStore) -> str:
         for rows_, seq in batches:
             profile = profiles.measure(stores["bf16"], cpu, store.dtype, rows_, seq)
             for name, st in stores.items():
-                rate = profiles.measure_dequant(st, cpu, store.dtype) if name in rates else profile.dequant_gbps
+                rate = profile.dequant_gbps  # bf16: none to measure
                 if name in rates:
+                    rate = profiles.measure_dequant(st, cpu, store.dtype)
                     rates[name].append(rate)
                 r = quant_steps(st, place, rows_, seq, args)
                 dt = dtype_name(store.dtype)

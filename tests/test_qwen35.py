@@ -7,6 +7,7 @@ LoRA on attention against peft, the merged export, the full step against AdamW):
 - LoRA on attention, on every Gated DeltaNet projection and on the experts (peft's target_parameters) equals
   peft, resident and streamed with the experts read routed and whole; the merged export equals peft's
   merge_and_unload; packed rows equal their examples run alone;
+- generation (the conv and recurrent states the cache) equals transformers' generate past a chunk;
 - a Qwen3.5 vision-language checkpoint is read as its text model, the vision tower left out in one line;
 - the presets are the published config.json files read, their parameters transformers' (meta device);
 - what phantom does not model is refused in one line.
@@ -258,11 +259,19 @@ def test_a_vision_language_checkpoint_is_read_as_its_text_model(tmp_path, caplog
         assert rel_err(pm(tokens), model(input_ids=tokens).logits) < 1e-5
 
 
-def test_generation_is_refused_in_one_line(family_models):
-    from phantom.model.generate import generate
-    _, store = family_models("qwen3_next")
-    with phantom.load(store, offload="none", lora=None) as pm, pytest.raises(ValueError, match="linear-attention"):
-        generate(pm, [1, 2, 3], max_new_tokens=2)
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
+def test_generation_past_a_chunk_equals_transformers_generate(family_models, name):
+    """The conv and recurrent states are the cache of a Gated DeltaNet layer: a 70-token prompt (its prefill
+    past the delta rule's chunk of 64) and a 3-token one, left-padded in one batch, then token by token."""
+    from phantom.model.generate import Request, generate_many
+    model, store = family_models(name)
+    gen = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 400, (n,), generator=gen).tolist() for n in (70, 3)]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in ps]
+    with phantom.load(store, offload="disk", prefetch=1, lora=None) as pm:
+        assert [c.ids for c in generate_many(pm, [Request(p, 8) for p in ps])] == want
 
 
 PRESET_FILES = [("qwen3.5-35b-a3b", "qwen3.5-35B-A3B"), ("qwen3.5-122b-a10b", "qwen3.5-122B-A10B"),

@@ -40,14 +40,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           chunk: int = CHUNK) -> torch.Tensor:
-    """The gated delta rule over a sequence from a zero state, in fp32, chunk tokens at a time.
+                           chunk: int = CHUNK, state: torch.Tensor | None = None):
+    """The gated delta rule over a sequence from a zero state (or `state`), in fp32, chunk tokens at a time.
 
     Args:
         q, k: (B, T, Hk, Dk); v: (B, T, Hv, Dv), each q/k head serving Hv / Hk consecutive value heads.
         g: (B, T, Hv) log decay (<= 0); beta: (B, T, Hv) write strength in (0, 1).
+        state: (B, Hv, Dk, Dv) fp32, the state before the first token (a generation's cache), or None (zero).
     Returns:
-        (B, T, Hv, Dv) in q's dtype."""
+        (B, T, Hv, Dv) in q's dtype; with `state` given, also the state after the last token (a padded chunk's
+        tokens decay nothing and write nothing: g and k are zero there)."""
     dtype, (B, T, Hk, Dk), Hv = q.dtype, k.shape, v.shape[2]
     if Hk != Hv:
         q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
@@ -71,7 +73,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     q_decayed = q * g.exp()[..., None]
     k_rest = k * (g[..., -1:] - g).exp()[..., None]  # each key decayed to the chunk's end
     chunk_decay = g[..., -1].exp()[..., None, None]
-    state = q.new_zeros(B, Hv, Dk, v.shape[-1])
+    given = state is not None
+    state = q.new_zeros(B, Hv, Dk, v.shape[-1]) if state is None else state.float()
     out = []
     # each chunk's slices taken once by unbind: a slice indexed in the loop would, in backward, zero-fill a
     # tensor of the whole sequence for each chunk (quadratic in the length: 70% of a block's step at 8192 tokens)
@@ -80,8 +83,27 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         v_new = u_i - w_i @ state  # what the state does not already predict
         out.append(qd_i @ state + inner_i @ v_new)
         state = state * decay_i + k_i.transpose(-1, -2) @ v_new
-    o = torch.stack(out, dim=2).reshape(B, Hv, n * chunk, -1)[:, :, :T]
-    return o.transpose(1, 2).to(dtype)
+    o = torch.stack(out, dim=2).reshape(B, Hv, n * chunk, -1)[:, :, :T].transpose(1, 2).to(dtype)
+    return (o, state) if given else o
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token from `state` (transformers' torch_recurrent_gated_delta_rule, which
+    its generation runs for each new token): shapes as chunk_gated_delta_rule's; returns the outputs and the
+    state after the last token."""
+    dtype, Hk, Dk, Hv = q.dtype, k.shape[2], k.shape[3], v.shape[2]
+    if Hk != Hv:
+        q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+    q, k, v, beta, g = (t.transpose(1, 2).float() for t in (q, k, v, beta, g))  # (B, H, T, ...)
+    q, k = l2norm(q) * Dk ** -0.5, l2norm(k)
+    state, out = state.float(), []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t, None, None].exp()
+        delta = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2)) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        out.append((state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(out, dim=2).transpose(1, 2).to(dtype), state
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,10 +176,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, cache: KVCache | None = None,
                 start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: None, or (B, 1, T, T) bool of packed rows: each example then runs alone (its state from zero)."""
+        """mask: None, or (B, 1, T, T) bool of packed rows: each example then runs alone (its state from zero).
+        With a cache (generation), mask is the batch's (B, 1, T, start_pos + T) of left-padded rows."""
         if cache is not None:
-            raise ValueError("generation with a cache is not supported for linear-attention (Gated DeltaNet) layers: "
-                             "phantom keeps no conv or recurrent state between calls")
+            return self.step(x, cache, start_pos, mask)
         if mask is None:
             return self.mix(x)
         starts = mask[:, 0].int().argmax(dim=-1)  # (B, T): the first key each token sees, its example's start
@@ -166,3 +188,23 @@ class GatedDeltaNet(nn.Module):
             edges = [0, *(torch.nonzero(starts[r, 1:] != starts[r, :-1]).flatten() + 1).tolist(), x.shape[1]]
             rows.append(torch.cat([self.mix(x[r:r + 1, s:e]) for s, e in zip(edges, edges[1:])], dim=1))
         return torch.cat(rows)
+
+    def step(self, x: torch.Tensor, cache: KVCache, start_pos: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """The next T tokens of each row from the state in `cache` (updated in place): a prompt in chunks, a
+        generated token by the recurrence, as transformers' generation runs them. A left-padded row's pads are
+        zeroed first (its apply_mask_to_padding_states): zero inputs leave a zero state zero, so the row computes
+        what it does alone; the last query's mask row tells which of the new tokens are real."""
+        B, T, _ = x.shape
+        if mask is not None:
+            x = x * mask[:, 0, -1, start_pos:start_pos + T, None].to(x.dtype)
+        qkv, z, b, a = self.inputs(x)
+        w = self.conv1d.weight
+        seq = torch.cat([cache.k[:B].to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # (B, C, taps - 1 + T)
+        cache.k[:B] = seq[..., seq.shape[-1] - cache.k.shape[-1]:]
+        qkv = self.act(F.conv1d(seq, w, groups=w.shape[0]))  # (B, C, T): the convolution's valid outputs
+        q, k, v = qkv.transpose(1, 2).split([self.key, self.key, self.value], dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        rule = recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
+        out, cache.v[:B] = rule(q.reshape(B, T, self.hk, self.dk), k.reshape(B, T, self.hk, self.dk),
+                                v.reshape(B, T, self.hv, self.dv), g, b.sigmoid(), state=cache.v[:B])
+        return self.out_proj(gated_rms_norm(out, z, self.norm.weight, self.eps).reshape(B, T, -1))

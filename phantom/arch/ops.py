@@ -173,19 +173,36 @@ def _permute_heads(w: torch.Tensor, n_heads: int, rotary: int | None, to_hf: boo
 
 @dataclass
 class KVCache:
-    """Keys and values of one block for generation: (B, n_kv_heads, max_len, head_dim); for latent attention
-    (cfg.kv_lora_rank) each token's latent (B, 1, max_len, kv_lora_rank) and shared rotated key (B, 1,
-    max_len, rope_dim), from which every head's keys and values are made (phantom.arch.mla)."""
+    """What one block keeps of the tokens before for generation, rows (dim 0) the sequences: keys and values
+    (B, n_kv_heads, max_len, head_dim); for latent attention (cfg.kv_lora_rank) each token's latent (B, 1,
+    max_len, kv_lora_rank) and shared rotated key (B, 1, max_len, rope_dim), from which every head's keys and
+    values are made (phantom.arch.mla); for a Gated DeltaNet layer (cfg.linear) its state, not the tokens: k
+    the convolution's last taps - 1 inputs (B, channels, taps - 1), v the delta rule's fp32 state (B, v_heads,
+    k_dim, v_dim) (phantom.arch.deltanet), so its size does not grow with max_len."""
 
     k: torch.Tensor
     v: torch.Tensor
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=None) -> "KVCache":
-        k = (batch, cfg.kv_heads, max_len, cfg.head_dim) if not cfg.kv_lora_rank else (batch, 1, max_len,
-                                                                                        cfg.kv_lora_rank)
-        v = (batch, cfg.kv_heads, max_len, cfg.head_dim) if not cfg.kv_lora_rank else (batch, 1, max_len, cfg.rope_dim)
-        return cls(torch.zeros(k, device=device, dtype=dtype), torch.zeros(v, device=device, dtype=dtype))
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=None, layer: int = 0) -> "KVCache":
+        return cls(torch.zeros(cls.shapes(cfg, batch, max_len, layer)[0], device=device, dtype=dtype),
+                   torch.zeros(cls.shapes(cfg, batch, max_len, layer)[1], device=device,
+                               dtype=torch.float32 if cfg.linear(layer) else dtype))
+
+    @staticmethod
+    def shapes(cfg: ModelConfig, batch: int, max_len: int, layer: int = 0) -> tuple[tuple, tuple]:
+        """The (k, v) shapes of block `layer`'s cache for `batch` sequences of up to max_len tokens."""
+        if cfg.linear(layer):
+            channels = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
+            return ((batch, channels, cfg.linear_conv - 1),
+                    (batch, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim))
+        if cfg.kv_lora_rank:
+            return (batch, 1, max_len, cfg.kv_lora_rank), (batch, 1, max_len, cfg.rope_dim)
+        return (batch, cfg.kv_heads, max_len, cfg.head_dim), (batch, cfg.kv_heads, max_len, cfg.head_dim)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only these rows (sequences) from now on: the finished ones are dropped from later steps."""
+        self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
 
 
 def linear(in_features: int, out_features: int, device=None, dtype=None, bias: bool = False) -> nn.Linear:

@@ -103,7 +103,7 @@ class ResidentBlocks:
         split = lambda t: L.split_rows(t, lanes, self.micro_batch)  # noqa: E731
         for i, block in enumerate(self.layers):
             if caches is not None:
-                h = block(h, rope, caches[i], start_pos)
+                h = block(h, rope, caches[i], start_pos, mask)
                 continue
             hs = split(h)
             ropes = split(rope) if mask is not None else [rope] * len(hs)  # packed rows: a rope per row

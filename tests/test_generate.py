@@ -89,3 +89,29 @@ def test_eos_stops_generation(small_store):
         eos = greedy[2]
         stopped = list(generate(model, PROMPT, 8, temperature=0, eos_id=eos))
     assert stopped == greedy[:greedy.index(eos) + 1]  # the EOS token is the last one yielded
+
+
+def test_generate_cli_completes_a_prompts_file_in_input_order(tmp_path, capsys):
+    """Each line's fields plus its completion, in input order, as the single-prompt path completes it; a line
+    that is not JSON: one line, exit 2, no output file."""
+    import json
+    tok = train_tiny_tokenizer(tmp_path / "tokenizer.model", vocab_size=preset("tiny").vocab_size)
+    store = write_synthetic(tmp_path / "tiny", preset("tiny", n_layers=2), torch.float32, seed=0, tokenizer=tok,
+                            progress=False)
+    texts = ["Once upon a time", "The keeper", "A", "In the morning the lamp was lit and"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": t, "id": n}) + "\n" for n, t in enumerate(texts)))
+    main = load_script("generate").main
+    common = ["--model", str(store), "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]
+    assert main([*common, "--prompts", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
+                 "--batch-size", "3"]) == 0
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in out] == [0, 1, 2, 3] and [r["prompt"] for r in out] == texts
+    capsys.readouterr()
+    for r in out[:2]:
+        assert main([*common, "--prompt", r["prompt"]]) == 0
+        assert capsys.readouterr().out == r["prompt"] + r["completion"] + "\n"
+        assert len(r["completion_ids"]) <= 6
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": oops}\n')
+    assert main([*common, "--prompts", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "bad-out.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl:2" in err[0] and not (tmp_path / "bad-out.jsonl").exists()

@@ -44,9 +44,9 @@ RANK = {  # within a package
               "hflayout": 1, "gguf_pretok": 0, "gguf_vocab": 1, "gguf_hparams": 0, "gguf_arch": 1, "gguf_export": 2, "gguf_lora": 3,
               "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3, "adaptermodel": 2},
     "plan": {"costinputs": 0, "costmodel": 1, "quickslice": 1, "costexperts": 2, "planner": 2, "computetimer": 3,
-             "profiles": 4, "tune": 5, "costsweep": 2},
+             "profiles": 4, "tune": 5, "costsweep": 2, "costscore": 1},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,
-              "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 4, "runner": 5, "sweep": 5,
+              "score": 0,              "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 4, "runner": 5, "sweep": 5,
               "sweeprun": 6, "launch": 7},
 }
 TOP = "__init__"  # phantom/__init__.py: the public API, above everything

@@ -117,6 +117,14 @@ class ResidentBlocks:
                                            for b, r, rc, mc in zip(blocks, split(reference), ropes, masks)])
         return h if reference is None else (h, reference)
 
+    def run_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each (h, rope) micro-batch through every block, block by block (causal, no cache, no lanes): the
+        layer-major inference of scoring (phantom.train.score), each micro-batch its own length."""
+        hs = [h for h, _ in batches]
+        for block in self.layers:
+            hs = [block(h, rope) for h, (_, rope) in zip(hs, batches)]
+        return hs
+
     def block_groups(self) -> list[list[nn.Parameter]]:
         """The blocks' clipping groups in full mode: resident blocks are clipped with the rest, one group each."""
         return [list(block.parameters()) for block in self.layers]
@@ -175,6 +183,16 @@ class StreamedBlocks:
         for lane in lanes or ():
             trained = [ps + lane.adapter.trained(i) for i, ps in enumerate(trained)]
         return self.executor(h, rope, trained, caches, start_pos, mask, reference, lanes)
+
+    def run_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each (h, rope) micro-batch through every block, each block loaded once for all of them (a wave of
+        phantom.train.score reads the store once, however many requests it holds)."""
+        ex, n, hs = self.executor, len(self.layers), [h for h, _ in batches]
+        self.scheduler.plan(list(range(n)), sum(h.shape[0] * h.shape[1] for h in hs))
+        for i in range(n):
+            with ex.block_weights(i), ex.first_pass(i):
+                hs = ex.run_rows(i, [(h, rope, None, None) for h, (_, rope) in zip(hs, batches)])
+        return hs
 
     def share(self, layers: nn.ModuleList) -> None:
         """Nothing: an adapter's blocks are bound to the streamed weights with the model's, per use."""

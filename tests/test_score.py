@@ -1,0 +1,96 @@
+"""Scoring many sequences (phantom.train.score): every request of a wave through a block while it is loaded
+once, the waves predicted by phantom.plan.costscore, padded micro-batches exact against each request run
+alone, rolling windows as lm-eval cuts them."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import phantom
+from phantom.plan import costscore
+from phantom.train import score as S
+from conftest import SMALL, need
+
+
+def requests(n: int, seed: int = 0, longest: int = 40):
+    rng = random.Random(seed)
+    return [([rng.randrange(SMALL.vocab_size) for _ in range(rng.randint(1, longest))],
+             [rng.randrange(SMALL.vocab_size) for _ in range(rng.randint(1, 6))]) for _ in range(n)]
+
+
+def alone(model, context, continuation):
+    """The request run by itself through the model's forward: its log-probability and greedy match."""
+    inp, cont = S.window(context, continuation, model.cfg.max_seq_len)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([inp])), -1)[0, -len(cont):]
+    return float(logp.gather(1, torch.tensor(cont)[:, None]).sum()), bool((logp.argmax(-1) == torch.tensor(cont)).all())
+
+
+def test_plan_sorts_longest_first_and_bounds_micro_batches_and_waves():
+    b = costscore.ScoreBudget(token_bytes=10, wave_bytes=10 * 100, micro_tokens=60, max_rows=3)
+    plan = costscore.plan_scoring([5, 30, 20, 20, 7, 50, 1], b)
+    assert plan.micro_batches == ((5,), (1, 2), (3, 4, 0), (6,))  # 2 x 30 <= 60; 3 x 20 <= 60; 3 rows at most
+    assert plan.padded == (50, 60, 60, 1)
+    assert plan.waves == ((0,), (1,), (2, 3))  # 50 + 60 > 100, 60 + 60 > 100, 60 + 1 <= 100
+    one = costscore.plan_scoring([100], b)  # larger than any bound: alone, still run
+    assert one.micro_batches == ((0,),) and one.waves == ((0,),)
+
+
+@pytest.mark.parametrize("offload", ["none", "disk"])
+def test_scores_equal_each_request_run_alone(small_store, offload):
+    reqs = requests(9)
+    with phantom.load(small_store, offload=offload, prefetch=1, lora=None) as model:
+        got = S.score(model, reqs, batch_size=4, wave_bytes=3 * 40 * model.cfg.dim * 4 * 2)
+        for (logp, greedy), (ctx, cont) in zip(got, reqs):
+            ref_logp, ref_greedy = alone(model, ctx, cont)
+            assert logp == pytest.approx(ref_logp, abs=1e-4) and greedy == ref_greedy
+
+
+def test_a_wave_reads_each_block_once(small_store):
+    """R requests in W waves (the cost model's count) acquire each block W times and read it W times from
+    disk with one slot: R requests cost W passes over the weights, not R."""
+    reqs = requests(12, seed=1)
+    with phantom.load(small_store, offload="disk", prefetch=0, lora=None) as model:
+        wave_bytes = costscore.token_bytes(model.cfg, 4) * 60
+        plan, _ = S.plan_for(model, [len(S.window(c, x, 64)[0]) for c, x in reqs], 2, wave_bytes)
+        assert len(plan.waves) > 2
+        acquired = []
+        real = model.scheduler.acquire
+        model.scheduler.acquire = lambda i: acquired.append(i) or real(i)
+        model.scheduler.take_metrics()
+        S.score(model, reqs, batch_size=2, wave_bytes=wave_bytes)
+        loads = model.scheduler.take_metrics()["loads"]
+    n = SMALL.n_layers
+    assert acquired == list(range(n)) * len(plan.waves)
+    assert loads == n * len(plan.waves)
+
+
+def test_rolling_windows_are_lm_evals():
+    utils = need("lm_eval.utils")
+    rng = random.Random(0)
+    for length in (0, 1, 5, 63, 64, 65, 127, 128, 129, 300):
+        tokens = [rng.randrange(1000) for _ in range(length)]
+        for max_len in (1, 2, 16, 64):
+            ref = [utils.make_disjoint_window(w) for w in
+                   utils.get_rolling_token_windows(tokens, prefix_token=7, max_seq_len=max_len, context_len=1)]
+            assert S.rolling_windows(tokens, 7, max_len) == [(list(a), list(b)) for a, b in ref], (length, max_len)
+
+
+def test_documents_sum_their_windows(small_store):
+    rng = random.Random(2)
+    docs = [[rng.randrange(SMALL.vocab_size) for _ in range(k)] for k in (3, 64, 150)]
+    with phantom.load(small_store, offload="none", lora=None) as model:
+        got = S.score_documents(model, docs, prefix=1, batch_size=2)
+        for doc, total in zip(docs, got):
+            windows = S.rolling_windows(doc, 1, model.cfg.max_seq_len)
+            assert total == pytest.approx(sum(alone(model, c, x)[0] for c, x in windows), abs=1e-3)
+
+
+def test_bad_requests_are_refused(small_store):
+    with phantom.load(small_store, offload="none", lora=None) as model:
+        with pytest.raises(ValueError, match="a context and a continuation"):
+            S.score(model, [([], [1])])
+        with pytest.raises(ValueError, match="longer than the model's context"):
+            S.score(model, [([1], [2] * 65)])

@@ -143,3 +143,20 @@ def test_bad_requests_are_refused(family_models):
                 generate_many(pm, [Request([1, 2], 2), bad])
     with pytest.raises(ValueError, match="top_p"):
         Sampling(temperature=1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("budget", [0, "some"])
+def test_caches_kept_in_host_memory_give_the_same_tokens(family_models, budget):
+    """Blocks whose caches do not fit the device budget keep them in host memory, uploaded for their block and
+    their new columns written back (a Gated DeltaNet layer's state whole): the tokens do not change."""
+    from phantom.stream.kvcache import CacheSet
+    _, store = family_models("qwen3_5_moe")
+    ps = prompts()
+    with phantom.load(store, offload="disk", lora=None) as pm:
+        want = greedy(pm, ps)
+        if budget == "some":  # the first block's cache on the device, the second's on the host
+            one = CacheSet(pm.cfg, len(ps), 16 + NEW, pm.device, pm.dtype)
+            budget = one.caches[0].k.numel() * 4 + one.caches[0].v.numel() * 4
+        sets = CacheSet(pm.cfg, len(ps), 16 + NEW, pm.device, pm.dtype, budget)
+        assert sets.host_blocks == ([0, 1] if budget == 0 else [1])
+        assert greedy(pm, ps, cache_budget=budget) == want

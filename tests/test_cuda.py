@@ -218,3 +218,17 @@ def test_a_fork_after_pinning_leaves_the_pinned_tier_out_of_the_child(stores):
         answer = os.read(read, 1)
         os.waitpid(pid, 0)
         assert answer == b"0", "the child has the pinned RAM tier mapped"
+
+
+@pytest.mark.parametrize("cache_budget", ["auto", 0])
+def test_batched_generation_on_the_gpu_equals_the_cpu(stores, cache_budget):
+    """Eight prompts of different lengths, greedy, fp32: the GPU's tokens (caches on the device, or all of them
+    in page-locked host memory copied with their blocks) are the CPU's."""
+    from phantom.model.generate import Request, generate_many
+    gen = torch.Generator().manual_seed(0)
+    reqs = [Request(torch.randint(0, WIDE.vocab_size, (n,), generator=gen).tolist(), 8)
+            for n in (3, 9, 5, 12, 1, 7, 16, 4)]
+    with phantom.load(stores[torch.float32], device="cpu", offload="disk", lora=None) as cpu:
+        want = [c.ids for c in generate_many(cpu, reqs)]
+    with phantom.load(stores[torch.float32], device="cuda", offload="disk", prefetch=2, lora=None) as gpu:
+        assert [c.ids for c in generate_many(gpu, reqs, cache_budget=cache_budget)] == want

@@ -323,3 +323,38 @@ def test_a_quantized_store_s_slots_and_blocks_fit_the_device_budget(fc, tmp_path
         assert sched.resident == 2, sched.tiers
     finally:
         sched.close()
+
+
+def test_generation_caches_in_host_memory_come_up_on_the_copy_stream_and_go_back_after_their_block(fc, small_store):
+    """Caches kept in host memory (a device budget of 0) are page-locked; each block's comes up non-blocking on
+    the copy stream, the compute waits for it by an event, its new columns go back on the copy stream after an
+    event of the compute, and no copy touches bytes another stream touched unordered; the tokens are the
+    device-resident caches'."""
+    from phantom.model.generate import Request, generate_many
+    reqs = [Request([1, 5, 7], 4), Request([3, 4, 5, 6, 7, 8], 4), Request([9], 2)]  # the last ends early
+    with fc.tensors_to_host():
+        model = phantom.load(small_store, device="cuda", offload="disk", prefetch=1, compile=False, lora=None)
+        try:
+            start = len(fc.log)
+            got = [c.ids for c in generate_many(model, reqs, cache_budget=0)]
+            log = fc.log[start:]
+        finally:
+            model.close()
+    assert len([e for e in log if e[0] == "register"]) == 2 * SMALL.n_layers  # every block's k and v
+    side = {e[4] for e in log if e[0] == "copy" and e[4] is not fc.default and fc.on_cuda(e[1]) and e[2].dim() == 4}
+    assert len(side) == 1, "the caches' uploads run on one copy stream"
+    stream = side.pop()
+    ups = [e for e in log if e[0] == "copy" and e[4] is stream and fc.on_cuda(e[1]) and not fc.on_cuda(e[2])]
+    downs = [e for e in log if e[0] == "copy" and e[4] is stream and fc.on_cuda(e[2]) and not fc.on_cuda(e[1])]
+    assert ups and downs and all(e[3] for e in ups + downs), "cache copies are non-blocking"
+    for k, e in enumerate(log):
+        if any(e is u for u in ups):  # the compute waits for the event recorded after the upload
+            ev = next(r[1] for r in log[k + 1:] if r[0] == "record" and r[2] is stream)
+            assert any(w[0] == "wait_event" and w[1] is fc.default and w[2] is ev for w in log[k + 1:])
+        if any(e is d for d in downs):  # a write-back waits for an event the compute recorded before it
+            assert any(w[0] == "wait_event" and w[1] is stream and w[2].stream is fc.default for w in log[:k])
+    synced = [k for k, e in enumerate(log) if e[0] == "event_sync"]
+    assert synced, "the host compacts the caches only once their write-backs have landed"
+    assert fc.unordered() == []
+    with phantom.load(small_store, offload="disk", lora=None) as ref:
+        assert got == [c.ids for c in generate_many(ref, reqs)]

@@ -201,8 +201,11 @@ class KVCache:
         return (batch, cfg.kv_heads, max_len, cfg.head_dim), (batch, cfg.kv_heads, max_len, cfg.head_dim)
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Only these rows (sequences) from now on: the finished ones are dropped from later steps."""
-        self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+        """Only these rows (sequences) from now on: the finished ones are dropped from later steps, the rows
+        moved up in place (the memory stays where it is: page-locked host memory stays page-locked)."""
+        n = rows.numel()
+        self.k[:n], self.v[:n] = self.k.index_select(0, rows), self.v.index_select(0, rows)
+        self.k, self.v = self.k[:n], self.v[:n]
 
 
 def linear(in_features: int, out_features: int, device=None, dtype=None, bias: bool = False) -> nn.Linear:

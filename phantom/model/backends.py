@@ -16,6 +16,7 @@ import torch.nn as nn
 from phantom.arch.config import ModelConfig
 from phantom.arch.layers import TransformerBlock, fuse_adjacent, lora_disabled
 from phantom.arch.ops import KVCache
+from phantom.stream.kvcache import block_cache
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import packed_empty
 from phantom.model.lora import LoraConfig, apply_lora
@@ -103,7 +104,8 @@ class ResidentBlocks:
         split = lambda t: L.split_rows(t, lanes, self.micro_batch)  # noqa: E731
         for i, block in enumerate(self.layers):
             if caches is not None:
-                h = block(h, rope, caches[i], start_pos, mask)
+                with block_cache(caches, i, start_pos, h.shape[1]) as cache:
+                    h = block(h, rope, cache, start_pos, mask)
                 continue
             hs = split(h)
             ropes = split(rope) if mask is not None else [rope] * len(hs)  # packed rows: a rope per row

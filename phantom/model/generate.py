@@ -25,6 +25,7 @@ from phantom.arch.ops import KVCache
 from phantom.data.chat import ChatTemplate, end_of_turn_ids, prompt_ids
 from phantom.data.tokenizer import Tokenizer
 from phantom.model.phantom_model import PhantomModel
+from phantom.stream.kvcache import CacheSet
 from phantom.stream.memory import free_device_bytes, free_host_bytes
 
 MAX_BATCH = 256  # sequences per batch at most when the batch size is chosen from memory
@@ -125,10 +126,13 @@ def _crosses_longrope(model: PhantomModel, r: Request) -> bool:
 
 @torch.no_grad()
 def generate_many(model: PhantomModel, requests: list[Request], tokenizer: Tokenizer | None = None,
-                  batch_size: int | None = None, progress: bool = False) -> list[Completion]:
+                  batch_size: int | None = None, progress: bool = False,
+                  cache_budget: int | None | str = "auto") -> list[Completion]:
     """Every request's completion, in input order: batches of `batch_size` sequences (None: auto_batch_size)
     of similar prompt lengths, each block read once per step of a batch. A tokenizer decodes the texts and
-    finds stop strings (required for them). progress: a bar of new tokens per second.
+    finds stop strings (required for them). progress: a bar of new tokens per second. cache_budget: device
+    bytes the caches may take, the rest in host memory (phantom.stream.kvcache); "auto": CACHE_SHARE of what
+    a GPU has free, all of it elsewhere (a CPU's device is the host; `mps` shares it).
 
     Raises:
         ValueError: a request check() refuses, or stop strings without a tokenizer.
@@ -145,20 +149,24 @@ def generate_many(model: PhantomModel, requests: list[Request], tokenizer: Token
     with tqdm(total=sum(r.max_new_tokens for r in requests), unit="tok", disable=not progress,
               desc="generate", dynamic_ncols=True) as bar:
         for batch in batches:
-            for n, completion in zip(batch, run_batch(model, [requests[n] for n in batch], tokenizer, bar)):
+            for n, completion in zip(batch, run_batch(model, [requests[n] for n in batch], tokenizer, bar,
+                                                      cache_budget)):
                 out[n] = completion
     return out
 
 
 def run_batch(model: PhantomModel, requests: list[Request], tokenizer: Tokenizer | None = None,
-              bar: tqdm | None = None) -> list[Completion]:
+              bar: tqdm | None = None, cache_budget: int | None | str = "auto") -> list[Completion]:
     """One batch of requests to the end: the prefill of every prompt, then one token per live sequence a step."""
     cfg, device = model.cfg, model.device
     B, P = len(requests), max(len(r.prompt) for r in requests)
     max_len = max(len(r.prompt) + r.max_new_tokens for r in requests)
     pads = torch.tensor([P - len(r.prompt) for r in requests])
     tokens = torch.tensor([[0] * (P - len(r.prompt)) + list(r.prompt) for r in requests])
-    caches = [KVCache.empty(cfg, B, max_len, device, model.dtype, layer=i) for i in range(cfg.n_layers)]
+    if cache_budget == "auto":
+        free = free_device_bytes(device) if device.type == "cuda" else None
+        cache_budget = None if free is None else int(free * CACHE_SHARE)
+    caches = CacheSet(cfg, B, max_len, device, model.dtype, cache_budget)
     gens = [torch.Generator().manual_seed(r.seed) for r in requests]
     done = [Completion() for _ in requests]
     live, pos = list(range(B)), 0  # the requests still running, in the caches' row order; the next cache column
@@ -174,9 +182,7 @@ def run_batch(model: PhantomModel, requests: list[Request], tokenizer: Tokenizer
         if not kept:
             break
         if len(kept) < len(live):
-            rows = torch.tensor(kept, dtype=torch.long, device=device)
-            for c in caches:
-                c.keep(rows)
+            caches.keep(torch.tensor(kept, dtype=torch.long, device=device))
             pads, live = pads[kept], [live[j] for j in kept]
         tokens = picked[kept][:, None].cpu()
     for r, c in zip(requests, done):
@@ -208,7 +214,7 @@ def _short_keys_cached(model: PhantomModel, pos: int, n_new: int) -> bool:
     return model.rope_long is not None and 0 < pos <= s.original_max_seq_len < pos + n_new
 
 
-def next_logits(model: PhantomModel, tokens: torch.Tensor, caches: list[KVCache], pos: int,
+def next_logits(model: PhantomModel, tokens: torch.Tensor, caches: CacheSet | list[KVCache], pos: int,
                 pads: torch.Tensor | None = None) -> torch.Tensor:
     """Logits (B, vocab) after tokens (B, T) written at cache columns pos.., appending their keys and values
     (or states) to caches; pads (B,): each row's left pads (its positions start after them)."""

@@ -29,6 +29,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from phantom.arch.layers import fuse_adjacent, lora_disabled
 from phantom.arch.ops import KVCache
+from phantom.stream.kvcache import block_cache
 from phantom.stream import lanes as L
 from phantom.stream import moeblock
 from phantom.stream.scheduler import BlockScheduler
@@ -273,7 +274,8 @@ class BlockExecutor:
             else:
                 with self.block_weights(i, lanes=lanes) as weights, self.first_pass(i):
                     if caches:
-                        h = self.run_block(i, weights, h, rope, caches[i], start_pos, mask)
+                        with block_cache(caches, i, start_pos, h.shape[1]) as cache:
+                            h = self.run_block(i, weights, h, rope, cache, start_pos, mask)
                     else:
                         h = torch.cat(self.run_rows(i, self.rows(h, rope, mask, lanes)))
                     self.run_reference(i, weights, rope, mask)

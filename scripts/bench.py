@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 
 from benchlib.common import MODES, PEERS, fastest_of_rounds, host_speeds  # noqa: E402
 from benchlib.diskread import diskread  # noqa: E402
+from benchlib.generate import generate_bench  # noqa: E402
 from benchlib.linear import linear_bench  # noqa: E402
 from benchlib.moe import moe_bench  # noqa: E402
 from benchlib.quant import quant_bench  # noqa: E402
@@ -99,6 +100,11 @@ def parse_args(argv=None):
                                                                    "glm-4.5-355B"),
                    help="--modes moe: the preset whose experts, routing and attention the store has (scaled to --dim)")
     p.add_argument("--linear-batches", default="1x1024,1x8192", help="--modes linear: ROWSxTOKENS per step, comma list")
+    p.add_argument("--gen-prompts", default="1,8,64,256", help="--modes generate: numbers of prompts, comma list")
+    p.add_argument("--gen-prompt-len", type=int, default=32, help="--modes generate: tokens a prompt")
+    p.add_argument("--gen-new", type=int, default=16, help="--modes generate: new tokens a prompt")
+    p.add_argument("--gen-batch", type=int, default=None, help="--modes generate: sequences a batch at most")
+    p.add_argument("--gen-prefetch", type=int, default=2, help="--modes generate: prefetch depth of the streamed tiers")
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
                    "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "
@@ -145,6 +151,9 @@ def main(argv=None):
         if args.store is None:
             args.store = str(synthetic_store(args, Path(tmp)))
         store = BlockStore(args.store)
+        if args.modes == "generate":  # its own table, in notes/bench-generate.md
+            append_note(generate_bench(args, store), args.out or NOTES / "bench-generate.md")
+            return
         if args.modes in ("diskread", "quant"):  # their own tables, in notes/bench-tiers.md, notes/bench-quant.md
             text = diskread(args, store) if args.modes == "diskread" else quant_bench(args, store)
             append_note(text, args.out or NOTES / f"bench-{'tiers' if args.modes == 'diskread' else 'quant'}.md")
@@ -170,7 +179,7 @@ def check_args(args) -> None:
     def refuse(msg: str):
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
-    for alone in ("diskread", "quant", "moe", "linear"):
+    for alone in ("diskread", "quant", "moe", "linear", "generate"):
         if alone in args.modes.split(",") and args.modes != alone:
             refuse(f"--modes {alone} runs alone (its own tables); give it in a run of its own")
     trains = args.train.split(",")

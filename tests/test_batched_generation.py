@@ -160,3 +160,20 @@ def test_caches_kept_in_host_memory_give_the_same_tokens(family_models, budget):
         sets = CacheSet(pm.cfg, len(ps), 16 + NEW, pm.device, pm.dtype, budget)
         assert sets.host_blocks == ([0, 1] if budget == 0 else [1])
         assert greedy(pm, ps, cache_budget=budget) == want
+
+
+@pytest.mark.parametrize("n,prefetch", [(4, 1), (4, 2), (4, 4), (8, 2), (8, 4)])
+def test_the_loads_of_steps_that_follow_one_another_are_the_cost_model_s(tmp_path, n, prefetch):
+    """The scheduler's loads over a run of decode steps (the slots keep the blocks among both the first and the
+    last of a pass) are what phantom.stream.placement.cycle_loads, which the cost model counts, says."""
+    from phantom.arch.config import ModelConfig
+    from phantom.model.synthetic import write_synthetic
+    from phantom.stream.placement import cycle_loads
+    cfg = ModelConfig(dim=64, n_layers=n, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+    store = write_synthetic(tmp_path / "s", cfg, torch.float32, seed=1, progress=False)
+    with phantom.load(store, offload="disk", prefetch=prefetch, lora=None) as pm:
+        generate_many(pm, [Request([1, 2, 3], 1)])  # the rhythm: a pass before
+        pm.scheduler.take_metrics()
+        generate_many(pm, [Request([1, 2, 3], 6), Request([4], 6)])
+        loads = pm.scheduler.take_metrics()["loads"]
+        assert loads == 6 * len(cycle_loads(pm.scheduler.layout.streamed, len(pm.scheduler.slots)))

@@ -413,3 +413,16 @@ def turn_loads(streamed: tuple[int, ...], slots: int) -> tuple[tuple[int, ...], 
     forward loads S[m:], the backward S[:|S| - m]."""
     m = min(slots, len(streamed))
     return tuple(streamed[m:]), tuple(streamed[:len(streamed) - m])
+
+
+def cycle_loads(streamed: tuple[int, ...], slots: int) -> tuple[int, ...]:
+    """The blocks each pass loads when forward passes follow one another (generation's steps): a pass ends with
+    its last m = min(slots, |S|) blocks in the slots and the next one's window asks for its first m, evicting by
+    next use the held blocks outside it, so the blocks among both the first and the last m stay: none where the
+    slots hold every streamed block."""
+    n = len(streamed)
+    if slots >= n:
+        return ()
+    kept = range(n - slots, slots)  # empty unless the first and the last `slots` overlap
+    return tuple(b for k, b in enumerate(streamed) if k not in kept)
+

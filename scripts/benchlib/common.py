@@ -28,6 +28,7 @@ MODES = {  # name -> load arguments
     "fsdp-offload": dict(),  # transformers + peft under FSDP2 with CPUOffloadPolicy (CUDA; plain FSDP2 on CPU)
     "diskread": dict(),  # disk tier vs raw O_DIRECT reads; half the blocks in RAM vs disk (own table)
     "quant": dict(),  # bf16 vs NF4 vs int8 stores, disk tier, with the cost model (own table)
+    "generate": dict(),  # batched generation's tokens/s from RAM and disk beside the cost model (own table)
 }
 PEERS = ("hf-peft", "fsdp-offload")  # other tools' rows: no recompute policy, no streaming metrics
 

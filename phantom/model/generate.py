@@ -177,7 +177,9 @@ def run_batch(model: PhantomModel, requests: list[Request], tokenizer: Tokenizer
         pos += tokens.shape[1]
         picked = pick(logits, [requests[n].sampling for n in live], [gens[n] for n in live])
         kept = [j for j, n in enumerate(live) if not _advance(requests[n], done[n], int(picked[j]), tokenizer)]
-        if bar is not None:
+        if bar is not None:  # a sequence that ends early takes its tokens off the bar's total
+            bar.total -= sum(requests[n].max_new_tokens - len(done[n].ids) - (done[n].finish == "stop")
+                             for j, n in enumerate(live) if j not in kept)
             bar.update(len(live))
         if not kept:
             break

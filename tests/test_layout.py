@@ -47,9 +47,9 @@ RANK = {  # within a package
     "plan": {"costinputs": 0, "costmodel": 1, "quickslice": 1, "costexperts": 2, "planner": 2, "computetimer": 3,
              "profiles": 4, "tune": 5, "costsweep": 2, "costgen": 2, "gentimer": 4, "costscore": 1},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,
-              "score": 0, "lmeval": 1,
-              "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 4, "runner": 5, "sweep": 5,
-              "sweeprun": 6, "launch": 7},
+              "score": 0, "lmeval": 3, "evaltasks": 4,
+              "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 5, "runner": 6, "sweep": 6,
+              "sweeprun": 7, "launch": 8},
 }
 TOP = "__init__"  # phantom/__init__.py: the public API, above everything
 

@@ -82,7 +82,8 @@ def evaluating(model):
 
 
 def score(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], batch_size: int | None = None,
-          wave_bytes: int | None = None, progress: bool = False) -> list[tuple[float, bool]]:
+          wave_bytes: int | None = None, progress: bool = False, max_len: int | None = None
+          ) -> list[tuple[float, bool]]:
     """(sum of the continuation's log-probabilities, whether greedy decoding gives the continuation) of each
     (context ids, continuation ids) request, in input order: lm-eval's `loglikelihood` on token ids.
 
@@ -93,11 +94,15 @@ def score(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], batch_
         wave_bytes: the hidden states a wave may hold (None: a share of free memory); each wave reads the
             model's blocks once.
         progress: a bar of requests scored.
+        max_len: the context requests are cut to (default and at most the model's max_seq_len).
 
     Raises:
         ValueError: an empty context or continuation, one longer than the context, ids outside the vocabulary.
     """
-    cut = [window(c, x, model.cfg.max_seq_len) for c, x in requests]
+    max_len = model.cfg.max_seq_len if max_len is None else max_len
+    if not 0 < max_len <= model.cfg.max_seq_len:
+        raise ValueError(f"a context of {max_len} tokens: the model's is 1 to {model.cfg.max_seq_len}")
+    cut = [window(c, x, max_len) for c, x in requests]
     plan, b = plan_for(model, [len(inp) for inp, _ in cut], batch_size, wave_bytes)
     log.info(costscore.describe(plan, len(cut), b))
     out: list[tuple[float, bool] | None] = [None] * len(cut)

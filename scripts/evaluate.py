@@ -82,7 +82,8 @@ def run(argv=None) -> int:
     tracker = evaltasks.EvaluationTracker(output_path=str(args.output_path) if args.output_path else None)
     with evaltasks.PhantomLM(args.model, args.adapter, args.tokenizer, args.batch_size, args.device, args.dtype,
                              args.offload) as lm:
-        results = evaltasks.evaluate(lm, tasks, args.num_fewshot, args.limit, args.log_samples, tracker, args.model)
+        results = evaltasks.evaluate(lm, tasks, args.model, num_fewshot=args.num_fewshot, limit=args.limit,
+                                     log_samples=args.log_samples, evaluation_tracker=tracker)
     print(evaltasks.table(results))
     if args.output_path is not None:
         for path in evaltasks.save(results, args.output_path, tracker):

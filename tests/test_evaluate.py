@@ -164,3 +164,27 @@ def test_bad_tasks_are_one_line_and_write_nothing(setup, tmp_path, capsys, case)
     code = load_script("evaluate").main(["--model", str(setup.store), "--output-path", str(out), *args])
     check(capsys, code, tmp_path, *words)
     assert not out.exists()
+
+
+def test_finetune_logs_the_tasks_metrics_of_the_adapter_it_trains(setup, tmp_path):
+    """finetune.py --eval-tasks: the tasks' metrics in each step's record beside the loss, the last those of the
+    adapter the run writes (evaluated again from its files); the run trains as one without them."""
+    from lm_eval.tasks import TaskManager
+    from phantom.train.lmeval import PhantomLM
+    out, files = tmp_path / "run", [str(setup.tasks / f"{t}.yaml") for t in ("phantom_mc", "phantom_ll")]
+    args = ["--model", str(setup.store), "--iters", "2", "--batch-size", "2", "--seq-len", "32", "--eval-every", "0",
+            "--val-split", "0", "-q", "--device", "cpu", "--offload", "disk"]
+    tasks = ["--eval-tasks", ",".join(files), "--eval-tasks-every", "1", "--eval-limit", "3"]
+    assert load_script("finetune").main([*args, *tasks, "--out", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all({"loss", "phantom_mc/acc", "phantom_mc/acc_norm", "phantom_ll/perplexity"} <= r.keys() for r in records)
+    assert records[0]["phantom_ll/perplexity"] != records[1]["phantom_ll/perplexity"]  # the adapter as it trains
+    with PhantomLM(str(setup.store), adapter=str(out / "adapter"), device="cpu", dtype="fp32") as lm:
+        again = lm_eval.simple_evaluate(model=lm, tasks=["phantom_ll"], limit=3, bootstrap_iters=0,
+                                        task_manager=TaskManager(include_path=str(setup.tasks), include_defaults=False))
+    assert records[1]["phantom_ll/perplexity"] == pytest.approx(again["results"]["phantom_ll"]["perplexity,none"],
+                                                                rel=1e-6)
+    assert load_script("finetune").main([*args, "--out", str(tmp_path / "plain")]) == 0
+    alone = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in alone] == [r["loss"] for r in records]

@@ -15,10 +15,13 @@ import os
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets is imported: the local cache only
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import random  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import lm_eval  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from lm_eval.loggers import EvaluationTracker  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import make_table  # noqa: E402
@@ -26,7 +29,7 @@ from lm_eval.utils import make_table  # noqa: E402
 from phantom.base import fileio  # noqa: E402
 from phantom.train.lmeval import PhantomLM  # noqa: E402
 
-__all__ = ["EvaluationTracker", "PhantomLM", "evaluate", "load_tasks", "metrics_record", "prepare", "save",
+__all__ = ["DuringTraining", "EvaluationTracker", "PhantomLM", "evaluate", "load_tasks", "metrics_record", "prepare", "save",
            "table", "task_manager"]
 
 
@@ -76,19 +79,46 @@ def load_tasks(tm: TaskManager, names: list[str]) -> list:
     return built
 
 
-def prepare(names: list[str], include_path: str | None = None) -> list:
-    """The tasks of these names, built (task_manager, then load_tasks): everything that can fail on a name or a
-    dataset, done before a model is loaded."""
-    return load_tasks(task_manager(names, include_path), names)
+def prepare(names: list[str], include_path: str | None = None) -> tuple[TaskManager, list]:
+    """(the TaskManager, the tasks of these names built): everything that can fail on a name or a dataset,
+    done before a model is loaded (task_manager, then load_tasks)."""
+    tm = task_manager(names, include_path)
+    return tm, load_tasks(tm, names)
 
 
-def evaluate(lm: PhantomLM, tasks: list, num_fewshot: int | None = None, limit: float | None = None,
-             log_samples: bool = False, tracker: EvaluationTracker | None = None, name: str | None = None) -> dict:
-    """lm-eval's simple_evaluate of the prepared tasks on lm: its results dict (with "samples" where
-    log_samples). `name`: the model's name in the output files' folder (default: its store's path)."""
+def evaluate(lm: PhantomLM, prepared: tuple[TaskManager, list], name: str | None = None, **options) -> dict:
+    """lm-eval's simple_evaluate of the prepared tasks on lm (options: its num_fewshot, limit, log_samples,
+    evaluation_tracker, bootstrap_iters...): its results dict. `name`: the model's name in the output files'
+    folder (default: its store's path). The tasks' own TaskManager goes with them: without one lm-eval indexes
+    all of its tasks again."""
+    tm, tasks = prepared
     model_args = {"pretrained": name or str(lm.model.store.path)}
-    return lm_eval.simple_evaluate(model=lm, model_args=model_args, tasks=tasks, num_fewshot=num_fewshot,
-                                   limit=limit, log_samples=log_samples, evaluation_tracker=tracker)
+    return lm_eval.simple_evaluate(model=lm, model_args=model_args, tasks=tasks, task_manager=tm, **options)
+
+
+class DuringTraining:
+    """The tasks a training run evaluates the model it trains on (finetune.py --eval-tasks): checked when made
+    (names and datasets, before any step), run with lm-eval's seeds and without stderr bootstrapping, the
+    run's random states left as they were (a run with evaluations trains as one without)."""
+
+    def __init__(self, names: tuple[str, ...], tokenizer, limit: int | None = None, batch_size: int | None = None):
+        if tokenizer is None:
+            raise ValueError("--eval-tasks needs the model's tokenizer; prepare the store with one")
+        self.names, self.tokenizer, self.limit, self.batch_size = list(names), tokenizer, limit, batch_size
+        prepare(self.names)
+
+    def __call__(self, model) -> dict:
+        """The tasks' metrics on the model as it is now (metrics_record)."""
+        states = random.getstate(), np.random.get_state()
+        devices = [model.device] if model.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                lm = PhantomLM(model, tokenizer=self.tokenizer, batch_size=self.batch_size or "auto")
+                results = evaluate(lm, prepare(self.names), limit=self.limit, bootstrap_iters=0)
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+        return metrics_record(results)
 
 
 def save(results: dict, out: Path, tracker: EvaluationTracker) -> list[Path]:

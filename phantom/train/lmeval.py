@@ -144,7 +144,8 @@ class PhantomLM(TemplateLM):
         """Each (context, gen_kwargs) continued until EOS, a stop string or max_gen_toks, cut at the stop
         strings, as HFLM does; all of them in batches (each block read once a step for every sequence)."""
         asks = [self._request(n, *req.args) for n, req in enumerate(requests)]
-        done = generate_many(self.model, [r for r, _ in asks], self.tok, self.batch, progress=not disable_tqdm)
+        with S.evaluating(self.model):
+            done = generate_many(self.model, [r for r, _ in asks], self.tok, self.batch, progress=not disable_tqdm)
         out = []
         for req, (_, until), c in zip(requests, asks, done):
             text = self.tok.decode(c.ids + ([c.stop_id] if c.stop_id is not None else []))  # HF keeps a stop id

@@ -47,7 +47,15 @@ from phantom.train.preference import (
     compute_reference,
     reference_key,
 )
-from phantom.train.records import describe_eval, preference_postfix, read_metrics, tier_metrics, tier_postfix, to_json
+from phantom.train.records import (
+    describe_eval,
+    describe_tasks,
+    preference_postfix,
+    read_metrics,
+    tier_metrics,
+    tier_postfix,
+    to_json,
+)
 from phantom.train.step import evaluate_with, sample, train_step
 from phantom.train.trainconfig import TrainConfig, make_optimizer, make_scheduler
 
@@ -106,6 +114,7 @@ class Run:
     step_times: list = dataclasses.field(default_factory=list)
     sinks: tuple = ()  # rank 0: callables given each record written to metrics.jsonl
     keep: dict = dataclasses.field(default_factory=dict)  # more for each checkpoint to hold (tracker run ids)
+    tasks: object = None  # rank 0, --eval-tasks: phantom.train.evaltasks.DuringTraining
 
     def emit(self, rec: dict) -> None:
         for sink in self.sinks:
@@ -210,6 +219,7 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     if cfg.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     pad = tokenizer.pad_or_eos if tokenizer is not None else 0
+    tasks = task_eval(cfg, tokenizer) if ddp.is_main else None  # names and datasets checked before any step
     objective = Preference(cfg.preference) if cfg.mode == "dpo" else None
     if objective is None:
         train_ds = B.rows(train_data, cfg.seq_len, pad, "training data", segments=True)
@@ -240,10 +250,21 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     batches = iter(B.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
                             pin_memory=model.device.type == "cuda"))
     run = Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path,
-              objective=objective, sinks=tuple(sinks) if ddp.is_main else (), keep=dict(keep or {}))
+              objective=objective, sinks=tuple(sinks) if ddp.is_main else (), keep=dict(keep or {}), tasks=tasks)
     if history and start == 0:
         run.emit(history[-1])  # the eval before training (a resumed run's earlier records were sent already)
     return run
+
+
+def task_eval(cfg: TrainConfig, tokenizer):
+    """cfg.eval_tasks as phantom.train.evaltasks.DuringTraining (their names and datasets checked now), or None."""
+    if not cfg.eval_tasks:
+        return None
+    try:
+        from phantom.train import evaltasks
+    except ImportError as e:
+        raise ValueError(f"--eval-tasks needs lm-evaluation-harness ({e}); pip install 'phantom[eval]'") from None
+    return evaltasks.DuringTraining(cfg.eval_tasks, tokenizer, cfg.eval_limit, cfg.batch_size)
 
 
 def preference_rows(model, train_data, val_data, cfg: TrainConfig, pad: int, out: Path, identity: dict):
@@ -276,6 +297,10 @@ def after_step(run: Run, rec: dict, mfile: fileio.RecordLog, bar, last: bool) ->
         rec.update(evaluate_with(run.objective, model, run.val_ds, run.rows, cfg.eval_iters))
         run.best_val = min(run.best_val, rec["val_loss"])
         log.info("step %d: %s", step, describe_eval(rec))
+    if run.tasks is not None and ((cfg.eval_tasks_every and step % cfg.eval_tasks_every == 0) or last):
+        figures = run.tasks(model)  # the lm-eval tasks' metrics, beside the loss
+        rec.update(figures)
+        log.info("step %d: %s", step, describe_tasks(figures))
     if cfg.sample_every and run.tokenizer is not None and cfg.prompt and (step % cfg.sample_every == 0 or last):
         rec["sample"] = sample(model, run.tokenizer, cfg.prompt, cfg.max_new_tokens)
         log.info("step %d sample: %s%s", step, cfg.prompt, rec["sample"])

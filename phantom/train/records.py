@@ -30,6 +30,11 @@ def describe_eval(rec: dict) -> str:
     return f"val loss {rec['val_loss']:.4f}, ppl {rec['val_ppl']:.2f}"
 
 
+def describe_tasks(figures: dict) -> str:
+    """lm-eval tasks' metrics (phantom.train.evaltasks.metrics_record) for the log: TASK/METRIC value, ..."""
+    return ", ".join(f"{k} {v:.4g}" for k, v in figures.items()) or "no metrics"
+
+
 def tier_metrics(model, m: dict, dt: float) -> dict:
     """A step's scheduler traffic for metrics.jsonl: stall fraction, kept activations, bytes and loads per tier,
     routed expert reads (round trips after a router)."""

@@ -39,7 +39,8 @@ ORDER = ("config", "model", "revision", "synthetic", "layers", "device", "dtype"
          "loss-chunk", "no-compile", "mode", "loss-type", "beta", "label-smoothing", "reference", "lora-rank",
          "lora-alpha", "lora-targets", "data", "val-data", "val-split", "data-dtype", "data-split", "columns",
          "chat-template", "train-on", "show-data", "show-data-ids", "iters", "batch-size", "grad-accum", "seq-len",
-         "lr", "min-lr", "warmup", "weight-decay", "grad-clip", "eval-every", "eval-iters", "save-every",
+         "lr", "min-lr", "warmup", "weight-decay", "grad-clip", "eval-every", "eval-iters", "eval-tasks",
+         "eval-tasks-every", "eval-limit", "save-every",
          "sample-every", "prompt", "sequential", "workers", "out", "resume", "overwrite", "seed", "trace",
          "report-to", "export", "quiet")
 RUN_FILE_HELP = """

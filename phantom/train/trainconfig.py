@@ -32,6 +32,9 @@ class TrainConfig:
             a streamed block is updated before the global norm could be known.
         eval_every, eval_iters: evaluate the held-out set every N steps (0: only at the end), on at
             most this many batches.
+        eval_tasks, eval_tasks_every, eval_limit: lm-evaluation-harness tasks run on the model being trained
+            at the end and every N steps (0: only at the end), at most this many documents each
+            (phantom.train.evaltasks); their metrics go into the step's record.
         save_every: checkpoint every N steps (0: only at the end or on Ctrl-C).
         sample_every, prompt, max_new_tokens: a greedy sample from `prompt` every N steps (0: off).
         seed: seeds the torch/numpy/python RNGs and the batch order.
@@ -60,6 +63,13 @@ class TrainConfig:
     grad_clip: float = knob(1.0, "max gradient norm, 0: off", section="optim")
     eval_every: int = knob(50, "evaluate every N steps, 0: at the end only", section="output")
     eval_iters: int = knob(8, "batches per evaluation", section="output")
+    eval_tasks: tuple[str, ...] = knob((), "lm-evaluation-harness tasks (names or task YAML files) run on the adapter "
+                                           "being trained at the end (and every --eval-tasks-every steps), their "
+                                           "metrics in metrics.jsonl (needs phantom[eval]; default: none)",
+                                       section="output",
+                                       type="csv", metavar="T1,T2")
+    eval_tasks_every: int = knob(0, "run --eval-tasks every N steps too, 0: at the end only", section="output")
+    eval_limit: int | None = knob(None, "documents per task of --eval-tasks at most", section="output", metavar="N")
     save_every: int = knob(100, "checkpoint every N steps, 0: at the end only", section="output")
     sample_every: int = knob(0, "", cli=False)  # RunConfig.sample_every: None is the tiny demo's rule
     prompt: str = knob("", "prompt of the samples", section="output")
@@ -83,9 +93,11 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup", "eval_every", "eval_iters", "save_every", "sample_every", "workers",
-                     "weight_decay", "grad_clip", "max_new_tokens"):
+                     "weight_decay", "grad_clip", "max_new_tokens", "eval_tasks_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise ValueError(f"--eval-limit must be >= 1, got {self.eval_limit}")
         if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.mode not in ("lora", "full", "dpo"):

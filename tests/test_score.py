@@ -36,6 +36,8 @@ def test_plan_sorts_longest_first_and_bounds_micro_batches_and_waves():
     assert plan.waves == ((0,), (1,), (2, 3))  # 50 + 60 > 100, 60 + 60 > 100, 60 + 1 <= 100
     one = costscore.plan_scoring([100], b)  # larger than any bound: alone, still run
     assert one.micro_batches == ((0,),) and one.waves == ((0,),)
+    split = costscore.plan_scoring([20, 18, 17, 16], costscore.ScoreBudget(10, 10**6, 100, boundary=17))
+    assert split.micro_batches == ((0, 1), (2, 3))  # longrope: no micro-batch on both sides of 17 tokens
 
 
 @pytest.mark.parametrize("offload", ["none", "disk"])
@@ -94,3 +96,22 @@ def test_bad_requests_are_refused(small_store):
             S.score(model, [([], [1])])
         with pytest.raises(ValueError, match="longer than the model's context"):
             S.score(model, [([1], [2] * 65)])
+
+
+@pytest.mark.parametrize("name", ["phi4-mini", "qwen3_next"])
+def test_scores_equal_transformers_row_by_row(family_models, name):
+    """Padded micro-batches of a streamed model against each request run alone by its transformers model: longrope
+    past its original context of 16 (Phi-4-mini's shape) on both sides of it, and Gated DeltaNet layers with a
+    mixture of experts (Qwen3-Next's), where pads follow every real token through the recurrence and the routers."""
+    hf, store = family_models(name)
+    rng = random.Random(3)
+    reqs = [([rng.randrange(400) for _ in range(n)], [rng.randrange(400) for _ in range(k)])
+            for n, k in ((3, 2), (12, 3), (14, 2), (15, 5), (30, 4), (9, 1), (40, 6), (17, 4), (16, 1))]
+    with phantom.load(store, offload="disk", prefetch=1, lora=None) as model:
+        got = S.score(model, reqs, batch_size=3)
+    for (ctx, cont), (logp, greedy) in zip(reqs, got):
+        inp, cont = S.window(ctx, cont, model.cfg.max_seq_len)
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([inp])).logits.float(), -1)[0, -len(cont):]
+        assert logp == pytest.approx(float(ref.gather(1, torch.tensor(cont)[:, None]).sum()), abs=1e-4)
+        assert greedy == bool((ref.argmax(-1) == torch.tensor(cont)).all())

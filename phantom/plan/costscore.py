@@ -30,12 +30,15 @@ class ScorePlan:
 @dataclass(frozen=True)
 class ScoreBudget:
     """What bounds a plan: bytes a token's hidden states take during a wave, the wave's bytes, the padded
-    tokens of one micro-batch and (a batch size asked for) its rows."""
+    tokens of one micro-batch and (a batch size asked for) its rows. `boundary`: a length no micro-batch
+    straddles (longrope's original context: past it a whole batch turns by the long factors, as transformers
+    picks them by the padded length, so a row shares its micro-batch only with rows on its own side)."""
 
     token_bytes: int
     wave_bytes: int
     micro_tokens: int
     max_rows: int | None = None
+    boundary: int | None = None
 
 
 def token_bytes(cfg: ModelConfig, itemsize: int) -> int:
@@ -51,21 +54,24 @@ def budget(cfg: ModelConfig, itemsize: int, free: int | None, max_rows: int | No
     bound what a forward holds); a micro-batch has at most `max_rows` rows where given."""
     free = free if free is not None else UNKNOWN_FREE
     per_token = max(1, int(keep_elems_per_token(cfg) * itemsize))
+    s = cfg.rope_scaling
+    boundary = s.original_max_seq_len if s is not None and s.rope_type == "longrope" else None
     return ScoreBudget(token_bytes(cfg, itemsize), wave_bytes if wave_bytes is not None else free // WAVE_SHARE,
-                       max(1, free // MICRO_SHARE // per_token), max_rows)
+                       max(1, free // MICRO_SHARE // per_token), max_rows, boundary)
 
 
 def plan_scoring(lengths: list[int], b: ScoreBudget) -> ScorePlan:
     """Requests of these token lengths as micro-batches and waves: sorted longest first (ties by index), a
     micro-batch takes the next requests while its rows times its first (longest) length stay within
-    b.micro_tokens (and its rows within b.max_rows), a wave the next micro-batches while their padded tokens'
+    b.micro_tokens (its rows within b.max_rows, all on one side of b.boundary), a wave the next micro-batches while their padded tokens'
     hidden states stay within b.wave_bytes. Each holds one at least, whatever its size."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     for i in order:
         last = batches[-1] if batches else None
         if last and (len(last) + 1) * lengths[last[0]] <= b.micro_tokens and \
-                (b.max_rows is None or len(last) < b.max_rows):
+                (b.max_rows is None or len(last) < b.max_rows) and \
+                (b.boundary is None or (lengths[last[0]] > b.boundary) == (lengths[i] > b.boundary)):
             last.append(i)
         else:
             batches.append([i])

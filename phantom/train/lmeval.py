@@ -169,8 +169,8 @@ class PhantomLM(TemplateLM):
                              f"({self.max_length} tokens)")
         prompt = self.tok_encode(context)[-(self.max_length - new):]  # HFLM's left_truncate_len
         temperature = float(kwargs.get("temperature") or 0.0)
-        sampling = Sampling(temperature, kwargs.get("top_k"), float(kwargs.get("top_p") or 1.0)) \
-            if kwargs.get("do_sample") and temperature > 0 else Sampling()
+        sampling = Sampling(temperature, kwargs.get("top_k", 50), float(kwargs.get("top_p") or 1.0)) \
+            if kwargs.get("do_sample") and temperature > 0 else Sampling()  # top_k: transformers' default
         stops = frozenset(self.tok.stop_ids) | {self.eot_token_id}
         return Request(prompt, new, sampling, self.options["seed"] + n, stops, tuple(u for u in until if u)), until
 

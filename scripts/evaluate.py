@@ -60,16 +60,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--offload", choices=offload_choices(), default=None,
                    help="where the blocks live (default: auto, device then RAM then disk by budget)")
     p.add_argument("--dtype", choices=cli.DTYPES, default="auto", help="compute dtype (auto: bf16 on CUDA, else fp32)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Flags that go together, checked before anything is read (one line each)."""
     if args.num_fewshot is not None and args.num_fewshot < 0:
-        p.error("--num-fewshot must be >= 0")
+        raise ValueError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
     if args.log_samples and args.output_path is None:
-        p.error("--log-samples needs --output-path")
-    return args
+        raise ValueError("--log-samples writes samples files: give --output-path DIR")
+    out = args.output_path
+    if out is not None and out.suffix != ".json" and out.exists() and not out.is_dir():
+        raise ValueError(f"--output-path {out} is a file; give a folder (or a NAME.json file name, as lm-eval takes)")
 
 
 def run(argv=None) -> int:
     args = parse_args(argv)
+    check(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         from phantom.train import evaltasks

@@ -152,17 +152,19 @@ def test_the_python_api_with_an_adapter_answers_as_hflm_with_peft(setup):
     assert min(moved) > 1e-3, moved
 
 
-@pytest.mark.parametrize("case", ["unknown task", "missing dataset"])
-def test_bad_tasks_are_one_line_and_write_nothing(setup, tmp_path, capsys, case):
-    out = tmp_path / "out"
-    if case == "unknown task":
-        args, words = ["--tasks", "phantom_mc,no_such_task", "--include-path", str(setup.tasks)], ["no_such_task"]
-    else:
-        yaml = tmp_path / "gone.yaml"
-        yaml.write_text((DATA / "phantom_mc.yaml").read_text().replace("DATA_DIR", str(tmp_path / "nowhere")))
-        args, words = ["--tasks", str(yaml)], ["could not be read", "nowhere"]
-    code = load_script("evaluate").main(["--model", str(setup.store), "--output-path", str(out), *args])
-    check(capsys, code, tmp_path, *words)
+@pytest.mark.parametrize("case", ["unknown task", "missing dataset", "samples nowhere", "no include folder"])
+def test_bad_input_is_one_line_and_writes_nothing(setup, tmp_path, capsys, case):
+    out, yaml = tmp_path / "out", tmp_path / "gone.yaml"
+    yaml.write_text((DATA / "phantom_mc.yaml").read_text().replace("DATA_DIR", str(tmp_path / "nowhere")))
+    args, words = {
+        "unknown task": (["--tasks", "phantom_mc,no_such_task", "--include-path", str(setup.tasks)], ["no_such_task"]),
+        "missing dataset": (["--tasks", str(yaml)], ["could not be read", "nowhere"]),
+        "samples nowhere": (["--tasks", "phantom_mc", "--log-samples"], ["--log-samples", "--output-path"]),
+        "no include folder": (["--tasks", "phantom_mc", "--include-path", str(tmp_path / "none")], ["--include-path"]),
+    }[case]
+    if "--log-samples" not in args:
+        args += ["--output-path", str(out)]
+    check(capsys, load_script("evaluate").main(["--model", str(setup.store), *args]), tmp_path, *words)
     assert not out.exists()
 
 

@@ -63,8 +63,9 @@ def budget(cfg: ModelConfig, itemsize: int, free: int | None, max_rows: int | No
 def plan_scoring(lengths: list[int], b: ScoreBudget) -> ScorePlan:
     """Requests of these token lengths as micro-batches and waves: sorted longest first (ties by index), a
     micro-batch takes the next requests while its rows times its first (longest) length stay within
-    b.micro_tokens (its rows within b.max_rows, all on one side of b.boundary), a wave the next micro-batches while their padded tokens'
-    hidden states stay within b.wave_bytes. Each holds one at least, whatever its size."""
+    b.micro_tokens (its rows within b.max_rows, all on one side of b.boundary), a wave the next micro-batches
+    while their padded tokens' hidden states stay within b.wave_bytes. Each holds one at least, whatever its
+    size."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     for i in order:

@@ -29,8 +29,8 @@ from lm_eval.utils import make_table  # noqa: E402
 from phantom.base import fileio  # noqa: E402
 from phantom.train.lmeval import PhantomLM  # noqa: E402
 
-__all__ = ["DuringTraining", "EvaluationTracker", "PhantomLM", "evaluate", "load_tasks", "metrics_record", "prepare", "save",
-           "table", "task_manager"]
+__all__ = ["DuringTraining", "EvaluationTracker", "PhantomLM", "evaluate", "load_tasks", "metrics_record", "prepare",
+           "save", "table", "task_manager"]
 
 
 def task_manager(names: list[str], include_path: str | None = None) -> TaskManager:

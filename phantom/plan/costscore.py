@@ -93,6 +93,8 @@ def describe(plan: ScorePlan, requests: int, b: ScoreBudget) -> str:
     """The plan in one line: requests, micro-batches, waves (each one read of every block), the largest
     wave's hidden states."""
     largest = max((sum(plan.padded[k] for k in w) for w in plan.waves), default=0) * b.token_bytes
-    return f"scoring {requests} requests in {len(plan.micro_batches)} micro-batches and {len(plan.waves)} " \
-           f"wave{'s' if len(plan.waves) != 1 else ''} (each reads every block once; the largest holds " \
+    def n(count: int, noun: str, plural: str) -> str:
+        return f"{count} {noun if count == 1 else plural}"
+    return f"scoring {n(requests, 'request', 'requests')} in {n(len(plan.micro_batches), 'micro-batch', 'micro-batches')}" \
+           f" and {n(len(plan.waves), 'wave', 'waves')} (each reads every block once; the largest holds " \
            f"{largest / 2**20:.1f} MiB of hidden states)"

@@ -93,8 +93,11 @@ def describe(plan: ScorePlan, requests: int, b: ScoreBudget) -> str:
     """The plan in one line: requests, micro-batches, waves (each one read of every block), the largest
     wave's hidden states."""
     largest = max((sum(plan.padded[k] for k in w) for w in plan.waves), default=0) * b.token_bytes
-    def n(count: int, noun: str, plural: str) -> str:
-        return f"{count} {noun if count == 1 else plural}"
-    return f"scoring {n(requests, 'request', 'requests')} in {n(len(plan.micro_batches), 'micro-batch', 'micro-batches')}" \
-           f" and {n(len(plan.waves), 'wave', 'waves')} (each reads every block once; the largest holds " \
+    counts = [_count(requests, "request", "requests"), _count(len(plan.micro_batches), "micro-batch", "micro-batches"),
+              _count(len(plan.waves), "wave", "waves")]
+    return f"scoring {counts[0]} in {counts[1]} and {counts[2]} (each reads every block once; the largest holds " \
            f"{largest / 2**20:.1f} MiB of hidden states)"
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"

@@ -39,6 +39,16 @@ prediction; to notes/moe.md.
 
 (alone) a Gated DeltaNet block's LoRA step against a gated full-attention block's (Qwen3.5-35B-A3B's shape
 scaled to --dim), each beside the cost model's prediction from a profile measured on the other; to notes/linear.md.
+
+    python scripts/bench.py --modes generate --dim 1024 --layers 8 --heads 16 --vocab 4096 --gen-prompts 1,8,64,256
+
+(alone) batched generation's new tokens/s at each number of prompts from the RAM and the disk tier, beside the
+cost model of generation's prediction; to notes/bench-generate.md.
+
+    python scripts/bench.py --modes evaluate --dim 1024 --layers 8 --heads 16 --eval-docs 64
+
+(alone) the same lm-eval tasks on the same weights: phantom's model streaming from disk against lm-eval's hf
+model with accelerate's offload; to notes/bench-generate.md.
 """
 from __future__ import annotations
 
@@ -56,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 
 from benchlib.common import MODES, PEERS, fastest_of_rounds, host_speeds  # noqa: E402
 from benchlib.diskread import diskread  # noqa: E402
+from benchlib.evalpeer import evaluate_bench  # noqa: E402
 from benchlib.generate import generate_bench  # noqa: E402
 from benchlib.linear import linear_bench  # noqa: E402
 from benchlib.moe import moe_bench  # noqa: E402
@@ -105,6 +116,8 @@ def parse_args(argv=None):
     p.add_argument("--gen-new", type=int, default=16, help="--modes generate: new tokens a prompt")
     p.add_argument("--gen-batch", type=int, default=None, help="--modes generate: sequences a batch at most")
     p.add_argument("--gen-prefetch", type=int, default=2, help="--modes generate: prefetch depth of the streamed tiers")
+    p.add_argument("--eval-docs", type=int, default=64, help="--modes evaluate: multiple-choice documents")
+    p.add_argument("--eval-batch", type=int, default=16, help="--modes evaluate: lm-eval's batch size, both models")
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
                    "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "
@@ -151,6 +164,9 @@ def main(argv=None):
         if args.store is None:
             args.store = str(synthetic_store(args, Path(tmp)))
         store = BlockStore(args.store)
+        if args.modes == "evaluate":  # its own store, tasks and table, in notes/bench-generate.md
+            append_note(evaluate_bench(args, Path(tmp)), args.out or NOTES / "bench-generate.md")
+            return
         if args.modes == "generate":  # its own table, in notes/bench-generate.md
             append_note(generate_bench(args, store), args.out or NOTES / "bench-generate.md")
             return
@@ -179,7 +195,7 @@ def check_args(args) -> None:
     def refuse(msg: str):
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
-    for alone in ("diskread", "quant", "moe", "linear", "generate"):
+    for alone in ("diskread", "quant", "moe", "linear", "generate", "evaluate"):
         if alone in args.modes.split(",") and args.modes != alone:
             refuse(f"--modes {alone} runs alone (its own tables); give it in a run of its own")
     trains = args.train.split(",")

@@ -177,3 +177,30 @@ def test_the_loads_of_steps_that_follow_one_another_are_the_cost_model_s(tmp_pat
         generate_many(pm, [Request([1, 2, 3], 6), Request([4], 6)])
         loads = pm.scheduler.take_metrics()["loads"]
         assert loads == 6 * len(cycle_loads(pm.scheduler.layout.streamed, len(pm.scheduler.slots)))
+
+
+def test_the_cost_model_of_generation_shares_the_reads_and_adds_the_compute():
+    """A disk-streamed step takes the longer of its reads and its compute: at one sequence the reads (every
+    block, each step), at many the compute; a prefill and N - 1 steps a batch; the rates read between points."""
+    from phantom.arch.config import ModelConfig
+    from phantom.plan.costgen import GenRates, between, predict_generation
+    from phantom.plan.costinputs import MachineProfile, shape_of
+    assert between(((1, 1.0), (8, 2.0), (64, 9.0)), 4) == pytest.approx(1 + 3 / 7)
+    assert between(((1, 1.0), (8, 2.0), (64, 9.0)), 128) == pytest.approx(9 + 7 / 56 * 64)
+    cfg = ModelConfig(dim=1024, n_layers=8, n_heads=16, vocab_size=4096)
+    shape = shape_of(cfg, "fp32", "fp32", seq_len=1)
+    profile = MachineProfile(machine="m", device="cpu", dtype="fp32", disk_gbps=1.0, h2d_gbps=10.0,
+                             free_host_bytes=64 << 30)
+    read_s = shape.block_bytes / 1e9
+    rates = GenRates(decode=((1, read_s / 100), (64, read_s * 10)), rest=((1, 0.0),), prefill=((32, read_s / 10),))
+    disk = phantom.Placement(offload="disk", prefetch=2)
+    one = predict_generation(rates, profile, shape, disk, 1, 32, 16, 1)
+    assert one.loads == 16 * cfg.n_layers  # three slots: none kept from one step to the next
+    assert one.step_s == pytest.approx(cfg.n_layers * read_s, rel=0.05)  # read-bound
+    many = predict_generation(rates, profile, shape, disk, 64, 32, 16, 64)
+    assert many.loads == one.loads and many.step_s == pytest.approx(cfg.n_layers * read_s * 10, rel=0.05)
+    assert many.tokens_per_s > 6 * one.tokens_per_s
+    halves = predict_generation(rates, profile, shape, disk, 64, 32, 16, 32)
+    assert halves.batches == 2 and halves.loads == 2 * one.loads
+    ram = predict_generation(rates, profile, shape, phantom.Placement(offload="ram"), 1, 32, 16, 1)
+    assert ram.loads == 0 and ram.step_s == pytest.approx(cfg.n_layers * read_s / 100)  # in place on a CPU

@@ -115,3 +115,25 @@ def test_scores_equal_transformers_row_by_row(family_models, name):
             ref = torch.log_softmax(hf(torch.tensor([inp])).logits.float(), -1)[0, -len(cont):]
         assert logp == pytest.approx(float(ref.gather(1, torch.tensor(cont)[:, None]).sum()), abs=1e-4)
         assert greedy == bool((ref.argmax(-1) == torch.tensor(cont)).all())
+
+
+def test_repeated_and_prefix_inputs_run_once_and_score_as_alone(small_store):
+    """A request repeated, one whose input starts another's, and one that splits the same tokens into context and
+    continuation elsewhere (what lm-eval 0.4.13's logits cache scores at the wrong positions) ride on one row
+    each: fewer rows run, every score equals the request run alone."""
+    rng = random.Random(5)
+    ctx = [rng.randrange(SMALL.vocab_size) for _ in range(12)]
+    cont = [rng.randrange(SMALL.vocab_size) for _ in range(4)]
+    reqs = [(ctx, cont), (ctx, cont), (ctx, cont + [7, 9]), (ctx + cont[:2], cont[2:]), (ctx[:5], ctx[5:9])] + \
+        requests(3, seed=6)
+    carriers, carrier_of = S.shared_inputs([S.window(c, x, 64)[0] for c, x in reqs])
+    assert len(carriers) == 4 and len(set(carrier_of[:5])) == 1  # the first five ride on (ctx, cont + [7, 9])
+    with phantom.load(small_store, offload="disk", prefetch=1, lora=None) as model:
+        rows = []
+        real = model.backend.run_micro_batches
+        model.backend.run_micro_batches = lambda batches: rows.extend(h.shape[0] for h, _ in batches) or real(batches)
+        got = S.score(model, reqs)
+        assert sum(rows) == 4
+        for (logp, greedy), (c, x) in zip(got, reqs):
+            ref_logp, ref_greedy = alone(model, c, x)
+            assert logp == pytest.approx(ref_logp, abs=1e-4) and greedy == ref_greedy

@@ -4,7 +4,7 @@ A decode step of B live sequences runs every block over B tokens while each bloc
 step costs what a training forward's pass costs in loads and what B tokens cost in compute:
 
     step(B) = rest(B) + sum over resident blocks of c(B) + pipe(c(B))       (phantom.plan.costmodel.pipe_s)
-    c(B)    = (block_call_s + B * block_row_s) per block                    measured on the resident model
+    c(B)    = a block's decode call over B sequences                        measured on held blocks (GenRates)
     prefill = the same with c over the prompts' tokens (a batch's P tokens a row, B rows)
 
 rest(B) is what runs outside the blocks (embedding, head, sampling), measured beside them. A batch of N new
@@ -22,15 +22,33 @@ from phantom.stream.placement import Placement, cycle_loads
 
 @dataclass(frozen=True)
 class GenRates:
-    """Seconds measured on a resident model (phantom.plan.gentimer): one block's decode call over B sequences is
-    block_call_s + B * block_row_s, what runs beside the blocks in a step rest_call_s + B * rest_row_s; a
-    block's prefill over T prompt tokens prefill_call_s + T * prefill_token_s."""
-    block_call_s: float
-    block_row_s: float
-    rest_call_s: float
-    rest_row_s: float
-    prefill_call_s: float
-    prefill_token_s: float
+    """Seconds measured on a resident model (phantom.plan.gentimer) at a few sizes each, read between them on
+    the line through the two nearest (beyond them, through the last two): one block's decode call over B
+    sequences (`decode`: (B, s) points), what runs beside the blocks in that step (`rest`), one block's prefill
+    over T prompt tokens (`prefill`: (T, s) points). A matmul over a few rows is not a line in the rows (an
+    8-row call ran 1.5x what the line through 1 and 64 rows said), hence points, not a slope."""
+    decode: tuple[tuple[int, float], ...]
+    rest: tuple[tuple[int, float], ...]
+    prefill: tuple[tuple[int, float], ...]
+
+    def block_s(self, rows: int) -> float:
+        return between(self.decode, rows)
+
+    def rest_s(self, rows: int) -> float:
+        return between(self.rest, rows)
+
+    def prefill_s(self, tokens: int) -> float:
+        return between(self.prefill, tokens)
+
+
+def between(points: tuple[tuple[int, float], ...], x: int) -> float:
+    """y at x on the line through the two measured points around it (the last two past the ends), not below 0."""
+    pts = sorted(points)
+    if len(pts) == 1:
+        return pts[0][1]
+    k = next((i for i in range(1, len(pts)) if x <= pts[i][0]), len(pts) - 1)
+    (x0, y0), (x1, y1) = pts[k - 1], pts[k]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 @dataclass(frozen=True)
@@ -51,14 +69,13 @@ def step_s(rates: GenRates, profile: MachineProfile, shape: Shape, placement: Pl
     """Seconds of one pass over the blocks for `rows` sequences: a decode step, or with `tokens` (the
     tokens of every row together) a prefill."""
     lay = costmodel.layout(shape, profile, placement)
-    c = rates.prefill_call_s + tokens * rates.prefill_token_s if tokens is not None else \
-        rates.block_call_s + rows * rates.block_row_s
+    c = rates.prefill_s(tokens) if tokens is not None else rates.block_s(rows)
     cs = [c] * shape.n_blocks
     cold = profile.disk_warm_gbps is None or lay.tiers.count("disk") * shape.block_bytes > \
         (profile.free_host_bytes or 0) * (1 - costmodel.MARGIN)
     t = LoadTimes.of_block(profile, shape, lay.tiers, warm=not cold)
     still = shape.n_blocks - len(lay.streamed)
-    rest = rates.rest_call_s + rows * rates.rest_row_s
+    rest = rates.rest_s(rows)
     return rest + still * c + costmodel.pipe_s(cs, list(cycle_loads(lay.streamed, lay.slots)), lay, t, profile)
 
 

@@ -103,19 +103,42 @@ def score(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], batch_
     if not 0 < max_len <= model.cfg.max_seq_len:
         raise ValueError(f"a context of {max_len} tokens: the model's is 1 to {model.cfg.max_seq_len}")
     cut = [window(c, x, max_len) for c, x in requests]
-    plan, b = plan_for(model, [len(inp) for inp, _ in cut], batch_size, wave_bytes)
-    log.info(costscore.describe(plan, len(cut), b))
+    carriers, carrier_of = shared_inputs([inp for inp, _ in cut])
+    riders: dict[int, list[int]] = {}
+    for i, k in enumerate(carrier_of):
+        riders.setdefault(k, []).append(i)
+    plan, b = plan_for(model, [len(carriers[k]) for k in range(len(carriers))], batch_size, wave_bytes)
+    log.info(costscore.describe(plan, len(carriers), b))
     out: list[tuple[float, bool] | None] = [None] * len(cut)
     with evaluating(model), torch.autocast(**model.autocast_args()), \
             tqdm(total=len(cut), disable=not progress, desc="score", unit="req", dynamic_ncols=True) as bar:
         for wave in plan.waves:
             batches = [plan.micro_batches[k] for k in wave]
-            hs = model.backend.run_micro_batches([_embedded(model, [cut[i][0] for i in rows]) for rows in batches])
+            hs = model.backend.run_micro_batches([_embedded(model, [carriers[k] for k in rows]) for rows in batches])
             for rows, h in zip(batches, hs):
-                for i, result in zip(rows, _head(model, h, [cut[i] for i in rows])):
+                scored = [(r, i) for r, k in enumerate(rows) for i in riders[k]]
+                for (_, i), result in zip(scored, _head(model, h, [(r, *cut[i]) for r, i in scored])):
                     out[i] = result
-                bar.update(len(rows))
+                bar.update(len(scored))
     return out
+
+
+def shared_inputs(inputs: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The inputs the model must run (`carriers`) and which one serves each input: one that equals it or starts
+    with it, whose positions up to its length compute what it computes alone (attention is causal). A multiple
+    choice's requests often repeat (the same question and answer in two documents) and a rolling document's
+    windows never do; what repeats runs once. Sorted, an input that starts another starts the one right after it,
+    so one pass from the end finds every input's longest carrier."""
+    order = sorted(range(len(inputs)), key=lambda i: inputs[i])
+    carrier = {}
+    for n in range(len(order) - 1, -1, -1):
+        i = order[n]
+        nxt = order[n + 1] if n + 1 < len(order) else None
+        starts = nxt is not None and inputs[nxt][:len(inputs[i])] == inputs[i]
+        carrier[i] = carrier[nxt] if starts else i
+    kept = sorted(set(carrier.values()))
+    index = {i: k for k, i in enumerate(kept)}
+    return [inputs[i] for i in kept], [index[carrier[i]] for i in range(len(inputs))]
 
 
 def score_documents(model, documents: Sequence[Sequence[int]], prefix: int, batch_size: int | None = None,
@@ -134,11 +157,12 @@ def _embedded(model, inputs: list[list[int]]) -> tuple[torch.Tensor, torch.Tenso
     return model.embed(tokens), model.rope_for(T)[:T]
 
 
-def _head(model, h: torch.Tensor, rows: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-    """Each row's continuation log-probability and greedy match from the hidden states h (B, T, dim) at the
-    positions that predict its continuation, the head over at most model.loss_chunk tokens at a time."""
-    picks = [(r, p) for r, (inp, cont) in enumerate(rows) for p in range(len(inp) - len(cont), len(inp))]
-    targets = torch.tensor([t for _, cont in rows for t in cont], device=h.device)
+def _head(model, h: torch.Tensor, rows: list[tuple[int, list[int], list[int]]]) -> list[tuple[float, bool]]:
+    """Each (row of h, input, continuation)'s continuation log-probability and greedy match from the hidden states
+    h (B, T, dim) at the positions of its row that predict its continuation (several inputs may share a row:
+    shared_inputs), the head over at most model.loss_chunk tokens at a time."""
+    picks = [(r, p) for r, inp, cont in rows for p in range(len(inp) - len(cont), len(inp))]
+    targets = torch.tensor([t for _, _, cont in rows for t in cont], device=h.device)
     hidden = h[torch.tensor([r for r, _ in picks]), torch.tensor([p for _, p in picks])]  # (tokens, dim)
     logps, greedy = [], []
     for s in range(0, len(picks), model.loss_chunk):
@@ -148,7 +172,7 @@ def _head(model, h: torch.Tensor, rows: list[tuple[list[int], list[int]]]) -> li
         greedy.append(logits.argmax(-1) == t)
     logp, match = torch.cat(logps).double().cpu(), torch.cat(greedy).cpu()
     out, at = [], 0
-    for _, cont in rows:
+    for _, _, cont in rows:
         n = len(cont)
         out.append((float(logp[at:at + n].sum()), bool(match[at:at + n].all())))
         at += n

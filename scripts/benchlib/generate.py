@@ -1,7 +1,7 @@
 """`bench.py --modes generate`: batched generation's tokens/s at each number of prompts of --gen-prompts, from the
 RAM tier and from the disk tier, each beside the cost model's prediction (phantom.plan.costgen) from the machine's
-profile (disk, link: phantom.plan.profiles) and the generation rates of the resident model (phantom.plan.gentimer),
-measured before the rows; the loads of each block counted by the scheduler beside the prediction's. Greedy, no
+profile (disk, link: phantom.plan.profiles) and the generation rates of held blocks at the rows' batch sizes
+(phantom.plan.gentimer), measured before the rows; the loads of each block counted by the scheduler beside the prediction's. Greedy, no
 stop id: every prompt gets --gen-new tokens; prompts of --gen-prompt-len random tokens; one batch of all prompts
 (--gen-batch to cap it).
 """
@@ -29,7 +29,8 @@ def generate_bench(args, store: BlockStore) -> str:
     counts = [int(n) for n in args.gen_prompts.split(",")]
     plen, new = args.gen_prompt_len, args.gen_new
     profile = profiles.with_free_memory(profiles.measure(store, device, dtype, 1, plen + new), device)
-    rates = measure_generation(store, device, dtype, plen, rows=(1, min(64, max(counts))))
+    batches = sorted({min(n, args.gen_batch or n) for n in counts})  # the rates at the run's own sizes
+    rates = measure_generation(store, device, dtype, tuple(batches), tuple(b * plen for b in batches), plen)
     name = dtype_name(dtype)
     shape = ci.shape_of(store.cfg, name, name, seq_len=1)
     gen = torch.Generator().manual_seed(0)
@@ -37,10 +38,9 @@ def generate_bench(args, store: BlockStore) -> str:
              f"Machine: {machine()}; {phantom.__name__} on {device.type}, {name}.",
              f"Model: dim {store.cfg.dim}, {store.cfg.n_layers} blocks, {store.cfg.n_heads} heads, "
              f"{shape.block_bytes / 2**20:.1f} MiB a block; prompts of {plen} tokens, {new} new tokens each, greedy.",
-             f"Profile: disk {profile.disk_gbps:.2f} GB/s, link {profile.h2d_gbps:.1f} GB/s; resident block: decode "
-             f"{rates.block_call_s * 1e3:.2f} ms + {rates.block_row_s * 1e3:.3f} ms/row, prefill "
-             f"{rates.prefill_call_s * 1e3:.2f} ms + {rates.prefill_token_s * 1e6:.1f} us/token; beside the blocks "
-             f"{rates.rest_call_s * 1e3:.2f} ms + {rates.rest_row_s * 1e3:.3f} ms/row.\n",
+             f"Profile: disk {profile.disk_gbps:.2f} GB/s, link {profile.h2d_gbps:.1f} GB/s; a held block's decode "
+             f"call {_ms(rates.decode)}, prefill {_ms(rates.prefill, 'tokens')}; beside the blocks a step "
+             f"{_ms(rates.rest)}.\n",
              "| tier | prompts | batch | new tokens/s | predicted | error | block loads (predicted) | s |",
              "|---|---|---|---|---|---|---|---|"]
     for tier in TIERS:
@@ -63,3 +63,8 @@ def generate_bench(args, store: BlockStore) -> str:
                              f"{(p.tokens_per_s - measured) / measured:+.1%} | {loads} ({p.loads}) | {seconds:.2f} |")
                 print(lines[-1], flush=True)
     return "\n".join(lines)
+
+
+def _ms(points, unit: str = "rows") -> str:
+    return ", ".join(f"{t * 1e3:.2f} ms at {n} {unit}" for n, t in points)
+

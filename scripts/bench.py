@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 from benchlib.common import MODES, PEERS, fastest_of_rounds, host_speeds  # noqa: E402
 from benchlib.diskread import diskread  # noqa: E402
 from benchlib.evalpeer import evaluate_bench  # noqa: E402
-from benchlib.generate import generate_bench  # noqa: E402
+from benchlib.generate import add_generate_flags, generate_bench  # noqa: E402
 from benchlib.linear import linear_bench  # noqa: E402
 from benchlib.moe import moe_bench  # noqa: E402
 from benchlib.quant import quant_bench  # noqa: E402
@@ -111,13 +111,7 @@ def parse_args(argv=None):
                                                                    "glm-4.5-355B"),
                    help="--modes moe: the preset whose experts, routing and attention the store has (scaled to --dim)")
     p.add_argument("--linear-batches", default="1x1024,1x8192", help="--modes linear: ROWSxTOKENS per step, comma list")
-    p.add_argument("--gen-prompts", default="1,8,64,256", help="--modes generate: numbers of prompts, comma list")
-    p.add_argument("--gen-prompt-len", type=int, default=32, help="--modes generate: tokens a prompt")
-    p.add_argument("--gen-new", type=int, default=16, help="--modes generate: new tokens a prompt")
-    p.add_argument("--gen-batch", type=int, default=None, help="--modes generate: sequences a batch at most")
-    p.add_argument("--gen-prefetch", type=int, default=2, help="--modes generate: prefetch depth of the streamed tiers")
-    p.add_argument("--eval-docs", type=int, default=64, help="--modes evaluate: multiple-choice documents")
-    p.add_argument("--eval-batch", type=int, default=16, help="--modes evaluate: lm-eval's batch size, both models")
+    add_generate_flags(p)
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
                    "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "

@@ -204,3 +204,18 @@ def test_the_cost_model_of_generation_shares_the_reads_and_adds_the_compute():
     assert halves.batches == 2 and halves.loads == 2 * one.loads
     ram = predict_generation(rates, profile, shape, phantom.Placement(offload="ram"), 1, 32, 16, 1)
     assert ram.loads == 0 and ram.step_s == pytest.approx(cfg.n_layers * read_s / 100)  # in place on a CPU
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen3_5_moe"])
+def test_a_prefill_in_groups_of_rows_gives_the_same_tokens(family_models, monkeypatch, name):
+    """A CPU's prefill of many rows runs in groups of about CPU_CALL_TOKENS tokens (each group its rows of the
+    cache, its rows' positions and mask), the block loaded once: here a group of one or two rows."""
+    import phantom.stream.executor as executor
+    model, store = family_models(name)
+    ps = prompts()
+    want = transformers_greedy(model, ps)
+    monkeypatch.setattr(executor, "CPU_CALL_TOKENS", 32)
+    with phantom.load(store, offload="disk", prefetch=1, lora=None) as pm:
+        pm.scheduler.take_metrics()
+        assert greedy(pm, ps) == want
+        assert pm.scheduler.take_metrics()["loads"] <= NEW * pm.cfg.n_layers

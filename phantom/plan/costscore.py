@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from phantom.arch.config import ModelConfig
 from phantom.plan.costinputs import keep_elems_per_token
+from phantom.stream.placement import CPU_CALL_TOKENS
 
 WAVE_SHARE = 4  # a wave's hidden states take at most 1/4 of free memory
 MICRO_SHARE = 8  # one micro-batch's activations inside a block at most 1/8
 UNKNOWN_FREE = 4 << 30  # free bytes assumed where no probe answers
+CPU_MICRO_TOKENS = CPU_CALL_TOKENS  # an lm-eval task ran 1.5x slower with micro-batches by memory alone
 
 
 @dataclass(frozen=True)
@@ -48,16 +50,18 @@ def token_bytes(cfg: ModelConfig, itemsize: int) -> int:
 
 
 def budget(cfg: ModelConfig, itemsize: int, free: int | None, max_rows: int | None = None,
-           wave_bytes: int | None = None) -> ScoreBudget:
+           wave_bytes: int | None = None, cpu: bool = False) -> ScoreBudget:
     """The budget from free memory (None: unknown): waves take 1/WAVE_SHARE of it (or `wave_bytes`), a
     micro-batch's activations inside a block 1/MICRO_SHARE (the elements autograd would keep per token
-    bound what a forward holds); a micro-batch has at most `max_rows` rows where given."""
+    bound what a forward holds), on a CPU CPU_MICRO_TOKENS tokens at most; a micro-batch has at most `max_rows`
+    rows where given."""
     free = free if free is not None else UNKNOWN_FREE
     per_token = max(1, int(keep_elems_per_token(cfg) * itemsize))
     s = cfg.rope_scaling
     boundary = s.original_max_seq_len if s is not None and s.rope_type == "longrope" else None
     return ScoreBudget(token_bytes(cfg, itemsize), wave_bytes if wave_bytes is not None else free // WAVE_SHARE,
-                       max(1, free // MICRO_SHARE // per_token), max_rows, boundary)
+                       max(1, min(free // MICRO_SHARE // per_token, CPU_MICRO_TOKENS if cpu else free)), max_rows,
+                       boundary)
 
 
 def plan_scoring(lengths: list[int], b: ScoreBudget) -> ScorePlan:

@@ -32,6 +32,7 @@ from phantom.arch.ops import KVCache
 from phantom.stream.kvcache import block_cache
 from phantom.stream import lanes as L
 from phantom.stream import moeblock
+from phantom.stream.placement import CPU_CALL_TOKENS
 from phantom.stream.scheduler import BlockScheduler
 
 log = logging.getLogger(__name__)
@@ -275,12 +276,29 @@ class BlockExecutor:
                 with self.block_weights(i, lanes=lanes) as weights, self.first_pass(i):
                     if caches:
                         with block_cache(caches, i, start_pos, h.shape[1]) as cache:
-                            h = self.run_block(i, weights, h, rope, cache, start_pos, mask)
+                            h = self.run_cached(i, weights, h, rope, cache, start_pos, mask)
                     else:
                         h = torch.cat(self.run_rows(i, self.rows(h, rope, mask, lanes)))
                     self.run_reference(i, weights, rope, mask)
         reference, self.reference, self.lanes = self.reference, None, None
         return h if reference is None else (h, reference)
+
+    def run_cached(self, i: int, weights: dict[str, torch.Tensor], h: torch.Tensor, rope: torch.Tensor,
+                   cache: KVCache, start_pos: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Block i over the rows of a generation step with their cache: on a CPU, a prefill of many rows in groups
+        of about CPU_CALL_TOKENS tokens (each group's rows of the cache), the block still loaded once; left-padded
+        rows' rope and mask (phantom.model.generate.padded_layout gives both or neither) split with them."""
+        B, T = h.shape[:2]
+        rows = B if h.device.type != "cpu" else max(1, CPU_CALL_TOKENS // T)
+        if rows >= B:
+            return self.run_block(i, weights, h, rope, cache, start_pos, mask)
+        out = []
+        for a in range(0, B, rows):
+            part, own = slice(a, a + rows), mask is not None
+            rows_cache = KVCache(cache.k[part], cache.v[part])
+            out.append(self.run_block(i, weights, h[part], rope[part] if own else rope, rows_cache, start_pos,
+                                      mask[part] if own else None))
+        return torch.cat(out)
 
     def run_reference(self, i: int, weights: dict[str, torch.Tensor], rope: torch.Tensor,
                       mask: torch.Tensor | None) -> None:

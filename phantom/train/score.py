@@ -65,7 +65,8 @@ def plan_for(model, lengths: list[int], batch_size: int | None = None,
     states (both None: by memory)."""
     free = free_device_bytes(model.device)
     free = free if free is not None else free_host_bytes()
-    b = costscore.budget(model.cfg, torch.finfo(model.weight_dtype).bits // 8, free, batch_size, wave_bytes)
+    b = costscore.budget(model.cfg, torch.finfo(model.weight_dtype).bits // 8, free, batch_size, wave_bytes,
+                         cpu=model.device.type == "cpu")
     return costscore.plan_scoring(lengths, b), b
 
 

@@ -5,8 +5,11 @@ model's size: the blocks that do not fit go to an offload folder and are loaded 
 lm-eval runs a model that does not fit its device. The weights: a synthetic store of --dim/--layers/--heads with
 the tiny sentencepiece tokenizer, exported by phantom's Hugging Face export for transformers to load. The tasks:
 a multiple choice over --eval-docs documents (four choices each) and a greedy generate_until of 16 tokens over a
-quarter of them, written as local task YAMLs over lines of phantom/assets/tiny.txt. Each row: wall seconds,
-requests per second, the block reads; the two tools' metrics must agree (the same weights in fp32).
+quarter of them, written as local task YAMLs over lines of phantom/assets/tiny.txt. Each row: wall seconds, the
+block reads; the two tools' metrics agree (the same weights in fp32). phantom's disk tier reads with O_DIRECT (no
+page cache, as for a model larger than host memory); lm-eval's hf model is run twice: its offload folder read
+through the page cache (the whole model fits host memory here), then evicted from it before each forward (a model
+that does not: each forward reads its offloaded blocks from the disk).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from phantom.arch.config import ModelConfig
 from phantom.data.tokenizer import TINY_TEXT, train_tiny_tokenizer
 from phantom.model.export import export
 from phantom.model.synthetic import write_synthetic
+from phantom.plan.profiles import evict
 from benchlib.common import machine
 
 MC = """task: bench_mc
@@ -55,10 +59,12 @@ metric_list:
 """
 
 
-def tasks(folder: Path, docs: int) -> Path:
-    """Two local tasks over lines of the tiny text: which of four lines follows a line; a line's continuation."""
+def tasks(folder: Path, docs: int, words: int = 0) -> Path:
+    """Two local tasks over lines of the tiny text (their first `words` words; 0: whole): which of four lines
+    follows a line; a line's continuation."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = [line.strip() for line in TINY_TEXT.read_text().splitlines() if len(line.split()) >= 6]
+    lines = [" ".join(line.split()[:words]) if words else line for line in lines]
     rng = random.Random(0)
     with open(folder / "mc.jsonl", "w") as f:
         for n in range(docs):
@@ -69,8 +75,8 @@ def tasks(folder: Path, docs: int) -> Path:
                                 "answer": choices.index(lines[a + 1])}) + "\n")
     with open(folder / "gen.jsonl", "w") as f:
         for n in range(max(1, docs // 4)):
-            words = lines[rng.randrange(len(lines))].split()
-            f.write(json.dumps({"prompt": " ".join(words[:4]), "answer": " " + " ".join(words[4:])}) + "\n")
+            text = lines[rng.randrange(len(lines))].split()
+            f.write(json.dumps({"prompt": " ".join(text[:4]), "answer": " " + " ".join(text[4:])}) + "\n")
     (folder / "bench_mc.yaml").write_text(MC.format(data=folder))
     (folder / "bench_gen.yaml").write_text(GEN.format(data=folder))
     return folder
@@ -86,14 +92,14 @@ def evaluate_bench(args, folder: Path) -> str:
     tok = train_tiny_tokenizer(folder / "tokenizer.model", vocab_size=cfg.vocab_size)
     store = write_synthetic(folder / "store", cfg, torch.float32, seed=0, tokenizer=tok, progress=False)
     export(store, folder / "hf", progress=False)
-    tm = TaskManager(include_path=str(tasks(folder / "tasks", args.eval_docs)), include_defaults=False)
+    tm = TaskManager(include_path=str(tasks(folder / "tasks", args.eval_docs, args.eval_words)), include_defaults=False)
     names = ["bench_mc", "bench_gen"]
     model_bytes = sum(f.stat().st_size for f in (folder / "hf").glob("*.safetensors"))
     rows, results = [], {}
 
-    def run(name: str, lm, reads=None):
+    def run(name: str, lm, batch, reads=None):
         t0 = time.perf_counter()
-        out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=tm, batch_size=args.eval_batch)
+        out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=tm, batch_size=batch)
         seconds = time.perf_counter() - t0
         results[name] = {t: {k: v for k, v in r.items() if isinstance(v, float)} for t, r in out["results"].items()}
         requests = sum(len(v) for v in out["samples"].values()) if "samples" in out else None
@@ -103,22 +109,40 @@ def evaluate_bench(args, folder: Path) -> str:
 
     placement = phantom.Placement(offload="disk", prefetch=2)
     with phantom.PhantomModel(phantom.BlockStore(store), "cpu", torch.float32, placement, lora=None) as model:
-        lm = PhantomLM(model, batch_size=args.eval_batch)
-        model.scheduler.take_metrics()
-        run("phantom (disk tier)", lm, lambda: f"{model.scheduler.take_metrics()['loads']} block loads")
+        for batch in (args.eval_batch, "auto"):  # lm-eval's batch size, then phantom's own from memory
+            lm = PhantomLM(model, batch_size=batch)
+            model.scheduler.take_metrics()
+            run(f"phantom (disk tier), batch size {batch}", lm, batch,
+                lambda: f"{model.scheduler.take_metrics()['loads']} block loads")
     hf = HFLM(pretrained=str(folder / "hf"), device="cpu", dtype="float32", batch_size=args.eval_batch, parallelize=True,
               max_cpu_memory=model_bytes // 2, offload_folder=str(folder / "offload"))
     where = getattr(hf.model, "hf_device_map", {})
     blocks = [d for name, d in where.items() if ".layers." in name or name.endswith(".layers")]
-    run(f"lm-eval hf, accelerate offload ({sum(str(d) == 'disk' for d in blocks)} of {cfg.n_layers} blocks in its "
-        f"offload folder; placement {sorted({str(d) for d in where.values()})})", hf)
+    on_disk = sum(str(d) == "disk" for d in blocks)
+    run(f"lm-eval hf, accelerate offload ({on_disk} of {cfg.n_layers} blocks in its offload folder, read through "
+        f"the page cache)", hf, args.eval_batch)
+    # a model larger than host memory: its offload folder is not in the page cache when a forward reads it
+    files = [f for d in ("offload", "hf") for f in (folder / d).rglob("*") if f.is_file()]  # where it reads from
+    def cold(*_):  # a pre-hook's None leaves the inputs as they are
+        for f in files:
+            evict(f)
+    hook = hf.model.register_forward_pre_hook(cold)
+    run(f"lm-eval hf, accelerate offload ({on_disk} of {cfg.n_layers} blocks), the folder evicted from the page "
+        f"cache before each forward", hf, args.eval_batch)
+    hook.remove()
+    return table(args, cfg, model_bytes, rows, results)
+
+
+def table(args, cfg, model_bytes: int, rows: list, results: dict) -> str:
     base = rows[0][1]
     lines = [f"\n## lm-eval tasks, phantom against lm-eval's hf model with accelerate's offload, "
              f"{time.strftime('%Y-%m-%d %H:%M')}\n",
              f"Machine: {machine()}; cpu, float32. Model: dim {cfg.dim}, {cfg.n_layers} blocks, {cfg.n_heads} heads, "
              f"vocabulary {cfg.vocab_size}, {model_bytes / 2**20:.0f} MiB of weights; hf given max_cpu_memory of "
-             f"half of them. Tasks: bench_mc ({args.eval_docs} documents x 4 choices: loglikelihood), bench_gen "
-             f"({max(1, args.eval_docs // 4)} documents, greedy, 16 tokens at most); batch size {args.eval_batch}.\n",
+             f"half of them. Tasks over {f'the first {args.eval_words} words of ' if args.eval_words else ''}lines of "
+             f"tiny.txt: bench_mc ({args.eval_docs} documents x 4 choices: loglikelihood), bench_gen "
+             f"({max(1, args.eval_docs // 4)} documents, greedy, 16 tokens at most); lm-eval's batch size "
+             f"{args.eval_batch} (hf; phantom with it and with its own, auto).\n",
              "| model | seconds | x phantom | reads | bench_mc acc | bench_gen exact_match |", "|---|---|---|---|---|---|"]
     for name, seconds, reads in rows:
         r = results[name]

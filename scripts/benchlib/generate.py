@@ -24,6 +24,19 @@ from benchlib.common import machine
 TIERS = ("ram", "disk")
 
 
+def add_generate_flags(p) -> None:
+    """bench.py's flags of --modes generate and --modes evaluate (benchlib.evalpeer)."""
+    p.add_argument("--gen-prompts", default="1,8,64,256", help="--modes generate: numbers of prompts, comma list")
+    p.add_argument("--gen-prompt-len", type=int, default=32, help="--modes generate: tokens a prompt")
+    p.add_argument("--gen-new", type=int, default=16, help="--modes generate: new tokens a prompt")
+    p.add_argument("--gen-batch", type=int, default=None, help="--modes generate: sequences a batch at most")
+    p.add_argument("--gen-prefetch", type=int, default=2, help="--modes generate: prefetch depth of the streamed tiers")
+    p.add_argument("--eval-docs", type=int, default=64, help="--modes evaluate: multiple-choice documents")
+    p.add_argument("--eval-batch", type=int, default=16, help="--modes evaluate: lm-eval's batch size, both models")
+    p.add_argument("--eval-words", type=int, default=0,
+                   help="--modes evaluate: words of each line the tasks keep (0: whole lines; few: short requests)")
+
+
 def generate_bench(args, store: BlockStore) -> str:
     device, dtype = phantom.resolve_device(args.device), store.dtype
     counts = [int(n) for n in args.gen_prompts.split(",")]

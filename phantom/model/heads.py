@@ -96,6 +96,48 @@ class ChunkedHeadLogps(torch.autograd.Function):
         return gh, None, None, None, None, None, None, None
 
 
+class ChunkedHeadTokenLogps(torch.autograd.Function):
+    """Final norm + output projection + each token's log-probability of its target under softmax(logits /
+    temperature) (-100: 0), (B, T) fp32, and each token's entropy of that softmax (no autograd), a chunk of tokens
+    at a time, as ChunkedHeadLogps: the forward keeps each token's gradient of its own log-probability with
+    respect to h, which the backward scales by that token's upstream gradient (exact: a log-probability depends
+    on its own position's hidden state alone). What a policy-gradient loss (GRPO) needs, whose terms are not
+    linear in the log-probabilities."""
+
+    @staticmethod
+    def forward(ctx, h, norm_w, out_w, targets, eps: float, chunk: int, norm_offset: float = 0.0,
+                cap: float | None = None, temperature: float = 1.0):
+        if norm_w.requires_grad or out_w.requires_grad:
+            raise ValueError("token log-probabilities need a frozen head (train a LoRA, not --mode full)")
+        hf, tf = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        logps = torch.zeros(tf.shape, dtype=torch.float32, device=h.device)
+        entropy = torch.zeros(tf.shape, dtype=torch.float32, device=h.device)
+        grad = torch.zeros_like(hf) if ctx.needs_input_grad[0] else None
+        for s in range(0, hf.shape[0], chunk):
+            hc = hf[s:s + chunk].detach().requires_grad_(grad is not None)
+            with torch.enable_grad():
+                logits = softcap(F.linear(rms_norm(hc, norm_w, eps, norm_offset), out_w).float(), cap) / temperature
+                lp = -F.cross_entropy(logits, tf[s:s + chunk], ignore_index=IGNORE_INDEX, reduction="none")
+                total = lp.sum()
+            if grad is not None:
+                grad[s:s + chunk] = torch.autograd.grad(total, hc)[0]
+            with torch.no_grad():
+                all_lp = torch.log_softmax(logits.detach(), -1)
+                entropy[s:s + chunk] = -(all_lp.exp() * all_lp).sum(-1)
+            logps[s:s + chunk] = lp.detach()
+        ctx.save_for_backward(grad)
+        ctx.shape = targets.shape
+        entropy = entropy.view(ctx.shape)
+        ctx.mark_non_differentiable(entropy)
+        return logps.view(ctx.shape), entropy
+
+    @staticmethod
+    def backward(ctx, g, _g_entropy):
+        (grad,) = ctx.saved_tensors
+        B, T = ctx.shape
+        return (grad.view(B, T, -1) * g.view(B, T, 1).to(grad.dtype),) + (None,) * 8
+
+
 def head_logits(h: torch.Tensor, norm_w: torch.Tensor, out_w: torch.Tensor, cfg) -> torch.Tensor:
     """Final norm, output projection and soft-cap of hidden states h (..., dim): fp32 logits (generation's
     last position; training never forms them)."""

@@ -22,7 +22,8 @@ from phantom.base import provenance
 from phantom.files.store import BlockStore
 from phantom.model import fullmode
 from phantom.model.backends import ResidentBlocks, StreamedBlocks, build_layers
-from phantom.model.heads import ChunkedHeadLogps, ChunkedHeadLoss, default_loss_chunk, head_logits
+from phantom.model.heads import ChunkedHeadLogps, ChunkedHeadLoss, ChunkedHeadTokenLogps, default_loss_chunk, \
+    head_logits
 from phantom.model.lora import LoraConfig, for_family
 from phantom.model.adapterfiles import load_adapter, save_adapter
 from phantom.stream.optim import AdamWConfig, BlockAdamW, FullFinetune
@@ -193,6 +194,33 @@ class PhantomModel(nn.Module):
             h, h_ref = out if reference else (out, None)
             logps = lambda h, targets, h_ref: head_logps(h, (*head[:2], targets, *head[3:]), h_ref)  # noqa: E731
             return per_lane(logps, lanes, h, head[2], h_ref) if lanes else logps(h, head[2], h_ref)
+
+    def token_logps(self, tokens: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    reference: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each token's log-probability of its target under softmax(logits / temperature) (B, T) fp32 (-100: 0),
+        with autograd to the LoRA weights, and each token's entropy (no autograd); with `reference`, also the base
+        model's log-probabilities (adapters off, no autograd; else None), each block running both while it is
+        loaded. What a policy-gradient step (GRPO) takes: its terms are not linear in the log-probabilities."""
+        if tokens.dim() != 2 or targets.shape != tokens.shape:
+            raise ValueError(f"tokens and targets must be (batch, seq_len) alike, got {tuple(tokens.shape)} and "
+                             f"{tuple(targets.shape)}")
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len "
+                             f"{self.cfg.max_seq_len}")
+        if self.full:
+            raise ValueError("token log-probabilities are for LoRA training (the reference is the base model)")
+        h = self.embed(tokens)
+        rope = self.rope_for(tokens.shape[1])[:tokens.shape[1]]
+        head = (self.norm_weight, self.output_weight, targets.to(self.device), self.cfg.norm_eps, self.loss_chunk,
+                self.cfg.norm_offset, self.cfg.final_softcap, temperature)
+        with torch.autocast(**self.autocast_args()):
+            out = self.blocks(h, rope, reference=h.detach() if reference else None)
+            h, h_ref = out if reference else (out, None)
+            logps, entropy = ChunkedHeadTokenLogps.apply(h, *head)
+            if h_ref is None:
+                return logps, entropy, None
+            with torch.no_grad():
+                return logps, entropy, ChunkedHeadTokenLogps.apply(h_ref, *head)[0]
 
     def rope_for(self, positions: int) -> torch.Tensor:
         """The RoPE table of a forward over positions 0 .. positions-1: longrope's long one past its

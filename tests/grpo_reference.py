@@ -31,7 +31,7 @@ DEFAULTS = dict(
     learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0, seed=0,
     bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, shuffle_dataset=False,
     logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-    num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_completion_length=8,
+    num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1, max_completion_length=16,
 )
 
 

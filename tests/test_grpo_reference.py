@@ -259,3 +259,46 @@ def test_num_iterations_two_replays_the_rollouts_against_the_old_policy(tiny):
     with torch.no_grad(), model.disable_adapter():
         base = {r: token_logps(model, prompt_ids[r[0]], ids)[0] for r, ids in zip(gen["rows"], gen["completion_ids"])}
     assert any(not torch.allclose(base[r], old[r], atol=1e-3) for r in base)
+
+
+def test_steps_per_generation_two_splits_one_generation_over_two_steps(tiny):
+    """steps_per_generation 2 with no accumulation: step 1 generates for both prompts, each step trains on half of
+    the shuffled rows; the old log-probs are those of the generating policy, DAPO's normalizer the generation's token
+    count halved; step 2 logs no reward metrics (nothing generated during it)."""
+    config = dict(loss_type="dapo", beta=0.0, steps_per_generation=2, num_generations=2, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=1, max_completion_length=12)
+    steps = trl_grpo(*tiny, PROMPTS, COMPLETIONS, [reward_length, reward_keeps], 2, **config)
+    (gen,) = steps[0]["generated"]
+    assert steps[1]["generated"] == [] and len(gen["rows"]) == 4
+    assert sorted(steps[0]["micro_batches"][0] + steps[1]["micro_batches"][0]) == gen["rows"]
+    assert "reward" in steps[0]["metrics"] and "reward" not in steps[1]["metrics"]
+    prompt_ids = rows_tokens(tiny)
+    initial = peft_model(tiny)
+    with torch.no_grad():
+        old = {r: token_logps(initial, prompt_ids[r[0]], ids)[0] for r, ids in zip(gen["rows"], gen["completion_ids"])}
+    got1 = hand_step(initial, prompt_ids, steps[0]["micro_batches"], gen, config, old=old)
+    model = peft_model(tiny, steps[0]["adapter"])
+    got2 = hand_step(model, prompt_ids, steps[1]["micro_batches"], gen, config, old=old)
+    for got, step in ((got1, steps[0]), (got2, steps[1])):
+        assert step["metrics"]["loss"] == pytest.approx(got["loss"], rel=1e-4)
+        assert step["metrics"]["grad_norm"] == pytest.approx(got["grad_norm"], rel=1e-4)
+
+
+def test_a_reward_of_none_is_left_out(tiny):
+    """None -> NaN: the weighted sum skips it (nansum); a row no function scores is left out of its group's mean and
+    std (nanmean, nanstd) and gets advantage 0."""
+    def length(completions, **kwargs):
+        return [None if c == "went" else len(c) / 4 for c in completions]
+
+    def keeps(completions, **kwargs):
+        return [1.0 if c == "kept the light" else None for c in completions]
+
+    (step,) = trl_grpo(*tiny, PROMPTS[:1], [["kept the light", "went", "kept"]], [length, keeps], 1,
+                       num_generations=3, per_device_train_batch_size=3, reward_weights=[1.0, 2.0])
+    (gen,) = step["generated"]
+    rewards = torch.tensor([14 / 4 + 2.0, 4 / 4])  # rows 0 and 2; row 1 unscored
+    a = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    assert gen["advantages"] == pytest.approx([a[0].item(), 0.0, a[1].item()], abs=1e-6)
+    m = step["metrics"]
+    assert m["reward"] == pytest.approx(rewards.mean().item()) and m["reward_std"] == pytest.approx(rewards.std().item())
+    assert m["rewards/keeps/mean"] == 1.0 and m["rewards/length/mean"] == pytest.approx(18 / 8)

@@ -305,7 +305,8 @@ def generate_chat(model: PhantomModel, tokenizer: Tokenizer, template: ChatTempl
     return _pieces(tokenizer, ids, generate(model, list(ids), eos_id=stop, **kwargs), stop)
 
 
-def _pieces(tokenizer: Tokenizer, ids: list[int], tokens: list[int], stop: set[int]) -> Iterator[str]:
+def _pieces(tokenizer: Tokenizer, ids: list[int], tokens, stop: set[int] | None = None) -> Iterator[str]:
+    stop = stop if stop is not None else set(tokenizer.stop_ids)
     text = tokenizer.decode(ids)
     for token in tokens:
         if token in stop:

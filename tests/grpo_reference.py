@@ -56,6 +56,58 @@ def completion_token_ids(tokenizer, completions, eos_token_ids: list[int], max_c
     return out
 
 
+def trl_schedule(n_prompts: int, steps: int, *, num_generations: int, per_device_train_batch_size: int,
+                 gradient_accumulation_steps: int = 1, steps_per_generation: int | None = None,
+                 generation_batch_size: int | None = None, num_iterations: int = 1, shuffle_dataset: bool = False,
+                 seed: int = 0, keep_order: bool = False) -> list[dict]:
+    """The rows (prompt index, completion index) of every micro-batch of every optimizer step as trl_grpo's
+    GRPOTrainer runs them (one process), computed without TRL: the order notes/grpo-trl.md describes.
+
+    A generation batch holds generation_batch_size // num_generations prompts of the dataset (read in order, or in
+    RepeatSampler's permutation from its own generator seeded with `seed` when shuffle_dataset; a new permutation
+    each epoch; the prompts left over from the last whole batch are skipped), each repeated num_generations times in
+    a row. Its rows are shuffled by torch.randperm on the global generator, which Trainer seeds (seed) and which
+    draws one int64 as each epoch's DataLoader iterator starts (torch's base seed) and nothing else when no dropout
+    runs and nothing is sampled; then cut into steps_per_generation micro-batches of per_device_train_batch_size
+    rows, replayed num_iterations times. Returns per optimizer step {"micro_batches": [[(p, k)]], "generated":
+    [the rows of each generation made during the step, in generation order], "accumulation": its micro-batch count
+    (Trainer's current_gradient_accumulation_steps: the last step of an epoch may have fewer)}.
+    """
+    G, bs, GA = num_generations, per_device_train_batch_size, gradient_accumulation_steps
+    if generation_batch_size is None:
+        spg = steps_per_generation or GA
+        gbs = bs * spg
+    else:
+        gbs, spg = generation_batch_size, generation_batch_size // bs
+    unique = gbs // G
+    per_epoch = (n_prompts // unique) * num_iterations * spg  # dataloader batches (micro-steps) in an epoch
+    if per_epoch == 0:
+        raise ValueError("fewer prompts than one generation batch needs")
+    sampler = torch.Generator().manual_seed(seed)
+    world = torch.Generator().manual_seed(seed)  # the global generator, as Trainer leaves it
+    out, micro_step, buffer = [], 0, None
+    while len(out) < steps:
+        order = torch.randperm(n_prompts, generator=sampler).tolist() if shuffle_dataset else list(range(n_prompts))
+        chunks = [order[i:i + unique] for i in range(0, n_prompts - unique + 1, unique)]
+        batches = [chunk for chunk in chunks for _ in range(num_iterations * spg)]
+        torch.empty((), dtype=torch.int64).random_(generator=world)  # the DataLoader iterator's base seed
+        for start in range(0, per_epoch, GA):
+            if len(out) == steps:
+                break
+            step = {"micro_batches": [], "generated": [], "accumulation": min(GA, per_epoch - start)}
+            for chunk in batches[start:start + GA]:
+                if micro_step % (spg * num_iterations) == 0:
+                    rows = [(p, k) for p in chunk for k in range(G)]
+                    perm = list(range(gbs)) if keep_order else torch.randperm(gbs, generator=world).tolist()
+                    shuffled = [rows[i] for i in perm]
+                    buffer = [shuffled[j * bs:(j + 1) * bs] for j in range(spg)]
+                    step["generated"].append(rows)
+                step["micro_batches"].append(buffer[micro_step % spg])
+                micro_step += 1
+            out.append(step)
+    return out
+
+
 @contextmanager
 def _recorded_shuffle(grpo_module, permutations: list, keep_order: bool):
     """TRL shuffles each generation batch's rows (shuffle_sequence_dict, torch.randperm on the global generator)
@@ -103,6 +155,7 @@ def trl_grpo(model_dir, adapter_dir, prompts: list[str], completions: list[list[
         metrics: what TRL logged for the step (loss, grad_norm, learning_rate, reward, reward_std,
             rewards/<func>/mean|std, kl (beta != 0), entropy, clip_ratio/*, completions/*, frac_reward_zero_std, ...)
         micro_batches: per micro-batch of the step, in order, its rows as (prompt index, completion index)
+        accumulation: the step's micro-batch count as TRL's losses divide by it (current_gradient_accumulation_steps)
         generated: the generations made during the step (usually one at its first micro-batch, or none while
             buffered rollouts are replayed): each {"rows": [(p, k)] in generation order, "completion_ids": the forced
             ids per row, "permutation": the generation row of each shuffled row (micro-batch j holds shuffled rows
@@ -169,12 +222,13 @@ def trl_grpo(model_dir, adapter_dir, prompts: list[str], completions: list[list[
         out = prepare_inputs(generation_batch)
         if trainer.model.training:
             record["micro"].append((len(record["generations"]) - 1, chunk))
+            record["accumulation"] = trainer.current_gradient_accumulation_steps
         return out
 
     class Capture(transformers.TrainerCallback):
         def on_step_end(self, _args, state, control, model=None, **kwargs):
             adapter = peft.get_peft_model_state_dict(model, adapter_name="default")
-            record["steps"].append((state.global_step, len(record["micro"]),
+            record["steps"].append((state.global_step, len(record["micro"]), record["accumulation"],
                                     {k: v.detach().clone() for k, v in adapter.items()}))
 
         def on_log(self, _args, state, control, logs=None, **kwargs):
@@ -195,7 +249,7 @@ def trl_grpo(model_dir, adapter_dir, prompts: list[str], completions: list[list[
 
     bs = args.per_device_train_batch_size
     out, done = [], 0
-    for step, n_micro, adapter in record["steps"]:
+    for step, n_micro, accumulation, adapter in record["steps"]:
         micro = record["micro"][done:n_micro]
         micro_batches = [[record["generations"][g]["rows"][record["permutations"][g][i]]
                           for i in range(chunk * bs, (chunk + 1) * bs)] for g, chunk in micro]
@@ -203,5 +257,5 @@ def trl_grpo(model_dir, adapter_dir, prompts: list[str], completions: list[list[
                      for g, gen in enumerate(record["generations"]) if done <= gen["at"] < n_micro]
         done = n_micro
         out.append(dict(step=step, adapter=adapter, metrics=record["logs"].get(step, {}),
-                        micro_batches=micro_batches, generated=generated))
+                        micro_batches=micro_batches, accumulation=accumulation, generated=generated))
     return out

@@ -13,7 +13,7 @@ transformers, peft, trl = need("transformers"), need("peft"), need("trl")
 
 import phantom  # noqa: E402
 from family_check import make, prepare  # noqa: E402
-from grpo_reference import trl_grpo  # noqa: E402
+from grpo_reference import trl_grpo, trl_schedule  # noqa: E402
 
 PROMPTS = ["The keeper", "A lamp"]
 COMPLETIONS = [["kept the light", "went"], ["burned low", "was lit and kept"]]
@@ -302,3 +302,21 @@ def test_a_reward_of_none_is_left_out(tiny):
     m = step["metrics"]
     assert m["reward"] == pytest.approx(rewards.mean().item()) and m["reward_std"] == pytest.approx(rewards.std().item())
     assert m["rewards/keeps/mean"] == 1.0 and m["rewards/length/mean"] == pytest.approx(18 / 8)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(per_device_train_batch_size=4, gradient_accumulation_steps=1),
+    dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, shuffle_dataset=True, seed=3),
+    dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=2, num_iterations=2),
+    dict(per_device_train_batch_size=2, gradient_accumulation_steps=3, steps_per_generation=2, shuffle_dataset=True),
+    dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, keep_order=True, num_iterations=2),
+], ids=["plain", "accumulate-shuffled", "spg2-iterations2", "ga3-spg2", "kept-order"])
+def test_the_schedule_is_trls(tiny, knobs):
+    """trl_schedule (the order written down, no TRL) gives the micro-batches TRL ran, across epochs (5 prompts in
+    generation batches of 2: the fifth is skipped each epoch) and the knobs that move rows between steps."""
+    prompts = ["a b", "c d", "e f", "g h", "i j"]
+    steps = trl_grpo(*tiny, prompts, [["x", "y z"]] * 5, [reward_length], 7, num_generations=2, **knobs)
+    schedule = trl_schedule(5, 7, num_generations=2, **knobs)
+    assert [s["micro_batches"] for s in steps] == [s["micro_batches"] for s in schedule]
+    assert [[g["rows"] for g in s["generated"]] for s in steps] == [s["generated"] for s in schedule]
+    assert [s["accumulation"] for s in steps] == [s["accumulation"] for s in schedule]

@@ -48,8 +48,8 @@ RANK = {  # within a package
              "profiles": 4, "tune": 5, "costsweep": 2, "costgen": 2, "gentimer": 4, "costscore": 1},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,
               "score": 0, "lmeval": 3, "evaltasks": 4,
-              "preference": 1, "trainconfig": 2, "cli": 2, "step": 3, "runconfig": 3, "loop": 5, "runner": 6, "sweep": 6,
-              "sweeprun": 7, "launch": 8},
+              "preference": 1, "grpo": 2, "trainconfig": 3, "cli": 2, "step": 4, "runconfig": 4, "grpoloop": 5,
+              "loop": 6, "runner": 7, "sweep": 7, "sweeprun": 8, "launch": 9},
 }
 TOP = "__init__"  # phantom/__init__.py: the public API, above everything
 

@@ -31,10 +31,12 @@ from phantom.data import dataset as D
 from phantom.model.backends import default_keep_budget
 from phantom.model.export import write_tokenizer_files
 from phantom.train import dist as pdist
+from phantom.train import grpoloop as GR
 from phantom.train.checkpoint import (
     check_free_space,
     find_checkpoint,
     planned_bytes,
+    read_state,
     restore,
     run_identity,
     save_checkpoint,
@@ -204,6 +206,13 @@ def one_step(run: "Run", sync, sched_metrics, step: int) -> tuple[dict, bool]:
                             model.device)  # torchrun: the global batch's, as one process logs them
     rec = {"step": step, "loss": means.pop("loss"), "lr": lr, "grad_norm": norm, "tokens": n, "tokens_per_s": n / dt,
            "step_s": dt, "data_s": t_data - t0, **means, **tier_metrics(model, sched_metrics(), dt)}
+    if cfg.mode == "grpo":  # the step's time as generation, scoring and training; its rollouts' samples logged
+        rollout = batch[2]
+        rec["train_s"] = dt - (t_data - t0)
+        if pdist.current().is_main:
+            GR.log_samples(run.out, rollout)
+        rollout.logged = True
+        run.keep["rollout"] = rollout.state() if step % cfg.grpo.num_iterations else None
     return rec, finite
 
 
@@ -221,11 +230,19 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     pad = tokenizer.pad_or_eos if tokenizer is not None else 0
     tasks = task_eval(cfg, tokenizer) if ddp.is_main else None  # names and datasets checked before any step
     objective = Preference(cfg.preference) if cfg.mode == "dpo" else None
-    if objective is None:
+    if cfg.mode == "grpo":
+        if ddp.enabled:
+            raise ValueError("--mode grpo runs in one process (torchrun is not supported for it yet)")
+        if val_data is not None:
+            log.info("--mode grpo has no held-out loss: the held-out data is not used")
+            val_data = None
+        objective = GR.GrpoObjective(cfg.grpo, cfg.batch_size, base_reference=cfg.init_adapter is None)
+        train_ds = val_ds = None
+    elif objective is None:
         train_ds = B.rows(train_data, cfg.seq_len, pad, "training data", segments=True)
         val_ds = B.rows(val_data, cfg.seq_len, pad, "held-out data", segments=True) if val_data is not None else None
     rows = cfg.batch_size * cfg.grad_accum  # pairs in preference training
-    micro = cfg.batch_size * (2 if objective else 1)
+    micro = cfg.batch_size * (2 if cfg.mode == "dpo" else 1)
     if cfg.grad_accum > 1 and model.micro_batch != micro:
         log.warning("--grad-accum %d: load the model with micro_batch=%d so each block runs the %d rows of a "
                     "step in micro-batches (it has micro_batch=%s)", cfg.grad_accum, micro,
@@ -234,10 +251,12 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     model.train()
     opt, identity = make_optimizer(model, cfg), run_identity(model, train_data, cfg)
     sched = make_scheduler(opt, cfg)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad} \
+        if cfg.mode == "grpo" and cfg.init_adapter else None  # the frozen reference: the adapter as it starts
     start, best_val = restore(out, model, opt, sched, identity, cfg.resume)
     history = read_metrics(out / "metrics.jsonl", start) if cfg.resume else []
     first = {"step": 0}
-    if objective is not None:  # after restore: a resumed run finds its reference in the cache
+    if cfg.mode == "dpo":  # after restore: a resumed run finds its reference in the cache
         train_ds, val_ds, first = preference_rows(model, train_data, val_data, cfg, pad, out, identity)
     if val_ds is not None and start == 0:
         first.update(evaluate_with(objective, model, val_ds, rows, cfg.eval_iters))
@@ -247,13 +266,32 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     metrics_path = out / "metrics.jsonl" if ddp.is_main else Path(os.devnull)
     if ddp.is_main:
         fileio.atomic_write_text(metrics_path, "".join(to_json(r) for r in history))
-    batches = iter(B.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
-                            pin_memory=model.device.type == "cuda"))
+    if cfg.mode == "grpo":
+        batches = grpo_batches(model, train_data, tokenizer, cfg, start, initial, out)
+    else:
+        batches = iter(B.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
+                                pin_memory=model.device.type == "cuda"))
     run = Run(model, cfg, out, tokenizer, opt, sched, identity, val_ds, rows, start, best_val, batches, metrics_path,
               objective=objective, sinks=tuple(sinks) if ddp.is_main else (), keep=dict(keep or {}), tasks=tasks)
     if history and start == 0:
         run.emit(history[-1])  # the eval before training (a resumed run's earlier records were sent already)
     return run
+
+
+def grpo_batches(model, data, tokenizer, cfg: TrainConfig, start: int, initial: dict | None, out: Path):
+    """Each step's (x, y, rollout) from start + 1 on: the rollouts of phantom.train.grpoloop, the batch a resumed
+    run stopped within restored from its checkpoint (its old policy's log-probabilities are gone with the policy)."""
+    rollouts = GR.Rollouts(model, tokenizer, data.template, data, cfg.grpo, cfg.batch_size, cfg.grad_accum, cfg.seed,
+                           cfg.shuffle, cfg.iters, reference_adapter=initial)
+    if start:
+        ckpt = find_checkpoint(out)
+        rollouts.current = GR.restored(read_state(ckpt / "state.pt")["extra"].get("rollout")) if ckpt else None
+    GR.keep_samples(out, start)
+    step = start
+    while True:
+        step += 1
+        rollout = rollouts.for_step(step)
+        yield rollout.x, rollout.y, rollout
 
 
 def task_eval(cfg: TrainConfig, tokenizer):

@@ -33,6 +33,7 @@ from phantom.stream.placement import knob
 log = logging.getLogger(__name__)
 
 LOSSES = ("sigmoid", "ipo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # --loss-type's choices in --mode grpo (phantom.train.grpo)
 REFERENCES = ("together", "precompute")
 FIELDS = ("prompt", "chosen", "rejected")
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -52,16 +53,23 @@ class PreferenceConfig:
             extra read of the weights in all, then none per step; for many epochs).
     """
 
-    loss: str = knob("sigmoid", "dpo: sigmoid (DPO) or ipo", choices=LOSSES, flag="loss-type")
-    beta: float = knob(0.1, "dpo: how far the policy may move from the reference")
+    # shared flags: --loss-type and --beta are GRPO's too (phantom.train.grpo), None: the mode's default
+    loss: str | None = knob(None, "dpo: sigmoid (DPO) or ipo (default sigmoid); grpo: grpo, bnpo, dr_grpo or dapo "
+                                  "(default dapo)", choices=LOSSES + GRPO_LOSS_TYPES, flag="loss-type", by_mode=True)
+    beta: float | None = knob(None, "dpo: how far the policy may move from the reference (default 0.1); grpo: the "
+                                    "weight of the KL to the reference (default 0: none)", by_mode=True)
     label_smoothing: float = knob(0.0, "dpo: assumed fraction of pairs labelled the wrong way, sigmoid loss only")
     reference: str = knob("together", "dpo: together (the reference beside the policy in each loaded block: no "
                                       "extra reads) or precompute (once before training, cached in --out: one extra "
                                       "read of the weights in all)", choices=REFERENCES)
 
     def __post_init__(self):
+        object.__setattr__(self, "loss", "sigmoid" if self.loss is None else self.loss)
+        object.__setattr__(self, "beta", 0.1 if self.beta is None else self.beta)
         if self.loss not in LOSSES:
-            raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
+            raise ValueError(f"--loss-type {self.loss} is GRPO's; dpo takes {' or '.join(LOSSES)}"
+                             if self.loss in GRPO_LOSS_TYPES else
+                             f"--loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
         if self.reference not in REFERENCES:
             raise ValueError(f"--reference must be one of {', '.join(REFERENCES)}, not {self.reference!r}")
         if not self.beta > 0:

@@ -44,8 +44,10 @@ def tier_metrics(model, m: dict, dt: float) -> dict:
 
 
 def preference_postfix(rec: dict) -> dict:
-    """The step's reward accuracy for the progress bar (preference training)."""
-    return {"acc": f"{rec['reward_accuracy']:.2f}"} if "reward_accuracy" in rec else {}
+    """The step's reward accuracy (preference training) or mean reward (GRPO) for the progress bar."""
+    if "reward_accuracy" in rec:
+        return {"acc": f"{rec['reward_accuracy']:.2f}"}
+    return {"reward": f"{rec['reward']:.3f}"} if "reward" in rec else {}
 
 
 def tier_postfix(rec: dict) -> dict:

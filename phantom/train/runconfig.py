@@ -27,10 +27,11 @@ from phantom.data.tokenfiles import TOKEN_DTYPES
 from phantom.model.lora import LoraConfig
 from phantom.stream.placement import Activations, Placement, knob, offload_choices
 from phantom.train import cli, runfile, trackers
+from phantom.train.grpo import GrpoConfig
 from phantom.train.preference import PreferenceConfig
 from phantom.train.trainconfig import TrainConfig
 
-TRAIN_MODES = ("lora", "full", "dpo")
+TRAIN_MODES = ("lora", "full", "dpo", "grpo")
 SECTION_ORDER = ("model", "placement", "lora", "data", "optim", "output")  # as OUT/config.yaml shows them
 # The flags in the order --help, OUT/config.yaml and the run card's command show them; a flag of a new
 # field follows the last flag of its config.
@@ -246,6 +247,8 @@ def _walk(config, path: tuple[str, ...], section: str | None, prefix: str, outer
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         meta, value = dict(f.metadata), getattr(config, f.name)
+        if meta.get("by_mode"):  # its default depends on --mode: not given is None (the mode's config decides)
+            value = None
         if not meta.get("cli", True) or f.name in outer.get("skip", ()):
             continue
         where = meta.get("section", section)
@@ -266,6 +269,11 @@ def _plain_flag(name: str, kind, meta: dict, default) -> dict:
     kw = dict(dest=meta.get("dest", name.replace("-", "_")), help=help_)
     if kind in (bool, bool | None):
         return {**kw, "action": "store_true"}  # on: the field's opposite of its default
+    if meta.get("action") == "append":  # repeated: each one more value (None: none given)
+        return {**kw, "action": "append", "default": None, "metavar": meta.get("metavar")}
+    if "nargs" in meta:
+        return {**kw, "nargs": meta["nargs"], "type": meta.get("item", str), "default": default,
+                "metavar": meta.get("metavar")}
     if default is not None and "default" not in help_:
         kw["help"] = f"{help_} (default: {','.join(default) if isinstance(default, tuple) else default})"
     kw["default"] = ",".join(default) if meta.get("type") == "csv" else default
@@ -367,6 +375,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             value = not value
         elif f.meta.get("type") == "csv":
             value = tuple(t.strip() for t in value.split(",") if t.strip())
+        elif f.meta.get("action") == "append" or "nargs" in f.meta:
+            value = tuple(value) if value is not None else (() if f.meta.get("action") == "append" else None)
         values[f.path] = value
     output = Output(**_part(values, "output"))
     placement, activations = Placement(**_part(values, "placement")), Activations(**_part(values, "activations"))
@@ -385,9 +395,15 @@ def _part(values: dict, name: str) -> dict:
 
 
 def _train(values: dict, lr: float | None) -> TrainConfig:
-    """TrainConfig of the flags; lr 1.0 stands in for one decided later (checked again then)."""
-    pref = PreferenceConfig(**{p[2]: v for p, v in values.items() if p[:2] == ("train", "preference")})
-    return TrainConfig(**_part(values, "train"), lr=lr if lr is not None else 1.0, preference=pref)
+    """TrainConfig of the flags; lr 1.0 stands in for one decided later (checked again then). --loss-type and
+    --beta are DPO's or GRPO's by --mode (None: the mode's default)."""
+    pref = {p[2]: v for p, v in values.items() if p[:2] == ("train", "preference")}
+    grpo = {p[2]: v for p, v in values.items() if p[:2] == ("train", "grpo")}
+    if values.get(("train", "mode")) == "grpo":
+        shared = {"loss_type": pref.pop("loss", None), "beta": pref.pop("beta", None)}
+        grpo.update({k: v for k, v in shared.items() if v is not None})
+    return TrainConfig(**_part(values, "train"), lr=lr if lr is not None else 1.0, preference=PreferenceConfig(**pref),
+                       grpo=GrpoConfig(**grpo))
 
 
 def train_config(args: argparse.Namespace, lr: float) -> TrainConfig:
@@ -409,6 +425,10 @@ def to_args(cfg: RunConfig, resolved: bool = False) -> dict[str, object]:
             value = not value
         elif f.meta.get("type") == "csv":
             value = ",".join(value)
+        elif f.meta.get("action") == "append" or "nargs" in f.meta:
+            value = list(value) if value else None
+        elif f.path[:2] == ("train", "preference") and f.path[2] in ("loss", "beta") and cfg.train.mode == "grpo":
+            value = getattr(cfg.train.grpo, {"loss": "loss_type", "beta": "beta"}[f.path[2]])  # the shared flags
         elif f.name == "prefetch":
             value = None if value is None else str(value)
         elif f.group is not None and not resolved and f.path[1] not in cfg.given and \

@@ -27,6 +27,7 @@ from phantom.data.tokenizer import Tokenizer
 from phantom.files import runfolder
 from phantom.files.store import BlockStore
 from phantom.model.export import export, gguf_module
+from phantom.model.adapterfiles import read_adapter_config
 from phantom.model.lora import family_targets
 from phantom.model.synthetic import ensure_tiny, write_synthetic
 from phantom.plan import planner
@@ -37,6 +38,7 @@ from phantom.train import cli, preference, runcard, runfile, trackers
 from phantom.train import runconfig as rc
 from phantom.train.checkpoint import io_error_line, prepare_work_dir, resume_point, store_fingerprint, tracker_runs
 from phantom.train.dist import init_from_env
+from phantom.train.grpoloop import load_prompts
 from phantom.train.load import load as load_phantom
 from phantom.train.load import resolve_device, resolve_model, weights_dir
 from phantom.train.loop import train
@@ -44,7 +46,8 @@ from phantom.train.records import read_metrics
 
 SMALL_MODEL = 100_000_000  # parameters: below this a model takes the demo's high rates (a random tiny base)
 DEFAULT_LR = {("lora", True): 1e-2, ("lora", False): 2e-4, ("full", True): 1e-3, ("full", False): 1e-5,
-              ("dpo", True): 1e-2, ("dpo", False): 5e-6}  # (mode, small)
+              ("dpo", True): 1e-2, ("dpo", False): 5e-6,
+              ("grpo", True): 1e-2, ("grpo", False): 1e-6}  # (mode, small); grpo's large: TRL's default
 TINY_SAMPLE_EVERY = 100  # the tiny demo shows what it learned: a greedy sample at steps 100 and the last
 EXIT = {"done": 0, "interrupted": 0, "shown": 0}  # a run's status -> the script's exit code (else 1)
 log = logging.getLogger("finetune")
@@ -194,10 +197,22 @@ def load_model(cfg: rc.RunConfig, machine: Machine, path: Path):
         full = dict(mode="full", work_dir=work_dir, optim=AdamWConfig(
             lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, max_grad_norm=t.grad_clip or None))
     shared = ddp.local_world_size > 1 and cfg.placement.offload == "ram" and t.mode != "full"
-    return load_phantom(path, device=machine.device, dtype=machine.dtype,
-                        placement=dataclasses.replace(cfg.placement, shared_ram=shared),
-                        activations=dataclasses.replace(cfg.activations, micro_batch=micro_rows(cfg)),
-                        lora=cfg.lora, trace=t.trace, **full)
+    lora = cfg.lora
+    if t.init_adapter:  # its rank, alpha and targets; its weights after the model is built
+        if t.mode == "full":
+            raise ValueError("--init-adapter starts a LoRA; --mode full trains every weight")
+        lora = dataclasses.replace(read_adapter_config(Path(t.init_adapter)), seed=cfg.lora.seed)
+    model = load_phantom(path, device=machine.device, dtype=machine.dtype,
+                         placement=dataclasses.replace(cfg.placement, shared_ram=shared),
+                         activations=dataclasses.replace(cfg.activations, micro_batch=micro_rows(cfg)),
+                         lora=lora, trace=t.trace, **full)
+    if t.init_adapter:
+        try:
+            model.load_adapter(Path(t.init_adapter))
+        except BaseException:
+            model.close()
+            raise
+    return model
 
 
 def load_data(cfg: rc.RunConfig, path: Path, store: BlockStore):
@@ -211,6 +226,11 @@ def load_data(cfg: rc.RunConfig, path: Path, store: BlockStore):
     recipe = recordformats.Recipe(template, d.train_on, recordformats.parse_columns(d.columns), d.data_split)
     load = functools.partial(data.load, tok=tok, vocab_size=store.cfg.vocab_size, dtype=d.data_dtype, recipe=recipe)
     split = data.split
+    if cfg.train.mode == "grpo":  # prompts (or rollouts made elsewhere), nothing held out
+        if tok is None:
+            raise FileNotFoundError(f"{path} has no tokenizer: --mode grpo samples text for its reward functions")
+        prompts = load_prompts(d.data or "", tok, template, cfg.train.grpo, store.cfg.max_seq_len)
+        return tok, recipe, prompts, None
     if cfg.train.mode == "dpo":  # pairs; chat messages through the model's template where it has one
         load = functools.partial(preference.load_pairs, tok=tok, encode=preference.pair_encoder(template))
         split = preference.split_pairs

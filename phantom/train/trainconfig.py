@@ -10,7 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from phantom.stream.placement import knob
+from phantom.train.grpo import GrpoConfig
 from phantom.train.preference import PreferenceConfig
+
+MODES = ("lora", "full", "dpo", "grpo")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class TrainConfig:
             preference pairs (train_data a phantom.train.preference.PairData; batch_size pairs a micro-batch,
             so the model's micro_batch is 2 * batch_size rows).
         preference: the preference loss and where its reference comes from (mode "dpo").
+        grpo: the rollouts, rewards and clipped objective of mode "grpo" (phantom.train.grpo), whose --batch-size
+            counts completions (TRL's per_device_train_batch_size).
         workers: DataLoader worker processes.
         trace: write the scheduler's Chrome trace to out/trace.json at the end.
         progress: show a tqdm bar.
@@ -79,9 +84,14 @@ class TrainConfig:
                          flag="sequential", invert=True)
     out: str = knob("out/finetune", "output folder", section="output")
     resume: bool = knob(False, "continue from --out/checkpoint", section="output")
-    mode: str = knob("lora", "train a LoRA, all weights, or a LoRA on preference pairs (dpo: --data with "
-                             "prompt/chosen/rejected)", section="model", choices=("lora", "full", "dpo"))
+    mode: str = knob("lora", "train a LoRA, all weights, a LoRA on preference pairs (dpo: --data with "
+                             "prompt/chosen/rejected), or a LoRA by reinforcement learning on its own samples (grpo: "
+                             "--data with prompts, --reward functions)", section="model", choices=MODES)
     preference: PreferenceConfig = knob(PreferenceConfig(), "", section="optim")
+    grpo: GrpoConfig = knob(GrpoConfig(), "", section="optim")
+    init_adapter: str | None = knob(None, "start from this PEFT adapter (its rank, alpha and targets) instead of a new "
+                                          "LoRA; grpo keeps it frozen as its reference", section="lora",
+                                    flag="init-adapter", metavar="DIR")
     workers: int = knob(1, "DataLoader worker processes", section="data")
     trace: bool = knob(False, "write --out/trace.json (Chrome trace of the scheduler)", section="output")
     progress: bool = knob(True, "no progress bar or log lines", section="output", flag="quiet", short="-q",
@@ -100,8 +110,8 @@ class TrainConfig:
             raise ValueError(f"--eval-limit must be >= 1, got {self.eval_limit}")
         if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.mode not in ("lora", "full", "dpo"):
-            raise ValueError(f"--mode must be lora, full or dpo, not {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:

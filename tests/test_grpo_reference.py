@@ -198,8 +198,9 @@ def test_the_adapter_trains_and_the_reference_is_the_initial_adapter(tiny, two_s
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_step_one_is_the_formula(tiny, loss_type):
     """Two prompts (G 2) in one generation, two micro-batches of 2 rows (shuffled by TRL: at seed 1 each micro-batch
-    holds a row of each group; the recorded order), beta 0.04, two reward functions weighted, rewards scaled per group: TRL's logged loss, entropy, gradient norm
-    and the adapter after its AdamW step equal the hand computation."""
+    holds a row of each group; the recorded order), beta 0.04, two reward functions weighted, rewards scaled per
+    group, temperature 0.7: TRL's logged loss, entropy, gradient norm and the adapter after its AdamW step equal the
+    hand computation."""
     config = dict(loss_type=loss_type, beta=0.04, num_generations=2, per_device_train_batch_size=2,
                   gradient_accumulation_steps=2, max_completion_length=12, reward_weights=[1.0, 0.5],
                   temperature=0.7, seed=1)
@@ -300,7 +301,8 @@ def test_a_reward_of_none_is_left_out(tiny):
     a = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
     assert gen["advantages"] == pytest.approx([a[0].item(), 0.0, a[1].item()], abs=1e-6)
     m = step["metrics"]
-    assert m["reward"] == pytest.approx(rewards.mean().item()) and m["reward_std"] == pytest.approx(rewards.std().item())
+    assert m["reward"] == pytest.approx(rewards.mean().item())
+    assert m["reward_std"] == pytest.approx(rewards.std().item())
     assert m["rewards/keeps/mean"] == 1.0 and m["rewards/length/mean"] == pytest.approx(18 / 8)
 
 

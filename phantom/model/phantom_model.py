@@ -177,50 +177,23 @@ class PhantomModel(nn.Module):
         to the LoRA weights. With `reference`, also the base model's (adapters off, no autograd) as
         the second value (else None): each block runs both while it is loaded, so the store is read
         exactly as for the policy alone. `lanes`: as forward's; one (policy, reference) pair per lane."""
-        if tokens.dim() != 2 or targets.shape != tokens.shape:
-            raise ValueError(f"tokens and targets must be (batch, seq_len) alike, got {tuple(tokens.shape)} and "
-                             f"{tuple(targets.shape)}")
-        if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len "
-                             f"{self.cfg.max_seq_len}")
-        if self.full:
-            raise ValueError("sequence log-probabilities are for LoRA training (the reference is the base model)")
-        h = self.embed(tokens)
-        rope = self.rope_for(tokens.shape[1])[:tokens.shape[1]]
-        head = (self.norm_weight, self.output_weight, targets.to(self.device), self.cfg.norm_eps, self.loss_chunk,
-                self.cfg.norm_offset, self.cfg.final_softcap)
+        head = _head_args(self, tokens, targets, "sequence")
         with torch.autocast(**self.autocast_args()):
-            out = self.blocks(h, rope, reference=h.detach() if reference else None, lanes=lanes)
-            h, h_ref = out if reference else (out, None)
+            h, h_ref = _blocks_for_targets(self, tokens, reference, lanes)
             logps = lambda h, targets, h_ref: head_logps(h, (*head[:2], targets, *head[3:]), h_ref)  # noqa: E731
             return per_lane(logps, lanes, h, head[2], h_ref) if lanes else logps(h, head[2], h_ref)
 
     def token_logps(self, tokens: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                     reference: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Each token's log-probability of its target under softmax(logits / temperature) (B, T) fp32 (-100: 0),
-        with autograd to the LoRA weights, and each token's entropy (no autograd); with `reference`, also the base
-        model's log-probabilities (adapters off, no autograd; else None), each block running both while it is
-        loaded. What a policy-gradient step (GRPO) takes: its terms are not linear in the log-probabilities."""
-        if tokens.dim() != 2 or targets.shape != tokens.shape:
-            raise ValueError(f"tokens and targets must be (batch, seq_len) alike, got {tuple(tokens.shape)} and "
-                             f"{tuple(targets.shape)}")
-        if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len "
-                             f"{self.cfg.max_seq_len}")
-        if self.full:
-            raise ValueError("token log-probabilities are for LoRA training (the reference is the base model)")
-        h = self.embed(tokens)
-        rope = self.rope_for(tokens.shape[1])[:tokens.shape[1]]
-        head = (self.norm_weight, self.output_weight, targets.to(self.device), self.cfg.norm_eps, self.loss_chunk,
-                self.cfg.norm_offset, self.cfg.final_softcap, temperature)
+        """Each token's log-probability of its target under softmax(logits / temperature) (B, T) fp32 (-100: 0), with
+        autograd to the LoRA weights, and its entropy (no autograd); with `reference`, the base model's too (adapters
+        off, no autograd; else None), each loaded block running both: what GRPO's non-linear objective takes."""
+        head = (*_head_args(self, tokens, targets, "token"), temperature)
         with torch.autocast(**self.autocast_args()):
-            out = self.blocks(h, rope, reference=h.detach() if reference else None)
-            h, h_ref = out if reference else (out, None)
-            logps, entropy = ChunkedHeadTokenLogps.apply(h, *head)
-            if h_ref is None:
-                return logps, entropy, None
-            with torch.no_grad():
-                return logps, entropy, ChunkedHeadTokenLogps.apply(h_ref, *head)[0]
+            h, h_ref = _blocks_for_targets(self, tokens, reference)
+            with torch.no_grad():  # the reference's without autograd
+                ref = ChunkedHeadTokenLogps.apply(h_ref, *head)[0] if h_ref is not None else None
+            return (*ChunkedHeadTokenLogps.apply(h, *head), ref)
 
     def rope_for(self, positions: int) -> torch.Tensor:
         """The RoPE table of a forward over positions 0 .. positions-1: longrope's long one past its
@@ -311,6 +284,27 @@ class PhantomModel(nn.Module):
         """Every block over h; with `reference`, also over that hidden state (the same rows) with the
         adapters off and no autograd, block by block beside h (returns both); `lanes` as forward's."""
         return self.backend(h, rope, caches, start_pos, mask, reference, lanes)
+
+
+def _head_args(model: PhantomModel, tokens: torch.Tensor, targets: torch.Tensor, what: str) -> tuple:
+    """The fused head's arguments for log-probabilities of targets, the rows checked first."""
+    if tokens.dim() != 2 or targets.shape != tokens.shape:
+        raise ValueError(f"tokens and targets must be (batch, seq_len) alike, got {tuple(tokens.shape)} and "
+                         f"{tuple(targets.shape)}")
+    if tokens.shape[1] > model.cfg.max_seq_len:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
+    if model.full:
+        raise ValueError(f"{what} log-probabilities are for LoRA training (the reference is the base model)")
+    return (model.norm_weight, model.output_weight, targets.to(model.device), model.cfg.norm_eps, model.loss_chunk,
+            model.cfg.norm_offset, model.cfg.final_softcap)
+
+
+def _blocks_for_targets(model: PhantomModel, tokens: torch.Tensor, reference: bool, lanes: list[Lane] | None = None):
+    """(hidden states, the reference's or None) of every block over tokens (autocast: the caller's)."""
+    h = model.embed(tokens)
+    rope = model.rope_for(tokens.shape[1])[:tokens.shape[1]]
+    out = model.blocks(h, rope, reference=h.detach() if reference else None, lanes=lanes)
+    return out if reference else (out, None)
 
 
 def per_lane(fn, lanes: list[Lane], *tensors: torch.Tensor | None) -> list:

@@ -152,10 +152,13 @@ class Rollouts:
     """The rollouts of each optimizer step (1-based `step`): a batch made at the first step of every
     num_iterations, served to that many steps."""
 
-    def __init__(self, model, tok, template, data: PromptData, grpo: G.GrpoConfig, batch_size: int, grad_accum: int,
-                 seed: int, shuffle: bool, iters: int, reference_adapter: dict | None = None):
-        self.model, self.tok, self.template, self.data, self.grpo = model, tok, template, data, grpo
-        self.rows, self.iters, self.seed, self.shuffle = batch_size * grad_accum, iters, seed, shuffle
+    def __init__(self, model, tok, data: PromptData, cfg, reference_adapter: dict | None = None):
+        """cfg: the run's phantom.train.trainconfig.TrainConfig (its grpo, batch size, seed, order and steps);
+        reference_adapter: the initial adapter's tensors where it is the reference (else the base model)."""
+        self.model, self.tok, self.template, self.data, self.grpo = model, tok, data.template, data, cfg.grpo
+        self.rows, self.iters, self.seed, self.shuffle = cfg.batch_size * cfg.grad_accum, cfg.iters, cfg.seed, \
+            cfg.shuffle
+        grpo, template = cfg.grpo, data.template
         if self.rows % grpo.num_generations:
             raise ValueError(f"--batch-size x --grad-accum ({self.rows} completions a step) must be a multiple of "
                              f"--num-generations ({grpo.num_generations})")
@@ -355,8 +358,9 @@ class GrpoObjective:
 
 
 def micro_means(entropy: torch.Tensor, parts: dict, mask: torch.Tensor, groups: list[int], size: int) -> dict:
-    """entropy, kl and the clip ratios: each micro-batch's mean over its loss tokens, averaged over the micro-batches
-    (TRL logs the mean of what each micro-batch appended); the clip ratios' low_min and high_max over them."""
+    """entropy, kl and the clip ratios as TRL logs them: each micro-batch's mean over its loss tokens (low_min and
+    high_max: the least and the most of its rows' own means, rows with no loss token left out), averaged over the
+    step's micro-batches."""
     out: dict[str, list[float]] = {}
 
     def add(name: str, values: torch.Tensor, m: torch.Tensor):
@@ -368,10 +372,16 @@ def micro_means(entropy: torch.Tensor, parts: dict, mask: torch.Tensor, groups: 
             add("kl", parts["kl"][a:a + size], m)
         for kind in ("low", "high", "region"):
             add(f"clip_ratio/{kind}_mean", parts[kind][a:a + size], m)
-    figures = {k: sum(v) / len(v) for k, v in out.items()}
-    figures["clip_ratio/low_min"] = min(out["clip_ratio/low_mean"])
-    figures["clip_ratio/high_max"] = max(out["clip_ratio/high_mean"])
-    return figures
+        rows = m.sum(-1) > 0
+        per_row = {k: (parts[k][a:a + size] * m).sum(-1)[rows] / m.sum(-1)[rows] for k in ("low", "high")}
+        out.setdefault("clip_ratio/low_min", []).append(float(per_row["low"].min()) if rows.any() else math.nan)
+        out.setdefault("clip_ratio/high_max", []).append(float(per_row["high"].max()) if rows.any() else math.nan)
+    return {k: _nanmean(v) for k, v in out.items()}
+
+
+def _nanmean(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else math.nan
 
 
 def log_samples(out: Path, rollout: Rollout) -> None:

@@ -281,8 +281,7 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
 def grpo_batches(model, data, tokenizer, cfg: TrainConfig, start: int, initial: dict | None, out: Path):
     """Each step's (x, y, rollout) from start + 1 on: the rollouts of phantom.train.grpoloop, the batch a resumed
     run stopped within restored from its checkpoint (its old policy's log-probabilities are gone with the policy)."""
-    rollouts = GR.Rollouts(model, tokenizer, data.template, data, cfg.grpo, cfg.batch_size, cfg.grad_accum, cfg.seed,
-                           cfg.shuffle, cfg.iters, reference_adapter=initial)
+    rollouts = GR.Rollouts(model, tokenizer, data, cfg, reference_adapter=initial)
     if start:
         ckpt = find_checkpoint(out)
         rollouts.current = GR.restored(read_state(ckpt / "state.pt")["extra"].get("rollout")) if ckpt else None

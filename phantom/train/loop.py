@@ -225,7 +225,7 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     ddp = pdist.current()  # torchrun: each rank trains on its slice of the global batch; rank 0 writes
     if ddp.is_main:
         check_free_space(out, planned_bytes(model, cfg))
-    if cfg.seq_len > model.cfg.max_seq_len:
+    if cfg.seq_len > model.cfg.max_seq_len and cfg.mode != "grpo":  # grpo's rows: a prompt and its completion
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {model.cfg.max_seq_len}")
     pad = tokenizer.pad_or_eos if tokenizer is not None else 0
     tasks = task_eval(cfg, tokenizer) if ddp.is_main else None  # names and datasets checked before any step

@@ -156,7 +156,7 @@ def claimed_run(cfg, given, machine: Machine, path: Path, store: BlockStore):
 
 
 def check_seq_len(cfg: rc.RunConfig, model_cfg) -> None:
-    if cfg.train.seq_len > model_cfg.max_seq_len:
+    if cfg.train.seq_len > model_cfg.max_seq_len and cfg.train.mode != "grpo":  # grpo: prompt + completion
         raise ValueError(f"--seq-len {cfg.train.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len}")
 
 

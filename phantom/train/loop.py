@@ -251,8 +251,11 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     model.train()
     opt, identity = make_optimizer(model, cfg), run_identity(model, train_data, cfg)
     sched = make_scheduler(opt, cfg)
-    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad} \
-        if cfg.mode == "grpo" and cfg.init_adapter else None  # the frozen reference: the adapter as it starts
+    rollouts = None
+    if cfg.mode == "grpo":  # its reward functions and batch checked before anything is written
+        initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad} \
+            if cfg.init_adapter else None  # the frozen reference: the adapter as it starts
+        rollouts = GR.Rollouts(model, tokenizer, train_data, cfg, reference_adapter=initial)
     start, best_val = restore(out, model, opt, sched, identity, cfg.resume)
     history = read_metrics(out / "metrics.jsonl", start) if cfg.resume else []
     first = {"step": 0}
@@ -267,7 +270,7 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     if ddp.is_main:
         fileio.atomic_write_text(metrics_path, "".join(to_json(r) for r in history))
     if cfg.mode == "grpo":
-        batches = grpo_batches(model, train_data, tokenizer, cfg, start, initial, out)
+        batches = grpo_batches(rollouts, start, out)
     else:
         batches = iter(B.loader(train_ds, rows * ddp.world_size, cfg.seed, cfg.shuffle, start, cfg.workers,
                                 pin_memory=model.device.type == "cuda"))
@@ -278,10 +281,9 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     return run
 
 
-def grpo_batches(model, data, tokenizer, cfg: TrainConfig, start: int, initial: dict | None, out: Path):
+def grpo_batches(rollouts: GR.Rollouts, start: int, out: Path):
     """Each step's (x, y, rollout) from start + 1 on: the rollouts of phantom.train.grpoloop, the batch a resumed
     run stopped within restored from its checkpoint (its old policy's log-probabilities are gone with the policy)."""
-    rollouts = GR.Rollouts(model, tokenizer, data, cfg, reference_adapter=initial)
     if start:
         ckpt = find_checkpoint(out)
         rollouts.current = GR.restored(read_state(ckpt / "state.pt")["extra"].get("rollout")) if ckpt else None

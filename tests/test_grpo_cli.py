@@ -1,0 +1,81 @@
+"""finetune.py --mode grpo end to end on the tiny model: a reward a small LoRA can learn rises with sampled rollouts
+streamed from disk; SIGKILLed within a batch of rollouts and resumed, the run ends where one that never stopped ends;
+bad reward files and rollouts are one line and exit 2, nothing written.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from test_convert import load_script
+from test_finetune_cli import killed_at, metrics, run
+
+PROMPTS = ["The keeper", "Once upon a time", "The lamp was", "In the morning", "A ship", "The night"]
+REWARD = "def e_rate(completions, **kwargs):\n    return [c.count('e') / max(len(c), 1) for c in completions]\n"
+GRPO = ["--mode", "grpo", "--num-generations", "4", "--batch-size", "8", "--max-completion-length", "12",
+        "--offload", "disk", "--save-every", "0", "--top-p", "0.95", "-q"]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    (tmp_path / "reward.py").write_text(REWARD)
+    return tmp_path
+
+
+def grpo_args(files, *more):
+    return ["--data", files / "prompts.jsonl", "--reward", f"{files / 'reward.py'}:e_rate", *GRPO, *more]
+
+
+def test_a_learnable_reward_rises_over_thirty_steps_from_disk(files):
+    main = load_script("finetune").main
+    assert main([str(a) for a in grpo_args(files, "--iters", "30", "--out", files / "out")]) == 0
+    rewards = [m["reward"] for m in metrics(files / "out") if "reward" in m]
+    assert len(rewards) == 30
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.15, rewards
+    samples = [json.loads(line) for line in (files / "out" / "completions.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == set(range(1, 31)) and all("e_rate" in s["rewards"] for s in samples)
+    rec = metrics(files / "out")[-1]
+    assert {"generation_s", "scoring_s", "train_s", "entropy", "completions/mean_length"} <= set(rec)
+
+
+def test_sigkill_within_a_batch_of_rollouts_then_resume_ends_bit_identical(files):
+    """Two steps a batch of rollouts: the checkpoint of step 3 falls within the second batch (its rollouts and old
+    log-probabilities are saved with it); killed after step 4 was logged, --resume ends as the straight run."""
+    args = grpo_args(files, "--iters", "6", "--num-iterations", "2", "--save-every", "3", "--beta", "0.04")
+    assert run(*args, "--out", files / "ref").returncode == 0
+    out = files / "run"
+    killed_at("metrics.write:4", *args, "--out", out)
+    assert json.loads((out / "checkpoint" / "meta.json").read_text())["step"] == 3
+    r = run(*args, "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (files / "ref", out))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    timing = ("tokens_per_s", "stall_frac", "bytes", "loads")  # the resumed step loads what the other kept in slots
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.endswith("_s") and not k.startswith(timing)}  # noqa: E731
+                        for m in ms if "loss" in m]
+    assert strip(metrics(out)) == strip(metrics(files / "ref"))
+    lines = [(d / "completions.jsonl").read_text() for d in (out, files / "ref")]
+    assert lines[0] == lines[1]
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda f: ["--reward", f"{f / 'missing.py'}:e_rate"], "does not exist"),
+    (lambda f: ["--reward", f"{f / 'reward.py'}:nothing"], "has no function nothing"),
+    (lambda f: ["--reward", f"{f / 'bad.py'}:two"], "must take the keywords"),
+    (lambda f: ["--reward", f"{f / 'reward.py'}", "--iters", "1"], "FILE.py:FUNC"),
+    (lambda f: ["--completions", str(f / "short.jsonl")], "--num-generations (4) strings"),
+    (lambda f: ["--batch-size", "6"], "multiple of --num-generations"),
+    (lambda f: ["--reward-weights", "1", "2"], "one each"),
+])
+def test_bad_grpo_input_is_one_line_exit_2_nothing_written(files, capsys, change, says):
+    (files / "bad.py").write_text("def two(a, b):\n    return [0.0]\n")
+    (files / "short.jsonl").write_text(json.dumps({"prompt": "x", "completions": ["a", "b"]}) + "\n")
+    main = load_script("finetune").main
+    out = files / "out"
+    code = main([str(a) for a in [*grpo_args(files, "--iters", "2"), *change(files), "--out", out]])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and says in err, err
+    assert not any((out / name).exists() for name in ("metrics.jsonl", "adapter", "checkpoint", "completions.jsonl"))

@@ -159,3 +159,23 @@ def test_the_tiny_model_learns_from_preferences(weights, tmp_path):
     recs = metrics(tmp_path)
     assert s["status"] == "done" and recs[0]["val_loss"] == pytest.approx(0.693147, abs=1e-5)
     assert recs[-1]["val_reward_accuracy"] >= 0.7 and recs[-1]["val_loss"] < 0.63, recs[-1]
+
+
+def test_init_adapter_starts_sft_and_dpo_from_it_and_is_dpo_s_reference(weights, tmp_path):
+    """--init-adapter: its rank and targets, its weights as the start (an SFT step at a learning rate of 1e-12 leaves
+    it as it was); DPO takes it, frozen, as its reference: at step 0 the policy is the reference (loss log 2).""" 
+    import phantom
+    from conftest import randomize_lora
+    with phantom.load(weights / "tiny", offload="none", lora=phantom.LoraConfig(rank=6, targets=("q", "k", "v"))) as pm:
+        randomize_lora(pm, seed=4)
+        pm.save_adapter(tmp_path / "init")
+    init = load_file(str(tmp_path / "init" / "adapter_model.safetensors"))
+    r = dpo(weights, "--iters", "1", "--lr", "1e-12", "--warmup", "0", "--init-adapter", tmp_path / "init",
+            "--sample-every", "0", "--eval-every", "0", "--val-split", "0", "--out", tmp_path / "sft", "-q")
+    assert r.returncode == 0, r.stderr
+    after = load_file(str(tmp_path / "sft" / "adapter" / "adapter_model.safetensors"))
+    assert after.keys() == init.keys() and all(torch.allclose(after[k], init[k], atol=1e-6) for k in init)
+    assert json.loads((tmp_path / "sft" / "adapter" / "adapter_config.json").read_text())["r"] == 6
+    r = dpo(weights, *DPO, "--init-adapter", tmp_path / "init", "--out", tmp_path / "dpo")
+    assert r.returncode == 0, r.stderr
+    assert metrics(tmp_path / "dpo")[0]["val_loss"] == pytest.approx(0.693147, abs=1e-5)

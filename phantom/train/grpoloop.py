@@ -322,6 +322,15 @@ class initial_adapter:
         return False
 
 
+def tensors_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """A sha256 over named tensors' bytes (an initial adapter's, in a cache key)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def _seed(seed: int, index: int, row: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{index}:{row}".encode()).digest()[:8], "little") >> 1
 

@@ -251,16 +251,16 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     model.train()
     opt, identity = make_optimizer(model, cfg), run_identity(model, train_data, cfg)
     sched = make_scheduler(opt, cfg)
-    rollouts = None
+    rollouts = None  # --init-adapter: the frozen reference of dpo and grpo is the adapter as it starts
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad} \
+        if cfg.init_adapter else None
     if cfg.mode == "grpo":  # its reward functions and batch checked before anything is written
-        initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad} \
-            if cfg.init_adapter else None  # the frozen reference: the adapter as it starts
         rollouts = GR.Rollouts(model, tokenizer, train_data, cfg, reference_adapter=initial)
     start, best_val = restore(out, model, opt, sched, identity, cfg.resume)
     history = read_metrics(out / "metrics.jsonl", start) if cfg.resume else []
     first = {"step": 0}
     if cfg.mode == "dpo":  # after restore: a resumed run finds its reference in the cache
-        train_ds, val_ds, first = preference_rows(model, train_data, val_data, cfg, pad, out, identity)
+        train_ds, val_ds, first = preference_rows(model, train_data, val_data, cfg, pad, out, identity, initial)
     if val_ds is not None and start == 0:
         first.update(evaluate_with(objective, model, val_ds, rows, cfg.eval_iters))
         log.info("step 0: %s", describe_eval(first))
@@ -306,20 +306,29 @@ def task_eval(cfg: TrainConfig, tokenizer):
     return evaltasks.DuringTraining(cfg.eval_tasks, tokenizer, cfg.eval_limit, cfg.batch_size)
 
 
-def preference_rows(model, train_data, val_data, cfg: TrainConfig, pad: int, out: Path, identity: dict):
+def preference_rows(model, train_data, val_data, cfg: TrainConfig, pad: int, out: Path, identity: dict,
+                    initial: dict | None = None):
     """Rows of the pairs (train, held-out) and the step-0 record. With reference "precompute" their
     reference log-probabilities come from out/reference_logps.safetensors, computed first if it does
-    not hold them for these weights and data: one pass over the weights, its traffic in the record."""
+    not hold them for these weights and data: one pass over the weights, its traffic in the record.
+    With --init-adapter (`initial`: its tensors) the reference is that adapter, frozen: always precomputed."""
     sets = [PairRows(train_data, cfg.seq_len, pad)] + ([PairRows(val_data, cfg.seq_len, pad)] if val_data else [])
     first = {"step": 0}
-    if cfg.preference.reference == "precompute":
-        key = reference_key(model, [train_data] + ([val_data] if val_data else []), cfg.seq_len, identity["weights"])
+    if cfg.preference.reference == "precompute" or initial is not None:
+        weights = identity["weights"] if initial is None else \
+            f"{identity['weights']}:{GR.tensors_fingerprint(initial)}"  # the initial adapter is part of the reference
+        key = reference_key(model, [train_data] + ([val_data] if val_data else []), cfg.seq_len, weights)
         per_row = cfg.seq_len * model.cfg.dim * 4 * 4  # the hidden state and what a block makes of it, fp32
         rows_per_pass = max(2 * cfg.batch_size, default_keep_budget(model.device) // 2 // per_row)
         take = model.scheduler.take_metrics if model.scheduler is not None else dict
         take()
         t0 = time.perf_counter()
-        refs = cached_reference(out / REFERENCE_FILE, key, lambda: compute_reference(model, sets, rows_per_pass))
+        def compute():
+            if initial is None:
+                return compute_reference(model, sets, rows_per_pass)
+            with GR.initial_adapter(model, initial):
+                return compute_reference(model, sets, rows_per_pass, adapters=True)
+        refs = cached_reference(out / REFERENCE_FILE, key, compute)
         m = take()
         if m.get("loads"):
             first.update(reference_s=time.perf_counter() - t0, reference_bytes_read=m["bytes_read"],

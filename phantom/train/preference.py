@@ -6,6 +6,7 @@ while each block is loaded (PhantomModel.sequence_logps(reference=True)), or onc
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -382,15 +383,16 @@ def reference_key(model, pairs: list[PairData], seq_len: int, weights: str | Non
 
 
 @torch.no_grad()
-def compute_reference(model, datasets: list[PairRows], rows_per_pass: int) -> list[torch.Tensor]:
-    """Each data set's (N, 2) reference log-probabilities: the model with its adapters off, every
-    pair of every set through each block while it is loaded, `rows_per_pass` rows a pass (one pass,
-    one read of the weights, when they all fit)."""
+def compute_reference(model, datasets: list[PairRows], rows_per_pass: int, adapters: bool = False
+                      ) -> list[torch.Tensor]:
+    """Each data set's (N, 2) reference log-probabilities: the model with its adapters off (or on, `adapters`: an
+    initial adapter as the reference), every pair of every set through each block while it is loaded,
+    `rows_per_pass` rows a pass (one pass, one read of the weights, when they all fit)."""
     items = [(k, i) for k, ds in enumerate(datasets) for i in range(len(ds))]
     out = [torch.empty(len(ds), 2) for ds in datasets]
     was_training = model.training
     model.eval()
-    with lora_disabled(model.layers):
+    with contextlib.nullcontext() if adapters else lora_disabled(model.layers):
         for s in range(0, len(items), max(1, rows_per_pass // 2)):
             part = items[s:s + max(1, rows_per_pass // 2)]
             x, y = (torch.stack(t) for t in zip(*(datasets[k][i][:2] for k, i in part)))

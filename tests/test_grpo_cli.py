@@ -79,3 +79,19 @@ def test_bad_grpo_input_is_one_line_exit_2_nothing_written(files, capsys, change
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and says in err, err
     assert not any((out / name).exists() for name in ("metrics.jsonl", "adapter", "checkpoint", "completions.jsonl"))
+
+
+def test_grpo_flags_reach_the_run_and_its_config(files):
+    """--loss-type and --beta are GRPO's in --mode grpo (OUT/config.yaml records them so: --config repeats the run);
+    --scale-rewards, --mask-truncated-completions and --top-k shape the step."""
+    main = load_script("finetune").main
+    out = files / "out"
+    args = grpo_args(files, "--iters", "2", "--loss-type", "bnpo", "--beta", "0.02", "--scale-rewards", "batch",
+                     "--mask-truncated-completions", "--top-k", "20", "--out", out)
+    assert main([str(a) for a in args]) == 0
+    config = (out / "config.yaml").read_text()
+    assert "loss-type: bnpo" in config and "beta: 0.02" in config and "scale-rewards: batch" in config
+    assert all("kl" in m and "reward" in m for m in metrics(out) if m.get("step"))
+    assert main(["--config", str(out / "config.yaml"), "--out", str(files / "again"), "-q"]) == 0
+    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (out, files / "again"))
+    assert all((a[k] == b[k]).all() for k in a)  # the recorded run is the same run

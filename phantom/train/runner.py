@@ -67,6 +67,8 @@ def run(cfg: rc.RunConfig, sweep=None) -> dict:
     lines the script prints, None on ranks other than 0). With cfg.adapters, `sweep(cfg, machine, path,
     store)` trains them (phantom.train.launch gives phantom.train.sweeprun.run_sweep) and its summary is
     returned."""
+    if cfg.adapters and cfg.train.mode == "grpo":
+        raise ValueError("--sweep (several adapters in one run) is not supported with --mode grpo: one adapter a run")
     if cfg.adapters:
         rc.adapter_runs(cfg)  # each adapter's values checked before anything is generated or measured
     machine, asked_quiet = start(cfg), not cfg.train.progress

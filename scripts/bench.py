@@ -49,6 +49,11 @@ cost model of generation's prediction; to notes/bench-generate.md.
 
 (alone) the same lm-eval tasks on the same weights: phantom's model streaming from disk against lm-eval's hf
 model with accelerate's offload; to notes/bench-generate.md.
+
+    python scripts/bench.py --modes grpo --layers 2 --dtype bf16 --grpo-generations 8,16 --grpo-tokens 128
+
+(alone) a GRPO step's generation, reference and training seconds and bytes read on 7B-shaped blocks from RAM and
+disk, beside the cost model of a GRPO step; to notes/bench-grpo.md.
 """
 from __future__ import annotations
 
@@ -68,6 +73,7 @@ from benchlib.common import MODES, PEERS, fastest_of_rounds, host_speeds  # noqa
 from benchlib.diskread import diskread  # noqa: E402
 from benchlib.evalpeer import evaluate_bench  # noqa: E402
 from benchlib.generate import add_generate_flags, generate_bench  # noqa: E402
+from benchlib.grpo import add_grpo_flags, grpo_bench  # noqa: E402
 from benchlib.linear import linear_bench  # noqa: E402
 from benchlib.moe import moe_bench  # noqa: E402
 from benchlib.quant import quant_bench  # noqa: E402
@@ -112,6 +118,7 @@ def parse_args(argv=None):
                    help="--modes moe: the preset whose experts, routing and attention the store has (scaled to --dim)")
     p.add_argument("--linear-batches", default="1x1024,1x8192", help="--modes linear: ROWSxTOKENS per step, comma list")
     add_generate_flags(p)
+    add_grpo_flags(p)
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
                    "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "
@@ -158,6 +165,9 @@ def main(argv=None):
         if args.store is None:
             args.store = str(synthetic_store(args, Path(tmp)))
         store = BlockStore(args.store)
+        if args.modes == "grpo":  # its own store and table, in notes/bench-grpo.md
+            append_note(grpo_bench(args, Path(tmp)), args.out or NOTES / "bench-grpo.md")
+            return
         if args.modes == "evaluate":  # its own store, tasks and table, in notes/bench-generate.md
             append_note(evaluate_bench(args, Path(tmp)), args.out or NOTES / "bench-generate.md")
             return
@@ -189,7 +199,7 @@ def check_args(args) -> None:
     def refuse(msg: str):
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
-    for alone in ("diskread", "quant", "moe", "linear", "generate", "evaluate"):
+    for alone in ("diskread", "quant", "moe", "linear", "generate", "evaluate", "grpo"):
         if alone in args.modes.split(",") and args.modes != alone:
             refuse(f"--modes {alone} runs alone (its own tables); give it in a run of its own")
     trains = args.train.split(",")

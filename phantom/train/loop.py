@@ -231,12 +231,7 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     tasks = task_eval(cfg, tokenizer) if ddp.is_main else None  # names and datasets checked before any step
     objective = Preference(cfg.preference) if cfg.mode == "dpo" else None
     if cfg.mode == "grpo":
-        if ddp.enabled:
-            raise ValueError("--mode grpo runs in one process (torchrun is not supported for it yet)")
-        if val_data is not None:
-            log.info("--mode grpo has no held-out loss: the held-out data is not used")
-            val_data = None
-        objective = GR.GrpoObjective(cfg.grpo, cfg.batch_size, base_reference=cfg.init_adapter is None)
+        objective, val_data = grpo_objective(cfg, val_data, ddp)
         train_ds = val_ds = None
     elif objective is None:
         train_ds = B.rows(train_data, cfg.seq_len, pad, "training data", segments=True)
@@ -279,6 +274,15 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     if history and start == 0:
         run.emit(history[-1])  # the eval before training (a resumed run's earlier records were sent already)
     return run
+
+
+def grpo_objective(cfg: TrainConfig, val_data, ddp) -> tuple:
+    """GRPO's objective (no held-out loss: val_data becomes None); refused under torchrun."""
+    if ddp.enabled:
+        raise ValueError("--mode grpo runs in one process (torchrun is not supported for it yet)")
+    if val_data is not None:
+        log.info("--mode grpo has no held-out loss: the held-out data is not used")
+    return GR.GrpoObjective(cfg.grpo, cfg.batch_size, base_reference=cfg.init_adapter is None), None
 
 
 def grpo_batches(rollouts: GR.Rollouts, start: int, out: Path):

@@ -30,6 +30,7 @@ MODES = {  # name -> load arguments
     "quant": dict(),  # bf16 vs NF4 vs int8 stores, disk tier, with the cost model (own table)
     "generate": dict(),  # batched generation's tokens/s from RAM and disk beside the cost model (own table)
     "evaluate": dict(),  # lm-eval tasks: phantom's model against lm-eval's hf model with accelerate's offload
+    "grpo": dict(),  # a GRPO step's generation, reference and training beside the cost model (own table)
 }
 PEERS = ("hf-peft", "fsdp-offload")  # other tools' rows: no recompute policy, no streaming metrics
 

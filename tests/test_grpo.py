@@ -75,16 +75,16 @@ def test_the_cost_of_a_grpo_step_is_its_generation_its_reference_passes_and_its_
     rates = GenRates(decode=((1, 1e-3), (64, 1e-2)), rest=((1, 0.0),), prefill=((8, 1e-3), (512, 2e-2)))
     disk, acts = phantom.Placement(offload="disk", prefetch=1), phantom.Activations(recompute="none", micro_batch=8)
     work = GrpoWork(prompts=2, num_generations=8, prompt_len=8, completion_len=32)
-    step = predict_grpo_step(rates, profile, cfg, "fp32", "fp32", disk, acts, work)
+    step = predict_grpo_step(rates, profile, cfg, ("fp32", "fp32"), disk, acts, work)
     gen = predict_generation(rates, profile, shape_of(cfg, "fp32", "fp32", 1), disk, 16, 8, 32, 16)
     train = costmodel.predict(profile, shape_of(cfg, "fp32", "fp32", 39), disk, acts, 16)
     assert step.generation_s == pytest.approx(gen.seconds) and step.train_s == pytest.approx(train.step_s)
     assert step.reference_s == 0 and step.step_s == pytest.approx(gen.seconds + train.step_s)
     block = shape_of(cfg, "fp32", "fp32", 1).block_bytes
     assert step.bytes_read == 32 * cfg.n_layers * block + train.bytes_read  # every block each new token, then training
-    twice = predict_grpo_step(rates, profile, cfg, "fp32", "fp32", disk, acts,
+    twice = predict_grpo_step(rates, profile, cfg, ("fp32", "fp32"), disk, acts,
                               GrpoWork(2, 8, 8, 32, num_iterations=2, reference_passes=1))
     forward_s, _ = forward_pass(profile, shape_of(cfg, "fp32", "fp32", 39), disk, acts, 16)
     assert twice.generation_s == pytest.approx(gen.seconds / 2) and twice.reference_s == pytest.approx(forward_s / 2)
-    ram = predict_grpo_step(rates, profile, cfg, "fp32", "fp32", phantom.Placement(offload="ram"), acts, work)
+    ram = predict_grpo_step(rates, profile, cfg, ("fp32", "fp32"), phantom.Placement(offload="ram"), acts, work)
     assert ram.bytes_read == 0 and ram.generation_s < step.generation_s

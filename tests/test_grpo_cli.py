@@ -39,6 +39,11 @@ def test_a_learnable_reward_rises_over_thirty_steps_from_disk(files):
     assert {s["step"] for s in samples} == set(range(1, 31)) and all("e_rate" in s["rewards"] for s in samples)
     rec = metrics(files / "out")[-1]
     assert {"generation_s", "scoring_s", "train_s", "entropy", "completions/mean_length"} <= set(rec)
+    card = (files / "out" / "README.md").read_text()
+    assert f"| rollouts | reward {rewards[0]:.4f} at step 1, {rewards[-1]:.4f} at step 30; a step's mean: generation" \
+        in card
+    from phantom.train.records import preference_postfix
+    assert set(preference_postfix(rec)) == {"reward", "gen_s", "train_s"}  # what the bar shows
 
 
 def test_sigkill_within_a_batch_of_rollouts_then_resume_ends_bit_identical(files):
@@ -95,3 +100,16 @@ def test_grpo_flags_reach_the_run_and_its_config(files):
     assert main(["--config", str(out / "config.yaml"), "--out", str(files / "again"), "-q"]) == 0
     a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (out, files / "again"))
     assert all((a[k] == b[k]).all() for k in a)  # the recorded run is the same run
+
+
+def test_show_data_shows_the_rollout_rows(files, capsys):
+    """--show-data N with --completions: each row's prompt, then its completion as trained (inside [[ ]])."""
+    (files / "rollouts.jsonl").write_text(json.dumps({"prompt": "The keeper", "completions": ["kept", "a light",
+                                                                                             "went", "lit it"]}) + "\n")
+    main = load_script("finetune").main
+    assert main([str(a) for a in grpo_args(files, "--completions", files / "rollouts.jsonl", "--show-data", "2",
+                                           "--out", files / "out")]) == 0
+    shown = capsys.readouterr().out
+    assert "-- row 0: prompt 0, completion 0" in shown and "-- row 1: prompt 0, completion 1" in shown
+    assert "The keeper[[ kept" in shown and "The keeper[[ a light" in shown
+    assert not (files / "out" / "metrics.jsonl").exists()

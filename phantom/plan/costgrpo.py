@@ -48,12 +48,18 @@ class GrpoWork:
     base_reference: bool = False
 
 
-def predict_grpo_step(rates: GenRates, profile: MachineProfile, cfg: ModelConfig, store_dtype: str, dtype: str,
-                      placement: Placement, activations: Activations, work: GrpoWork) -> GrpoStep:
-    """One step of `work` on this machine: each part as the run does it (see the module)."""
-    rows = work.prompts * work.num_generations
+def predict_grpo_step(rates: GenRates, profile: MachineProfile, cfg: ModelConfig, dtypes: tuple[str, str],
+                      placement: Placement, activations: Activations, work: GrpoWork,
+                      gen_profile: MachineProfile | None = None) -> GrpoStep:
+    """One step of `work` on this machine: each part as the run does it (see the module). dtypes: the store's and
+    the compute's (phantom.base.dtypes names). gen_profile: the
+    machine measured beside a light compute, for the generation (default: `profile`): a decode step's few rows leave
+    the cores to the loaders, where a training step's compute slows its reads (a profile measured at a 16 x 131-token
+    step of 7B-shaped blocks predicted the disk tier's generation at twice its time)."""
+    rows, (store_dtype, dtype) = work.prompts * work.num_generations, dtypes
     gen_shape = shape_of(cfg, store_dtype, dtype, seq_len=1)
-    gen = predict_generation(rates, profile, gen_shape, placement, rows, work.prompt_len, work.completion_len, rows)
+    gen = predict_generation(rates, gen_profile or profile, gen_shape, placement, rows, work.prompt_len,
+                             work.completion_len, rows)
     shape = shape_of(cfg, store_dtype, dtype, seq_len=work.prompt_len + work.completion_len - 1)
     train = costmodel.predict(profile, shape, placement, activations, rows)
     forward_s, forward_bytes = forward_pass(profile, shape, placement, activations, rows)

@@ -33,7 +33,7 @@ import torch
 
 from phantom.base import fileio
 from phantom.base.safejson import read_records
-from phantom.data import chat
+from phantom.data import chat, showdata
 from phantom.data.special_tokens import IGNORE_INDEX
 from phantom.model.generate import Request, Sampling, generate_many
 from phantom.train import grpo as G
@@ -252,10 +252,7 @@ class Rollouts:
         return [c.ids + ([c.stop_id] if c.stop_id is not None else []) for c in done]
 
     def completion_ids(self, text: str) -> list[int]:
-        """A completion of --completions as generation would give it: its text tokenized without special tokens,
-        the end-of-sequence id appended, cut to max_completion_length (a cut one has none: truncated)."""
-        eos = self.tok.eos_id if self.tok.eos_id is not None else next(iter(self.stop))
-        return (self.tok.encode(text, bos=False) + [eos])[:self.grpo.max_completion_length]
+        return completion_ids(self.tok, text, self.grpo.max_completion_length, self.stop)
 
     def score(self, rows, completions, ids, step: int) -> torch.Tensor:
         """(N, functions) rewards: the functions' (the records' other columns as keywords), or the file's."""
@@ -300,6 +297,29 @@ class Rollouts:
                     rollout.ref = model.token_logps(rollout.x, rollout.y, g.temperature)[0].detach()
         finally:
             model.train(was)
+
+
+def completion_ids(tok, text: str, max_len: int, stop: frozenset) -> list[int]:
+    """A completion of --completions as generation would give it: its text tokenized without special tokens, the
+    end-of-sequence id appended, cut to max_len (a cut one has none: truncated)."""
+    eos = tok.eos_id if tok.eos_id is not None else min(stop)
+    return (tok.encode(text, bos=False) + [eos])[:max_len]
+
+
+def show_rollouts(data: PromptData, tok, grpo: G.GrpoConfig, n: int, ids: bool = False) -> str:
+    """--show-data for GRPO: the first n rows as the model sees them, the prompt with its generation prompt and,
+    with --completions, each completion as it is trained on (inside [[ ]])."""
+    per = grpo.num_generations if data.completions is not None else 1
+    lines = []
+    for i in range(min(n, len(data) * per)):
+        p, k = divmod(i, per)
+        comp = completion_ids(tok, data.completions[p][k], grpo.max_completion_length, frozenset(tok.stop_ids)) \
+            if data.completions is not None else []
+        row = list(data.ids[p]) + comp
+        lines.append(f"-- row {i}: prompt {p}" + (f", completion {k}: {len(comp)} tokens" if comp else
+                                                    " (completions are sampled)"))
+        lines.append("   " + showdata.marked(tok, row, [False] * len(data.ids[p]) + [True] * len(comp), ids))
+    return "\n".join(lines)
 
 
 class initial_adapter:

@@ -47,6 +47,9 @@ def preference_postfix(rec: dict) -> dict:
     """The step's reward accuracy (preference training) or mean reward (GRPO) for the progress bar."""
     if "reward_accuracy" in rec:
         return {"acc": f"{rec['reward_accuracy']:.2f}"}
+    if "generation_s" in rec:  # grpo, at a step that sampled: its reward, its time generating and training
+        return {"reward": f"{rec['reward']:.3f}", "gen_s": f"{rec['generation_s']:.1f}",
+                "train_s": f"{rec.get('train_s', 0.0):.1f}"}
     return {"reward": f"{rec['reward']:.3f}"} if "reward" in rec else {}
 
 

@@ -50,6 +50,7 @@ class RunCard:
     base_model: str | None = None  # what peft loads the adapter onto (a Hub id or folder), None: none loadable
     base_revision: str | None = None  # the Hub commit of base_model
     gguf: str | None = None  # the GGUF file --export gguf wrote (OUT/gguf/NAME.gguf), its Modelfile beside it
+    rollouts: str = ""  # grpo: the reward and a step's time by part (rollout_line)
 
     def markdown(self) -> str:
         return "\n".join([f"# Run card: {Path(self.out).name}", "", *self.table(), "", *self.flag_lines(), "",
@@ -67,6 +68,7 @@ class RunCard:
                 ("final train loss", f"{self.final_loss:.4f}"), ("final eval loss", evals),
                 ("best eval loss", f"{self.best_eval:.4f}" if self.best_eval is not None else "-"),
                 ("tokens/s", f"{self.tokens_per_s:,.0f}"),
+                *([("rollouts", self.rollouts)] if self.rollouts else []),
                 ("peak memory", f"host {gib(self.peak_host_bytes)} (max RSS){device}"),
                 ("software", self.versions)]
         return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
@@ -135,3 +137,17 @@ def peak_memory(device: torch.device) -> tuple[int, int | None]:
 
 def write(path: Path, card: RunCard) -> None:
     fileio.atomic_write_text(path, card.markdown())
+
+
+def rollout_line(records: list[dict]) -> str:
+    """A GRPO run's mean reward at its first and last steps that sampled, and a step's mean seconds of generation,
+    scoring, reference passes and training ("" for other runs)."""
+    rewarded = [r for r in records if r.get("reward") is not None]
+    if not rewarded:
+        return ""
+    parts = [(name, [r[f"{name}_s"] for r in records if f"{name}_s" in r])
+             for name in ("generation", "scoring", "reference", "train")]
+    times = ", ".join(f"{name} {sum(v) / len(v):.2f} s" for name, v in parts if v)
+    return f"reward {rewarded[0]['reward']:.4f} at step {rewarded[0]['step']}, {rewarded[-1]['reward']:.4f} at step " \
+           f"{rewarded[-1]['step']}; a step's mean: {times}"
+

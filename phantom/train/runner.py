@@ -38,7 +38,7 @@ from phantom.train import cli, preference, runcard, runfile, trackers
 from phantom.train import runconfig as rc
 from phantom.train.checkpoint import io_error_line, prepare_work_dir, resume_point, store_fingerprint, tracker_runs
 from phantom.train.dist import init_from_env
-from phantom.train.grpoloop import load_prompts
+from phantom.train.grpoloop import load_prompts, show_rollouts
 from phantom.train.load import load as load_phantom
 from phantom.train.load import resolve_device, resolve_model, weights_dir
 from phantom.train.loop import train
@@ -81,6 +81,10 @@ def run(cfg: rc.RunConfig, sweep=None) -> dict:
     path = model_path(cfg.model, asked_quiet)
     store = BlockStore(path, verify="none")
     check_seq_len(cfg, store.cfg)
+    if cfg.data.show_data and cfg.train.mode == "grpo":
+        tok, _, prompts, _ = load_data(cfg, path, store)
+        print(show_rollouts(prompts, tok, cfg.train.grpo, cfg.data.show_data, ids=cfg.data.show_data_ids))
+        return {"status": "shown", "report": None}
     if cfg.data.show_data:
         tok, _, train_data, _ = load_data(cfg, path, store)
         print(showdata.show_rows(batches.rows(train_data, cfg.train.seq_len, tok.pad_or_eos if tok else 0,
@@ -306,7 +310,8 @@ def write_card(cfg: rc.RunConfig, given: rc.RunConfig, s: dict, store: BlockStor
         best_eval=s["best_val_loss"], tokens_per_s=s["tokens"] / max(s["time_s"], 1e-9), peak_host_bytes=host,
         peak_device_bytes=dev, adapter=s["adapter"], weights=s["weights"],
         versions=f"phantom {provenance.VERSION}, torch {torch.__version__}",
-        origin=provenance.describe(store.manifest), gguf=gguf, **loadable_base(store))
+        origin=provenance.describe(store.manifest), gguf=gguf, rollouts=runcard.rollout_line(recs),
+        **loadable_base(store))
     runcard.write(Path(s["out"]) / "README.md", card)
 
 

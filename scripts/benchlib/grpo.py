@@ -1,8 +1,8 @@
 """`bench.py --modes grpo`: one GRPO step's generation, reference and training seconds and its bytes read, on a
 synthetic store of a preset's blocks (--preset, default 7B, cut to --layers), from the RAM tier and from the disk
 tier, at each number of completions of --grpo-generations (one prompt a step, --grpo-tokens tokens each), beside
-the cost model of a GRPO step (phantom.plan.costgrpo) from the machine's profile and the generation rates measured
-before the rows. Each row is a two-step run through the training loop (phantom.train.loop.train, a LoRA of rank 8 on
+the cost model of a GRPO step (phantom.plan.costgrpo) from two profiles of the machine (at the training step's
+shape, and beside a light compute for the generation) and the generation rates measured before the rows. Each row is a two-step run through the training loop (phantom.train.loop.train, a LoRA of rank 8 on
 q and v, a reward of the completion's length); the second step is measured (the first warms up).
 """
 from __future__ import annotations
@@ -50,6 +50,7 @@ def grpo_bench(args, folder: Path) -> str:
              "GB read (pred.) | completion tokens |", "|---|---|---|---|---|---|---|---|---|"]
     for g in [int(x) for x in args.grpo_generations.split(",")]:
         profile = profiles.with_free_memory(profiles.measure(store, device, dtype, g, plen + new), device)
+        gen_profile = profiles.with_free_memory(profiles.measure(store, device, dtype, 1, plen + 1), device)
         rates = measure_generation(store, device, dtype, (g,), (g * plen,), plen)
         for tier in ("ram", "disk"):
             rec = _run_steps(store, tok, folder, g, new, tier, device, dtype, args)
@@ -57,7 +58,8 @@ def grpo_bench(args, folder: Path) -> str:
                             completion_len=int(rec["completions/max_length"]))
             placement = phantom.Placement(offload=tier, prefetch=args.grpo_prefetch)
             acts = phantom.Activations(recompute="none", micro_batch=g)
-            p = predict_grpo_step(rates, profile, cfg, store.manifest["dtype"], name, placement, acts, work)
+            p = predict_grpo_step(rates, profile, cfg, (store.manifest["dtype"], name), placement, acts, work,
+                                  gen_profile)
             step = rec["generation_s"] + rec["reference_s"] + rec["train_s"]
             lines.append(f"| {tier} | {g} | {rec['generation_s']:.2f} ({p.generation_s:.2f}) | "
                          f"{rec['reference_s']:.2f} ({p.reference_s:.2f}) | {rec['train_s']:.2f} ({p.train_s:.2f}) | "

@@ -74,6 +74,7 @@ def test_sigkill_within_a_batch_of_rollouts_then_resume_ends_bit_identical(files
     (lambda f: ["--completions", str(f / "short.jsonl")], "--num-generations (4) strings"),
     (lambda f: ["--batch-size", "6"], "multiple of --num-generations"),
     (lambda f: ["--reward-weights", "1", "2"], "one each"),
+    (lambda f: ["--reference", "precompute"], "DPO's"),
 ])
 def test_bad_grpo_input_is_one_line_exit_2_nothing_written(files, capsys, change, says):
     (files / "bad.py").write_text("def two(a, b):\n    return [0.0]\n")

@@ -112,6 +112,9 @@ class TrainConfig:
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.mode == "grpo" and self.preference.reference != "together":
+            raise ValueError("--reference precompute is DPO's: --mode grpo's reference comes with each batch of "
+                             "rollouts (docs/grpo.md)")
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -427,8 +427,12 @@ def to_args(cfg: RunConfig, resolved: bool = False) -> dict[str, object]:
             value = ",".join(value)
         elif f.meta.get("action") == "append" or "nargs" in f.meta:
             value = list(value) if value else None
-        elif f.path[:2] == ("train", "preference") and f.path[2] in ("loss", "beta") and cfg.train.mode == "grpo":
-            value = getattr(cfg.train.grpo, {"loss": "loss_type", "beta": "beta"}[f.path[2]])  # the shared flags
+        elif f.meta.get("by_mode"):  # --loss-type, --beta: the mode's own value; not given where it is the default
+            grpo = cfg.train.mode == "grpo"
+            name = {"loss": "loss_type" if grpo else "loss", "beta": "beta"}[f.path[2]]
+            value = getattr(cfg.train.grpo if grpo else cfg.train.preference, name)
+            if not resolved and value == getattr(GrpoConfig() if grpo else PreferenceConfig(), name):
+                value = None
         elif f.name == "prefetch":
             value = None if value is None else str(value)
         elif f.group is not None and not resolved and f.path[1] not in cfg.given and \

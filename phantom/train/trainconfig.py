@@ -90,7 +90,7 @@ class TrainConfig:
     preference: PreferenceConfig = knob(PreferenceConfig(), "", section="optim")
     grpo: GrpoConfig = knob(GrpoConfig(), "", section="optim")
     init_adapter: str | None = knob(None, "start from this PEFT adapter (its rank, alpha and targets) instead of a new "
-                                          "LoRA; grpo keeps it frozen as its reference", section="lora",
+                                          "LoRA; grpo keeps it frozen as its reference", section="model",
                                     flag="init-adapter", metavar="DIR")
     workers: int = knob(1, "DataLoader worker processes", section="data")
     trace: bool = knob(False, "write --out/trace.json (Chrome trace of the scheduler)", section="output")

@@ -128,6 +128,18 @@ def atomic_write(path: Path | str, data: bytes | Callable) -> Path:
 
 
 @contextlib.contextmanager
+def new_file(path: Path | str):
+    """A binary file created (or cut) to be written in place, never through a symbolic link, flushed and fsynced
+    when the block ends: a file inside a temporary folder that is renamed into place whole (a store being written,
+    a checkpoint), where a temporary file of its own would be one rename too many."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
 def replacing(path: Path | str):
     """For writers that need a file name (safetensors, torch.save): yields a temporary path in path's
     folder; when the block ends, the file is fsynced and renamed over `path`, and the folder fsynced.

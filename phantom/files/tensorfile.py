@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 from phantom.arch.config import FUSED_PROJECTIONS
-from phantom.base import dtypes, faults, safejson
+from phantom.base import dtypes, faults, fileio, safejson
 from phantom.base.checksum import Checksums
 
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header is a few KB; refuse absurd claims before reading
@@ -120,8 +119,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 
 def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tensor], digest) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)  # never through a link
-    with os.fdopen(fd, "wb") as f:
+    with fileio.new_file(path) as f:  # never through a link; fsynced
         faults.io_point(path)  # tests: a full disk here
         for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
             f.write(chunk)
@@ -132,8 +130,6 @@ def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tenso
             raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
             f.write(raw)
             digest.update(raw)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def read_header(path: Path) -> tuple[list[TensorSpec], int]:

@@ -185,20 +185,27 @@ class KVCache:
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int, device=None, dtype=None, layer: int = 0) -> "KVCache":
-        return cls(torch.zeros(cls.shapes(cfg, batch, max_len, layer)[0], device=device, dtype=dtype),
-                   torch.zeros(cls.shapes(cfg, batch, max_len, layer)[1], device=device,
-                               dtype=torch.float32 if cfg.linear(layer) else dtype))
+        return cls(*(torch.zeros(shape, device=device, dtype=d)
+                     for shape, d in cls.layout(cfg, batch, max_len, dtype or torch.get_default_dtype(), layer)))
 
     @staticmethod
-    def shapes(cfg: ModelConfig, batch: int, max_len: int, layer: int = 0) -> tuple[tuple, tuple]:
-        """The (k, v) shapes of block `layer`'s cache for `batch` sequences of up to max_len tokens."""
+    def layout(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, layer: int = 0
+               ) -> tuple[tuple[tuple, torch.dtype], tuple[tuple, torch.dtype]]:
+        """((k shape, dtype), (v shape, dtype)) of block `layer`'s cache for `batch` sequences of up to max_len
+        tokens in `dtype` (a Gated DeltaNet layer's state in fp32)."""
         if cfg.linear(layer):
             channels = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
-            return ((batch, channels, cfg.linear_conv - 1),
-                    (batch, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim))
+            return (((batch, channels, cfg.linear_conv - 1), dtype),
+                    ((batch, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim), torch.float32))
         if cfg.kv_lora_rank:
-            return (batch, 1, max_len, cfg.kv_lora_rank), (batch, 1, max_len, cfg.rope_dim)
-        return (batch, cfg.kv_heads, max_len, cfg.head_dim), (batch, cfg.kv_heads, max_len, cfg.head_dim)
+            return ((batch, 1, max_len, cfg.kv_lora_rank), dtype), ((batch, 1, max_len, cfg.rope_dim), dtype)
+        kv = (batch, cfg.kv_heads, max_len, cfg.head_dim)
+        return (kv, dtype), (kv, dtype)
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, layer: int = 0) -> int:
+        """Bytes of block `layer`'s cache (KVCache.layout)."""
+        return sum(math.prod(shape) * d.itemsize for shape, d in KVCache.layout(cfg, batch, max_len, dtype, layer))
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only these rows (sequences) from now on: the finished ones are dropped from later steps, the rows

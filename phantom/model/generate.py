@@ -83,25 +83,13 @@ def check(model: PhantomModel, requests: list[Request]) -> None:
 
 def cache_bytes(model: PhantomModel, max_len: int) -> int:
     """Bytes of one sequence's cache over every block for up to max_len tokens."""
-    cfg, size = model.cfg, torch.finfo(model.dtype).bits // 8
-    total = 0
-    for i in range(cfg.n_layers):
-        k, v = KVCache.shapes(cfg, 1, max_len, i)
-        total += _numel(k) * size + _numel(v) * (4 if cfg.linear(i) else size)
-    return total
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return sum(KVCache.nbytes(model.cfg, 1, max_len, model.dtype, i) for i in range(model.cfg.n_layers))
 
 
 def sequence_bytes(model: PhantomModel, requests: list[Request]) -> int:
     """Memory one sequence of these requests needs at most: its cache over every block, and a block's working
     set over the longest prompt in the prefill (the head sees one token a sequence)."""
-    cfg, size = model.cfg, torch.finfo(model.dtype).bits // 8
+    cfg, size = model.cfg, model.dtype.itemsize
     prompt = max(len(r.prompt) for r in requests)
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     return cache_bytes(model, longest) + prompt * (4 * cfg.dim + 3 * cfg.token_hidden_dim) * size

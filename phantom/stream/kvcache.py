@@ -11,6 +11,7 @@ host: every cache stays where it is, nothing is copied.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -35,13 +36,12 @@ class CacheSet:
         self._buffers: list[HostBuffer] = []  # what keeps the host caches' memory (and its registration)
         used, cuda = 0, self.device.type == "cuda"
         for i in range(cfg.n_layers):
-            k, v = KVCache.shapes(cfg, batch, max_len, i)
-            v_dtype = torch.float32 if cfg.linear(i) else dtype
-            nbytes = _bytes(k, dtype) + _bytes(v, v_dtype)
+            nbytes = KVCache.nbytes(cfg, batch, max_len, dtype, i)
             host = device_budget is not None and (used + nbytes > device_budget or any(self.on_host))
             used += 0 if host else nbytes
             self.on_host.append(host)
-            self.caches.append(KVCache(self._alloc(k, dtype, host, cuda), self._alloc(v, v_dtype, host, cuda)))
+            self.caches.append(KVCache(*(self._alloc(shape, d, host, cuda)
+                                         for shape, d in KVCache.layout(cfg, batch, max_len, dtype, i))))
         self.host_blocks = [i for i, h in enumerate(self.on_host) if h]
         self.device_bytes = used
         self.copy_stream = torch.cuda.Stream(self.device) if cuda and self.host_blocks else None
@@ -59,7 +59,7 @@ class CacheSet:
             return torch.zeros(shape, device=self.device, dtype=dtype)
         if not cuda:
             return torch.zeros(shape, dtype=dtype)
-        buf = HostBuffer(_bytes(shape, dtype), pin=True)
+        buf = HostBuffer(math.prod(shape) * dtype.itemsize, pin=True)
         self._buffers.append(buf)
         return buf.tensor.view(dtype).view(shape).zero_()
 
@@ -146,13 +146,6 @@ class CacheSet:
 def _key(c: KVCache) -> tuple:
     """A cache's shape and dtypes but its rows (they only shrink: a buffer of the first rows serves later steps)."""
     return tuple(c.k.shape[1:]), tuple(c.v.shape[1:]), c.k.dtype, c.v.dtype
-
-
-def _bytes(shape: tuple, dtype: torch.dtype) -> int:
-    n = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def block_cache(caches, i: int, start_pos: int, n_new: int):

@@ -79,7 +79,7 @@ def load_prompts(path: str | Path, tok, template, grpo: G.GrpoConfig, max_seq_le
     records = list(read_records(path))
     if not records:
         raise ValueError(f"{path}: no records")
-    prompts, completions, rewards, columns = [], [], [], {}
+    prompts, completions, rewards = [], [], []
     for n, r in records:
         prompt = r.get("prompt", r.get("messages")) if isinstance(r, dict) else None
         chat_prompt = isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)
@@ -98,12 +98,8 @@ def load_prompts(path: str | Path, tok, template, grpo: G.GrpoConfig, max_seq_le
             completions.append(group)
             rewards.append(scores)
         prompts.append(prompt)
-        for k, v in r.items():
-            if k not in ("prompt", "messages", "completions", "rewards"):
-                columns.setdefault(k, [None] * (len(prompts) - 1)).append(v)
-        for k in columns:
-            if len(columns[k]) < len(prompts):
-                columns[k].append(None)
+    names = dict.fromkeys(k for _, r in records for k in r if k not in ("prompt", "messages", "completions", "rewards"))
+    columns = {k: [r.get(k) for _, r in records] for k in names}  # None where a line has no such key
     fmt = "chat" if any(isinstance(p, list) for p in prompts) else "prompt"
     ids = [prompt_ids(tok, template, p) for p in prompts]
     for (n, _), i in zip(records, ids):

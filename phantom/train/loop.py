@@ -248,7 +248,7 @@ def start_run(model, train_data: D.TokenData, val_data: D.TokenData | None, cfg:
     sched = make_scheduler(opt, cfg)
     rollouts = None  # --init-adapter: the frozen reference of dpo and grpo is the adapter as it starts
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad} \
-        if cfg.init_adapter else None
+        if cfg.init_adapter and cfg.mode in ("dpo", "grpo") else None
     if cfg.mode == "grpo":  # its reward functions and batch checked before anything is written
         rollouts = GR.Rollouts(model, tokenizer, train_data, cfg, reference_adapter=initial)
     start, best_val = restore(out, model, opt, sched, identity, cfg.resume)

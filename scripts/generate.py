@@ -129,10 +129,8 @@ def read_prompts(path: Path, use_chat: bool) -> list[dict]:
 def complete_file(model, tok: Tokenizer, template, records: list[dict], args) -> int:
     if template is not None:
         stop = frozenset(chat.end_of_turn_ids(tok, template))
-        messages = [r["messages"] if "messages" in r else
-                    ([{"role": "system", "content": args.system}] if args.system else []) +
-                    [{"role": "user", "content": r["prompt"]}] for r in records]
-        ids = [tok.encode_rendered(template.render(m, add_generation_prompt=True)[0])[0] for m in messages]
+        ids = [chat.messages_ids(tok, template, r["messages"]) if "messages" in r else
+               chat.prompt_ids(tok, template, r["prompt"], args.system) for r in records]
     else:
         stop = frozenset(tok.stop_ids)  # generation_config.json's eos_token_id, else EOS
         ids = [tok.encode(r["prompt"], bos=True) for r in records]

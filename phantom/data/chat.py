@@ -363,7 +363,12 @@ def encode_chat(tok: Tokenizer, template: ChatTemplate, messages: list[dict], tr
 def prompt_ids(tok: Tokenizer, template: ChatTemplate, prompt: str, system: str | None = None) -> list[int]:
     """The ids of a one-question chat, ending with the template's generation prompt (generate --chat)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return tok.encode_rendered(template.render(messages, add_generation_prompt=True)[0])[0]
+    return messages_ids(tok, template, messages)
+
+
+def messages_ids(tok: Tokenizer, template: ChatTemplate, messages: list[dict]) -> list[int]:
+    """The ids of a conversation for the assistant to answer: rendered with the template's generation prompt."""
+    return list(tok.encode_rendered(template.render(messages, add_generation_prompt=True)[0])[0])
 
 
 _END_OF_TURN: dict[tuple, frozenset] = {}

@@ -118,7 +118,7 @@ def prompt_ids(tok, template, prompt) -> list[int]:
         return tok.encode(prompt, bos=True)
     if template is None:
         raise ValueError("chat prompts need a chat template: the store has none; pass --chat-template FILE")
-    return list(tok.encode_rendered(template.render(prompt, add_generation_prompt=True)[0])[0])
+    return chat.messages_ids(tok, template, prompt)
 
 
 # -- rollouts -----------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from phantom.data.chat import ChatTemplate, end_of_turn_ids, prompt_ids
 from phantom.data.tokenizer import Tokenizer
 from phantom.model.phantom_model import PhantomModel
 from phantom.stream.kvcache import CacheSet
-from phantom.stream.memory import free_device_bytes, free_host_bytes
+from phantom.stream.memory import free_compute_bytes, free_device_bytes
 
 MAX_BATCH = 256  # sequences per batch at most when the batch size is chosen from memory
 CACHE_SHARE = 0.5  # of the memory free when generation starts, what the chosen batch's caches may take
@@ -101,8 +101,7 @@ def auto_batch_size(model: PhantomModel, requests: list[Request], free: int | No
     if not requests:
         return 1
     if free is None:
-        free = free_device_bytes(model.device)
-        free = free if free is not None else (free_host_bytes() or 0)
+        free = free_compute_bytes(model.device) or 0
     fit = int(free * CACHE_SHARE) // sequence_bytes(model, requests)
     return max(1, min(MAX_BATCH, len(requests), fit))
 

@@ -56,6 +56,13 @@ def free_device_bytes(device: torch.device | str) -> int | None:
     return None
 
 
+def free_compute_bytes(device: torch.device | str) -> int | None:
+    """Free memory where blocks compute: the device's (CUDA, `mps`), a CPU's this rank's share of the host; None
+    where no probe answers."""
+    free = free_device_bytes(device)
+    return free if free is not None else free_host_bytes()
+
+
 def free_memory(device: torch.device | str, shared: bool = False, reserve: int = 0) -> FreeMemory:
     """Both probes at once, as phantom.stream.placement.resolve takes them; `reserve` device bytes the caller
     needs beside blocks and activations come off the device's free memory."""

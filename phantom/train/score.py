@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from phantom.plan import costscore
-from phantom.stream.memory import free_device_bytes, free_host_bytes
+from phantom.stream.memory import free_compute_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,7 @@ def plan_for(model, lengths: list[int], batch_size: int | None = None,
     """The waves and micro-batches for inputs of these lengths on this model, from the memory free now on
     its device (the host's on a CPU): batch_size caps a micro-batch's rows, wave_bytes the waves' hidden
     states (both None: by memory)."""
-    free = free_device_bytes(model.device)
-    free = free if free is not None else free_host_bytes()
+    free = free_compute_bytes(model.device)
     b = costscore.budget(model.cfg, torch.finfo(model.weight_dtype).bits // 8, free, batch_size, wave_bytes,
                          cpu=model.device.type == "cpu")
     return costscore.plan_scoring(lengths, b), b

@@ -18,6 +18,7 @@ from phantom.arch.config import FUSED_PROJECTIONS, ModelConfig
 from phantom.arch.deltanet import GatedDeltaNet
 from phantom.arch.mla import LatentAttention
 from phantom.arch.moe import MoeFeedForward
+from phantom.arch.tiled import tiled
 from phantom.arch.ops import ACTIVATIONS, KVCache, RMSNorm, apply_rope, apply_rope_halves, attend, attention_mask, \
     linear
 
@@ -139,9 +140,11 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block `layer` of the model (its attention window is the layer's). With
-    `checkpoint_inner` set, attention and MLP are each checkpointed when a graph is built (the MLP
-    per slice of `mlp_chunk` tokens), so the backward holds one of them at a time: long sequences."""
+    """Pre-norm block `layer` of the model (its attention window is the layer's). A row longer than
+    `mlp_chunk` tokens runs its MLP and the MLP's norms `mlp_chunk` tokens at a time, forward and backward
+    (phantom.arch.tiled: one chunk's (chunk, hidden) activations at once, not the row's). With
+    `checkpoint_inner` set, attention and the MLP are each checkpointed when a graph is built, so the
+    backward holds one of them at a time."""
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None, layer: int = 0):
         super().__init__()
@@ -155,18 +158,24 @@ class TransformerBlock(nn.Module):
             else FeedForward(cfg, device, dtype)
         self.ffn_post_norm = norm() if cfg.post_norms else nn.Identity()
         self.checkpoint_inner = False
-        self.mlp_chunk = 1024  # tokens per MLP slice under checkpoint_inner
+        self.mlp_chunk: int | None = None  # tokens per MLP chunk of a longer row (None or 0: whole rows)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpoint_inner and torch.is_grad_enabled() and cache is None:
             h = x + checkpoint(self._attention, x, rope, mask, use_reentrant=False)
-            # the MLP is token-wise: checkpoint it in slices of the sequence, so its backward holds
-            # one slice's (B, chunk, hidden) activations at a time
-            return h + torch.cat([checkpoint(self._mlp, hc, use_reentrant=False)
-                                  for hc in h.split(self.mlp_chunk, dim=1)], dim=1)
-        h = x + self.attention_post_norm(self.attention(self.attention_norm(x), rope, cache, start_pos, mask))
-        return h + self._mlp(h)
+        else:
+            h = x + self.attention_post_norm(self.attention(self.attention_norm(x), rope, cache, start_pos, mask))
+        return h + self.mlp(h)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP half's output for h (B, T, dim), its norms included: in chunks of mlp_chunk tokens where the
+        row is longer (tiled), else at once (checkpointed under checkpoint_inner)."""
+        if self.mlp_chunk and h.shape[1] > self.mlp_chunk:
+            return tiled(self._mlp, h, self.mlp_chunk, [self.ffn_norm, self.feed_forward, self.ffn_post_norm])
+        if self.checkpoint_inner and torch.is_grad_enabled():
+            return checkpoint(self._mlp, h, use_reentrant=False)
+        return self._mlp(h)
 
     def _attention(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.attention_post_norm(self.attention(self.attention_norm(x), rope, mask=mask))

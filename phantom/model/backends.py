@@ -40,6 +40,7 @@ def build_layers(cfg: ModelConfig, lora: LoraConfig | None, activations: Activat
         if lora is not None:
             apply_lora(block, lora, i)
         block.checkpoint_inner = activations.checkpoint_inner
+        block.mlp_chunk = activations.mlp_chunk
         if activations.compile:
             block.compile()
     for name, p in layers.named_parameters():

@@ -39,8 +39,5 @@ def routed_experts(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def mlp_half(block: nn.Module, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-    """h plus the block's MLP (as TransformerBlock.forward, inner checkpointing in slices of tokens)."""
-    if _inner(block, cache):
-        return h + torch.cat([checkpoint(block._mlp, hc, use_reentrant=False)
-                              for hc in h.split(block.mlp_chunk, dim=1)], dim=1)
-    return h + block._mlp(h)
+    """h plus the block's MLP (as TransformerBlock.forward: tiled over a long row's tokens)."""
+    return h + block.mlp(h)

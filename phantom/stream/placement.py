@@ -90,6 +90,8 @@ class Activations:
     micro_batch: int | None = knob(None, "rows per block call; a larger batch is accumulated layer-major")
     compile: bool | None = knob(None, "torch.compile the block once for all layers (default: on for CUDA)")
     loss_chunk: int | None = knob(None, "tokens per chunk of the fused head + loss (default: sized from memory)")
+    mlp_chunk: int = knob(2048, "tokens per chunk of a block's MLP and its norms in a longer row, forward and "
+                                "backward: one chunk's hidden activations at a time (0: whole rows)")
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -97,6 +99,8 @@ class Activations:
         for name in ("micro_batch", "loss_chunk"):
             if (v := getattr(self, name)) is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.mlp_chunk < 0:
+            raise ValueError(f"mlp_chunk must be >= 0, got {self.mlp_chunk}")
 
 
 def offloads() -> tuple[str, ...]:

@@ -1,0 +1,107 @@
+"""Tiled compute of a block's token-wise half (the MLP and its norms) over chunks of a row's tokens.
+
+A row of T tokens through a gated MLP of width H makes (T, H) activations: gate, up, act(gate) and their
+product, and as many gradients in the backward; at long rows they dwarf the (T, dim) hidden state. The MLP
+is token-wise, so it can run a chunk of tokens at a time: `tiled` runs fn over chunks of the sequence, and
+under autograd as one `TiledMLP` node that keeps only its input, runs the chunks without a graph in its
+forward, and in its backward recomputes each chunk with a graph and backpropagates it before the next
+(Arctic Long Sequence Training's TiledMLP). The node's gradients go to its input and to the trained
+tensors it is given (LoRA's, and the weights themselves in full finetuning), summed over the chunks, so
+`torch.autograd.grad` over explicit inputs and `.backward()` into leaves both see them. The recompute
+replays the forward's random draws (dropout) and autocast. Imports torch only.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+
+def tiled(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, chunk: int | None,
+          modules: list[nn.Module]) -> torch.Tensor:
+    """fn(h) for a token-wise fn over h (B, T, dim), `chunk` tokens of each row at a time where T is longer
+    (None or 0: at once). `modules`: those fn computes with; their tensors that need a gradient (read when
+    called: bound weights included) are the node's trained inputs, and a dropout among them is replayed."""
+    if not chunk or h.shape[1] <= chunk:
+        return fn(h)
+    trained = [p for m in modules for p in m.parameters() if p.requires_grad]
+    if not torch.is_grad_enabled() or not (h.requires_grad or trained):
+        return _chunked(fn, h, chunk)
+    draws = any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for mod in modules for m in mod.modules())
+    return _node(fn, chunk, draws, h, trained)
+
+
+@torch.compiler.disable  # a compiled block runs this part eagerly: its backward calls autograd itself
+def _node(fn, chunk: int, draws: bool, h: torch.Tensor, trained: list[torch.Tensor]) -> torch.Tensor:
+    return TiledMLP.apply(fn, chunk, draws, h, *trained)
+
+
+def _chunked(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, chunk: int) -> torch.Tensor:
+    """fn over h's chunks of tokens, written into one output (no list of chunk outputs beside it)."""
+    out = None
+    for a in range(0, h.shape[1], chunk):
+        y = fn(h[:, a:a + chunk])
+        if out is None:
+            out = y.new_empty(*h.shape[:2], *y.shape[2:])
+        out[:, a:a + chunk] = y
+    return out
+
+
+class _Replay:
+    """The CPU (and CUDA) generator state and the autocast in force when a tiled forward starts, put back
+    around its recompute so each chunk draws what it drew and computes in the dtype it computed in."""
+
+    def __init__(self, device: torch.device, draws: bool):
+        self.device = device
+        self.cpu = torch.get_rng_state() if draws else None
+        self.cuda = torch.cuda.get_rng_state(device) if draws and device.type == "cuda" else None
+        kind = device.type
+        self.autocast = dict(device_type=kind, dtype=torch.get_autocast_dtype(kind),
+                             enabled=torch.is_autocast_enabled(kind))
+
+    @contextlib.contextmanager
+    def replayed(self):
+        devices = [self.device] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda", enabled=self.cpu is not None), \
+                torch.enable_grad(), torch.autocast(**self.autocast):
+            if self.cpu is not None:
+                torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+class TiledMLP(torch.autograd.Function):
+    """fn over chunks of h's tokens as one autograd node that keeps only h (see the module's docstring);
+    `trained`: the tensors fn computes with whose gradients are wanted, summed over the chunks."""
+
+    @staticmethod
+    def forward(ctx, fn, chunk: int, draws: bool, h, *trained):
+        ctx.fn, ctx.chunk, ctx.trained = fn, chunk, trained
+        ctx.replay = _Replay(h.device, draws)
+        ctx.save_for_backward(h)
+        return _chunked(fn, h, chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        needs_h = ctx.needs_input_grad[3]
+        wanted = [p for p, need in zip(ctx.trained, ctx.needs_input_grad[4:]) if need]
+        sums: list[torch.Tensor | None] = [None] * len(wanted)
+        dh = torch.empty_like(h) if needs_h else None
+        with ctx.replay.replayed():
+            for a in range(0, h.shape[1], ctx.chunk):
+                hc = h[:, a:a + ctx.chunk].detach().requires_grad_(needs_h)
+                out = ctx.fn(hc)
+                grads = torch.autograd.grad(out, ([hc] if needs_h else []) + wanted, grad[:, a:a + ctx.chunk],
+                                            allow_unused=True)
+                if needs_h:
+                    dh[:, a:a + ctx.chunk] = grads[0]
+                for j, g in enumerate(grads[1:] if needs_h else grads):
+                    if g is not None:
+                        sums[j] = g if sums[j] is None else sums[j].add_(g)
+                del out, grads
+        it = iter(sums)
+        return (None, None, None, dh, *(next(it) if need else None for need in ctx.needs_input_grad[4:]))

@@ -166,6 +166,33 @@ def linear_lora(name: str) -> tuple[str, ...]:
     return ("q", "k", "v", "o", *LINEAR_TARGETS[name], "gate", "up", "down")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_the_default_targets_adapt_every_block_as_peft_names_them(family_models, name, caplog, tmp_path):
+    """The default targets (auto) are q, v and the Gated DeltaNet's input projection (in_proj_qkv; Qwen3-Next's
+    in_proj_qkvz): no block is left bare, the adapter names those modules as peft does, peft loads it onto the
+    transformers model with a LoRA in every block, and its logits, loss and gradients equal peft's; an explicit
+    q,v still means q and v alone."""
+    model, store = family_models(name)
+    tokens, targets = batch(2, 3)[0], batch(2, 3, seed=1)[0]
+    assert phantom.LoraConfig().targets == ("auto",)
+    with caplog.at_level("WARNING", logger="phantom.model.backends"):
+        got = phantom_step(store, tokens, targets, tmp_path / "adapter", lora_targets=("auto",), offload="none")
+    assert not [r for r in caplog.records if "adapt no module" in r.getMessage()]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(["q_proj", "v_proj", LINEAR_TARGETS[name][0]])
+    assert config["target_parameters"] is None
+    pmodel = peft.PeftModel.from_pretrained(model, tmp_path / "adapter")
+    try:
+        adapted = {int(n.split(".layers.")[1].split(".")[0]) for n, _ in pmodel.named_parameters() if "lora_A" in n}
+    finally:
+        pmodel.unload()
+    assert adapted == set(range(model.config.num_hidden_layers))
+    assert_equals_peft(got, peft_step(model, tmp_path / "adapter", tokens, targets), "auto")
+    explicit = tmp_path / "explicit"
+    phantom_step(store, tokens, targets, explicit, lora_targets=("q", "v"), offload="none")
+    assert json.loads((explicit / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
+
+
 @pytest.fixture(scope="module")
 def adapters(family_models, tmp_path_factory):
     """name -> (model, store, tokens, targets, adapter folder, its config): a LoRA on attention, Gated DeltaNet's

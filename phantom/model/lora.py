@@ -1,8 +1,8 @@
 """LoRA applied to built blocks from outside, and adapters saved/loaded in PEFT's layout.
 
-PEFT's files describe the family's Hugging Face model, whose q/k rows are permuted relative to
-Meta's layout that phantom keeps; lora_B of q and k is permuted on the way out and back on the way
-in, so the adapter is correct for the HF model that `peft` loads it onto. Where the family's
+PEFT's files describe the family's Hugging Face model; where a store keeps q/k rows in Meta's pairs
+(rope_rows) lora_B of q and k is permuted on the way out and back on the way in, so the adapter is
+correct for the HF model that `peft` loads it onto. Where the family's
 checkpoint fuses projections (Phi-3's qkv_proj, gate_up_proj) peft puts one LoRA on the fused
 module: phantom's parts of it then share one A, each with its rows of B. On a mixture of experts the MLP
 targets are its experts, as peft's target_parameters adapts transformers 5's stacked expert tensors
@@ -56,6 +56,7 @@ LATENT_ALIASES = {"q": "q_b", "k": "kv_b", "v": "kv_b"}
 # a module some families' checkpoints fuse (phantom.arch.family.Family.fused) -> the targets it holds, in row order
 GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 ALL_LINEAR = ("all-linear",)
+AUTO = ("auto",)  # the default: q, v, and on Gated DeltaNet layers their input projection (auto_targets)
 # a mixture of experts' stacked expert tensors (peft's target_parameters) -> the targets each holds
 EXPERT_TARGETS = {"experts_gate_up": ("gate", "up"), "experts_down": ("down",)}
 # mixture-of-experts model types whose plain MLP linears (a shared expert, dense layers among sparse ones) peft
@@ -74,7 +75,9 @@ class LoraConfig:
         rank: r, the inner dimension of A (r x in) and B (out x r).
         alpha: the update is scaled by alpha / rank.
         dropout: dropout on the LoRA branch's input (replayed exactly in the recompute).
-        targets: any of q, k, v, o, gate, up, down, qkv (q, k, v), gate_up (gate, up), or ("all-linear",):
+        targets: ("auto",) (the default: auto_targets, q and v, and on a model with Gated DeltaNet layers their
+            input projection too, so every block is adapted), any of q, k, v, o, gate, up, down, qkv (q, k, v),
+            gate_up (gate, up), or ("all-linear",):
             every one (peft's all-linear: each projection of every block, not the head; refused on a mixture
             of experts). On a family whose checkpoint fuses q, k, v (or gate, up) into one module, naming any
             of them targets the module (see for_family); on a mixture of experts gate, up and down are its
@@ -92,16 +95,18 @@ class LoraConfig:
     rank: int = knob(8, "LoRA rank r")
     alpha: float = knob(16.0, "LoRA scale is alpha / r")
     dropout: float = knob(0.0, "dropout on the LoRA branch's input, replayed exactly in the recompute")
-    targets: tuple[str, ...] = knob(("q", "v"), "comma-separated projections: q,k,v,o,gate,up,down (qkv, gate_up: "
-                                                "those together), or all-linear (every one, as peft's all-linear); "
-                                                "on Phi-3 any of q,k,v is its fused qkv_proj, as peft has it; on a "
-                                                "mixture of experts gate,up,down are its experts (gate_up_proj, "
-                                                "down_proj, as peft's target_parameters; experts_gate_up, "
-                                                "experts_down: those alone) and Qwen2-MoE's plain MLP linears; on "
-                                                "latent attention (DeepSeek) q_a,q_b,kv_a,kv_b,o, q meaning q_b "
-                                                "and k,v kv_b; on Gated DeltaNet layers (Qwen3.5, Qwen3-Next) "
-                                                "in_proj_qkv,in_proj_z,in_proj_b,in_proj_a or in_proj_qkvz,"
-                                                "in_proj_ba, and out_proj",
+    targets: tuple[str, ...] = knob(AUTO, "auto: q,v, and on Gated DeltaNet layers (Qwen3.5, Qwen3-Next) their "
+                                          "input projection in_proj_qkv (Qwen3.5) or in_proj_qkvz (Qwen3-Next), so "
+                                          "every block of a hybrid model is adapted; or comma-separated "
+                                          "projections, exactly those: q,k,v,o,gate,up,down (qkv, gate_up: those "
+                                          "together), or all-linear (every one, as peft's all-linear); on Phi-3 "
+                                          "any of q,k,v is its fused qkv_proj, as peft has it; on a mixture of "
+                                          "experts gate,up,down are its experts (gate_up_proj, down_proj, as "
+                                          "peft's target_parameters; experts_gate_up, experts_down: those alone) "
+                                          "and Qwen2-MoE's plain MLP linears; on latent attention (DeepSeek) "
+                                          "q_a,q_b,kv_a,kv_b,o, q meaning q_b and k,v kv_b; on Gated DeltaNet "
+                                          "layers in_proj_qkv,in_proj_z,in_proj_b,in_proj_a or in_proj_qkvz,"
+                                          "in_proj_ba, and out_proj",
                                     type="csv")
     seed: int = knob(0, "", cli=False)  # a run seeds its LoRA with its --seed (RunConfig)
     rslora: bool = knob(False, "", cli=False)  # the patterns and layers come from adapter_config.json files
@@ -113,9 +118,10 @@ class LoraConfig:
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))  # all-linear: expanded by family_targets
         known = (*TARGETS, *GROUPS, *EXPERT_TARGETS)
-        bad = [t for t in self.targets if t not in known] if self.targets != ALL_LINEAR else []
+        bad = [t for t in self.targets if t not in known] if self.targets not in (ALL_LINEAR, AUTO) else []
         if bad:
-            raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join([*TARGETS, *GROUPS])} or all-linear")
+            raise ValueError(f"unknown LoRA targets {bad}; choose from {', '.join([*TARGETS, *GROUPS])}, all-linear "
+                             f"or auto")
         for name in ("rank_pattern", "alpha_pattern"):  # JSON and YAML give dicts and lists
             object.__setattr__(self, name, tuple(tuple(kv) for kv in dict(getattr(self, name)).items()))
         if self.layers is not None:
@@ -196,6 +202,16 @@ def attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
     return ("q_a", "q_b", "kv_a", "kv_b", "o") if cfg.q_lora_rank else ("q", "kv_a", "kv_b", "o")
 
 
+def auto_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    """The default targets (AUTO): q and v, as peft's default for Llama-like models; on a model mixing Gated DeltaNet
+    layers among attention ones (Qwen3.5, Qwen3-Next) also the linear-attention layers' input projection, which
+    makes their queries, keys and values as q and v do attention's (in_proj_qkv, or Qwen3-Next's in_proj_qkvz,
+    which also makes the gate z), so no block is left without a LoRA."""
+    if any(cfg.linear(i) for i in range(cfg.n_layers)):
+        return ("q", "v", "in_proj_qkvz" if cfg.linear_grouped else "in_proj_qkv")
+    return ("q", "v")
+
+
 def latent_names(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
     """targets with q, k, v read as latent attention's projections (LATENT_ALIASES) where cfg has it (q is
     q_proj itself where there is no q bottleneck); a latent projection named on a model without it refused."""
@@ -224,6 +240,8 @@ def family_targets(targets: tuple[str, ...], cfg: ModelConfig, exact: bool = Fal
         ValueError: all-linear or a module the family lacks (experts_* on a dense model, an adapter's
             gate_proj where peft makes it the experts') on a mixture of experts."""
     modules = peft_modules(cfg)
+    if tuple(targets) == AUTO:
+        targets = auto_targets(cfg)
     if tuple(targets) != ALL_LINEAR:
         targets = latent_names(tuple(t for name in targets for t in GROUPS.get(name, (name,)))
                                if cfg.kv_lora_rank else tuple(targets), cfg)
@@ -259,9 +277,10 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     mixture of experts the MLP targets are its experts (routers stay frozen), without what peft's
     target_parameters LoRA cannot do: dropout, and layers (peft applies layers_to_transform to modules only)."""
     modules = peft_modules(cfg)
-    targets = family_targets(lora.targets, cfg, lora.exact)
-    asked = targets if lora.targets == ALL_LINEAR else latent_names(lora.targets, cfg)
-    if mapped := [f"{a} -> {b}" for a, b in zip(lora.targets, asked) if a != b and lora.targets != ALL_LINEAR]:
+    given = auto_targets(cfg) if lora.targets == AUTO else lora.targets
+    targets = family_targets(given, cfg, lora.exact)
+    asked = targets if given == ALL_LINEAR else latent_names(given, cfg)
+    if mapped := [f"{a} -> {b}" for a, b in zip(given, asked) if a != b and given != ALL_LINEAR]:
         log.info("latent attention: LoRA targets %s", ", ".join(mapped))
     wanted = [t for name in asked for t in GROUPS.get(name, (name,))]
     if cfg.n_experts and (experts := [peft_parameter(t) for t in targets if t in EXPERT_PARAMS]):

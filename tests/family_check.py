@@ -231,6 +231,27 @@ def check_converts_to(src, store, out, link: bool = False):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def check_linked_in_place(copy, link, tokens, runs=(("disk", 1), ("ram", 1)), **knobs):
+    """A store made with --link holds no tensor bytes of its own (no safetensors file: its manifest, which
+    indexes the checkpoint's tensors where they lie, and the tokenizer files, under 64 KiB in all; no q/k
+    rows copied), and its logits equal the copied store's bit for bit (fp32, every tier of runs)."""
+    files = [p for p in link.rglob("*") if p.is_file()]
+    assert not [p.name for p in files if p.suffix == ".safetensors"]
+    tokenizer = set(BlockStore(link).manifest.get("tokenizer_files", {})) | {BlockStore(link).manifest["tokenizer"]}
+    own = sum(p.stat().st_size for p in files if p.name not in tokenizer)
+    assert own < 64 << 10, own
+    manifest = json.loads((link / "manifest.json").read_text())
+    assert manifest["config"]["rope_interleave"] == BlockStore(copy).cfg.rope_interleave
+    for offload, prefetch in runs:
+        out = []
+        for store in (copy, link):
+            with phantom.load(store, offload=offload, prefetch=prefetch, lora=None, dtype=torch.float32,
+                              **knobs) as pm, torch.no_grad():
+                out.append(pm(tokens))
+        assert torch.equal(out[0], out[1]), (offload, prefetch)
+    return own
+
+
 def make(name: str, **changes):
     """The transformers model of CASES[name] (fields changed by changes), as built each time (seed 0)."""
     case = CASES[name]

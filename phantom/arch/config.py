@@ -154,7 +154,7 @@ class ModelConfig:
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
-    rope_interleave: bool = True  # the rotated dims in pairs (2i, 2i+1), as Meta's; False: in halves (i, i + R/2)
+    rope_interleave: bool = True  # rotated dims in pairs (2i, 2i+1), as Meta's; False: halves (i, i + R/2), as HF ships
     # gpt-oss (family_gptoss): sinks in each softmax's denominator; a router bias on the logits (a parameter, unlike
     # router_bias); biased experts; SwiGLU clamped: (clamp(up, -l, l) + 1) * g * sigmoid(swiglu_alpha * g), g = min(gate, l)
     attn_sinks: bool = False
@@ -450,11 +450,14 @@ def moe_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def rope_rows(cfg: ModelConfig) -> dict[str, int]:
     """Block tensors whose rows (per head) are in RoPE's pair layout -> heads they split into.
 
-    Phantom keeps Meta's interleaved pairs; Hugging Face checkpoints hold half-split pairs, so the
-    converter, the exporter and the adapter writer permute these rows (the leading cfg.rope_dim of
-    each head; a per-head norm's weight is one head's row order, a whole-projection norm's (OLMoE) is
-    the projection's). Latent attention keeps the checkpoint's rows as they are (phantom.arch.mla rotates
-    either layout)."""
+    A store's rows are in the layout its config's rope_interleave says: Meta's interleaved pairs (a Meta
+    checkpoint's, a synthetic store's, a store converted before the layout was recorded), or Hugging Face's
+    half-split pairs, as a Hugging Face checkpoint ships them (phantom.model.checkpoints.as_shipped: none is
+    permuted, so --link reads them in place). Where a store is in pairs the exporter and the adapter writer
+    permute these rows to Hugging Face's (the leading cfg.rope_dim of each head; a per-head norm's weight is one
+    head's row order, a whole-projection norm's (OLMoE) is the projection's); in halves there is nothing to
+    permute ({}). Latent attention keeps the checkpoint's rows as they are (phantom.arch.mla rotates either
+    layout)."""
     if cfg.kv_lora_rank or not cfg.rope_interleave:
         return {}
     per_head = cfg.qk_norm_over == "head"

@@ -4,7 +4,7 @@ stored as. torch-free, so the cost model counts a block's bytes by the rule the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from phantom.base import dtypes
 
@@ -36,7 +36,9 @@ class QuantFormat:
     `scale_dtype` scale per `group` values; w = q * scale rounded to scale_dtype.
     mxfp4: gpt-oss's experts: two e2m1 values a byte (the first in the low nibble), one E8M0 byte (2^(e-127))
     per 32 values of a row. experts_only: the plans' layout of a shipped 4-bit checkpoint (Kimi-K2-Thinking's
-    and gpt-oss's): only the routed experts quantized, every other weight 16-bit.
+    and gpt-oss's): only the routed experts quantized, every other weight 16-bit. float32: the block tensors a
+    shipped checkpoint keeps in float32 beside its 16-bit ones (DeepSeek-V3's router correction bias), stored so,
+    as shipped (so --link reads them in place).
     """
 
     method: str
@@ -48,6 +50,7 @@ class QuantFormat:
     group: int = INT4_GROUP
     scale_dtype: str = "bfloat16"
     experts_only: bool = False
+    float32: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.method not in METHODS + SHIPPED:
@@ -73,6 +76,9 @@ class QuantFormat:
             (not self.experts_only or name.startswith("feed_forward.experts."))
 
     def record(self) -> dict:
+        return {**self._record(), **({"float32": list(self.float32)} if self.float32 else {})}
+
+    def _record(self) -> dict:
         if self.method == "fp8-block":
             return {"method": self.method, "weight_block_size": list(self.block), "unquantized": list(self.unquantized)}
         if self.method == "int4-group":
@@ -87,6 +93,17 @@ class QuantFormat:
 
     @classmethod
     def from_record(cls, rec: dict) -> "QuantFormat":
+        """The format of a manifest's record (its optional "float32": names, see the class)."""
+        if "float32" not in rec:
+            return cls._from_record(rec)
+        names = rec["float32"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or \
+                rec.get("method") not in SHIPPED:
+            raise QuantError(f"float32 is a list of tensor names of a shipped format, got {names!r:.80}")
+        return replace(cls._from_record({k: v for k, v in rec.items() if k != "float32"}), float32=tuple(names))
+
+    @classmethod
+    def _from_record(cls, rec: dict) -> "QuantFormat":
         try:
             if rec["method"] == "int8":
                 if set(rec) - {"method", "tensors"}:
@@ -223,10 +240,11 @@ def stored_layout(fmt: QuantFormat, name: str, shape: tuple[int, ...]) -> dict[s
 def block_layout(fmt: QuantFormat, shapes: dict[str, tuple[int, ...]],
                  dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """A block's stored tensors (name -> shape, torch's dtype name): each quantized weight's parts, the
-    rest as they are in `dtype` (the store's)."""
+    rest as they are in `dtype` (the store's; fmt.float32's in float32)."""
     out = {}
     for name, shape in shapes.items():
-        out.update(stored_layout(fmt, name, shape) if fmt.quantizes(name, shape) else {name: (tuple(shape), dtype)})
+        out.update(stored_layout(fmt, name, shape) if fmt.quantizes(name, shape) else
+                   {name: (tuple(shape), "float32" if name in fmt.float32 else dtype)})
     return out
 
 

@@ -156,7 +156,7 @@ class BlockStore:
             quant.dequantize_block(self.quant, stored, out)
         except QuantError as e:
             raise StoreError(f"{self.blocks[i].path}: {e}; re-create the store") from None
-        if self.quant.shipped:  # q/k rows as shipped (Hugging Face's RoPE halves): into phantom's pairs
+        if self.quant.shipped:  # a store made before its layout was recorded: q/k rows shipped in halves, into pairs
             for name, heads in rope_rows(self.cfg).items():
                 if name in out and name not in stored and self.quant.quantizes(name, tuple(out[name].shape)):
                     out[name].copy_(permute_from_hf(out[name], heads, self.cfg.rope_dim))

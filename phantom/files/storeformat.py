@@ -75,10 +75,12 @@ def read_manifest(path: Path) -> tuple[dict, ModelConfig, torch.dtype]:
 def quant_record(fmt: QuantFormat, cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """The manifest's "quantization" record: the format, and how each block tensor is stored (the
     method's name for a quantized weight, the store's dtype for the rest). Embedding and head are
-    always in the store's dtype. Dense layers among sparse ones add their MLP's names."""
+    always in the store's dtype (a shipped format's float32 tensors in float32). Dense layers among sparse
+    ones add their MLP's names."""
     kinds = {cfg.layout_key(i): i for i in range(cfg.n_layers)}.values()  # one block of each layout
     shapes = {n: s for i in (None, *kinds) for n, s in block_tensor_shapes(cfg, i).items()}
-    return {**fmt.record(), "tensors": {n: fmt.method if fmt.quantizes(n, shape) else dtype_name(dtype)
+    return {**fmt.record(), "tensors": {n: fmt.method if fmt.quantizes(n, shape) else
+                                        "float32" if n in fmt.float32 else dtype_name(dtype)
                                         for n, shape in shapes.items()}}
 
 

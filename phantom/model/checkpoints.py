@@ -6,6 +6,7 @@ the tokenizer files they come with. Apart from the converter so a new checkpoint
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import math
@@ -23,10 +24,8 @@ from phantom.arch.config import (
     embed_tensor_shapes,
     from_meta_params,
     head_tensor_shapes,
-    rope_rows,
 )
 from phantom.arch.family import family, from_hf_config
-from phantom.arch.ops import permute_from_hf
 from phantom.arch.quantformat import (
     SCALE_DTYPES,
     QuantFormat,
@@ -211,7 +210,7 @@ class HFCheckpoint:
         if not config.is_file():
             raise FileNotFoundError(f"{config}: missing; a Hugging Face checkpoint folder holds config.json")
         try:
-            self.cfg = from_hf_config(config)
+            self.cfg = as_shipped(from_hf_config(config))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"{config}: not a decoder config.json phantom reads ({type(e).__name__}: {e})") from None
         except ValueError as e:
@@ -230,7 +229,6 @@ class HFCheckpoint:
         text = family(self.cfg).text  # a vision-language checkpoint's text model: its tensors under their own names
         named = text[1](weight_map) if text is not None else {k: k for k in weight_map}  # our name -> the file's
         hf_names, fused = family(self.cfg).layout(self.cfg, fused_experts=self._fused_experts(named))
-        self.permuted = rope_rows(self.cfg)
         qc = safejson.load(config, what="config.json").get("quantization_config")
         fmt, packed = None if qc is None else shipped_format(qc, config), {}
         self.quantization_config, self.scale_dtypes = qc, set()  # as shipped: what --requantize writes back
@@ -257,6 +255,8 @@ class HFCheckpoint:
         else:
             self.quant = None if fmt is None else self._shipped_int4(fmt, packed, weight_map, headers, files) \
                 if fmt.method == "int4-group" else self._shipped_fp8(fmt, weight_map, headers, files)
+        if self.quant is not None:
+            self.quant = dataclasses.replace(self.quant, float32=float32_tensors(self.index, self.dtype))
         self.tokenizer_files = tokenizer_sources(src, root)
         self.tokenizer = next((p for p in self.tokenizer_files if p.name in ("tokenizer.model", "tokenizer.json")), None)
         if self.tokenizer is None and (src / "tiktoken.model").is_file():
@@ -266,8 +266,8 @@ class HFCheckpoint:
 
     def _shipped_fp8(self, fmt: QuantFormat, weight_map: dict, headers: dict, files: dict) -> QuantFormat:
         """The store format of an FP8 checkpoint, its index moved to the stored parts: each FP8 weight as
-        NAME.fp8 and its `weight_scale_inv` as NAME.scale_inv, read as shipped (q/k rows too: a shipped store
-        permutes them once dequantized). The linear weights the checkpoint keeps in 16 bits (its
+        NAME.fp8 and its `weight_scale_inv` as NAME.scale_inv, read as shipped (q/k rows too, in the halves the
+        store's config says: as_shipped). The linear weights the checkpoint keeps in 16 bits (its
         modules_to_not_convert) become the format's `unquantized`: one layout for every block."""
         fp8 = {}
         for (part, name), (path, spec, _) in self.index.items():
@@ -427,21 +427,40 @@ class HFCheckpoint:
                     out[name] = read_rows(f, key, self.index[(part, name)][1])
                     if name.endswith(".scale_inv"):  # 16-bit scales widen exactly to the store's float32
                         out[name] = out[name].float()
-        for name, heads in self.permuted.items():
-            if name in out:
-                out[name] = permute_from_hf(out[name], heads, self.cfg.rope_dim)
         return out
 
     def located(self, part: str | int, dtype: torch.dtype) -> dict[str, tuple[Path, int, torch.dtype, tuple]]:
         """name -> (file, byte offset, dtype, shape) of a part's tensors usable in place: in dtype (FP8 parts in
-        their stored dtype), not permuted."""
+        their stored dtype), not picked row by row (gpt-oss's alternating gate and up)."""
         out = {}
         for name, (_, stored) in self._parts(part).items():
             path, spec, start = self.index[(part, name)]
-            if name not in self.permuted and spec.pick is None and \
+            if spec.pick is None and \
                     spec.dtype == (dtype if stored is None else parse_stored(stored)):
                 out[name] = (path, start + spec.start, spec.dtype, spec.shape)
         return out
+
+
+PART_SUFFIXES = (".fp8", ".scale_inv", ".packed", ".scale", ".blocks", ".scales")  # a shipped weight's stored parts
+
+
+def float32_tensors(index: dict, dtype: torch.dtype) -> tuple[str, ...]:
+    """The block tensors a shipped 16-bit checkpoint (index: HFCheckpoint.index, dtype: its 16-bit dtype) keeps in
+    float32 in every block that has them (DeepSeek-V3's router correction bias): a shipped store keeps them so,
+    read in place. A quantized weight's parts are not among them."""
+    kinds = {}
+    for (part, name), (_, spec, _) in index.items():
+        if isinstance(part, int) and not name.endswith(PART_SUFFIXES):
+            kinds.setdefault(name, set()).add(spec.dtype == torch.float32 and spec.pick is None)
+    return tuple(sorted(n for n, k in kinds.items() if k == {True})) if dtype.itemsize == 2 else ()
+
+
+def as_shipped(cfg: ModelConfig) -> ModelConfig:
+    """A Hugging Face checkpoint's config with its q/k rows' RoPE layout as shipped: transformers rotates halves
+    (rotate_half), so the store keeps the rows as they are (rope_interleave False, recorded in the manifest's
+    config) and the attention rotates halves; no row is permuted, so --link reads q and k in place too. Latent
+    attention reads its layout from config.json (rope_interleave) and keeps it."""
+    return cfg if cfg.kv_lora_rank else dataclasses.replace(cfg, rope_interleave=False)
 
 
 def linked_shard(src: Path, file: str, root: Path) -> Path:

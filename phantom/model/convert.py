@@ -59,9 +59,9 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
         link: Hugging Face safetensors only: the store points at the tensors inside the checkpoint's
             files instead of copying them (they must stay, unchanged; the store checks their size and
             header when opened and their checksum when read: the manifest records a sha256 and a crc32
-            record of every file, copied or linked; see store.Checksums). Tensors that need converting
-            (q/k rows are permuted; another dtype) are still copied. Meta shards must be merged: always
-            copied.
+            record of every file, copied or linked; see store.Checksums). q/k rows stay in the layout they
+            ship in (checkpoints.as_shipped), so they are linked too; what needs converting (gpt-oss's
+            alternating gate and up rows) is still copied. Meta shards must be merged: always copied.
         overwrite: replace the phantom store at out (a folder that is not one is refused).
         progress: a tqdm bar over the blocks.
         quant: store every block's linear weights quantized (phantom.arch.quant; the rest in dtype, bf16

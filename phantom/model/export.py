@@ -23,8 +23,9 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from phantom.arch.config import ModelConfig
+from phantom.arch.config import ModelConfig, rope_rows
 from phantom.arch.layers import LoraLinear, TransformerBlock
+from phantom.arch.ops import permute_from_hf
 from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write as atomic_write_bytes
 from phantom.data.chat import read_template
@@ -207,7 +208,8 @@ def meta_params(cfg: ModelConfig) -> dict:
 
 
 def write_meta(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
-    """torch.save's file, streamed: the skeleton is saved without data, then filled through a shared mapping."""
+    """torch.save's file, streamed: the skeleton is saved without data, then filled through a shared mapping; q/k
+    rows in Meta's interleaved pairs, permuted from a store that keeps them in Hugging Face's halves."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # shapes without memory, as skip_data expects
 
     def key(part, name):
@@ -221,9 +223,11 @@ def write_meta(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype) -> None:
         torch.save(skeleton, path)
     with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
         ckpt = torch.load(path, mmap=True, weights_only=True)
+    halves = {} if cfg.rope_interleave else rope_rows(dataclasses.replace(cfg, rope_interleave=True))
     for part, tensors in parts:
         for name, t in tensors.items():
-            ckpt[key(part, name)].copy_(t)
+            turned = isinstance(part, int) and name in halves
+            ckpt[key(part, name)].copy_(permute_from_hf(t, halves[name], cfg.rope_dim) if turned else t)
         release_pages(ckpt[key(part, name)] for name in tensors)  # written back by the kernel; not kept resident
         del tensors  # before the next part is made: one part in memory at a time
     del ckpt

@@ -1,4 +1,4 @@
-"""Every count of tests, files, flags, modules or scripts the README and docs/ state is one the code produces.
+"""Every count of tests, files, flags, modules, scripts or model families the README and docs/ state is one the code produces.
 
 A count written by hand ("36 GPU tests") goes stale as soon as a test is added; so the docs state none
 but those this module derives (`DERIVED`: each phrase with the function that counts it), and a count
@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from phantom.arch.family import FAMILIES
+
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
                                     "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
-NOUNS = r"test files|test modules|tests?|files|flags|options|modules|scripts|checks"
+NOUNS = r"test files|test modules|tests?|files|flags|options|modules|scripts|checks|famil(?:y|ies)"
 # a number (digits, or a number word from two up), at most two words, then what is counted; not a path
 # (`8 scripts/finetune.py`), not an assignment (`OMP_NUM_THREADS=1 python scripts/...`), not "one of"
 COUNT = re.compile(rf"(?<![\w=.-])(\d[\d,]*|{'|'.join(w for w in WORDS if WORDS[w] > 1)})\s+"
@@ -40,6 +42,7 @@ def collected(marker: str) -> int:
 DERIVED = {  # a counted phrase (lower case, as the page writes it after the number) -> what counts it
     "gpu tests": lambda: collected("cuda"),
     "cuda tests": lambda: collected("cuda"),
+    "families": lambda: len(FAMILIES),  # phantom.arch.family's entries, one a transformers model class (or two)
 }
 
 

@@ -1,18 +1,21 @@
 """Peak host RSS of one LoRA training step, in a fresh process: for memory claims in notes/.
 
-    python scripts/memprobe.py --store STORE --seq-len 8192 [--checkpoint-inner] [--offload disk]
+    python scripts/memprobe.py --store STORE --seq-len 8192 [--checkpoint-inner] [--offload disk] [--mlp-chunk 0]
+
+Also prints the step's seconds (forward and backward, the model already open).
 """
 import argparse
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
-from phantom.stream.placement import RECOMPUTE, offload_choices  # noqa: E402
+from phantom.stream.placement import RECOMPUTE, Activations, offload_choices  # noqa: E402
 
 
 def main():
@@ -23,14 +26,19 @@ def main():
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per row")
     p.add_argument("--checkpoint-inner", action="store_true", help="checkpoint attention and MLP inside blocks")
     p.add_argument("--recompute", default="all", choices=RECOMPUTE, help="recompute policy")
+    p.add_argument("--mlp-chunk", type=int, default=Activations.mlp_chunk,
+                   help="tokens per chunk of a block's tiled compute (0: whole rows, untiled)")
     args = p.parse_args()
     model = phantom.load(args.store, offload=args.offload, checkpoint_inner=args.checkpoint_inner,
-                         recompute=args.recompute)
+                         recompute=args.recompute, mlp_chunk=args.mlp_chunk)
     x = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    t0 = time.perf_counter()
     model(x[:, :-1], targets=x[:, 1:]).backward()
+    step_s = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(json.dumps({**vars(args), "rss_before_gb": round(before, 3), "peak_gb": round(peak, 3)}))
+    print(json.dumps({**vars(args), "rss_before_gb": round(before, 3), "peak_gb": round(peak, 3),
+                      "step_s": round(step_s, 2)}))
 
 
 if __name__ == "__main__":

@@ -14,11 +14,13 @@ from family_check import MLA_LORA, batch, lora_step, peft_step, rel_err
 from phantom.arch.layers import TransformerBlock
 from phantom.arch.ops import rope_table
 from phantom.arch.presets import PRESETS
-from phantom.arch.tiled import TiledMLP, tiled
+from phantom.arch.tiled import TiledCompute, tiled
 
 CHUNK = 16  # rows of 40 tokens: chunks of 16, 16 and 8
 EXPERTS = ("q", "k", "v", "o", "gate", "up", "down")
-MODELS = {"llama-tied": EXPERTS, "qwen3_moe": EXPERTS, "deepseek_v3": MLA_LORA["lora_targets"] + ("gate", "up", "down")}
+MODELS = [("llama-tied", EXPERTS), ("llama-tied", ("q", "v")), ("qwen3_moe", EXPERTS),
+          ("deepseek_v3", MLA_LORA["lora_targets"] + ("gate", "up", "down")),
+          ("llama-tied", ("o", "down"))]  # ("q", "v"): k has no trained path; ("o", "down"): no q, k, v has one
 RUNS = [("disk", 1, "all"), ("disk", 0, "none"), ("ram", 2, "all"), ("ram", 0, "none"), ("none", 0, "all")]
 
 
@@ -49,13 +51,13 @@ def assert_same(got, ref, run):
         assert rel_err(g, ref_grads[name]) < 1e-5, (run, name)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_tiled_equals_untiled_streamed_every_way(family_models, name):
+@pytest.mark.parametrize("name,lora_targets", MODELS)
+def test_tiled_equals_untiled_streamed_every_way(family_models, name, lora_targets):
     _, store = family_models(name)
     tokens, targets = batch()
-    ref = step(store, tokens, targets, MODELS[name], offload="none", mlp_chunk=0)
+    ref = step(store, tokens, targets, lora_targets, offload="none", mlp_chunk=0)
     for offload, prefetch, recompute in RUNS:
-        got = step(store, tokens, targets, MODELS[name], offload=offload, prefetch=prefetch, recompute=recompute,
+        got = step(store, tokens, targets, lora_targets, offload=offload, prefetch=prefetch, recompute=recompute,
                    mlp_chunk=CHUNK)
         assert_same(got, ref, (name, offload, prefetch, recompute))
 
@@ -107,17 +109,56 @@ def test_a_tiled_block_gives_weight_and_input_gradients_through_autograd_grad():
         assert rel_err(g, ref) < 1e-5
     seen = []
     block.mlp_chunk = 64
-    hook = TiledMLP.apply
+    hook = TiledCompute.apply
     try:
-        TiledMLP.apply = lambda *a: seen.append(a) or hook(*a)
+        TiledCompute.apply = lambda *a: seen.append(a) or hook(*a)
         block(x, rope).sum().backward()
     finally:
-        TiledMLP.apply = hook
+        TiledCompute.apply = hook
     assert not seen  # 40 tokens, chunks of 64: the block as it always ran
 
 
 def test_no_grad_runs_chunks_without_a_node():
     h = torch.randn(1, 10, 4)
     calls = []
-    out = tiled(lambda c: calls.append(c.shape[1]) or c * 2, h, 4, [])
-    assert calls == [4, 4, 2] and torch.equal(out, h * 2)
+    out = tiled(lambda c, a: calls.append((a, c.shape[1])) or (c * 2, c[..., :1] + a), h, 4, [])
+    assert calls == [(0, 4), (4, 4), (8, 2)] and torch.equal(out[0], h * 2)
+    assert torch.equal(out[1], h[..., :1] + torch.tensor([0] * 4 + [4] * 4 + [8] * 2)[None, :, None])
+
+
+# attention's token-wise inputs are tiled too: every variant of them (fused projections, q/k norms, partial
+# rotary, two RoPE bases, gates, sinks, windows, soft caps, a linear-attention layer beside)
+VARIANTS = {"gemma2": ("q", "k", "v", "o"), "gemma3": ("q", "k", "v", "o"), "phi4-mini": ("q", "k", "v", "o"),
+            "gpt_oss": ("q", "k", "v", "o"), "qwen3_next": ("q", "k", "v", "o"), "mistral": EXPERTS}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_tiled_attention_inputs_of_every_variant_equal_untiled(family_models, name):
+    _, store = family_models(name)
+    tokens, targets = batch()
+    ref = step(store, tokens, targets, VARIANTS[name], offload="none", mlp_chunk=0)
+    for offload, prefetch, recompute in RUNS[:2]:
+        got = step(store, tokens, targets, VARIANTS[name], offload=offload, prefetch=prefetch, recompute=recompute,
+                   mlp_chunk=CHUNK)
+        assert_same(got, ref, (name, offload, prefetch, recompute))
+
+
+def test_packed_rows_tile_with_their_own_positions(family_models):
+    """Rows packing several examples (segment ids): each chunk reads its rows' positions."""
+    _, store = family_models("llama-tied")
+    tokens, targets = batch()
+    segments = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [0] * 30 + [1] * 10])
+    out = []
+    for chunk in (0, CHUNK):
+        lora = phantom.LoraConfig(rank=4, alpha=8, targets=EXPERTS)
+        with phantom.load(store, lora=lora, loss_chunk=7, verify="none", offload="disk", mlp_chunk=chunk) as pm:
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in pm.trainable_parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            loss = pm(tokens, targets=targets, segments=segments)
+            loss.backward()
+            out.append((loss.detach(), [p.grad.clone() for p in pm.trainable_parameters()]))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=0)
+    for g, ref in zip(out[1][1], out[0][1]):
+        assert rel_err(g, ref) < 1e-5

@@ -93,15 +93,15 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: None (causal), or (B, 1, T, T) bool for packed rows (packed_layout)."""
+    def inputs(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What attention takes from each token, token by token: q (B, T, H, D) and k (B, T, KV, D) normed and
+        rotated, v (B, T, KV, D), and where gated each head's output gate (B, T, H * D)."""
         B, T, _ = x.shape
         q, k, v = project(x, [self.wq, self.wk, self.wv], self.wqkv)
-        gate = None
+        gate = ()
         if self.gated:  # (B, T, H, 2D): each head's query, then its gate
-            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            q, gate = q.reshape(B, T, -1), gate.reshape(B, T, -1)
+            q, g = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(B, T, -1), (g.reshape(B, T, -1),)
         if self.rope_index is not None:  # (.., 2, D/2, 2): the table of this layer's RoPE base
             rope = rope.select(-3, self.rope_index)
         if not self.norm_heads:
@@ -109,20 +109,31 @@ class Attention(nn.Module):
         q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
         if self.norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotate(q, rope), self.rotate(k, rope)  # (B, T, H, D), (B, T, KV, D)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        return self.rotate(q, rope), self.rotate(k, rope), v.view(B, T, self.n_kv_heads, self.head_dim), *gate
+
+    def forward(self, x: torch.Tensor | None, rope: torch.Tensor, cache: KVCache | None = None,
+                start_pos: int = 0, mask: torch.Tensor | None = None,
+                inputs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """mask: None (causal), or (B, 1, T, T) bool for packed rows (packed_layout); `inputs`: self.inputs(x,
+        rope) computed already (tiled over the row), x then unused."""
+        q, k, v, *gate = inputs if inputs is not None else self.inputs(x, rope)
+        B, T = q.shape[:2]
+        gate = gate[0] if gate else None
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         if cache is not None:  # queries at start_pos.. see the cached keys before them
             cache.k[:B, :, start_pos:start_pos + T] = k
             cache.v[:B, :, start_pos:start_pos + T] = v
             k, v = cache.k[:B, :, :start_pos + T], cache.v[:B, :, :start_pos + T]
-        window = attention_mask(T, start_pos if cache is not None else 0, self.window, x.device)
+        window = attention_mask(T, start_pos if cache is not None else 0, self.window, q.device)
         if mask is None:
             mask = window
         elif window is not None:  # a packed row under a sliding window: both apply
             mask = mask & window
         out = attend(q, k, v, mask, self.scale, self.softcap, self.sinks).transpose(1, 2).reshape(B, T, -1)
         return self.wo(out if gate is None else out * torch.sigmoid(gate))
+
+
+TILED_MIXERS = (Attention, LatentAttention)  # their inputs() tile (Gated DeltaNet runs its own chunks)
 
 
 class FeedForward(nn.Module):
@@ -165,20 +176,34 @@ class TransformerBlock(nn.Module):
         if self.checkpoint_inner and torch.is_grad_enabled() and cache is None:
             h = x + checkpoint(self._attention, x, rope, mask, use_reentrant=False)
         else:
-            h = x + self.attention_post_norm(self.attention(self.attention_norm(x), rope, cache, start_pos, mask))
+            h = x + self._attention(x, rope, mask, cache, start_pos)
         return h + self.mlp(h)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """The MLP half's output for h (B, T, dim), its norms included: in chunks of mlp_chunk tokens where the
         row is longer (tiled), else at once (checkpointed under checkpoint_inner)."""
         if self.mlp_chunk and h.shape[1] > self.mlp_chunk:
-            return tiled(self._mlp, h, self.mlp_chunk, [self.ffn_norm, self.feed_forward, self.ffn_post_norm])
+            return tiled(lambda hc, _: self._mlp(hc), h, self.mlp_chunk,
+                         [self.ffn_norm, self.feed_forward, self.ffn_post_norm])
         if self.checkpoint_inner and torch.is_grad_enabled():
             return checkpoint(self._mlp, h, use_reentrant=False)
         return self._mlp(h)
 
-    def _attention(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.attention_post_norm(self.attention(self.attention_norm(x), rope, mask=mask))
+    def _attention(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
+                   cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+        """The attention half's output for x, its norms included. A row longer than mlp_chunk computes what
+        attention takes from each token (the norm, projections, q/k norms, RoPE) in chunks too (tiled), so the
+        row keeps q, k, v and not the norm's output or the projections' before RoPE."""
+        att = self.attention
+        if self.mlp_chunk and x.shape[1] > self.mlp_chunk and cache is None and isinstance(att, TILED_MIXERS):
+            per_row = mask is not None  # packed rows: each row's own positions (packed_layout gives both)
+
+            def token_wise(xc: torch.Tensor, a: int) -> tuple[torch.Tensor, ...]:
+                rows = rope[:, a:a + xc.shape[1]] if per_row else rope[a:a + xc.shape[1]]
+                return att.inputs(self.attention_norm(xc), rows)
+            inputs = tiled(token_wise, x, self.mlp_chunk, [self.attention_norm, att])
+            return self.attention_post_norm(att(None, rope, mask=mask, inputs=inputs))
+        return self.attention_post_norm(att(self.attention_norm(x), rope, cache, start_pos, mask))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.ffn_post_norm(self.feed_forward(self.ffn_norm(h)))

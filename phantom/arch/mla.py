@@ -51,16 +51,24 @@ class LatentAttention(nn.Module):
     def query(self, x: torch.Tensor) -> torch.Tensor:
         return self.wq_b(self.q_a_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: None (causal), or (B, 1, T, T) bool for packed rows. The cache holds each token's
-        normalised latent (k) and rotated shared key (v), not the heads' keys and values."""
+    def inputs(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What attention takes from each token, token by token: the queries (B, T, H, nope + R), their last R
+        dims rotated, the normalised latent (B, T, kv_lora_rank) and the rotated shared key (B, T, 1, R)."""
         B, T, _ = x.shape
         q = self.query(x).view(B, T, self.n_heads, self.nope + self.rope_dim)
         q_pass, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rot = self.wkv_a(x).split([self.latent, self.rope_dim], dim=-1)
-        latent = self.kv_a_norm(latent)  # (B, T, kv_lora_rank)
-        q_rot, k_rot = self.rotate(q_rot, rope), self.rotate(k_rot[:, :, None], rope)  # (B, T, H, R), (B, T, 1, R)
+        q = torch.cat([q_pass, self.rotate(q_rot, rope)], dim=-1)
+        return q, self.kv_a_norm(latent), self.rotate(k_rot[:, :, None], rope)
+
+    def forward(self, x: torch.Tensor | None, rope: torch.Tensor, cache: KVCache | None = None,
+                start_pos: int = 0, mask: torch.Tensor | None = None,
+                inputs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """mask: None (causal), or (B, 1, T, T) bool for packed rows. The cache holds each token's
+        normalised latent (k) and rotated shared key (v), not the heads' keys and values. `inputs`:
+        self.inputs(x, rope) computed already (tiled over the row), x then unused."""
+        q, latent, k_rot = inputs if inputs is not None else self.inputs(x, rope)
+        B, T = q.shape[:2]
         if cache is not None:  # queries at start_pos.. see the cached tokens before them
             cache.k[:B, 0, start_pos:start_pos + T] = latent
             cache.v[:B, 0, start_pos:start_pos + T] = k_rot[:, :, 0]
@@ -69,9 +77,8 @@ class LatentAttention(nn.Module):
         kv = self.wkv_b(latent).view(B, S, self.n_heads, self.nope + self.v_dim)
         k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_pass, k_rot.expand(B, S, self.n_heads, self.rope_dim)], dim=-1)
-        q = torch.cat([q_pass, q_rot], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T or S, D)
-        window = attention_mask(T, start_pos if cache is not None else 0, self.window, x.device)
+        window = attention_mask(T, start_pos if cache is not None else 0, self.window, q.device)
         if mask is None:
             mask = window
         elif window is not None:

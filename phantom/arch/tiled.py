@@ -3,9 +3,9 @@
 A row of T tokens through a gated MLP of width H makes (T, H) activations: gate, up, act(gate) and their
 product, and as many gradients in the backward; at long rows they dwarf the (T, dim) hidden state. The MLP
 is token-wise, so it can run a chunk of tokens at a time: `tiled` runs fn over chunks of the sequence, and
-under autograd as one `TiledMLP` node that keeps only its input, runs the chunks without a graph in its
+under autograd as one `TiledCompute` node that keeps only its input, runs the chunks without a graph in its
 forward, and in its backward recomputes each chunk with a graph and backpropagates it before the next
-(Arctic Long Sequence Training's TiledMLP). The node's gradients go to its input and to the trained
+(Arctic Long Sequence Training's TiledCompute). The node's gradients go to its input and to the trained
 tensors it is given (LoRA's, and the weights themselves in full finetuning), summed over the chunks, so
 `torch.autograd.grad` over explicit inputs and `.backward()` into leaves both see them. The recompute
 replays the forward's random draws (dropout) and autocast. Imports torch only.
@@ -19,13 +19,18 @@ import torch
 import torch.nn as nn
 
 
-def tiled(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, chunk: int | None,
-          modules: list[nn.Module]) -> torch.Tensor:
-    """fn(h) for a token-wise fn over h (B, T, dim), `chunk` tokens of each row at a time where T is longer
-    (None or 0: at once). `modules`: those fn computes with; their tensors that need a gradient (read when
-    called: bound weights included) are the node's trained inputs, and a dropout among them is replayed."""
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def tiled(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor, chunk: int | None,
+          modules: list[nn.Module]) -> Outputs:
+    """fn(h, 0) for a token-wise fn over h (B, T, dim), `chunk` tokens of each row at a time where T is longer
+    (None or 0: at once): fn(h[:, a:a + chunk], a) gives the chunk's output(s), each (B, chunk, ...) (fn reads
+    the rows of position tables it needs from a). `modules`: those fn computes with; their tensors that need a
+    gradient (read when called: bound weights included) are the node's trained inputs, and a dropout among
+    them is replayed."""
     if not chunk or h.shape[1] <= chunk:
-        return fn(h)
+        return fn(h, 0)
     trained = [p for m in modules for p in m.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (h.requires_grad or trained):
         return _chunked(fn, h, chunk)
@@ -34,19 +39,23 @@ def tiled(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, chunk: in
 
 
 @torch.compiler.disable  # a compiled block runs this part eagerly: its backward calls autograd itself
-def _node(fn, chunk: int, draws: bool, h: torch.Tensor, trained: list[torch.Tensor]) -> torch.Tensor:
-    return TiledMLP.apply(fn, chunk, draws, h, *trained)
+def _node(fn, chunk: int, draws: bool, h: torch.Tensor, trained: list[torch.Tensor]) -> Outputs:
+    out = TiledCompute.apply(fn, chunk, draws, h, *trained)
+    return out[0] if len(out) == 1 else out
 
 
-def _chunked(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, chunk: int) -> torch.Tensor:
-    """fn over h's chunks of tokens, written into one output (no list of chunk outputs beside it)."""
-    out = None
+def _chunked(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor, chunk: int, as_tuple: bool = False
+             ) -> Outputs:
+    """fn over h's chunks of tokens, each output written into one tensor (no list of chunk outputs beside it)."""
+    outs = None
     for a in range(0, h.shape[1], chunk):
-        y = fn(h[:, a:a + chunk])
-        if out is None:
-            out = y.new_empty(*h.shape[:2], *y.shape[2:])
-        out[:, a:a + chunk] = y
-    return out
+        ys = fn(h[:, a:a + chunk], a)
+        ys = (ys,) if isinstance(ys, torch.Tensor) else ys
+        if outs is None:
+            outs = [y.new_empty(*h.shape[:2], *y.shape[2:]) for y in ys]
+        for out, y in zip(outs, ys):
+            out[:, a:a + chunk] = y
+    return tuple(outs) if as_tuple or len(outs) > 1 else outs[0]
 
 
 class _Replay:
@@ -73,30 +82,35 @@ class _Replay:
             yield
 
 
-class TiledMLP(torch.autograd.Function):
-    """fn over chunks of h's tokens as one autograd node that keeps only h (see the module's docstring);
-    `trained`: the tensors fn computes with whose gradients are wanted, summed over the chunks."""
+class TiledCompute(torch.autograd.Function):
+    """fn over chunks of h's tokens as one autograd node that keeps only h (see the module's docstring), its
+    outputs a tuple; `trained`: the tensors fn computes with whose gradients are wanted, summed over the chunks."""
 
     @staticmethod
     def forward(ctx, fn, chunk: int, draws: bool, h, *trained):
         ctx.fn, ctx.chunk, ctx.trained = fn, chunk, trained
         ctx.replay = _Replay(h.device, draws)
         ctx.save_for_backward(h)
-        return _chunked(fn, h, chunk)
+        return _chunked(fn, h, chunk, as_tuple=True)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grad):
         (h,) = ctx.saved_tensors
         needs_h = ctx.needs_input_grad[3]
         wanted = [p for p, need in zip(ctx.trained, ctx.needs_input_grad[4:]) if need]
         sums: list[torch.Tensor | None] = [None] * len(wanted)
-        dh = torch.empty_like(h) if needs_h else None
+        dh = torch.empty_like(h) if needs_h else None  # every chunk writes its rows (hc reaches each output)
         with ctx.replay.replayed():
             for a in range(0, h.shape[1], ctx.chunk):
                 hc = h[:, a:a + ctx.chunk].detach().requires_grad_(needs_h)
-                out = ctx.fn(hc)
-                grads = torch.autograd.grad(out, ([hc] if needs_h else []) + wanted, grad[:, a:a + ctx.chunk],
-                                            allow_unused=True)
+                out = ctx.fn(hc, a)
+                out = (out,) if isinstance(out, torch.Tensor) else out
+                # outputs no input or trained tensor reaches (k, under a LoRA on q and v alone) have no graph
+                live = [(y, g[:, a:a + ctx.chunk]) for y, g in zip(out, grad) if y.requires_grad]
+                if not live:
+                    continue
+                grads = torch.autograd.grad([y for y, _ in live], ([hc] if needs_h else []) + wanted,
+                                            [g for _, g in live], allow_unused=True)
                 if needs_h:
                     dh[:, a:a + ctx.chunk] = grads[0]
                 for j, g in enumerate(grads[1:] if needs_h else grads):

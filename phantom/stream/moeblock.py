@@ -1,8 +1,8 @@
 """A mixture-of-experts block run in two halves, so its experts can be read after its router: the
 attention half (with its residual), the router over the hidden state it gives, then the MLP half.
 
-The halves are phantom.arch.layers.TransformerBlock.forward's own (its `_attention` and `_mlp`, with
-inner checkpointing as it applies it), so a block run in halves gives the bits its forward gives; the
+The halves are phantom.arch.layers.TransformerBlock.forward's own (its `_attention` and `mlp`, tiled and
+checkpointed as it runs them), so a block run in halves gives the bits its forward gives; the
 executor (phantom.stream.executor) runs the attention half of every micro-batch, reads the experts
 their tokens route to, then the MLP halves. Imports arch only.
 """
@@ -29,7 +29,7 @@ def attention_half(block: nn.Module, x: torch.Tensor, rope: torch.Tensor, cache:
     """x plus the block's attention: the hidden state its MLP sees (as TransformerBlock.forward)."""
     if _inner(block, cache):
         return x + checkpoint(block._attention, x, rope, mask, use_reentrant=False)
-    return x + block.attention_post_norm(block.attention(block.attention_norm(x), rope, cache, start_pos, mask))
+    return x + block._attention(x, rope, mask, cache, start_pos)
 
 
 def routed_experts(block: nn.Module, h: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ RANK = {  # within a package
              "family": 5, "expertlora": 4, "tiled": 0},
     "files": {"tensorfile": 0, "directio": 1, "hfshards": 1, "fusedrows": 1, "runfolder": 1, "seal": 1,
               "storeformat": 1, "storelinks": 2, "workingcopy": 2, "storeverify": 3, "storewriter": 3, "store": 4},
-    "stream": {"hostmem": 0, "trace": 0, "experts": 0, "moeblock": 0, "tiers": 1, "writeback": 1, "placement": 2, "optim": 2, "memory": 3,
+    "stream": {"hostmem": 0, "trace": 0, "experts": 0, "adam8bit": 0, "moeblock": 0, "tiers": 1, "writeback": 1, "placement": 2, "optim": 2, "memory": 3,
                "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6, "lanes": 0,
                "kvcache": 1},
     "model": {"lora": 0, "adapterfiles": 1, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 4, "hub": 2,

@@ -34,6 +34,8 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from phantom.base import faults, fileio
 from phantom.files.tensorfile import write_safetensors
+from phantom.stream import adam8bit
+from phantom.stream.adam8bit import check_optimizer
 
 TIERS = ("ram", "disk", "device")  # where a block's master weights and moments live
 
@@ -48,6 +50,18 @@ class AdamWConfig:
     weight_decay: float = 0.0
     max_grad_norm: float | None = None  # per-block share of it, see the module docstring
     state: str = "auto"  # where master weights and moments live: see state_tier
+    optim: str = "adamw_torch"  # or "adamw_8bit": the moments as 8-bit codes (phantom.stream.adam8bit)
+    rounding: str = "nearest"  # adamw_8bit's requantization; "bnb_cpu": bitsandbytes' CPU lookup (to compare)
+
+    def __post_init__(self):
+        check_optimizer(self.optim)
+        if self.rounding not in adam8bit.ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(adam8bit.ROUNDINGS)}, not {self.rounding!r}")
+
+
+def moment_bytes(optim: str, n: int) -> int:
+    """Bytes of an n-element tensor's two moments under `optim`."""
+    return 8 * n if optim == "adamw_torch" else adam8bit.state_bytes(n)
 
 
 def state_tier(wanted: str, device: torch.device, state_bytes: int, free_device: int | None,
@@ -101,16 +115,18 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: 
                      eps=cfg.eps, maximize=False)
 
 
-def state_memory(tier: str, block_params: int, n_blocks: int, grads_in_flight: int = 2) -> dict[str, int]:
+def state_memory(tier: str, block_params: int, n_blocks: int, grads_in_flight: int = 2,
+                 per_param: float = 12.0) -> dict[str, int]:
     """Bytes the block optimizer holds, by place, for a state tier (the tuner's memory model).
 
-    State is 12 bytes per parameter (fp32 master, exp_avg, exp_avg_sq) in the tier's place; the disk
+    State is 12 bytes per parameter (fp32 master, exp_avg, exp_avg_sq; 6 and 1/32 with adamw_8bit's
+    codes and scales: `per_param`) in the tier's place; the disk
     tier holds one block's state in host memory while it updates it. Gradients are 4 bytes per
     parameter (fp32) for each block between its backward and the end of its update: the one being
     updated and the one the backward is producing (`grads_in_flight`), on the host for host tiers
     (pinned buffers on CUDA), on the device for the device tier.
     """
-    state, grads = 12 * block_params, 4 * block_params * grads_in_flight
+    state, grads = int(per_param * block_params), 4 * block_params * grads_in_flight
     if tier == "device":
         return {"host": 0, "device": state * n_blocks + grads, "disk": 0}
     if tier == "disk":
@@ -157,16 +173,28 @@ class BlockAdamW:
             return self._held[i]
         if self.state_dir is not None and self._path(i).is_file():
             state = load_file(str(self._path(i)), device=str(self.device))
+            self._check_kind(i, state)
         else:  # first update: master weights from the stored ones, zero moments
             state = {"step": torch.zeros(1, dtype=torch.int64)}
             for k, w in weights().items():
                 state[f"master.{k}"] = w.detach().to(self.device, torch.float32, copy=True)
-                state[f"exp_avg.{k}"] = torch.zeros(w.shape, dtype=torch.float32, device=self.device)
-                state[f"exp_avg_sq.{k}"] = torch.zeros(w.shape, dtype=torch.float32, device=self.device)
+                moments = adam8bit.new_state(w.shape, self.device) if self.cfg.optim == "adamw_8bit" else \
+                    {"exp_avg": torch.zeros(w.shape, device=self.device), "exp_avg_sq": torch.zeros(w.shape, device=self.device)}
+                state.update({f"{name}.{k}": t for name, t in moments.items()})
         state["step"] = state["step"].cpu()
         if self.tier != "disk":
             self._held[i] = state
         return state
+
+    def _check_kind(self, i: int, state: dict[str, torch.Tensor]) -> None:
+        """A state file of the other optimizer is refused in one line (8-bit codes under adamw_torch, or
+        fp32 moments of an 8-bit-sized tensor under adamw_8bit)."""
+        coded = any(k.startswith("exp_avg_q.") for k in state)
+        wide = any(k.startswith("exp_avg.") and v.numel() >= adam8bit.MIN_8BIT for k, v in state.items())
+        kind = "adamw_8bit" if coded else "adamw_torch" if wide else self.cfg.optim
+        if kind != self.cfg.optim:
+            raise ValueError(f"{self._path(i)} holds {kind}'s optimizer state, not {self.cfg.optim}'s: resume with "
+                             f"--optim {kind}, or start another run")
 
     def _store_state(self, i: int, state: dict[str, torch.Tensor]) -> None:
         if self.tier == "disk":
@@ -188,8 +216,16 @@ class BlockAdamW:
         gs = [grads[k].to(self.device, torch.float32) for k in names]
         coef = clip_coefficient(gs, self.cfg.max_grad_norm, self.share[i])
         step = int(state["step"].item()) + 1
-        adamw_step([state[f"master.{k}"] for k in names], gs, [state[f"exp_avg.{k}"] for k in names],
-                   [state[f"exp_avg_sq.{k}"] for k in names], step, self.cfg, lr, coef)
+        wide = [k for k in names if f"exp_avg.{k}" in state]  # fp32 moments: torch's fused AdamW
+        if wide and self.cfg.optim == "adamw_torch":
+            adamw_step([state[f"master.{k}"] for k in wide], [gs[names.index(k)] for k in wide],
+                       [state[f"exp_avg.{k}"] for k in wide], [state[f"exp_avg_sq.{k}"] for k in wide], step,
+                       self.cfg, lr, coef)
+        if self.cfg.optim == "adamw_8bit":
+            h = adam8bit.hyper(lr, self.cfg.betas, self.cfg.eps, self.cfg.weight_decay, step, coef, self.device)
+            for k, g in zip(names, gs):
+                moments = {name: state[f"{name}.{k}"] for name in adam8bit.MOMENT_NAMES if f"{name}.{k}" in state}
+                adam8bit.step_tensor(state[f"master.{k}"], g, moments, h, self.cfg.rounding)
         state["step"] = torch.tensor([step], dtype=torch.int64)
         faults.point("optim.update")  # crash tests: block i's state stepped in memory, nothing written
         self._store_state(i, state)

@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint"
 # A resumed run must match these, or it could not end where an uninterrupted one would.
-RUN_KEYS = ("model", "lora", "dtype", "mode", "data", "seq_len", "batch_size", "grad_accum", "seed", "shuffle")
+RUN_KEYS = ("model", "lora", "dtype", "mode", "optim", "data", "seq_len", "batch_size", "grad_accum", "seed",
+            "shuffle")
+OLD_DEFAULTS = {"optim": "adamw_torch"}  # what a checkpoint written before a key existed ran with
 ACTIVATION_KEYS = ("recompute", "compile", "checkpoint_inner")
 
 
@@ -44,7 +46,7 @@ def run_identity(model, train_data, cfg) -> dict:
     lora = getattr(model, "lora_cfg", None)
     ident = {"model": dataclasses.asdict(model.cfg), "lora": dataclasses.asdict(lora) if lora else None,
              "dtype": str(model.dtype), "mode": cfg.mode, "data": f"{train_data.key}:{len(train_data)}",
-             **{k: getattr(cfg, k) for k in ("seq_len", "batch_size", "grad_accum", "seed", "shuffle")},
+             **{k: getattr(cfg, k) for k in ("optim", "seq_len", "batch_size", "grad_accum", "seed", "shuffle")},
              "activations": recorded_activations(model), "weights": weights_fingerprint(model, cfg.mode),
              "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "progress", "check_step")}}
     return json.loads(json.dumps(ident))  # as meta.json will read back (tuples become lists)
@@ -266,7 +268,11 @@ def check_optimizer_shapes(opt) -> None:
 def load_checkpoint(path: Path, model, opt, sched, identity: dict) -> dict:
     """Restore weights, optimizer, schedule and RNGs from `path`; returns its state (step, extra)."""
     meta = safejson.load(path / "meta.json", finite=False)
-    diff = [k for k in RUN_KEYS if meta.get(k) != identity[k]]
+    diff = [k for k in RUN_KEYS if meta.get(k, OLD_DEFAULTS.get(k)) != identity[k]]
+    if "optim" in diff:  # its moments are the other optimizer's: they cannot be read as these
+        raise ValueError(f"--resume: the checkpoint in {path} holds {meta.get('optim', 'adamw_torch')}'s optimizer "
+                         f"state, this run asks {identity['optim']}: resume with --optim "
+                         f"{meta.get('optim', 'adamw_torch')}, or use another --out")
     if diff:
         k = diff[0]
         raise ValueError(f"--resume: the checkpoint in {path} comes from a different run ({k}: {meta.get(k)} "

@@ -201,7 +201,8 @@ def load_model(cfg: rc.RunConfig, machine: Machine, path: Path):
         work_dir = t.out if not ddp.enabled else f"{t.out}/rank{ddp.rank}"
         prepare_work_dir(Path(t.out), Path(work_dir), t.resume and cfg.placement.offload != "none", path)
         full = dict(mode="full", work_dir=work_dir, optim=AdamWConfig(
-            lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, max_grad_norm=t.grad_clip or None))
+            lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, max_grad_norm=t.grad_clip or None,
+            optim=t.optim))
     shared = ddp.local_world_size > 1 and cfg.placement.offload == "ram" and t.mode != "full"
     lora = cfg.lora
     if t.init_adapter:  # its rank, alpha and targets; its weights after the model is built

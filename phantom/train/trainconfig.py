@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phantom.stream.adam8bit import OPTIMIZERS, AdamW8bit
 from phantom.stream.placement import knob
 from phantom.train.grpo import GrpoConfig
 from phantom.train.preference import PreferenceConfig
@@ -29,6 +30,8 @@ class TrainConfig:
         lr, min_lr: peak learning rate and the floor of the cosine decay (None: lr / 10).
         warmup: steps of linear warmup from 0.
         weight_decay, betas: AdamW's.
+        optim: "adamw_torch" (fp32 moments) or "adamw_8bit" (moments as 8-bit codes with a scale per 256:
+            phantom.stream.adam8bit), for the streamed blocks of full finetuning and every other trained tensor.
         grad_clip: max gradient norm (0: no clipping): the global norm of the LoRA weights; in full mode
             each block (and the embedding, norm and head together) is clipped to grad_clip * sqrt(its
             share of the parameters) as its gradients arrive (phantom.stream.optim.clip_coefficient), since
@@ -66,6 +69,8 @@ class TrainConfig:
     weight_decay: float = knob(0.0, "AdamW weight decay", section="optim")
     betas: tuple[float, float] = knob((0.9, 0.95), "", cli=False)
     grad_clip: float = knob(1.0, "max gradient norm, 0: off", section="optim")
+    optim: str = knob("adamw_torch", "the optimizer: AdamW with fp32 moments, or 8-bit moments (a quarter of the "
+                                     "state's bytes; bitsandbytes' AdamW8bit)", section="optim", choices=OPTIMIZERS)
     eval_every: int = knob(50, "evaluate every N steps, 0: at the end only", section="output")
     eval_iters: int = knob(8, "batches per evaluation", section="output")
     eval_tasks: tuple[str, ...] = knob((), "lm-evaluation-harness tasks (names or task YAML files) run on the adapter "
@@ -118,11 +123,13 @@ class TrainConfig:
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (the one place a model-provided optimizer would plug in)."""
+    """AdamW (cfg.optim's) over the trainable parameters (the one place a model-provided optimizer would
+    plug in)."""
     params = model.trainable_parameters()
     if not params:
         raise ValueError("the model has nothing to train; load it with a LoRA (or --mode full)")
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    kind = AdamW8bit if cfg.optim == "adamw_8bit" else torch.optim.AdamW
+    return kind(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -152,8 +152,9 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm block `layer` of the model (its attention window is the layer's). A row longer than
-    `mlp_chunk` tokens runs its MLP and the MLP's norms `mlp_chunk` tokens at a time, forward and backward
-    (phantom.arch.tiled: one chunk's (chunk, hidden) activations at once, not the row's). With
+    `mlp_chunk` tokens runs its MLP and the MLP's norms, and attention's token-wise inputs, `mlp_chunk` tokens
+    at a time, forward and backward (phantom.arch.tiled: one chunk's (chunk, hidden) activations at once,
+    not the row's). With
     `checkpoint_inner` set, attention and the MLP are each checkpointed when a graph is built, so the
     backward holds one of them at a time."""
 
@@ -196,7 +197,9 @@ class TransformerBlock(nn.Module):
         row keeps q, k, v and not the norm's output or the projections' before RoPE."""
         att = self.attention
         if self.mlp_chunk and x.shape[1] > self.mlp_chunk and cache is None and isinstance(att, TILED_MIXERS):
-            per_row = mask is not None  # packed rows: each row's own positions (packed_layout gives both)
+            # (T, ..) a table for every row, or (B, T, ..) each row's own positions (packed rows); a local base's
+            # tables have one more dim (Attention.rope_index)
+            per_row = rope.dim() > (4 if getattr(att, "rope_index", None) is not None else 3)
 
             def token_wise(xc: torch.Tensor, a: int) -> tuple[torch.Tensor, ...]:
                 rows = rope[:, a:a + xc.shape[1]] if per_row else rope[a:a + xc.shape[1]]

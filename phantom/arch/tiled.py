@@ -1,11 +1,12 @@
-"""Tiled compute of a block's token-wise half (the MLP and its norms) over chunks of a row's tokens.
+"""Tiled compute of a block's token-wise parts over chunks of a row's tokens: the MLP and its norms, and what
+attention takes from each token (its norm, projections, q/k norms, RoPE).
 
 A row of T tokens through a gated MLP of width H makes (T, H) activations: gate, up, act(gate) and their
 product, and as many gradients in the backward; at long rows they dwarf the (T, dim) hidden state. The MLP
 is token-wise, so it can run a chunk of tokens at a time: `tiled` runs fn over chunks of the sequence, and
 under autograd as one `TiledCompute` node that keeps only its input, runs the chunks without a graph in its
 forward, and in its backward recomputes each chunk with a graph and backpropagates it before the next
-(Arctic Long Sequence Training's TiledCompute). The node's gradients go to its input and to the trained
+(Arctic Long Sequence Training's TiledMLP). The node's gradients go to its input and to the trained
 tensors it is given (LoRA's, and the weights themselves in full finetuning), summed over the chunks, so
 `torch.autograd.grad` over explicit inputs and `.backward()` into leaves both see them. The recompute
 replays the forward's random draws (dropout) and autocast. Imports torch only.

@@ -90,8 +90,9 @@ class Activations:
     micro_batch: int | None = knob(None, "rows per block call; a larger batch is accumulated layer-major")
     compile: bool | None = knob(None, "torch.compile the block once for all layers (default: on for CUDA)")
     loss_chunk: int | None = knob(None, "tokens per chunk of the fused head + loss (default: sized from memory)")
-    mlp_chunk: int = knob(2048, "tokens per chunk of a block's MLP and its norms in a longer row, forward and "
-                                "backward: one chunk's hidden activations at a time (0: whole rows)")
+    mlp_chunk: int = knob(2048, "tokens per chunk of a block's MLP, its norms and attention's projections in a "
+                                "longer row, forward and backward: one chunk's hidden activations at a time "
+                                "(0: whole rows)")
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:

@@ -198,3 +198,25 @@ def test_a_state_file_of_the_other_optimizer_is_refused(small_store, tmp_path):
     model.close()
     with pytest.raises(ValueError, match="--optim must be one of"):
         phantom.AdamWConfig(optim="adam8")
+
+
+def test_lora_run_with_8bit_states_resumes_and_refuses_the_other(tmp_path, monkeypatch, capsys):
+    """finetune.py --optim adamw_8bit on a LoRA: the checkpoint's optimizer state (read with weights_only)
+    holds codes and scales for the tensors of 4096 elements and more; --resume continues it, and a
+    resume under adamw_torch is refused in one line."""
+    from test_faults import finetune
+    from phantom.model.synthetic import ensure_tiny
+    from phantom.train.checkpoint import read_state
+    ensure_tiny(tmp_path / "weights" / "tiny")
+    monkeypatch.setenv("PHANTOM_WEIGHTS", str(tmp_path / "weights"))
+    out = tmp_path / "out"
+    args = ["--iters", "2", "--batch-size", "2", "--seq-len", "32", "-q", "--eval-every", "0", "--val-split", "0",
+            "--lora-rank", "64", "--out", out]
+    assert finetune(*args, "--optim", "adamw_8bit") == 0
+    state = read_state(out / "checkpoint" / "state.pt")["optimizer"]["state"]
+    assert any("exp_avg_q" in s and s["exp_avg_q"].dtype == torch.uint8 for s in state.values())
+    capsys.readouterr()
+    assert finetune(*args[:-2], "--out", out, "--resume", "--iters", "3", "--optim", "adamw_torch") == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds adamw_8bit's optimizer state" in err and "\n" not in err
+    assert finetune(*args[:-2], "--out", out, "--resume", "--iters", "3", "--optim", "adamw_8bit") == 0

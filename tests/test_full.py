@@ -210,13 +210,18 @@ def tiny_weights(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("offload", ["ram", "disk"])
-def test_kill_during_a_block_update_then_resume_is_bit_identical(tiny_weights, tmp_path, monkeypatch, offload):
+@pytest.mark.parametrize("offload,optim,points", [("ram", "adamw_torch", KILL_POINTS),
+                                                  ("disk", "adamw_torch", KILL_POINTS),
+                                                  ("disk", "adamw_8bit", ["optim.update:17"])])
+def test_kill_during_a_block_update_then_resume_is_bit_identical(tiny_weights, tmp_path, monkeypatch, capsys, offload,
+                                                                 optim, points):
+    """Killed in a block's update (adamw_8bit: in step 5's, after the checkpoint of step 4), resumed: the
+    store, the checkpoint, the losses and the optimizer state (codes and scales) equal the straight run's."""
     from test_faults import finetune, killed, leftovers, same_store, steps_and_losses
-    args = cli_args(offload)
-    with ThreadPoolExecutor(len(KILL_POINTS)) as pool:
+    args = [*cli_args(offload), "--optim", optim]
+    with ThreadPoolExecutor(len(points)) as pool:
         runs = {p: pool.submit(killed, p, tiny_weights, *args, "--out", tmp_path / p.replace(":", "-"))
-                for p in KILL_POINTS}
+                for p in points}
         runs = {p: r.result() for p, r in runs.items()}
     monkeypatch.setenv("PHANTOM_WEIGHTS", str(tiny_weights))
     reference = tmp_path / "reference"
@@ -232,6 +237,15 @@ def test_kill_during_a_block_update_then_resume_is_bit_identical(tiny_weights, t
         assert same_state(reference / "checkpoint" / "optim", out / "checkpoint" / "optim")
         assert not leftovers(out), leftovers(out)
     BlockStore(tiny_weights / "tiny", verify="full")  # the original is never written
+    if optim == "adamw_8bit":
+        from safetensors.torch import load_file
+        state = load_file(str(reference / "checkpoint" / "optim" / "000.safetensors"))
+        assert any(t.dtype == torch.uint8 for t in state.values())  # codes, not fp32 moments
+        other = [a if a != "adamw_8bit" else "adamw_torch" for a in args]
+        capsys.readouterr()
+        assert finetune(*other, "--out", reference, "--resume", "--iters", "10") == 2
+        err = capsys.readouterr().err.strip()
+        assert "holds adamw_8bit's optimizer state, this run asks adamw_torch" in err and "\n" not in err, err
 
 
 def same_state(a, b) -> bool:

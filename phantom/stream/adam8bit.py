@@ -220,9 +220,9 @@ def new_state(shape: torch.Size, device: torch.device) -> dict[str, torch.Tensor
     if n < MIN_8BIT:
         return {"exp_avg": torch.zeros(shape, device=device), "exp_avg_sq": torch.zeros(shape, device=device)}
     blocks = -(-n // BLOCK)
-    return {"exp_avg_q": torch.zeros(n, dtype=torch.uint8, device=device),
+    return {"exp_avg_q": torch.zeros(shape, dtype=torch.uint8, device=device),
             "exp_avg_scale": torch.zeros(blocks, device=device),
-            "exp_avg_sq_q": torch.zeros(n, dtype=torch.uint8, device=device),
+            "exp_avg_sq_q": torch.zeros(shape, dtype=torch.uint8, device=device),
             "exp_avg_sq_scale": torch.zeros(blocks, device=device)}
 
 
@@ -238,7 +238,7 @@ def update(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], h: 
     chunks (rows marked dynamic, so one compilation serves every tensor), a last partial block
     eagerly."""
     flat_p, flat_g = p.view(-1), g.reshape(-1)
-    m_q, m_s, v_q, v_s = (state[k] for k in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"))
+    m_q, m_s, v_q, v_s = (state[k].view(-1) for k in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"))
     m_map, v_map = maps_on(p.device)
     maps = (m_map.code, *m_map.rounding(rounding), v_map.code, *v_map.rounding(rounding), rounding == "bnb_cpu")
     n, full = flat_p.numel(), flat_p.numel() // BLOCK * BLOCK

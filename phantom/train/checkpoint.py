@@ -29,6 +29,7 @@ from phantom.base import fileio, safejson
 from phantom.files import runfolder, seal
 from phantom.files.tensorfile import write_safetensors
 from phantom.files.workingcopy import link_tree
+from phantom.stream.adam8bit import BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,8 @@ def check_optimizer_shapes(opt) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             for key, v in opt.state.get(p, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape != p.shape:
+                want = (-(-p.numel() // BLOCK),) if key.endswith("_scale") else p.shape  # 8-bit: a scale a block
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape != want:
                     raise ValueError(f"its {key} has shape {tuple(v.shape)} for a parameter of {tuple(p.shape)}")
 
 

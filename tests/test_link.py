@@ -5,9 +5,8 @@ tool: a bf16 Llama by transformers' save_pretrained, gpt-oss with the Hub's MXFP
 a Qwen3-MoE with compressed-tensors INT4 experts and bf16 attention (compressed-tensors' compressor,
 tests/int4_checkpoint.py) and an FP8 DeepSeek-V3 (tests/fp8_checkpoint.py, its float32 router bias kept in float32).
 Each linked store holds no tensor bytes (its manifest indexes the checkpoint's, under 64 KiB) and its logits equal
-the copied store's bit for bit; gpt-oss's alternating gate and up rows are still copied (an expected failure,
-strict). A store written before the layout was recorded (q/k permuted into pairs) still opens and computes the
-same logits.
+the copied store's bit for bit (gpt-oss's experts keep gate and up in the alternating rows they ship in). A store
+written before the layout was recorded (q/k permuted into pairs) still opens and computes the same logits.
 """
 from __future__ import annotations
 
@@ -70,12 +69,7 @@ def stores(tmp_path_factory):
     return get
 
 
-GATE_UP = pytest.mark.xfail(strict=True, reason="gpt-oss ships each expert's gate and up rows alternating "
-                                                "(gate_up_proj_blocks, _scales, _bias); the store keeps them apart, "
-                                                "so --link copies them")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=GATE_UP) if n == "gpt-oss-mxfp4" else n for n in CHECKPOINTS])
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_a_linked_store_holds_no_tensor_and_computes_the_copied_logits_bit_for_bit(stores, name):
     root = stores(name)
     tokens, _ = batch(t=24)

@@ -139,9 +139,9 @@ def test_gpt_oss_logits_equal_transformers_dequantized_load_from_disk_and_ram(gp
                 assert rel_err(pm(tokens), expected) < 1e-5, (kind, offload, reads)
 
 
-def test_gpt_oss_store_keeps_the_shipped_bytes_and_links_down_proj(gptoss):
-    """The blocks and scales take their shipped bytes; a linked store reads down_proj's (an expert's rows, back to
-    back) in place and copies gate and up (alternating rows, as the 16-bit gpt-oss's are copied)."""
+def test_gpt_oss_store_keeps_the_shipped_bytes_and_links_every_expert(gptoss):
+    """The blocks and scales take their shipped bytes; a linked store reads each expert's down_proj rows and its
+    gate_up_proj rows (gate and up alternating, kept so: the format's gate_up, w13) in place, copying none."""
     shipped, _, stores = gptoss
     mx = sum(v.numel() for k, v in shipped.items() if k.endswith(("_blocks", "_scales")))
     copy = BlockStore(stores["copy"])
@@ -149,7 +149,8 @@ def test_gpt_oss_store_keeps_the_shipped_bytes_and_links_down_proj(gptoss):
     linked = json.loads((stores["link"] / "manifest.json").read_text())["links"]["files"]
     parts = [t for f in linked.values() for t in f["tensors"] if t["name"].endswith((".blocks", ".scales"))]
     in_place = [t for t in parts if t["file"].startswith("/") and "model-0000" in t["file"]]
-    assert {t["name"].split(".")[3] for t in in_place} == {"w2"} and len(in_place) == len(parts) // 3
+    assert copy.quant.gate_up and {t["name"].split(".")[3] for t in in_place} == {"w13", "w2"}
+    assert len(in_place) == len(parts) == 4 * copy.cfg.n_experts * copy.n_blocks
 
 
 @pytest.mark.usefixtures("ram_streams")

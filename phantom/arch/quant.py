@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from phantom.arch.quantformat import QuantError, QuantFormat
+from phantom.arch.quantformat import QuantError, QuantFormat, gate_up_part
 
 CHUNK = 1 << 18  # values dequantized per piece: temporaries of 1 MiB stay in L2 (a multiple of every block size;
 #                  fastest of 2^16..2^22 on the CPU of notes/bench-quant.md)
@@ -349,12 +349,20 @@ def one_thread():
         torch.set_num_threads(n)
 
 
+def stored_parts(fmt: QuantFormat, stored: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """A quantized weight's parts among a block's stored views (part name -> view): NAME.PART's, or, where fmt keeps
+    an expert's gate and up in gpt-oss's alternating rows (gate_up_part), its rows of w13's."""
+    fused, p = gate_up_part(fmt, name) or (name, None)
+    prefix = fused + "."
+    return {k[len(prefix):]: v if p is None else v[p::2] for k, v in stored.items() if k.startswith(prefix)}
+
+
 def dequantize_block(fmt: QuantFormat, stored: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
     """Fill a block's dense tensors (out: name -> tensor in the compute dtype) from its stored views."""
     for name, dst in out.items():
         if name in stored:
             dst.copy_(stored[name])
-            continue
-        prefix = name + "."
-        parts = {k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}
-        dequantize_into(fmt, parts, dst, name)
+        elif (part := gate_up_part(fmt, name)) is not None and part[0] in stored:  # a bias of gate and up's rows
+            dst.copy_(stored[part[0]][part[1]::2])
+        else:
+            dequantize_into(fmt, stored_parts(fmt, stored, name), dst, name)

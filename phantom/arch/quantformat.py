@@ -4,6 +4,7 @@ stored as. torch-free, so the cost model counts a block's bytes by the rule the 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 
 from phantom.base import dtypes
@@ -38,7 +39,9 @@ class QuantFormat:
     per 32 values of a row. experts_only: the plans' layout of a shipped 4-bit checkpoint (Kimi-K2-Thinking's
     and gpt-oss's): only the routed experts quantized, every other weight 16-bit. float32: the block tensors a
     shipped checkpoint keeps in float32 beside its 16-bit ones (DeepSeek-V3's router correction bias), stored so,
-    as shipped (so --link reads them in place).
+    as shipped (so --link reads them in place). gate_up: an expert's gate and up as gpt-oss ships them, one tensor
+    of alternating rows (gate_up_proj's): `experts.E.w13.weight.*` and `experts.E.w13.bias`, gate the even rows and
+    up the odd ones (gate_up_part), read in place by --link.
     """
 
     method: str
@@ -51,6 +54,7 @@ class QuantFormat:
     scale_dtype: str = "bfloat16"
     experts_only: bool = False
     float32: tuple[str, ...] = ()
+    gate_up: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS + SHIPPED:
@@ -76,7 +80,8 @@ class QuantFormat:
             (not self.experts_only or name.startswith("feed_forward.experts."))
 
     def record(self) -> dict:
-        return {**self._record(), **({"float32": list(self.float32)} if self.float32 else {})}
+        return {**self._record(), **({"float32": list(self.float32)} if self.float32 else {}),
+                **({"gate_up": True} if self.gate_up else {})}
 
     def _record(self) -> dict:
         if self.method == "fp8-block":
@@ -93,14 +98,15 @@ class QuantFormat:
 
     @classmethod
     def from_record(cls, rec: dict) -> "QuantFormat":
-        """The format of a manifest's record (its optional "float32": names, see the class)."""
-        if "float32" not in rec:
-            return cls._from_record(rec)
-        names = rec["float32"]
+        """The format of a manifest's record (its optional "float32" names and "gate_up", see the class)."""
+        names, gate_up = rec.get("float32", []), rec.get("gate_up", False)
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or \
-                rec.get("method") not in SHIPPED:
+                (names and rec.get("method") not in SHIPPED):
             raise QuantError(f"float32 is a list of tensor names of a shipped format, got {names!r:.80}")
-        return replace(cls._from_record({k: v for k, v in rec.items() if k != "float32"}), float32=tuple(names))
+        if gate_up not in (False, True) or (gate_up and rec.get("method") != "mxfp4"):
+            raise QuantError(f"gate_up is true or false, and true only for mxfp4, got {gate_up!r:.20}")
+        fmt = cls._from_record({k: v for k, v in rec.items() if k not in ("float32", "gate_up")})
+        return replace(fmt, float32=tuple(names), gate_up=gate_up)
 
     @classmethod
     def _from_record(cls, rec: dict) -> "QuantFormat":
@@ -240,12 +246,29 @@ def stored_layout(fmt: QuantFormat, name: str, shape: tuple[int, ...]) -> dict[s
 def block_layout(fmt: QuantFormat, shapes: dict[str, tuple[int, ...]],
                  dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """A block's stored tensors (name -> shape, torch's dtype name): each quantized weight's parts, the
-    rest as they are in `dtype` (the store's; fmt.float32's in float32)."""
+    rest as they are in `dtype` (the store's; fmt.float32's in float32); with fmt.gate_up an expert's gate and
+    up as one tensor of alternating rows, w13, in gate's place."""
     out = {}
     for name, shape in shapes.items():
+        if (part := gate_up_part(fmt, name)) is not None:
+            fused, p = part
+            shape = (2 * shape[0], *shape[1:])
+            if p == 0:
+                out.update(stored_layout(fmt, fused, shape) if fmt.quantizes(name, shape) else {fused: (shape, dtype)})
+            continue
         out.update(stored_layout(fmt, name, shape) if fmt.quantizes(name, shape) else
                    {name: (tuple(shape), "float32" if name in fmt.float32 else dtype)})
     return out
+
+
+GATE_UP = re.compile(r"(feed_forward\.experts\.\d+\.)w([13])\.(weight|bias)")
+
+
+def gate_up_part(fmt: QuantFormat, name: str) -> tuple[str, int] | None:
+    """(the stored w13 tensor, 0 for gate's even rows or 1 for up's odd ones) of an expert's gate or up weight or
+    bias where fmt keeps them as gpt-oss ships them (fmt.gate_up); else None."""
+    m = GATE_UP.fullmatch(name) if fmt.gate_up else None
+    return None if m is None else (f"{m.group(1)}w13.{m.group(3)}", int(m.group(2) == "3"))
 
 
 def block_nbytes(fmt: QuantFormat, shapes: dict[str, tuple[int, ...]], dtype: str) -> int:

@@ -30,6 +30,7 @@ from phantom.arch.quantformat import (
     SCALE_DTYPES,
     QuantFormat,
     block_layout,
+    gate_up_part,
     quantized,
     shipped_format,
     stored_layout,
@@ -356,9 +357,11 @@ class HFCheckpoint:
     def _shipped_mxfp4(self, packed: dict, fused: dict, weight_map: dict, headers: dict, files: dict) -> QuantFormat:
         """The store format of gpt-oss's MXFP4 experts (packed: (part, name) -> the fused experts' key), its index
         given each expert weight's rows of `*_blocks` and `*_scales` as NAME.blocks and NAME.scales: down_proj's
-        an expert's contiguous rows (read in place), gate's and up's the alternating rows of gate_up_proj's
-        (copied). Attention, routers and the experts' biases stay bf16 (modules_to_not_convert)."""
-        fmt = QuantFormat("mxfp4", unquantized=self._unquantized(packed, "MXFP4"))
+        an expert's contiguous rows, gate's and up's together as gate_up_proj's (its alternating rows, the format's
+        gate_up: w13), all read in place. Attention, routers and the experts' biases stay bf16
+        (modules_to_not_convert; gate's and up's as gate_up_proj_bias's rows, w13's)."""
+        fmt = QuantFormat("mxfp4", unquantized=self._unquantized(packed, "MXFP4"),
+                          gate_up=any(len(g) == 2 * self.cfg.n_experts for g in fused.values()))
         for (part, name), key in packed.items():
             group = next((g for g in fused.values() if name in g), None)
             shape = part_shapes(self.cfg, part)[name]
@@ -375,11 +378,13 @@ class HFCheckpoint:
                     raise ValueError(f"{files[file]}: {got.name} is {got.dtype} {list(got.shape)}, not uint8 "
                                      f"[{len(group) // max(parts, 1)}, {parts * want[0]}, {', '.join(map(str, want[1:]))}]")
                 e, p = divmod(group.index(name), parts)
-                size = math.prod(got.shape[1:])
-                spec = RowSpec(got.name, got.dtype, want, got.start + e * size, got.start + (e + 1) * size,
-                               rows=(e * want[0], (e + 1) * want[0]) if parts == 1 else None,
-                               pick=None if parts == 1 else (e, p, parts), pick_rows=True)
-                self.index[(part, f"{name}.{part_name}")] = (files[file], spec, headers[file][1])
+                stored, p = gate_up_part(fmt, name) or (name, 0)
+                size, rows = math.prod(got.shape[1:]), parts * want[0]  # an expert's whole gate_up rows where fused
+                spec = RowSpec(got.name, got.dtype, (rows, *want[1:]), got.start + e * size, got.start + (e + 1) * size,
+                               rows=(e * rows, (e + 1) * rows))
+                if p == 0:
+                    self.index[(part, f"{stored}.{part_name}")] = (files[file], spec, headers[file][1])
+        gate_up_biases(self.index, fmt)
         return fmt
 
     def shapes(self, part: str | int) -> dict[str, tuple[int, ...]]:
@@ -431,11 +436,12 @@ class HFCheckpoint:
 
     def located(self, part: str | int, dtype: torch.dtype) -> dict[str, tuple[Path, int, torch.dtype, tuple]]:
         """name -> (file, byte offset, dtype, shape) of a part's tensors usable in place: in dtype (FP8 parts in
-        their stored dtype), not picked row by row (gpt-oss's alternating gate and up)."""
+        their stored dtype), not picked value by value or turned (an expert's part of gpt-oss's 16-bit experts; its
+        biases and its MXFP4 rows are whole ranges)."""
         out = {}
         for name, (_, stored) in self._parts(part).items():
             path, spec, start = self.index[(part, name)]
-            if spec.pick is None and \
+            if (spec.pick is None or (spec.pick[2] == 1 and (spec.pick_rows or len(spec.shape) == 1))) and \
                     spec.dtype == (dtype if stored is None else parse_stored(stored)):
                 out[name] = (path, start + spec.start, spec.dtype, spec.shape)
         return out
@@ -453,6 +459,16 @@ def float32_tensors(index: dict, dtype: torch.dtype) -> tuple[str, ...]:
         if isinstance(part, int) and not name.endswith(PART_SUFFIXES):
             kinds.setdefault(name, set()).add(spec.dtype == torch.float32 and spec.pick is None)
     return tuple(sorted(n for n, k in kinds.items() if k == {True})) if dtype.itemsize == 2 else ()
+
+
+def gate_up_biases(index: dict, fmt: QuantFormat) -> None:
+    """Index each expert's w13.bias (fmt.gate_up): its row of gate_up_proj_bias, gate's and up's values alternating,
+    one contiguous range (read in place), from the spec of its gate part (a pick of every other value)."""
+    for (part, name), (path, spec, start) in list(index.items()):
+        if (fused := gate_up_part(fmt, name)) is not None and fused[1] == 0 and name.endswith(".bias"):
+            e = spec.pick[0]
+            index[(part, fused[0])] = (path, RowSpec(spec.name, spec.dtype, (2 * spec.shape[0],), spec.start, spec.end,
+                                                     pick=(e, 0, 1)), start)
 
 
 def as_shipped(cfg: ModelConfig) -> ModelConfig:

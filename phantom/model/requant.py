@@ -120,7 +120,8 @@ def specs(store: BlockStore, dtype: torch.dtype, rec: dict, scale_dtype: torch.d
 
 def plain_dtype(rec: dict, name: str, dtype: torch.dtype) -> torch.dtype:
     """A block tensor the checkpoint ships unquantized: in the export's dtype, or the checkpoint's where it is wider
-    (DeepSeek-V3's and Kimi-K2's float32 router bias; its value is the store's, in the store's dtype)."""
+    (DeepSeek-V3's and Kimi-K2's float32 router bias: its value the store's, kept in float32 as shipped by a store
+    that records it in its format's float32, rounded to the store's dtype by one made before)."""
     wider = getattr(torch, rec.get("wider", {}).get(name, "bfloat16"))
     return wider if wider.itemsize > dtype.itemsize else dtype
 
@@ -160,17 +161,13 @@ def blocks(store: BlockStore, loras: dict, dtype: torch.dtype, rec: dict, scale_
                 if name not in q:
                     plain[name] = (w if delta is None else w + delta).to(plain_dtype(rec, name, dtype))
                 elif delta is None:  # the shipped bytes, as they are
-                    quantized[name] = {k: stored[f"{name}.{k}"].clone() for k in _parts(store)}
+                    quantized[name] = {k: v.clone(memory_format=torch.contiguous_format)
+                                       for k, v in quant.stored_parts(store.quant, stored, name).items()}
                 else:
                     quantized[name] = requantize(store, name, (w + delta).to(dtype), rec)
         yield i, to_hf(store.cfg, i, plain) | hf_quantized(store, i, quantized, scale_dtype)
         del buf, stored, dense, quantized, plain  # before the next block is read
     yield "head", to_hf(store.cfg, "head", {k: v.to(dtype) for k, v in store.load_head().items()})
-
-
-def _parts(store: BlockStore) -> list[str]:
-    """The part names of a quantized weight (fp8 and scale_inv; packed and scale; blocks and scales)."""
-    return [k[1:] for k in stored_layout(store.quant, "", (32, 32))]
 
 
 def write_requantized(tmp: Path, store: BlockStore, loras: dict, dtype: torch.dtype, max_shard_size: str | int,

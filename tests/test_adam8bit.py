@@ -220,3 +220,49 @@ def test_lora_run_with_8bit_states_resumes_and_refuses_the_other(tmp_path, monke
     err = capsys.readouterr().err.strip()
     assert "holds adamw_8bit's optimizer state" in err and "\n" not in err
     assert finetune(*args[:-2], "--out", out, "--resume", "--iters", "3", "--optim", "adamw_8bit") == 0
+
+
+def c_and_torch(n: int, rounding: str, steps: int = 3):
+    """The C loop's and the torch form's weights and states after `steps` updates of the same n elements
+    (zero gradients in places, a last partial block)."""
+    gen = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * 1e-3
+    g[:50] = 0
+    g[1000:1300] = 0
+    maps = (A.SIGNED.code, *A.SIGNED.rounding(rounding), A.UNSIGNED.code, *A.UNSIGNED.rounding(rounding),
+            rounding == "bnb_cpu")
+    out = []
+    for form in ("c", "torch"):
+        w, state = p.clone(), A.new_state(p.shape, p.device)
+        for t in range(1, steps + 1):
+            h = A.hyper(1e-3, (0.9, 0.999), 1e-8, 0.01, t, 0.7, p.device)
+            if form == "c":
+                A.update(w, g * t, state, h, rounding)
+            else:
+                A.torch_update(w, g * t, tuple(state[k].view(-1) for k in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q",
+                                                                          "exp_avg_sq_scale")), h, maps)
+        out.append((w, state))
+    return out
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "bnb_cpu"])
+def test_the_c_loop_equals_the_torch_form_bit_for_bit(rounding):
+    from phantom.stream import cpukernel
+    if cpukernel.load() is None:
+        pytest.skip("no C compiler here: the torch form is the only one")
+    for n in (4096 * 3 + 17, 1 << 18):
+        (w1, s1), (w2, s2) = c_and_torch(n, rounding)
+        assert torch.equal(w1, w2) and all(torch.equal(s1[k], s2[k]) for k in s1), (n, rounding)
+
+
+def test_without_a_compiler_the_update_runs_in_torch(tmp_path, monkeypatch, caplog):
+    from phantom.stream import cpukernel
+    monkeypatch.setattr(cpukernel, "_lib", [])
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
+    assert cpukernel.load() is None
+    assert "no-such-cc" in caplog.text or "compiling its CPU update failed" in caplog.text
+    w, state = torch.ones(4096), A.new_state((4096,), torch.device("cpu"))
+    A.update(w, torch.full((4096,), 1e-3), state, A.hyper(1e-3, (0.9, 0.999), 1e-8, 0.0, 1, 1.0, w.device))
+    assert torch.allclose(w, torch.full((4096,), 1 - 1e-3), atol=1e-6)

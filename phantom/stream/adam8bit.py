@@ -26,6 +26,8 @@ import threading
 
 import torch
 
+from phantom.stream import cpukernel
+
 log = logging.getLogger(__name__)
 
 BLOCK = 256  # elements per scale
@@ -68,43 +70,49 @@ def dynamic_map(signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -
 
 class QuantMap:
     """A sorted 256-value map and what finds a float's nearest code fast: `table[bits >> TABLE_SHIFT]`
-    counts the midpoints below the float's bucket, `mids` (with +inf last) holds the midpoints."""
+    counts the code midpoints below the float's bucket (each bucket holds at most one: checked), and
+    `above[k]` is the least float above midpoint k (+inf last), so `table[key] + (x >= above[table[key]])`
+    is the nearest code, a value half way between two codes taking the lower one. `lut` is bitsandbytes'
+    CPU rounding table (the code nearest each of LUT_SIZE evenly spaced values of [-1, 1], fp32 midpoints:
+    its csrc/cpu_ops.cpp build_quantize_lut)."""
 
     def __init__(self, code: torch.Tensor):
         self.code = code
-        wide = code.double()  # midpoints in float64: exact, so the comparison with a float is too
-        self.mids = torch.cat([(wide[:-1] + wide[1:]) / 2, torch.tensor([math.inf], dtype=torch.float64)])
-        mids = self.mids[:-1]
+        mids = (code[:-1].double() + code[1:].double()) / 2  # exact in float64
+        nearest = mids.float()
+        above = torch.where(nearest.double() <= mids, torch.nextafter(nearest, torch.tensor(math.inf)), nearest)
+        self.above = torch.cat([above, torch.tensor([math.inf])])
         keys = torch.arange(1 << (32 - TABLE_SHIFT), dtype=torch.int64) << TABLE_SHIFT
         first = keys.to(torch.int32).view(torch.float32)  # the bucket's two end floats (in either order)
         last = (keys | ((1 << TABLE_SHIFT) - 1)).to(torch.int32).view(torch.float32)
         low, high = torch.minimum(first, last), torch.maximum(first, last)
-        self.table = torch.bucketize(low.double(), mids, out_int32=True)  # midpoints < low
-        spread = torch.bucketize(high.double(), mids, out_int32=True) - self.table
+        table = torch.bucketize(low.double(), mids, out_int32=True)  # midpoints < low
+        spread = torch.bucketize(high.double(), mids, out_int32=True) - table
         if bool(((spread > 1) & ~low.isnan() & ~high.isnan()).any()):
             raise AssertionError("a table bucket holds two code midpoints: lower TABLE_SHIFT")
-        # bitsandbytes' CPU rounding: the code nearest each of LUT_SIZE evenly spaced values of [-1, 1]
-        # (fp32 midpoints, its csrc/cpu_ops.cpp build_quantize_lut)
+        self.table = table.clamp_max(255).to(torch.uint8)
         grid = -1.0 + (2.0 * torch.arange(LUT_SIZE, dtype=torch.float32)) / (LUT_SIZE - 1)
         self.lut = torch.bucketize(grid, 0.5 * (code[:-1] + code[1:]), out_int32=True).to(torch.uint8)
 
     def to(self, device: torch.device) -> QuantMap:
         moved = object.__new__(QuantMap)
-        moved.code, moved.mids, moved.table, moved.lut = (t.to(device) for t in (self.code, self.mids, self.table,
-                                                                                   self.lut))
+        moved.code, moved.above, moved.table, moved.lut = (t.to(device) for t in (self.code, self.above, self.table,
+                                                                                    self.lut))
         return moved
 
-    def rounding(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (table, midpoints) the update's requantization reads for a ROUNDINGS name."""
-        return (self.table, self.mids) if name == "nearest" else (self.lut, self.mids)
+    def rounding(self, name: str, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (table, thresholds) the update's requantization reads for a ROUNDINGS name (wide: the
+        table as int32, for the C loop's vector gathers)."""
+        table = self.table if name == "nearest" else self.lut
+        return (table.to(torch.int32) if wide else table), self.above
 
 
-def nearest_codes(x: torch.Tensor, table: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
+def nearest_codes(x: torch.Tensor, table: torch.Tensor, above: torch.Tensor) -> torch.Tensor:
     """The index (uint8) of the code nearest each element of x (fp32, within [-1, 1]) by a QuantMap's
-    table and midpoints; a value half way between two codes takes the lower one, as a search does."""
+    table and thresholds; a value half way between two codes takes the lower one, as a search does."""
     key = (x.view(torch.int32) >> TABLE_SHIFT) & ((1 << (32 - TABLE_SHIFT)) - 1)
     below = table[key.long()]
-    return (below + (mids[below.long()] < x.double()).to(torch.int32)).to(torch.uint8)
+    return below + (x >= above[below.long()]).to(torch.uint8)
 
 
 def lut_codes(x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
@@ -115,7 +123,7 @@ def lut_codes(x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     return lut[index.long()]
 
 
-def requantize(x: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, mids: torch.Tensor, lut: bool,
+def requantize(x: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, above: torch.Tensor, lut: bool,
                floor: int) -> torch.Tensor:
     """Codes of x (rows of a block) for its blocks' `scale`: the nearest code of x / scale, a nonzero
     value never below code `floor` (the second moment's zero-point: a nonzero second moment coded as
@@ -124,7 +132,7 @@ def requantize(x: torch.Tensor, scale: torch.Tensor, table: torch.Tensor, mids: 
     if lut:
         inverse = 1.0 / torch.where(scale > 0, scale, 1.0)
         return torch.where(scale[:, None] > 0, lut_codes(x * inverse[:, None], table), 0)
-    codes = nearest_codes(x / torch.where(scale > 0, scale, 1.0)[:, None], table, mids)
+    codes = nearest_codes(x / torch.where(scale > 0, scale, 1.0)[:, None], table, above)
     return torch.where(x != 0, codes.clamp_min(floor), codes) if floor else codes
 
 
@@ -148,7 +156,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, qmap: QuantMap) -> torc
 SIGNED, UNSIGNED = QuantMap(dynamic_map(True)), QuantMap(dynamic_map(False))
 
 
-def _blocks_update(p, g, m_q, m_scale, v_q, v_scale, h, m_code, m_table, m_mids, v_code, v_table, v_mids,
+def _blocks_update(p, g, m_q, m_scale, v_q, v_scale, h, m_code, m_table, m_above, v_code, v_table, v_above,
                    lut: bool) -> None:
     """One chunk of the update in place: p (fp32), g and the codes (rows of BLOCK), the scales (a row's),
     the maps' codes and QuantMap.rounding's tables (lut: bitsandbytes' CPU rounding). h holds, in fp32: the
@@ -159,8 +167,8 @@ def _blocks_update(p, g, m_q, m_scale, v_q, v_scale, h, m_code, m_table, m_mids,
     v = v_code[v_q.long()] * v_scale[:, None] * b2 + a2 * (g * g)
     p.copy_(p * decay + step_size * (m / (v.sqrt() / c2 + eps)))
     ms, vs = m.abs().amax(1), v.amax(1)
-    m_q.copy_(requantize(m, ms, m_table, m_mids, lut, 0))
-    v_q.copy_(requantize(v, vs, v_table, v_mids, lut, 1))
+    m_q.copy_(requantize(m, ms, m_table, m_above, lut, 0))
+    v_q.copy_(requantize(v, vs, v_table, v_above, lut, 1))
     m_scale.copy_(ms)
     v_scale.copy_(vs)
 
@@ -234,13 +242,35 @@ def state_bytes(n: int) -> int:
 def update(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], h: torch.Tensor,
            rounding: str = "nearest") -> None:
     """One 8-bit AdamW step of the fp32 tensor p (contiguous) in place from its gradient g and its
-    codes and scales (new_state's), h from `hyper`. Whole blocks go through the compiled kernel in
-    chunks (rows marked dynamic, so one compilation serves every tensor), a last partial block
-    eagerly."""
-    flat_p, flat_g = p.view(-1), g.reshape(-1)
+    codes and scales (new_state's), h from `hyper`: on a CPU the C loop of phantom.stream.cpukernel over
+    every core; elsewhere (or without a C compiler) `torch_update`."""
     m_q, m_s, v_q, v_s = (state[k].view(-1) for k in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"))
     m_map, v_map = maps_on(p.device)
     maps = (m_map.code, *m_map.rounding(rounding), v_map.code, *v_map.rounding(rounding), rounding == "bnb_cpu")
+    flat_g = g.reshape(-1).float().contiguous()
+    fn = cpukernel.load() if p.device.type == "cpu" else None
+    if fn is not None:
+        tables = _wide_tables(rounding)
+        cpukernel.run(fn, p.view(-1), flat_g, (m_q, m_s, v_q, v_s), h.contiguous(), tables, maps[6])
+    else:
+        torch_update(p.view(-1), flat_g, (m_q, m_s, v_q, v_s), h, maps)
+
+
+_wide: dict[str, tuple[torch.Tensor, ...]] = {}
+
+
+def _wide_tables(rounding: str) -> tuple[torch.Tensor, ...]:
+    """The C loop's tables (CPU): the maps' codes, int32 tables and thresholds, signed first."""
+    if rounding not in _wide:
+        _wide[rounding] = (SIGNED.code, *SIGNED.rounding(rounding, True), UNSIGNED.code,
+                           *UNSIGNED.rounding(rounding, True))
+    return _wide[rounding]
+
+
+def torch_update(flat_p: torch.Tensor, flat_g: torch.Tensor, moments: tuple, h: torch.Tensor, maps: tuple) -> None:
+    """The update in torch: whole blocks through the compiled kernel in chunks (rows marked dynamic, so one
+    compilation serves every tensor), a last partial block eagerly."""
+    m_q, m_s, v_q, v_s = moments
     n, full = flat_p.numel(), flat_p.numel() // BLOCK * BLOCK
     for start in range(0, full, CHUNK):
         end = min(start + CHUNK, full)
@@ -250,7 +280,7 @@ def update(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], h: 
                    v_q[start:end].view(rows, BLOCK), v_s[start // BLOCK:end // BLOCK])
         for t in tensors:
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        KERNEL.run(p.device, *tensors, h, *maps)
+        KERNEL.run(flat_p.device, *tensors, h, *maps)
     if full < n:  # the last partial block
         _blocks_update(flat_p[full:].view(1, -1), flat_g[full:].view(1, -1), m_q[full:].view(1, -1), m_s[-1:],
                        v_q[full:].view(1, -1), v_s[-1:], h, *maps)

@@ -6,6 +6,8 @@ transformers' own model. Dropout is replayed chunk by chunk; full finetuning's w
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -162,3 +164,25 @@ def test_packed_rows_tile_with_their_own_positions(family_models):
     torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=0)
     for g, ref in zip(out[1][1], out[0][1]):
         assert rel_err(g, ref) < 1e-5
+
+
+def test_a_recompute_only_backpropagated_computes_the_last_part_once():
+    """Under outputs_unused (the executor's recompute in a block's backward) the last tiled part's forward
+    computes its first chunk alone (the output's values are not used), its backward every chunk: the same
+    gradients, the chunks of the MLP run once each beside the recompute's first, not twice."""
+    from phantom.arch.tiled import outputs_unused
+    lin = torch.nn.Linear(4, 4)
+    h = torch.randn(2, 10, 4, requires_grad=True)
+    grads, calls = [], []
+
+    def fn(c, a):
+        calls.append(a)
+        return torch.tanh(lin(c))
+    for unused in (False, True):
+        calls.clear()
+        with outputs_unused() if unused else contextlib.nullcontext():
+            out = tiled(fn, h, 4, [lin], last=True)
+        grads.append(torch.autograd.grad(out, [h, lin.weight, lin.bias], torch.ones_like(out)))
+        assert calls == ([0] if unused else [0, 4, 8]) + [0, 4, 8]
+    for g, ref in zip(*grads):
+        assert torch.equal(g, ref)

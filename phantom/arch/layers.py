@@ -185,7 +185,7 @@ class TransformerBlock(nn.Module):
         row is longer (tiled), else at once (checkpointed under checkpoint_inner)."""
         if self.mlp_chunk and h.shape[1] > self.mlp_chunk:
             return tiled(lambda hc, _: self._mlp(hc), h, self.mlp_chunk,
-                         [self.ffn_norm, self.feed_forward, self.ffn_post_norm])
+                         [self.ffn_norm, self.feed_forward, self.ffn_post_norm], last=True)
         if self.checkpoint_inner and torch.is_grad_enabled():
             return checkpoint(self._mlp, h, use_reentrant=False)
         return self._mlp(h)

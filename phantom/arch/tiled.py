@@ -14,6 +14,7 @@ replays the forward's random draws (dropout) and autocast. Imports torch only.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -21,41 +22,61 @@ import torch.nn as nn
 
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+_graph_only = threading.local()  # .on: the graph being built is only backpropagated (outputs_unused)
+
+
+@contextlib.contextmanager
+def outputs_unused():
+    """While a block's forward is rerun only to backpropagate its output (a recompute in the backward: the graph
+    is used, the output's values are not), its last tiled part (tiled(..., last=True): the MLP, whose output
+    only joins the block's) computes its first chunk alone in its forward, the rest of its output zeros; its
+    backward recomputes every chunk as always. Not where it draws random numbers: the recompute of the next
+    micro-batch continues the same stream."""
+    before = getattr(_graph_only, "on", False)
+    _graph_only.on = True
+    try:
+        yield
+    finally:
+        _graph_only.on = before
 
 
 def tiled(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor, chunk: int | None,
-          modules: list[nn.Module]) -> Outputs:
+          modules: list[nn.Module], last: bool = False) -> Outputs:
     """fn(h, 0) for a token-wise fn over h (B, T, dim), `chunk` tokens of each row at a time where T is longer
     (None or 0: at once): fn(h[:, a:a + chunk], a) gives the chunk's output(s), each (B, chunk, ...) (fn reads
     the rows of position tables it needs from a). `modules`: those fn computes with; their tensors that need a
     gradient (read when called: bound weights included) are the node's trained inputs, and a dropout among
-    them is replayed."""
+    them is replayed. `last`: fn's output feeds only the block's output (see outputs_unused)."""
     if not chunk or h.shape[1] <= chunk:
         return fn(h, 0)
     trained = [p for m in modules for p in m.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (h.requires_grad or trained):
         return _chunked(fn, h, chunk)
     draws = any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for mod in modules for m in mod.modules())
-    return _node(fn, chunk, draws, h, trained)
+    skip = last and not draws and getattr(_graph_only, "on", False)
+    return _node(fn, chunk, draws, skip, h, trained)
 
 
 @torch.compiler.disable  # a compiled block runs this part eagerly: its backward calls autograd itself
-def _node(fn, chunk: int, draws: bool, h: torch.Tensor, trained: list[torch.Tensor]) -> Outputs:
-    out = TiledCompute.apply(fn, chunk, draws, h, *trained)
+def _node(fn, chunk: int, draws: bool, skip: bool, h: torch.Tensor, trained: list[torch.Tensor]) -> Outputs:
+    out = TiledCompute.apply(fn, (chunk, draws, skip), h, *trained)
     return out[0] if len(out) == 1 else out
 
 
-def _chunked(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor, chunk: int, as_tuple: bool = False
-             ) -> Outputs:
-    """fn over h's chunks of tokens, each output written into one tensor (no list of chunk outputs beside it)."""
+def _chunked(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor, chunk: int, as_tuple: bool = False,
+             first_only: bool = False) -> Outputs:
+    """fn over h's chunks of tokens, each output written into one tensor (no list of chunk outputs beside it);
+    first_only: the first chunk's, the rest zeros."""
     outs = None
     for a in range(0, h.shape[1], chunk):
         ys = fn(h[:, a:a + chunk], a)
         ys = (ys,) if isinstance(ys, torch.Tensor) else ys
         if outs is None:
-            outs = [y.new_empty(*h.shape[:2], *y.shape[2:]) for y in ys]
+            outs = [(y.new_zeros if first_only else y.new_empty)(*h.shape[:2], *y.shape[2:]) for y in ys]
         for out, y in zip(outs, ys):
             out[:, a:a + chunk] = y
+        if first_only:
+            break
     return tuple(outs) if as_tuple or len(outs) > 1 else outs[0]
 
 
@@ -88,17 +109,17 @@ class TiledCompute(torch.autograd.Function):
     outputs a tuple; `trained`: the tensors fn computes with whose gradients are wanted, summed over the chunks."""
 
     @staticmethod
-    def forward(ctx, fn, chunk: int, draws: bool, h, *trained):
-        ctx.fn, ctx.chunk, ctx.trained = fn, chunk, trained
+    def forward(ctx, fn, how: tuple[int, bool, bool], h, *trained):
+        (ctx.chunk, draws, skip), ctx.fn, ctx.trained = how, fn, trained
         ctx.replay = _Replay(h.device, draws)
         ctx.save_for_backward(h)
-        return _chunked(fn, h, chunk, as_tuple=True)
+        return _chunked(fn, h, ctx.chunk, as_tuple=True, first_only=skip)
 
     @staticmethod
     def backward(ctx, *grad):
         (h,) = ctx.saved_tensors
-        needs_h = ctx.needs_input_grad[3]
-        wanted = [p for p, need in zip(ctx.trained, ctx.needs_input_grad[4:]) if need]
+        needs_h = ctx.needs_input_grad[2]
+        wanted = [p for p, need in zip(ctx.trained, ctx.needs_input_grad[3:]) if need]
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         dh = torch.empty_like(h) if needs_h else None  # every chunk writes its rows (hc reaches each output)
         with ctx.replay.replayed():
@@ -119,4 +140,4 @@ class TiledCompute(torch.autograd.Function):
                         sums[j] = g if sums[j] is None else sums[j].add_(g)
                 del out, grads
         it = iter(sums)
-        return (None, None, None, dh, *(next(it) if need else None for need in ctx.needs_input_grad[4:]))
+        return (None, None, dh, *(next(it) if need else None for need in ctx.needs_input_grad[3:]))

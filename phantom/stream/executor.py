@@ -29,6 +29,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from phantom.arch.layers import fuse_adjacent, lora_disabled
 from phantom.arch.ops import KVCache
+from phantom.arch.tiled import outputs_unused
 from phantom.stream.kvcache import block_cache
 from phantom.stream import lanes as L
 from phantom.stream import moeblock
@@ -166,7 +167,8 @@ class StreamedBlock(torch.autograd.Function):
                 else:
                     xc, rc, mc, lane = chunks[k]
                     xc = xc.detach().requires_grad_(needs_x)
-                    with torch.enable_grad(), torch.autocast(**ctx.autocast), _drawing(lane, ctx.streams):
+                    with torch.enable_grad(), torch.autocast(**ctx.autocast), _drawing(lane, ctx.streams), \
+                            outputs_unused():  # only its graph is used: a tiled MLP computes its chunks once
                         out = ex.run_block(ctx.i, weights, xc, rc, mask=mc, lane=lane)
                 grads = torch.autograd.grad(out, ([xc] if needs_x else []) + wrt, gc, allow_unused=True)
                 if needs_x:

@@ -25,9 +25,10 @@ import phantom  # noqa: E402
 from phantom.arch import config, family, presets
 from phantom.arch.quantformat import METHODS, SHIPPED  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
-from phantom.plan import costexperts, costsweep, planner, profiles, tune
+from phantom.plan import costexperts, costfull, costsweep, optimtimer, planner, profiles, tune
 from phantom.plan import costinputs as ci
 from phantom.plan import costmodel as cm
+from phantom.stream.adam8bit import OPTIMIZERS  # noqa: E402
 from phantom.stream.placement import Placement, offload_choices, parse_bytes  # noqa: E402
 from phantom.train import cli
 
@@ -52,6 +53,11 @@ def parse_args(argv=None):
     a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")
     a("--grad-accum", type=int, default=1, help="calls per block per step (rows per step = batch size x this)")
     a("--seq-len", type=int, default=128, help="tokens per row")
+    a("--mode", default="lora", choices=("lora", "full"), help="plan a LoRA run, or full finetuning (every weight: "
+                                                              "the optimizer's state, the host memory and disk it "
+                                                              "needs, the seconds it adds)")
+    a("--optim", default="adamw_torch", choices=OPTIMIZERS, help="full finetuning's optimizer: fp32 moments, or "
+                                                                "8-bit ones (a quarter of the state's bytes)")
     a("--adapters", type=int, default=1, metavar="K", help="plan K LoRA adapters trained in one run (finetune.py "
                                                           "--sweep): their predicted step against K separate runs, "
                                                           "and how many adapters fit beside the blocks")
@@ -127,7 +133,15 @@ def fp32_beside(args, device, profile_overrides: dict, budgets: Placement, rows:
 
 def search_space(args, budgets: Placement) -> planner.SearchSpace:
     """The candidates the flags allow: their offload mode and micro-batch, within the budgets."""
-    return planner.SearchSpace(offloads=(args.offload,), micro_batches=(args.batch_size,), budgets=budgets)
+    recompute = ("all",) if args.mode == "full" else planner.SearchSpace.recompute  # full finetuning recomputes
+    return planner.SearchSpace(offloads=(args.offload,), recompute=recompute, micro_batches=(args.batch_size,),
+                               budgets=budgets)
+
+
+def plan_full(args, device, cfg, profile, shape, best) -> costfull.FullPrediction:
+    """--mode full: the optimizer's rates measured here (seconds), the full run of the chosen placement."""
+    rates = optimtimer.measure(device, phantom.weights_dir())
+    return costfull.predict_full(profile, shape, cfg, best, args.optim, rates)
 
 
 def describe_adapters(args, cfg, profile, shape, best) -> str:
@@ -192,6 +206,9 @@ def run(argv=None) -> int:
     try:
         if min(args.batch_size, args.grad_accum, args.seq_len, args.adapters) < 1:
             raise ValueError("--batch-size, --grad-accum, --seq-len and --adapters must be >= 1")
+        if args.mode == "full" and (args.quantize or args.adapters > 1):
+            raise ValueError("--mode full trains every 16-bit weight of one model: it plans without --quantize "
+                             "and --adapters")
         device = phantom.resolve_device(args.device)
         dtype = cli.resolve_dtype(args.dtype, device)
         name, cfg, store_dtype, quant, profile, disk = model_and_profile(args, device, dtype)
@@ -210,6 +227,7 @@ def run(argv=None) -> int:
             emulated = fp32_beside(args, device, overrides, budgets, rows, why, best)
         if args.check:
             return check(args, Subject(name, cfg, store_dtype, quant), dtype, device, profile, best)
+        full = plan_full(args, device, cfg, profile, shape, best) if args.mode == "full" else None
     except (OSError, ValueError) as e:  # nothing fits, bad flags, a bad config file; a bug keeps its traceback
         line = cli.user_error(e)
         if line is None:
@@ -222,10 +240,15 @@ def run(argv=None) -> int:
         return 2
     if args.json:
         extra = {k: v for k, v in (emulated or {}).items() if k != "line"}
+        if full is not None:
+            extra["full"] = {**dataclasses.asdict(full), "step_s": full.step_s, "fits": full.fits}
         print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict(), **extra}))
         return 0
     print(planner.describe_plan(best, shape, profile, name))
-    print(describe_adapters(args, cfg, profile, shape, best))
+    if full is not None:
+        print(full.describe())
+    else:
+        print(describe_adapters(args, cfg, profile, shape, best))
     if emulated is not None:
         print(emulated["line"])
     if cfg.n_experts and not quant:

@@ -265,3 +265,28 @@ def test_a_dequantization_is_timed_as_the_mean_of_calls_sampled_for_long_enough(
     mean = ct.timed_mean(fn, torch.device("cpu"), 3, 60.0, 9)
     assert len(calls) == 1 + 9  # sampled up to `most` calls while under sample_s
     assert 0.02 * 2 / 9 * 0.9 < mean < 0.02 * 3 / 9 + 0.005  # the slow calls (2 of the 9 timed) counted in
+
+
+def test_script_plans_full_finetuning_with_either_optimizer(tmp_path, capsys):
+    """--mode full: the block optimizer's state (master weights and moments) where it fits, the host memory
+    and disk the run needs, and the step beside the LoRA plan's; 8-bit moments a quarter of fp32's."""
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(json.dumps(HF_CONFIG))
+    common = ["--config", str(cfg_file), "--device", "cpu", "--batch-size", "2", "--seq-len", "16",
+              "--profile-dir", str(tmp_path / "p"), "--quick", "--mode", "full", "--json"]
+    full = {}
+    for optim in ("adamw_torch", "adamw_8bit"):
+        assert script().main(common + ["--optim", optim]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        full[optim] = plan["full"]
+    torch_, q = full["adamw_torch"], full["adamw_8bit"]
+    block = CFG.block_params() * CFG.n_layers
+    assert torch_["moment_bytes"] == 8 * block and torch_["state_bytes"] == 12 * block
+    assert q["moment_bytes"] <= 0.27 * torch_["moment_bytes"] and q["state_tier"] == torch_["state_tier"] == "ram"
+    assert q["fits"] and q["step_s"] > q["lora_step_s"] and q["host_bytes"] < torch_["host_bytes"]
+    just_the_plan = str(int(plan["host_bytes"] / (1 - cm.MARGIN)) + 4096)  # no room left for the state in RAM
+    assert script().main(common[:-1] + ["--optim", "adamw_8bit", "--host-memory", just_the_plan]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("full")][0]
+    assert "on disk" in line and "host memory" in line and "disk" in line
+    assert script().main(common[:-1] + ["--quantize", "nf4"]) == 2
+    assert "--mode full" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import torch
 
 from phantom.arch.config import ModelConfig
 from phantom.plan.costinputs import MachineProfile, Shape
-from phantom.plan.costmodel import Prediction, gib
+from phantom.plan.costmodel import MARGIN, Prediction, gib
 from phantom.stream.adam8bit import state_bytes
 from phantom.stream.optim import state_memory, state_tier
 
@@ -89,8 +89,9 @@ def predict_full(profile: MachineProfile, shape: Shape, cfg: ModelConfig, lora: 
     block_params, n = cfg.block_params(), shape.n_blocks
     per_param = state_per_param(optim, block_params)
     total_state = int(per_param * block_params * n)
-    free_device = None if profile.free_device_bytes is None else profile.free_device_bytes - lora.device_bytes
-    free_host = None if profile.free_host_bytes is None else profile.free_host_bytes - lora.host_bytes
+    free_device = None if profile.free_device_bytes is None else \
+        int(profile.free_device_bytes * (1 - MARGIN)) - lora.device_bytes  # the plan's margin kept
+    free_host = None if profile.free_host_bytes is None else int(profile.free_host_bytes * (1 - MARGIN)) - lora.host_bytes
     tier = state_tier(state, _device(profile), total_state, free_device, free_host)
     held = state_memory(tier, block_params, n, per_param=per_param)
     others = cfg.n_params() - block_params * n  # head, embedding, final norm: the caller's optimizer

@@ -121,7 +121,7 @@ def parse_args(argv=None):
     add_grpo_flags(p)
     p.add_argument("--modes", default="resident,ram,disk,naive", help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--train", default="lora", help="comma list of what a step trains: lora, full (every weight: "
-                   "per-block AdamW beside the backward); with full, rows for the optimizer's parameters/s and "
+                   "per-block AdamW beside the backward), full-8bit (the same with --optim adamw_8bit); with full, rows for the optimizer's parameters/s and "
                    "the host memory bandwidth measured in the same run; dpo: the same rows as --batch-size / 2 "
                    "preference pairs (LoRA, the reference beside the policy), with its ratio to the lora row")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
@@ -182,7 +182,7 @@ def main(argv=None):
         if args.tuned:  # measured first, so the sweep below runs under the same conditions it saw
             profile = profiles.measure(store, phantom.resolve_device(args.device), store.dtype, args.batch_size,
                                        args.seq_len)
-        host = host_speeds() if "full" in args.train.split(",") else None  # same run, before the rows' processes
+        host = host_speeds() if {"full", "full-8bit"} & set(args.train.split(",")) else None  # same run, before the rows' processes
         rows = fastest_of_rounds(sweep(args, argv))
         best = None
         if profile is not None:
@@ -203,8 +203,8 @@ def check_args(args) -> None:
         if alone in args.modes.split(",") and args.modes != alone:
             refuse(f"--modes {alone} runs alone (its own tables); give it in a run of its own")
     trains = args.train.split(",")
-    if set(trains) - {"lora", "full", "dpo"}:
-        refuse(f"--train takes lora, full and/or dpo, not {args.train!r}")
+    if set(trains) - {"lora", "full", "full-8bit", "dpo"}:
+        refuse(f"--train takes lora, full, full-8bit and/or dpo, not {args.train!r}")
     if "dpo" in trains and args.batch_size % 2:
         refuse(f"--train dpo needs an even --batch-size (pairs of rows), not {args.batch_size}")
     if args.rounds < 1:

@@ -12,6 +12,7 @@ import time
 import torch
 
 import phantom
+from phantom.stream import adam8bit
 import phantom.stream.optim
 from phantom.arch.config import block_tensor_shapes
 from phantom.files.store import BlockStore
@@ -100,7 +101,11 @@ def host_speeds(n: int = 64 << 20, rounds: int = 5) -> dict:
     add_s = best(lambda: a.add_(b))
     cfg = phantom.AdamWConfig(lr=1e-4, weight_decay=0.1)
     adamw_s = best(lambda: phantom.stream.optim.adamw_step([p], [g], [m], [v], 1, cfg, cfg.lr))
-    return {"threads": torch.get_num_threads(), "mem_gbps": 12 * n / add_s / 1e9, "adamw_params_per_s": n / adamw_s}
+    state = adam8bit.new_state(p.shape, p.device)
+    h = adam8bit.hyper(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, 2, 1.0, p.device)
+    adamw8_s = best(lambda: adam8bit.update(p, g, state, h))
+    return {"threads": torch.get_num_threads(), "n": n, "mem_gbps": 12 * n / add_s / 1e9,
+            "adamw_params_per_s": n / adamw_s, "adamw8_params_per_s": n / adamw8_s}
 
 
 def lora_steps(store: BlockStore, placement, rows: int, seq: int, args) -> tuple[list, list, tuple]:

@@ -17,6 +17,8 @@ import torch
 import phantom
 import phantom.files.workingcopy
 import phantom.stream.optim
+from phantom.plan import costfull
+from phantom.stream.adam8bit import AdamW8bit
 from benchlib.common import MODES, PEERS, free_port, machine, process_cpu_s, step_flops
 from benchlib.measure import peak_rss_gb
 from phantom.files.store import BlockStore
@@ -165,13 +167,13 @@ def phantom_model(args, mode: str, recompute: str, micro: str, prefetch: str):
     placement, activations = split_knobs(
         dict({"recompute": recompute, **kw}, micro_batch=int(micro) if micro != "-" else None, compile=args.compile),
         phantom.Placement(), phantom.Activations())
-    full = args.train == "full"
+    full = args.train.startswith("full")
     if full:  # the step rewrites the blocks: a working copy (hard links), as phantom.load(work_dir=...) makes
         work = Path(tempfile.mkdtemp(dir=Path(args.store).parent))
         store = BlockStore(phantom.files.workingcopy.clone_store(Path(args.store), work / "store"), drop_cache=args.cold)
     model = phantom.PhantomModel(store, phantom.resolve_device(args.device), store.dtype, placement, activations,
                                  lora=None if full else phantom.LoraConfig(rank=args.lora_rank),
-                                 optim=phantom.AdamWConfig(lr=1e-4) if full else None)
+                                 optim=phantom.AdamWConfig(lr=1e-4, optim=OPTIM[args.train]) if full else None)
     return model, work
 
 
@@ -192,7 +194,8 @@ def step_loss(args, model, packing: str):
 
 def timed_steps(args, model, loss_of) -> tuple[list, list, list]:
     """Seconds, stall fractions and metrics of args.steps steps after a warm-up step."""
-    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, fused=args.train == "full" or None)
+    opt = AdamW8bit(model.trainable_parameters(), lr=1e-4) if args.train == "full-8bit" else \
+        torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, fused=args.train == "full" or None)
     times, stalls, metrics = [], [], []
     for step in range(args.steps + 1):
         if model.scheduler:
@@ -229,7 +232,7 @@ def step_result(args, model, times: list, stalls: list, metrics: list) -> dict:
             "read_gbps": sum(m.get("bytes_read", 0) for m in metrics) / read_s / 1e9 if read_s else 0.0,
             "peak_rss_gb": peak_rss_gb(),
             "peak_dev_gb": torch.cuda.max_memory_allocated() / 2**30 if model.device.type == "cuda" else 0.0,
-            "train": args.train, "optim_s": optim_s / len(metrics),
+            "train": args.train, "optim_s": optim_s / len(metrics), "state_bytes_per_step": state_moved(model),
             "cpu_s": statistics.median(m["cpu_s"] for m in metrics), "optim_host_gb": optimizer_host_gb(model),
             "optim_params_per_s": sum(m.get("optim_params", 0) for m in metrics) / optim_s if optim_s else 0.0}
 
@@ -273,38 +276,58 @@ def tuning_lines(best: cm.Prediction, rows: list) -> list[str]:
                 f"{top[4]['step_s']:.3f} s; tuned / best swept = {tuned / top[4]['step_s']:.3f}"]
 
 
+OPTIM = {"full": "adamw_torch", "full-8bit": "adamw_8bit"}  # --train's full rows and their optimizers
+
+
+def state_moved(model) -> int:
+    """Bytes of block-optimizer state a step reads and writes (master weights and moments, each once each
+    way): what the update moves through host memory, or the disk for the disk tier."""
+    if model.block_optimizer is None:
+        return 0
+    cfg = model.cfg
+    per_param = costfull.state_per_param(model.block_optimizer.cfg.optim, cfg.block_params())
+    return int(2 * per_param * cfg.block_params() * cfg.n_layers)
+
+
 def optimizer_host_gb(model) -> float:
     """Full finetuning: the host bytes the memory model gives the optimizers (phantom.stream.optim.state_memory
     for the blocks; 16 bytes a parameter for head and embedding: fp32 weight, gradient, two moments)."""
     if model.block_optimizer is None:
         return 0.0
     cfg = model.cfg
-    blocks = phantom.stream.optim.state_memory(model.block_optimizer.tier, cfg.block_params(), cfg.n_layers)["host"]
-    return (blocks + 16 * (cfg.n_params() - cfg.n_layers * cfg.block_params())) / 2**30
+    optim = model.block_optimizer.cfg.optim
+    blocks = phantom.stream.optim.state_memory(model.block_optimizer.tier, cfg.block_params(), cfg.n_layers,
+                                               per_param=costfull.state_per_param(optim, cfg.block_params()))["host"]
+    others = cfg.n_params() - cfg.n_layers * cfg.block_params()
+    return (blocks + (8 + costfull.moment_bytes_per_param(optim, others)) * others) / 2**30
 
 
 def full_lines(host: dict, rows: list) -> list[str]:
-    """Full finetuning beside LoRA: each full row's step against the LoRA row of the same placement,
-    the block optimizer's parameters/s in the step, and the host's speeds measured in this run."""
+    """Full finetuning beside LoRA: each full row's step against the LoRA row of the same placement, the
+    block optimizer's seconds and parameters/s in the step, the state it moves and that over the host's
+    memory bandwidth (the floor of moving it), all measured in this run."""
     lora = {(m, rc, mi, k): r for m, rc, mi, k, r in rows if r.get("train", "lora") == "lora"}
-    bw, rate = host["mem_gbps"], host["adamw_params_per_s"]
+    bw, rate, rate8 = host["mem_gbps"], host["adamw_params_per_s"], host["adamw8_params_per_s"]
     lines = ["", f"- host memory bandwidth (in-place a += b, read + write, {host['threads']} threads): {bw:.1f} GB/s; "
-             f"fused AdamW alone: {rate / 1e9:.2f} G params/s = {28 * rate / 1e9:.1f} GB/s at 28 B/param "
-             f"({28 * rate / 1e9 / bw:.0%} of that bandwidth)", "",
+             f"alone on {host['n'] >> 20} M parameters: fused AdamW {rate / 1e9:.2f} G params/s = {28 * rate / 1e9:.1f} "
+             f"GB/s at 28 B/param, 8-bit AdamW {rate8 / 1e9:.2f} G params/s = {16 * rate8 / 1e9:.1f} GB/s at 16 "
+             f"B/param ({rate / rate8:.1f}x the fused AdamW's time)", "",
              "| full finetuning | step s | LoRA step s | full / LoRA | CPU s/step: full, LoRA (ratio) "
-             "| optimizer s/step (write-back thread) "
-             "| optimizer G params/s in the step | host memory GB/s | peak RSS GB: full - LoRA | optimizers' host GB "
-             "(model) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| optimizer s/step (write-back thread) | its share of the step | optimizer G params/s in the step "
+             "| state GB moved per step | / host bandwidth s | peak RSS GB: full - LoRA | optimizers' host GB (model) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, rc, mi, k, r in rows:
-        if r.get("train") != "full":
+        if not r.get("train", "").startswith("full"):
             continue
         base = lora.get((m, rc, mi, k))
         ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
         rss = f"{r['peak_rss_gb'] - base['peak_rss_gb']:.2f}" if base else "-"
         cpu = f"{r['cpu_s']:.1f}, {base['cpu_s']:.1f} ({r['cpu_s'] / base['cpu_s']:.2f}x)" if base else "-"
-        lines.append(f"| {m} {rc} micro {mi} prefetch {k} | {r['step_s']:.3f} | {base['step_s'] if base else 0:.3f} | "
-                     f"{ratio} | {cpu} | {r['optim_s']:.3f} | {r['optim_params_per_s'] / 1e9:.2f} | {bw:.1f} | {rss} | "
-                     f"{r['optim_host_gb']:.2f} |")
+        moved = r["state_bytes_per_step"] / 1e9
+        lines.append(f"| {m} {r['train']} ({OPTIM[r['train']]}) {rc} micro {mi} prefetch {k} | {r['step_s']:.3f} | "
+                     f"{base['step_s'] if base else 0:.3f} | {ratio} | {cpu} | {r['optim_s']:.3f} | "
+                     f"{r['optim_s'] / r['step_s']:.0%} | {r['optim_params_per_s'] / 1e9:.2f} | {moved:.2f} | "
+                     f"{moved / bw:.3f} | {rss} | {r['optim_host_gb']:.2f} |")
     return lines
 
 

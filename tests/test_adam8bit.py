@@ -58,7 +58,7 @@ def train(model, opt, steps: int, seed: int = 0) -> list[float]:
     for s in range(steps):
         tokens, targets = batch(SMALL, seed=seed + s, t=16)
         tokens, targets = tokens % 64, targets % 64  # the embedding's rows 64.. are never read
-        loss = model(tokens, targets=targets)
+        loss = model(tokens.to(model.device), targets=targets.to(model.device))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -75,8 +75,8 @@ def trained(model) -> dict[str, torch.Tensor]:
         model.save_full()
         store = BlockStore(model.store.path, verify="full")
         blocks = [store.load_block(i) for i in range(store.n_blocks)]
-    out = {f"layers.{i}.{k}": v.detach().clone() for i, b in enumerate(blocks) for k, v in b.items()}
-    return out | {"output": model.output_weight.detach().clone(), "embed": model.embed_table.detach().clone()}
+    out = {f"layers.{i}.{k}": v.detach().cpu().clone() for i, b in enumerate(blocks) for k, v in b.items()}
+    return out | {"output": model.output_weight.detach().cpu().clone(), "embed": model.embed_table.detach().cpu().clone()}
 
 
 def resident_run(store, make_opt, steps: int):
@@ -204,8 +204,9 @@ def test_lora_run_with_8bit_states_resumes_and_refuses_the_other(tmp_path, monke
     """finetune.py --optim adamw_8bit on a LoRA: the checkpoint's optimizer state (read with weights_only)
     holds codes and scales for the tensors of 4096 elements and more; --resume continues it, and a
     resume under adamw_torch is refused in one line."""
-    from test_faults import finetune
+    from test_faults import load_script
     from phantom.model.synthetic import ensure_tiny
+    finetune = lambda *a: load_script("finetune").main([*map(str, a)])  # noqa: E731
     from phantom.train.checkpoint import read_state
     ensure_tiny(tmp_path / "weights" / "tiny")
     monkeypatch.setenv("PHANTOM_WEIGHTS", str(tmp_path / "weights"))
@@ -266,3 +267,22 @@ def test_without_a_compiler_the_update_runs_in_torch(tmp_path, monkeypatch, capl
     w, state = torch.ones(4096), A.new_state((4096,), torch.device("cpu"))
     A.update(w, torch.full((4096,), 1e-3), state, A.hyper(1e-3, (0.9, 0.999), 1e-8, 0.0, 1, 1.0, w.device))
     assert torch.allclose(w, torch.full((4096,), 1 - 1e-3), atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: 8-bit state on the device, or in RAM beside pinned "
+                                                          "gradient copies")
+@pytest.mark.cuda
+@pytest.mark.parametrize("state", ["device", "ram"])
+def test_cuda_8bit_full_finetune_equals_the_cpu_run(small_store, tmp_path, state):
+    """On a GPU, 3 steps with the blocks' 8-bit state on the device (the update compiled for it) or in RAM (the
+    C loop on the host): every weight within 1e-3 (by norm) of the CPU run's (the GPU's matmuls round
+    otherwise, so a code may differ)."""
+    hp = dict(HP, weight_decay=0.01)
+    _, cpu, _ = streamed_run(small_store, tmp_path / "cpu", 3, **hp)
+    model = phantom.load(small_store, device="cuda", offload="ram", prefetch=1, mode="full", work_dir=tmp_path / "gpu",
+                         optim=phantom.AdamWConfig(**hp, optim="adamw_8bit", state=state))
+    train(model, A.AdamW8bit(model.trainable_parameters(), **hp), 3)
+    got = trained(model)
+    model.close()
+    for name, want in cpu.items():
+        assert (got[name].cpu() - want).norm() <= 1e-3 * want.norm(), name

@@ -21,8 +21,7 @@ import torch
 from phantom.arch.config import ModelConfig
 from phantom.plan.costinputs import MachineProfile, Shape
 from phantom.plan.costmodel import MARGIN, Prediction, gib
-from phantom.stream.adam8bit import state_bytes
-from phantom.stream.optim import state_memory, state_tier
+from phantom.stream.optim import moment_bytes, state_memory, state_tier
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class OptimRates:
 def moment_bytes_per_param(optim: str, block_params: int) -> float:
     """Bytes of the two moments per parameter of a block of `block_params` (8-bit: codes and scales; a
     block's smaller tensors keep fp32 moments, which this rounding of the largest ones leaves out)."""
-    return 8.0 if optim == "adamw_torch" else state_bytes(block_params) / block_params
+    return moment_bytes(optim, block_params) / block_params
 
 
 def state_per_param(optim: str, block_params: int) -> float:

@@ -286,3 +286,15 @@ def test_cuda_8bit_full_finetune_equals_the_cpu_run(small_store, tmp_path, state
     model.close()
     for name, want in cpu.items():
         assert (got[name].cpu() - want).norm() <= 1e-3 * want.norm(), name
+
+
+def test_a_nonzero_second_moment_is_never_coded_zero():
+    """The second moment's zero-point: the nearest code, except that a nonzero value whose nearest code is
+    zero takes the least nonzero code (its weight's update would otherwise be m / eps); zero stays zero."""
+    v = torch.tensor([[0.0, 1e-12, 1e-9, 1e-7, 1e-3, 1.0] + [0.5] * (A.BLOCK - 6)])
+    scale = v.abs().amax(1)
+    table, above = A.UNSIGNED.rounding("nearest")
+    plain = A.requantize(v, scale, table, above, False, 0)
+    floored = A.requantize(v, scale, table, above, False, 1)
+    assert plain[0, :4].tolist() == [0, 0, 0, 0] and floored[0, :4].tolist() == [0, 1, 1, 1]
+    assert torch.equal(floored[0, 4:], plain[0, 4:]) and A.UNSIGNED.code[1] > 0

@@ -221,3 +221,64 @@ def test_a_tokenizer_written_in_code_is_said_in_one_line_and_the_weights_convert
     with phantom.load(tmp_path / "store", offload="disk", lora=None) as pm, torch.no_grad():
         tokens, _ = batch()
         assert rel_err(pm(tokens), model(tokens).logits) < 1e-5
+
+
+def kimi_k25(tie: bool = False):
+    """A tiny Kimi_K25ForConditionalGeneration: CASES["deepseek_v3"]'s text model (its weights) beside a
+    one-layer vision tower; text_config names Kimi-K2's model_type, as the Hub's file does."""
+    text_model = make("deepseek_v3")
+    text = {**text_model.config.to_dict(), "model_type": "kimi_k2"}
+    vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2, patch_size=4,
+                  pos_emb_height=4, pos_emb_width=4)
+    config = transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                                         tie_word_embeddings=tie)
+    config._attn_implementation = "eager"
+    model = transformers.Kimi_K25ForConditionalGeneration(config).float().eval()
+    state = text_model.state_dict()
+    model.model.language_model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()
+                                                if k.startswith("model.")})
+    if not tie:
+        model.lm_head.load_state_dict({"weight": state["lm_head.weight"]})
+    return model, text_model
+
+
+def published_names(folder):
+    """Kimi-K2.5's names as the Hub ships them (language_model.model.layers.N, language_model.lm_head) in place of
+    save_pretrained's (language_model.model.blocks.N)."""
+    from safetensors.torch import load_file, save_file
+    import re
+    state = load_file(folder / "model.safetensors")
+    assert any(".model.blocks.0." in k for k in state)
+    save_file({re.sub(r"^language_model\.model\.blocks\.", "language_model.model.layers.", k): v
+               for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("tie,names", [(False, "save_pretrained"), (True, "published")])
+def test_kimi_k25_streams_its_text_model_as_transformers_computes_it(tie, names, tmp_path, caplog):
+    """Kimi-K2.5/K2.6: the text model of a Kimi_K25ForConditionalGeneration saved by transformers (or under the Hub's
+    names) streams from disk and RAM with the vision-language class's text logits within 1e-5; the vision tower and
+    projector are left out, said in one line; the tie follows the outer config, as the class ties."""
+    model, text_model = kimi_k25(tie)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    if names == "published":
+        published_names(tmp_path / "hf")
+    from test_export_hf import llama3_style_tokenizer_json
+    llama3_style_tokenizer_json(tmp_path / "hf")
+    with caplog.at_level("INFO"):
+        assert load_script("prepare_model").main(["--src", str(tmp_path / "hf"), "--out", str(tmp_path / "store"),
+                                                  "--quiet"]) == 0
+    said = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
+    assert len(said) == 1 and "Kimi_K25ForConditionalGeneration" in said[0]
+    store = json.loads((tmp_path / "store" / "manifest.json").read_text())["config"]
+    assert store["family"] == "deepseek_v3" and store["tie_embeddings"] == tie
+    tokens, targets = batch()
+    if not tie:
+        with torch.no_grad():
+            assert rel_err(model(tokens).logits, text_model(tokens).logits) == 0  # the text model it carries
+    check_logits(model, tmp_path / "store", tokens, targets, runs=[("disk", 1, "all"), ("ram", 0, "none")])
+
+
+def test_kimi_k25_config_read_as_deepseek_v3():
+    model, _ = kimi_k25()
+    c = {**json.loads(model.config.to_json_string()), "architectures": ["Kimi_K25ForConditionalGeneration"]}
+    assert config_from_hf(c) == config_from_hf(json.loads(make("deepseek_v3").config.to_json_string()))

@@ -1,13 +1,18 @@
-"""DeepSeek-V3 (and R1, V3.1, Kimi-K2, which ship its architecture), DeepSeek-V2 and GLM-4.5: DeepSeekMoE
+"""DeepSeek-V3 (and R1, V3.1, Kimi-K2, which ship its architecture; Kimi-K2.5/K2.6's text model), DeepSeek-V2 and
+GLM-4.5: DeepSeekMoE
 routing (sigmoid or softmax scores, a correction bias for the choice, groups of experts, a scale, ungated
 shared experts, dense first layers) and, for the DeepSeeks, multi-head latent attention (phantom.arch.mla).
 
 Each entry says how transformers' config class becomes a ModelConfig and how the checkpoint names its
 tensors; phantom.arch.family collects them. Imports phantom.arch.config and the shared tables only.
+
+Kimi-K2.5/K2.6 (Kimi_K25ForConditionalGeneration) is DeepSeek-V3's text model (its text_config) beside a vision
+tower: the text model is read as DeepSeek-V3, the vision tower and its projector are left out (said once).
 """
 from __future__ import annotations
 
 import logging
+import re
 
 from phantom.arch.config import ModelConfig, refuse
 from phantom.arch.family_moe import FUSED_EXPERTS, QWEN_EXPERTS, MoeKeys, expert_keys, refused_unless
@@ -99,6 +104,38 @@ def read_glm_attention(c: dict, path) -> dict:
             "rotary_dim": int(head * factor) if int(head * factor) != head else None}
 
 
+def kimi_text_config(c: dict, path) -> dict:
+    """A Kimi-K2.5 config.json's text model (text_config: DeepSeek-V3's fields), the vision tower said left out;
+    tie_word_embeddings is the outer config's, as Kimi_K25ForConditionalGeneration ties (true where left out).
+    A DeepSeek-V3 file is its own text model."""
+    if not isinstance(c.get("text_config"), dict):
+        return c
+    log.info("%s: %s is a vision-language model: its text model is read, the vision tower is left out", path,
+             (c.get("architectures") or ["?"])[0])
+    outer = {k: c[k] for k in ("quantization_config",) if k in c}
+    return {**c["text_config"], **outer, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "tie_word_embeddings": bool(c.get("tie_word_embeddings", True))}
+
+
+KIMI_TEXT = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+             ("model.language_model.", "model."))  # the Hub's names, save_pretrained's, the modules'
+
+
+def kimi_text_weights(weight_map: dict[str, str]) -> dict[str, str]:
+    """A checkpoint's tensor names -> the text model's: Kimi-K2.5's language_model.model.X (the Hub's; transformers'
+    save_pretrained writes its layers as blocks.N) or model.language_model.X as model.X, language_model.lm_head as
+    lm_head; the vision tower's and projector's left out. Other files' names as they are."""
+    if not any(k.startswith(("language_model.", "model.language_model.")) for k in weight_map):
+        return {k: k for k in weight_map}
+    out = {}
+    for k in weight_map:
+        for theirs, ours in KIMI_TEXT:
+            if k.startswith(theirs):
+                name = ours + k[len(theirs):]
+                out[re.sub(r"^model\.blocks\.(\d+)\.", r"model.layers.\1.", name)] = k
+    return out | {k: k for k in weight_map if k.startswith("lm_head.")}
+
+
 def deepseek_fields(cfg: ModelConfig) -> dict:
     """The DeepSeekMoE fields of an export's config.json, as the config classes name them."""
     first = len(cfg.dense_layers)
@@ -158,12 +195,15 @@ IRRELEVANT = {"output_router_logits": "whether transformers' forward returns the
 DEEPSEEK_DEFAULTS = {**COMMON_DEFAULTS, "max_position_embeddings": 4096, "num_experts_per_tok": 8}
 
 FAMILIES = {f.name: f for f in (
-    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), "deepseek_v3", {**LAYER_NORM_KEYS, **MLA_KEYS, **DEEPSEEK_MOE_KEYS},
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM", "Kimi_K25ForConditionalGeneration",
+                           "KimiK25ForConditionalGeneration"), "deepseek_v3",
+           {**LAYER_NORM_KEYS, **MLA_KEYS, **DEEPSEEK_MOE_KEYS},
            readers=V3_READERS, irrelevant=IRRELEVANT, moe=DEEPSEEK_EXPERTS, hf_fields=v3_fields,
            defaults={**DEEPSEEK_DEFAULTS, "moe_intermediate_size": 2048, "n_shared_experts": 1,
                      "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
                      "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8,
-                     "topk_group": 4, "first_k_dense_replace": 3, "norm_topk_prob": True, "rope_interleave": True}),
+                     "topk_group": 4, "first_k_dense_replace": 3, "norm_topk_prob": True, "rope_interleave": True},
+           text=(kimi_text_config, kimi_text_weights)),
     Family("deepseek_v2", ("DeepseekV2ForCausalLM",), "deepseek_v2", {**LAYER_NORM_KEYS, **MLA_KEYS,
                                                                        **DEEPSEEK_MOE_KEYS},
            readers={**MOE_COMMON, **MLA_READERS, **{f: read_v2_router for f in ("topk_method", "scoring_func")},

@@ -237,8 +237,8 @@ class HFCheckpoint:
             shapes = part_shapes(self.cfg, part)
             for name, shape in shapes.items():
                 hf = hf_names[(isinstance(part, int), name)].format(part)
-                if fmt is not None and hf + PACKED.get(fmt.method, "-") in weight_map:
-                    packed[(part, name)] = hf  # compressed-tensors' weight_packed, gpt-oss's *_blocks: their parts
+                if (shipped := named.get(hf + (s := PACKED.get(getattr(fmt, "method", 0), "-")), hf + s)) in weight_map:
+                    packed[(part, name)] = shipped[:-len(s)]  # weight_packed, *_blocks: their parts, as the file names
                     continue
                 key = named.get(hf)
                 if key not in weight_map:

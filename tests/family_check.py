@@ -155,6 +155,12 @@ CASES = {
     "gpt_oss": Case("GptOssConfig", GPT_OSS, "GptOssForCausalLM",
                     {"family": "gpt_oss", "attn_sinks": True, "expert_bias": True, "sliding_window": 16,
                      "layer_types": ("sliding_attention", "full_attention")}, **MOE),
+    # MiniMax-M2: q/k norms over the whole projections, RoPE over half of each 24-wide head, sigmoid routing with a
+    # correction bias, renormalised; Mixtral's expert names
+    "minimax_m2": Case("MiniMaxM2Config", dict(SHAPES, head_dim=24, intermediate_size=32, num_local_experts=8,
+                                               num_experts_per_tok=2, rotary_dim=12, bos_token_id=1, eos_token_id=2),
+                       "MiniMaxM2ForCausalLM", {"family": "minimax_m2", "n_experts": 8, "router_bias": True,
+                                                "rope_dim": 12, "qk_norm_over": "projection"}, **MOE),
     "qwen3_next": Case("Qwen3NextConfig", LINEAR, "Qwen3NextForCausalLM",
                        {"family": "qwen3_next", "n_experts": 8, "linear_grouped": True, "rope_dim": 4},
                        **{**MOE, "runs": MOE["runs"][:3], "lora_runs": MOE["lora_runs"][:1]}),

@@ -1,4 +1,4 @@
-"""The mixture-of-experts parts of phantom.arch.family's tables (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
+"""The mixture-of-experts parts of phantom.arch.family's tables (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, MiniMax-M2).
 
 MoeKeys says how a family's experts are named in both checkpoint layouts (one tensor per expert and
 projection, or transformers 5's fused 3-D tensors); the readers turn the router's and experts' config.json
@@ -100,6 +100,23 @@ SHARED_EXPERT_KEYS = {**expert_keys("model.layers.{}.mlp.shared_expert", "gate_p
                                      "feed_forward.shared_expert"),
                       "model.layers.{}.mlp.shared_expert_gate.weight": "feed_forward.shared_expert_gate.weight"}
 
+def read_minimax_m2(c: dict, path) -> dict:
+    """MiniMax-M2: RMSNorms over the whole q and k projections, RoPE over the leading partial_rotary_factor of each
+    head (rotary_dim / head_dim in the Hub's files, as MiniMaxM2Config converts it), sigmoid scores with
+    e_score_correction_bias moving the choice alone and the k weights renormalised (MiniMaxM2TopKRouter); no jitter."""
+    if c.get("router_jitter_noise"):
+        refuse(path, "router_jitter_noise", c["router_jitter_noise"], "0 (no jitter)")
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    factor = (c.get("rope_parameters") or {}).get("partial_rotary_factor") or c.get("partial_rotary_factor") or \
+        (c["rotary_dim"] / head if c.get("rotary_dim") else 1.0)
+    return {"rotary_dim": int(head * factor) if int(head * factor) != head else None}
+
+
+MINIMAX_M2_ROUTER = {"model.layers.{}.block_sparse_moe.gate.weight": "feed_forward.gate.weight",
+                     "model.layers.{}.block_sparse_moe.e_score_correction_bias":
+                         "feed_forward.gate.e_score_correction_bias"}
+MIXTRAL_EXPERTS = expert_keys("model.layers.{}.block_sparse_moe.experts.<e>", "w1", "w3", "w2")
+
 FAMILIES = {f.name: f for f in (
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe", {**ATTENTION_KEYS, **BIAS_KEYS, **QK_NORM_KEYS,
                                                                  **ROUTER_KEYS, **DENSE_MLP_KEYS},
@@ -123,8 +140,7 @@ FAMILIES = {f.name: f for f in (
            readers={**MOE_READERS, "sliding_window": _read_mistral_window,
                     "router_jitter_noise": refused_unless("router_jitter_noise", lambda v: not v, "0 (no jitter)")},
            fixed={"norm_topk_prob": True}, irrelevant=MOE_IRRELEVANT,
-           moe=MoeKeys(expert_keys("model.layers.{}.block_sparse_moe.experts.<e>", "w1", "w3", "w2"),
-                       ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"),
+           moe=MoeKeys(MIXTRAL_EXPERTS, ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"),
                        {"model.layers.{}.block_sparse_moe.gate.weight": "model.layers.{}.mlp.gate.weight"}),
            defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096 * 32,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
@@ -136,4 +152,16 @@ FAMILIES = {f.name: f for f in (
            moe=MoeKeys(QWEN_EXPERTS, ("num_experts", "num_experts_per_tok", "norm_topk_prob", "router_aux_loss_coef")),
            defaults={**COMMON_DEFAULTS, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
                      "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01}),
+    Family("minimax_m2", ("MiniMaxM2ForCausalLM",), "minimax_m2", {**ATTENTION_KEYS, **QK_NORM_KEYS,
+                                                                  **MINIMAX_M2_ROUTER},
+           readers={**MOE_READERS, **{f: read_minimax_m2 for f in ("router_jitter_noise", "rotary_dim",
+                                                                   "partial_rotary_factor")}},
+           fixed={"qk_norm": True, "qk_norm_over": "projection", "norm_topk_prob": True, "router_score": "sigmoid",
+                  "router_bias": True},
+           irrelevant=MOE_IRRELEVANT,
+           moe=MoeKeys(MIXTRAL_EXPERTS, ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef"),
+                       {k: k.replace("block_sparse_moe", "mlp") for k in MINIMAX_M2_ROUTER}),
+           defaults={**COMMON_DEFAULTS, "max_position_embeddings": 196608, "head_dim": 128,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 5e6}, "num_local_experts": 256,
+                     "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}),
 )}

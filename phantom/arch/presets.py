@@ -174,6 +174,14 @@ PRESETS: dict[str, ModelConfig] = {
                                layer_types=("sliding_attention", "full_attention") * 12, n_experts=32),
     "gpt-oss-120b": ModelConfig(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, vocab_size=201088, **GPT_OSS,
                                 layer_types=("sliding_attention", "full_attention") * 18, n_experts=128),
+    # MiniMaxAI/MiniMax-M2 (MiniMaxM2Config's defaults, which are its config.json's; rotary_dim 64 of each 128-wide
+    # head, as the file says): q/k norms over the whole projections, sigmoid routing with a correction bias
+    "minimax-m2-230B": ModelConfig(dim=3072, n_layers=62, n_heads=48, n_kv_heads=8, vocab_size=200064,
+                                   intermediate_size=1536, norm_eps=1e-6, rope_theta=5e6, max_seq_len=196608,
+                                   family="minimax_m2", explicit_head_dim=128, rotary_dim=64, qk_norm=True,
+                                   qk_norm_over="projection", n_experts=256, experts_per_token=8, expert_dim=1536,
+                                   norm_topk_prob=True, router_aux_coef=0.001, router_score="sigmoid",
+                                   router_bias=True),
     # Gated DeltaNet among gated attention: Qwen/Qwen3.5-35B-A3B, Qwen/Qwen3.5-122B-A10B, Qwen/Qwen3.5-397B-A17B
     # (vision-language checkpoints: their text_config; the vision tower is left out), Qwen/Qwen3-Next-80B-A3B-Instruct
     "qwen3.5-35B-A3B": qwen35(40, 2048, 16, 32, 256, 8, 512),

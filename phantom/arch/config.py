@@ -147,14 +147,14 @@ class ModelConfig:
     router_group_score: str = "max"
     routed_scale: float = 1.0
     shared_expert_gate: bool = True
-    # multi-head latent attention (phantom.arch.mla) where kv_lora_rank > 0: q through a q_lora_rank bottleneck
-    # (0: one projection), keys and values from a kv_lora_rank latent and one rotated key shared by the heads;
-    # q/k heads are qk_nope_head_dim plain dims then rope_dim (rotary_dim) rotated ones, v heads v_head_dim
+    # multi-head latent attention (phantom.arch.mla) where kv_lora_rank > 0: q through a q_lora_rank bottleneck (0: one
+    # projection), k, v from a kv_lora_rank latent and one rotated key for all heads; q/k heads nope then rope_dim dims
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True  # rotated dims in pairs (2i, 2i+1), as Meta's; False: halves (i, i + R/2), as HF ships
+    index_heads: int = 0; index_head_dim: int = 0; index_topk: int = 0  # noqa: E702 - DeepSeek-V3.2's indexer (mla)
     # gpt-oss (family_gptoss): sinks in each softmax's denominator; a router bias on the logits (a parameter, unlike
     # router_bias); biased experts; SwiGLU clamped: (clamp(up, -l, l) + 1) * g * sigmoid(swiglu_alpha * g), g = min(gate, l)
     attn_sinks: bool = False
@@ -418,7 +418,15 @@ def latent_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return q | {"attention.wkv_a.weight": (cfg.kv_lora_rank + cfg.rope_dim, cfg.dim),
                 "attention.kv_a_norm.weight": (cfg.kv_lora_rank,),
                 "attention.wkv_b.weight": (cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                "attention.wo.weight": (cfg.dim, cfg.n_heads * cfg.v_head_dim)}
+                "attention.wo.weight": (cfg.dim, cfg.n_heads * cfg.v_head_dim)} | indexer_shapes(cfg)
+
+
+def indexer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3.2's lightning indexer (none where cfg.index_topk is 0), in transformers' names."""
+    d = cfg.index_head_dim
+    return {} if not cfg.index_topk else {"attention.indexer.wq_b.weight": (cfg.index_heads * d, cfg.q_lora_rank),
+            "attention.indexer.wk.weight": (d, cfg.dim), "attention.indexer.k_norm.weight": (d,),
+            "attention.indexer.k_norm.bias": (d,), "attention.indexer.weights_proj.weight": (cfg.index_heads, cfg.dim)}
 
 
 def expert_shapes(dim: int, width: int, prefix: str, bias: bool = False) -> dict[str, tuple[int, ...]]:

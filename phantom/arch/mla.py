@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn as nn
 
-from phantom.arch.config import ModelConfig
+from phantom.arch.config import ModelConfig, indexer_shapes
 from phantom.arch.ops import KVCache, RMSNorm, apply_rope, apply_rope_halves, attend, attention_mask, linear
 
 
@@ -47,6 +47,15 @@ class LatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, 1e-6, device, dtype)
         self.wkv_b = linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), device, dtype)
         self.wo = linear(cfg.n_heads * cfg.v_head_dim, cfg.dim, device, dtype)
+        self.index_topk = cfg.index_topk
+        for name, shape in indexer_shapes(cfg).items():  # buffers, unused: at rows of <= index_topk keys it picks all
+            *path, leaf = name.removeprefix("attention.").split(".")
+            module = self
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, nn.Module())
+                module = getattr(module, part)
+            module.register_buffer(leaf, torch.zeros(shape, device=device, dtype=dtype))
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         return self.wq_b(self.q_a_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
@@ -74,6 +83,9 @@ class LatentAttention(nn.Module):
             cache.v[:B, 0, start_pos:start_pos + T] = k_rot[:, :, 0]
             latent, k_rot = cache.k[:B, 0, :start_pos + T], cache.v[:B, 0, :start_pos + T, None]
         S = latent.shape[1]
+        if self.index_topk and S > self.index_topk:
+            raise ValueError(f"{S} keys: DeepSeek Sparse Attention's top-{self.index_topk} selection is not computed; "
+                             f"rows up to index_topk ({self.index_topk}) keys attend densely, as it chooses every key")
         kv = self.wkv_b(latent).view(B, S, self.n_heads, self.nope + self.v_dim)
         k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_pass, k_rot.expand(B, S, self.n_heads, self.rope_dim)], dim=-1)

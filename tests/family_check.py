@@ -166,6 +166,14 @@ CASES = {
                                                num_experts_per_tok=2, rotary_dim=12, bos_token_id=1, eos_token_id=2),
                        "MiniMaxM2ForCausalLM", {"family": "minimax_m2", "n_experts": 8, "router_bias": True,
                                                 "rope_dim": 12, "qk_norm_over": "projection"}, **MOE),
+    # Llama 4: a RoPE layer attending in chunks of 16 with q/k L2 norms and a dense MLP, then a RoPE-less one with the
+    # attention temperature (floor_scale 4: it grows within 40 tokens) and 4 experts (top-2 by sigmoid, scaling their
+    # input) beside a shared expert
+    "llama4": Case("Llama4TextConfig", dict(SHAPES, head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
+                                            num_local_experts=4, num_experts_per_tok=2, no_rope_layer_interval=2,
+                                            interleave_moe_layer_step=2, attention_chunk_size=16, floor_scale=4),
+                   "Llama4ForCausalLM", {"family": "llama4", "n_experts": 4, "dense_layers": (0,), "attn_chunk": 16,
+                                         "layer_types": ("chunked_attention", "full_attention")}, **MOE),
     "qwen3_next": Case("Qwen3NextConfig", LINEAR, "Qwen3NextForCausalLM",
                        {"family": "qwen3_next", "n_experts": 8, "linear_grouped": True, "rope_dim": 4},
                        **{**MOE, "runs": MOE["runs"][:3], "lora_runs": MOE["lora_runs"][:1]}),
@@ -436,7 +444,8 @@ def check_full_step(model, store, tokens, targets, work_dir=None, lr: float = 1e
     moe = hasattr(model.config, "router_aux_loss_coef")  # its router loss, as transformers adds it
     fused = any(n.endswith("experts.gate_up_proj") for n, _ in model.named_parameters())
     out = model(tokens, output_router_logits=True) if moe else model(tokens)
-    (cross_entropy(out.logits, targets) + (model.config.router_aux_loss_coef * out.aux_loss if moe else 0)).backward()
+    aux = getattr(out, "aux_loss", None) if moe else None  # Llama4ForCausalLM's loss has no router term
+    (cross_entropy(out.logits, targets) + (0 if aux is None else model.config.router_aux_loss_coef * aux)).backward()
     ref_opt.step()
     unreached = {n for n, p in model.named_parameters() if p.grad is None}  # DeepSeek-V3.2's indexer: no gradient
     knobs = dict(offload="none") if work_dir is None else dict(offload="disk", prefetch=1, work_dir=work_dir)

@@ -33,7 +33,7 @@ RANK = {  # within a package
              "recordformats": 3, "dataset": 4, "batches": 5, "showdata": 6},
     "arch": {"config": 0, "quantformat": 1, "moe": 1, "presets": 1, "ops": 1, "mla": 2, "familybase": 2,
              "family_moe": 3, "family_gemma": 3, "family_phi": 3, "family_deepseek": 4, "family_gptoss": 4,
-             "deltanet": 2, "family_qwen35": 4, "quant": 2, "layers": 3,
+             "deltanet": 2, "family_qwen35": 4, "family_llama4": 4, "quant": 2, "layers": 3,
              "family": 5, "expertlora": 4, "tiled": 0},
     "files": {"tensorfile": 0, "directio": 1, "hfshards": 1, "fusedrows": 1, "runfolder": 1, "seal": 1,
               "storeformat": 1, "storelinks": 2, "workingcopy": 2, "storeverify": 3, "storewriter": 3, "store": 4},

@@ -75,9 +75,9 @@ def refuse(path, key: str, value, supported: str):
 
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the MLP's gate activation (transformers' names)
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "chunked_attention")
 # how a router scores: softmax over every expert, sigmoid, or softmax over the top-k logits alone (gpt-oss)
-ROUTER_SCORES = ("softmax", "sigmoid", "topk_softmax")
+ROUTER_SCORES = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")  # topk_sigmoid: scales the experts' input
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,7 @@ class ModelConfig:
     attn_sinks: bool = False
     router_logit_bias: bool = False
     expert_bias: bool = False
-    swiglu_limit: float | None = None
-    swiglu_alpha: float = 1.702
+    swiglu_limit: float | None = None; swiglu_alpha: float = 1.702  # noqa: E702
     interleaved_experts: bool = False  # 3-D experts (experts, in, out), gate and up alternating on out (gpt-oss)
     attn_output_gate: bool = False  # wq yields each head's query then its output gate: sigmoid(gate) before wo
     # Gated DeltaNet (phantom.arch.deltanet) where layer_types says linear_attention: linear_k_heads q/k heads of
@@ -173,6 +172,7 @@ class ModelConfig:
     linear_v_dim: int = 0
     linear_conv: int = 0
     linear_grouped: bool = False
+    attn_chunk: int = 0; nope_full: bool = False; qk_l2: bool = False; attn_scale: float = 0.0; floor_scale: float = 0.0  # noqa: E702, Llama 4 (family_llama4)
 
     def __post_init__(self):
         check_numbers(self, positive=("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"))
@@ -466,7 +466,7 @@ def rope_rows(cfg: ModelConfig) -> dict[str, int]:
     head's row order, a whole-projection norm's (OLMoE) is the projection's); in halves there is nothing to
     permute ({}). Latent attention keeps the checkpoint's rows as they are (phantom.arch.mla rotates either
     layout)."""
-    if cfg.kv_lora_rank or not cfg.rope_interleave:
+    if cfg.kv_lora_rank or not cfg.rope_interleave or cfg.family == "llama4":  # Llama 4 ships pairs: nothing to turn
         return {}
     per_head = cfg.qk_norm_over == "head"
     return {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads,

@@ -25,6 +25,7 @@ class MoeKeys:
     fields: tuple[str, ...]
     fused_renames: dict[str, str] = field(default_factory=dict)
     fused: dict[str, tuple[str, ...]] = field(default_factory=lambda: FUSED_EXPERTS)
+    turned: str = ""  # "halves": the fused tensors are (experts, in, out), gate then up on out (Llama 4)
 
 
 def expert_keys(prefix: str, gate: str, up: str, down: str, to: str = "feed_forward.experts.<e>") -> dict:

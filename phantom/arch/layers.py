@@ -20,7 +20,7 @@ from phantom.arch.mla import LatentAttention
 from phantom.arch.moe import MoeFeedForward
 from phantom.arch.tiled import tiled
 from phantom.arch.ops import ACTIVATIONS, KVCache, RMSNorm, apply_rope, apply_rope_halves, attend, attention_mask, \
-    linear
+    chunk_mask, linear, rms_norm
 
 
 def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -74,6 +74,15 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         # which of a two-base RoPE table this layer reads (rope_table); None: the table is one base
         self.rope_index = None if cfg.local_rope_theta is None else int(self.window is not None)
+        # Llama 4: the table carries each position (rope_table); chunked layers attend within chunks, norm q/k after
+        # RoPE; with nope_full, full-attention layers have no RoPE and scale q by the position's temperature
+        kind = cfg.layer_types[layer % len(cfg.layer_types)] if cfg.layer_types else None
+        self.positioned = bool(cfg.nope_full or cfg.attn_chunk)
+        self.rope_index = 0 if self.positioned else self.rope_index
+        self.chunk = cfg.attn_chunk if kind == "chunked_attention" else 0
+        self.nope = cfg.nope_full and kind == "full_attention"
+        self.l2_eps = cfg.norm_eps if cfg.qk_l2 and not self.nope else None
+        self.temper = (cfg.attn_scale, cfg.floor_scale) if self.nope and cfg.attn_scale else None
         kv = cfg.kv_heads * cfg.head_dim
         self.gated = cfg.attn_output_gate  # wq: each head's query then its output gate (Qwen3-Next)
         self.rotate = apply_rope if cfg.rope_interleave else apply_rope_halves  # halves: HF's rows, unpermuted
@@ -102,6 +111,7 @@ class Attention(nn.Module):
         if self.gated:  # (B, T, H, 2D): each head's query, then its gate
             q, g = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
             q, gate = q.reshape(B, T, -1), (g.reshape(B, T, -1),)
+        positions = rope.select(-3, 1)[..., 0, 0] if self.positioned else None  # (T,) or (B, T)
         if self.rope_index is not None:  # (.., 2, D/2, 2): the table of this layer's RoPE base
             rope = rope.select(-3, self.rope_index)
         if not self.norm_heads:
@@ -109,7 +119,14 @@ class Attention(nn.Module):
         q, k = q.view(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
         if self.norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.rotate(q, rope), self.rotate(k, rope), v.view(B, T, self.n_kv_heads, self.head_dim), *gate
+        if not self.nope:
+            q, k = self.rotate(q, rope), self.rotate(k, rope)
+        if self.l2_eps is not None:  # Llama 4's weightless q/k norm, after RoPE
+            q, k = rms_norm(q, 1.0, self.l2_eps), rms_norm(k, 1.0, self.l2_eps)
+        if self.temper is not None:  # Llama 4's attention temperature on RoPE-less layers, by each token's position
+            scale, floor = self.temper
+            q = (q * (torch.log1p(torch.floor((positions + 1.0) / floor)) * scale + 1.0)[..., None, None]).to(q.dtype)
+        return q, k, v.view(B, T, self.n_kv_heads, self.head_dim), *gate
 
     def forward(self, x: torch.Tensor | None, rope: torch.Tensor, cache: KVCache | None = None,
                 start_pos: int = 0, mask: torch.Tensor | None = None,
@@ -125,6 +142,10 @@ class Attention(nn.Module):
             cache.v[:B, :, start_pos:start_pos + T] = v
             k, v = cache.k[:B, :, :start_pos + T], cache.v[:B, :, :start_pos + T]
         window = attention_mask(T, start_pos if cache is not None else 0, self.window, q.device)
+        if self.chunk and start_pos + T > self.chunk:  # Llama 4's chunks, by each example's own positions
+            pos = rope.select(-3, 1)[..., 0, 0]
+            window = chunk_mask(pos, pos if cache is None else torch.arange(start_pos + T, device=q.device), self.chunk)
+            window = window[:, None] if window.dim() == 3 else window
         if mask is None:
             mask = window
         elif window is not None:  # a packed row under a sliding window: both apply

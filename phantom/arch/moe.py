@@ -87,9 +87,10 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, rule: Routing = Routi
 
     Returns:
         weights (N, k) and expert ids (N, k)."""
-    if rule.score == "topk_softmax":  # gpt-oss: the k largest logits, softmax over them alone
+    if rule.score in ("topk_softmax", "topk_sigmoid"):  # the k largest logits, softmax over them (gpt-oss) or sigmoid
         top, experts = torch.topk(logits, k, dim=-1)
-        return F.softmax(top, dim=-1, dtype=torch.float32).to(logits.dtype), experts
+        weights = F.softmax(top, dim=-1, dtype=torch.float32) if rule.score == "topk_softmax" else top.float().sigmoid()
+        return weights.to(logits.dtype), experts
     sigmoid = rule.score == "sigmoid"
     scores = logits.float().sigmoid() if sigmoid else F.softmax(logits, dim=-1, dtype=torch.float32)
     if bias is None and rule.groups == 1:
@@ -121,17 +122,21 @@ def dispatch(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[
     return order, torch.bincount(flat, minlength=n_experts).tolist()
 
 
-def mix(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, modules: nn.ModuleList) -> torch.Tensor:
-    """sum over each row's chosen experts of weight * expert(row), x (N, dim); one call per expert hit.
+def mix(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, modules: nn.ModuleList,
+        scale_input: bool = False) -> torch.Tensor:
+    """sum over each row's chosen experts of weight * expert(row) (expert(weight * row) with scale_input: Llama 4),
+    x (N, dim); one call per expert hit.
     Where the experts' weights train, the others run on no rows too: their gradients are zeros, not
     None, so an optimizer decays them as it does transformers' experts (one tensor for all of them)."""
     k = experts.shape[1]
     order, counts = dispatch(experts, len(modules))
     tokens = order // k
-    gathered = x.index_select(0, tokens).split(counts)
+    w = weights.reshape(-1).index_select(0, order)[:, None]
+    xs = x.index_select(0, tokens)
+    gathered = (xs * w.to(xs.dtype) if scale_input else xs).split(counts)
     every = torch.is_grad_enabled() and any(p.requires_grad for p in modules[0].parameters())
     outs = [modules[e](xs) for e, xs in enumerate(gathered) if counts[e] or every]
-    y = torch.cat(outs) * weights.reshape(-1).index_select(0, order)[:, None]
+    y = torch.cat(outs) if scale_input else torch.cat(outs) * w
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
 
@@ -210,7 +215,7 @@ class MoeFeedForward(nn.Module):
         if self.observer is not None:
             self.observer(chosen)
         with expert_views(self):
-            out = mix(flat, weights, chosen, self.experts)
+            out = mix(flat, weights, chosen, self.experts, self.rule.score == "topk_sigmoid")
         if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         elif self.shared_expert is not None:

@@ -88,6 +88,9 @@ def rope_table(cfg: ModelConfig, seq_len: int, device=None, long: bool = False) 
     def table(freqs, gain=gain):
         angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), freqs)
         return (torch.stack([angles.cos(), angles.sin()], -1) * gain).float()
+    if cfg.nope_full or cfg.attn_chunk:  # Llama 4: each position's number beside its table (Attention.positioned)
+        t = table(rope_frequencies(cfg, long=long))
+        return torch.stack([t, torch.arange(seq_len, dtype=torch.float32)[:, None, None].expand_as(t)], 1).to(device)
     if cfg.local_rope_theta is None:
         return table(rope_frequencies(cfg, long=long)).to(device)
     local = table(rope_frequencies(cfg, cfg.local_rope_theta, scaled=False), gain=1.0)
@@ -234,6 +237,13 @@ def attention_mask(q_len: int, start_pos: int, window: int | None, device=None) 
     pos_k = torch.arange(k_len, device=device)[None, :]
     seen = pos_k <= pos_q
     return seen & (pos_k > pos_q - window) if window is not None else seen
+
+
+def chunk_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(.., Tq, Tk) bool: a query sees the keys at or before its position in its own chunk of `chunk` positions
+    (Llama 4's chunked attention; positions (.., T): each example's own in packed rows)."""
+    pq, pk = pos_q.long()[..., :, None], pos_k.long()[..., None, :]
+    return (pk <= pq) & (pk // chunk == pq // chunk)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

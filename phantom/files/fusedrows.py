@@ -23,6 +23,7 @@ class RowSpec(TensorSpec):
     rows: tuple[int, int] | None = None
     pick: tuple[int, int, int] | None = None  # (expert, part, parts): columns part::parts of the expert, transposed
     pick_rows: bool = False  # pick's part::parts are the expert's rows, as they are (gpt-oss's MXFP4 blocks, scales)
+    halves: bool = False  # pick's part is the part-th of `parts` equal column ranges, not every parts-th (Llama 4)
 
 
 def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
@@ -33,7 +34,8 @@ def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
         t = f.get_slice(key)[e:e + 1][0]
         if spec.pick_rows:
             return t[p::parts].contiguous()
-        t = t[..., p::parts]
+        w = t.shape[-1] // parts
+        t = t[..., p * w:(p + 1) * w] if spec.halves else t[..., p::parts]
         return (t.T if t.dim() == 2 else t).contiguous()
     if spec.rows is None:
         return f.get_tensor(key)
@@ -46,18 +48,20 @@ def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
 
 
 def fused_rows(groups: dict[str, tuple[str, ...]], spec: TensorSpec, name: str, shapes: dict, path: Path,
-               interleaved: bool = False) -> RowSpec:
+               interleaved: bool | str = False) -> RowSpec:
     """spec as name's: itself, or name's rows of the fused tensor spec names (checked against config.json);
     groups: the checkpoint's fused tensors (phantom.arch.family.Family.layout). A 3-D fused tensor's rows are
     counted over its leading two dims (its experts' rows, expert after expert); with interleaved (gpt-oss),
-    the experts' tensors are (experts, in, out), their parts alternating on out (interleaved_part)."""
+    the experts' tensors are (experts, in, out), their parts alternating on out (interleaved_part); with
+    interleaved "halves" (Llama 4), one after the other on out."""
     group = next((names for names in groups.values() if name in names), None)
     if group is None:
         if spec.shape != shapes[name]:
             raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {shapes[name]}")
         return RowSpec(spec.name, spec.dtype, spec.shape, spec.start, spec.end)
     if interleaved:
-        return interleaved_part(group, spec, name, shapes, path)
+        part = interleaved_part(group, spec, name, shapes, path)
+        return dataclasses.replace(part, halves=True) if interleaved == "halves" else part
     fused = (sum(shapes[n][0] for n in group), *shapes[name][1:])
     if len(spec.shape) == 3 and (spec.shape[0] * spec.shape[1], spec.shape[2]) == fused:
         fused = spec.shape  # (experts, rows of each, columns)

@@ -230,6 +230,8 @@ class HFCheckpoint:
         text = family(self.cfg).text  # a vision-language checkpoint's text model: its tensors under their own names
         named = text[1](weight_map) if text is not None else {k: k for k in weight_map}  # our name -> the file's
         hf_names, fused = family(self.cfg).layout(self.cfg, fused_experts=self._fused_experts(named))
+        moe = family(self.cfg).moe  # (experts, in, out) experts: gpt-oss's parts alternate, Llama 4's are halves
+        turned = self.cfg.interleaved_experts or (moe is not None and moe.turned == "halves" and "halves")
         qc = safejson.load(config, what="config.json").get("quantization_config")
         fmt, packed = None if qc is None else shipped_format(qc, config), {}
         self.quantization_config, self.scale_dtypes = qc, set()  # as shipped: what --requantize writes back
@@ -248,8 +250,7 @@ class HFCheckpoint:
                 spec, path = specs.get(key), files[weight_map[key]]
                 if spec is None:
                     raise ValueError(f"{path}: tensor {key} missing (the index says it is here)")
-                self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path,
-                                                             self.cfg.interleaved_experts), start)
+                self.index[(part, name)] = (path, fused_rows(fused, spec, name, shapes, path, turned), start)
         self.dtype = self.index[("embed", "tok_embeddings.weight")][1].dtype
         if fmt is not None and fmt.method == "mxfp4":
             self.quant = self._shipped_mxfp4(packed, fused, weight_map, headers, files)
@@ -476,7 +477,8 @@ def as_shipped(cfg: ModelConfig) -> ModelConfig:
     (rotate_half), so the store keeps the rows as they are (rope_interleave False, recorded in the manifest's
     config) and the attention rotates halves; no row is permuted, so --link reads q and k in place too. Latent
     attention reads its layout from config.json (rope_interleave) and keeps it."""
-    return cfg if cfg.kv_lora_rank else dataclasses.replace(cfg, rope_interleave=False)
+    return cfg if cfg.kv_lora_rank or "rope_interleave" in family(cfg).fixed else dataclasses.replace(
+        cfg, rope_interleave=False)  # a family whose class rotates one layout (Llama 4's pairs) ships that one
 
 
 def linked_shard(src: Path, file: str, root: Path) -> Path:

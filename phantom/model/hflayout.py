@@ -86,7 +86,8 @@ def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor],
     permute); the parts of a fused tensor (Phi-3's qkv_proj) stacked by rows, in the family's order.
     Experts one tensor each (what save_pretrained writes), or transformers 5's 3-D tensors."""
     fam, permuted = family(cfg), rope_rows(cfg)
-    fused_experts = fused_experts or cfg.interleaved_experts  # gpt-oss's experts have no other layout
+    halves = fam.moe is not None and fam.moe.turned == "halves"  # Llama 4's (experts, in, out): gate then up
+    fused_experts = fused_experts or cfg.interleaved_experts or halves  # gpt-oss's, Llama 4's have no other layout
     hf = {name: permute_for_hf(t, permuted[name], cfg.rope_dim) if name in permuted else t
           for name, t in tensors.items()}
     out = {}
@@ -95,8 +96,8 @@ def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor],
         if present := [n for n in names if n in hf]:
             if len(present) != len(names):
                 raise ValueError(f"{key.format(part)} fuses {', '.join(names)}: {', '.join(present)} alone given")
-            if cfg.interleaved_experts and key in fam.moe.fused:
-                out[key.format(part)] = interleave_experts([hf.pop(n) for n in names], cfg.n_experts)
+            if (cfg.interleaved_experts or halves) and key in fam.moe.fused:
+                out[key.format(part)] = interleave_experts([hf.pop(n) for n in names], cfg.n_experts, halves)
                 continue
             out[key.format(part)] = torch.cat([hf.pop(n) for n in names])
             if fused_experts and key in FUSED_EXPERTS:  # (experts, rows of each, columns)
@@ -104,11 +105,13 @@ def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor],
     return out | {hf_names[(isinstance(part, int), name)].format(part): t.contiguous() for name, t in hf.items()}
 
 
-def interleave_experts(tensors: list[torch.Tensor], n_experts: int) -> torch.Tensor:
+def interleave_experts(tensors: list[torch.Tensor], n_experts: int, halves: bool = False) -> torch.Tensor:
     """Each expert's parts (gate and up, or down; expert after expert, each (out, in) or (out,)) as gpt-oss's
     3-D tensor: (experts, in, parts * out), the parts alternating on the last dim (phantom.files.fusedrows
-    reads them back)."""
+    reads them back); with halves (Llama 4's), one part after the other on the last dim."""
     parts = len(tensors) // n_experts
     turned = [t.T if t.dim() == 2 else t for t in tensors]
+    if halves:
+        return torch.stack([torch.cat(turned[e * parts:(e + 1) * parts], dim=-1) for e in range(n_experts)])
     return torch.stack([torch.stack(turned[e * parts:(e + 1) * parts], dim=-1).flatten(-2)
                         for e in range(n_experts)])

@@ -29,6 +29,12 @@ GPT_OSS = dict(intermediate_size=2880, max_seq_len=131072, rope_theta=150000, fa
                                         attention_factor=1 + 0.1 * math.log(32)))
 
 
+LLAMA4 = dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, vocab_size=202048, intermediate_size=16384,
+              rope_theta=500000.0, family="llama4", experts_per_token=1, expert_dim=8192,
+              shared_expert_dim=8192, shared_expert_gate=False, router_score="topk_sigmoid", attn_chunk=8192,
+              nope_full=True, attn_scale=0.1, floor_scale=8192.0,
+              layer_types=("chunked_attention",) * 3 + ("full_attention",))
+
 
 def gated_deltanet(n_layers: int, **fields) -> dict:
     """Qwen3-Next's and Qwen3.5's layers: three Gated DeltaNet layers (16 q/k heads of 128) then one gated full
@@ -182,6 +188,13 @@ PRESETS: dict[str, ModelConfig] = {
                                    qk_norm_over="projection", n_experts=256, experts_per_token=8, expert_dim=1536,
                                    norm_topk_prob=True, router_aux_coef=0.001, router_score="sigmoid",
                                    router_bias=True),
+    # meta-llama/Llama-4-Scout-17B-16E and -Maverick-17B-128E (their config.json's text_config; the vision tower is
+    # left out): RoPE (llama3 x16 on Scout, none on Maverick) with chunks of 8192 on three layers of four, the fourth
+    # without RoPE and with the attention temperature (floor_scale 8192, attn_scale 0.1); top-1 sigmoid routing
+    "llama4-scout-109B": ModelConfig(**LLAMA4, n_experts=16, qk_l2=True, rope_scaling=RopeScaling(
+        factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_seq_len=8192), max_seq_len=10485760),
+    "llama4-maverick-400B": ModelConfig(**LLAMA4, n_experts=128, dense_layers=tuple(range(0, 48, 2)),
+                                        max_seq_len=1048576),
     # Gated DeltaNet among gated attention: Qwen/Qwen3.5-35B-A3B, Qwen/Qwen3.5-122B-A10B, Qwen/Qwen3.5-397B-A17B
     # (vision-language checkpoints: their text_config; the vision tower is left out), Qwen/Qwen3-Next-80B-A3B-Instruct
     "qwen3.5-35B-A3B": qwen35(40, 2048, 16, 32, 256, 8, 512),

@@ -167,9 +167,11 @@ def cached(folder, marker: str, fetch, what: str, how: str):
 # -- llama.cpp's converters ---------------------------------------------------------------------------
 # convert_hf_to_gguf.py and convert_lora_to_gguf.py (with their conversion/ package and gguf-py) as
 # llama-cpp-python's sdist vendors llama.cpp: fetched once with `pip download`, checked against the sdist's
-# sha256, those parts unpacked into the cache. The reference GGUF writer phantom's is compared with: the
-# release whose gguf-py is the gguf package phantom pins (0.19.0; later ones read tokenizer flags otherwise).
-LLAMA_CPP = ("llama-cpp-python==0.3.28", "958227b394f413425d6039952096daa0b8b98328c6b99d652862aec775f1672d")
+# sha256, those parts unpacked into the cache. The reference GGUF writer phantom's is compared with, pinned here
+# alone (docs/models.md names it; tests/test_export_gguf.py checks that): the newest release on PyPI when pinned.
+# Its gguf-py reads tokenizer flags otherwise than the gguf package phantom writes with (0.19.0):
+# phantom.model.gguf_vocab.ConverterVocab reads them as it does.
+LLAMA_CPP = ("llama-cpp-python==0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
 LLAMA_CPP_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
 
 

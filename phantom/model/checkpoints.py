@@ -257,8 +257,7 @@ class HFCheckpoint:
         else:
             self.quant = None if fmt is None else self._shipped_int4(fmt, packed, weight_map, headers, files) \
                 if fmt.method == "int4-group" else self._shipped_fp8(fmt, weight_map, headers, files)
-        if self.quant is not None:
-            self.quant = dataclasses.replace(self.quant, float32=float32_tensors(self.index, self.dtype))
+        self.quant = self.quant and dataclasses.replace(self.quant, float32=float32_tensors(self.index, self.dtype))
         self.tokenizer_files = tokenizer_sources(src, root)
         self.tokenizer = next((p for p in self.tokenizer_files if p.name in ("tokenizer.model", "tokenizer.json")), None)
         if self.tokenizer is None and (src / "tiktoken.model").is_file():
@@ -452,9 +451,8 @@ PART_SUFFIXES = (".fp8", ".scale_inv", ".packed", ".scale", ".blocks", ".scales"
 
 
 def float32_tensors(index: dict, dtype: torch.dtype) -> tuple[str, ...]:
-    """The block tensors a shipped 16-bit checkpoint (index: HFCheckpoint.index, dtype: its 16-bit dtype) keeps in
-    float32 in every block that has them (DeepSeek-V3's router correction bias): a shipped store keeps them so,
-    read in place. A quantized weight's parts are not among them."""
+    """The block tensors a shipped 16-bit checkpoint (index: HFCheckpoint.index) keeps in float32 in every block
+    that has them (DeepSeek-V3's router correction bias), not a quantized weight's parts: a store keeps them so."""
     kinds = {}
     for (part, name), (_, spec, _) in index.items():
         if isinstance(part, int) and not name.endswith(PART_SUFFIXES):

@@ -79,7 +79,7 @@ def text_hparams(w: gguf.GGUFWriter, c: dict, ftype: gguf.LlamaFileType, blocks:
     if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
         w.add_rope_freq_base_swa(local)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    if (experts := first(c, ("num_local_experts", "num_experts"))) is not None:
+    if (experts := first(c, ("num_local_experts", "num_experts", "n_routed_experts"))) is not None:
         w.add_expert_count(experts)
     if (used := first(c, ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"))) is not None:
         w.add_expert_used_count(used)
@@ -221,7 +221,8 @@ def glm4moe_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
     text_hparams(w, c, ftype, c["num_hidden_layers"] + c.get("num_nextn_predict_layers", 0))
     w.add_rope_dimension_count(rope_dims(c, 0.5))
     if c.get("n_routed_experts") is not None:
-        w.add_expert_count(c["n_routed_experts"])
+        with rewriting():  # the base keys wrote it already (n_routed_experts), in place
+            w.add_expert_count(c["n_routed_experts"])
     if c.get("moe_intermediate_size") is not None:
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     if c.get("n_shared_experts") is not None:
@@ -244,15 +245,18 @@ def gpt_oss_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
     w.add_expert_feed_forward_length(c["intermediate_size"])
 
 
-def qwen3next_hparams(w: gguf.GGUFWriter, c: dict, ftype, blocks: int | None = None) -> None:
-    """Qwen3NextModel: Qwen2MoeModel's keys, Gated DeltaNet's shapes as ssm.*, the full-attention period,
-    RoPE's width."""
-    qwen_moe_hparams(w, c, ftype, blocks)
+def qwen3next_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
+    """Qwen3NextModel as converted with --no-mtp (phantom's export has no multi-token-prediction layers, as
+    transformers has none): Qwen2MoeModel's keys, Gated DeltaNet's shapes as ssm.*, which layers are recurrent
+    (layer_types), the full-attention period, RoPE's width."""
+    qwen_moe_hparams(w, c, ftype)
     w.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
     w.add_ssm_state_size(c["linear_key_head_dim"])
     w.add_ssm_group_count(c["linear_num_key_heads"])
     w.add_ssm_time_step_rank(c["linear_num_value_heads"])
     w.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+    if (layer_types := c.get("layer_types")) is not None:
+        w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in layer_types])
     w.add_full_attention_interval(c.get("full_attention_interval", 4))
     w.add_rope_dimension_count(rope_dims(c, 0.25))
 
@@ -261,10 +265,8 @@ QWEN35_MROPE_SECTION = [11, 11, 10, 0]  # _Qwen35MRopeMixin's default, written w
 
 
 def qwen35moe_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
-    """Qwen3_5MoeTextModel: Qwen3NextModel's keys (the prediction layers counted as blocks), its default
-    M-RoPE sections where the config has none, then the prediction layers' count."""
-    qwen3next_hparams(w, c, ftype, c["num_hidden_layers"] + c.get("mtp_num_hidden_layers", 0))
+    """Qwen3_5MoeTextModel as converted with --no-mtp: Qwen3NextModel's keys, its default M-RoPE sections where the
+    config has none."""
+    qwen3next_hparams(w, c, ftype)
     if "mrope_section" not in rope_parameters(c):
         w.add_rope_dimension_sections(QWEN35_MROPE_SECTION)
-    if c.get("mtp_num_hidden_layers", 0) > 0:
-        w.add_nextn_predict_layers(c["mtp_num_hidden_layers"])

@@ -3,8 +3,8 @@
 llama.cpp tells BPE pre-tokenizers apart by the sha256 of str(ids) a tokenizer gives CHECK_TEXT (with the
 tokens transformers adds), and writes the name as tokenizer.ggml.pre. The text and the table are those of
 convert_hf_to_gguf.py's get_vocab_base_pre (generated there by convert_hf_to_gguf_update.py) in the
-llama.cpp that llama-cpp-python 0.3.36 vendors (the 89 of 0.3.28's, the reference tests/ convert with, and
-newer ones; where a hash comes twice there, its last name, which the converter's chain of ifs keeps); a
+llama.cpp that llama-cpp-python 0.3.36 vendors (the release tests/conftest.py pins as the reference, LLAMA_CPP;
+the 89 of 0.3.28's and newer ones; where a hash comes twice there, its last name, which the converter's chain of ifs keeps); a
 tokenizer not in it is refused, as the converter refuses it.
 """
 from __future__ import annotations

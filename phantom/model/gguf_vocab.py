@@ -128,6 +128,125 @@ def phi3_vocab(folder: Path, vocab_size: int) -> tuple[list[bytes], list[float],
     return tokens, scores, types
 
 
+class ConverterVocab(gguf.SpecialVocab):
+    """gguf's SpecialVocab as the converter of the pinned llama-cpp-python release (tests/conftest.py's
+    LLAMA_CPP: its gguf-py is newer than the gguf package's 0.19.0) reads tokenizer.json and tokenizer_config.json:
+    a post-processor's add-BOS/EOS/SEP flags win over tokenizer_config.json's add_*_token (a ByteLevel one adds
+    neither BOS nor EOS where nothing before it says), a TemplateProcessing's leading special token is BOS (and CLS)
+    where the config names none, and the normalizer's lowercase and strip_accents are written. The merges and
+    the chat template are the package's reading."""
+
+    def _try_load_from_tokenizer_json(self, path: Path) -> bool:
+        types = tuple(self.special_token_types)
+        loaded = super()._try_load_from_tokenizer_json(path)
+        self.normalizer = {}
+        if not (path / "tokenizer.json").is_file():
+            return loaded
+        spec = read_json(path / "tokenizer.json")
+        config = read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else None
+        self.normalizer = normalizer_flags(spec.get("normalizer") or {})
+        self.special_token_types, self.add_special_token, self.special_token_ids = types, {}, {}
+        post_processor_flags(self, spec, config)
+        if config:
+            added = spec.get("added_tokens", {})
+            for typ in self.special_token_types:  # the config's flags where the post-processor set none; the ids
+                if isinstance(add := config.get(f"add_{typ}_token"), bool) and typ not in self.add_special_token:
+                    self.add_special_token[typ] = add
+                entry = config.get(f"{typ}_token")
+                content = entry.get("content") if isinstance(entry, dict) else entry
+                if isinstance(content, str):
+                    self._set_special_token(typ, next((t.get("id") for t in added if t.get("content") == content),
+                                                      None))
+        return True
+
+    def add_to_gguf(self, gw: gguf.GGUFWriter, quiet: bool = False) -> None:
+        super().add_to_gguf(gw, quiet)
+        for key in ("lowercase", "strip_accents"):
+            if key in self.normalizer:
+                gw.add_bool(f"tokenizer.ggml.normalizer.{key}", self.normalizer[key])
+
+
+def normalizer_flags(normalizer: dict) -> dict[str, bool]:
+    """{"lowercase", "strip_accents": bool} a tokenizer.json normalizer sets (standalone, BertNormalizer's
+    attributes, or nested in a Sequence; the last one read wins)."""
+    kind, out = normalizer.get("type"), {}
+    if kind == "Lowercase":
+        out["lowercase"] = True
+    elif kind == "StripAccents":
+        out["strip_accents"] = True
+    elif kind == "BertNormalizer":
+        out.update({k: normalizer[k] for k in ("lowercase", "strip_accents") if k in normalizer})
+    elif kind == "Sequence":
+        for norm in normalizer.get("normalizers", []):
+            out.update(normalizer_flags(norm))
+    return out
+
+
+def post_processor_flags(vocab: gguf.SpecialVocab, spec: dict, config: dict | None) -> None:
+    """vocab.add_special_token as the converter reads tokenizer.json's post-processor (each of a Sequence's in
+    turn), config (tokenizer_config.json, or None) given the special tokens it implies: CLS as BOS and SEP as EOS
+    where those are not named, RobertaProcessing's, TemplateProcessing's leading and trailing ones."""
+    tokens = {t: (config or {}).get(f"{t}_token") for t in ("bos", "cls", "eos", "sep")}
+    if not tokens["bos"] and tokens["cls"] and config:
+        config["bos_token"] = tokens["bos"] = tokens["cls"]
+    if not tokens["eos"] and tokens["sep"] and config:
+        config["eos_token"] = tokens["eos"] = tokens["sep"]
+    post = spec.get("post_processor")
+    for processor in (post.get("processors", [post]) if post else []):
+        kind = processor.get("type")
+        if kind == "ByteLevel":
+            vocab.add_special_token.setdefault("bos", False)
+            vocab.add_special_token.setdefault("eos", False)
+        elif kind == "RobertaProcessing":
+            vocab.add_special_token.update(bos=True, eos=True, sep=True)
+            if not tokens["cls"] and config:
+                config["cls_token"] = tokens["cls"] = processor.get("cls", [tokens["bos"]])[0]
+            if not tokens["sep"] and config:
+                config["sep_token"] = tokens["sep"] = processor.get("sep", [tokens["eos"]])[0]
+        elif kind == "TemplateProcessing":
+            template_flags(vocab, processor, config, tokens)
+
+
+def template_flags(vocab: gguf.SpecialVocab, processor: dict, config: dict | None, tokens: dict) -> None:
+    """A TemplateProcessing's flags (the converter's crude reading of simple templates): BOS where the single
+    template opens on BOS or CLS (naming them where the config does not), EOS where it closes on EOS (the config's
+    EOS moved to EOT, or EOM, where it closes on another), SEP where the pair template puts SEP or EOS between A
+    and B."""
+    single, pair, first, last = processor.get("single", []), processor.get("pair", []), None, None
+    if len(single) > 1:
+        if first := single[0].get("SpecialToken", {}).get("id"):
+            if not config:
+                tokens["bos"] = first
+            elif first not in (tokens["bos"], tokens["cls"]):
+                if not tokens["bos"]:
+                    config["bos_token"] = tokens["bos"] = first
+                if not tokens["cls"]:
+                    config["cls_token"] = tokens["cls"] = first
+            vocab.add_special_token["bos"] = first in (tokens["bos"], tokens["cls"])
+        if last := single[-1].get("SpecialToken", {}).get("id"):
+            if not config:
+                tokens["eos"] = last
+            elif last != tokens["eos"]:
+                for extra in ("eot", "eom"):
+                    if extra not in vocab.special_token_types:
+                        vocab.special_token_types = (*vocab.special_token_types, extra)
+                        config[f"{extra}_token"] = tokens["eos"]
+                        break
+                config["eos_token"] = tokens["eos"] = last
+            vocab.add_special_token["eos"] = last == tokens["eos"]
+    if pair:
+        start = 1 if first and pair[0].get("SpecialToken", {}).get("id") == first else 0
+        stop = -1 if last and pair[-1].get("SpecialToken", {}).get("id") == last else None
+        if (pair := pair[slice(start, stop)]) and pair[0].get("Sequence", {}).get("id") == "A" and \
+                pair[-1].get("Sequence", {}).get("id") == "B" and (pair := pair[1:-1]):
+            seps = [p.get("SpecialToken", {}).get("id") for p in pair[:2]]
+            add = bool(seps[0] in (tokens["sep"], tokens["eos"]) and seps[0] and not last) or \
+                bool(len(pair) == 2 and seps[1] and seps[1] in (tokens["sep"], tokens["eos"]))
+            vocab.add_special_token["sep"] = add
+            if add and not tokens["sep"] and config:
+                config["sep_token"] = tokens["eos"]
+
+
 GLM_SPECIAL = {"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"}
 
 
@@ -169,7 +288,7 @@ def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, kind: str)
         writer.add_tokenizer_pre(pre_tokenizer(folder))
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        special = gguf.SpecialVocab(folder, load_merges=True)
+        special = ConverterVocab(folder, load_merges=True)
         if kind == "glm":
             glm_special_tokens(special, folder, spec)
         special.add_to_gguf(writer)
@@ -179,4 +298,4 @@ def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, kind: str)
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
-    gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
+    ConverterVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)

@@ -212,8 +212,6 @@ def run(argv=None) -> int:
         device = phantom.resolve_device(args.device)
         dtype = cli.resolve_dtype(args.dtype, device)
         name, cfg, store_dtype, quant, profile, disk = model_and_profile(args, device, dtype)
-        if args.seq_len > cfg.max_seq_len:
-            raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
         overrides = dict(free_disk_bytes=disk, **({} if args.host_memory is None else
                                                   {"free_host_bytes": args.host_memory}))
         profile = dataclasses.replace(profile, **overrides)
@@ -245,6 +243,9 @@ def run(argv=None) -> int:
         print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict(), **extra}))
         return 0
     print(planner.describe_plan(best, shape, profile, name))
+    if args.seq_len > cfg.max_seq_len:
+        print(f"warning    rows of {args.seq_len} tokens are longer than the model's context ({cfg.max_seq_len}): "
+              f"planned as they would run; finetune.py refuses them unless the config's max_seq_len allows them")
     if full is not None:
         print(full.describe())
     else:

@@ -56,6 +56,8 @@ class Shape:
     dequant_bytes: int = 0  # a quantized store: the compute-dtype bytes each load dequantizes into
     moe_blocks: tuple[int, ...] = ()  # the blocks with experts (Placement.moe_base may keep their other weights)
     base_bytes: int = 0  # one such block's stored non-expert bytes: what a load reads less where they are kept
+    graph_bytes_per_token: int = 0  # one block's graph and its backward's gradients at their peak, per token
+    row_bytes_per_token: int = 0  # what a tiled block keeps at the row's full length, per token
 
     def kept(self) -> "Shape":
         """A load of a block whose attention, norms, router and shared experts the device keeps: experts alone."""
@@ -85,6 +87,21 @@ def keep_elems_per_token(cfg: ModelConfig) -> float:
     T x T matrix is kept. A measured profile corrects it by its `keep_scale`.
     """
     return 8.5 * cfg.dim + 3 * cfg.token_hidden_dim + 2 * cfg.kv_heads * cfg.head_dim + 16
+
+def grad_elems_per_token(cfg: ModelConfig) -> float:
+    """Elements per token a block's backward holds beside its graph at their peak: the gradients of two of the
+    MLP's hidden-wide tensors and of one model-wide tensor (a dim-512 block: 9.3 of the 35.8 model-width vectors a
+    token that a LoRA step's peak memory grows by at rows of 4k-16k tokens untiled, notes/long-rows.md)."""
+    return 2 * cfg.token_hidden_dim + cfg.dim
+
+
+def row_elems_per_token(cfg: ModelConfig) -> float:
+    """Elements per token a block keeps at the row's whole length when its token-wise parts run in chunks
+    (phantom.arch.tiled: each part keeps only its input): q, k and v and the attention's output (what SDPA keeps:
+    no T x T scores) and the MLP's input."""
+    q = cfg.n_heads * cfg.head_dim
+    return 2 * q + 2 * cfg.kv_heads * cfg.head_dim + cfg.dim
+
 
 def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", seq_len: int = 1024,
              quant: str | QuantFormat | None = None) -> Shape:
@@ -124,6 +141,8 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
         act_bytes_per_row=seq_len * cfg.dim * c,
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),
         seq_len=seq_len,
+        graph_bytes_per_token=int(c * (keep_elems_per_token(cfg) + grad_elems_per_token(cfg))),
+        row_bytes_per_token=int(c * row_elems_per_token(cfg)),
         store_bytes=cfg.n_layers * block + (head_params + embed_params) * s,
         dequant_bytes=params * c if quant is not None else 0)
 

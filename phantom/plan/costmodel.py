@@ -18,6 +18,9 @@ from phantom.stream.placement import Activations, Layout, Placement, loss_budget
 ALIGN = 4096  # phantom.files.tensorfile.DATA_ALIGN: HostBuffer rounds each RAM-tier block and staging buffer to it
 HUGE_PAGE, HUGE_MIN = 2 << 20, 16 << 20  # phantom.stream.hostmem's: host buffers from HUGE_MIN get huge pages
 FIXED_BYTES = 256 << 20  # LoRA and its optimizer state, allocator slack
+PROCESS_BYTES = 320 << 20  # a CPU run's process before its model: Python, torch and phantom imported (ru_maxrss
+# 0.316 GiB, notes/long-rows.md), its allocator's slack and LoRA's state at the widths planned
+CPU_LOSS_LOGITS = 64 << 20  # phantom.model.heads.default_loss_chunk on a CPU: fp32 logits of one loss chunk
 MARGIN = 0.15  # keep this fraction of free memory unused
 
 def align(n: int) -> int:
@@ -133,6 +136,8 @@ class Prediction:
         more = "".join(f", {n} in {t}" for t, n in s.items() if t not in ("device", "ram", "disk"))
         if self.layout.bases:
             more += f" (the attention and shared experts of {len(self.layout.bases)} of them kept on the device)"
+        if a.mlp_chunk and self.seq_len > a.mlp_chunk:
+            keep += f"; blocks tiled in chunks of {a.mlp_chunk} tokens (--mlp-chunk {a.mlp_chunk})"
         return (f"{s['device']} blocks on the device, {s['ram']} in RAM, {s['disk']} on disk{more}; prefetch "
                 f"{self.placement.prefetch}; {keep}; micro-batch {a.micro_batch}; compile "
                 f"{ {True: 'on', False: 'off', None: 'default'}[a.compile] }")
@@ -150,7 +155,7 @@ def kept_blocks(shape: Shape, profile: MachineProfile, activations: Activations,
     """Blocks whose activations are kept, as BlockExecutor.keeps decides (the first ones, in order)."""
     if activations.recompute != "auto":
         return shape.n_blocks if activations.recompute == "none" else 0
-    per_block = rows * shape.keep_bytes_per_row * profile.keep_scale
+    per_block = rows * kept_row_bytes(shape, profile, activations.mlp_chunk)
     budget = activations.keep_budget or 0
     return min(shape.n_blocks, int(budget // per_block)) if per_block > 0 else shape.n_blocks
 
@@ -191,10 +196,11 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     tiers, streams, slots = lay.tiers, list(lay.streamed), lay.slots
     keep = kept_blocks(shape, profile, activations, rows)
     cf, cb, head = block_compute(profile, shape, activations, rows, keep)
-    b = activations.micro_batch or rows
     bases = len(lay.bases) * shape.sizes.base
-    device, host, pinned = device_memory(shape, profile, tiers, slots, keep, rows, b) + \
-        (0 if profile.host_is_device else bases), *host_memory(shape, profile, tiers, slots, placement, keep, rows, b)
+    host_slots = min(slots, len(streams)) if profile.host_is_device else slots  # a CPU's slot never loaded: untouched
+    device, host, pinned = device_memory(shape, profile, tiers, slots, keep, rows, activations) + \
+        (0 if profile.host_is_device else bases), *host_memory(shape, profile, tiers, host_slots, placement, keep,
+                                                               rows, activations)
     host += bases if profile.host_is_device else 0
     cold = profile.disk_warm_gbps is None or tiers.count("disk") * shape.block_bytes > \
         (profile.free_host_bytes or 0) * (1 - margin) - host
@@ -273,31 +279,54 @@ def loaders_s(xs: list[float], reads: float, lay: Layout, profile: MachineProfil
         return sum(xs)
     return max(reads, sum(xs) / n)
 
-def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, micro_batch: int) -> int:
-    """Saved for backward (kept graphs, or block inputs), one micro-batch's graph, the running output
-    and its gradient."""
-    kept_row = shape.keep_bytes_per_row * profile.keep_scale
-    saved = keep * rows * kept_row + (shape.n_blocks - keep) * rows * shape.act_bytes_per_row
-    return int(saved + micro_batch * kept_row + 2 * rows * shape.act_bytes_per_row)
+def tiled(shape: Shape, chunk: int) -> bool:
+    """A row of shape.seq_len tokens runs its blocks' token-wise parts `chunk` tokens at a time (phantom.arch.tiled)."""
+    return bool(chunk) and shape.seq_len > chunk
+
+def kept_row_bytes(shape: Shape, profile: MachineProfile, chunk: int) -> float:
+    """Bytes one kept block's graph holds per row: the whole graph, or where the row is tiled the parts' inputs
+    and attention's (phantom.arch.tiled keeps no chunk's intermediates)."""
+    whole = shape.seq_len * shape.row_bytes_per_token if tiled(shape, chunk) else shape.keep_bytes_per_row
+    return whole * profile.keep_scale
+
+def block_peak_bytes(shape: Shape, profile: MachineProfile, chunk: int, micro_batch: int) -> float:
+    """One block's backward at its peak for a micro-batch: its graph and gradients over the whole row, or where
+    the row is tiled what stays at full length and one chunk's graph and gradients."""
+    per_token = shape.graph_bytes_per_token or shape.keep_bytes_per_row / shape.seq_len
+    if tiled(shape, chunk):
+        row = shape.seq_len * shape.row_bytes_per_token + chunk * per_token
+    else:
+        row = shape.seq_len * per_token
+    return micro_batch * row * profile.keep_scale
+
+def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, micro_batch: int,
+                     chunk: int = 0) -> int:
+    """Saved for backward (kept graphs, or block inputs), one micro-batch's block backward at its peak
+    (`block_peak_bytes`), the running output and its gradient; `chunk`: Activations.mlp_chunk."""
+    saved = keep * rows * kept_row_bytes(shape, profile, chunk) + \
+        (shape.n_blocks - keep) * rows * shape.act_bytes_per_row
+    return int(saved + block_peak_bytes(shape, profile, chunk, micro_batch) + 2 * rows * shape.act_bytes_per_row)
 
 def device_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, keep: int,
-                  rows: int, micro_batch: int) -> int:
-    """Device bytes at the peak: slots, resident blocks, activations, head, one loss chunk at its peak
-    (phantom.stream.placement.loss_budget, as PhantomModel sizes it), fixed slack (0 on a CPU)."""
+                  rows: int, acts: Activations) -> int:
+    """Device bytes at the peak: slots, resident blocks, activations (acts: micro-batch, None for all the rows, and
+    chunk), head, one loss chunk at its peak (phantom.stream.placement.loss_budget, as PhantomModel sizes it), fixed
+    slack (0 on a CPU)."""
     if profile.host_is_device:
         return 0
     blocks = slots * shape.slot_bytes + tiers.count("device") * shape.resident_bytes
-    return blocks + activation_bytes(shape, profile, keep, rows, micro_batch) + shape.head_bytes + \
-        loss_budget(profile.free_device_bytes) + FIXED_BYTES
+    return blocks + activation_bytes(shape, profile, keep, rows, acts.micro_batch or rows, acts.mlp_chunk) + \
+        shape.head_bytes + loss_budget(profile.free_device_bytes) + FIXED_BYTES
 
 def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, placement: Placement,
-                keep: int, rows: int, micro_batch: int) -> tuple[int, int]:
+                keep: int, rows: int, acts: Activations) -> tuple[int, int]:
     """(host bytes, of which pinned) as BlockScheduler allocates them.
 
     Each tier's blocks take `Tier.host_bytes` (phantom.stream.tiers). The RAM tier is one HostBuffer of 4 KiB-aligned blocks (pinned on CUDA, exactly that size; resident
     up to the next huge page, see host_buffer_bytes); on CUDA each slot has a pinned staging buffer of
     one aligned block when any streamed block is read (the disk tier). On a CPU the slots are aligned host
-    buffers and everything else lives there too.
+    buffers and everything else lives there too: the process (PROCESS_BYTES in place of FIXED_BYTES), the
+    embedding and head tables and one loss chunk (`cpu_loss_bytes`).
     """
     held = {t: T.get(t).host_bytes(tiers.count(t), shape.block_bytes, placement.shared_ram, profile.host_is_device)
             for t in set(tiers)}  # a CPU's device tier is RAM
@@ -305,12 +334,18 @@ def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], s
     slot = host_buffer_bytes(align(shape.block_bytes))
     if profile.host_is_device:
         rest = slots * slot + (slots * shape.resident_bytes if shape.converts else 0)
-        acts = activation_bytes(shape, profile, keep, rows, micro_batch)
-        return host_buffer_bytes(ram) + rest + acts + shape.head_bytes + FIXED_BYTES, 0
+        held_acts = activation_bytes(shape, profile, keep, rows, acts.micro_batch or rows, acts.mlp_chunk)
+        return host_buffer_bytes(ram) + rest + held_acts + shape.head_bytes + shape.embed_bytes + \
+            cpu_loss_bytes(shape) + PROCESS_BYTES, 0
     staging = slots if any(T.get(t).reads for t in tiers) else 0  # buffers of one aligned block
     pinned = sum(b for t, b in held.items() if T.get(t).pinned) + staging * align(shape.block_bytes) \
         if profile.device == "cuda" else 0
     return host_buffer_bytes(ram) + staging * slot, pinned
+
+def cpu_loss_bytes(shape: Shape) -> int:
+    """A CPU's loss chunk at its peak (phantom.model.heads.default_loss_chunk: ~64 MB of fp32 logits): the logits
+    and their gradient."""
+    return 2 * CPU_LOSS_LOGITS
 
 def shortfall(shape: Shape, profile: MachineProfile, device: int, host: int,
               margin: float) -> tuple[tuple[str, int], ...]:

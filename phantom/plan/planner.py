@@ -15,12 +15,15 @@ from phantom.plan.costmodel import (
     gib,
     host_memory,
     kept_blocks,
+    kept_row_bytes,
     layout,
     predict,
+    tiled,
 )
 from phantom.stream.placement import Activations, Placement
 
 PREFETCH = (0, 1, 2, 3, 4, 6, 8)
+MIN_CHUNK = 256  # the fewest tokens a chunk of tiled block compute is chosen to have
 
 def pow2_upto(n: int) -> list[int]:
     return [1 << i for i in range(n.bit_length()) if 1 << i <= n]
@@ -38,19 +41,36 @@ class SearchSpace:
     budgets: Placement | None = None
 
 def keep_budget_left(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, rows: int,
-                     micro_batch: int, margin: float) -> int:
-    """Bytes of kept activations that fit beside everything else (on the device, or the host on a CPU)."""
-    if profile.host_is_device:
-        free, used = profile.free_host_bytes, host_memory(shape, profile, tiers, slots, Placement(), 0, rows,
-                                                          micro_batch)[0]
-    else:
-        free, used = profile.free_device_bytes, device_memory(shape, profile, tiers, slots, 0, rows, micro_batch)
+                     acts: Activations, margin: float) -> int:
+    """Bytes of kept activations that fit beside everything else (on the device, or the host on a CPU), at
+    acts' micro-batch and chunk."""
+    free, used = memory_used(shape, profile, tiers, slots, rows, acts)
     if free is None:
         return 1 << 62
-    per_block = rows * shape.keep_bytes_per_row * profile.keep_scale
+    per_block = rows * kept_row_bytes(shape, profile, acts.mlp_chunk)
     extra = per_block - rows * shape.act_bytes_per_row  # a kept block holds its graph, not just its input
     n_keep = min(shape.n_blocks, max(0, int((free * (1 - margin) - used) // extra))) if extra > 0 else shape.n_blocks
     return int(n_keep * per_block)
+
+def memory_used(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, rows: int,
+                acts: Activations) -> tuple[int | None, int]:
+    """(free bytes, bytes used with no block kept) where activations live: the device, or the host on a CPU."""
+    if profile.host_is_device:
+        return profile.free_host_bytes, host_memory(shape, profile, tiers, slots, Placement(), 0, rows, acts)[0]
+    return profile.free_device_bytes, device_memory(shape, profile, tiers, slots, 0, rows, acts)
+
+def mlp_chunk(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, rows: int,
+              micro_batch: int, margin: float) -> int:
+    """Tokens per chunk of a block's tiled compute (Activations.mlp_chunk): the default where it fits beside
+    everything else, else the largest power of two down to MIN_CHUNK that does (MIN_CHUNK where none does)."""
+    chunk = Activations.mlp_chunk
+    while chunk > MIN_CHUNK and tiled(shape, chunk // 2):
+        free, used = memory_used(shape, profile, tiers, slots, rows, Activations(micro_batch=micro_batch,
+                                                                                 mlp_chunk=chunk))
+        if free is None or used <= free * (1 - margin):
+            break
+        chunk //= 2
+    return chunk
 
 def activation_choices(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, rows: int,
                        micro_batch: int, recompute: tuple[str, ...], margin: float) -> set[Activations]:
@@ -58,13 +78,15 @@ def activation_choices(shape: Shape, profile: MachineProfile, tiers: tuple[str, 
 
     An "auto" that keeps every block is "none", one that keeps none is "all": the plan says so."""
     out = set()
+    chunk = mlp_chunk(shape, profile, tiers, slots, rows, micro_batch, margin)
     for rc in recompute:
         budget = None
         if rc == "auto":
-            budget = keep_budget_left(shape, profile, tiers, slots, rows, micro_batch, margin)
-            keep = kept_blocks(shape, profile, Activations(recompute="auto", keep_budget=budget), rows)
+            budget = keep_budget_left(shape, profile, tiers, slots, rows,
+                                      Activations(micro_batch=micro_batch, mlp_chunk=chunk), margin)
+            keep = kept_blocks(shape, profile, Activations(recompute="auto", keep_budget=budget, mlp_chunk=chunk), rows)
             rc, budget = ("none", None) if keep == shape.n_blocks else ("all", None) if keep == 0 else (rc, budget)
-        out.add(Activations(recompute=rc, keep_budget=budget, micro_batch=micro_batch))
+        out.add(Activations(recompute=rc, keep_budget=budget, micro_batch=micro_batch, mlp_chunk=chunk))
     return out
 
 def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace = SearchSpace(),

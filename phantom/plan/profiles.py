@@ -49,6 +49,13 @@ log = logging.getLogger(__name__)
 PROFILE_VERSION = 3  # 1: per-model times (before the cost model took rates); 2: before expert reads, graphs
 # timed one at a time and the read jitter as a quartile spread
 PROBE_BLOCKS = 2  # synthetic blocks `probe` writes to measure a shape without weights
+MEASURED_TOKENS = 2048  # the longest row a profile times: a longer one is planned from its rates per FLOP and
+# byte (a 70B block's forward over 131072 tokens is ~60 PFLOP, hours on a CPU), attention's T^2 term in its FLOPs
+
+
+def measured_tokens(seq_len: int) -> int:
+    """Tokens a row is timed at for a profile of rows of seq_len tokens."""
+    return min(seq_len, MEASURED_TOKENS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +204,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
         cfg: the model the profile is for, where `store` holds blocks of a slice of it (`probe`);
             default: the store's own.
     """
-    cfg = cfg or store.cfg
+    cfg, seq_len = cfg or store.cfg, measured_tokens(seq_len)
     device, dtype = torch.device(device), parse_dtype(dtype)
     repeats = qs.QUICK_REPEATS if quick else 4
     t0 = time.perf_counter()
@@ -332,7 +339,8 @@ def profile_path(model, device, dtype, seq_len: int, profile_dir: Path | str | N
 
     A profile is kept per power of two of tokens per row (`length_bucket`): a block's rate per FLOP moves with
     the row's length (its activations outgrow the caches, attention's T^2 and a delta rule's chunk loop run at
-    their own rates), so rows of 8192 tokens are planned from a block timed at about that length, not at 1024.
+    their own rates), so rows of 2048 tokens are planned from a block timed at about that length, not at 128; rows
+    longer than MEASURED_TOKENS share the profile timed at it.
 
     Args:
         model: a BlockStore, or a ModelConfig (with store_dtype and quant: how its store would be stored).
@@ -342,7 +350,7 @@ def profile_path(model, device, dtype, seq_len: int, profile_dir: Path | str | N
     else:
         cfg, store_dtype = model, store_dtype or "bf16"
     name = f"{machine_key(device)}-{dtypes.lookup(dtype).torch_name}-{shape_key(cfg, store_dtype, quant)}" \
-        f"-t{length_bucket(seq_len)}.json"
+        f"-t{length_bucket(measured_tokens(seq_len))}.json"
     return Path(profile_dir or profile_dir_default()) / name
 
 
@@ -412,6 +420,7 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
     times quickly) to read, and times compute as `measure` does for the whole shape (on its slices).
     """
     dtype, store_dtype, quant = work.dtype, work.store_dtype, work.quant
+    work = dataclasses.replace(work, seq_len=measured_tokens(work.seq_len))
     path = profile_path(cfg, device, dtype, work.seq_len, profile_dir, store_dtype, quant)
     profile = None if remeasure else load_profile(path)
     if profile is None:

@@ -200,15 +200,19 @@ def check(args, subject: Subject, dtype: str, device, profile, best) -> int:
     return 0 if r["within_15"] else 1
 
 
+def check_flags(args) -> None:
+    if min(args.batch_size, args.grad_accum, args.seq_len, args.adapters) < 1:
+        raise ValueError("--batch-size, --grad-accum, --seq-len and --adapters must be >= 1")
+    if args.mode == "full" and (args.quantize or args.adapters > 1):
+        raise ValueError("--mode full trains every 16-bit weight of one model: it plans without --quantize and "
+                         "--adapters")
+
+
 def run(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     try:
-        if min(args.batch_size, args.grad_accum, args.seq_len, args.adapters) < 1:
-            raise ValueError("--batch-size, --grad-accum, --seq-len and --adapters must be >= 1")
-        if args.mode == "full" and (args.quantize or args.adapters > 1):
-            raise ValueError("--mode full trains every 16-bit weight of one model: it plans without --quantize "
-                             "and --adapters")
+        check_flags(args)
         device = phantom.resolve_device(args.device)
         dtype = cli.resolve_dtype(args.dtype, device)
         name, cfg, store_dtype, quant, profile, disk = model_and_profile(args, device, dtype)

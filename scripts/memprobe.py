@@ -3,7 +3,8 @@
     python scripts/memprobe.py --store STORE --seq-len 8192 [--checkpoint-inner] [--offload disk] [--mlp-chunk 0]
 
 Also prints the step's seconds (forward and backward, the model already open) and the CPU seconds of its
-threads (on a machine others share, the steadier figure of the two).
+threads (on a machine others share, the steadier figure of the two), and the cost model's predicted peak for the
+same step on a CPU (phantom.plan.costmodel: `predicted_gb`).
 """
 import argparse
 import json
@@ -16,7 +17,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
-from phantom.stream.placement import RECOMPUTE, Activations, offload_choices  # noqa: E402
+from phantom.files.tensorfile import dtype_name  # noqa: E402
+from phantom.plan import costinputs as ci, costmodel as cm  # noqa: E402
+from phantom.stream.placement import RECOMPUTE, Activations, Placement, offload_choices  # noqa: E402
+
+
+def predicted_peak(args, model) -> float:
+    """GiB the cost model predicts this step's process holds at its peak on a CPU (its own memory rules alone:
+    no rates needed)."""
+    store, dtype = model.store, dtype_name(model.dtype)
+    shape = ci.shape_of(store.cfg, store.manifest["dtype"], dtype, args.seq_len, store.quant)
+    profile = ci.MachineProfile(machine="here", device="cpu", dtype=dtype)
+    acts = Activations(recompute=args.recompute, mlp_chunk=args.mlp_chunk, checkpoint_inner=args.checkpoint_inner)
+    return cm.predict(profile, shape, Placement(offload=args.offload), acts, args.batch_size).host_bytes / 2**30
 
 
 def main():
@@ -39,6 +52,7 @@ def main():
     step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(json.dumps({**vars(args), "rss_before_gb": round(before, 3), "peak_gb": round(peak, 3),
+                      "predicted_gb": round(predicted_peak(args, model), 3),
                       "step_s": round(step_s, 2), "step_cpu_s": round(cpu_s, 2)}))
 
 

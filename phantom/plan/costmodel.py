@@ -189,15 +189,14 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     one factor within the spread), loaders(X') the loads
     in series or, on a CPU reading from disk, spread over its loaders (`loaders_s`), and
         step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
-    Memory: see `device_memory` and `host_memory`.
+    Memory: see `device_memory` and `host_memory` (a CPU's slots that no block is loaded into stay untouched).
     """
     activations = resident_activations(placement, activations)
     lay = layout(shape, profile, placement, tiers)
     tiers, streams, slots = lay.tiers, list(lay.streamed), lay.slots
     keep = kept_blocks(shape, profile, activations, rows)
     cf, cb, head = block_compute(profile, shape, activations, rows, keep)
-    bases = len(lay.bases) * shape.sizes.base
-    host_slots = min(slots, len(streams)) if profile.host_is_device else slots  # a CPU's slot never loaded: untouched
+    bases, host_slots = len(lay.bases) * shape.sizes.base, min(slots, len(streams)) if profile.host_is_device else slots
     device, host, pinned = device_memory(shape, profile, tiers, slots, keep, rows, activations) + \
         (0 if profile.host_is_device else bases), *host_memory(shape, profile, tiers, host_slots, placement, keep,
                                                                rows, activations)

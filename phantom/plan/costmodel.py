@@ -151,6 +151,11 @@ def layout(shape: Shape, profile: MachineProfile, placement: Placement,
     return P.resolve(shape.n_blocks, shape.sizes, placement, free, host_is_device=profile.host_is_device,
                      tiers=tiers, moe_blocks=shape.moe_blocks)
 
+def held_slots(lay: Layout, profile: MachineProfile) -> int:
+    """Slots that hold memory: on a CPU, a slot no block is loaded into stays untouched (fewer streamed blocks
+    than slots); a device's and its pinned staging buffers are allocated whole."""
+    return min(lay.slots, len(lay.streamed)) if profile.host_is_device else lay.slots
+
 def kept_blocks(shape: Shape, profile: MachineProfile, activations: Activations, rows: int) -> int:
     """Blocks whose activations are kept, as BlockExecutor.keeps decides (the first ones, in order)."""
     if activations.recompute != "auto":
@@ -189,14 +194,14 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     one factor within the spread), loaders(X') the loads
     in series or, on a CPU reading from disk, spread over its loaders (`loaders_s`), and
         step = (n - S) * (Cf + Cb) + pipe(Cf) + pipe(Cb) + head.
-    Memory: see `device_memory` and `host_memory` (a CPU's slots that no block is loaded into stay untouched).
+    Memory: see `device_memory` and `host_memory`, with `held_slots`.
     """
     activations = resident_activations(placement, activations)
     lay = layout(shape, profile, placement, tiers)
     tiers, streams, slots = lay.tiers, list(lay.streamed), lay.slots
     keep = kept_blocks(shape, profile, activations, rows)
     cf, cb, head = block_compute(profile, shape, activations, rows, keep)
-    bases, host_slots = len(lay.bases) * shape.sizes.base, min(slots, len(streams)) if profile.host_is_device else slots
+    bases, host_slots = len(lay.bases) * shape.sizes.base, held_slots(lay, profile)
     device, host, pinned = device_memory(shape, profile, tiers, slots, keep, rows, activations) + \
         (0 if profile.host_is_device else bases), *host_memory(shape, profile, tiers, host_slots, placement, keep,
                                                                rows, activations)

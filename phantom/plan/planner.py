@@ -13,6 +13,7 @@ from phantom.plan.costmodel import (
     align,
     device_memory,
     gib,
+    held_slots,
     host_memory,
     kept_blocks,
     kept_row_bytes,
@@ -61,12 +62,15 @@ def memory_used(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], s
 
 def mlp_chunk(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, rows: int,
               micro_batch: int, margin: float) -> int:
-    """Tokens per chunk of a block's tiled compute (Activations.mlp_chunk): the default where it fits beside
-    everything else, else the largest power of two down to MIN_CHUNK that does (MIN_CHUNK where none does)."""
-    chunk = Activations.mlp_chunk
+    """Tokens per chunk of a block's tiled compute (Activations.mlp_chunk): the default where it fits beside the
+    blocks the layout must hold (its RAM tier and resident blocks streamed instead: they yield to the chunk, the
+    search shrinking the RAM tier of a candidate left short), else the largest power of two down to MIN_CHUNK
+    that does (MIN_CHUNK where none does)."""
+    chunk, cpu = Activations.mlp_chunk, profile.host_is_device
+    lean = tuple("ram" if t == "device" else "disk" if t == "ram" and cpu else t for t in tiers)
     while chunk > MIN_CHUNK and tiled(shape, chunk // 2):
-        free, used = memory_used(shape, profile, tiers, slots, rows, Activations(micro_batch=micro_batch,
-                                                                                 mlp_chunk=chunk))
+        free, used = memory_used(shape, profile, lean, slots, rows, Activations(micro_batch=micro_batch,
+                                                                                mlp_chunk=chunk))
         if free is None or used <= free * (1 - margin):
             break
         chunk //= 2
@@ -123,7 +127,7 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
                         break  # deeper than the streamed blocks: the same as a shallower one
                     short = []
                     for b in micros:
-                        for acts in activation_choices(shape, profile, lay.tiers, lay.slots, rows, b,
+                        for acts in activation_choices(shape, profile, lay.tiers, held_slots(lay, profile), rows, b,
                                                        ("none",) if offload == "none" else recompute, margin):
                             if (lay.tiers, lay.bases, K, acts) not in seen:
                                 seen.add((lay.tiers, lay.bases, K, acts))
@@ -137,8 +141,8 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
 def choose(candidates: list[Prediction], tie: float = 0.01) -> Prediction:
     """The fastest fitting candidate of `search`.
 
-    Within `tie` of the fastest, it prefers fewer block loads, more resident blocks, a deeper queue
-    (it absorbs read-time variance), a larger micro-batch (fewer calls) and, last, less memory. Its
+    Within `tie` of the fastest, it prefers the default chunk of tiled compute, fewer block loads, more resident
+    blocks, a deeper queue (it absorbs read-time variance), a larger micro-batch (fewer calls) and, last, less memory. Its
     bound becomes "memory" when it is compute-bound only because a faster candidate did not fit.
 
     Raises:
@@ -153,7 +157,7 @@ def choose(candidates: list[Prediction], tie: float = 0.01) -> Prediction:
                          f"margin on memory); {fix}")
     t_best = min(c.step_s for c in fitting)
     near = [c for c in fitting if c.step_s <= t_best * (1 + tie)]
-    best = min(near, key=lambda c: (c.loads, -c.resident, -c.placement.prefetch, -c.activations.micro_batch,
+    best = min(near, key=lambda c: (c.activations.mlp_chunk < Activations.mlp_chunk, c.loads, -c.resident, -c.placement.prefetch, -c.activations.micro_batch,
                                     c.device_bytes + c.host_bytes))
     if best.bound == "compute" and faster_if_more_memory(candidates, best) is not None:
         best = dataclasses.replace(best, bound="memory")

@@ -221,6 +221,8 @@ def test_lora_run_with_8bit_states_resumes_and_refuses_the_other(tmp_path, monke
     err = capsys.readouterr().err.strip()
     assert "holds adamw_8bit's optimizer state" in err and "\n" not in err
     assert finetune(*args[:-2], "--out", out, "--resume", "--iters", "3", "--optim", "adamw_8bit") == 0
+    resumed = read_state(out / "checkpoint" / "state.pt")["optimizer"]["state"]  # the codes went on as codes
+    assert all(s["exp_avg_q"].dtype == torch.uint8 for s in resumed.values() if "exp_avg_q" in s)
 
 
 def c_and_torch(n: int, rounding: str, steps: int = 3):

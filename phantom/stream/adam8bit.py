@@ -245,6 +245,9 @@ def update(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], h: 
     codes and scales (new_state's), h from `hyper`: on a CPU the C loop of phantom.stream.cpukernel over
     every core; elsewhere (or without a C compiler) `torch_update`."""
     m_q, m_s, v_q, v_s = (state[k].view(-1) for k in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"))
+    if (m_q.dtype, v_q.dtype, m_s.dtype, v_s.dtype, p.dtype) != (torch.uint8,) * 2 + (torch.float32,) * 3:
+        raise TypeError(f"8-bit AdamW state of the wrong dtypes: codes {m_q.dtype}, {v_q.dtype}, scales {m_s.dtype}, "
+                        f"{v_s.dtype}, weight {p.dtype}")
     m_map, v_map = maps_on(p.device)
     maps = (m_map.code, *m_map.rounding(rounding), v_map.code, *v_map.rounding(rounding), rounding == "bnb_cpu")
     flat_g = g.reshape(-1).float().contiguous()
@@ -317,6 +320,15 @@ class AdamW8bit(torch.optim.Optimizer):
             raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, not {rounding!r}")
         self.rounding = rounding
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts every state tensor of a float parameter to its dtype: the codes go back to uint8
+        (exactly: they are 0..255)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for k in ("exp_avg_q", "exp_avg_sq_q"):
+                if k in state:
+                    state[k] = state[k].to(torch.uint8)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -15,7 +15,7 @@ from phantom.train.preference import Preference, PreferenceConfig
 
 transformers, peft = need("transformers"), need("peft")  # before test_reference's: a skip names this file
 
-from test_reference import CONFIGS, assert_lora_grads_match, peft_lora_grads, rel_err, stores  # noqa: E402, F401, F811 (stores: fixture)
+from test_reference import CONFIGS, assert_lora_grads_match, in_pairs, peft_lora_grads, rel_err, stores  # noqa: E402, F401, F811 (stores: fixture)
 
 P, T = 3, 24  # pairs, tokens per row
 
@@ -92,4 +92,4 @@ def test_dpo_loss_and_lora_gradients_match_peft(stores, tmp_path, where, loss):
     ref_loss, ref, chosen_reward = dpo_reference(model, tmp_path / "adapter", x, y, LOSSES[loss])
     torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=0)
     assert figures["rewards_chosen"] == pytest.approx(chosen_reward, rel=1e-4, abs=1e-6)
-    assert_lora_grads_match(got, ref, cfg, 1e-5)
+    assert_lora_grads_match(got, ref, cfg, 1e-5, in_pairs(store))

@@ -58,6 +58,7 @@ class Shape:
     base_bytes: int = 0  # one such block's stored non-expert bytes: what a load reads less where they are kept
     graph_bytes_per_token: int = 0  # one block's graph and its backward's gradients at their peak, per token
     row_bytes_per_token: int = 0  # what a tiled block keeps at the row's full length, per token
+    row_grad_bytes_per_token: int = 0  # and the gradients its attention's backward holds beside it, per token
 
     def kept(self) -> "Shape":
         """A load of a block whose attention, norms, router and shared experts the device keeps: experts alone."""
@@ -99,8 +100,14 @@ def row_elems_per_token(cfg: ModelConfig) -> float:
     """Elements per token a block keeps at the row's whole length when its token-wise parts run in chunks
     (phantom.arch.tiled: each part keeps only its input): q, k and v and the attention's output (what SDPA keeps:
     no T x T scores) and the MLP's input."""
-    q = cfg.n_heads * cfg.head_dim
-    return 2 * q + 2 * cfg.kv_heads * cfg.head_dim + cfg.dim
+    return attention_elems_per_token(cfg) + cfg.dim
+
+
+def attention_elems_per_token(cfg: ModelConfig) -> float:
+    """q, k, v and attention's output per token; as many gradients are held at full length in its backward (a
+    tiled LoRA step on a 7B-shaped 2-block store grows by 13.1 model-width vectors a token between 8k and 16k
+    tokens: 2 stored inputs, the output and its gradient, these 8 and the MLP's input, notes/long-rows.md)."""
+    return 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.kv_heads * cfg.head_dim
 
 
 def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", seq_len: int = 1024,
@@ -143,6 +150,7 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
         seq_len=seq_len,
         graph_bytes_per_token=int(c * (keep_elems_per_token(cfg) + grad_elems_per_token(cfg))),
         row_bytes_per_token=int(c * row_elems_per_token(cfg)),
+        row_grad_bytes_per_token=int(c * attention_elems_per_token(cfg)),
         store_bytes=cfg.n_layers * block + (head_params + embed_params) * s,
         dequant_bytes=params * c if quant is not None else 0)
 

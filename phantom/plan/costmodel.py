@@ -295,10 +295,10 @@ def kept_row_bytes(shape: Shape, profile: MachineProfile, chunk: int) -> float:
 
 def block_peak_bytes(shape: Shape, profile: MachineProfile, chunk: int, micro_batch: int) -> float:
     """One block's backward at its peak for a micro-batch: its graph and gradients over the whole row, or where
-    the row is tiled what stays at full length and one chunk's graph and gradients."""
+    the row is tiled what stays at full length with attention's gradients, and one chunk's graph and gradients."""
     per_token = shape.graph_bytes_per_token or shape.keep_bytes_per_row / shape.seq_len
     if tiled(shape, chunk):
-        row = shape.seq_len * shape.row_bytes_per_token + chunk * per_token
+        row = shape.seq_len * (shape.row_bytes_per_token + shape.row_grad_bytes_per_token) + chunk * per_token
     else:
         row = shape.seq_len * per_token
     return micro_batch * row * profile.keep_scale

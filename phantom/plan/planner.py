@@ -142,8 +142,8 @@ def choose(candidates: list[Prediction], tie: float = 0.01) -> Prediction:
     """The fastest fitting candidate of `search`.
 
     Within `tie` of the fastest, it prefers the default chunk of tiled compute, fewer block loads, more resident
-    blocks, a deeper queue (it absorbs read-time variance), a larger micro-batch (fewer calls) and, last, less memory. Its
-    bound becomes "memory" when it is compute-bound only because a faster candidate did not fit.
+    blocks, a deeper queue (it absorbs read-time variance), a larger micro-batch (fewer calls) and, last, less
+    memory. Its bound becomes "memory" when it is compute-bound only because a faster candidate did not fit.
 
     Raises:
         ValueError: nothing fits; the message says how many bytes are missing and where.
@@ -157,8 +157,8 @@ def choose(candidates: list[Prediction], tie: float = 0.01) -> Prediction:
                          f"margin on memory); {fix}")
     t_best = min(c.step_s for c in fitting)
     near = [c for c in fitting if c.step_s <= t_best * (1 + tie)]
-    best = min(near, key=lambda c: (c.activations.mlp_chunk < Activations.mlp_chunk, c.loads, -c.resident, -c.placement.prefetch, -c.activations.micro_batch,
-                                    c.device_bytes + c.host_bytes))
+    best = min(near, key=lambda c: (c.activations.mlp_chunk < Activations.mlp_chunk, c.loads, -c.resident,
+                                    -c.placement.prefetch, -c.activations.micro_batch, c.device_bytes + c.host_bytes))
     if best.bound == "compute" and faster_if_more_memory(candidates, best) is not None:
         best = dataclasses.replace(best, bound="memory")
     return best

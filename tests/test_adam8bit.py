@@ -233,8 +233,7 @@ def c_and_torch(n: int, rounding: str, steps: int = 3):
     g = torch.randn(n, generator=gen) * 1e-3
     g[:50] = 0
     g[1000:1300] = 0
-    maps = (A.SIGNED.code, *A.SIGNED.rounding(rounding), A.UNSIGNED.code, *A.UNSIGNED.rounding(rounding),
-            rounding == "bnb_cpu")
+    maps = (*A.tables(p.device, rounding), rounding == "bnb_cpu")
     out = []
     for form in ("c", "torch"):
         w, state = p.clone(), A.new_state(p.shape, p.device)

@@ -14,8 +14,8 @@ from phantom.files.store import BlockStore
 from phantom.model.lora import LoraConfig
 from phantom.stream.hostmem import HostBuffer
 from phantom.stream.memory import free_device_bytes, free_host_bytes
-from phantom.stream.optim import (AdamWConfig, BlockAdamW, FullFinetune, HostGradients, clip_coefficient,
-                                  moment_bytes, state_tier)
+from phantom.stream.optim import (AdamWConfig, BlockAdamW, FullFinetune, HostGradients, block_state_bytes,
+                                  clip_coefficient, state_tier)
 from phantom.stream.placement import Activations, Placement
 from phantom.stream.scheduler import BlockScheduler
 from phantom.stream.tiers import Held
@@ -63,8 +63,7 @@ def block_updates(cfg: ModelConfig, optim: AdamWConfig, scheduler: BlockSchedule
         raise ValueError(f"full finetuning writes every block back: the {', '.join(frozen)} tier cannot take "
                          f"updated weights (Held.update); place the blocks in ram or disk")
     share = {i: cfg.block_params(i) / cfg.n_params() for i in range(cfg.n_layers)}  # each block its own size
-    state_bytes = sum(4 * cfg.block_params(i) + moment_bytes(optim.optim, cfg.block_params(i))  # master, moments
-                      for i in range(cfg.n_layers))
+    state_bytes = sum(block_state_bytes(optim.optim, cfg.block_params(i)) for i in range(cfg.n_layers))
     tier = state_tier(optim.state, device, state_bytes, free_device_bytes(device), free_host_bytes())
     optimizer = BlockAdamW(optim, share, tier, store.path.parent / "optim", device)
     host_grads = None

@@ -20,8 +20,8 @@ import torch
 
 from phantom.arch.config import ModelConfig
 from phantom.plan.costinputs import MachineProfile, Shape
-from phantom.plan.costmodel import MARGIN, Prediction, gib
-from phantom.stream.optim import moment_bytes, state_memory, state_tier
+from phantom.plan.costmodel import MARGIN, Prediction, gib, missing_text, shortfall
+from phantom.stream.optim import block_state_bytes, moment_bytes, state_memory, state_tier
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def moment_bytes_per_param(optim: str, block_params: int) -> float:
 
 def state_per_param(optim: str, block_params: int) -> float:
     """The block optimizer's bytes per parameter: the fp32 master weights and the moments."""
-    return 4.0 + moment_bytes_per_param(optim, block_params)
+    return block_state_bytes(optim, block_params) / block_params
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class FullPrediction:
         return not self.missing
 
     def describe(self) -> str:
-        need = f"; short of {' and '.join(f'{gib(b)} {w}' for w, b in self.missing)}" if self.missing else ""
+        need = f"; missing: {missing_text(self.missing)}" if self.missing else ""
         return (f"full       {self.optim}: optimizer state {gib(self.state_bytes)} (moments {gib(self.moment_bytes)}) "
                 f"{'in RAM' if self.state_tier == 'ram' else 'on disk' if self.state_tier == 'disk' else 'on the device'}"
                 f"; needs {gib(self.host_bytes)} host memory, {gib(self.disk_bytes)} disk"
@@ -91,7 +91,7 @@ def predict_full(profile: MachineProfile, shape: Shape, cfg: ModelConfig, lora: 
     free_device = None if profile.free_device_bytes is None else \
         int(profile.free_device_bytes * (1 - MARGIN)) - lora.device_bytes  # the plan's margin kept
     free_host = None if profile.free_host_bytes is None else int(profile.free_host_bytes * (1 - MARGIN)) - lora.host_bytes
-    tier = state_tier(state, _device(profile), total_state, free_device, free_host)
+    tier = state_tier(state, torch.device(profile.device), total_state, free_device, free_host)
     held = state_memory(tier, block_params, n, per_param=per_param)
     others = cfg.n_params() - block_params * n  # head, embedding, final norm: the caller's optimizer
     other_bytes = int((8 + moment_bytes_per_param(optim, others)) * others)  # fp32 weight, gradient, moments
@@ -102,22 +102,11 @@ def predict_full(profile: MachineProfile, shape: Shape, cfg: ModelConfig, lora: 
     bwd_rate = profile.fwd_flops / profile.bwd_ratio
     return FullPrediction(
         optim=optim, state_tier=tier, state_bytes=total_state,
-        moment_bytes=int(moment_bytes_per_param(optim, block_params) * block_params * n),
+        moment_bytes=moment_bytes(optim, block_params) * n,
         host_bytes=host, device_bytes=device, disk_bytes=disk, lora_step_s=lora.step_s,
         grad_s=n * lora.rows * shape.flops_per_row / bwd_rate,
         update_s=cfg.n_params() / rates.params_per_s[optim],
         state_s=(total_state / (profile.disk_gbps * 1e9) + total_state / (rates.disk_write_gbps * 1e9))
         if tier == "disk" else 0.0,
         write_s=disk_blocks * shape.block_bytes / (rates.disk_write_gbps * 1e9),
-        missing=_short(profile, host, device, disk))
-
-
-def _device(profile: MachineProfile) -> torch.device:
-    return torch.device(profile.device)
-
-
-def _short(profile: MachineProfile, host: int, device: int, disk: int) -> tuple[tuple[str, int], ...]:
-    have = {"disk": profile.free_disk_bytes, "host memory": profile.free_host_bytes,
-            "device memory": profile.free_device_bytes if profile.device != "cpu" else None}
-    need = {"disk": disk, "host memory": host, "device memory": device}
-    return tuple((w, need[w] - have[w]) for w in need if have[w] is not None and need[w] > have[w])
+        missing=shortfall(shape, profile, device, host, MARGIN, disk))

@@ -82,9 +82,7 @@ class Prediction:
         return sum(b for _, b in self.missing)
 
     def missing_text(self) -> str:
-        """E.g. '35.2 GiB more disk space and 1.0 GiB more device memory'."""
-        return " and ".join(f"{gib(b)} more {where} {'space' if where == 'disk' else 'memory'}"
-                            for where, b in self.missing)
+        return missing_text(self.missing)
 
     @property
     def tokens_per_s(self) -> float:
@@ -351,13 +349,19 @@ def cpu_loss_bytes(shape: Shape) -> int:
     and their gradient."""
     return 2 * CPU_LOSS_LOGITS
 
-def shortfall(shape: Shape, profile: MachineProfile, device: int, host: int,
-              margin: float) -> tuple[tuple[str, int], ...]:
-    """(where, bytes missing) for the store on disk, device and host memory (less `margin`) that are short."""
+def missing_text(missing: tuple[tuple[str, int], ...]) -> str:
+    """E.g. '35.2 GiB more disk space and 1.0 GiB more device memory' (shortfall's answer)."""
+    return " and ".join(f"{gib(b)} more {where} {'space' if where == 'disk' else 'memory'}" for where, b in missing)
+
+
+def shortfall(shape: Shape, profile: MachineProfile, device: int, host: int, margin: float,
+              disk: int | None = None) -> tuple[tuple[str, int], ...]:
+    """(where, bytes missing) for disk (the store, or `disk` bytes), device and host memory (less `margin`)
+    that are short."""
     def over(need: int, free: int | None, keep: float) -> int:
         return 0 if free is None else max(0, need - int(free * (1 - keep)))
     unified = profile.device == "mps"  # Apple silicon: what the device holds comes out of the host's memory
-    short = (("disk", over(shape.store_bytes, profile.free_disk_bytes, 0.0)),
+    short = (("disk", over(shape.store_bytes if disk is None else disk, profile.free_disk_bytes, 0.0)),
              ("device", over(device, profile.free_device_bytes, margin)),
              ("host", over(host + (device if unified else 0), profile.free_host_bytes, margin)))
     return tuple((where, b) for where, b in short if b)

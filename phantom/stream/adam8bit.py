@@ -46,6 +46,12 @@ def check_optimizer(name: str) -> str:
     return name
 
 
+def check_rounding(name: str) -> str:
+    if name not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, not {name!r}")
+    return name
+
+
 def dynamic_map(signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
     """The dynamic quantization map (bitsandbytes' create_dynamic_map): per decade 10^-6 .. 1 a
     linear fraction whose resolution doubles with the decade, plus 0 and 1; 256 sorted fp32 values."""
@@ -93,12 +99,6 @@ class QuantMap:
         self.table = table.clamp_max(255).to(torch.uint8)
         grid = -1.0 + (2.0 * torch.arange(LUT_SIZE, dtype=torch.float32)) / (LUT_SIZE - 1)
         self.lut = torch.bucketize(grid, 0.5 * (code[:-1] + code[1:]), out_int32=True).to(torch.uint8)
-
-    def to(self, device: torch.device) -> QuantMap:
-        moved = object.__new__(QuantMap)
-        moved.code, moved.above, moved.table, moved.lut = (t.to(device) for t in (self.code, self.above, self.table,
-                                                                                    self.lut))
-        return moved
 
     def rounding(self, name: str, wide: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The (table, thresholds) the update's requantization reads for a ROUNDINGS name (wide: the
@@ -203,13 +203,16 @@ class _Kernel:
 
 
 KERNEL = _Kernel()
-_maps: dict[torch.device, tuple[QuantMap, QuantMap]] = {}
+_tables: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def maps_on(device: torch.device) -> tuple[QuantMap, QuantMap]:
-    if device not in _maps:
-        _maps[device] = SIGNED.to(device), UNSIGNED.to(device)
-    return _maps[device]
+def tables(device: torch.device, rounding: str = "nearest", wide: bool = False) -> tuple[torch.Tensor, ...]:
+    """What the update reads of both maps, on `device`: the signed map's codes, table (or lookup table) and
+    thresholds, then the unsigned map's (wide: int32 tables, for the C loop's vector gathers)."""
+    key = (torch.device(device), rounding, wide)
+    if key not in _tables:
+        _tables[key] = tuple(t.to(key[0]) for q in (SIGNED, UNSIGNED) for t in (q.code, *q.rounding(rounding, wide)))
+    return _tables[key]
 
 
 def hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int, coef: float,
@@ -222,10 +225,11 @@ def hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
     return torch.tensor(vals, dtype=torch.float32).to(device)
 
 
-def new_state(shape: torch.Size, device: torch.device) -> dict[str, torch.Tensor]:
-    """Zero moments for a tensor of `shape`: codes and scales from MIN_8BIT elements, else fp32."""
+def new_state(shape: torch.Size, device: torch.device, eight_bit: bool = True) -> dict[str, torch.Tensor]:
+    """Zero moments for a tensor of `shape`: codes and scales from MIN_8BIT elements, else (or without
+    `eight_bit`: fp32 AdamW's) fp32."""
     n = math.prod(shape)
-    if n < MIN_8BIT:
+    if n < MIN_8BIT or not eight_bit:
         return {"exp_avg": torch.zeros(shape, device=device), "exp_avg_sq": torch.zeros(shape, device=device)}
     blocks = -(-n // BLOCK)
     return {"exp_avg_q": torch.zeros(shape, dtype=torch.uint8, device=device),
@@ -248,26 +252,14 @@ def update(p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], h: 
     if (m_q.dtype, v_q.dtype, m_s.dtype, v_s.dtype, p.dtype) != (torch.uint8,) * 2 + (torch.float32,) * 3:
         raise TypeError(f"8-bit AdamW state of the wrong dtypes: codes {m_q.dtype}, {v_q.dtype}, scales {m_s.dtype}, "
                         f"{v_s.dtype}, weight {p.dtype}")
-    m_map, v_map = maps_on(p.device)
-    maps = (m_map.code, *m_map.rounding(rounding), v_map.code, *v_map.rounding(rounding), rounding == "bnb_cpu")
+    lut = rounding == "bnb_cpu"
     flat_g = g.reshape(-1).float().contiguous()
     fn = cpukernel.load() if p.device.type == "cpu" else None
     if fn is not None:
-        tables = _wide_tables(rounding)
-        cpukernel.run(fn, p.view(-1), flat_g, (m_q, m_s, v_q, v_s), h.contiguous(), tables, maps[6])
+        cpukernel.run(fn, p.view(-1), flat_g, (m_q, m_s, v_q, v_s), h.contiguous(), tables(p.device, rounding, True),
+                      lut)
     else:
-        torch_update(p.view(-1), flat_g, (m_q, m_s, v_q, v_s), h, maps)
-
-
-_wide: dict[str, tuple[torch.Tensor, ...]] = {}
-
-
-def _wide_tables(rounding: str) -> tuple[torch.Tensor, ...]:
-    """The C loop's tables (CPU): the maps' codes, int32 tables and thresholds, signed first."""
-    if rounding not in _wide:
-        _wide[rounding] = (SIGNED.code, *SIGNED.rounding(rounding, True), UNSIGNED.code,
-                           *UNSIGNED.rounding(rounding, True))
-    return _wide[rounding]
+        torch_update(p.view(-1), flat_g, (m_q, m_s, v_q, v_s), h, (*tables(p.device, rounding), lut))
 
 
 def torch_update(flat_p: torch.Tensor, flat_g: torch.Tensor, moments: tuple, h: torch.Tensor, maps: tuple) -> None:
@@ -316,9 +308,7 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, rounding: str = "nearest"):
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, not {rounding!r}")
-        self.rounding = rounding
+        self.rounding = check_rounding(rounding)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def load_state_dict(self, state_dict: dict) -> None:

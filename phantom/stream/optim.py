@@ -35,7 +35,7 @@ from torch.optim.adamw import adamw as adamw_functional
 from phantom.base import faults, fileio
 from phantom.files.tensorfile import write_safetensors
 from phantom.stream import adam8bit
-from phantom.stream.adam8bit import check_optimizer
+from phantom.stream.adam8bit import check_optimizer, check_rounding
 
 TIERS = ("ram", "disk", "device")  # where a block's master weights and moments live
 
@@ -55,13 +55,17 @@ class AdamWConfig:
 
     def __post_init__(self):
         check_optimizer(self.optim)
-        if self.rounding not in adam8bit.ROUNDINGS:
-            raise ValueError(f"rounding must be one of {', '.join(adam8bit.ROUNDINGS)}, not {self.rounding!r}")
+        check_rounding(self.rounding)
 
 
 def moment_bytes(optim: str, n: int) -> int:
     """Bytes of an n-element tensor's two moments under `optim`."""
     return 8 * n if optim == "adamw_torch" else adam8bit.state_bytes(n)
+
+
+def block_state_bytes(optim: str, n: int) -> int:
+    """The block optimizer's bytes for n parameters: fp32 master weights and the moments."""
+    return 4 * n + moment_bytes(optim, n)
 
 
 def state_tier(wanted: str, device: torch.device, state_bytes: int, free_device: int | None,
@@ -178,8 +182,7 @@ class BlockAdamW:
             state = {"step": torch.zeros(1, dtype=torch.int64)}
             for k, w in weights().items():
                 state[f"master.{k}"] = w.detach().to(self.device, torch.float32, copy=True)
-                moments = adam8bit.new_state(w.shape, self.device) if self.cfg.optim == "adamw_8bit" else \
-                    {"exp_avg": torch.zeros(w.shape, device=self.device), "exp_avg_sq": torch.zeros(w.shape, device=self.device)}
+                moments = adam8bit.new_state(w.shape, self.device, self.cfg.optim == "adamw_8bit")
                 state.update({f"{name}.{k}": t for name, t in moments.items()})
         state["step"] = state["step"].cpu()
         if self.tier != "disk":

@@ -17,7 +17,7 @@ import re
 from phantom.arch.config import ModelConfig, refuse
 from phantom.arch.family_moe import FUSED_EXPERTS, QWEN_EXPERTS, MoeKeys, expert_keys, refused_unless
 from phantom.arch.familybase import ATTENTION_KEYS, BIAS_KEYS, COMMON_DEFAULTS, DENSE_MLP_KEYS, LLAMA_KEYS, \
-    QK_NORM_KEYS, Family
+    QK_NORM_KEYS, Family, vl_text_config
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +106,9 @@ def read_glm_attention(c: dict, path) -> dict:
 
 def kimi_text_config(c: dict, path) -> dict:
     """A Kimi-K2.5 config.json's text model (text_config: DeepSeek-V3's fields), the vision tower said left out;
-    tie_word_embeddings is the outer config's, as Kimi_K25ForConditionalGeneration ties (true where left out).
-    A DeepSeek-V3 file is its own text model."""
-    if not isinstance(c.get("text_config"), dict):
-        return c
-    log.info("%s: %s is a vision-language model: its text model is read, the vision tower is left out", path,
-             (c.get("architectures") or ["?"])[0])
-    outer = {k: c[k] for k in ("quantization_config",) if k in c}
-    return {**c["text_config"], **outer, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-            "tie_word_embeddings": bool(c.get("tie_word_embeddings", True))}
+    tied where the outer config leaves it out, as Kimi_K25ForConditionalGeneration ties. A DeepSeek-V3 file is its
+    own text model."""
+    return vl_text_config(c, path, "DeepseekV3ForCausalLM", "deepseek_v3", tie=True)
 
 
 KIMI_TEXT = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),

@@ -15,14 +15,11 @@ topk_sigmoid, dense_layers, shared_expert_dim with shared_expert_gate false. Imp
 """
 from __future__ import annotations
 
-import logging
-
 from phantom.arch.config import ModelConfig, refuse
 from phantom.arch.family_moe import MoeKeys, expert_keys
 from phantom.arch.familybase import ATTENTION_KEYS, BIAS_KEYS, COMMON_DEFAULTS, DENSE_MLP_KEYS, Family, \
-    _read_attention_bias
+    _read_attention_bias, vl_text_config
 
-log = logging.getLogger(__name__)
 
 FF = "model.layers.{}.feed_forward"
 KEYS = {**ATTENTION_KEYS, **{k: v for k, v in BIAS_KEYS.items() if "self_attn" in k},
@@ -79,13 +76,7 @@ def read_experts(c: dict, path) -> dict:
 
 def text_config(c: dict, path) -> dict:
     """A Llama4ForConditionalGeneration config.json's text model (text_config), the vision tower said left out."""
-    if not isinstance(c.get("text_config"), dict):
-        return c
-    log.info("%s: %s is a vision-language model: its text model is read, the vision tower is left out", path,
-             (c.get("architectures") or ["?"])[0])
-    outer = {k: c[k] for k in ("quantization_config",) if k in c}
-    return {**c["text_config"], **outer, "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
-            "tie_word_embeddings": bool(c.get("tie_word_embeddings", False))}
+    return vl_text_config(c, path, "Llama4ForCausalLM", "llama4_text", tie=False)
 
 
 def text_weights(weight_map: dict[str, str]) -> dict[str, str]:

@@ -4,6 +4,7 @@ module (phantom.arch.family_deepseek, ...) builds its entries from these; phanto
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -11,6 +12,8 @@ from typing import Callable
 from phantom.arch.config import ModelConfig, RopeScaling
 from phantom.arch.config import refuse as _refuse
 from phantom.arch.quantformat import read_as_shipped
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # Tensor names: Hugging Face name -> store name ({} is the layer index)
@@ -216,3 +219,16 @@ class Family:
 
 
 COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+def vl_text_config(c: dict, path, architecture: str, model_type: str, tie: bool) -> dict:
+    """A vision-language config.json's text model (its text_config, with the outer quantization_config) read as
+    `architecture`, the vision tower said left out; tie_word_embeddings is the outer config's (`tie` where left
+    out), as the vision-language class ties. A config without text_config is returned as it is."""
+    if not isinstance(c.get("text_config"), dict):
+        return c
+    log.info("%s: %s is a vision-language model: its text model is read, the vision tower is left out", path,
+             (c.get("architectures") or ["?"])[0])
+    outer = {k: c[k] for k in ("quantization_config",) if k in c}
+    return {**c["text_config"], **outer, "architectures": [architecture], "model_type": model_type,
+            "tie_word_embeddings": bool(c.get("tie_word_embeddings", tie))}

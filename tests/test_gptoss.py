@@ -27,7 +27,7 @@ from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
 from phantom.model.export import export
 from test_deepseek import differs, expert_models, zero
-from test_moe_lora import RUNS, assert_equals_peft, expert_adapter, few, phantom_step
+from test_moe_lora import assert_runs_equal_peft, expert_adapter, few, phantom_step
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
 
 DATA = Path(__file__).parent / "data"
@@ -149,11 +149,7 @@ def test_expert_lora_equals_peft_with_experts_read_routed_and_whole(models, tmp_
     lora_B rows alternate gate and up as its columns do."""
     model, store, tokens, targets, adapter, config = expert_adapter(models, "gpt_oss", tmp_path)
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    ref = peft_step(model, adapter, tokens, targets)
-    for offload, prefetch, recompute, reads in RUNS:
-        knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
-        got = phantom_step(store, tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute, **knobs)
-        assert_equals_peft(got, ref, (offload, prefetch, recompute, reads), unhit=True)
+    assert_runs_equal_peft(store, tokens, targets, peft_step(model, adapter, tokens, targets))
 
 
 def test_the_merged_expert_lora_equals_peft_merge_and_unload(models, tmp_path):

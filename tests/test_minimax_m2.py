@@ -16,7 +16,7 @@ from family_check import CASES, make
 from phantom.arch.config import ConfigError
 from phantom.arch.family import config_from_hf
 from test_deepseek import differs, expert_models, zero
-from test_moe_lora import RUNS, assert_equals_peft, expert_adapter, peft_step, phantom_step
+from test_moe_lora import assert_runs_equal_peft, expert_adapter, peft_step
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
 
 
@@ -38,11 +38,7 @@ def models(tmp_path_factory):
 def test_expert_lora_equals_peft_with_experts_read_routed_and_whole(models, tmp_path):
     model, store, tokens, targets, adapter, config = expert_adapter(models, "minimax_m2", tmp_path)
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    ref = peft_step(model, adapter, tokens, targets)
-    for offload, prefetch, recompute, reads in RUNS:
-        knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
-        got = phantom_step(store, tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute, **knobs)
-        assert_equals_peft(got, ref, (offload, prefetch, recompute, reads), unhit=True)
+    assert_runs_equal_peft(store, tokens, targets, peft_step(model, adapter, tokens, targets))
 
 
 def test_the_rotated_dims_are_read_from_rotary_dim_or_rope_parameters():

@@ -135,6 +135,15 @@ def assert_equals_peft(got, ref, run, unhit: bool = False) -> None:
         assert not unhit or torch.equal(ga == 0, ra == 0) or "experts" not in key[1], (run, key)
 
 
+def assert_runs_equal_peft(store, tokens, targets, ref, runs=RUNS) -> None:
+    """Each run (offload, prefetch, recompute, expert reads) of the store equals peft's `ref`
+    (assert_equals_peft, unhit experts' gradients included)."""
+    for offload, prefetch, recompute, reads in runs:
+        knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
+        got = phantom_step(store, tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute, **knobs)
+        assert_equals_peft(got, ref, (offload, prefetch, recompute, reads), unhit=True)
+
+
 def expert_adapter(models, name, tmp_path):
     """The model and store of `name`, few() tokens, and an adapter on attention and the experts saved from a
     resident phantom model (its adapter_config.json read: the experts as peft's target_parameters)."""
@@ -162,11 +171,7 @@ def test_expert_lora_gradients_equal_peft_target_parameters(models, name, tmp_pa
     unhit = [(k, e) for k, (ga, _) in ref_grads.items() if "experts" in k[1]
              for e, rows in enumerate(ga.unflatten(0, (-1, 4))) if not rows.any()]
     assert unhit or runs == RUNS[:2]  # some experts are not hit: their gradients are zeros
-    for offload, prefetch, recompute, reads in runs:
-        run = (offload, prefetch, recompute, reads)
-        knobs = {} if offload == "none" else dict(expert_reads=reads, micro_batch=1 if reads == "routed" else None)
-        got = phantom_step(store, tokens, targets, offload=offload, prefetch=prefetch, recompute=recompute, **knobs)
-        assert_equals_peft(got, (ref_logits, ref_loss, ref_grads), run, unhit=True)
+    assert_runs_equal_peft(store, tokens, targets, (ref_logits, ref_loss, ref_grads), runs)
 
 
 def adapter_tensors(folder) -> dict[str, torch.Tensor]:

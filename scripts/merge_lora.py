@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from phantom import resolve_model  # noqa: E402
 from phantom.files.hfshards import DEFAULT_MAX_SHARD_SIZE  # noqa: E402
 from phantom.files.tensorfile import parse_dtype  # noqa: E402
-from phantom.model.convert import disk_usage  # noqa: E402
-from phantom.model.export import FormatOptions, export  # noqa: E402
+from phantom.convert.convert import disk_usage  # noqa: E402
+from phantom.export.export import FormatOptions, export  # noqa: E402
 from phantom.train import cli
 from phantom.train.cli import STORE_DTYPES  # noqa: E402
 

@@ -18,9 +18,9 @@ from phantom.arch.presets import preset  # noqa: E402
 from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import METHODS, QuantFormat  # noqa: E402
 from phantom.files.tensorfile import parse_dtype  # noqa: E402
-from phantom.model.convert import convert_checkpoint, disk_usage  # noqa: E402
-from phantom.model.quantstore import quantize_store  # noqa: E402
-from phantom.model.synthetic import write_synthetic  # noqa: E402
+from phantom.convert.convert import convert_checkpoint, disk_usage  # noqa: E402
+from phantom.convert.quantstore import quantize_store  # noqa: E402
+from phantom.convert.synthetic import write_synthetic  # noqa: E402
 from phantom.train import cli
 from phantom.train.cli import STORE_DTYPES  # noqa: E402
 

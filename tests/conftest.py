@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from phantom.arch.config import ModelConfig
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 
 # GQA (2 kv heads for 4 query heads), 4 blocks, a vocabulary that is not a power of two.
 SMALL = ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
@@ -170,7 +170,7 @@ def cached(folder, marker: str, fetch, what: str, how: str):
 # sha256, those parts unpacked into the cache. The reference GGUF writer phantom's is compared with, pinned here
 # alone (docs/models.md names it; tests/test_export_gguf.py checks that): the newest release on PyPI when pinned.
 # Its gguf-py reads tokenizer flags otherwise than the gguf package phantom writes with (0.19.0):
-# phantom.model.gguf_vocab.ConverterVocab reads them as it does.
+# phantom.export.gguf_vocab.ConverterVocab reads them as it does.
 LLAMA_CPP = ("llama-cpp-python==0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
 LLAMA_CPP_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
 

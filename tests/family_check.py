@@ -23,12 +23,12 @@ from safetensors.torch import save_file
 import phantom
 from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import QuantFormat
-from phantom.model.export import export, to_hf
+from phantom.export.export import export, to_hf
 from phantom.arch.config import rope_rows
 from phantom.model.lora import PROJECTIONS, TARGETS, adapted_modules
 from phantom.files.store import BlockStore
-from phantom.model.quantstore import quantize_store
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.quantstore import quantize_store
+from phantom.convert.synthetic import write_synthetic
 from conftest import need
 from test_convert import load_script
 from test_export_hf import llama3_style_tokenizer_json

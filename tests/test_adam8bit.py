@@ -205,7 +205,7 @@ def test_lora_run_with_8bit_states_resumes_and_refuses_the_other(tmp_path, monke
     holds codes and scales for the tensors of 4096 elements and more; --resume continues it, and a
     resume under adamw_torch is refused in one line."""
     from test_faults import load_script
-    from phantom.model.synthetic import ensure_tiny
+    from phantom.convert.synthetic import ensure_tiny
     finetune = lambda *a: load_script("finetune").main([*map(str, a)])  # noqa: E731
     from phantom.train.checkpoint import read_state
     ensure_tiny(tmp_path / "weights" / "tiny")

@@ -22,8 +22,8 @@ from phantom.base import safejson
 from phantom.base.checksum import Checksums
 from phantom.arch.config import ModelConfig
 from phantom.arch.presets import preset
-from phantom.model.convert import convert_checkpoint
-from phantom.model.hub import snapshot
+from phantom.convert.convert import convert_checkpoint
+from phantom.convert.hub import snapshot
 from phantom.model.lora import LoraConfig
 from phantom.files.store import BlockStore, StoreError
 from phantom.files.storeformat import block_file

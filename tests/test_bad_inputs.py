@@ -22,7 +22,7 @@ import phantom.base.fileio
 import phantom.train.loop
 from phantom.data import dataset as data
 from phantom.arch.presets import preset
-from phantom.model.synthetic import ensure_tiny, write_synthetic
+from phantom.convert.synthetic import ensure_tiny, write_synthetic
 from phantom.files.store import BlockStore, StoreError
 from phantom.files.storeformat import block_file
 from phantom.data.tokenizer import Tokenizer

@@ -111,7 +111,7 @@ def test_each_sequence_stops_on_its_own(family_models):
 def test_stop_strings_cut_the_text(tmp_path):
     from phantom.arch.presets import preset
     from phantom.data.tokenizer import Tokenizer, train_tiny_tokenizer
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     tok_path = train_tiny_tokenizer(tmp_path / "tokenizer.model", vocab_size=preset("tiny").vocab_size)
     store = write_synthetic(tmp_path / "tiny", preset("tiny", n_layers=2), torch.float32, seed=0, tokenizer=tok_path,
                             progress=False)
@@ -169,7 +169,7 @@ def test_the_loads_of_steps_that_follow_one_another_are_the_cost_model_s(tmp_pat
     """The scheduler's loads over a run of decode steps (the slots keep the blocks among both the first and the
     last of a pass) are what phantom.stream.placement.cycle_loads, which the cost model counts, says."""
     from phantom.arch.config import ModelConfig
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     from phantom.stream.placement import cycle_loads
     cfg = ModelConfig(dim=64, n_layers=n, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
     store = write_synthetic(tmp_path / "s", cfg, torch.float32, seed=1, progress=False)

@@ -1,4 +1,4 @@
-"""scripts/bench.py --modes diskread (the tiers' read measurement) runs end to end on a tiny store: its
+"""benchmarks/bench.py --modes diskread (the tiers' read measurement) runs end to end on a tiny store: its
 tables hold every contender, and the bytes read per step are the cost model's to the megabyte."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import phantom.files.directio
 import phantom.files.store
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from test_convert import load_script
 from test_tiers import CFG  # 8 blocks: room for a RAM half and a disk half
 

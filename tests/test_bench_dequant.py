@@ -1,11 +1,11 @@
-"""scripts/bench_dequant.py runs end to end on a tiny model and reports both placements of the
+"""benchmarks/bench_dequant.py runs end to end on a tiny model and reports both placements of the
 dequantization (no figure is asserted: speed is the benchmark's to show, not a test's)."""
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_dequant.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_dequant.py"
 
 
 def test_bench_dequant_reports_both_placements(tmp_path, monkeypatch, capsys):

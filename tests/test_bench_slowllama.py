@@ -1,4 +1,4 @@
-"""scripts/bench_slowllama.py without a slowllama checkout: one clear line on stderr and exit 2 (slowllama is
+"""benchmarks/bench_slowllama.py without a slowllama checkout: one clear line on stderr and exit 2 (slowllama is
 not a dependency; the benchmark itself is a notes recipe, notes/bench-slowllama.md)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_slowllama.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_slowllama.py"
 
 
 def test_missing_slowllama_dir(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from conftest import SMALL, batch, max_rel_err, randomize_lora
 
 

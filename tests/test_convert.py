@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 import phantom
 from phantom.arch.config import ModelConfig, RopeScaling, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
 from phantom.arch.family import LLAMA_KEYS
-from phantom.model.checkpoints import META_SPLIT_DIMS, HF_PERMUTED
-from phantom.model.convert import convert_checkpoint
+from phantom.convert.checkpoints import META_SPLIT_DIMS, HF_PERMUTED
+from phantom.convert.convert import convert_checkpoint
 from phantom.arch.layers import TransformerBlock
 from phantom.arch.ops import permute_for_hf, rms_norm, rope_table
 
@@ -164,7 +164,9 @@ def test_converted_tensors_are_exact_and_dtype_converts(tmp_path):
 # Bad inputs: one line naming the file, exit 2, no store left behind
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    """A command of scripts/ or a benchmark of benchmarks/, by name, as a module."""
+    path = next(p for p in (REPO / "scripts" / f"{name}.py", REPO / "benchmarks" / f"{name}.py") if p.is_file())
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

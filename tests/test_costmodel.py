@@ -18,7 +18,7 @@ import phantom.stream.scheduler
 from phantom.plan import costinputs as ci, costmodel as cm, planner
 from phantom.arch.config import ModelConfig
 from phantom.arch.presets import preset
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.stream.placement import Activations, Placement
 from phantom.stream.scheduler import BlockScheduler
 from phantom.files.store import BlockStore

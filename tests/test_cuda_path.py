@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.stream.placement import Placement
 from phantom.stream.hostmem import HUGE_MIN, HostBuffer
 from phantom.stream.scheduler import BlockScheduler
@@ -309,7 +309,7 @@ def test_a_quantized_store_s_slots_and_blocks_fit_the_device_budget(fc, tmp_path
     """An int8 store computed in bf16: a slot holds the quantized bytes and the dequantized block, a
     resident block the dequantized one. With a budget of two slots and two resident blocks, what the
     scheduler allocates on the device stays within it (device budgets are counted in dequantized units)."""
-    from phantom.model.quantstore import quantize_store
+    from phantom.convert.quantstore import quantize_store
     from phantom.arch.quantformat import QuantFormat
     out = quantize_store(small_store_bf16, tmp_path / "int8", QuantFormat("int8"), progress=False)["out"]
     store = BlockStore(out)

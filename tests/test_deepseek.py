@@ -25,7 +25,7 @@ from family_check import (CASES, batch, check_logits, check_quantized, make, pef
 from phantom.arch.config import ConfigError
 from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
-from phantom.model.export import export
+from phantom.export.export import export
 from test_moe_lora import RUNS, assert_equals_peft, expert_adapter, few, phantom_step
 from test_convert import load_script
 from test_hub import add_to_cache

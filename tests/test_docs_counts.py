@@ -59,7 +59,7 @@ def counts(text: str) -> list[tuple[int, int, str]]:
 
 def test_the_scanner_finds_counts_and_not_paths_or_assignments():
     text = ("python3 -m pytest -q -m cuda tests   # 36 GPU tests: streamed == resident\n"
-            "torchrun --nproc-per-node 8 scripts/finetune.py; OMP_NUM_THREADS=1 python scripts/bench.py\n"
+            "torchrun --nproc-per-node 8 scripts/finetune.py; OMP_NUM_THREADS=1 python benchmarks/bench.py\n"
             "one of their files; twelve flags of finetune.py; the 1,204 tests and 3 test files; 2 tests/x.py\n")
     assert counts(text) == [(1, 36, "gpu tests"), (3, 12, "flags"), (3, 1204, "tests"), (3, 3, "test files")]
 

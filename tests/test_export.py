@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 import phantom
-from phantom.model.convert import convert_checkpoint
-from phantom.model.export import FormatOptions, export
+from phantom.convert.convert import convert_checkpoint
+from phantom.export.export import FormatOptions, export
 from test_convert import LLAMA3, TOKENS, hf_state_dict, load_script, random_model, store_logits, write_hf
 
 ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -135,7 +135,7 @@ def test_the_tokenizer_caveat_is_said_by_the_export_not_by_each_adapter(tmp_path
     """The tiny tokenizer collapses runs of spaces, which transformers' LlamaTokenizer does not: a merged
     export says so once; writing an adapter's tokenizer files (every finetune run) stays quiet."""
     import logging
-    from phantom.model.export import tokenizer_caveat, write_tokenizer_files
+    from phantom.export.export import tokenizer_caveat, write_tokenizer_files
     store = phantom.BlockStore(phantom.resolve_model("tiny"))
     assert "normalizes text" in tokenizer_caveat(store)
     with caplog.at_level(logging.INFO, logger="phantom"):

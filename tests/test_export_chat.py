@@ -12,7 +12,7 @@ import pytest
 
 import phantom
 from phantom.data import chat
-from phantom.model.export import export, write_tokenizer_files
+from phantom.export.export import export, write_tokenizer_files
 from phantom.data.tokenizer import Tokenizer
 
 pytest.importorskip("transformers")

@@ -26,7 +26,7 @@ import torch
 
 import phantom
 from conftest import LLAMA_CPP, llama_cpp, max_rel_err, need, real_tokenizer
-from phantom.model.gguf_export import KEPT_F32
+from phantom.export.gguf_export import KEPT_F32
 from phantom.data.tokenizer import TINY_TEXT
 from test_convert import load_script
 from test_export_hf import llama2_style_sentencepiece
@@ -338,7 +338,7 @@ def test_gguf_equals_llama_cpp_converter_output(built, name):
 
 def test_gguf_written_a_few_rows_at_a_time_is_the_same_file(built, tmp_path, monkeypatch):
     """Tensors are converted in slices of rows (a large embedding is never copied whole): the same bytes."""
-    from phantom.model import gguf_export
+    from phantom.export import gguf_export
     store, adapter, _, _, theirs = built("llama")
     monkeypatch.setattr(gguf_export, "CHUNK_BYTES", 1000)  # 3 rows of 64 (attention) or 128 (down) columns
     for t in ("q8_0", "bf16"):
@@ -350,7 +350,7 @@ def test_float_bytes_are_gguf_quantizers_on_every_kind_of_value():
     """encode (torch's bf16 rounding where there is no NaN, a tensor of the file's type as it is) gives gguf's
     quantizers' bytes from float32, as the converter makes them: ties to even, ties that carry into the exponent,
     the largest floats rounding to inf, subnormals, infinities, signed zeros, NaNs of any payload."""
-    from phantom.model.gguf_export import T, encode
+    from phantom.export.gguf_export import T, encode
     gen = torch.Generator().manual_seed(0)
     bits = torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64).to(torch.int32)
     special = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0x00000001, 0x80008000,
@@ -478,7 +478,7 @@ def edited(store: Path, folder: Path, **fields) -> Path:
 
 
 def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys, monkeypatch):
-    from phantom.model import gguf_arch
+    from phantom.export import gguf_arch
     store, moe, gemma2, glm = built("llama")[0], built("qwen3_moe"), built("gemma2")[0], built("glm4_moe")
     merge_lora = load_script("merge_lora").main
     cases = [(["--model", str(store), "--format", "gguf-lora"], "give --adapter"),
@@ -509,7 +509,7 @@ def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
     layers out by a period and has no attention output bias."""
     import dataclasses
     from phantom.files.store import BlockStore
-    from phantom.model.gguf_arch import refusal
+    from phantom.export.gguf_arch import refusal
     oss, nxt, q35 = (BlockStore(built(n)[0]).cfg for n in ("gpt_oss", "qwen3_next", "qwen3_5_moe"))
     assert refusal(oss) is None and refusal(nxt) is None and refusal(q35) is None
     yarn = dataclasses.replace(oss.rope_scaling, attention_factor=1.0)
@@ -533,7 +533,7 @@ def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
     assert refusal(dsv3) is None and "differs from its mscale_all_dim" in refusal(
         dataclasses.replace(dsv3, rope_scaling=dataclasses.replace(dsv3.rope_scaling, attention_factor=1.038)))
     # the published configs' YaRN (truncate false), which llama.cpp ramps between whole dims: said, not refused
-    from phantom.model.gguf_arch import yarn_difference
+    from phantom.export.gguf_arch import yarn_difference
     untruncated = dataclasses.replace(oss, rope_scaling=dataclasses.replace(oss.rope_scaling, truncate=False))
     assert refusal(untruncated) is None and yarn_difference(oss) is None
     assert "llama.cpp ramps YaRN between whole dims (0 and 2)" in yarn_difference(untruncated)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.model.checkpoints import TOKENIZER_FILES
+from phantom.convert.checkpoints import TOKENIZER_FILES
 from phantom.model.generate import _pieces as text_pieces, generate
 from phantom.files.store import BlockStore
 from phantom.data.tokenizer import TINY_TEXT, Tokenizer

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from phantom.base import faults
-from phantom.model.synthetic import ensure_tiny
+from phantom.convert.synthetic import ensure_tiny
 from phantom.files.store import BlockStore
 from phantom.data.tokenizer import TINY_TEXT
 from phantom.train.checkpoint import find_checkpoint

@@ -288,7 +288,7 @@ def test_a_store_without_tokenizer_trains_from_token_ids(cli, tmp_path, capsys):
     data for it is one error line."""
     import numpy as np
     from phantom.arch.config import ModelConfig
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, multiple_of=16, max_seq_len=64)
     store = write_synthetic(tmp_path / "syn", cfg, seed=0) or tmp_path / "syn"
     ids = np.random.default_rng(1).integers(0, 300, 4000).astype(np.uint16)

@@ -24,12 +24,12 @@ from phantom.arch import quant
 from phantom.arch.config import ConfigError, block_tensor_shapes
 from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import QuantFormat, block_nbytes
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan import costinputs as ci
 from phantom.arch.family import config_from_hf
 from phantom.files.store import BlockStore
-from phantom.model.convert import disk_usage
-from phantom.model.export import export
+from phantom.convert.convert import disk_usage
+from phantom.export.export import export
 from family_check import batch, check_lora, make, peft_step, rel_err, transformers
 from fp8_checkpoint import BLOCK, _dequantize_fp8_weight, write_fp8
 from test_bad_inputs import check, script

@@ -204,7 +204,7 @@ def cli_args(offload: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory):
-    from phantom.model.synthetic import ensure_tiny
+    from phantom.convert.synthetic import ensure_tiny
     root = tmp_path_factory.mktemp("weights")
     ensure_tiny(root / "tiny")
     return root

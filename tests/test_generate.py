@@ -8,7 +8,7 @@ import torch
 
 import phantom
 from phantom.arch.presets import preset
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.model.generate import generate
 from phantom.data.tokenizer import train_tiny_tokenizer
 from conftest import SMALL

@@ -25,7 +25,7 @@ from family_check import (CASES, batch, check_converts_to, check_logits, check_q
 from phantom.arch.config import ConfigError
 from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
-from phantom.model.export import export
+from phantom.export.export import export
 from test_deepseek import differs, expert_models, zero
 from test_moe_lora import assert_runs_equal_peft, expert_adapter, few, phantom_step
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)

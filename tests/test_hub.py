@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import phantom
-from phantom.model.convert import convert_checkpoint
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.convert import convert_checkpoint
+from phantom.convert.synthetic import write_synthetic
 from phantom.files.store import BlockStore
 from conftest import randomize_lora
 from family_check import batch, hf_model, peft, rel_err

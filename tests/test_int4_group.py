@@ -26,8 +26,8 @@ from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import QuantFormat, block_nbytes
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import read_header
-from phantom.model.convert import disk_usage
-from phantom.model.export import export
+from phantom.convert.convert import disk_usage
+from phantom.export.export import export
 from phantom.plan import costinputs as ci
 from phantom.plan import profiles
 from family_check import batch, check_lora, make, peft_step, rel_err, transformers

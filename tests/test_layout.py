@@ -18,14 +18,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {  # the flow, in import order: each package imports only those above it
-    "base": 0,    # JSON within bounds, fault points, dtypes, checksums, atomic file replaces: no domain
-    "data": 1,    # tokenizers, chat templates, data files, token caches, rows
-    "arch": 2,    # what a model is: config, families, layers, mixture of experts, quantization formats
-    "files": 3,   # safetensors files, direct I/O, the block store, sealed folders
-    "stream": 4,  # placement, memory, host buffers, tiers, transfer, write-back, scheduler, executor
-    "model": 5,   # LoRA, the phantom model, generation, converting in and exporting out
-    "plan": 6,    # the cost model and the tuner
-    "train": 7,   # the loop, checkpoints, preference pairs, trackers, run files, RunConfig and run()
+    "base": 0,     # JSON within bounds, fault points, dtypes, checksums, atomic file replaces: no domain
+    "data": 1,     # tokenizers, chat templates, data files, token caches, rows
+    "arch": 2,     # what a model is: config, families, layers, mixture of experts, quantization formats
+    "files": 3,    # safetensors files, direct I/O, the block store, sealed folders
+    "convert": 4,  # checkpoints in: Meta's and Hugging Face's files read into stores, synthetic stores, the Hub cache
+    "stream": 5,   # placement, memory, host buffers, tiers, transfer, write-back, scheduler, executor
+    "model": 6,    # LoRA, adapter files, the phantom model over its blocks, generation
+    "export": 7,   # checkpoints out: merged Hugging Face checkpoints, GGUF files
+    "plan": 8,     # the cost model and the tuner
+    "train": 9,    # the loop, checkpoints, preference pairs, trackers, run files, RunConfig and run()
 }
 RANK = {  # within a package
     "base": {"safejson": 0, "cpufeatures": 0, "faults": 1, "dtypes": 1, "provenance": 1, "checksum": 1, "fileio": 2},
@@ -40,10 +42,11 @@ RANK = {  # within a package
     "stream": {"hostmem": 0, "trace": 0, "experts": 0, "cpukernel": 0, "adam8bit": 1, "moeblock": 0, "tiers": 1, "writeback": 1, "placement": 2, "optim": 2, "memory": 3,
                "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6, "lanes": 0,
                "kvcache": 1},
-    "model": {"lora": 0, "adapterfiles": 1, "checkpoints": 0, "convert": 1, "synthetic": 2, "quantstore": 2, "export": 4, "hub": 2,
-              "requant": 2,
-              "hflayout": 1, "gguf_pretok": 0, "gguf_vocab": 1, "gguf_hparams": 0, "gguf_arch": 1, "gguf_export": 2, "gguf_lora": 3,
-              "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3, "adaptermodel": 2},
+    "convert": {"checkpoints": 0, "hflayout": 1, "convert": 1, "synthetic": 2, "quantstore": 2, "hub": 2, "requant": 2},
+    "model": {"lora": 0, "adapterfiles": 1, "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3,
+              "adaptermodel": 2},
+    "export": {"gguf_pretok": 0, "gguf_vocab": 1, "gguf_hparams": 0, "gguf_arch": 1, "gguf_export": 2, "gguf_lora": 3,
+               "export": 4},
     "plan": {"costinputs": 0, "costmodel": 1, "quickslice": 1, "costexperts": 2, "planner": 2, "computetimer": 3,
              "profiles": 4, "tune": 5, "costsweep": 2, "costgen": 2, "gentimer": 4, "costgrpo": 3, "costscore": 1,
              "costfull": 2, "optimtimer": 3},
@@ -149,7 +152,7 @@ def test_phantom_never_imports_scripts_or_tests():
         for node in ast.walk(ast.parse(src)):
             mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            assert not any(m.split(".")[0] in ("scripts", "tests", "conftest") for m in mods), name
+            assert not any(m.split(".")[0] in ("scripts", "benchmarks", "benchlib", "tests", "conftest") for m in mods), name
 
 
 def test_readme_layout_table_matches_the_code():
@@ -232,7 +235,7 @@ def decides_streaming(src: str) -> bool:
 def test_only_placement_decides_where_blocks_live_and_which_stream():
     """Tiers, streamed blocks and loads per step come from placement.resolve; no other module computes
     them (the scheduler, the cost model, the tuner and bench read its Layout)."""
-    sources = {**modules(), **{f"scripts/{p.stem}": p.read_text() for p in (ROOT / "scripts").rglob("*.py")}}
+    sources = sources_with_scripts()
     bad = {name: sorted(used) for name, src in sources.items() if name != "stream.placement"
            if (used := calls_to(src, {"assign_tiers", "loads_per_step", "_layout"}))}
     assert not bad, f"only phantom.stream.placement may call these (use placement.resolve / Layout): {bad}"
@@ -253,7 +256,7 @@ def adds_one_to_prefetch(src: str) -> list[int]:
 def test_slots_are_derived_once():
     """The device slots of a streaming run are `Placement.slots` (and `Layout.slots`); nothing else
     adds one to the prefetch depth."""
-    sources = {**modules(), **{f"scripts/{p.stem}": p.read_text() for p in (ROOT / "scripts").rglob("*.py")}}
+    sources = sources_with_scripts()
     found = {name: lines for name, src in sources.items() if (lines := adds_one_to_prefetch(src))}
     assert list(found) == ["stream.placement"] and len(found["stream.placement"]) == 1, \
         f"use Placement.slots / Layout.slots instead of prefetch + 1: {found}"
@@ -303,16 +306,19 @@ EXCEPTIONS = {
     "model.heads.ChunkedHead*.forward": "the fused head's autograd Functions (loss, sequence log-probabilities): their "
                                   "inputs are the maths' (hidden states, norm and head weights, targets, eps, "
                                   "chunk, the family's norm offset and soft cap)",
-    "model.synthetic.write_synthetic": "the synthetic store's every choice (weights, tokenizer, its extra files, "
+    "convert.synthetic.write_synthetic": "the synthetic store's every choice (weights, tokenizer, its extra files, "
                                "quantization) as keywords with defaults; tests and benchmarks set each",
 }
 
 
+TOOLS = ("scripts", "benchmarks")  # the commands a user runs; the benchmarks and their library
+
+
 def sources_with_scripts() -> dict[str, str]:
-    """Every module of phantom/ (by "package.module") and of scripts/ (by "scripts/<path>")."""
-    scripts = {f"scripts/{p.relative_to(ROOT / 'scripts').with_suffix('')}": p.read_text()
-               for p in sorted((ROOT / "scripts").rglob("*.py"))}
-    return {**modules(), **scripts}
+    """Every module of phantom/ (by "package.module"), of scripts/ and of benchmarks/ (by "<folder>/<path>")."""
+    tools = {f"{folder}/{p.relative_to(ROOT / folder).with_suffix('')}": p.read_text()
+             for folder in TOOLS for p in sorted((ROOT / folder).rglob("*.py"))}
+    return {**modules(), **tools}
 
 
 def functions():

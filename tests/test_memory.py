@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from phantom.arch.config import ModelConfig
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.files.store import BlockStore
 
 REPO = Path(__file__).resolve().parent.parent

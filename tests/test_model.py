@@ -221,7 +221,7 @@ def test_projections_run_fused_and_equal_an_unfused_store(small_store, tmp_path,
     """Stores lay q,k,v and gate,up back to back, so each group runs as one matmul over a view of the
     slot; a store in the older name order (no adjacent groups) runs unfused and gives the same model."""
     import phantom.files.tensorfile as store_mod
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     from phantom.arch.layers import fuse_adjacent
 
     fused = {"attention.wqkv", "feed_forward.w13"}
@@ -258,7 +258,7 @@ def test_keep_and_recompute_are_bit_identical(tmp_path, dtype):
     """recompute="auto" may keep a different set of blocks on another machine or after --resume (it
     depends on free memory): that is safe only because keeping and recomputing give the same bits,
     dropout included (the recompute replays the forward's RNG)."""
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     store = write_synthetic(tmp_path / "s", SMALL, dtype, seed=1, progress=False)
     lora = phantom.LoraConfig(rank=4, dropout=0.1, targets=("q", "k", "v", "gate"))
     outs = {}

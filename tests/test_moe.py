@@ -20,7 +20,7 @@ from family_check import (CASES, batch, check_converts_to, check_logits, check_q
                           rel_err, save_fused, synthetic_preset_loss, transformers)
 from phantom.arch.config import ModelConfig
 from phantom.arch.presets import PRESETS
-from phantom.model.export import export
+from phantom.export.export import export
 from phantom.arch.moe import load_balancing_loss, mix, route
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import read_header

@@ -286,7 +286,7 @@ def test_kept_bases_of_a_quantized_store_give_the_bits_of_streamed_ones(models, 
     """A quantized store on a CPU: the training thread dequantizes a load at its acquire, and only then are a
     block's bases copied out to stay; the run that keeps them equals, bit for bit, the run that streams them."""
     from phantom.arch.quantformat import QuantFormat
-    from phantom.model.quantstore import quantize_store
+    from phantom.convert.quantstore import quantize_store
     _, store = models["deepseek_v3"]
     q = quantize_store(store, tmp_path / "int8", QuantFormat("int8"), progress=False)["out"]
     ref = steps(q, offload="disk", expert_reads="whole", moe_base="stream")

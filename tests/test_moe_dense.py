@@ -120,7 +120,7 @@ def test_each_quantized_expert_is_one_byte_range_the_manifest_records(family_mod
     and every tensor of the file stays aligned to its element size."""
     from safetensors import safe_open
     from phantom.arch.quantformat import QuantFormat
-    from phantom.model.quantstore import quantize_store
+    from phantom.convert.quantstore import quantize_store
     _, store = family_models("qwen2_moe")
     fmt = QuantFormat(method, double_quant=double_quant)
     quantize_store(store, tmp_path / "q", fmt, dtype=torch.bfloat16, progress=False)
@@ -146,7 +146,7 @@ def test_quantized_experts_that_cannot_stay_aligned_keep_the_size_order(tmp_path
     such a store keeps tensor_order's layout (aligned, no expert ranges) and reads as before."""
     from phantom.arch.presets import preset
     from phantom.arch.quantformat import QuantFormat
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     cfg = preset("qwen3-30B-A3B", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=64,
                  n_experts=4, experts_per_token=2, expert_dim=33, intermediate_size=96, dense_layers=(0,))
     out = write_synthetic(tmp_path / "q", cfg, torch.bfloat16, progress=False, quant=QuantFormat("nf4"))
@@ -211,8 +211,8 @@ def test_the_fused_expert_layout_with_dense_layers_converts_to_the_same_store(de
 def test_a_bf16_store_with_dense_layers_computed_in_fp32_equals_transformers_on_its_weights(dense_models, tmp_path):
     """A bf16 store computed in fp32: each load converts its block in its own layout (views of the slot's one
     fp32 buffer); the logits equal transformers' on the store's weights (its --format hf export in fp32)."""
-    from phantom.model.convert import convert_checkpoint
-    from phantom.model.export import export
+    from phantom.convert.convert import convert_checkpoint
+    from phantom.export.export import export
     _, store = dense_models("qwen3_moe-mlp_only")
     convert_checkpoint(store.parent / "hf", tmp_path / "bf16", dtype=torch.bfloat16, progress=False)
     out = export(tmp_path / "bf16", tmp_path / "hf", None, "hf", dtype=torch.float32, progress=False)
@@ -232,7 +232,7 @@ def test_a_quantized_moe_store_in_the_older_order_still_reads(family_models, mon
     manifest) read as ever: the same weights as a store of today's layout."""
     import phantom.files.tensorfile as tensorfile
     from phantom.arch.quantformat import QuantFormat
-    from phantom.model.quantstore import quantize_store
+    from phantom.convert.quantstore import quantize_store
     _, store = family_models("qwen3_moe")
     quantize_store(store, tmp_path / "new", QuantFormat("nf4"), dtype=torch.bfloat16, progress=False)
     monkeypatch.setattr(tensorfile, "experts_together", lambda order, nbytes, itemsize: order)
@@ -257,7 +257,7 @@ def test_each_expert_has_its_own_crc32_and_a_read_of_it_alone_is_checked(family_
     import zlib
     from phantom.arch.quantformat import QuantFormat
     from phantom.files.tensorfile import StoreError
-    from phantom.model.quantstore import quantize_store
+    from phantom.convert.quantstore import quantize_store
     _, store = family_models("qwen3_moe", link=kind == "linked")
     if kind == "nf4":
         store = quantize_store(store, tmp_path / "q", QuantFormat("nf4"), dtype=torch.bfloat16, progress=False)["out"]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import phantom
 from family_check import batch, cross_entropy, lora_grads, make, peft, peft_step, prepare, rel_err
 from phantom.arch.layers import LoraLinear
-from phantom.model.export import export
+from phantom.export.export import export
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
 
 EXPERTS = ("q", "k", "v", "o", "gate", "up", "down")  # attention and the experts
@@ -293,7 +293,7 @@ def synthetic_moe(tmp_path_factory):
     """(a Qwen3-MoE-shaped synthetic store, token ids to train on) for the CLI, made once a module."""
     import dataclasses
     from phantom.arch.presets import PRESETS
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     root = tmp_path_factory.mktemp("synthetic_moe")
     cfg = dataclasses.replace(PRESETS["qwen3-30B-A3B"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                               explicit_head_dim=16, vocab_size=97, intermediate_size=96, max_seq_len=64, n_experts=6,
@@ -407,7 +407,7 @@ def test_expert_lora_on_a_quantized_store_equals_peft_on_its_dequantized_weights
     the store dequantizes to (its --format hf export), resident and streamed from disk and RAM, experts read
     whole, and routed (the hit experts' codes and scales alone, dequantized alone)."""
     from phantom.arch.quantformat import QuantFormat
-    from phantom.model.quantstore import quantize_store
+    from phantom.convert.quantstore import quantize_store
     import transformers
     model, store = models("qwen3_moe")
     quantize_store(store, tmp_path / "q", QuantFormat(method), dtype=torch.bfloat16, progress=False)

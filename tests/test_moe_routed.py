@@ -196,7 +196,7 @@ def test_a_quantized_store_reads_routed_when_asked(models, tmp_path, method):
     reads (each tensor dequantized by the same code); `auto` reads a quantized store whole (its choice does
     not count the experts' dequantization after the router)."""
     from phantom.arch.quantformat import QuantFormat
-    from phantom.model.quantstore import quantize_store
+    from phantom.convert.quantstore import quantize_store
     _, src = models["mixtral"]
     store = quantize_store(src, tmp_path / "q", QuantFormat(method), dtype=torch.bfloat16, progress=False)["out"]
     tokens, targets = few(2, 3)
@@ -223,7 +223,7 @@ def test_a_store_that_cannot_read_experts_apart_reads_whole_or_refuses_routed(tm
     size order and records no expert ranges: `routed` is one ValueError, `auto` reads whole."""
     from phantom.arch.presets import preset
     from phantom.arch.quantformat import QuantFormat
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     cfg = preset("qwen3-30B-A3B", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, explicit_head_dim=16, vocab_size=64,
                  n_experts=4, experts_per_token=2, expert_dim=33)
     out = write_synthetic(tmp_path / "q", cfg, torch.bfloat16, progress=False, quant=QuantFormat("nf4"))

@@ -27,7 +27,7 @@ from phantom.arch.config import block_tensor_shapes
 from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import QuantFormat, as_format, block_nbytes
 from phantom.files.store import BlockStore
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan import costinputs as ci
 from conftest import need
 from family_check import batch, rel_err
@@ -159,7 +159,7 @@ def test_lora_on_gpt_oss_mxfp4_experts_equals_peft_and_the_merged_export_loads(g
     dequantized load, every A and B gradient within 1e-4, streamed with the experts read routed and whole; the
     merged 16-bit export loads in transformers with peft's merged logits."""
     from family_check import peft, peft_step, transformers
-    from phantom.model.export import export
+    from phantom.export.export import export
     from test_moe_lora import assert_equals_peft, few, phantom_step
     _, ref, stores = gptoss
     tokens, targets = few()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.stream.placement import Placement
 from phantom.stream.scheduler import BlockScheduler
 from phantom.files.store import BlockStore

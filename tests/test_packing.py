@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import phantom
 from phantom.data import batches as B, dataset as D
 from phantom.arch.config import ModelConfig
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.arch.ops import packed_layout, rope_table
 from conftest import max_rel_err, randomize_lora
 

@@ -15,7 +15,7 @@ import torch
 
 import phantom
 from family_check import hf_model, need, prepare, rel_err, transformers
-from phantom.model.export import export
+from phantom.export.export import export
 from phantom.model.adapterfiles import read_adapter_config
 from phantom.files.store import StoreError
 

@@ -21,7 +21,7 @@ from phantom.arch.config import ModelConfig
 from phantom.arch.presets import preset
 from phantom.arch.layers import LoraLinear, TransformerBlock, project
 from phantom.model.lora import apply_lora, for_family
-from phantom.model.export import export
+from phantom.export.export import export
 from phantom.files.store import BlockStore
 
 

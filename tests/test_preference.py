@@ -13,7 +13,7 @@ from phantom.data import chat
 from phantom.train.preference import (PairRows, Preference, PreferenceConfig, fit, load_pairs, pair_encoder,
                                 preference_loss, split_pairs)
 from phantom.data.tokenizer import Tokenizer
-from phantom.model.synthetic import ensure_tiny
+from phantom.convert.synthetic import ensure_tiny
 
 
 def random_pairs(p: int = 4, t: int = 16, seed: int = 0):

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import phantom
-from phantom.model.synthetic import ensure_tiny
+from phantom.convert.synthetic import ensure_tiny
 from phantom.train.preference import PreferenceConfig, load_pairs, split_pairs
 from phantom.data.tokenizer import Tokenizer
 from phantom.train.loop import train

@@ -16,7 +16,7 @@ from phantom.plan import costinputs as ci
 from phantom.plan import profiles
 from phantom.arch.config import ModelConfig
 from phantom.arch.presets import PRESETS
-from phantom.model.export import hf_config
+from phantom.export.export import hf_config
 from phantom.arch.family import FAMILIES, config_from_hf
 from family_check import transformers
 from test_tune import script

@@ -17,8 +17,8 @@ import phantom.model.phantom_model
 import phantom.stream.placement
 from phantom.arch import quant
 from phantom.arch.config import block_tensor_shapes
-from phantom.model.quantstore import quantize_store
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.quantstore import quantize_store
+from phantom.convert.synthetic import write_synthetic
 from phantom.stream.placement import Placement
 from phantom.arch.quantformat import QuantFormat, block_layout
 from phantom.stream.scheduler import BlockScheduler
@@ -309,7 +309,7 @@ def test_generate_runs_the_quantized_store(stores, trained, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def linked(tmp_path_factory) -> Path:
     """A store that reads an HF checkpoint's safetensors files in place (prepare_model.py --link)."""
-    from phantom.model.convert import convert_checkpoint
+    from phantom.convert.convert import convert_checkpoint
     from test_convert import random_model, write_hf
     root = tmp_path_factory.mktemp("link")
     info = convert_checkpoint(write_hf(root / "hf", CFG, random_model(CFG, seed=3)), root / "linked", link=True,

@@ -16,7 +16,7 @@ import torch
 from phantom.arch.presets import PRESETS, preset
 from phantom.base import cpufeatures
 from phantom.files.store import BlockStore
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan import costinputs as ci
 from phantom.plan import profiles, quickslice as qs
 from phantom.train import cli
@@ -191,7 +191,7 @@ def test_an_emulated_quick_profile_times_the_whole_block_over_shorter_rows(tmp_p
 
 
 def test_a_tiled_store_has_the_shapes_and_scale_of_a_normal_one_in_one_repeated_pattern(tmp_path):
-    from phantom.model.synthetic import TILE
+    from phantom.convert.synthetic import TILE
     cfg = dataclasses.replace(preset("tiny"), dim=256, intermediate_size=1024, n_layers=1)
     normal, tiled = (BlockStore(write_synthetic(tmp_path / i, cfg, torch.float32, progress=False, init=i))
                      for i in ("normal", "tiled"))

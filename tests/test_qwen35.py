@@ -28,7 +28,7 @@ from phantom.arch.config import ConfigError
 from phantom.arch.deltanet import chunk_gated_delta_rule
 from phantom.arch.family import config_from_hf
 from phantom.arch.presets import PRESETS
-from phantom.model.export import export
+from phantom.export.export import export
 from test_moe_lora import RUNS, assert_equals_peft, phantom_step
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
 

@@ -34,7 +34,7 @@ README = REPO / "README.md"
 PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 FINETUNE_PAGES = {"training.md", "data.md", "preference.md"}  # prose flags there are finetune.py's
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-SCRIPT = re.compile(r"(?:scripts/)?\b(\w+)\.py\b")
+SCRIPT = re.compile(r"(?:(?:scripts|benchmarks)/)?\b(\w+)\.py\b")
 IGNORED = {"--help", "--nproc-per-node", "--lora"}  # argparse's own; torchrun's; llama.cpp's llama-cli
 # Documented flags no CLI test passes yet (all are passed now, by test_finetune_flags.py). Never
 # grow it: a flag added to the docs comes with a test that passes it.
@@ -58,7 +58,7 @@ class _Parsed(BaseException):
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """Each script's argument parser, as its main or parse_args builds it (nothing else runs)."""
     out = {}
-    for path in sorted((REPO / "scripts").glob("*.py")):
+    for path in sorted([*(REPO / "scripts").glob("*.py"), *(REPO / "benchmarks").glob("*.py")]):
         spec = importlib.util.spec_from_file_location(f"docs_{path.stem}", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
@@ -273,7 +273,7 @@ def test_links_and_repository_paths_in_the_docs_exist():
                 missing.append((rel(page), target))
             elif anchor and anchor not in anchors(page.parent / target):
                 missing.append((rel(page), f"{target}#{anchor}"))
-        for path in re.findall(r"(?<![\w/.-])((?:phantom|scripts|tests|notes|examples|docs)/[\w./-]*\.(?:py|md|yaml|txt|jsonl))",
+        for path in re.findall(r"(?<![\w/.-])((?:phantom|scripts|benchmarks|tests|notes|examples|docs)/[\w./-]*\.(?:py|md|yaml|txt|jsonl))",
                                text):
             if not (REPO / path).exists() and path not in WRITTEN_BY_RUNS:
                 missing.append((rel(page), path))

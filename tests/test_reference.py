@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import phantom
 from phantom.arch.config import ModelConfig, RopeScaling
 from phantom.files.store import BlockStore
-from phantom.model.convert import convert_checkpoint
+from phantom.convert.convert import convert_checkpoint
 from phantom.model.lora import PROJECTIONS, TARGETS, lora_modules
 from phantom.model.heads import ChunkedHeadLoss
 from conftest import need

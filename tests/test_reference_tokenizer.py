@@ -153,7 +153,7 @@ def test_tokenizer_files_linked_outside_the_model_folder_are_refused(tmp_path, c
     """prepare_model.py copies a model folder's tokenizer files into the store: a link leading elsewhere
     (a planted tokenizer_config.json -> /some/secret) is refused naming it; a hub snapshot's links into
     its repository's blobs stay allowed."""
-    from phantom.model.checkpoints import tokenizer_sources
+    from phantom.convert.checkpoints import tokenizer_sources
     from test_convert import load_script
     src = tmp_path / "hf"
     src.mkdir()

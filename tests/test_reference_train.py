@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.files.store import BlockStore
 from conftest import SMALL, batch, randomize_lora
 

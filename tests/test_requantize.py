@@ -26,7 +26,7 @@ from test_bad_inputs import check, script
 from test_convert import load_script
 
 import phantom
-from phantom.model.export import FormatOptions, export
+from phantom.export.export import FormatOptions, export
 
 # (tiny model, its fields, LoRA targets, whether transformers loads it on a CPU): the FP8 Qwen3's weights
 # are whole tiles or one tile each (transformers' CPU dequantization derives the tile from the scales' grid), the

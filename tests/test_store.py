@@ -15,7 +15,7 @@ import phantom
 import phantom.base.checksum
 import phantom.files.directio
 import phantom.files.tensorfile
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.arch.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
 from phantom.files.store import BlockStore, StoreError
 from phantom.files.storeformat import block_file

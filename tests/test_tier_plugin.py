@@ -18,7 +18,7 @@ import torch
 import phantom
 from phantom.arch.presets import preset
 from phantom.files.store import BlockStore
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan import costinputs as ci, costmodel as cm
 from phantom.stream import tiers
 from phantom.stream.placement import Activations, Placement

@@ -25,7 +25,7 @@ import phantom.files.store
 import phantom.files.tensorfile
 from phantom.plan import costinputs as ci, costmodel as cm
 from phantom.arch.config import ModelConfig
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.stream.placement import Activations, Placement, loads_per_step
 from phantom.stream.scheduler import BlockScheduler
 from conftest import batch, max_rel_err, randomize_lora

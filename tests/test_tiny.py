@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from phantom.arch.presets import preset
-from phantom.model.synthetic import TINY_RECIPE, ensure_tiny
+from phantom.convert.synthetic import TINY_RECIPE, ensure_tiny
 from phantom.files.store import BlockStore
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import torch
 from phantom.plan import costinputs as ci, costmodel as cm, planner
 from phantom.plan import profiles, tune
 from phantom.arch.config import ModelConfig
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.files.store import BlockStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def test_a_mixture_of_experts_profile_measures_its_routed_expert_reads(tmp_path)
     lie back to back too)."""
     from phantom.arch.presets import PRESETS
     from phantom.arch.quantformat import QuantFormat
-    from phantom.model.quantstore import quantize_store
+    from phantom.convert.quantstore import quantize_store
     cfg = dataclasses.replace(PRESETS["qwen3-30B-A3B"], dim=64, n_layers=2, n_heads=2, n_kv_heads=1,
                               explicit_head_dim=32, expert_dim=32, n_experts=16, experts_per_token=2,
                               vocab_size=97, max_seq_len=64)

@@ -460,7 +460,7 @@ def rope_rows(cfg: ModelConfig) -> dict[str, int]:
 
     A store's rows are in the layout its config's rope_interleave says: Meta's interleaved pairs (a Meta
     checkpoint's, a synthetic store's, a store converted before the layout was recorded), or Hugging Face's
-    half-split pairs, as a Hugging Face checkpoint ships them (phantom.model.checkpoints.as_shipped: none is
+    half-split pairs, as a Hugging Face checkpoint ships them (phantom.convert.checkpoints.as_shipped: none is
     permuted, so --link reads them in place). Where a store is in pairs the exporter and the adapter writer
     permute these rows to Hugging Face's (the leading cfg.rope_dim of each head; a per-head norm's weight is one
     head's row order, a whole-projection norm's (OLMoE) is the projection's); in halves there is nothing to

@@ -6,7 +6,7 @@ alternating on gate_up_proj's last dim.
 The entry says how GptOssConfig becomes a ModelConfig (attn_sinks, router_logit_bias, expert_bias, swiglu_*,
 interleaved_experts) and how the checkpoint names its tensors; phantom.arch.family collects it. The experts
 here come from a 16-bit checkpoint (transformers' save_pretrained, or a bf16 copy of the Hub's) or as the Hub
-ships them, in MXFP4 (an mxfp4 store: phantom.model.checkpoints). Imports phantom.arch.config and the shared tables only.
+ships them, in MXFP4 (an mxfp4 store: phantom.convert.checkpoints). Imports phantom.arch.config and the shared tables only.
 """
 from __future__ import annotations
 

@@ -339,7 +339,7 @@ def one_thread():
 
     Work beside a compute that has the cores: on a busy 2-core machine a loader's dequantization on two OpenMP
     threads spinning at each op's barrier took 5-9 s for a dim-2048 block, on one thread 0.18 s
-    (scripts/bench_dequant.py runs that former placement; phantom.stream.transfer.DequantPool's workers keep
+    (benchmarks/bench_dequant.py runs that former placement; phantom.stream.transfer.DequantPool's workers keep
     one thread each for good)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

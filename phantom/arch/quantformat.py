@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from phantom.base import dtypes
 
 METHODS = ("nf4", "int8")  # what prepare_model.py --quantize writes
-SHIPPED = ("fp8-block", "int4-group", "mxfp4")  # read as checkpoints ship them (phantom.model.checkpoints)
+SHIPPED = ("fp8-block", "int4-group", "mxfp4")  # read as checkpoints ship them (phantom.convert.checkpoints)
 FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size: rows, columns of weight per float32 scale
 INT4_GROUP = 32  # Kimi-K2-Thinking's group_size: consecutive values of a row per scale
 MX_GROUP = 32  # MXFP4 (OCP Microscaling): e2m1 values per E8M0 scale
@@ -138,7 +138,7 @@ def shipped_format(qc, where) -> QuantFormat:
     """The store format of a config.json's quantization_config that phantom reads as shipped: FP8 in blocks
     (DeepSeek-V3, Kimi-K2, Qwen3-FP8, GLM-4.5-FP8), compressed-tensors' symmetric INT4 in groups
     (Kimi-K2-Thinking), MXFP4 (gpt-oss); anything else is refused in one line naming `where`. Which weights
-    are quantized (and an INT4 scale's dtype) the checkpoint's files say (phantom.model.checkpoints)."""
+    are quantized (and an INT4 scale's dtype) the checkpoint's files say (phantom.convert.checkpoints)."""
     method = qc.get("quant_method") if isinstance(qc, dict) else qc
     if method == "compressed-tensors":
         return _int4_format(qc, where)

@@ -1,1 +1,1 @@
-"""The model a user holds: LoRA, PhantomModel over the executor, generation, checkpoints converted in and exported out."""
+"""The model a user holds: LoRA and its adapter files, PhantomModel over its blocks (resident or streamed), full finetuning's wiring, batched generation."""

@@ -35,7 +35,7 @@ from phantom.base.fileio import atomic_write_json
 from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name, parse_dtype
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan import computetimer as ct
 from phantom.plan import costinputs as ci
 from phantom.plan import quickslice as qs

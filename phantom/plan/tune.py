@@ -21,7 +21,7 @@ from phantom.base import dtypes, fileio
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import parse_dtype
 from phantom.model.phantom_model import PhantomModel
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan import costexperts, costinputs as ci
 from phantom.plan import costmodel as cm
 from phantom.plan import computetimer, planner, profiles

@@ -11,7 +11,7 @@ from phantom.arch.presets import PRESETS
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import parse_dtype
 from phantom.files.workingcopy import clone_store
-from phantom.model import fullmode, hub
+from phantom.model import fullmode; from phantom.convert import hub
 from phantom.model.lora import LoraConfig
 from phantom.model.phantom_model import MODES, PhantomModel
 from phantom.stream.optim import AdamWConfig
@@ -28,7 +28,7 @@ def weights_dir() -> Path:
 
 def resolve_model(model: str | Path, revision: str = "main") -> Path:
     """A store path from a path, a preset name (generates `tiny` on first use) or a Hugging Face hub id
-    found in the local hub cache (converted on first use, linked: phantom.model.hub)."""
+    found in the local hub cache (converted on first use, linked: phantom.convert.hub)."""
     path = Path(model)
     if path.is_dir():
         return path
@@ -36,7 +36,7 @@ def resolve_model(model: str | Path, revision: str = "main") -> Path:
     if name in PRESETS:
         path = weights_dir() / name
         if name == "tiny":
-            from phantom.model.synthetic import ensure_tiny
+            from phantom.convert.synthetic import ensure_tiny
             return ensure_tiny(path)
         if not (path / "manifest.json").is_file():
             raise FileNotFoundError(

@@ -29,7 +29,7 @@ from phantom.base import faults, fileio
 from phantom.data import batches as B
 from phantom.data import dataset as D
 from phantom.model.backends import default_keep_budget
-from phantom.model.export import write_tokenizer_files
+from phantom.export.export import write_tokenizer_files
 from phantom.train import dist as pdist
 from phantom.train import grpoloop as GR
 from phantom.train.checkpoint import (

@@ -26,10 +26,10 @@ from phantom.data import dataset as data
 from phantom.data.tokenizer import Tokenizer
 from phantom.files import runfolder
 from phantom.files.store import BlockStore
-from phantom.model.export import export, gguf_module
+from phantom.export.export import export, gguf_module
 from phantom.model.adapterfiles import read_adapter_config
 from phantom.model.lora import family_targets
-from phantom.model.synthetic import ensure_tiny, write_synthetic
+from phantom.convert.synthetic import ensure_tiny, write_synthetic
 from phantom.plan import planner
 from phantom.plan.tune import resolve_prefetch
 from phantom.stream import placement as P

@@ -3,7 +3,7 @@ slice of it and scaled by FLOPs, phantom.plan.quickslice) is from the plan of a 
 whole block, and how long each takes. Each measurement is its own `tune.py --json --remeasure` process
 with its own profile folder, quick then full for each case, side by side under the same conditions:
 
-    python scripts/bench_quickprofile.py --presets 7B,70B --dtypes fp32,bf16 --isas native,AVX512_CORE
+    python benchmarks/bench_quickprofile.py --presets 7B,70B --dtypes fp32,bf16 --isas native,AVX512_CORE
 
 `--isas`: oneDNN's ISA cap per case (ONEDNN_MAX_CPU_ISA; `native` leaves it unset): AVX512_CORE keeps
 oneDNN from a CPU's bf16 instructions, so bf16 is emulated as on a CPU without them. Prints a markdown
@@ -14,13 +14,13 @@ profile's slice of it, their compute timed alternately (slice, whole, slice, who
 machine's load drifts alike over both), each round's rates giving the whole model's compute per step
 (every block in RAM, recompute all, `cm.predict`); the error is of the medians.
 
-    python scripts/bench_quickprofile.py --ab 2 --presets 7B,70B --dtypes fp32,bf16 --isas native,AVX512_CORE
+    python benchmarks/bench_quickprofile.py --ab 2 --presets 7B,70B --dtypes fp32,bf16 --isas native,AVX512_CORE
 
 `--slices K,K,...` times each call kind (forward, graph forward, backward) of one block of each slice 1/K of the
 shape (1: the whole block) in one process per case, as GFLOP/s of the block's forward FLOPs: whether the call
 kinds scale with the slice alike (what the quick profile's line through two slices assumes).
 
-    python scripts/bench_quickprofile.py --slices 64,16,4,1 --presets 70B --dtypes bf16 --isas native,AVX512_CORE
+    python benchmarks/bench_quickprofile.py --slices 64,16,4,1 --presets 70B --dtypes bf16 --isas native,AVX512_CORE
 """
 import argparse
 import json
@@ -125,7 +125,7 @@ def ab_case(args, preset: str, dtype: str) -> dict:
     sys.path.insert(0, str(ROOT))
     from phantom.arch import presets as config
     from phantom.files.store import BlockStore
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     from phantom.plan import computetimer as ct, costinputs as ci, costmodel as cm, profiles, quickslice as qs
     from phantom.stream.placement import Activations, Placement
 
@@ -166,7 +166,7 @@ def slices_case(args, preset: str, dtype: str) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     from phantom.arch import presets as config
     from phantom.files.store import BlockStore
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     from phantom.plan import computetimer as ct, costinputs as ci, quickslice as qs
 
     cfg, device, dt = config.preset(preset), torch.device("cpu"), getattr(torch, {"fp32": "float32"}.get(dtype, "bfloat16"))
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         print(json.dumps(slices_case(args, *args.case.split(",")) if args.slices else
                          ab_case(args, *args.case.split(","))))
         return 0
-    lines = [f"`python scripts/bench_quickprofile.py {' '.join(argv if argv is not None else sys.argv[1:])}`, "
+    lines = [f"`python benchmarks/bench_quickprofile.py {' '.join(argv if argv is not None else sys.argv[1:])}`, "
              f"{time.strftime('%Y-%m-%d %H:%M')}, load average before {os.getloadavg()[0]:.2f}", "",
              SLICES_HEADER if args.slices else AB_HEADER if args.ab else HEADER]
     print("\n".join(lines), flush=True)

@@ -19,7 +19,7 @@ import torch
 import phantom
 from phantom.arch.presets import PRESETS
 from phantom.files.store import BlockStore
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan import costinputs as ci
 from benchlib.moe import least_disturbed
 from phantom.plan.costmodel import predict

@@ -1,7 +1,7 @@
 """Benchmark several LoRA adapters trained in one run against the same adapters trained one run each.
 
-    python scripts/bench_sweep.py --dim 1024 --layers 8 --batch-size 1 --seq-len 4 --offload disk --throttle 0.1
-    python scripts/bench_sweep.py --dim 512 --layers 4 --batch-size 4 --seq-len 128 --offload ram --adapters 4
+    python benchmarks/bench_sweep.py --dim 1024 --layers 8 --batch-size 1 --seq-len 4 --offload disk --throttle 0.1
+    python benchmarks/bench_sweep.py --dim 512 --layers 4 --batch-size 4 --seq-len 128 --offload ram --adapters 4
 
 --throttle GBPS reads the disk tier's blocks no faster than GBPS in all (one read at a time, each padded with a
 sleep: a slow disk or a network store, where streaming bounds the step; registered as the tier `slowdisk`,
@@ -36,7 +36,7 @@ import phantom  # noqa: E402
 from phantom.arch.config import ModelConfig  # noqa: E402
 from phantom.base.cpufeatures import cpu_flags  # noqa: E402
 from phantom.data.dataset import TokenData  # noqa: E402
-from phantom.model.synthetic import write_synthetic  # noqa: E402
+from phantom.convert.synthetic import write_synthetic  # noqa: E402
 from phantom.plan import costinputs as ci, costsweep, profiles  # noqa: E402
 from phantom.stream import tiers  # noqa: E402
 from phantom.stream.placement import Activations, Placement  # noqa: E402
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     text = "\n".join([
         f"\n### {args.adapters} adapters in one run against {args.adapters} runs: {args.offload}, dim {args.dim}, "
         f"{args.layers} layers, {args.batch_size} x {args.seq_len} tokens per adapter-step, fp32",
-        "", f"    python scripts/bench_sweep.py {' '.join(sys.argv[1:] if argv is None else argv)}", "",
+        "", f"    python benchmarks/bench_sweep.py {' '.join(sys.argv[1:] if argv is None else argv)}", "",
         f"machine: {cpu}; torch {torch.__version__}", "",
         "| | step (s) | read per step (MB) |", "|---|---|---|",
         f"| one run of {args.adapters} adapters | {together:.3f} | {read_together / 1e6:,.0f} |",

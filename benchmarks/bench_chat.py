@@ -2,8 +2,8 @@
 own template and tokenizer), and the process's peak memory: a conversation of --messages turns, or one
 record of about --line-mb megabytes (a JSONL line as a chat export writes it, parsed here).
 
-    python scripts/bench_chat.py --model FOLDER --messages 8000
-    python scripts/bench_chat.py --model FOLDER --line-mb 50
+    python benchmarks/bench_chat.py --model FOLDER --messages 8000
+    python benchmarks/bench_chat.py --model FOLDER --line-mb 50
 
 FOLDER: a store or a Hugging Face folder with tokenizer.json or tokenizer.model and a chat template.
 One case per process: the peak (ru_maxrss) is the case's. PHANTOM_SRC=DIR benchmarks the phantom

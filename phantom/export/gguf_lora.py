@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from phantom.files.store import BlockStore
-from phantom.model.gguf_arch import Arch
-from phantom.model.gguf_export import OUTTYPES, T, check_supported, default_outtype, llama_permute
+from phantom.export.gguf_arch import Arch
+from phantom.export.gguf_export import OUTTYPES, T, check_supported, default_outtype, llama_permute
 from phantom.model.adapterfiles import read_adapter_config
 from phantom.model.lora import ADAPTER_WEIGHTS
 from phantom.base import safejson

@@ -5,7 +5,7 @@ each format written from it in turn, twice (the faster kept), in one process; th
 seconds, bytes written, ratio to the HF export) is printed and appended to --notes with the command and
 the machine.
 
-    python scripts/bench_export.py --preset 7B --layers 8 --tokenizer tokenizer.json --notes notes/bench-gguf.md
+    python benchmarks/bench_export.py --preset 7B --layers 8 --tokenizer tokenizer.json --notes notes/bench-gguf.md
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from benchlib.common import machine, process_cpu_s  # noqa: E402
 from phantom.arch.presets import preset  # noqa: E402
 from phantom.files.tensorfile import parse_dtype  # noqa: E402
-from phantom.model.convert import disk_usage  # noqa: E402
-from phantom.model.export import FormatOptions, export  # noqa: E402
-from phantom.model.synthetic import write_synthetic  # noqa: E402
+from phantom.convert.convert import disk_usage  # noqa: E402
+from phantom.export.export import FormatOptions, export  # noqa: E402
+from phantom.convert.synthetic import write_synthetic  # noqa: E402
 from phantom.train import cli  # noqa: E402
 
 FORMATS = {"hf": ("hf", None), "gguf-bf16": ("gguf", "bf16"), "gguf-f16": ("gguf", "f16"),
@@ -71,7 +71,7 @@ def run(argv=None) -> int:
     rows = {fmt: timed_export(store, work / fmt, fmt) for fmt in formats}
     base = rows.get("hf", next(iter(rows.values())))[0]
     lines = [f"### {args.preset} shapes, {cfg.n_layers} blocks, {args.dtype} store ({disk_usage(store) / 1e9:.2f} GB)",
-             "", "    python scripts/bench_export.py " + " ".join(argv if argv is not None else sys.argv[1:]), "",
+             "", "    python benchmarks/bench_export.py " + " ".join(argv if argv is not None else sys.argv[1:]), "",
              f"Machine: {machine()}.", "", "| format | wall s | CPU s | GB written | wall / hf |", "|---|---|---|---|---|"]
     lines += [f"| {fmt} | {w:.1f} | {c:.1f} | {b / 1e9:.2f} | {w / base:.2f} |" for fmt, (w, c, b) in rows.items()]
     print("\n".join(lines))

@@ -18,7 +18,7 @@ from phantom.base import provenance, safejson
 from phantom.data.chat import TINY_CHAT_TEMPLATE
 from phantom.data.tokenizer import train_tiny_tokenizer
 from phantom.files.storewriter import StoreWriter
-from phantom.model.convert import keep_tokenizer_files
+from phantom.convert.convert import keep_tokenizer_files
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from phantom.base.fileio import locked
-from phantom.model.convert import convert_checkpoint
+from phantom.convert.convert import convert_checkpoint
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")

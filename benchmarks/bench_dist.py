@@ -1,6 +1,6 @@
 """Data-parallel benchmark: tokens/s and host memory of 1 vs N local ranks (torchrun, gloo on CPU).
 
-    python scripts/bench_dist.py --dim 1024 --layers 8 --ranks 2 --offload ram
+    python benchmarks/bench_dist.py --dim 1024 --layers 8 --ranks 2 --offload ram
 
 Each configuration runs under `python -m torch.distributed.run --standalone`; every rank trains its
 slice of the same global batch (LoRA, gradients averaged by phantom.train.dist) and reports its peak RSS
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import phantom  # noqa: E402
 from phantom.arch.config import ModelConfig  # noqa: E402
-from phantom.model.synthetic import write_synthetic  # noqa: E402
+from phantom.convert.synthetic import write_synthetic  # noqa: E402
 
 
 def parse_args():
@@ -109,7 +109,7 @@ def main():
             rows.append((ranks, shared, r))
             print(f"ranks={ranks} shared={shared} {r}", flush=True)
     base = rows[0][2]["tokens_per_s"]
-    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python scripts/bench_dist.py {' '.join(sys.argv[1:])}`", "",
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python benchmarks/bench_dist.py {' '.join(sys.argv[1:])}`", "",
              f"- {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo; offload {args.offload}; global batch "
              f"{args.batch_size} x {args.seq_len}; OMP threads split between the ranks", "",
              "| ranks | RAM tier | step s | tokens/s | vs 1 rank | sum of peak RSS GB | sum of PSS GB |",

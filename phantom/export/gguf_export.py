@@ -26,11 +26,11 @@ from phantom.arch.config import ModelConfig
 from phantom.files.hfshards import natural_key
 from phantom.data.tokenizer import is_tiktoken_file
 from phantom.files.store import BlockStore
-from phantom.model.checkpoints import part_shapes
-from phantom.model.gguf_arch import ARCHES, Arch, add_early_keys, embed_rows, extra_tensors, refusal, \
+from phantom.convert.checkpoints import part_shapes
+from phantom.export.gguf_arch import ARCHES, Arch, add_early_keys, embed_rows, extra_tensors, refusal, \
     yarn_difference
-from phantom.model.gguf_vocab import add_vocab, read_json
-from phantom.model.hflayout import to_hf
+from phantom.export.gguf_vocab import add_vocab, read_json
+from phantom.convert.hflayout import to_hf
 
 log = logging.getLogger(__name__)
 

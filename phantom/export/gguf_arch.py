@@ -16,7 +16,7 @@ import torch
 
 from phantom.arch.config import ModelConfig
 from phantom.arch.family_qwen35 import full_attention_interval
-from phantom.model.gguf_hparams import deepseek2_hparams, gemma2_hparams, gemma3_hparams, glm4moe_hparams, \
+from phantom.export.gguf_hparams import deepseek2_hparams, gemma2_hparams, gemma3_hparams, glm4moe_hparams, \
     gpt_oss_hparams, llama_hparams, olmoe_hparams, phi3_hparams, qwen35moe_hparams, qwen3next_hparams, \
     qwen_moe_hparams, text_hparams
 

@@ -23,8 +23,8 @@ import torch
 import phantom
 from phantom.arch.config import ModelConfig
 from phantom.data.tokenizer import TINY_TEXT, train_tiny_tokenizer
-from phantom.model.export import export
-from phantom.model.synthetic import write_synthetic
+from phantom.export.export import export
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan.profiles import evict
 from benchlib.common import machine
 

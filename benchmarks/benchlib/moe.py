@@ -18,7 +18,7 @@ import phantom
 from phantom.arch.presets import PRESETS
 from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan import costinputs as ci
 from phantom.plan import profiles
 from phantom.plan.costexperts import predict_expert_reads

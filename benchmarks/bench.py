@@ -1,56 +1,56 @@
 """Benchmark one LoRA training step of the same synthetic model under several placements, side by side.
 
-    python scripts/bench.py --dim 1024 --layers 8 --batch-size 4 --seq-len 256 --cold
+    python benchmarks/bench.py --dim 1024 --layers 8 --batch-size 4 --seq-len 256 --cold
 
 Modes: resident (offload=none, plain autograd), ram and disk (phantom streaming with prefetch K),
 naive (disk, prefetch 0: load each block synchronously before use, as slowllama does). Each mode
 runs in its own process so peak memory is its own. The table goes to stdout and to
 notes/bench-<device>.md with the command line and the machine.
 
-    python scripts/bench.py --modes disk --prefetch 0,1,2,4 --micro-batch 1,2 --tuned --cold
+    python benchmarks/bench.py --modes disk --prefetch 0,1,2,4 --micro-batch 1,2 --tuned --cold
 
 sweeps prefetch depth x micro-batch, then runs the tuner's choice (phantom.plan.tune, searching the
 swept tiers and recompute policies with no resident blocks) and prints each row's predicted step.
 
-    python scripts/bench.py --modes resident+leaky,resident+mask,disk+leaky,disk+mask --packed 8
+    python benchmarks/bench.py --modes resident+leaky,resident+mask,disk+leaky,disk+mask --packed 8
 
 packs 8 examples into each row, stepping with the document mask (segment ids: block-diagonal causal
 attention, positions from 0 per example) or without it (the leaky plain causal mask), side by side.
 
-    OMP_NUM_THREADS=1 python scripts/bench.py --modes diskread --dim 1024 --layers 12 --vocab 1024 --batch-size 1 --seq-len 8
+    OMP_NUM_THREADS=1 python benchmarks/bench.py --modes diskread --dim 1024 --layers 12 --vocab 1024 --batch-size 1 --seq-len 8
 
 (alone) races the disk tier's first pass (crc32 checked) against raw O_DIRECT reads of the same
 files, then half the blocks in RAM against pure disk with the cost model's predictions; to notes/bench-tiers.md.
 
-    python scripts/bench.py --modes quant --dim 2048 --layers 8 --dtype bf16 --quant-batches 1x32,8x256 --cold
+    python benchmarks/bench.py --modes quant --dim 2048 --layers 8 --dtype bf16 --quant-batches 1x32,8x256 --cold
 
 (alone) the same model stored bf16, NF4 and int8 (prepare_model.py --quantize; --quant-methods adds fp8-block,
 int4-group and mxfp4, the formats checkpoints ship), disk tier: bytes read per step, the dequantization (a CPU's on the compute's
 threads), step time beside the cost model's prediction from inputs measured just before each row (--rounds N: the rows
 interleaved N times, medians); to notes/bench-quant.md.
 
-    python scripts/bench.py --modes moe --dim 256 --layers 4 --moe-batches 1x8,1x32,1x128,1x1024,4x1024
+    python benchmarks/bench.py --modes moe --dim 256 --layers 4 --moe-batches 1x8,1x32,1x128,1x1024,4x1024
 
 (alone) a Qwen3-30B-A3B-shaped store scaled to --dim (128 experts, top-8), random and skewed routers:
 routed expert reads against whole blocks, bytes read per step and step time beside the cost model's
 prediction; to notes/moe.md.
 
-    python scripts/bench.py --modes linear --dim 256 --layers 2 --linear-batches 1x1024,1x8192
+    python benchmarks/bench.py --modes linear --dim 256 --layers 2 --linear-batches 1x1024,1x8192
 
 (alone) a Gated DeltaNet block's LoRA step against a gated full-attention block's (Qwen3.5-35B-A3B's shape
 scaled to --dim), each beside the cost model's prediction from a profile measured on the other; to notes/linear.md.
 
-    python scripts/bench.py --modes generate --dim 1024 --layers 8 --heads 16 --vocab 4096 --gen-prompts 1,8,64,256
+    python benchmarks/bench.py --modes generate --dim 1024 --layers 8 --heads 16 --vocab 4096 --gen-prompts 1,8,64,256
 
 (alone) batched generation's new tokens/s at each number of prompts from the RAM and the disk tier, beside the
 cost model of generation's prediction; to notes/bench-generate.md.
 
-    python scripts/bench.py --modes evaluate --dim 1024 --layers 8 --heads 16 --eval-docs 64
+    python benchmarks/bench.py --modes evaluate --dim 1024 --layers 8 --heads 16 --eval-docs 64
 
 (alone) the same lm-eval tasks on the same weights: phantom's model streaming from disk against lm-eval's hf
 model with accelerate's offload; to notes/bench-generate.md.
 
-    python scripts/bench.py --modes grpo --layers 2 --dtype bf16 --grpo-generations 8,16 --grpo-tokens 128
+    python benchmarks/bench.py --modes grpo --layers 2 --dtype bf16 --grpo-generations 8,16 --grpo-tokens 128
 
 (alone) a GRPO step's generation, reference and training seconds and bytes read on 7B-shaped blocks from RAM and
 disk, beside the cost model of a GRPO step; to notes/bench-grpo.md.
@@ -84,7 +84,7 @@ import phantom.files.tensorfile  # noqa: E402
 from phantom.arch.config import ModelConfig  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
 from phantom.files.tensorfile import dtype_name  # noqa: E402
-from phantom.model.synthetic import write_synthetic  # noqa: E402
+from phantom.convert.synthetic import write_synthetic  # noqa: E402
 from phantom.plan import costinputs as ci
 from phantom.plan import planner, profiles, tune
 from phantom.train import cli

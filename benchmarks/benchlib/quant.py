@@ -33,7 +33,7 @@ def quant_bench(args, store: BlockStore) -> str:
     (profiles.measure_dequant: on a CPU the compute's threads dequantize each loaded block when it is acquired).
     """
     from phantom.arch.quantformat import QuantFormat
-    from phantom.model.quantstore import quantize_store
+    from phantom.convert.quantstore import quantize_store
     if store.dtype.itemsize != 2 or store.quant is not None:
         print("error: --modes quant needs a 16-bit store to quantize (--dtype bf16)", file=sys.stderr)
         sys.exit(2)
@@ -99,7 +99,7 @@ def quant_lines(args, store, run: QuantRun) -> str:
     """The notes' entry: command, machine, stores, dequantization rates, a table of steps against predictions."""
     stores, rows, rates, profile, k, load = run.stores, run.rows, run.rates, run.profile, run.prefetch, run.load
     cfg, dense, quantize_s = store.cfg, store.block_nbytes * 1.0, run.quantize_s
-    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python scripts/bench.py {' '.join(sys.argv[1:])}`", "",
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`", "",
              f"- machine: {machine()}; torch threads {torch.get_num_threads()}",
              f"- load (/proc/loadavg) before `{load[0]}`; after `{load[1]}` (the CPU is shared)",
              f"- model: dim {cfg.dim}, {cfg.n_layers} blocks, vocab {cfg.vocab_size}; compute {dtype_name(store.dtype)}; "

@@ -349,7 +349,7 @@ def step_table(args, store: BlockStore, rows: list, profile, best, host: dict | 
     tuner's profile was measured, the FLOP floor where the matmul rate was), full-finetuning and DPO lines."""
     base = next((r["step_s"] for m, _, _, _, r in rows if m == "resident"), None)
     cfg = store.cfg
-    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python scripts/bench.py {' '.join(sys.argv[1:])}`", "",
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`", "",
              f"- machine: {machine()}; device {args.device}",
              f"- model: dim {cfg.dim}, {cfg.n_layers} blocks of {store.block_nbytes / 2**20:.1f} MiB ({store.dtype}), "
              f"batch {args.batch_size} x {args.seq_len}, prefetch {args.prefetch}, "

@@ -15,7 +15,7 @@ from pathlib import Path
 import gguf
 
 from phantom.data.tokenizer import Tokenizer
-from phantom.model.gguf_pretok import CHECK_TEXT, PRE_TOKENIZERS
+from phantom.export.gguf_pretok import CHECK_TEXT, PRE_TOKENIZERS
 
 SP_NORMAL, SP_UNKNOWN, SP_CONTROL, SP_USER_DEFINED, SP_UNUSED, SP_BYTE = 1, 2, 3, 4, 5, 6  # sentencepiece's types
 SPACE = "\u2581"  # sentencepiece's word mark; llama.cpp wants user-defined tokens' spaces as spaces

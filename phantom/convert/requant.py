@@ -27,10 +27,10 @@ from phantom.arch.ops import permute_for_hf
 from phantom.arch.quantformat import stored_layout
 from phantom.files.hfshards import ShardWriter, parse_size
 from phantom.files.store import BlockStore
-from phantom.model.checkpoints import part_shapes
-from phantom.model.hflayout import hf_config, to_hf
+from phantom.convert.checkpoints import part_shapes
+from phantom.convert.hflayout import hf_config, to_hf
 
-RECORD = "shipped_quantization"  # the manifest's record of what the checkpoint shipped (phantom.model.convert)
+RECORD = "shipped_quantization"  # the manifest's record of what the checkpoint shipped (phantom.convert.convert)
 SUFFIXES = {"fp8-block": {"fp8": "", "scale_inv": "_scale_inv"},  # a weight's parts -> its checkpoint keys
             "int4-group": {"packed": "_packed", "scale": "_scale"}}
 

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from phantom.arch.quantformat import QuantFormat
 from phantom.files.store import BlockStore
 from phantom.files.storewriter import StoreWriter
-from phantom.model.convert import disk_usage, keep_tokenizer_files, tokenizer_files
+from phantom.convert.convert import disk_usage, keep_tokenizer_files, tokenizer_files
 
 
 def quantize_store(src: Path | str, out: Path | str, quant: QuantFormat, dtype: torch.dtype | None = None,

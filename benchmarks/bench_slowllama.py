@@ -1,15 +1,15 @@
-"""Seconds per iteration of slowllama's own finetune step on the same random Llama as scripts/bench.py.
+"""Seconds per iteration of slowllama's own finetune step on the same random Llama as benchmarks/bench.py.
 
 slowllama (github.com/okuvshynov/slowllama) is not a dependency and none of its code is in this
 repository: pass a checkout of its .py files with --slowllama (recipe in notes/bench-slowllama.md).
 
-    python scripts/bench_slowllama.py --slowllama /tmp/slowllama --dim 2048 --layers 8 --heads 16 \\
+    python benchmarks/bench_slowllama.py --slowllama /tmp/slowllama --dim 2048 --layers 8 --heads 16 \\
         --vocab 4096 --batch-size 4 --seq-len 128 --lora-rank 4 --steps 3
 
 What it does, each phase in its own process (slowllama numbers its on-disk modules with a
 process-global counter, so preparing and loading must start from a fresh counter, as its own
 prepare_model.py and finetune.py do):
-  1. phantom's synthetic store (phantom.model.synthetic.write_synthetic, the call scripts/bench.py makes;
+  1. phantom's synthetic store (phantom.convert.synthetic.write_synthetic, the call benchmarks/bench.py makes;
      or --store PATH), read back with BlockStore.load_block/load_head/load_embed and written as a Meta
      checkpoint: consolidated.00.pth + params.json (+ tokenizer.model, unused).
   2. slowllama's llama2_loader.prepare_model: builds its Transformer (every attention, feed-forward,
@@ -19,7 +19,7 @@ prepare_model.py and finetune.py do):
      module again from disk and rerunning its forward), opt.step(), with AdamW(model.parameters()).
      One warm-up iteration, then --steps timed ones; prints the median s/iter.
 
-Differences from scripts/bench.py that slowllama fixes (not options here): LoRA alpha 64 (scale 16; phantom
+Differences from benchmarks/bench.py that slowllama fixes (not options here): LoRA alpha 64 (scale 16; phantom
 16/r), LoRA dropout 0.05 in training mode (phantom 0.0), the final norm's weight is trained too (it is in
 model.parameters()), every module's input is torch.save'd to --work/cache and read back in backward.
 The frozen dtype is the store's (fp32 for bench.py's default) unless --frozen-dtype bf16 (slowllama's
@@ -154,7 +154,7 @@ def phase_train(args, info: dict) -> dict:
                         cached_data_path=str(work / "cache")).to(device).to(compute_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8)  # conf.py lr, conf_fp32.py eps
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    gen = torch.Generator().manual_seed(0)  # the tokens scripts/bench.py draws
+    gen = torch.Generator().manual_seed(0)  # the tokens benchmarks/bench.py draws
     tokens = torch.randint(0, info["vocab"], (args.batch_size, args.seq_len + 1), generator=gen)
     # contiguous, as finetune.py's get_batch (torch.stack) makes them: manual_loop calls targets.view(-1)
     X, y = tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
@@ -230,12 +230,12 @@ def prepare_checkpoint(args) -> dict:
     """The store (--store, or bench.py's synthetic one) as a Meta checkpoint in WORK/meta; its shapes."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from phantom.arch.config import ModelConfig
-    from phantom.model.synthetic import write_synthetic
+    from phantom.convert.synthetic import write_synthetic
     t0 = time.perf_counter()
     store = args.store
     if store is None:
         cfg = ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                          vocab_size=args.vocab, max_seq_len=max(args.seq_len, 256))  # as scripts/bench.py
+                          vocab_size=args.vocab, max_seq_len=max(args.seq_len, 256))  # as benchmarks/bench.py
         store = write_synthetic(Path(args.work) / "store", cfg, dtype_of(args.dtype), seed=args.seed,
                                 progress=False)
     info = write_meta(Path(store), Path(args.work) / "meta")

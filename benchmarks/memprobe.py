@@ -1,6 +1,6 @@
 """Peak host RSS of one LoRA training step, in a fresh process: for memory claims in notes/.
 
-    python scripts/memprobe.py --store STORE --seq-len 8192 [--checkpoint-inner] [--offload disk] [--mlp-chunk 0]
+    python benchmarks/memprobe.py --store STORE --seq-len 8192 [--checkpoint-inner] [--offload disk] [--mlp-chunk 0]
 
 Also prints the step's seconds (forward and backward, the model already open) and the CPU seconds of its
 threads (on a machine others share, the steadier figure of the two), and the cost model's predicted peak for the

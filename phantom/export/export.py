@@ -33,11 +33,11 @@ from phantom.data.tokenizer import Tokenizer, sentencepiece_to_json
 from phantom.files import runfolder
 from phantom.files.hfshards import DEFAULT_MAX_SHARD_SIZE, ShardWriter, parse_size
 from phantom.files.store import BlockStore
-from phantom.model import requant
-from phantom.model.checkpoints import part_shapes, release_pages
-from phantom.model.convert import tokenizer_files
+from phantom.convert import requant
+from phantom.convert.checkpoints import part_shapes, release_pages
+from phantom.convert.convert import tokenizer_files
 from phantom.model.adapterfiles import load_adapter, read_adapter_config
-from phantom.model.hflayout import hf_config, to_hf
+from phantom.convert.hflayout import hf_config, to_hf
 from phantom.model.lora import apply_lora, for_family
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ class FormatOptions:
     outtype: "gguf", "gguf-lora": the file's weight type, f32, f16, bf16 or q8_0 (None: bf16 weights bf16,
         others f16, as llama.cpp's converter's "auto").
     requantize: "hf": a store of a checkpoint shipped quantized (fp8-block, int4-group, mxfp4) written in that
-        format again, the merged weights requantized (phantom.model.requant); else 16-bit weights."""
+        format again, the merged weights requantized (phantom.convert.requant); else 16-bit weights."""
 
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
     outtype: str | None = None
@@ -263,9 +263,9 @@ def hf_side_files(store: BlockStore, dtype: torch.dtype, folder: Path) -> Path:
 
 
 def gguf_module():
-    """phantom.model.gguf_export, which needs the optional gguf package (llama.cpp's own writer)."""
+    """phantom.export.gguf_export, which needs the optional gguf package (llama.cpp's own writer)."""
     try:
-        from phantom.model import gguf_export
+        from phantom.export import gguf_export
     except ImportError as e:
         if e.name != "gguf":
             raise
@@ -302,7 +302,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
         out: the checkpoint folder to create (written to a temporary folder, renamed when complete).
         adapter: a PEFT-layout LoRA adapter folder (as PhantomModel.save_adapter writes), or None.
         fmt: "hf" (config.json + safetensors shards + index), "meta" (params.json + consolidated.00.pth) or
-            "gguf" (one llama.cpp file, Name-Size-Type.gguf, and an Ollama Modelfile; phantom.model.gguf_export).
+            "gguf" (one llama.cpp file, Name-Size-Type.gguf, and an Ollama Modelfile; phantom.export.gguf_export).
         dtype: the checkpoint's dtype (default: the store's); gguf: the merged weights' dtype, which outtype
             is made from.
         overwrite: replace the phantom export at out (a folder that is not one is refused).
@@ -325,10 +325,10 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
     with fileio.replacing_folder(out) as tmp:  # the old folder (overwrite) goes only once this one is complete
         parts = merged_parts(store, Path(adapter) if adapter else None, dtype, progress)
         if fmt == "gguf-lora":
-            from phantom.model.gguf_lora import export_gguf_lora
+            from phantom.export.gguf_lora import export_gguf_lora
             export_gguf_lora(store, tmp, Path(adapter), options.outtype, Path(model).resolve().name)
         elif fmt == "gguf":
-            from phantom.model import gguf_export
+            from phantom.export import gguf_export
             with tempfile.TemporaryDirectory(prefix="phantom-gguf-") as scratch:  # named as the model: its GGUF name
                 side = hf_side_files(store, dtype, Path(scratch) / Path(model).resolve().name)
                 gguf_export.export_gguf(store, tmp, parts, dtype, options.outtype, side)

@@ -9,7 +9,7 @@ Measures, on a synthetic store of the bench model quantized (--method: nf4, int8
   2. LoRA steps (prefetch 2, --offload ram or disk) with each loaded block dequantized at its acquire, and with
      a loader thread dequantizing it on one core beside the compute, side by side.
 
-    python scripts/bench_dequant.py --dim 2048 --layers 8 --heads 16 --method nf4 --batches 1x8,2x128
+    python benchmarks/bench_dequant.py --dim 2048 --layers 8 --heads 16 --method nf4 --batches 1x8,2x128
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from phantom.arch import quant  # noqa: E402
 from phantom.arch.config import ModelConfig  # noqa: E402
 from phantom.arch.quantformat import METHODS, SHIPPED, QuantFormat  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
-from phantom.model.quantstore import quantize_store  # noqa: E402
-from phantom.model.synthetic import write_synthetic  # noqa: E402
+from phantom.convert.quantstore import quantize_store  # noqa: E402
+from phantom.convert.synthetic import write_synthetic  # noqa: E402
 from phantom.stream.hostmem import HostBuffer  # noqa: E402
 from phantom.stream.transfer import DequantPool, Transfer  # noqa: E402
 
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
 
 
 def report(args, cfg, rates: dict, rows: list, load: list) -> str:
-    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python scripts/bench_dequant.py {' '.join(sys.argv[1:])}`", "",
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python benchmarks/bench_dequant.py {' '.join(sys.argv[1:])}`", "",
              f"- torch {torch.__version__}, {torch.get_num_threads()} threads; load before `{load[0]}`, after `{load[1]}`",
              f"- model: dim {cfg.dim}, {cfg.n_layers} blocks, {args.method}, compute bf16, {args.offload} tier, "
              "prefetch 2, LoRA, recompute none",

@@ -1,4 +1,4 @@
-"""Checkpoints into block stores: a Meta or Hugging Face folder (phantom.model.checkpoints) converted
+"""Checkpoints into block stores: a Meta or Hugging Face folder (phantom.convert.checkpoints) converted
 one part at a time into a `StoreWriter`, copied or linked in place (--link), so peak memory is about one
 block; and the tokenizer files a store keeps (checksummed in its manifest) and hands back checked.
 """
@@ -18,7 +18,7 @@ from phantom.files.store import BlockStore
 from phantom.files.storeformat import block_file, safe_join
 from phantom.files.storewriter import StoreWriter
 from phantom.files.tensorfile import StoreError, dtype_name
-from phantom.model.checkpoints import TOKENIZER_FILES, open_checkpoint, part_shapes
+from phantom.convert.checkpoints import TOKENIZER_FILES, open_checkpoint, part_shapes
 
 
 def disk_usage(path: Path) -> int:

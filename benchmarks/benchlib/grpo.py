@@ -19,7 +19,7 @@ from phantom.arch.presets import preset
 from phantom.data.tokenizer import Tokenizer, train_tiny_tokenizer
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import dtype_name, parse_dtype
-from phantom.model.synthetic import write_synthetic
+from phantom.convert.synthetic import write_synthetic
 from phantom.plan import profiles
 from phantom.plan.costgrpo import GrpoWork, predict_grpo_step
 from phantom.plan.gentimer import measure_generation

@@ -213,7 +213,7 @@ def diskread_lines(args, store: BlockStore, race: dict, runs: dict, places: dict
     rates, rate, (t, c) = race["rates"], race["rate"], race["best"]
     step = {name: statistics.median(r["times"]) for name, r in runs.items()}
     profile, pred = predictions(args, store, places, race, step)
-    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python scripts/bench.py {' '.join(sys.argv[1:])}`", "",
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M')}: `python benchmarks/bench.py {' '.join(sys.argv[1:])}`", "",
              f"- machine: {machine()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
              f"(torch threads {torch.get_num_threads()})",
              "- `lscpu | head`: " + "; ".join(" ".join(l.split()) for l in shell("lscpu | head -n 8").splitlines()),

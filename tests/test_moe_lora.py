@@ -47,7 +47,16 @@ def few():
     return batch(2, 3)[0], batch(2, 3, seed=1)[0]
 
 
-def peft_expert_keys(block) -> dict[str, tuple[str, list[list[LoraLinear]]]]:
+# Llama 4's experts are in transformers' Llama4TextExperts, under feed_forward, stored (E, in, out) without
+# is_transposed: peft swaps their sides (its A on the out side, its B on the in side)
+SWAPPED_EXPERTS = {"llama4": "feed_forward.experts"}
+
+
+def experts_module(pm) -> str:
+    return SWAPPED_EXPERTS.get(pm.cfg.family, "mlp.experts")
+
+
+def peft_expert_keys(block, module: str = "mlp.experts") -> dict[str, tuple[str, list[list[LoraLinear]]]]:
     """{peft module: (phantom's parameter holding it, per expert its LoraLinears in row order)} of a block's
     experts. peft wraps gate_up_proj first and down_proj around it: where both are adapted gate_up_proj's
     LoRA is the inner `mlp.experts.base_layer` (as peft's own adapters have it: the test of those below)."""
@@ -57,16 +66,26 @@ def peft_expert_keys(block) -> dict[str, tuple[str, list[list[LoraLinear]]]]:
     gate_up, down = (isinstance(getattr(ffn.experts[0], w), LoraLinear) for w in ("w1", "w2"))
     out = {}
     if gate_up:
-        out["mlp.experts.base_layer" if down else "mlp.experts"] = (
+        out[f"{module}.base_layer" if down else module] = (
             "feed_forward.lora_experts_gate_up", [[x.w1, x.w3] for x in ffn.experts])
     if down:
-        out["mlp.experts"] = ("feed_forward.lora_experts_down", [[x.w2] for x in ffn.experts])
+        out[module] = ("feed_forward.lora_experts_down", [[x.w2] for x in ffn.experts])
     return out
 
 
-def to_peft(parts, get, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def to_peft(parts, get, interleaved: bool = False, swapped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """peft's (lora_A (r*E, in), lora_B (out, r*E)) of one expert tensor, by index; with interleaved (gpt-oss's
-    gate_up_proj) lora_B's rows alternate gate and up, as the tensor's columns do."""
+    gate_up_proj) lora_B's rows alternate gate and up, as the tensor's columns do. Swapped (Llama 4): peft's
+    lora_A (r*E, out) holds each expert's B transposed, its lora_B (in, r*E) each A transposed."""
+    a, b = _to_peft(parts, get, interleaved)
+    if not swapped:
+        return a, b
+    n, r = len(parts), a.shape[0] // len(parts)
+    return (b.view(b.shape[0], r, n).permute(2, 1, 0).reshape(n * r, -1),
+            a.view(n, r, -1).permute(2, 1, 0).reshape(-1, r * n))
+
+
+def _to_peft(parts, get, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     n, (r, d_in) = len(parts), get(parts[0][0].lora_A).shape
     b_e = [torch.stack([get(m.lora_B) for m in ms], dim=1).flatten(0, 1) if interleaved else
            torch.cat([get(m.lora_B) for m in ms]) for ms in parts]
@@ -83,7 +102,7 @@ def expert_grads(pm) -> dict:
     out = lora_grads(pm)
     for i, block in enumerate(pm.layers):
         params = dict(block.named_parameters())
-        for module, (name, _) in peft_expert_keys(block).items():
+        for module, (name, _) in peft_expert_keys(block, experts_module(pm)).items():
             out[(i, module)] = (params[f"{name}.lora_A"].grad, params[f"{name}.lora_B"].grad)
     return out
 
@@ -92,8 +111,8 @@ def check_views(pm, adapter) -> None:
     """Each expert computes with its A and B at peft's indices of the saved tensors (to_peft, by index)."""
     saved = adapter_tensors(adapter)
     for i, block in enumerate(pm.layers):
-        for module, (_, parts) in peft_expert_keys(block).items():
-            a, b = to_peft(parts, lambda t: t.detach(), pm.cfg.interleaved_experts)
+        for module, (_, parts) in peft_expert_keys(block, experts_module(pm)).items():
+            a, b = to_peft(parts, lambda t: t.detach(), pm.cfg.interleaved_experts, pm.cfg.family in SWAPPED_EXPERTS)
             key = f"base_model.model.model.layers.{i}.{module}"
             assert torch.equal(a, saved[f"{key}.lora_A.weight"]) and torch.equal(b, saved[f"{key}.lora_B.weight"])
 

@@ -29,7 +29,8 @@ KEYS = {**ATTENTION_KEYS, **{k: v for k, v in BIAS_KEYS.items() if "self_attn" i
 # Llama4TextExperts: (experts, in, 2 * width) gate then up, (experts, width, dim) down; read into each expert's parts
 EXPERTS = MoeKeys({}, ("num_local_experts", "num_experts_per_tok"), fused={
     f"{FF}.experts.gate_up_proj": ("feed_forward.experts.<e>.w1.weight", "feed_forward.experts.<e>.w3.weight"),
-    f"{FF}.experts.down_proj": ("feed_forward.experts.<e>.w2.weight",)}, turned="halves")
+    f"{FF}.experts.down_proj": ("feed_forward.experts.<e>.w2.weight",)}, turned="halves",
+    peft_module="feed_forward.experts", peft_swapped=True)
 TEXT = ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")
 
 

@@ -26,6 +26,8 @@ class MoeKeys:
     fused_renames: dict[str, str] = field(default_factory=dict)
     fused: dict[str, tuple[str, ...]] = field(default_factory=lambda: FUSED_EXPERTS)
     turned: str = ""  # "halves": the fused tensors are (experts, in, out), gate then up on out (Llama 4)
+    peft_module: str = "mlp.experts"  # where peft finds the fused tensors inside a layer (target_parameters)
+    peft_swapped: bool = False  # peft takes their (experts, in, out) for (experts, out, in) (phantom.arch.expertlora)
 
 
 def expert_keys(prefix: str, gate: str, up: str, down: str, to: str = "feed_forward.experts.<e>") -> dict:

@@ -38,7 +38,7 @@ from phantom.convert.checkpoints import part_shapes, release_pages
 from phantom.convert.convert import tokenizer_files
 from phantom.model.adapterfiles import load_adapter, read_adapter_config
 from phantom.convert.hflayout import hf_config, to_hf
-from phantom.model.lora import apply_lora, for_family
+from phantom.model.lora import apply_lora, expert_names, for_family
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLi
     lora_cfg = for_family(read_adapter_config(adapter), cfg)
     layers = nn.ModuleList(TransformerBlock(cfg, device="meta", layer=i) for i in range(cfg.n_layers))
     for i, block in enumerate(layers):
-        apply_lora(block, lora_cfg, i)
+        apply_lora(block, lora_cfg, i, expert_names(cfg))
     load_adapter(layers, cfg, adapter)  # checks names and shapes; un-permutes q/k's lora_B; unstacks experts
     loras: dict[int, dict[str, LoraLinear]] = {}
     for i, block in enumerate(layers):  # each expert's own LoRA too (feed_forward.experts.E.w1.weight)

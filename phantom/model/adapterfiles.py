@@ -12,14 +12,15 @@ import torch.nn as nn
 from safetensors.torch import load_file
 
 from phantom.arch.config import ModelConfig, rope_rows
-from phantom.arch.expertlora import EXPERT_PARAMS, expert_banks, peft_parameter, peft_wrappers, target_of
+from phantom.arch.expertlora import EXPERT_MODULES, EXPERT_PARAMS, bank_wrappers, expert_banks, peft_parameter, \
+    peft_wrappers, target_of
 from phantom.arch.ops import permute_for_hf, permute_from_hf
 from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write_json
 from phantom.files.storeformat import safe_join
 from phantom.files.tensorfile import StoreError, read_header, write_safetensors
 from phantom.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_TARGETS, GROUPS, TARGETS, LoraConfig, \
-    adapted_modules, peft_modules
+    adapted_modules, expert_names, peft_modules
 
 def _peft_key(i: int, module: str, ab: str) -> str:
     return f"base_model.model.model.layers.{i}.{module}.lora_{ab}.weight"
@@ -43,7 +44,7 @@ def adapter_tensors(layers: nn.ModuleList, cfg: ModelConfig) -> dict[str, torch.
         out[_peft_key(i, module, "B")] = torch.cat(bs).contiguous()
     for i, block in enumerate(layers):  # a mixture of experts' experts: held in peft's layout
         banks = expert_banks(block)
-        for target, module in peft_wrappers(banks).items():
+        for target, module in bank_wrappers(banks).items():
             for ab in "AB":
                 out[_peft_key(i, module, ab)] = getattr(banks[target], f"lora_{ab}").detach().float().cpu().contiguous()
     return out
@@ -65,7 +66,8 @@ def save_adapter(layers: nn.ModuleList, model_cfg: ModelConfig, lora_cfg: LoraCo
         "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
         "target_modules": sorted(peft_modules(model_cfg)[t][0].split(".")[1] for t in lora_cfg.targets
                                  if t not in EXPERT_TARGETS),
-        "target_parameters": [peft_parameter(t) for t in EXPERT_TARGETS if t in lora_cfg.targets] or None,
+        "target_parameters": [peft_parameter(t, expert_names(model_cfg).module) for t in EXPERT_TARGETS
+                              if t in lora_cfg.targets] or None,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "use_dora": False, **peft_fields(lora_cfg),
     })
@@ -150,7 +152,8 @@ def check_adapter_ranks(folder: Path, cfg: LoraConfig) -> None:
     wpath = safe_join(Path(folder), ADAPTER_WEIGHTS)
     if not wpath.is_file():
         raise FileNotFoundError(f"no LoRA weights at {wpath}")
-    wrappers = {m: peft_parameter(t) for t, m in peft_wrappers(cfg.targets).items()}
+    wrappers = {m: peft_parameter(t, module) for module in EXPERT_MODULES
+                for t, m in peft_wrappers(cfg.targets, module).items()}
     for spec in read_header(wpath)[0]:
         key = _WEIGHT_KEY.fullmatch(spec.name)
         module = wrappers.get(key[2], key[2]) if key else None
@@ -171,7 +174,7 @@ def load_adapter(layers: nn.ModuleList, cfg: ModelConfig, path: Path) -> None:
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise StoreError(f"{wpath}: cannot read adapter weights ({e})") from None
     experts = [(i, t, module, banks[t]) for i, block in enumerate(layers) if (banks := expert_banks(block))
-               for t, module in peft_wrappers(banks).items()]
+               for t, module in bank_wrappers(banks).items()]
     expected = {_peft_key(i, module, ab) for i, module, _ in adapted_modules(layers, cfg) for ab in "AB"} | \
         {_peft_key(i, module, ab) for i, _, module, _ in experts for ab in "AB"}
     if set(tensors) != expected:
@@ -192,7 +195,7 @@ def load_adapter(layers: nn.ModuleList, cfg: ModelConfig, path: Path) -> None:
         for i, t, module, bank in experts:
             a, b = tensors[_peft_key(i, module, "A")], tensors[_peft_key(i, module, "B")]
             if a.shape != bank.lora_A.shape or b.shape != bank.lora_B.shape:
-                raise StoreError(f"{wpath}: layer {i} {peft_parameter(t)}: shapes {tuple(a.shape)}, {tuple(b.shape)} "
+                raise StoreError(f"{wpath}: layer {i} {peft_parameter(t, bank.names.module)}: shapes {tuple(a.shape)}, {tuple(b.shape)} "
                                  f"do not match {tuple(bank.lora_A.shape)}, {tuple(bank.lora_B.shape)}")
             bank.lora_A.copy_(a)
             bank.lora_B.copy_(b)

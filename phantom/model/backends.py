@@ -19,7 +19,7 @@ from phantom.arch.ops import KVCache
 from phantom.stream.kvcache import block_cache
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import packed_empty
-from phantom.model.lora import LoraConfig, apply_lora
+from phantom.model.lora import LoraConfig, apply_lora, expert_names
 from phantom.stream import lanes as L
 from phantom.stream.executor import BlockExecutor
 from phantom.stream.memory import free_device_bytes, free_host_bytes
@@ -38,7 +38,7 @@ def build_layers(cfg: ModelConfig, lora: LoraConfig | None, activations: Activat
         p.requires_grad_(False)
     for i, block in enumerate(layers):
         if lora is not None:
-            apply_lora(block, lora, i)
+            apply_lora(block, lora, i, expert_names(cfg))
         block.checkpoint_inner = activations.checkpoint_inner
         block.mlp_chunk = activations.mlp_chunk
         if activations.compile:

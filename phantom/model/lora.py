@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from phantom.arch.config import ModelConfig
-from phantom.arch.expertlora import EXPERT_PARAMS, apply_expert_lora, peft_parameter
+from phantom.arch.expertlora import EXPERT_PARAMS, ExpertNames, apply_expert_lora, peft_parameter
 from phantom.arch.family import family
 from phantom.arch.layers import LoraLinear
 from phantom.data.special_tokens import nested_repeat
@@ -170,7 +170,7 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     if cfg.n_experts:
         plain = family(cfg).model_type in PLAIN_MLP and (cfg.shared_expert_dim or cfg.dense_layers)
         return {**{t: (TARGETS[t][1], (t,)) for t in attention_targets(cfg)},
-                **{t: (peft_parameter(t), parts) for t, parts in EXPERT_TARGETS.items()},
+                **{t: (peft_parameter(t, expert_names(cfg).module), parts) for t, parts in EXPERT_TARGETS.items()},
                 **{t: (TARGETS[t][1], (t,)) for t in (("gate", "up", "down") if plain else ())}}
     by_weight = {f"{path}.weight": t for t, (path, _) in TARGETS.items()}
     fused = {}  # first target of a fused module -> (its short name, HF module, its targets)
@@ -283,7 +283,8 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     if mapped := [f"{a} -> {b}" for a, b in zip(given, asked) if a != b and given != ALL_LINEAR]:
         log.info("latent attention: LoRA targets %s", ", ".join(mapped))
     wanted = [t for name in asked for t in GROUPS.get(name, (name,))]
-    if cfg.n_experts and (experts := [peft_parameter(t) for t in targets if t in EXPERT_PARAMS]):
+    if cfg.n_experts and (experts := [peft_parameter(t, expert_names(cfg).module) for t in targets
+                                      if t in EXPERT_PARAMS]):
         if lora.dropout:
             raise ValueError(f"LoRA dropout {lora.dropout:g} on {', '.join(experts)}: peft's LoRA on expert tensors "
                              f"(target_parameters) has no dropout; use dropout 0 or attention targets only")
@@ -311,7 +312,13 @@ def hf_module(target: str) -> str:
     return TARGETS[target][1]
 
 
-def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int) -> None:
+def expert_names(cfg: ModelConfig) -> ExpertNames:
+    """Where peft finds the family's stacked expert tensors, and whether it swaps their sides."""
+    moe = family(cfg).moe
+    return ExpertNames(moe.peft_module, moe.peft_swapped) if moe is not None else ExpertNames()
+
+
+def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int, experts: ExpertNames = ExpertNames()) -> None:
     """Replace the target linears of one block by LoraLinear (in place); cfg's targets as for_family
     names them, each with the rank and alpha cfg.module_rank gives it. The parts of a fused module
     (GROUPS) share one A. A mixture of experts' experts_* targets are its experts' stacked tensors
@@ -320,9 +327,9 @@ def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int) -> None:
     sparse = hasattr(block.feed_forward, "experts")
     for target in cfg.targets:
         if target in EXPERT_PARAMS:
-            rank_alpha = cfg.module_rank(layer, peft_parameter(target))
+            rank_alpha = cfg.module_rank(layer, peft_parameter(target, experts.module))
             if rank_alpha and sparse:  # not a dense layer among sparse ones
-                apply_expert_lora(block.feed_forward, target, *rank_alpha, cfg.rslora, gen)
+                apply_expert_lora(block.feed_forward, target, *rank_alpha, cfg.rslora, gen, experts)
             continue
         shared, rank_alpha = None, cfg.module_rank(layer, in_layer(block, hf_module(target)))
         if rank_alpha is None:

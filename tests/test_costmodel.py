@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import phantom
+import phantom.model.backends
 import phantom.model.phantom_model
 import phantom.stream.hostmem
+import phantom.stream.memory
 import phantom.stream.placement
 import phantom.stream.scheduler
 from phantom.plan import costinputs as ci, costmodel as cm, planner
@@ -184,6 +186,39 @@ def test_a_resident_model_keeps_every_graph_whatever_the_policy(store):
             for h in hooks:
                 h.remove()
     assert calls == {"none": CFG.n_layers, "ram": 2 * CFG.n_layers}
+
+
+@pytest.mark.parametrize("free_blocks", [None, 3.5])
+def test_recompute_auto_without_a_budget_recomputes_the_blocks_a_run_recomputes(store, free_blocks, monkeypatch):
+    """recompute "auto" with no keep budget: a run keeps blocks within half the free host memory
+    (phantom.model.backends.default_keep_budget) and reruns the forward of the rest in its backward. The cost
+    model counts the same blocks, checked against the block forwards the run makes: n, and one more for each
+    block it does not keep. Free memory as this machine has it (every block kept: the step is "none"'s), and
+    as little as 3.5 kept blocks' graphs need, twice (the run keeps 3)."""
+    if BlockStore(store).dtype != torch.float32:
+        pytest.skip("one store dtype is enough")
+    rows, t, n = 2, 16, CFG.n_layers
+    shape = ci.shape_of(CFG, "fp32", "fp32", t)
+    free = phantom.stream.memory.free_host_bytes()
+    if free_blocks is not None:
+        free = int(2 * free_blocks * rows * shape.keep_bytes_per_row)
+        monkeypatch.setattr(phantom.model.backends, "free_host_bytes", lambda: free)
+    with phantom.PhantomModel(BlockStore(store), "cpu", torch.float32, Placement(offload="disk", prefetch=1),
+                              Activations(recompute="auto")) as model:
+        calls = [0]
+        for b in model.layers:
+            b.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        tokens = torch.randint(0, CFG.vocab_size, (rows, t), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):  # the second step: the executor knows a kept block's bytes from the first
+            calls[0] = 0
+            model(tokens, targets=tokens).backward()
+    cpu = ci.MachineProfile(machine="t", device="cpu", fwd_flops=1e9, free_host_bytes=free)
+    pred = cm.predict(cpu, shape, Placement(offload="disk", prefetch=1), Activations(recompute="auto"), rows)
+    assert calls[0] == 2 * n - pred.kept_blocks
+    assert pred.kept_blocks == (n if free_blocks is None else 3)
+    if free_blocks is None:
+        keep_all = cm.predict(cpu, shape, Placement(offload="disk", prefetch=1), Activations(recompute="none"), rows)
+        assert pred.step_s == keep_all.step_s
 
 
 def test_the_search_keeps_what_memory_allows_and_says_what_is_missing():

@@ -155,12 +155,22 @@ def held_slots(lay: Layout, profile: MachineProfile) -> int:
     return min(lay.slots, len(lay.streamed)) if profile.host_is_device else lay.slots
 
 def kept_blocks(shape: Shape, profile: MachineProfile, activations: Activations, rows: int) -> int:
-    """Blocks whose activations are kept, as BlockExecutor.keeps decides (the first ones, in order)."""
+    """Blocks whose activations are kept, as BlockExecutor.keeps decides (the first ones, in order), within
+    the policy's keep budget or, where it gives none, the one a run takes (`default_keep_budget`)."""
     if activations.recompute != "auto":
         return shape.n_blocks if activations.recompute == "none" else 0
     per_block = rows * kept_row_bytes(shape, profile, activations.mlp_chunk)
-    budget = activations.keep_budget or 0
+    budget = default_keep_budget(profile) if activations.keep_budget is None else activations.keep_budget
     return min(shape.n_blocks, int(budget // per_block)) if per_block > 0 else shape.n_blocks
+
+def default_keep_budget(profile: MachineProfile) -> int:
+    """The keep budget of a run under recompute "auto" that is given none, as phantom.model.backends'
+    default_keep_budget sets it: half of what is free on the compute side (CUDA's device, else the host; a
+    host of unknown free memory 4 GiB, a device's unknown: no limit). Counted as no budget at all, an "auto"
+    run that keeps every block was predicted to recompute every one: a no-grad forward a block too many."""
+    if profile.device == "cuda":
+        return profile.free_device_bytes // 2 if profile.free_device_bytes is not None else 1 << 62
+    return profile.free_host_bytes // 2 if profile.free_host_bytes is not None else 4 << 30
 
 def resident_activations(placement: Placement, activations: Activations) -> Activations:
     """What a policy does under `placement`: a resident model (offload "none") is trained by plain autograd

@@ -165,7 +165,9 @@ def _blocks_update(p, g, m_q, m_scale, v_q, v_scale, h, m_code, m_table, m_above
     g = g.float() * coef
     m = m_code[m_q.long()] * m_scale[:, None] * b1 + a1 * g
     v = v_code[v_q.long()] * v_scale[:, None] * b2 + a2 * (g * g)
-    p.copy_(p * decay + step_size * (m / (v.sqrt() / c2 + eps)))
+    # the square root correctly rounded, as the C loop's and CUDA's: torch's fp32 sqrt on a CPU is not (an ulp
+    # apart for a fifth of values), its fp64 one is, and fp32 -> fp64 -> fp32 rounds a square root once
+    p.copy_(p * decay + step_size * (m / (v.double().sqrt().float() / c2 + eps)))
     ms, vs = m.abs().amax(1), v.amax(1)
     m_q.copy_(requantize(m, ms, m_table, m_above, lut, 0))
     v_q.copy_(requantize(v, vs, v_table, v_above, lut, 1))
@@ -174,8 +176,9 @@ def _blocks_update(p, g, m_q, m_scale, v_q, v_scale, h, m_code, m_table, m_above
 
 
 class _Kernel:
-    """_blocks_update compiled once per process and device type (thread-safe; static shapes but for
-    the rows), or eager where the compiler fails (once, with a warning)."""
+    """_blocks_update compiled once per process on CUDA (thread-safe; static shapes but for the rows), or eager
+    where the compiler fails (once, with a warning). On a CPU it runs eagerly: the C loop (cpukernel) is the
+    CPU's update, this form runs there only where no C compiler is (so inductor could not build it either)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -185,7 +188,7 @@ class _Kernel:
         with self._lock:
             if kind not in self._compiled:
                 self._compiled[kind] = torch.compile(_blocks_update, dynamic=False) \
-                    if kind in ("cpu", "cuda") else _blocks_update
+                    if kind == "cuda" else _blocks_update
             return self._compiled[kind]
 
     def run(self, device: torch.device, *args) -> None:

@@ -157,6 +157,12 @@ void adam8bit_update(float* p, const float* g, uint8_t* mq, float* ms, uint8_t* 
 }
 """
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+def flags() -> list[str]:
+    """FLAGS, without AVX-512 where torch runs without it (a CPU without it, or ATEN_CPU_CAPABILITY capping
+    torch at avx2 or default): the loop then takes its scalar path, as on such a CPU."""
+    return FLAGS if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16") else [*FLAGS, "-mno-avx512f"]
 _lock = threading.Lock()
 _lib: list = []  # [the loaded library or None] once tried
 _pool: list[ThreadPoolExecutor] = []
@@ -169,7 +175,7 @@ def cache_dir() -> Path:
 def library_path(compiler: str) -> Path:
     """Where the library of this source, these flags, this compiler and this CPU is kept."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\n".join([SOURCE, *FLAGS, *version, platform.machine(), _cpu_flags()]).encode())
+    key = hashlib.sha256("\n".join([SOURCE, *flags(), *version, platform.machine(), _cpu_flags()]).encode())
     return cache_dir() / f"adam8bit-{key.hexdigest()[:16]}.so"
 
 
@@ -191,7 +197,7 @@ def build(compiler: str) -> Path:
             source = path.with_suffix(".c")
             fileio.atomic_write_text(source, SOURCE)
             with fileio.replacing(path) as tmp:
-                subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(source)], check=True, capture_output=True,
+                subprocess.run([compiler, *flags(), "-o", str(tmp), str(source)], check=True, capture_output=True,
                                text=True, timeout=120)
     return path
 

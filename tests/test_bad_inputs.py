@@ -106,6 +106,9 @@ DATA_CASES = {
     "too_short": (b"just a few words\n", ["shorter than one sequence of 32 + 1"]),
     "not_utf8": (b"caf\xe9 au lait\n" * 50, ["not UTF-8"]),
     "bad_json_line": (b'{"prompt": "a", "response": "b"}\n{"prompt": oops}\n', ["d.jsonl:2:", "not valid JSON"]),
+    "image_json": (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}, '
+                   b'{"type": "text", "text": "What is it?"}]}, {"role": "assistant", "content": "A cat."}]}\n',
+                   ["d.jsonl:1:", "image_url parts", "text model only"]),
 }
 
 

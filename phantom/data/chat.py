@@ -212,6 +212,18 @@ def _template_source(folder: Path, config: dict, path) -> tuple[str | None, str]
 
 # -- records to messages ----------------------------------------------------------------------------
 
+def _refuse_parts(parts: list) -> None:
+    """A content given as parts (OpenAI's multimodal messages): an image, audio or video part is refused as
+    such (phantom trains a checkpoint's text model; a vision-language checkpoint's vision tower is kept as
+    shipped, untrained), text parts asked as one string (templates render a list of parts in their own way)."""
+    kinds = sorted({str(part.get("type")) if isinstance(part, dict) else type(part).__name__ for part in parts})
+    if other := [k for k in kinds if k != "text"]:
+        raise ValueError(f"a message has {', '.join(other)} parts: phantom trains the text model only (a "
+                         f"vision-language checkpoint's vision tower is kept as shipped, not trained); give "
+                         f"text-only rows")
+    raise ValueError("a message's content is a list of text parts: give it as one string")
+
+
 def to_messages(record: dict, fmt: str) -> list[dict]:
     """The conversation a record holds, as [{"role", "content"}] (OpenAI's messages).
 
@@ -224,6 +236,8 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
             raise ValueError("messages must be a list of {\"role\", \"content\"} objects")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers drops them
         for m in messages:
+            if isinstance(m.get("content"), list):
+                _refuse_parts(m["content"])
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"a message needs a role and a string content, got {sorted(m)}")
         return messages

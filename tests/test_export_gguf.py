@@ -78,7 +78,8 @@ CASES = {
               "qwen3", "bf16", ("bf16",)),  # llama.cpp's olmoe has no grouped-query attention
     "gemma2": ("Gemma2Config", {"sliding_window": 8,
                                 "tie_word_embeddings": True}, "sentencepiece", "bf16", ("f16",)),
-    "gemma3": ("Gemma3TextConfig", {"sliding_window": 8,
+    # six layers: five sliding (RoPE base 10000), then a full one (base 1e6), llama.cpp's fixed pattern
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 8, "num_hidden_layers": 6,
                                     "tie_word_embeddings": True}, "sentencepiece", "bf16", ("q8_0",)),
     "deepseek_v3": ("DeepseekV3Config", {**MLA, "q_lora_rank": 32, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
                                          "routed_scaling_factor": 2.5, "rope_parameters": YARN}, "deepseek_v3", "bf16",
@@ -116,9 +117,27 @@ TOKENIZER_FILES = {"phi4": "qwen3", "glm": "qwen3"}  # cases' tokenizers made fr
 GLM_TOKENS = ("[gMASK]", "<|user|>", "<|observation|>")  # GLM's own, beside <|endoftext|>
 
 
+# Phi-3's added tokens after its sentencepiece pieces (32000 + i there), all special, its vocabulary padded by 64:
+# llama.cpp's vocabulary loader looks up <|endoftext|> (with </s>, <unk>, <s>) in a model named Phi-3
+PHI3_ADDED = ("<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+              "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>")
+
+
+def phi3_added_tokens(folder: Path, pieces: int) -> int:
+    """tokenizer_config.json with Phi-3's added tokens after tokenizer.model's pieces; the padded vocabulary."""
+    decoder = {str(pieces + i): {"content": text, "lstrip": False, "normalized": False, "rstrip": i > 0,
+                                 "single_word": False, "special": True} for i, text in enumerate(PHI3_ADDED)}
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "add_bos_token": True, "add_eos_token": False, "added_tokens_decoder": decoder}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return pieces + 64
+
+
 def source_folder(folder: Path, name: str) -> int:
     """The tokenizer files of a case in folder; its vocabulary size."""
     kind = CASES[name][2]
+    if kind == "sentencepiece" and name == "phi3":
+        return phi3_added_tokens(folder, llama2_style_sentencepiece(folder))
     if kind == "sentencepiece":
         return llama2_style_sentencepiece(folder)
     real = real_tokenizer(TOKENIZER_FILES.get(kind, kind))
@@ -490,7 +509,10 @@ def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsy
              (["--model", str(edited(gemma2, tmp_path / "g2", rope_theta=20000.0)), "--format", "gguf"],
               "llama.cpp reads Gemma-2's RoPE base as 10000"),
              (["--model", str(edited(moe[0], tmp_path / "q", norm_topk_prob=False)), "--format", "gguf"],
-              "llama.cpp's qwen3moe fixes norm_topk_prob")]
+              "llama.cpp's qwen3moe fixes norm_topk_prob"),
+             # a Phi-3 name (the folder's) on a vocabulary without <|endoftext|>: llama.cpp's loader stops on it
+             (["--model", str(shutil.copytree(store, tmp_path / "tiny-phi3-llama")), "--format", "gguf"],
+              "this vocabulary lacks <|endoftext|>; name the store's folder without phi3")]
     for args, words in cases:
         capsys.readouterr()
         assert merge_lora([*args, "--out", str(tmp_path / "out"), "--quiet"]) == 2, args

@@ -29,7 +29,7 @@ from phantom.files.store import BlockStore
 from phantom.convert.checkpoints import part_shapes
 from phantom.export.gguf_arch import ARCHES, Arch, add_early_keys, embed_rows, extra_tensors, refusal, \
     yarn_difference
-from phantom.export.gguf_vocab import add_vocab, read_json
+from phantom.export.gguf_vocab import add_vocab, phi3_name_refusal, read_json
 from phantom.convert.hflayout import to_hf
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,8 @@ def plan(cfg: ModelConfig, arch: Arch, qtype: T, embed_rows: int | None) -> list
 
 def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder: Path) -> gguf.Metadata:
     """general.* (gguf's Metadata from folder: its name, config.json and generation_config.json), the
-    hyperparameters, then the tokenizer, as the converter orders them. The tensor infos must be in w."""
+    hyperparameters, then the tokenizer, as the converter orders them. The tensor infos must be in w. Raises
+    ValueError where llama.cpp would not load the vocabulary under the file's name (gguf_vocab.phi3_name_refusal)."""
     total, shared, expert, count = w.get_total_parameter_count()
     meta = gguf.Metadata.load(None, folder, None, total)
     meta.name = meta.name or folder.name
@@ -187,6 +188,8 @@ def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder
     if arch.vocab == "llama" and prefix_space is not None:
         w.add_add_space_prefix(prefix_space)
     add_vocab(w, folder, cfg.vocab_size, arch.vocab)
+    if (why := phi3_name_refusal(meta.name, w.kv_data[0][gguf.Keys.Tokenizer.LIST].value)) is not None:
+        raise ValueError(why)
     if arch.space_prefix and (folder / "tokenizer.model").is_file():
         w.add_add_space_prefix(False)
     return meta

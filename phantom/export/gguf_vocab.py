@@ -299,3 +299,21 @@ def add_vocab(writer: gguf.GGUFWriter, folder: Path, vocab_size: int, kind: str)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
     ConverterVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
+
+
+# llama.cpp's vocabulary loader (llama-vocab.cpp, load) sets these tokens' attributes, found by their text, in a
+# model whose general.name contains phi3 or phi-3, and fails to load one whose vocabulary lacks any of them
+PHI3_NAMED_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def phi3_name_refusal(name: str, tokens: list) -> str | None:
+    """Why llama.cpp would not load this vocabulary under this general.name (a Phi-3 name whose vocabulary lacks
+    a token llama.cpp looks up by its text), or None. Every published Phi-3 vocabulary has them."""
+    if not any(mark in name.lower() for mark in ("phi3", "phi-3")):
+        return None
+    texts = {t.decode("utf-8", "replace") if isinstance(t, bytes) else t for t in tokens}
+    if not (missing := [t for t in PHI3_NAMED_TOKENS if t not in texts]):
+        return None
+    return (f"llama.cpp looks up {', '.join(PHI3_NAMED_TOKENS)} by their text in a model named as Phi-3 (this "
+            f"file's name is {name!r}) and does not load one without them, and this vocabulary lacks "
+            f"{', '.join(missing)}; name the store's folder without phi3 or phi-3, or add the tokens")

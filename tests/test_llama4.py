@@ -64,9 +64,9 @@ def test_expert_lora_equals_peft_with_experts_read_routed_and_whole(models, tmp_
     assert_runs_equal_peft(store, tokens, targets, peft_step(model, adapter, tokens, targets))
 
 
-def test_the_text_of_the_vision_language_checkpoint_reads_as_the_text_model(tmp_path):
-    """Llama4ForConditionalGeneration saved by transformers: phantom reads its text model (language_model.*),
-    leaves the vision tower out, and computes the logits Llama4ForCausalLM computes from the same weights."""
+def llama4_vl():
+    """A tiny Llama4ForConditionalGeneration (a one-layer vision tower and its projector beside CASES' text model,
+    whose weights it carries) and that text model."""
     import transformers
     text = make("llama4")
     vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -76,6 +76,13 @@ def test_the_text_of_the_vision_language_checkpoint_reads_as_the_text_model(tmp_
     torch.manual_seed(0)
     vl = transformers.Llama4ForConditionalGeneration(config).float().eval()
     vl.language_model.load_state_dict(text.state_dict())
+    return vl, text
+
+
+def test_the_text_of_the_vision_language_checkpoint_reads_as_the_text_model(tmp_path):
+    """Llama4ForConditionalGeneration saved by transformers: phantom reads its text model (language_model.*),
+    leaves the vision tower out, and computes the logits Llama4ForCausalLM computes from the same weights."""
+    vl, text = llama4_vl()
     tokens, _ = batch()
     store = prepare(vl, tmp_path / "vl")
     import phantom

@@ -257,17 +257,22 @@ def test_packed_rows_equal_their_examples_alone(family_models):
 
 
 def vlm_checkpoint(root: Path):
-    """A tiny Qwen3_5MoeForConditionalGeneration (a two-block vision tower beside CASES' text model), saved by
-    transformers as its checkpoints are: text under model.language_model, the tower under model.visual."""
+    """A tiny Qwen3_5MoeForConditionalGeneration (qwen35_vl), saved by transformers as its checkpoints are: text
+    under model.language_model, the tower under model.visual."""
+    model = qwen35_vl()
+    model.save_pretrained(root / "hf", safe_serialization=True)
+    return model
+
+
+def qwen35_vl():
+    """A tiny Qwen3_5MoeForConditionalGeneration: a two-block vision tower beside CASES' text model."""
     text = {k: v for k, v in CASES["qwen3_5_moe"].fields.items()}
     config = transformers.Qwen3_5MoeConfig(
         text_config={**text, "vocab_size": 400, "initializer_range": 0.1},
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                            patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16))
     torch.manual_seed(0)
-    model = transformers.Qwen3_5MoeForConditionalGeneration(config).float().eval()
-    model.save_pretrained(root / "hf", safe_serialization=True)
-    return model
+    return transformers.Qwen3_5MoeForConditionalGeneration(config).float().eval()
 
 
 def test_a_vision_language_checkpoint_is_read_as_its_text_model(tmp_path, caplog):

@@ -225,11 +225,12 @@ class HFCheckpoint:
                 raise FileNotFoundError(f"{path}: shard missing from the set (listed in model.safetensors.index.json)")
             specs, start = read_header(path)
             headers[file] = ({s.name: s for s in specs}, start)
-        # (part, store name) -> (path, TensorSpec, data start); a part of a fused tensor has a spec of its rows
-        self.src, self.index = src, {}
         text = family(self.cfg).text  # a vision-language checkpoint's text model: its tensors under their own names
         named = text[1](weight_map) if text is not None else {k: k for k in weight_map}  # our name -> the file's
-        hf_names, fused = family(self.cfg).layout(self.cfg, fused_experts=self._fused_experts(named))
+        # index: (part, store name) -> (path, TensorSpec, data start), a part of a fused tensor a spec of its rows;
+        # names and shipped (every tensor's shard and header): what phantom.convert.visionlanguage keeps beside
+        self.src, self.index, self.names, self.shipped = src, {}, named, (weight_map, headers, files)
+        hf_names, fused = family(self.cfg).layout(self.cfg, fused_experts=self.fused_experts(named))
         moe = family(self.cfg).moe  # (experts, in, out) experts: gpt-oss's parts alternate, Llama 4's are halves
         turned = self.cfg.interleaved_experts or (moe is not None and moe.turned == "halves" and "halves")
         qc = safejson.load(config, what="config.json").get("quantization_config")
@@ -244,8 +245,7 @@ class HFCheckpoint:
                     continue
                 key = named.get(hf)
                 if key not in weight_map:
-                    key = hf
-                    raise ValueError(f"{src}: tensor {key} is in no shard; the checkpoint is incomplete")
+                    raise ValueError(f"{src}: tensor {hf} is in no shard; the checkpoint is incomplete")
                 specs, start = headers[weight_map[key]]
                 spec, path = specs.get(key), files[weight_map[key]]
                 if spec is None:
@@ -397,7 +397,7 @@ class HFCheckpoint:
             return {n: (s, None) for n, s in shapes.items()}
         return block_layout(self.quant, shapes, dtype_name(self.dtype))
 
-    def _fused_experts(self, weight_map: dict[str, str]) -> bool:
+    def fused_experts(self, weight_map: dict[str, str]) -> bool:
         """Whether a mixture of experts is stored as transformers 5's 3-D tensors (else one per expert), as
         its first sparse layer holds them (dense layers among sparse ones have none)."""
         fused = family(self.cfg).moe.fused if family(self.cfg).moe else {}

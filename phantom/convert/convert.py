@@ -18,6 +18,7 @@ from phantom.files.store import BlockStore
 from phantom.files.storeformat import block_file, safe_join
 from phantom.files.storewriter import StoreWriter
 from phantom.files.tensorfile import StoreError, dtype_name
+from phantom.convert import visionlanguage
 from phantom.convert.checkpoints import TOKENIZER_FILES, open_checkpoint, part_shapes
 
 
@@ -94,9 +95,11 @@ def convert_checkpoint(src: Path | str, out: Path | str, dtype: torch.dtype | No
             linked += _write_part(w, ckpt, part, link and ckpt.format == "hf")
         if ckpt.tokenizer is not None:
             w.add_tokenizer(ckpt.tokenizer)
+        vision = visionlanguage.keep(w, ckpt, link and ckpt.format == "hf")  # what the text model leaves out
         path = w.finish({"source": ckpt.format, "origin": provenance.of_checkpoint(src, ckpt.format, root),
                          "tokenizer_files": keep_tokenizer_files(w, ckpt.tokenizer_files),
-                         **({"shipped_quantization": shipped_record(ckpt)} if ckpt.quant is not None else {})})
+                         **({"shipped_quantization": shipped_record(ckpt)} if ckpt.quant is not None else {}),
+                         **({visionlanguage.RECORD: vision} if vision is not None else {})})
     return {"out": path, "format": ckpt.format, "config": cfg, "dtype": dtype, "disk_bytes": disk_usage(path),
             "linked_bytes": linked, "quant": quant}
 

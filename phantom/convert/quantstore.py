@@ -11,6 +11,7 @@ from tqdm import tqdm
 from phantom.arch.quantformat import QuantFormat
 from phantom.files.store import BlockStore
 from phantom.files.storewriter import StoreWriter
+from phantom.convert import visionlanguage
 from phantom.convert.convert import disk_usage, keep_tokenizer_files, tokenizer_files
 
 
@@ -36,7 +37,9 @@ def quantize_store(src: Path | str, out: Path | str, quant: QuantFormat, dtype: 
         if store.tokenizer_path is not None:
             w.add_tokenizer(store.tokenizer_path)
         files = list(tokenizer_files(store).values())
+        vision = visionlanguage.carry(w, store)  # a vision-language checkpoint's vision tower, as shipped
         path = w.finish({**keep, "quantized_from": str(Path(src).resolve()),
-                         "tokenizer_files": keep_tokenizer_files(w, files)})
+                         "tokenizer_files": keep_tokenizer_files(w, files),
+                         **({visionlanguage.RECORD: vision} if vision is not None else {})})
     return {"out": path, "format": f"store {src}", "config": store.cfg, "dtype": dtype,
             "disk_bytes": disk_usage(path), "linked_bytes": 0}

@@ -25,8 +25,9 @@ from phantom.arch.config import rope_rows
 from phantom.arch.family import family
 from phantom.arch.ops import permute_for_hf
 from phantom.arch.quantformat import stored_layout
-from phantom.files.hfshards import ShardWriter, parse_size
+from phantom.files.hfshards import parse_size
 from phantom.files.store import BlockStore
+from phantom.convert import visionlanguage
 from phantom.convert.checkpoints import part_shapes
 from phantom.convert.hflayout import hf_config, to_hf
 
@@ -176,10 +177,11 @@ def write_requantized(tmp: Path, store: BlockStore, loras: dict, dtype: torch.dt
     time; config.json with the checkpoint's quantization_config."""
     rec = shipped_record(store)
     scale_dtype = getattr(torch, rec.get("scale_dtype") or "float32")
-    writer = ShardWriter(tmp, specs(store, dtype, rec, scale_dtype), parse_size(max_shard_size))
+    writer = visionlanguage.shard_writer(tmp, store, specs(store, dtype, rec, scale_dtype), parse_size(max_shard_size))
     for _, tensors in blocks(store, loras, dtype, rec, scale_dtype, progress):
         for name in list(tensors):
             writer.write(name, tensors.pop(name))
     writer.finish()
-    config = hf_config(store.cfg, dtype) | {"quantization_config": rec["quantization_config"]}
+    config = visionlanguage.checkpoint_config(store, hf_config(store.cfg, dtype) | {
+        "quantization_config": rec["quantization_config"]}, dtype, quantized=True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

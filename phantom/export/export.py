@@ -31,9 +31,9 @@ from phantom.base.fileio import atomic_write as atomic_write_bytes
 from phantom.data.chat import read_template
 from phantom.data.tokenizer import Tokenizer, sentencepiece_to_json
 from phantom.files import runfolder
-from phantom.files.hfshards import DEFAULT_MAX_SHARD_SIZE, ShardWriter, parse_size
+from phantom.files.hfshards import DEFAULT_MAX_SHARD_SIZE, parse_size
 from phantom.files.store import BlockStore
-from phantom.convert import requant
+from phantom.convert import requant, visionlanguage
 from phantom.convert.checkpoints import part_shapes, release_pages
 from phantom.convert.convert import tokenizer_files
 from phantom.model.adapterfiles import load_adapter, read_adapter_config
@@ -78,26 +78,30 @@ def merged_parts(store: BlockStore, adapter: Path | None, dtype: torch.dtype,
 # ---------------------------------------------------------------------------------------------
 # Hugging Face: config.json + safetensors shards by size (+ model.safetensors.index.json past one)
 
-def hf_specs(cfg: ModelConfig, dtype: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def hf_specs(cfg: ModelConfig, dtype: torch.dtype, fused_experts: bool = False) -> list[tuple[str, torch.dtype, tuple]]:
     """(Hugging Face name, dtype, shape) of every tensor, from shapes alone (meta tensors through
     to_hf): the shard plan is made before any weight is read."""
     out = []
     for part in ("embed", *range(cfg.n_layers), "head"):
-        hf = to_hf(cfg, part, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in part_shapes(cfg, part).items()})
+        shapes = part_shapes(cfg, part)
+        hf = to_hf(cfg, part, {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}, fused_experts)
         out += [(name, t.dtype, tuple(t.shape)) for name, t in hf.items()]
     return out
 
 
-def write_hf(tmp: Path, cfg: ModelConfig, parts, dtype: torch.dtype, max_shard_size: str | int) -> None:
-    """Shards by size as save_pretrained writes them (phantom.files.hfshards), one part in memory at a time."""
-    writer = ShardWriter(tmp, hf_specs(cfg, dtype), parse_size(max_shard_size))
+def write_hf(tmp: Path, store: BlockStore, parts, dtype: torch.dtype, max_shard_size: str | int) -> None:
+    """Shards by size as save_pretrained writes them (phantom.files.hfshards), one part in memory at a time: the
+    text model, or a vision-language checkpoint whole where the store keeps one (phantom.convert.visionlanguage)."""
+    cfg, fused = store.cfg, visionlanguage.fused_experts(store)
+    writer = visionlanguage.shard_writer(tmp, store, hf_specs(cfg, dtype, fused), parse_size(max_shard_size))
     for part, tensors in parts:
-        hf = to_hf(cfg, part, tensors)
+        hf = to_hf(cfg, part, tensors, fused)
         for name in list(hf):
             writer.write(name, hf.pop(name))
         del tensors, hf  # before the next part is made
     writer.finish()
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+    config = visionlanguage.checkpoint_config(store, hf_config(cfg, dtype), dtype, quantized=False)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +291,7 @@ def check_format(store: BlockStore, fmt: str, adapter, options: FormatOptions) -
         raise ValueError("--format gguf-lora writes the adapter alone: give --adapter")
     if fmt.startswith("gguf"):
         gguf_module().check_supported(store, outtype)
+    visionlanguage.check_export(store, fmt, options.requantize)
     if fmt == "meta" and (fields := meta_unsupported(store.cfg)):
         raise ValueError(f"{store.path}: Meta's format holds Llama's maths only, and this {store.cfg.family} model "
                          f"sets {', '.join(fields)}; use --format hf")
@@ -336,12 +341,13 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
             loras = adapter_loras(store.cfg, Path(adapter)) if adapter else {}
             requant.write_requantized(tmp, store, loras, dtype, options.max_shard_size, progress)
         elif fmt == "hf":
-            write_hf(tmp, store.cfg, parts, dtype, options.max_shard_size)
+            write_hf(tmp, store, parts, dtype, options.max_shard_size)
         else:
             write_meta(tmp, store.cfg, parts, dtype)
         if fmt == "hf":
             write_tokenizer_files(store, tmp)
-            carry_token_ids(tmp)
+            if visionlanguage.record(store) is None:  # a vision-language checkpoint's config.json says its own
+                carry_token_ids(tmp)
             if caveat := tokenizer_caveat(store):
                 log.info("%s", caveat)
         elif fmt == "meta" and store.tokenizer_path is not None:  # Meta's folder carries tokenizer.model alone

@@ -170,7 +170,7 @@ class BlockStore:
                dtypes: dict[str, torch.dtype] | None = None) -> FileEntry:
         files = self.manifest.get("files", {})
         if rel not in files and self.links.has(rel):
-            if dtypes is not None and not self.quant.shipped:
+            if rel.startswith("blocks/") and dtypes is not None and not self.quant.shipped:
                 raise StoreError(f"{self.path / MANIFEST}: {rel} is linked, but a {self.quant.method} store holds its "
                                  f"own blocks")
             return self.links.entry(rel, expected, self.dtype, dtypes)
@@ -232,6 +232,12 @@ class BlockStore:
         self.checks.read(e, buf)
         self.checks.check(e, buf)
         return views(buf, e.specs)
+
+    def load_kept(self, rel: str, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]) -> dict:
+        """A file the store keeps beside the model's parts (a vision-language checkpoint's vision tower, tensors
+        of any dtype: phantom.convert.visionlanguage), checked as any store file and read whole: only an export
+        reads it, a run never opens it."""
+        return self._load(self._entry(rel, shapes, dtypes))
 
     def load_head(self) -> dict[str, torch.Tensor]:
         return self._load(self.head)

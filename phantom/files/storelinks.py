@@ -36,21 +36,9 @@ from phantom.files.tensorfile import (
     experts_together,
     header_digest,
     read_header,
+    segment_pieces,
     tensor_order,
 )
-
-
-def segment_pieces(segments):
-    """The bytes of (file, offset, nbytes) ranges, in order, 16 MB at a time."""
-    for path, offset, n in segments:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            while n > 0:
-                chunk = f.read(min(n, 16 << 20))
-                if not chunk:
-                    raise StoreError(f"{path}: truncated while reading")
-                yield chunk
-                n -= len(chunk)
 
 
 def segments_digest(segments) -> str:

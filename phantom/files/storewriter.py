@@ -20,7 +20,7 @@ from phantom.base import fileio
 from phantom.base.fileio import atomic_write_json
 from phantom.files import runfolder, storelinks
 from phantom.files.storeformat import FORMAT, MANIFEST, VERSION, block_file, expert_record, quant_record
-from phantom.files.tensorfile import dtype_name, parse_stored, read_header, write_safetensors
+from phantom.files.tensorfile import dtype_name, parse_stored, read_header, write_copied, write_safetensors
 
 
 class StoreWriter:
@@ -130,6 +130,21 @@ class StoreWriter:
             located.update({t.name: (local, start + t.start, t.dtype, t.shape) for t in specs})
         storelinks.add_sources(self.links["sources"], located, self.tmp)
         self.links["files"][rel] = storelinks.file_record(located, self.tmp, self._experts(rel))
+
+    def keep_file(self, rel: str, located: dict[str, tuple], link: bool) -> None:
+        """A file beside the model's parts whose tensors stay as a checkpoint ships them, any dtype, bytes as they
+        are (a vision-language checkpoint's vision tower: phantom.convert.visionlanguage): copied, or with link
+        recorded as a linked file. located: name -> (safetensors file, byte offset, dtype, shape)."""
+        located = {k: (str(Path(v[0]).resolve()), *v[1:]) for k, v in located.items()}
+        if not link:
+            self.files[rel] = write_copied(self.tmp / rel, located)
+            return
+        storelinks.add_sources(self.links["sources"], located, self.tmp)
+        self.links["files"][rel] = storelinks.file_record(located, self.tmp)
+
+    def write_kept(self, rel: str, tensors: dict[str, torch.Tensor]) -> None:
+        """keep_file's file from tensors in memory (a copy of another store's), each written as it is."""
+        self.files[rel] = write_safetensors(self.tmp / rel, tensors)
 
     def add_tokenizer(self, src: Path) -> None:
         name = "tokenizer.json" if Path(src).suffix == ".json" else "tokenizer.model"

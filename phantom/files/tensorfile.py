@@ -97,11 +97,30 @@ def experts_together(order: list[str], nbytes: dict[str, int], itemsize: dict[st
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> dict:
     """Write a safetensors file (fsynced); returns {"size", "sha256", "crc32"} of the bytes written
     (the manifest's entry for it: see Checksums)."""
+    order = _order(tensors)
+    data = (_raw(tensors[name]) for name in order)
+    return _write_file(path, [(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in order], data, metadata)
+
+
+def write_copied(path: Path, located: dict[str, tuple]) -> dict:
+    """Write a safetensors file of tensors copied byte for byte from other files (located: name -> (file, byte
+    offset, dtype, shape)), in tensor_order, 16 MB in memory at a time; its manifest entry, as write_safetensors'."""
+    order = tensor_order({n: v[2].itemsize for n, v in located.items()})
+    segments = [(located[n][0], located[n][1], located[n][2].itemsize * math.prod(located[n][3])) for n in order]
+    return _write_file(path, [(n, located[n][2], tuple(located[n][3])) for n in order], segment_pieces(segments))
+
+
+def _raw(t: torch.Tensor):
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+
+
+def _write_file(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], data, metadata: dict | None = None):
+    """specs' tensors back to back, their bytes the chunks `data` yields; the manifest's entry of the file."""
     header, offset = {}, 0
-    for name in _order(tensors):
-        t = tensors[name]
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+    for name, dtype, shape in specs:
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     if metadata:
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
@@ -111,25 +130,36 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     hbytes += b" " * (-(len(hbytes) + 8) % DATA_ALIGN)
     digest = Checksums()
     try:
-        _write_safetensors(path, hbytes, tensors, digest)
+        _write_safetensors(path, hbytes, data, digest)
     except OSError as e:  # disk full: no half-written file stays, and the error names the file
         Path(path).unlink(missing_ok=True)
         raise e if e.filename else OSError(e.errno, e.strerror, str(path)) from None
     return {"size": 8 + len(hbytes) + offset, **digest.record()}
 
 
-def _write_safetensors(path: Path, hbytes: bytes, tensors: dict[str, torch.Tensor], digest) -> None:
+def _write_safetensors(path: Path, hbytes: bytes, data, digest) -> None:
     with fileio.new_file(path) as f:  # never through a link; fsynced
         faults.io_point(path)  # tests: a full disk here
         for chunk in (struct.pack("<Q", len(hbytes)), hbytes):
             f.write(chunk)
             digest.update_header(chunk)
         faults.point("file.write")  # crash tests: a file with its header and no data
-        for name in _order(tensors):
-            t = tensors[name].detach().contiguous().cpu()
-            raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+        for raw in data:
             f.write(raw)
             digest.update(raw)
+
+
+def segment_pieces(segments):
+    """The bytes of (file, offset, nbytes) ranges, in order, 16 MB at a time."""
+    for path, offset, n in segments:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            while n > 0:
+                chunk = f.read(min(n, 16 << 20))
+                if not chunk:
+                    raise StoreError(f"{path}: truncated while reading")
+                yield chunk
+                n -= len(chunk)
 
 
 def read_header(path: Path) -> tuple[list[TensorSpec], int]:

@@ -81,6 +81,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 GPT_OSS = dict(SHAPES, head_dim=24, num_local_experts=8, num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.5,
                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
+DSA = dict(index_topk=16, index_head_dim=16, index_n_heads=4)  # DeepSeek Sparse Attention: a top-16 of rows of 40
 MLA_LORA = dict(lora_targets=("q", "kv_a", "kv_b", "o"),
                 adapter_modules=("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_b_proj"))
 # Gated DeltaNet (Qwen3-Next, Qwen3.5): a linear-attention layer, then a gated full-attention one (RoPE over a quarter
@@ -144,11 +145,19 @@ CASES = {
     "deepseek_v3": Case("DeepseekV3Config", dict(MLA, q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=YARN),
                         "DeepseekV3ForCausalLM", {"family": "deepseek_v3", "n_experts": 8, "router_bias": True},
                         **{**MOE, **MLA_LORA}),
-    # DeepSeek-V3.2: DeepSeek-V3 with a lightning indexer in each layer; rows of 40 tokens are within its top-48
+    # DeepSeek-V3.2: DeepSeek-V3 with a lightning indexer in each layer (RoPE in halves); rows of 40 tokens are past
+    # its top-16: each query attends to the 16 keys its layer's indexer picks
     "deepseek_v32": Case("DeepseekV32Config", dict(MLA, q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=YARN,
-                                                   index_topk=48, index_head_dim=16, index_n_heads=2),
-                         "DeepseekV32ForCausalLM", {"family": "deepseek_v32", "n_experts": 8, "index_topk": 48},
+                                                   **DSA),
+                         "DeepseekV32ForCausalLM", {"family": "deepseek_v32", "n_experts": 8, "index_topk": 16},
                          **{**MOE, **MLA_LORA}),
+    # GLM-5: DeepSeek-V3.2 with RoPE in pairs in its indexer, layers 1 and 3 reusing the top-k of layers 0 and 2
+    # (carried between streamed blocks), blocks of three layouts (dense with an indexer, sparse with and without)
+    "glm_moe_dsa": Case("GlmMoeDsaConfig", dict(MLA, num_hidden_layers=4, q_lora_rank=24, n_group=4, topk_group=2,
+                                                rope_parameters=YARN, **DSA,
+                                                indexer_types=["full", "shared", "full", "shared"]),
+                        "GlmMoeDsaForCausalLM", {"family": "glm_moe_dsa", "n_experts": 8, "index_shared": (1, 3),
+                                                 "index_pairs": True}, **{**MOE, **MLA_LORA}),
     # DeepSeek-V2-Lite's shape: one q projection, softmax routing (greedy), two shared experts
     "deepseek_v2": Case("DeepseekV2Config", dict(MLA, q_lora_rank=None, n_shared_experts=2, routed_scaling_factor=1.5),
                         "DeepseekV2ForCausalLM", {"family": "deepseek_v2", "q_lora_rank": 0},

@@ -136,7 +136,7 @@ def test_no_host_sync_in_a_block_forward(stores):
         torch.cuda.set_sync_debug_mode("error")
         try:
             with model.executor.block_weights(0) as weights:
-                model.executor.run_block(0, weights, h, rope)
+                model.executor.run_block(0, h, rope)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 

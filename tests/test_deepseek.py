@@ -282,29 +282,3 @@ def test_kimi_k25_config_read_as_deepseek_v3():
     model, _ = kimi_k25()
     c = {**json.loads(model.config.to_json_string()), "architectures": ["Kimi_K25ForConditionalGeneration"]}
     assert config_from_hf(c) == config_from_hf(json.loads(make("deepseek_v3").config.to_json_string()))
-
-
-def test_deepseek_v32_attends_densely_up_to_index_topk_and_refuses_longer_rows(family_models):
-    """DeepSeek-V3.2's lightning indexer chooses index_topk keys per query: at rows of at most index_topk keys it
-    chooses every one (transformers' logits do not move when its weights are zeroed), past that its choice changes
-    them (a top-16 of 40 tokens). phantom computes the first (tests/test_families.py: streamed every way, LoRA, the
-    full step, the indexer's weights kept) and refuses the second when a row runs, in one line."""
-    tokens, _ = batch()
-    assert differs("deepseek_v32", None, zero("indexer.wk.weight")) == 0
-    assert differs("deepseek_v32", dict(index_topk=16)) > 1e-3
-    _, store = family_models("deepseek_v32")
-    cut = json.loads((store / "manifest.json").read_text())
-    assert cut["config"]["index_topk"] == 48
-    with phantom.load(store, offload="disk", lora=None) as pm, torch.no_grad():
-        with pytest.raises(ValueError, match=r"^49 keys: DeepSeek Sparse Attention's top-48 selection is not computed"):
-            pm(torch.randint(0, 400, (1, 49)))
-
-
-@pytest.mark.parametrize("change,named", [
-    (dict(layer_types=["full_attention", "indexed_attention"]), "layer_types"),
-    (dict(mlp_layer_types=["sparse", "dense"]), "mlp_layer_types"),
-])
-def test_deepseek_v32_what_is_not_modelled_is_refused_naming_the_field(change, named):
-    c = {**make("deepseek_v32").config.to_dict(), **change}
-    with pytest.raises(ConfigError, match=f"{named}="):
-        config_from_hf(c)

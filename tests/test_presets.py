@@ -25,12 +25,13 @@ FAMILY_PRESETS = ["qwen2.5-7B", "qwen2.5-72B", "qwen3-8B", "qwen3-32B", "llama3.
                   "llama3.2-3B", "gemma2-9B", "gemma2-27B", "gemma3-27B", "mistral-7B", "phi4-14B", "phi3-mini-4k",
                   "qwen3-30B-A3B", "qwen3-235B-A22B", "mixtral-8x7B", "olmoe-1B-7B", "deepseek-v3-671B", "kimi-k2-1T",
                   "glm-4.5-355B", "deepseek-v2-lite-16B", "gpt-oss-20b", "gpt-oss-120b", "minimax-m2-230B",
-                  "llama4-scout-109B", "llama4-maverick-400B"]
+                  "llama4-scout-109B", "llama4-maverick-400B", "deepseek-v3.2-671B", "glm-5-744B"]
 # parameters as the model cards state them (billions)
 PUBLISHED = {"qwen2.5-7B": 7.61, "qwen2.5-72B": 72.7, "qwen3-8B": 8.2, "qwen3-32B": 32.8, "llama3.1-8B": 8.03,
              "llama3.1-70B": 70.6, "llama3.2-1B": 1.24, "llama3.2-3B": 3.21, "gemma2-9B": 9.24, "gemma2-27B": 27.2,
              "phi4-14B": 14.7, "phi3-mini-4k": 3.82, "qwen3-30B-A3B": 30.5, "qwen3-235B-A22B": 235, "mixtral-8x7B": 46.7,
              "deepseek-v3-671B": 671, "deepseek-v2-lite-16B": 15.7,  # without DeepSeek-V3's prediction layer
+             "deepseek-v3.2-671B": 671, "glm-5-744B": 744,  # without their prediction layers, indexers included
              "gpt-oss-20b": 21, "gpt-oss-120b": 117, "minimax-m2-230B": 229,
              "llama4-scout-109B": 108, "llama4-maverick-400B": 400}  # Llama 4: the text model (the cards' 109B, 400B hold the vision tower)
 

@@ -154,7 +154,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True  # rotated dims in pairs (2i, 2i+1), as Meta's; False: halves (i, i + R/2), as HF ships
-    index_heads: int = 0; index_head_dim: int = 0; index_topk: int = 0  # noqa: E702 - DeepSeek-V3.2's indexer (mla)
+    index_heads: int = 0; index_head_dim: int = 0; index_topk: int = 0; index_pairs: bool = False; index_shared: tuple[int, ...] = ()  # noqa: E702, DeepSeek Sparse Attention's indexer (dsa): RoPE in pairs (GLM-5) or halves; index_shared: layers reusing the top-k of the indexer layer before them
     # gpt-oss (family_gptoss): sinks in each softmax's denominator; a router bias on the logits (a parameter, unlike
     # router_bias); biased experts; SwiGLU clamped: (clamp(up, -l, l) + 1) * g * sigmoid(swiglu_alpha * g), g = min(gate, l)
     attn_sinks: bool = False
@@ -233,17 +233,17 @@ class ModelConfig:
     def first_layers(self, n: int) -> "ModelConfig":
         """The model cut to n layers (a benchmark's, a profile's, a plan's check), its dense layers among them;
         where those would all be dense, every one sparse: a cut mixture of experts still has its experts."""
-        dense = tuple(i for i in self.dense_layers if i < n)
-        return dataclasses.replace(self, n_layers=n, dense_layers=dense if len(dense) < n else ())
+        dense, shared = tuple(i for i in self.dense_layers if i < n), tuple(i for i in self.index_shared if i < n)
+        return dataclasses.replace(self, n_layers=n, dense_layers=dense if len(dense) < n else (), index_shared=shared)
 
     def linear(self, layer: int | None) -> bool:
         """Whether the layer's token mixer is Gated DeltaNet (layer_types' linear_attention); None: no."""
         return layer is not None and self.layer_types is not None and \
             self.layer_types[layer % len(self.layer_types)] == "linear_attention"
 
-    def layout_key(self, layer: int) -> tuple[bool, bool]:
-        """What decides a block's tensor layout: its MLP sparse or dense, its mixer linear attention or not."""
-        return self.sparse(layer), self.linear(layer)
+    def layout_key(self, layer: int) -> tuple[bool, bool, bool]:
+        """What decides a block's tensor layout: its MLP sparse or dense, its mixer linear attention or not, an indexer."""
+        return self.sparse(layer), self.linear(layer), layer in self.index_shared
 
     def window(self, layer: int) -> int | None:
         """How many keys (itself included) a query of this layer sees; None: all before it."""
@@ -254,8 +254,8 @@ class ModelConfig:
     @property
     def mixed_layers(self) -> bool:
         """Whether blocks have more than one tensor layout (dense layers among sparse ones, or linear
-        attention among full attention): counts per layer then."""
-        return bool(self.dense_layers) or (self.layer_types is not None and "linear_attention" in self.layer_types)
+        attention among full attention, layers without an indexer): counts per layer then."""
+        return bool(self.dense_layers or self.index_shared) or (self.layer_types is not None and "linear_attention" in self.layer_types)
 
     @property
     def kv_heads(self) -> int:
@@ -325,7 +325,7 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
         d = dict(d)
-        for name in ("layer_types", "dense_layers"):
+        for name in ("layer_types", "dense_layers", "index_shared"):
             if d.get(name) is not None:
                 d[name] = tuple(d[name])  # JSON gives a list
         if d.get("rope_scaling") is not None:
@@ -355,7 +355,7 @@ def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str,
     """Names and shapes of block `layer`'s tensors, in Meta's naming: the same in every block but where
     dense layers sit among a mixture of experts' (cfg.dense_layers); None: a sparse block's, if any."""
     kv = cfg.kv_heads * cfg.head_dim
-    shapes = linear_attention_shapes(cfg) if cfg.linear(layer) else latent_attention_shapes(cfg) if cfg.kv_lora_rank \
+    shapes = linear_attention_shapes(cfg) if cfg.linear(layer) else latent_attention_shapes(cfg, layer) if cfg.kv_lora_rank \
         else {
         "attention.wq.weight": (cfg.q_dim * (2 if cfg.attn_output_gate else 1), cfg.dim),
         "attention.wk.weight": (kv, cfg.dim),
@@ -408,8 +408,8 @@ def linear_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "attention.out_proj.weight": (cfg.dim, value)}
 
 
-def latent_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Multi-head latent attention's weights (phantom.arch.mla), in DeepSeek's own names."""
+def latent_attention_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention's weights (phantom.arch.mla), in DeepSeek's own names; its indexer's, if any."""
     if cfg.q_lora_rank:
         q = {"attention.wq_a.weight": (cfg.q_lora_rank, cfg.dim), "attention.q_a_norm.weight": (cfg.q_lora_rank,),
              "attention.wq_b.weight": (cfg.q_dim, cfg.q_lora_rank)}
@@ -418,15 +418,17 @@ def latent_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return q | {"attention.wkv_a.weight": (cfg.kv_lora_rank + cfg.rope_dim, cfg.dim),
                 "attention.kv_a_norm.weight": (cfg.kv_lora_rank,),
                 "attention.wkv_b.weight": (cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                "attention.wo.weight": (cfg.dim, cfg.n_heads * cfg.v_head_dim)} | indexer_shapes(cfg)
+                "attention.wo.weight": (cfg.dim, cfg.n_heads * cfg.v_head_dim)} | indexer_shapes(cfg, layer)
 
 
-def indexer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """DeepSeek-V3.2's lightning indexer (none where cfg.index_topk is 0), in transformers' names."""
+def indexer_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    """The lightning indexer of block `layer` (none where cfg.index_topk is 0 or the layer shares another's), in
+    transformers' names."""
     d = cfg.index_head_dim
-    return {} if not cfg.index_topk else {"attention.indexer.wq_b.weight": (cfg.index_heads * d, cfg.q_lora_rank),
-            "attention.indexer.wk.weight": (d, cfg.dim), "attention.indexer.k_norm.weight": (d,),
-            "attention.indexer.k_norm.bias": (d,), "attention.indexer.weights_proj.weight": (cfg.index_heads, cfg.dim)}
+    return {} if not cfg.index_topk or layer in cfg.index_shared else {
+        "attention.indexer.wq_b.weight": (cfg.index_heads * d, cfg.q_lora_rank), "attention.indexer.wk.weight": (d, cfg.dim),
+        "attention.indexer.k_norm.weight": (d,), "attention.indexer.k_norm.bias": (d,),
+        "attention.indexer.weights_proj.weight": (cfg.index_heads, cfg.dim)}
 
 
 def expert_shapes(dim: int, width: int, prefix: str, bias: bool = False) -> dict[str, tuple[int, ...]]:

@@ -130,34 +130,6 @@ def kimi_text_weights(weight_map: dict[str, str]) -> dict[str, str]:
     return out | {k: k for k in weight_map if k.startswith("lm_head.")}
 
 
-def read_dsa(c: dict, path) -> dict:
-    """DeepSeek-V3.2: latent attention with DeepSeek Sparse Attention's lightning indexer in every layer (layer_types
-    indexed_attention); its weights are kept and rows of at most index_topk keys attend densely, as the indexer then
-    chooses every key (longer ones are refused when they run). mlp_layer_types, where written, must put the dense
-    layers first (first_k_dense_replace's layout)."""
-    n, types = c["num_hidden_layers"], c.get("layer_types") or ["indexed_attention"] * c["num_hidden_layers"]
-    if list(types) != ["indexed_attention"] * n:
-        refuse(path, "layer_types", types, f"{n} x indexed_attention")
-    first = c.get("first_k_dense_replace") or 0
-    mlp = c.get("mlp_layer_types") or ["dense"] * first + ["sparse"] * (n - first)
-    dense = tuple(i for i, t in enumerate(mlp) if t == "dense")
-    if len(mlp) != n or set(mlp) - {"dense", "sparse"} or dense != tuple(range(len(dense))):
-        refuse(path, "mlp_layer_types", mlp, f"{n} entries, dense ones first, then sparse")
-    if not c.get("q_lora_rank"):
-        refuse(path, "q_lora_rank", c.get("q_lora_rank"), "a rank (the indexer reads the q bottleneck)")
-    return {"index_heads": c["index_n_heads"], "index_head_dim": c["index_head_dim"], "index_topk": c["index_topk"],
-            "dense_layers": dense}
-
-
-def v32_fields(cfg: ModelConfig) -> dict:
-    return {**mla_fields(cfg), **deepseek_fields(cfg), "index_n_heads": cfg.index_heads,
-            "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk}
-
-
-INDEXER_KEYS = {f"model.layers.{{}}.self_attn.indexer.{n}": f"attention.indexer.{n}" for n in (
-    "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")}
-
-
 def deepseek_fields(cfg: ModelConfig) -> dict:
     """The DeepSeekMoE fields of an export's config.json, as the config classes name them."""
     first = len(cfg.dense_layers)
@@ -226,19 +198,6 @@ FAMILIES = {f.name: f for f in (
                      "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8,
                      "topk_group": 4, "first_k_dense_replace": 3, "norm_topk_prob": True, "rope_interleave": True},
            text=(kimi_text_config, kimi_text_weights)),
-    Family("deepseek_v32", ("DeepseekV32ForCausalLM",), "deepseek_v32",
-           {**LAYER_NORM_KEYS, **MLA_KEYS, **DEEPSEEK_MOE_KEYS, **INDEXER_KEYS},
-           readers={**{k: v for k, v in V3_READERS.items() if k != "rope_interleave"},
-                    **{f: read_dsa for f in ("index_topk", "index_n_heads", "index_head_dim", "layer_types",
-                                             "mlp_layer_types")},
-                    "mlp_bias": refused_unless("mlp_bias", lambda v: not v, "false (DeepSeek-V3.2 has no MLP biases)")},
-           fixed={"rope_interleave": True},  # DeepseekV32Attention always rotates pairs
-           irrelevant=IRRELEVANT, moe=DEEPSEEK_EXPERTS, hf_fields=v32_fields,
-           defaults={**DEEPSEEK_DEFAULTS, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
-                     "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
-                     "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-                     "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3, "norm_topk_prob": True,
-                     "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}),
     Family("deepseek_v2", ("DeepseekV2ForCausalLM",), "deepseek_v2", {**LAYER_NORM_KEYS, **MLA_KEYS,
                                                                        **DEEPSEEK_MOE_KEYS},
            readers={**MOE_COMMON, **MLA_READERS, **{f: read_v2_router for f in ("topk_method", "scoring_func")},

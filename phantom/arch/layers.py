@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from phantom.arch import carry as C
 from phantom.arch.config import FUSED_PROJECTIONS, ModelConfig
 from phantom.arch.deltanet import GatedDeltaNet
 from phantom.arch.mla import LatentAttention
@@ -194,25 +195,27 @@ class TransformerBlock(nn.Module):
         self.mlp_chunk: int | None = None  # tokens per MLP chunk of a longer row (None or 0: whole rows)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+                start_pos: int = 0, mask: torch.Tensor | None = None, carry: C.Carry = None) -> torch.Tensor:
+        """`carry`: this micro-batch's state carried from the blocks before (phantom.arch.carry), None where the
+        model carries none; the block may set entries in it for the blocks after."""
         if self.checkpoint_inner and torch.is_grad_enabled() and cache is None:
-            h = x + checkpoint(self._attention, x, rope, mask, use_reentrant=False)
+            h = x + checkpoint(self._attention, x, rope, mask, None, 0, carry, use_reentrant=False)
         else:
-            h = x + self._attention(x, rope, mask, cache, start_pos)
-        return h + self.mlp(h)
+            h = x + self._attention(x, rope, mask, cache, start_pos, carry)
+        return h + self.mlp(h, carry)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, carry: C.Carry = None) -> torch.Tensor:
         """The MLP half's output for h (B, T, dim), its norms included: in chunks of mlp_chunk tokens where the
         row is longer (tiled), else at once (checkpointed under checkpoint_inner)."""
         if self.mlp_chunk and h.shape[1] > self.mlp_chunk:
-            return tiled(lambda hc, _: self._mlp(hc), h, self.mlp_chunk,
+            return tiled(lambda hc, a: self._mlp(hc, C.tokens(carry, a, hc.shape[1])), h, self.mlp_chunk,
                          [self.ffn_norm, self.feed_forward, self.ffn_post_norm], last=True)
         if self.checkpoint_inner and torch.is_grad_enabled():
-            return checkpoint(self._mlp, h, use_reentrant=False)
-        return self._mlp(h)
+            return checkpoint(self._mlp, h, carry, use_reentrant=False)
+        return self._mlp(h, carry)
 
     def _attention(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
-                   cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+                   cache: KVCache | None = None, start_pos: int = 0, carry: C.Carry = None) -> torch.Tensor:
         """The attention half's output for x, its norms included. A row longer than mlp_chunk computes what
         attention takes from each token (the norm, projections, q/k norms, RoPE) in chunks too (tiled), so the
         row keeps q, k, v and not the norm's output or the projections' before RoPE."""
@@ -222,15 +225,17 @@ class TransformerBlock(nn.Module):
             # tables have one more dim (Attention.rope_index)
             per_row = rope.dim() > (4 if getattr(att, "rope_index", None) is not None else 3)
 
+            indexed = {"indexed": True} if getattr(att, "sparse", lambda _: False)(x.shape[1]) else {}
+
             def token_wise(xc: torch.Tensor, a: int) -> tuple[torch.Tensor, ...]:
                 rows = rope[:, a:a + xc.shape[1]] if per_row else rope[a:a + xc.shape[1]]
-                return att.inputs(self.attention_norm(xc), rows)
+                return att.inputs(self.attention_norm(xc), rows, **indexed)
             inputs = tiled(token_wise, x, self.mlp_chunk, [self.attention_norm, att])
-            return self.attention_post_norm(att(None, rope, mask=mask, inputs=inputs))
-        return self.attention_post_norm(att(self.attention_norm(x), rope, cache, start_pos, mask))
+            return self.attention_post_norm(att(None, rope, mask=mask, inputs=inputs, **C.kwargs(att, carry)))
+        return self.attention_post_norm(att(self.attention_norm(x), rope, cache, start_pos, mask, **C.kwargs(att, carry)))
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ffn_post_norm(self.feed_forward(self.ffn_norm(h)))
+    def _mlp(self, h: torch.Tensor, carry: C.Carry = None) -> torch.Tensor:
+        return self.ffn_post_norm(self.feed_forward(self.ffn_norm(h), **C.kwargs(self.feed_forward, carry)))
 
 
 # ---------------------------------------------------------------------------------------------

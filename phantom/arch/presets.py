@@ -168,6 +168,17 @@ PRESETS: dict[str, ModelConfig] = {
                                 explicit_head_dim=128, qkv_bias=True, qk_norm=True, rotary_dim=64, n_experts=160,
                                 experts_per_token=8, expert_dim=1536, norm_topk_prob=True, shared_expert_dim=1536,
                                 dense_layers=(0, 1, 2), routed_scale=2.5, **DEEPSEEK_ROUTER),
+    # DeepSeek Sparse Attention: deepseek-ai/DeepSeek-V3.2-Exp (DeepSeek-V3's shapes, a 64-head indexer picking 2048
+    # keys in every layer); zai-org/GLM-5 (GlmMoeDsaConfig's defaults, which its docstring names that checkpoint's:
+    # 64 heads of 192 + 64 q/k and 256 v dims, a 32-head indexer in every layer, RoPE in pairs in both)
+    "deepseek-v3.2-671B": ModelConfig(dim=7168, n_layers=61, n_heads=128, vocab_size=129280, **{
+        **DEEPSEEK_V3, "family": "deepseek_v32"}, index_heads=64, index_head_dim=128, index_topk=2048),
+    "glm-5-744B": ModelConfig(dim=6144, n_layers=78, n_heads=64, vocab_size=154880, intermediate_size=12288,
+                              max_seq_len=202752, family="glm_moe_dsa", q_lora_rank=2048, kv_lora_rank=512,
+                              qk_nope_head_dim=192, v_head_dim=256, explicit_head_dim=256, rotary_dim=64, n_experts=256,
+                              experts_per_token=8, expert_dim=2048, norm_topk_prob=True, shared_expert_dim=2048,
+                              dense_layers=(0, 1, 2), routed_scale=2.5, **DEEPSEEK_ROUTER, index_heads=32,
+                              index_head_dim=128, index_topk=2048, index_pairs=True),
     "deepseek-v2-lite-16B": ModelConfig(dim=2048, n_layers=27, n_heads=16, vocab_size=102400, intermediate_size=10944,
                                         norm_eps=1e-6, max_seq_len=163840, family="deepseek_v2", n_experts=64,
                                         experts_per_token=6, expert_dim=1408, shared_expert_dim=2816, dense_layers=(0,),

@@ -41,15 +41,17 @@ def outputs_unused():
 
 
 def tiled(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor, chunk: int | None,
-          modules: list[nn.Module], last: bool = False) -> Outputs:
-    """fn(h, 0) for a token-wise fn over h (B, T, dim), `chunk` tokens of each row at a time where T is longer
+          modules: list[nn.Module], last: bool = False, tensors: tuple[torch.Tensor, ...] = ()) -> Outputs:
+    """fn(h, 0) for a token-wise fn over h (B, T, ...), `chunk` tokens of each row at a time where T is longer
     (None or 0: at once): fn(h[:, a:a + chunk], a) gives the chunk's output(s), each (B, chunk, ...) (fn reads
     the rows of position tables it needs from a). `modules`: those fn computes with; their tensors that need a
     gradient (read when called: bound weights included) are the node's trained inputs, and a dropout among
-    them is replayed. `last`: fn's output feeds only the block's output (see outputs_unused)."""
+    them is replayed. `tensors`: other whole tensors fn reads (the keys every chunk of queries attends to,
+    phantom.arch.dsa); those that need a gradient are inputs too. `last`: fn's output feeds only the block's
+    output (see outputs_unused)."""
     if not chunk or h.shape[1] <= chunk:
         return fn(h, 0)
-    trained = [p for m in modules for p in m.parameters() if p.requires_grad]
+    trained = [p for m in modules for p in m.parameters() if p.requires_grad] + [t for t in tensors if t.requires_grad]
     if not torch.is_grad_enabled() or not (h.requires_grad or trained):
         return _chunked(fn, h, chunk)
     draws = any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for mod in modules for m in mod.modules())

@@ -94,9 +94,13 @@ class BlockStore:
         return next(j for j in range(self.cfg.n_layers) if self.cfg.layout_key(j) == self.cfg.layout_key(i))
 
     def layout_index(self, i: int) -> int:
-        """Which of the store's block layouts block i has: 0 for every block of a store with one layout,
-        else 0 for the first block's kind and 1 for the other (slots keep their views per layout)."""
-        return int(self._first_alike(i) != self._first_alike(0))
+        """Which of the store's block layouts block i has, numbered as they first appear: 0 for every block of a
+        store with one layout, 0 for the first block's kind and 1, 2 for the others (slots keep their views per
+        layout; GLM-5 has three: dense and sparse layers with an indexer, sparse ones sharing it)."""
+        if getattr(self, "_layout_of", None) is None:
+            firsts = [self._first_alike(j) for j in range(self.n_blocks)]
+            self._layout_of = [sorted(set(firsts)).index(f) for f in firsts]
+        return self._layout_of[i]
 
     def block_size(self, i: int) -> int:
         """Bytes of block i's data section (at most block_nbytes)."""

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from phantom.arch import carry as C
 from phantom.arch.config import ModelConfig
 from phantom.arch.layers import TransformerBlock, fuse_adjacent, lora_disabled
 from phantom.arch.ops import KVCache
@@ -98,34 +99,42 @@ class ResidentBlocks:
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None, start_pos: int = 0,
                  mask: torch.Tensor | None = None, reference: torch.Tensor | None = None,
-                 lanes: list[L.Lane] | None = None):
+                 lanes: list[L.Lane] | None = None, carry: C.Carry = None):
         """Every block over h (micro-batches of `micro_batch` rows); with `reference`, also over that
         hidden state with the adapters off and no autograd, block by block beside h (returns both).
-        `lanes`: each adapter's rows through its own blocks, its micro-batches split on their own."""
+        `lanes`: each adapter's rows through its own blocks, its micro-batches split on their own. `carry`: the
+        state the first block receives (phantom.arch.carry; None: a fresh one), the reference's a copy of it."""
         split = lambda t: L.split_rows(t, lanes, self.micro_batch)  # noqa: E731
+        carry = C.start(self.store.cfg) if carry is None else carry
+        ref_carry = dict(carry) if carry is not None and reference is not None else None
         for i, block in enumerate(self.layers):
             if caches is not None:
                 with block_cache(caches, i, start_pos, h.shape[1]) as cache:
-                    h = block(h, rope, cache, start_pos, mask)
+                    h = block(h, rope, cache, start_pos, mask, **({} if carry is None else {"carry": carry}))
                 continue
             hs = split(h)
             ropes = split(rope) if mask is not None else [rope] * len(hs)  # packed rows: a rope per row
             masks = split(mask) if mask is not None else [None] * len(hs)
             which = L.chunk_lanes(lanes, self.micro_batch, h.shape[0])
             blocks = [block if lane is None else lane.adapter.layers[i] for lane in which]
-            h = torch.cat([_drawn(b, lane, hc, rc, mc) for b, lane, hc, rc, mc in zip(blocks, which, hs, ropes, masks)])
+            carries = C.split(carry, split, len(hs))
+            h = torch.cat([_drawn(b, lane, hc, rc, mc, cc) for b, lane, hc, rc, mc, cc in
+                           zip(blocks, which, hs, ropes, masks, carries)])
+            carry = C.join(carries)
             if reference is not None:
                 with torch.no_grad():
-                    reference = torch.cat([_reference(b, r, rc, mc)
-                                           for b, r, rc, mc in zip(blocks, split(reference), ropes, masks)])
+                    carries = C.split(ref_carry, split, len(hs))
+                    reference = torch.cat([_reference(b, r, rc, mc, cc) for b, r, rc, mc, cc in
+                                           zip(blocks, split(reference), ropes, masks, carries)])
+                    ref_carry = C.join(carries)
         return h if reference is None else (h, reference)
 
     def run_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Each (h, rope) micro-batch through every block, block by block (causal, no cache, no lanes): the
         layer-major inference of scoring (phantom.train.score), each micro-batch its own length."""
-        hs = [h for h, _ in batches]
+        hs, carries = [h for h, _ in batches], [C.start(self.store.cfg) for _ in batches]
         for block in self.layers:
-            hs = [block(h, rope) for h, (_, rope) in zip(hs, batches)]
+            hs = [block(h, rope, **({} if c is None else {"carry": c})) for h, (_, rope), c in zip(hs, batches, carries)]
         return hs
 
     def block_groups(self) -> list[list[nn.Parameter]]:
@@ -139,17 +148,21 @@ class ResidentBlocks:
         """Nothing to stop."""
 
 
-def _drawn(block: nn.Module, lane: L.Lane | None, h: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
-    """block over one micro-batch; a lane's dropout draws from its adapter's stream."""
+def _drawn(block: nn.Module, lane: L.Lane | None, h: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None,
+           carry: C.Carry = None):
+    """block over one micro-batch (with its rows of the carried state, where there is one); a lane's dropout draws
+    from its adapter's stream."""
+    kw = {} if carry is None else {"carry": carry}
     if lane is None:
-        return block(h, rope, mask=mask)
+        return block(h, rope, mask=mask, **kw)
     with lane.adapter.rng_for():
-        return block(h, rope, mask=mask)
+        return block(h, rope, mask=mask, **kw)
 
 
-def _reference(block: nn.Module, h: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _reference(block: nn.Module, h: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None,
+               carry: C.Carry = None) -> torch.Tensor:
     with lora_disabled(block):
-        return block(h, rope, mask=mask)
+        return block(h, rope, mask=mask, **({} if carry is None else {"carry": carry}))
 
 
 class StreamedBlocks:
@@ -179,22 +192,24 @@ class StreamedBlocks:
 
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None, start_pos: int = 0,
                  mask: torch.Tensor | None = None, reference: torch.Tensor | None = None,
-                 lanes: list[L.Lane] | None = None):
+                 lanes: list[L.Lane] | None = None, carry: C.Carry = None):
         """Every block over h on streamed weights (the executor's autograd reaches each block's LoRA, and
-        each lane's adapter's)."""
+        each lane's adapter's); `carry` as ResidentBlocks'."""
         trained = [[p for n_, p in block.named_parameters() if "lora_" in n_] for block in self.layers]
         for lane in lanes or ():
             trained = [ps + lane.adapter.trained(i) for i, ps in enumerate(trained)]
-        return self.executor(h, rope, trained, caches, start_pos, mask, reference, lanes)
+        carry = C.start(self.store.cfg) if carry is None else carry
+        return self.executor(h, rope, trained, caches, start_pos, mask, reference, lanes, carry)
 
     def run_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Each (h, rope) micro-batch through every block, each block loaded once for all of them (a wave of
         phantom.train.score reads the store once, however many requests it holds)."""
         ex, n, hs = self.executor, len(self.layers), [h for h, _ in batches]
+        carries = [C.start(self.store.cfg) for _ in batches]  # each request's own, set in place block by block
         self.scheduler.plan(list(range(n)), sum(h.shape[0] * h.shape[1] for h in hs))
         for i in range(n):
             with ex.block_weights(i), ex.first_pass(i):
-                hs = ex.run_rows(i, [(h, rope, None, None) for h, (_, rope) in zip(hs, batches)])
+                hs = ex.run_rows(i, [(h, rope, None, None, c) for h, (_, rope), c in zip(hs, batches, carries)])
         return hs
 
     def share(self, layers: nn.ModuleList) -> None:

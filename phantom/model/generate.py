@@ -79,6 +79,10 @@ def check(model: PhantomModel, requests: list[Request]) -> None:
                              f"for fewer tokens")
         if min(r.prompt) < 0 or max(r.prompt) >= model.cfg.vocab_size:
             raise ValueError(f"request {n}: token ids must be in [0, {model.cfg.vocab_size})")
+        if model.cfg.index_topk and len(r.prompt) + r.max_new_tokens > model.cfg.index_topk:
+            raise ValueError(f"request {n}: prompt + max_new_tokens ({len(r.prompt) + r.max_new_tokens}) exceeds "
+                             f"index_topk ({model.cfg.index_topk}): generating past DeepSeek Sparse Attention's top-k "
+                             f"needs its indexer's key cache, which is not kept")
 
 
 def cache_bytes(model: PhantomModel, max_len: int) -> int:

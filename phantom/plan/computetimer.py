@@ -175,13 +175,13 @@ class BlockTimer:
 
         def fwd():
             with torch.no_grad(), torch.autocast(**self.amp):
-                return model.executor.run_block(0, weights, x, self.rope)
+                return model.executor.run_block(0, x, self.rope)
 
         def fwd_grad():
             xg = x.detach().requires_grad_()
             with torch.enable_grad(), torch.autocast(**self.amp), \
                     torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                return xg, model.executor.run_block(0, weights, xg, self.rope)
+                return xg, model.executor.run_block(0, xg, self.rope)
 
         out = fwd()
         g = torch.randn(out.shape, generator=gen).to(device, out.dtype)

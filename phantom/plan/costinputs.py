@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from phantom.arch import carry, dsa
 from phantom.arch.config import ModelConfig, block_tensor_shapes
 from phantom.arch.deltanet import mixer_flops
 from phantom.arch.quantformat import QuantFormat, as_format, block_nbytes
@@ -59,6 +60,8 @@ class Shape:
     graph_bytes_per_token: int = 0  # one block's graph and its backward's gradients at their peak, per token
     row_bytes_per_token: int = 0  # what a tiled block keeps at the row's full length, per token
     row_grad_bytes_per_token: int = 0  # and the gradients its attention's backward holds beside it, per token
+    carry_bytes_per_row: int = 0  # state blocks hand to later ones, held through the step (phantom.arch.carry)
+    chunk_bytes: int = 0  # a block's chunk of sparse attention at its peak (phantom.arch.dsa), where the row is sparse
 
     def kept(self) -> "Shape":
         """A load of a block whose attention, norms, router and shared experts the device keeps: experts alone."""
@@ -151,6 +154,8 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
         graph_bytes_per_token=int(c * (keep_elems_per_token(cfg) + grad_elems_per_token(cfg))),
         row_bytes_per_token=int(c * row_elems_per_token(cfg)),
         row_grad_bytes_per_token=int(c * attention_elems_per_token(cfg)),
+        carry_bytes_per_row=seq_len * carry.bytes_per_token(cfg, seq_len),
+        chunk_bytes=2 * dsa.CHUNK_BYTES if cfg.index_topk and seq_len > cfg.index_topk else 0,
         store_bytes=cfg.n_layers * block + (head_params + embed_params) * s,
         dequant_bytes=params * c if quant is not None else 0)
 

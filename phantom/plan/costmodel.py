@@ -303,20 +303,22 @@ def kept_row_bytes(shape: Shape, profile: MachineProfile, chunk: int) -> float:
 
 def block_peak_bytes(shape: Shape, profile: MachineProfile, chunk: int, micro_batch: int) -> float:
     """One block's backward at its peak for a micro-batch: its graph and gradients over the whole row, or where
-    the row is tiled what stays at full length with attention's gradients, and one chunk's graph and gradients."""
+    the row is tiled what stays at full length with attention's gradients, and one chunk's graph and gradients;
+    a sparse attention's chunk of queries and its recompute (their bytes are the chunk's, whatever the rows)."""
     per_token = shape.graph_bytes_per_token or shape.keep_bytes_per_row / shape.seq_len
     if tiled(shape, chunk):
         row = shape.seq_len * (shape.row_bytes_per_token + shape.row_grad_bytes_per_token) + chunk * per_token
     else:
         row = shape.seq_len * per_token
-    return micro_batch * row * profile.keep_scale
+    return micro_batch * row * profile.keep_scale + shape.chunk_bytes
 
 def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, micro_batch: int,
                      chunk: int = 0) -> int:
-    """Saved for backward (kept graphs, or block inputs), one micro-batch's block backward at its peak
-    (`block_peak_bytes`), the running output and its gradient; `chunk`: Activations.mlp_chunk."""
+    """Saved for backward (kept graphs, or block inputs, and the state blocks carry to later ones), one micro-batch's
+    block backward at its peak (`block_peak_bytes`), the running output and its gradient; `chunk`:
+    Activations.mlp_chunk."""
     saved = keep * rows * kept_row_bytes(shape, profile, chunk) + \
-        (shape.n_blocks - keep) * rows * shape.act_bytes_per_row
+        (shape.n_blocks - keep) * rows * shape.act_bytes_per_row + rows * shape.carry_bytes_per_row
     return int(saved + block_peak_bytes(shape, profile, chunk, micro_batch) + 2 * rows * shape.act_bytes_per_row)
 
 def device_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, keep: int,

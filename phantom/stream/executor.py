@@ -12,6 +12,10 @@ Function whose backward acquires the block again:
 - keep: the forward keeps the block's autograd graph and activations but not its weights (saved
   weights become handles into the slot, see WeightHandles); the backward only runs the backward.
 
+State carried between blocks beside the hidden state (phantom.arch.carry: GLM-5's shared top-k) is the pass's
+`carry`: each micro-batch of a block gets its rows of it, what the block leaves is joined for the next, and a
+recomputed block is given again the carry it received.
+
 Keeping and recomputing give the same bits, so "auto" (keep while a byte budget allows) is free to
 choose differently from run to run. In full finetuning the weights are leaves too, and each block's
 weight gradients go to `on_block_grads` as soon as its backward is done.
@@ -27,6 +31,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from phantom.arch import carry as C
 from phantom.arch.layers import fuse_adjacent, lora_disabled
 from phantom.arch.ops import KVCache
 from phantom.arch.tiled import outputs_unused
@@ -125,18 +130,20 @@ class StreamedBlock(torch.autograd.Function):
         ctx.keep = ex.keeps(i)
         ctx.rng = RngState(x.device) if ex.has_dropout and not ctx.keep else None
         ctx.streams = L.replay_streams(ex.lanes) if not ctx.keep else None  # each adapter's, to replay
+        ctx.carry = ex.carry  # what block i received, for its recompute (each micro-batch gets its own copy)
         with ex.block_weights(i, lanes=ex.lanes) as weights, ex.first_pass(i):
             if not ctx.keep:
-                out = torch.cat(ex.run_rows(i, ex.rows(x, rope, mask, ex.lanes)))
+                out = _pass_rows(ex, i, x, rope, mask)
                 ex.run_reference(i, weights, rope, mask)
                 ctx.experts = ex.used_experts(i)
                 ctx.save_for_backward(x, rope, mask, *params)
                 return out
             ctx.hooks = WeightHandles(weights)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ctx.hooks.pack, ctx.hooks.unpack):
-                rows = [(xc.detach().requires_grad_(x.requires_grad), rc, mc, lane)
-                        for xc, rc, mc, lane in ex.rows(x, rope, mask, ex.lanes)]
+                rows = [(xc.detach().requires_grad_(x.requires_grad), *rest)
+                        for xc, *rest in ex.rows(x, rope, mask, ex.lanes, ex.carry)]
                 ctx.graphs = list(zip([r[0] for r in rows], ex.run_rows(i, rows)))
+                ex.carry = C.join([r[4] for r in rows])
             ex.run_reference(i, weights, rope, mask)
             ctx.experts = ex.used_experts(i)
         ex.count_kept(ctx.hooks)
@@ -160,16 +167,16 @@ class StreamedBlock(torch.autograd.Function):
             if ctx.keep:
                 ctx.hooks.bind(weights)
             else:
-                chunks = list(ex.rows(*saved[:3], ctx.lanes))
+                chunks = list(ex.rows(*saved[:3], ctx.lanes, ctx.carry))
             for k, gc in enumerate(ex.split_batch(grad_out, ctx.lanes)):
                 if ctx.keep:
                     xc, out = ctx.graphs[k]
                 else:
-                    xc, rc, mc, lane = chunks[k]
+                    xc, rc, mc, lane, cc = chunks[k]
                     xc = xc.detach().requires_grad_(needs_x)
                     with torch.enable_grad(), torch.autocast(**ctx.autocast), _drawing(lane, ctx.streams), \
                             outputs_unused():  # only its graph is used: a tiled MLP computes its chunks once
-                        out = ex.run_block(ctx.i, weights, xc, rc, mask=mc, lane=lane)
+                        out = ex.run_block(ctx.i, xc, rc, mask=mc, lane=lane, carry=cc)
                 grads = torch.autograd.grad(out, ([xc] if needs_x else []) + wrt, gc, allow_unused=True)
                 if needs_x:
                     x_grads.append(grads[0])
@@ -182,11 +189,21 @@ class StreamedBlock(torch.autograd.Function):
             if ctx.keep:
                 ctx.hooks.bind(None)
                 ctx.graphs = None
+            ctx.carry = None
         if ex.trains_weights:
             ex.on_block_grads(ctx.i, weight_grads)
         it = iter(param_grads)
         gparams = [next(it) if p.requires_grad else None for p in params]
         return (torch.cat(x_grads) if needs_x else None, None, None, None, None, *gparams)
+
+
+def _pass_rows(ex: "BlockExecutor", i: int, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
+    """Block i (held) over x in micro-batches (the pass's lanes), each with its rows of the pass's carry; the carry
+    the block leaves becomes the pass's."""
+    rows = list(ex.rows(x, rope, mask, ex.lanes, ex.carry))
+    out = torch.cat(ex.run_rows(i, rows))
+    ex.carry = C.join([r[4] for r in rows])
+    return out
 
 
 def _accumulate(total: torch.Tensor | None, g: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
@@ -237,6 +254,7 @@ class BlockExecutor:
         self.weight_handles = 0  # weights saved by autograd as handles, not tensors (for tests)
         self.reference: torch.Tensor | None = None  # the reference hidden state of this pass (run_reference)
         self.lanes: list[L.Lane] | None = None  # this pass's adapters and their rows (phantom.stream.lanes)
+        self.carry = self.reference_carry = None  # this pass's carried state (phantom.arch.carry), the reference's
         self._used: dict[int, frozenset] = {}  # experts each block read routed in this step's forward
         self._fill_s = 0.0  # seconds the current block waited for its routed experts
         policy = scheduler.routed.policy
@@ -255,7 +273,7 @@ class BlockExecutor:
     def __call__(self, h: torch.Tensor, rope: torch.Tensor, trained: list[list[torch.Tensor]],
                  caches: list[KVCache] | None = None, start_pos: int = 0,
                  mask: torch.Tensor | None = None, reference: torch.Tensor | None = None,
-                 lanes: list[L.Lane] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 lanes: list[L.Lane] | None = None, carry: C.Carry = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Every block over h, in order; `trained[i]` are block i's trained parameters; rope and mask
         as phantom.arch.layers.packed_layout gives them for packed rows.
 
@@ -263,11 +281,13 @@ class BlockExecutor:
         loaded, adapters off and without autograd (the reference model of preference training): the
         pair (h, reference out) is returned, and the store is read as for h alone. Without a KV
         cache the rows run in micro-batches. `lanes`: the rows of each adapter of a multi-adapter model, each
-        run through its own blocks while the block is loaded once (phantom.stream.lanes)."""
+        run through its own blocks while the block is loaded once (phantom.stream.lanes). `carry`: the state the
+        first block receives (phantom.arch.carry.start), the reference's a copy of it."""
         n = len(self.layers)
         self.lanes = lanes
         self.kept_bytes = self.kept_blocks = 0
         self.reference = reference
+        self.carry, self.reference_carry = carry, (dict(carry) if carry is not None and reference is not None else None)
         training = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for ps in trained for p in ps))
         tokens = h.shape[0] * h.shape[1] if h.dim() == 3 else h.shape[0]
         self.scheduler.plan(list(range(n)) + (list(range(n - 1, -1, -1)) if training else []), tokens)
@@ -280,9 +300,10 @@ class BlockExecutor:
                         with block_cache(caches, i, start_pos, h.shape[1]) as cache:
                             h = self.run_cached(i, weights, h, rope, cache, start_pos, mask)
                     else:
-                        h = torch.cat(self.run_rows(i, self.rows(h, rope, mask, lanes)))
+                        h = _pass_rows(self, i, h, rope, mask)
                     self.run_reference(i, weights, rope, mask)
         reference, self.reference, self.lanes = self.reference, None, None
+        self.carry = self.reference_carry = None
         return h if reference is None else (h, reference)
 
     def run_cached(self, i: int, weights: dict[str, torch.Tensor], h: torch.Tensor, rope: torch.Tensor,
@@ -293,13 +314,14 @@ class BlockExecutor:
         B, T = h.shape[:2]
         rows = B if h.device.type != "cpu" else max(1, CPU_CALL_TOKENS // T)
         if rows >= B:
-            return self.run_block(i, weights, h, rope, cache, start_pos, mask)
-        out = []
-        for a in range(0, B, rows):
+            return self.run_block(i, h, rope, cache, start_pos, mask, carry=self.carry)
+        out, carries = [], C.split(self.carry, lambda t: list(t.split(rows)), -(-B // rows))
+        for a, carry in zip(range(0, B, rows), carries):
             part, own = slice(a, a + rows), mask is not None
             rows_cache = KVCache(cache.k[part], cache.v[part])
-            out.append(self.run_block(i, weights, h[part], rope[part] if own else rope, rows_cache, start_pos,
-                                      mask[part] if own else None))
+            out.append(self.run_block(i, h[part], rope[part] if own else rope, rows_cache, start_pos,
+                                      mask[part] if own else None, carry=carry))
+        self.carry = C.join(carries)
         return torch.cat(out)
 
     def run_reference(self, i: int, weights: dict[str, torch.Tensor], rope: torch.Tensor,
@@ -311,19 +333,22 @@ class BlockExecutor:
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for block in self.blocks_at(i, self.lanes):
                 stack.enter_context(lora_disabled(block))
-            self.reference = torch.cat(self.run_rows(i, self.rows(self.reference, rope, mask, self.lanes)))
+            rows = list(self.rows(self.reference, rope, mask, self.lanes, self.reference_carry))
+            self.reference = torch.cat(self.run_rows(i, rows))
+            self.reference_carry = C.join([r[4] for r in rows])
+
 
     def run_rows(self, i: int, rows) -> list[torch.Tensor]:
-        """Block i (held) over each micro-batch of rows ((x, rope, mask, lane) each): a block read routed runs
+        """Block i (held) over each micro-batch of rows ((x, rope, mask, lane, carry) each): a block read routed runs
         the attention half of every micro-batch, reads the experts any of their tokens routes to (one
         request), then the MLP halves. A lane's micro-batch runs through its adapter's block, drawing dropout
         from its adapter's stream."""
         if self.scheduler.routed.reads(i):
             return self._run_halves(i, list(rows))
         out = []
-        for xc, rc, mc, lane in rows:
+        for xc, rc, mc, lane, cc in rows:
             with _drawing(lane):
-                out.append(self.run_block(i, None, xc, rc, mask=mc, lane=lane))
+                out.append(self.run_block(i, xc, rc, mask=mc, lane=lane, carry=cc))
         return out
 
     def block(self, i: int, lane: L.Lane | None = None) -> nn.Module:
@@ -335,20 +360,21 @@ class BlockExecutor:
         return list({id(b): b for b in [self.layers[i]] + [lane.adapter.layers[i] for lane in lanes or ()]}.values())
 
     def _run_halves(self, i: int, rows, cache: KVCache | None = None, start_pos: int = 0) -> list[torch.Tensor]:
-        blocks = [self.block(i, lane) for *_, lane in rows]
+        blocks = [self.block(i, lane) for *_, lane, _ in rows]
         hs = []
-        for block, (x, rope, mask, lane) in zip(blocks, rows):
+        for block, (x, rope, mask, lane, carry) in zip(blocks, rows):
             with _drawing(lane):
-                hs.append(moeblock.attention_half(block, x, rope, cache, start_pos, mask))
-        experts = set().union(*(moeblock.routed_experts(block, h).unique().tolist() for block, h in zip(blocks, hs)))
+                hs.append(moeblock.attention_half(block, x, rope, cache, start_pos, mask, carry))
+        experts = set().union(*(moeblock.routed_experts(block, h, row[4]).unique().tolist()
+                                for block, h, row in zip(blocks, hs, rows)))
         self._used[i] = self._used.get(i, frozenset()) | frozenset(experts)
         t0 = time.perf_counter()
         self.scheduler.routed.ensure(i, experts)
         self._fill_s += time.perf_counter() - t0
         out = []
-        for block, h, (*_, lane) in zip(blocks, hs, rows):
+        for block, h, (*_, lane, carry) in zip(blocks, hs, rows):
             with _drawing(lane):
-                out.append(moeblock.mlp_half(block, h, cache))
+                out.append(moeblock.mlp_half(block, h, cache, carry))
         return out
 
     def used_experts(self, i: int) -> frozenset | None:
@@ -387,14 +413,16 @@ class BlockExecutor:
     def split_batch(self, x: torch.Tensor, lanes: list[L.Lane] | None = None) -> list[torch.Tensor]:
         return L.split_rows(x, lanes, self.micro_batch)
 
-    def rows(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None, lanes: list[L.Lane] | None = None):
-        """(x, rope, mask, lane) per micro-batch (each lane's rows split on their own; lane None without
-        lanes); packed rows' per-row rope (B, T, ..) and mask (packed_layout gives both or neither) are split
-        with x."""
+    def rows(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None, lanes: list[L.Lane] | None = None,
+             carry: C.Carry = None):
+        """(x, rope, mask, lane, carry) per micro-batch (each lane's rows split on their own; lane None without
+        lanes); packed rows' per-row rope (B, T, ..) and mask (packed_layout gives both or neither), and the
+        carried state (a fresh dict each), are split with x."""
         xs = self.split_batch(x, lanes)
         ropes = self.split_batch(rope, lanes) if mask is not None else [rope] * len(xs)
         masks = self.split_batch(mask, lanes) if mask is not None else [None] * len(xs)
-        return zip(xs, ropes, masks, L.chunk_lanes(lanes, self.micro_batch, x.shape[0]))
+        carries = C.split(carry, lambda t: self.split_batch(t, lanes), len(xs))
+        return zip(xs, ropes, masks, L.chunk_lanes(lanes, self.micro_batch, x.shape[0]), carries)
 
     @contextlib.contextmanager
     def block_weights(self, i: int, trainable: bool = False, experts: frozenset | None = None,
@@ -423,16 +451,17 @@ class BlockExecutor:
             self.scheduler.tracer.span("compute", f"block {i}", t0, time.perf_counter())  # the time it is held
             self.scheduler.release(i)
 
-    def run_block(self, i: int, weights: dict[str, torch.Tensor], x: torch.Tensor, rope: torch.Tensor,
-                  cache: KVCache | None = None, start_pos: int = 0, mask: torch.Tensor | None = None,
-                  lane: L.Lane | None = None) -> torch.Tensor:
-        """Block i (a lane's adapter's) over x; `weights` (from block_weights(i)) are bound in place of its
-        placeholders. A block read routed runs in halves: its experts are read after its router
-        (phantom.stream.moeblock)."""
+    def run_block(self, i: int, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                  start_pos: int = 0, mask: torch.Tensor | None = None, lane: L.Lane | None = None,
+                  carry: C.Carry = None) -> torch.Tensor:
+        """Block i (a lane's adapter's) over x, its weights bound (inside block_weights(i)); `carry`: the
+        micro-batch's carried state (phantom.arch.carry). A block read routed runs in halves: its experts are read
+        after its router (phantom.stream.moeblock)."""
         if self.scheduler.routed.reads(i):
-            return self._run_halves(i, [(x, rope, mask, lane)], cache, start_pos)[0]
+            return self._run_halves(i, [(x, rope, mask, lane, carry)], cache, start_pos)[0]
         block = self.block(i, lane)
-        call = lambda: block(x, rope, cache, start_pos, mask)  # noqa: E731
+        kw = {} if carry is None else {"carry": carry}  # the carried state where the model has one
+        call = lambda: block(x, rope, cache, start_pos, mask, **kw)  # noqa: E731
         if not self.compile_unchecked:
             return call()
         try:  # the first call compiles: fall back to eager if the backend cannot

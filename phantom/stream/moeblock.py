@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from phantom.arch import carry as C
 from phantom.arch.ops import KVCache
 from phantom.arch.moe import MoeFeedForward
 
@@ -25,19 +26,21 @@ def _inner(block: nn.Module, cache: KVCache | None) -> bool:
 
 
 def attention_half(block: nn.Module, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
-                   start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """x plus the block's attention: the hidden state its MLP sees (as TransformerBlock.forward)."""
+                   start_pos: int = 0, mask: torch.Tensor | None = None, carry: C.Carry = None) -> torch.Tensor:
+    """x plus the block's attention: the hidden state its MLP sees (as TransformerBlock.forward); `carry`: the
+    micro-batch's carried state (phantom.arch.carry), which the attention may add to."""
     if _inner(block, cache):
-        return x + checkpoint(block._attention, x, rope, mask, use_reentrant=False)
-    return x + block._attention(x, rope, mask, cache, start_pos)
+        return x + checkpoint(block._attention, x, rope, mask, None, 0, carry, use_reentrant=False)
+    return x + block._attention(x, rope, mask, cache, start_pos, carry)
 
 
-def routed_experts(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def routed_experts(block: nn.Module, h: torch.Tensor, carry: C.Carry = None) -> torch.Tensor:
     """The expert ids (N, k) the block's router picks for the hidden state h (no autograd)."""
     with torch.no_grad():
-        return block.feed_forward.route(block.ffn_norm(h).reshape(-1, h.shape[-1]))
+        ffn = block.feed_forward
+        return ffn.route(block.ffn_norm(h).reshape(-1, h.shape[-1]), **C.kwargs(ffn, carry))
 
 
-def mlp_half(block: nn.Module, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+def mlp_half(block: nn.Module, h: torch.Tensor, cache: KVCache | None = None, carry: C.Carry = None) -> torch.Tensor:
     """h plus the block's MLP (as TransformerBlock.forward: tiled over a long row's tokens)."""
-    return h + block.mlp(h)
+    return h + block.mlp(h, carry)

@@ -122,12 +122,15 @@ def test_kimi_published_names_are_written_back_as_published(tmp_path):
     vl.save_pretrained(tmp_path / "hf", safe_serialization=True)
     published_names(tmp_path / "hf")
     shutil.copytree(tmp_path / "hf", tmp_path / "src")
+    processor = '{"image_processor_type": "KimiK25ImageProcessor", "patch_size": 14}\n'  # how images are fed
+    (tmp_path / "src" / "preprocessor_config.json").write_text(processor)
     store = prepare_from(tmp_path / "src", tmp_path / "store")
     args = ["--model", str(store), "--out", str(tmp_path / "export"), "--format", "hf", "--quiet"]
     assert load_script("merge_lora").main(args) == 0
     source, written = tensors(tmp_path / "src"), tensors(tmp_path / "export")
     assert written.keys() == source.keys() and any(".model.layers.0." in k for k in written)
     assert all(same_bits(written[k], source[k]) for k in source)  # no adapter: every tensor as shipped
+    assert (tmp_path / "export" / "preprocessor_config.json").read_text() == processor  # the processor kept too
 
 
 def prepare_from(src, out):

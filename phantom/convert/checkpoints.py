@@ -57,7 +57,8 @@ PARTS = ("embed", "head")  # besides the blocks 0..n_layers-1
 # The tokenizer's files in a Hugging Face folder. The store keeps every one it finds (checksummed in the
 # manifest's "tokenizer_files"), so an export hands the ecosystem the files the model came with.
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+                   "generation_config.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+                   "processor_config.json", "video_preprocessor_config.json")  # the last three: a VL model's processor
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,7 @@ def tokenizer_sources(src: Path, root: Path | None = None) -> list[Path]:
     """The TOKENIZER_FILES a Hugging Face folder holds, each inside src or, through a link, inside root (a
     hub cache repository, whose snapshots link to its blobs).
 
-    Raises:
-        StoreError: one of them is a link that leads outside (it would copy that file into the store).
+    Raises StoreError where one of them is a link that leads outside (it would copy that file into the store).
     """
     inside, out = (root or src).resolve(), []
     for name in TOKENIZER_FILES:

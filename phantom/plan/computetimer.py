@@ -251,15 +251,19 @@ def measure_compute(store: BlockStore, device: torch.device, dtype: torch.dtype,
 
 
 def fit_call_and_row(points: dict[int, dict]) -> dict:
-    """`call + row * b` through the smallest and largest b measured, for each kind of block call."""
+    """`call + row * b` through the smallest and largest b measured, for each kind of block call; where that
+    line has no positive slope or a negative call (noise: a shared machine's 1-row graph forward timed slower
+    than its 2-row one), `row * b` alone through the largest b. The largest b is the step's rows (or a micro-batch
+    of them) that the profile plans: a line through the smallest point and the largest's slope gave the 2-row
+    call `t(1) + t(2) / 2`, 2.2x the 2-row time measured beside it (notes/costmodel-disk.md)."""
     lo, hi = min(points), max(points)
     fit = {}
     for name in ("fwd", "fwd_grad", "bwd"):
         row = (points[hi][name] - points[lo][name]) / (hi - lo) if hi > lo else points[hi][name] / hi
-        if row <= 0:  # noise swamped the slope: no per-call part
-            row = points[hi][name] / hi
-        fit[f"{name}_row_s"] = row
-        fit[f"{name}_call_s"] = max(0.0, points[lo][name] - row * lo)
+        call = points[lo][name] - row * lo
+        if row <= 0 or call < 0:
+            row, call = points[hi][name] / hi, 0.0
+        fit[f"{name}_row_s"], fit[f"{name}_call_s"] = row, call
     return fit
 
 

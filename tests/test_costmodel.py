@@ -388,3 +388,31 @@ def test_compute_beside_reads_is_timed_once_the_readers_read_and_over_several_re
     seen.clear()
     ct.measure_overlap(store, call, torch.device("cpu"), 3, True, readers=2, min_s=0.0, min_reads=4)
     assert len(reads) - seen[0] >= 4  # no floor on the window: still four reads in it
+
+
+@pytest.mark.parametrize("t_lo,t_hi,hi", [(0.3, 0.9, 4), (0.628, 0.370, 2), (0.1, 1.0, 4), (0.2, 0.2, 8)])
+def test_a_profile_predicts_the_block_calls_it_timed_at_the_planned_rows(t_lo, t_hi, hi):
+    """A profile times each block call at 1 row and at the step's rows (hi) and fits `call + row * b`; the cost
+    model's calls at hi rows are then the times measured there, whatever the 1-row point: a line through both,
+    or (a slope of 0 or less, or a negative call: noise on a shared machine) through the hi point alone. The
+    1-row graph forward timed 0.628 s beside a 2-row one of 0.370 s was planned at 0.813 s before."""
+    from phantom.plan import computetimer as ct
+    from phantom.plan import profiles
+    scale = {"fwd": 1.0, "fwd_grad": 1.1, "bwd": 1.7}
+    points = {b: {k: t * f for k, f in scale.items()} for b, t in ((1, t_lo), (hi, t_hi))}
+    fit = ct.fit_call_and_row(points)
+    for k in scale:
+        assert fit[f"{k}_call_s"] >= 0 and fit[f"{k}_row_s"] > 0
+        assert fit[f"{k}_call_s"] + hi * fit[f"{k}_row_s"] == pytest.approx(points[hi][k])
+        if t_hi > t_lo and t_lo - (t_hi - t_lo) / (hi - 1) >= 0:  # a line with a call: through the 1-row point too
+            assert fit[f"{k}_call_s"] + fit[f"{k}_row_s"] == pytest.approx(points[1][k])
+    shape = ci.shape_of(CFG, "fp32", "fp32", 16)
+    c = dict(fit, head_row_s=0.01, keep_bytes_per_row=shape.keep_bytes_per_row, busy_compute_slowdown=1.0,
+             busy_read_slowdown=1.0)
+    profile = ci.MachineProfile(machine="t", device="cpu", **profiles.compute_rates(c, shape))
+    n = CFG.n_layers
+    cf, cb, _ = cm.block_compute(profile, shape, Activations(recompute="none"), hi, keep=n)
+    assert cf[0] == pytest.approx(points[hi]["fwd_grad"]) and cb[0] == pytest.approx(points[hi]["bwd"])
+    cf, cb, _ = cm.block_compute(profile, shape, Activations(recompute="all"), hi, keep=0)
+    assert cf[0] == pytest.approx(points[hi]["fwd"])
+    assert cb[0] == pytest.approx(points[hi]["fwd_grad"] + points[hi]["bwd"])

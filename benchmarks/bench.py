@@ -54,6 +54,13 @@ model with accelerate's offload; to notes/bench-generate.md.
 
 (alone) a GRPO step's generation, reference and training seconds and bytes read on 7B-shaped blocks from RAM and
 disk, beside the cost model of a GRPO step; to notes/bench-grpo.md.
+
+    python benchmarks/bench.py --modes costterms --dim 1024 --layers 6 --heads 8 --vocab 4096 --batch-size 2 --seq-len 256 --prefetch 1,2,4 --rounds 4
+
+(alone) the cost model's disk rows (each --recompute policy and --prefetch depth, and a RAM row that reads nothing)
+beside their steps, with each term of the prediction timed on its own: the profile's block calls, the disk's rate,
+the blocks a run keeps; every figure timed in one process, rounds interleaved, the fastest kept; to
+notes/costmodel-disk.md.
 """
 from __future__ import annotations
 
@@ -70,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # phantom, from
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 
 from benchlib.common import MODES, PEERS, fastest_of_rounds, host_speeds  # noqa: E402
+from benchlib.costterms import costterms_bench  # noqa: E402
 from benchlib.diskread import diskread  # noqa: E402
 from benchlib.evalpeer import evaluate_bench  # noqa: E402
 from benchlib.generate import add_generate_flags, generate_bench  # noqa: E402
@@ -174,6 +182,9 @@ def main(argv=None):
         if args.modes == "generate":  # its own table, in notes/bench-generate.md
             append_note(generate_bench(args, store), args.out or NOTES / "bench-generate.md")
             return
+        if args.modes == "costterms":  # its own table, in notes/costmodel-disk.md
+            append_note(costterms_bench(args, store), args.out or NOTES / "costmodel-disk.md")
+            return
         if args.modes in ("diskread", "quant"):  # their own tables, in notes/bench-tiers.md, notes/bench-quant.md
             text = diskread(args, store) if args.modes == "diskread" else quant_bench(args, store)
             append_note(text, args.out or NOTES / f"bench-{'tiers' if args.modes == 'diskread' else 'quant'}.md")
@@ -199,7 +210,7 @@ def check_args(args) -> None:
     def refuse(msg: str):
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
-    for alone in ("diskread", "quant", "moe", "linear", "generate", "evaluate", "grpo"):
+    for alone in ("diskread", "quant", "moe", "linear", "generate", "evaluate", "grpo", "costterms"):
         if alone in args.modes.split(",") and args.modes != alone:
             refuse(f"--modes {alone} runs alone (its own tables); give it in a run of its own")
     trains = args.train.split(",")

@@ -52,3 +52,18 @@ def test_quant_mode_reports_each_store_and_refuses_a_store_that_would_read_nothi
     assert all(len(r[10].split(",")) == 2 for r in rows)  # each round's error beside the medians'
     ratio = {r[1].strip(): float(r[4]) for r in rows}
     assert ratio["bf16"] == 1.0 and ratio["nf4"] < 0.3 < ratio["int8"] < 0.55
+
+
+def test_costterms_rows_keep_the_blocks_the_cost_model_counts(tmp_path):
+    """--modes costterms on a tiny fp32 store, one round: a row for each disk depth and the RAM row, each beside
+    its prediction, and recompute auto (no keep budget) keeps the same blocks in the run as in the cost model."""
+    bench = load_script("bench")
+    out = tmp_path / "c.md"
+    bench.main(["--modes", "costterms", "--dim", "128", "--heads", "4", "--layers", "4", "--vocab", "256",
+                "--batch-size", "2", "--seq-len", "16", "--prefetch", "1,2", "--steps", "1", "--out", str(out)])
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines()
+            if line.startswith("| disk |") or line.startswith("| ram |")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("disk", "auto", "1"), ("disk", "auto", "2"), ("ram", "auto", "1")]
+    for r in rows:
+        run, model = r[6].split(", ")
+        assert run == model == "4" and float(r[3]) > 0 and float(r[4]) > 0

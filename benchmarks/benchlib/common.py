@@ -32,6 +32,7 @@ MODES = {  # name -> load arguments
     "generate": dict(),  # batched generation's tokens/s from RAM and disk beside the cost model (own table)
     "evaluate": dict(),  # lm-eval tasks: phantom's model against lm-eval's hf model with accelerate's offload
     "grpo": dict(),  # a GRPO step's generation, reference and training beside the cost model (own table)
+    "costterms": dict(),  # the cost model's disk rows, each term timed alone, fastest of rounds (own table)
 }
 PEERS = ("hf-peft", "fsdp-offload")  # other tools' rows: no recompute policy, no streaming metrics
 

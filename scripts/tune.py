@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
-from phantom.arch import config, family, presets
+from phantom.arch import family, presets
 from phantom.arch.quantformat import METHODS, SHIPPED  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
 from phantom.plan import costexperts, costfull, costsweep, optimtimer, planner, profiles, tune
@@ -160,7 +160,7 @@ def describe_adapters(args, cfg, profile, shape, best) -> str:
 def read_config(path: Path, vocab_size: int | None):
     if not path.is_file():
         raise FileNotFoundError(f"no config file at {path}: give a config.json (HF) or params.json (Meta)")
-    return config.from_meta_params(path, vocab_size) if path.name == "params.json" else family.from_hf_config(path)
+    return family.from_meta_params(path, vocab_size) if path.name == "params.json" else family.from_hf_config(path)
 
 
 @dataclasses.dataclass(frozen=True)

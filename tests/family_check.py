@@ -24,8 +24,8 @@ import phantom
 from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import QuantFormat
 from phantom.export.export import export, to_hf
-from phantom.arch.config import rope_rows
-from phantom.model.lora import PROJECTIONS, TARGETS, adapted_modules
+from phantom.arch.ops import rope_rows
+from phantom.model.lora import PROJECTIONS, TARGETS, V4_TARGETS, adapted_modules
 from phantom.files.store import BlockStore
 from phantom.convert.quantstore import quantize_store
 from phantom.convert.synthetic import write_synthetic
@@ -92,6 +92,21 @@ LINEAR = dict(SHAPES, head_dim=16, max_position_embeddings=256, linear_key_head_
               linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
               moe_intermediate_size=32, shared_expert_intermediate_size=48,
               layer_types=["linear_attention", "full_attention"])
+# DeepSeek-V4: four residual streams; a sliding layer (window 16), compressed sparse attention (an entry per 4 tokens,
+# the indexer picking 3 of the 10 a row of 40 has), heavily compressed attention (an entry per 8 tokens), then
+# compressed sparse attention again; the first two layers' experts hashed by token id (the ids carried to their blocks),
+# the others routed by sqrt(softplus) scores with a correction bias; RoPE over the last 8 of each 32-wide head, YaRN on
+# the compress base
+V4 = dict(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+          q_lora_rank=24, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8,
+          max_position_embeddings=64, sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=2,
+          index_head_dim=16, index_topk=3, swiglu_limit=1.5,
+          layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                       "compressed_sparse_attention"],
+          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+          mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+          rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                           "beta_fast": 32.0, "beta_slow": 1.0})
 CASES = {
     # tied embeddings (Llama-3.2 1B/3B, Qwen2.5's small models): one table, both gradients add up in it
     "llama-tied": Case("LlamaConfig", dict(SHAPES, tie_word_embeddings=True, rope_theta=500000.0), "LlamaForCausalLM",
@@ -183,6 +198,11 @@ CASES = {
                                             interleave_moe_layer_step=2, attention_chunk_size=16, floor_scale=4),
                    "Llama4ForCausalLM", {"family": "llama4", "n_experts": 4, "dense_layers": (0,), "attn_chunk": 16,
                                          "layer_types": ("chunked_attention", "full_attention")}, **MOE),
+    "deepseek_v4": Case("DeepseekV4Config", V4, "DeepseekV4ForCausalLM",
+                        {"family": "deepseek_v4", "n_experts": 8, "hc_mult": 4, "hash_layers": (0, 1), "csa_rate": 4,
+                         "hca_rate": 8, "rope_dim": 8, "local_rope_theta": 10000.0},
+                        **{**MOE, "lora_targets": V4_TARGETS, "adapter_modules": tuple(sorted(
+                            TARGETS[t][1] for t in V4_TARGETS))}),
     "qwen3_next": Case("Qwen3NextConfig", LINEAR, "Qwen3NextForCausalLM",
                        {"family": "qwen3_next", "n_experts": 8, "linear_grouped": True, "rope_dim": 4},
                        **{**MOE, "runs": MOE["runs"][:3], "lora_runs": MOE["lora_runs"][:1]}),
@@ -205,9 +225,13 @@ def hf_model(config_class: str, seed: int = 0, **fields):
                 p.copy_(1 + 0.2 * torch.randn(p.shape))
             elif name.endswith((".bias", "_bias")):  # gpt-oss's experts' too (gate_up_proj_bias)
                 p.copy_(0.1 * torch.randn(p.shape))
+            elif config.model_type == "deepseek_v4" and name.endswith(("sinks", "hc.base", "hc_base")):
+                p.copy_(0.5 * torch.randn(p.shape))  # DeepSeek-V4's sinks and hyper-connections' biases: zero at init
         for name, b in model.named_buffers():  # DeepSeek-V3's router: a correction bias that moves the choice
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hashed layers: distinct experts for each token id
+                b.copy_(torch.rand(b.shape[0], config.n_routed_experts).argsort(-1)[:, :b.shape[1]])
     return model
 
 
@@ -473,6 +497,8 @@ def check_full_step(model, store, tokens, targets, work_dir=None, lr: float = 1e
         else:
             parts = {"embed": {"tok_embeddings.weight": pm.embed_table}, "head": {"norm.weight": pm.norm_weight},
                      **{i: block.state_dict() for i, block in enumerate(pm.layers)}}
+            if pm.hc_head is not None:  # DeepSeek-V4's mix of the streams, in the head
+                parts["head"] |= {f"hc_head.{k}": v for k, v in pm.hc_head.named_parameters()}
             if not pm.cfg.tie_embeddings:
                 parts["head"]["output.weight"] = pm.output_weight
     ours = {}
@@ -481,7 +507,7 @@ def check_full_step(model, store, tokens, targets, work_dir=None, lr: float = 1e
     theirs = dict(model.named_parameters())
     buffers = {n: b for n, b in model.named_buffers() if n in ours}  # DeepSeek-V3's correction bias: not trained
     buffers |= {n: before[n] for n in unreached}  # left as they were, in both
-    assert set(ours) == set(theirs) | set(buffers)
+    assert set(ours) == set(theirs) | set(buffers), (set(ours) ^ (set(theirs) | set(buffers)))
     theirs = {n: p for n, p in theirs.items() if n not in unreached}
     for name, b in buffers.items():
         assert torch.equal(ours[name], b), name

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import phantom
-from phantom.arch.config import rope_rows
+from phantom.arch.ops import rope_rows
 from phantom.arch.ops import permute_from_hf
 from phantom.files.store import BlockStore
 from phantom.files.tensorfile import write_safetensors

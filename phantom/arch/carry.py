@@ -1,5 +1,6 @@
 """State carried from block to block beside the residual: what a later block needs of an earlier one, or of the
-batch, that is not the hidden state (GLM-5's shared layers take the top-k keys of the indexer layer before them).
+batch, that is not the hidden state (GLM-5's shared layers take the top-k keys of the indexer layer before them;
+DeepSeek-V4's hashed layers the batch's token ids).
 
 A carry is a dict name -> tensor, or None where the model carries nothing (`carries`): every tensor has the batch's
 rows on dim 0 and its tokens on dim 1, no gradient, and is never changed in place. A block receives its
@@ -21,13 +22,17 @@ Carry = dict[str, torch.Tensor] | None
 
 
 def carries(cfg: ModelConfig) -> bool:
-    """Whether blocks of this model hand state to later blocks (GLM-5's layers sharing an indexer)."""
-    return bool(cfg.index_shared)
+    """Whether blocks of this model hand state to later blocks (GLM-5's layers sharing an indexer) or read the
+    batch's token ids (DeepSeek-V4's hashed layers)."""
+    return bool(cfg.index_shared or cfg.hash_layers)
 
 
-def start(cfg: ModelConfig) -> Carry:
-    """The carry the first block receives: None where the model carries nothing, else an empty dict."""
-    return {} if carries(cfg) else None
+def start(cfg: ModelConfig, tokens: torch.Tensor | None = None) -> Carry:
+    """The carry the first block receives: None where the model carries nothing, else a dict; DeepSeek-V4's holds
+    the batch's token ids (B, T) as input_ids, which its hashed layers route by (none given: they refuse to run)."""
+    if not carries(cfg):
+        return None
+    return {"input_ids": tokens} if cfg.hash_layers and tokens is not None else {}
 
 
 def split(carry: Carry, rows: Callable[[torch.Tensor], list[torch.Tensor]], n: int) -> list[Carry]:
@@ -59,8 +64,10 @@ def kwargs(module, carry: Carry) -> dict:
 def bytes_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Bytes per token of carried state a training step holds (kept from the block that sets it to the last
     backward that reads it): GLM-5's top-k (index_topk int32 indices a token) of each indexer layer with shared
-    layers after it, at rows longer than index_topk (shorter ones attend densely and carry nothing)."""
+    layers after it, at rows longer than index_topk (shorter ones attend densely and carry nothing); DeepSeek-V4's
+    token ids (int64) where it has hashed layers."""
+    ids = 8 if cfg.hash_layers else 0
     if not cfg.index_shared or seq_len <= cfg.index_topk:
-        return 0
+        return ids
     handing = {max(j for j in range(i) if j not in cfg.index_shared) for i in cfg.index_shared}
-    return len(handing) * cfg.index_topk * 4
+    return ids + len(handing) * cfg.index_topk * 4

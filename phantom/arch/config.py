@@ -1,6 +1,6 @@
-"""Model architecture: a frozen `ModelConfig` (Llama's shapes plus the fields other families set) and presets.
-
-Also reads Meta's params.json; Hugging Face's config.json is read per family (phantom.arch.family).
+"""Model architecture: a frozen `ModelConfig` (Llama's shapes plus the fields other families set) and the shapes of
+its tensors. Hugging Face's config.json is read per family (phantom.arch.family), Meta's params.json by
+phantom.convert.checkpoints.
 """
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
-
-from phantom.base import safejson
 
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")  # RoPE scalings phantom computes (transformers' names)
 
@@ -74,10 +71,11 @@ def refuse(path, key: str, value, supported: str):
     raise ConfigError(f"{path}: {key}={json.dumps(value)} is not supported (supported: {supported})")
 
 
+SLIDING = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")  # slide over raw keys
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the MLP's gate activation (transformers' names)
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "chunked_attention")
-# how a router scores: softmax over every expert, sigmoid, or softmax over the top-k logits alone (gpt-oss)
-ROUTER_SCORES = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")  # topk_sigmoid: scales the experts' input
+LAYER_TYPES = ("full_attention", "linear_attention", "chunked_attention", *SLIDING)  # compressed: DeepSeek-V4's
+# how a router scores: softmax over every expert, sigmoid, softmax over the top-k logits alone (gpt-oss), sqrt(softplus)
+ROUTER_SCORES = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid", "sqrtsoftplus")  # topk_sigmoid: scales the input
 
 
 @dataclass(frozen=True)
@@ -173,6 +171,9 @@ class ModelConfig:
     linear_conv: int = 0
     linear_grouped: bool = False
     attn_chunk: int = 0; nope_full: bool = False; qk_l2: bool = False; attn_scale: float = 0.0; floor_scale: float = 0.0  # noqa: E702, Llama 4 (family_llama4)
+    # DeepSeek-V4 (family_deepseek_v4, arch.hyper, arch.compressed): streams, Sinkhorn steps, compression, hashed layers
+    hc_mult: int = 0; hc_iters: int = 0; hc_eps: float = 0.0; csa_rate: int = 0; hca_rate: int = 0  # noqa: E702
+    o_groups: int = 0; o_lora_rank: int = 0; hash_layers: tuple[int, ...] = (); swiglu_clamped: bool = False  # noqa
 
     def __post_init__(self):
         check_numbers(self, positive=("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"))
@@ -207,24 +208,7 @@ class ModelConfig:
         if self.n_experts and not (0 < self.experts_per_token <= self.n_experts and self.expert_dim > 0):
             raise ValueError(f"a mixture of {self.n_experts} experts needs 0 < experts_per_token "
                              f"({self.experts_per_token}) <= n_experts and expert_dim > 0 ({self.expert_dim})")
-        self._check_routing_and_latents()
-
-    def _check_routing_and_latents(self):
-        if self.router_score not in ROUTER_SCORES or self.router_group_score not in ("max", "top2"):
-            raise ValueError(f"router_score {self.router_score!r} / router_group_score {self.router_group_score!r} "
-                             f"must be one of {', '.join(ROUTER_SCORES)} / max or top2")
-        if self.n_experts % self.router_groups or not 0 < self.router_topk_groups <= self.router_groups:
-            raise ValueError(f"{self.n_experts} experts in router_groups {self.router_groups} with router_topk_groups "
-                             f"{self.router_topk_groups}: the groups must divide the experts, 0 < topk_groups <= groups")
-        if self.router_groups > 1 and self.router_topk_groups * self.n_experts // self.router_groups < \
-                self.experts_per_token:
-            raise ValueError(f"the {self.router_topk_groups} groups chosen hold fewer experts than the "
-                             f"{self.experts_per_token} a token needs")
-        if self.kv_lora_rank and (self.head_dim != self.qk_nope_head_dim + self.rope_dim or not self.v_head_dim
-                                  or self.qkv_bias or self.o_bias or self.qk_norm):
-            raise ValueError(f"latent attention needs head_dim {self.head_dim} = qk_nope_head_dim "
-                             f"{self.qk_nope_head_dim} + rotary_dim {self.rope_dim}, v_head_dim > 0, no biases or q/k "
-                             f"norms")
+        check_routing_and_latents(self)
 
     def sparse(self, layer: int | None) -> bool:
         """Whether the layer's MLP is a mixture of experts (None: a sparse layer of the model, if it has any)."""
@@ -241,21 +225,29 @@ class ModelConfig:
         return layer is not None and self.layer_types is not None and \
             self.layer_types[layer % len(self.layer_types)] == "linear_attention"
 
-    def layout_key(self, layer: int) -> tuple[bool, bool, bool]:
-        """What decides a block's tensor layout: its MLP sparse or dense, its mixer linear attention or not, an indexer."""
-        return self.sparse(layer), self.linear(layer), layer in self.index_shared
+    def layout_key(self, layer: int) -> tuple:
+        """What decides a block's tensor layout: MLP sparse, linear attention, indexer (V4: attention kind, hashed)."""
+        v4 = (self.kind(layer), layer in self.hash_layers) if self.hc_mult else ()
+        return self.sparse(layer), self.linear(layer), layer in self.index_shared, *v4
 
     def window(self, layer: int) -> int | None:
         """How many keys (itself included) a query of this layer sees; None: all before it."""
         if self.layer_types is None:
             return self.sliding_window
-        return self.sliding_window if self.layer_types[layer % len(self.layer_types)] == "sliding_attention" else None
+        return self.sliding_window if self.kind(layer) in SLIDING else None
+
+    def kind(self, layer: int | None) -> str | None:
+        """The layer's layer_types entry (None: none given); layer None: DeepSeek-V4's widest, compressed sparse."""
+        if self.layer_types is None or layer is None:
+            return self.layer_types and max(self.layer_types, key=lambda k: k == "compressed_sparse_attention")
+        return self.layer_types[layer % len(self.layer_types)]
 
     @property
     def mixed_layers(self) -> bool:
         """Whether blocks have more than one tensor layout (dense layers among sparse ones, or linear
         attention among full attention, layers without an indexer): counts per layer then."""
-        return bool(self.dense_layers or self.index_shared) or (self.layer_types is not None and "linear_attention" in self.layer_types)
+        return bool(self.dense_layers or self.index_shared or self.hash_layers) or \
+            (self.layer_types is not None and bool({"linear_attention", *SLIDING[1:]} & set(self.layer_types)))
 
     @property
     def kv_heads(self) -> int:
@@ -313,7 +305,8 @@ class ModelConfig:
         heads = 1 if self.tie_embeddings else 2
         blocks = sum(self.block_params(i) for i in range(self.n_layers)) if self.mixed_layers else \
             self.n_layers * self.block_params()
-        return blocks + heads * self.vocab_size * self.dim + self.dim
+        return blocks + heads * self.vocab_size * self.dim + self.dim + self.hc_mult * (self.hc_mult * self.dim + 1) + \
+            bool(self.hc_mult)  # DeepSeek-V4's hc_head
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -325,7 +318,7 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {sorted(unknown)}")
         d = dict(d)
-        for name in ("layer_types", "dense_layers", "index_shared"):
+        for name in ("layer_types", "dense_layers", "index_shared", "hash_layers"):
             if d.get(name) is not None:
                 d[name] = tuple(d[name])  # JSON gives a list
         if d.get("rope_scaling") is not None:
@@ -333,27 +326,29 @@ class ModelConfig:
         return cls(**d)
 
 
-def from_meta_params(path: Path, vocab_size: int | None = None) -> ModelConfig:
-    """ModelConfig from Meta's params.json (vocab_size -1 there means: take it from the tokenizer)."""
-    p = safejson.load(path, what="params.json")
-    vocab = p.get("vocab_size", -1)
-    if vocab is None or vocab <= 0:
-        if vocab_size is None:
-            raise ValueError(f"{path}: vocab_size is {vocab}; pass the tokenizer's vocabulary size")
-        vocab = vocab_size
-    scaling = None
-    if p.get("use_scaled_rope"):
-        scaling = RopeScaling(factor=p.get("rope_scaling_factor", 8.0))
-    return ModelConfig(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"], vocab_size=vocab,
-                       n_kv_heads=p.get("n_kv_heads"), multiple_of=p.get("multiple_of", 256),
-                       ffn_dim_multiplier=p.get("ffn_dim_multiplier"), norm_eps=p.get("norm_eps", 1e-5),
-                       rope_theta=p.get("rope_theta", 10000.0), rope_scaling=scaling,
-                       max_seq_len=p.get("max_seq_len", 4096))
-
+def check_routing_and_latents(cfg: "ModelConfig") -> None:
+    """ModelConfig's checks of its routing, latent attention and hyper-connections (DeepSeek-V4)."""
+    if cfg.router_score not in ROUTER_SCORES or cfg.router_group_score not in ("max", "top2"):
+        raise ValueError(f"router_score {cfg.router_score!r} / router_group_score {cfg.router_group_score!r} "
+                         f"must be one of {', '.join(ROUTER_SCORES)} / max or top2")
+    if cfg.n_experts % cfg.router_groups or not 0 < cfg.router_topk_groups <= cfg.router_groups:
+        raise ValueError(f"{cfg.n_experts} experts in router_groups {cfg.router_groups} with router_topk_groups "
+                         f"{cfg.router_topk_groups}: the groups must divide the experts, 0 < topk_groups <= groups")
+    if cfg.router_groups > 1 and cfg.router_topk_groups * cfg.n_experts // cfg.router_groups < cfg.experts_per_token:
+        raise ValueError(f"the {cfg.router_topk_groups} groups chosen hold fewer experts than the "
+                         f"{cfg.experts_per_token} a token needs")
+    if cfg.kv_lora_rank and (cfg.head_dim != cfg.qk_nope_head_dim + cfg.rope_dim or not cfg.v_head_dim
+                              or cfg.qkv_bias or cfg.o_bias or cfg.qk_norm):
+        raise ValueError(f"latent attention needs head_dim {cfg.head_dim} = qk_nope_head_dim "
+                         f"{cfg.qk_nope_head_dim} + rotary_dim {cfg.rope_dim}, v_head_dim > 0, no biases or q/k norms")
+    if cfg.hc_mult and (set(cfg.layer_types or "?") - set(SLIDING) or cfg.kv_heads != 1 or not cfg.n_experts):
+        raise ValueError(f"hyper-connections (DeepSeek-V4) need layer_types in {SLIDING}, one kv head, experts")
 
 def block_tensor_shapes(cfg: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     """Names and shapes of block `layer`'s tensors, in Meta's naming: the same in every block but where
     dense layers sit among a mixture of experts' (cfg.dense_layers); None: a sparse block's, if any."""
+    if cfg.hc_mult:
+        return hyper_block_shapes(cfg, layer)
     kv = cfg.kv_heads * cfg.head_dim
     shapes = linear_attention_shapes(cfg) if cfg.linear(layer) else latent_attention_shapes(cfg, layer) if cfg.kv_lora_rank \
         else {
@@ -457,26 +452,6 @@ def moe_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def rope_rows(cfg: ModelConfig) -> dict[str, int]:
-    """Block tensors whose rows (per head) are in RoPE's pair layout -> heads they split into.
-
-    A store's rows are in the layout its config's rope_interleave says: Meta's interleaved pairs (a Meta
-    checkpoint's, a synthetic store's, a store converted before the layout was recorded), or Hugging Face's
-    half-split pairs, as a Hugging Face checkpoint ships them (phantom.convert.checkpoints.as_shipped: none is
-    permuted, so --link reads them in place). Where a store is in pairs the exporter and the adapter writer
-    permute these rows to Hugging Face's (the leading cfg.rope_dim of each head; a per-head norm's weight is one
-    head's row order, a whole-projection norm's (OLMoE) is the projection's); in halves there is nothing to
-    permute ({}). Latent attention keeps the checkpoint's rows as they are (phantom.arch.mla rotates either
-    layout)."""
-    if cfg.kv_lora_rank or not cfg.rope_interleave or cfg.family == "llama4":  # Llama 4 ships pairs: nothing to turn
-        return {}
-    per_head = cfg.qk_norm_over == "head"
-    return {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads,
-            "attention.wq.bias": cfg.n_heads, "attention.wk.bias": cfg.kv_heads,
-            "attention.q_norm.weight": 1 if per_head else cfg.n_heads,
-            "attention.k_norm.weight": 1 if per_head else cfg.kv_heads}
-
-
 # Projections that read the same input, run as one matmul (as gpt-fast does) when their weights lie
 # back to back in memory: the store writes each group adjacent and in this order (store.tensor_order),
 # and the block binds one view over the group (layers.fuse_adjacent). Names stay Meta's, one tensor
@@ -493,6 +468,33 @@ def embed_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def head_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The final norm and the output projection (none when tied: the head is the embedding table)."""
-    if cfg.tie_embeddings:
-        return {"norm.weight": (cfg.dim,)}
-    return {"norm.weight": (cfg.dim,), "output.weight": (cfg.vocab_size, cfg.dim)}
+    n, out = cfg.hc_mult, {} if cfg.tie_embeddings else {"output.weight": (cfg.vocab_size, cfg.dim)}
+    hyper = {"hc_head.fn": (n, n * cfg.dim), "hc_head.base": (n,), "hc_head.scale": (1,)} if n else {}  # DeepSeek-V4
+    return {"norm.weight": (cfg.dim,), **out, **hyper}
+
+
+def hyper_block_shapes(cfg: ModelConfig, layer: int | None) -> dict[str, tuple[int, ...]]:
+    """A DeepSeek-V4 block's weights (arch.hyper, arch.compressed), DeepSeek's names; a hashed layer's tid2eid (each
+    token id's experts as two base-256 digits, exact in any 16-bit float) in place of the router's correction bias."""
+    n, d, D, di, q, o, kind = cfg.hc_mult, cfg.dim, cfg.head_dim, cfg.index_head_dim, cfg.q_lora_rank, \
+        cfg.o_groups * cfg.o_lora_rank, cfg.kind(layer)
+    shapes = {f"hc_{p}.{w}": s for p in ("attn", "ffn") for w, s in (("fn", ((2 + n) * n, n * d)),
+                                                                    ("base", ((2 + n) * n,)), ("scale", (3,)))}
+    shapes |= {f"attention.{k}": s for k, s in (
+        ("wq_a.weight", (q, d)), ("q_a_norm.weight", (q,)), ("wq_b.weight", (cfg.q_dim, q)), ("wkv.weight", (D, d)),
+        ("kv_norm.weight", (D,)), ("wo_a.weight", (o, cfg.q_dim // cfg.o_groups)), ("wo_b.weight", (d, o)),
+        ("sinks", (cfg.n_heads,)))} | {"attention_norm.weight": (d,), "ffn_norm.weight": (d,)}
+    wide, rate = (2, cfg.csa_rate) if kind == "compressed_sparse_attention" else (1, cfg.hca_rate)
+    parts = {"compressor": (D, wide, rate)} if kind != "sliding_attention" else {}
+    if kind == "compressed_sparse_attention":
+        parts["indexer.compressor"] = (di, 2, rate)
+        shapes |= {"attention.indexer.wq_b.weight": (cfg.index_heads * di, q),
+                   "attention.indexer.weights_proj.weight": (cfg.index_heads, d)}
+    for part, (w, k, r) in parts.items():
+        shapes |= {f"attention.{part}.{t}": s for t, s in (("wkv.weight", (k * w, d)), ("wgate.weight", (k * w, d)),
+                                                            ("ape", (r, k * w)), ("norm.weight", (w,)))}
+    shapes |= moe_tensor_shapes(cfg)
+    if layer in cfg.hash_layers:
+        del shapes["feed_forward.gate.e_score_correction_bias"]
+        shapes["feed_forward.gate.tid2eid"] = (cfg.vocab_size, cfg.experts_per_token, 2)
+    return shapes

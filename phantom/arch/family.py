@@ -1,6 +1,7 @@
 """Families are data: one frozen `Family` per Hugging Face architecture phantom reads, Llama's, Mistral's and the
 dense Qwens' here, each other group's in a module of its own (family_gemma, family_phi, family_moe,
-family_deepseek, family_dsa, family_gptoss, family_qwen35, family_llama4): adding a family is one file and a row below.
+family_deepseek, family_dsa, family_gptoss, family_qwen35, family_llama4, family_deepseek_v4): adding a family is
+one file and a row below.
 
 An entry says how the family's config.json becomes a ModelConfig (every field of its transformers
 config class is modelled, refused when set, or irrelevant with the reason) and how its checkpoint's
@@ -12,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from phantom.arch import family_deepseek, family_dsa, family_gemma, family_gptoss, family_llama4, family_moe, \
-    family_phi, family_qwen35
+from phantom.arch import family_deepseek, family_deepseek_v4, family_dsa, family_gemma, family_gptoss, family_llama4, \
+    family_moe, family_phi, family_qwen35
 from phantom.arch.config import ACTIVATIONS, ConfigError, ModelConfig  # noqa: F401
 from phantom.arch.config import refuse as _refuse
 from phantom.arch.familybase import (  # noqa: F401 - the shared tables are part of this module's API
@@ -29,6 +30,7 @@ from phantom.arch.familybase import (  # noqa: F401 - the shared tables are part
     _read_mlp_bias,
     _read_mistral_window,
     _read_rope,
+    from_meta_params,
 )
 from phantom.base import safejson
 
@@ -64,7 +66,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                      "head_dim": 128}),
 )}
 for group in (family_gemma, family_phi, family_moe, family_deepseek, family_dsa, family_gptoss, family_qwen35,
-              family_llama4):  # one a group
+              family_llama4, family_deepseek_v4):  # one a group
     FAMILIES.update(group.FAMILIES)
 BIAS_FIELDS = ("attention_bias", "mlp_bias")  # a family without the field has no such biases
 

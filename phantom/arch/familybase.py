@@ -1,6 +1,7 @@
 """What every family entry is made of: the `Family` record, the tensor names and config.json fields most
 families share, and the readers of RoPE and of the fields Llama's config class has. Each family group's
 module (phantom.arch.family_deepseek, ...) builds its entries from these; phantom.arch.family collects them.
+Also Meta's params.json read into a ModelConfig (from_meta_params).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable
 from phantom.arch.config import ModelConfig, RopeScaling
 from phantom.arch.config import refuse as _refuse
 from phantom.arch.quantformat import read_as_shipped
+from phantom.base import safejson
 
 log = logging.getLogger(__name__)
 
@@ -232,3 +234,21 @@ def vl_text_config(c: dict, path, architecture: str, model_type: str, tie: bool)
     outer = {k: c[k] for k in ("quantization_config",) if k in c}
     return {**c["text_config"], **outer, "architectures": [architecture], "model_type": model_type,
             "tie_word_embeddings": bool(c.get("tie_word_embeddings", tie))}
+
+
+def from_meta_params(path: Path, vocab_size: int | None = None) -> ModelConfig:
+    """ModelConfig from Meta's params.json (vocab_size -1 there means: take it from the tokenizer)."""
+    p = safejson.load(path, what="params.json")
+    vocab = p.get("vocab_size", -1)
+    if vocab is None or vocab <= 0:
+        if vocab_size is None:
+            raise ValueError(f"{path}: vocab_size is {vocab}; pass the tokenizer's vocabulary size")
+        vocab = vocab_size
+    scaling = None
+    if p.get("use_scaled_rope"):
+        scaling = RopeScaling(factor=p.get("rope_scaling_factor", 8.0))
+    return ModelConfig(dim=p["dim"], n_layers=p["n_layers"], n_heads=p["n_heads"], vocab_size=vocab,
+                       n_kv_heads=p.get("n_kv_heads"), multiple_of=p.get("multiple_of", 256),
+                       ffn_dim_multiplier=p.get("ffn_dim_multiplier"), norm_eps=p.get("norm_eps", 1e-5),
+                       rope_theta=p.get("rope_theta", 10000.0), rope_scaling=scaling,
+                       max_seq_len=p.get("max_seq_len", 4096))

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from phantom.arch import carry as C
 from phantom.arch.config import FUSED_PROJECTIONS, ModelConfig
 from phantom.arch.deltanet import GatedDeltaNet
+from phantom.arch.hyper import HyperBlock
 from phantom.arch.mla import LatentAttention
 from phantom.arch.moe import MoeFeedForward
 from phantom.arch.tiled import tiled
@@ -236,6 +237,11 @@ class TransformerBlock(nn.Module):
 
     def _mlp(self, h: torch.Tensor, carry: C.Carry = None) -> torch.Tensor:
         return self.ffn_post_norm(self.feed_forward(self.ffn_norm(h), **C.kwargs(self.feed_forward, carry)))
+
+
+def make_block(cfg: ModelConfig, device=None, dtype=None, layer: int = 0) -> nn.Module:
+    """Block `layer` of the model: DeepSeek-V4's HyperBlock where cfg has hyper-connections, else a TransformerBlock."""
+    return (HyperBlock if cfg.hc_mult else TransformerBlock)(cfg, device, dtype, layer)
 
 
 # ---------------------------------------------------------------------------------------------

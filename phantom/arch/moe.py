@@ -40,9 +40,25 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+class ClampedGated(Gated):
+    """DeepSeek-V4's experts' (and shared expert's) activations, as transformers' DeepseekV4Experts: act(gate) * up,
+    the gate clamped above and the up projection on both sides at limit."""
+
+    def __init__(self, act: Callable, limit: float):
+        super().__init__(act)
+        self.limit = limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+
+
 def expert_glu(cfg: ModelConfig, act: Callable) -> Callable:
-    """The routed experts' hidden activations: gpt-oss's clamped SwiGLU where cfg.swiglu_limit is set."""
-    return Gated(act) if cfg.swiglu_limit is None else ClampedSwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha)
+    """The routed experts' hidden activations: gpt-oss's clamped SwiGLU where cfg.swiglu_limit is set (DeepSeek-V4's
+    plain one clamped, swiglu_clamped)."""
+    if cfg.swiglu_limit is None:
+        return Gated(act)
+    return ClampedGated(act, cfg.swiglu_limit) if cfg.swiglu_clamped else ClampedSwiGLU(cfg.swiglu_limit,
+                                                                                          cfg.swiglu_alpha)
 
 
 class Expert(nn.Module):
@@ -91,8 +107,8 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, rule: Routing = Routi
         top, experts = torch.topk(logits, k, dim=-1)
         weights = F.softmax(top, dim=-1, dtype=torch.float32) if rule.score == "topk_softmax" else top.float().sigmoid()
         return weights.to(logits.dtype), experts
-    sigmoid = rule.score == "sigmoid"
-    scores = logits.float().sigmoid() if sigmoid else F.softmax(logits, dim=-1, dtype=torch.float32)
+    sigmoid = rule.score in ("sigmoid", "sqrtsoftplus")  # renormalised with transformers' 1e-20 beside the sum
+    scores = router_scores(logits, rule.score)
     if bias is None and rule.groups == 1:
         weights, experts = torch.topk(scores, k, dim=-1)
     else:
@@ -103,6 +119,23 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, rule: Routing = Routi
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
     if rule.scale != 1.0:
         weights = weights * rule.scale
+    return weights.to(logits.dtype), experts
+
+
+def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
+    """Each expert's score in fp32: sigmoid, sqrt(softplus) (DeepSeek-V4's sqrtsoftplus) or softmax of the logits."""
+    if score == "sigmoid":
+        return logits.float().sigmoid()
+    if score == "sqrtsoftplus":
+        return F.softplus(logits.float()).sqrt()
+    return F.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def hashed(logits: torch.Tensor, experts: torch.Tensor, rule: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's hash routing (DeepseekV4HashRouter): the experts each token's id names (experts (N, k), no
+    choice), weighted by their scores renormalised (plus 1e-20) and scaled, as a routed choice is."""
+    weights = router_scores(logits, rule.score).gather(1, experts)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * rule.scale
     return weights.to(logits.dtype), experts
 
 
@@ -161,10 +194,13 @@ class Router(nn.Linear):
     e_score_correction_bias where cfg.router_bias: a buffer, as transformers keeps it (it moves the choice
     alone, so no gradient reaches it and full finetuning leaves it as it is)."""
 
-    def __init__(self, cfg: ModelConfig, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, device=None, dtype=None, hashed: bool = False):
         super().__init__(cfg.dim, cfg.n_experts, bias=cfg.router_logit_bias, device=device, dtype=dtype)
         self.fp32 = cfg.router_fp32
-        if cfg.router_bias:
+        if hashed:  # DeepSeek-V4's hashed layer: each token id's experts, as two base-256 digits (config.py)
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.experts_per_token, 2, device=device,
+                                                        dtype=dtype))
+        if cfg.router_bias and not hashed:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_experts, device=device, dtype=dtype))
         else:
             self.e_score_correction_bias = None
@@ -181,37 +217,48 @@ class MoeFeedForward(nn.Module):
     `router_loss` set (RouterLoss.attach), the router's load-balancing loss sees its logits and adds its
     gradient to them."""
 
-    def __init__(self, cfg: ModelConfig, act: Callable, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, act: Callable, device=None, dtype=None, layer: int | None = None):
         super().__init__()
         self.k, self.renormalise, self.rule = cfg.experts_per_token, cfg.norm_topk_prob, Routing.of(cfg)
         self.interleaved = cfg.interleaved_experts  # how peft's LoRA on gate_up_proj orders gate's and up's rows
-        self.gate = Router(cfg, device, dtype)
+        self.takes_carry = layer in cfg.hash_layers  # hashed: the experts come from the carried token ids
+        self.gate = Router(cfg, device, dtype, hashed=self.takes_carry)
         glu = expert_glu(cfg, act)
         self.experts = nn.ModuleList(Expert(cfg.dim, cfg.expert_dim, glu, device, dtype, cfg.expert_bias)
                                      for _ in range(cfg.n_experts))
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_dim:
-            self.shared_expert = Expert(cfg.dim, cfg.shared_expert_dim, Gated(act), device, dtype)
+            self.shared_expert = Expert(cfg.dim, cfg.shared_expert_dim, glu if cfg.swiglu_clamped else Gated(act),
+                                        device, dtype)
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False, device=device, dtype=dtype)
         self.router_loss: RouterLoss | None = None
         self.observer: Callable[[torch.Tensor], None] | None = None  # sees each forward's choices (N, k)
 
-    def route(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
         """The experts each row of x (N, dim) routes to, (N, k), without autograd or the router loss:
         what a routed read of the block must fetch before the experts run."""
         with torch.no_grad():
-            return self.choose(self.gate(x))[1]
+            return self.choose(self.gate(x), carry)[1]
 
-    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose(self, logits: torch.Tensor, carry: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.takes_carry:
+            return hashed(logits, self.hashed_experts(carry), self.rule)
         return route(logits, self.k, self.renormalise, self.rule, self.gate.e_score_correction_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def hashed_experts(self, carry: dict | None) -> torch.Tensor:
+        """(N, k): the experts tid2eid names for each carried token id (its two base-256 digits)."""
+        if carry is None or "input_ids" not in carry:
+            raise ValueError("a hash-routed layer needs the batch's token ids (carry['input_ids'])")
+        digits = self.gate.tid2eid[carry["input_ids"].reshape(-1).to(self.gate.tid2eid.device)].long()
+        return digits[..., 0] * 256 + digits[..., 1]
+
+    def forward(self, x: torch.Tensor, carry: dict | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, dim)
         logits = self.gate(flat)  # (N, n_experts)
-        if self.router_loss is not None:
+        if self.router_loss is not None and not self.takes_carry:  # transformers' loss sees the top-k routers alone
             logits = _RouterGrad.apply(logits, self.router_loss)
-        weights, chosen = self.choose(logits)
+        weights, chosen = self.choose(logits, carry)
         if self.observer is not None:
             self.observer(chosen)
         with expert_views(self):

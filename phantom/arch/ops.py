@@ -163,6 +163,26 @@ def permute_from_hf(w: torch.Tensor, n_heads: int, rotary: int | None = None) ->
     return _permute_heads(w, n_heads, rotary, to_hf=False)
 
 
+def rope_rows(cfg: ModelConfig) -> dict[str, int]:
+    """Block tensors whose rows (per head) are in RoPE's pair layout -> heads they split into.
+
+    A store's rows are in the layout its config's rope_interleave says: Meta's interleaved pairs (a Meta
+    checkpoint's, a synthetic store's, a store converted before the layout was recorded), or Hugging Face's
+    half-split pairs, as a Hugging Face checkpoint ships them (phantom.convert.checkpoints.as_shipped: none is
+    permuted, so --link reads them in place). Where a store is in pairs the exporter and the adapter writer
+    permute these rows to Hugging Face's (the leading cfg.rope_dim of each head; a per-head norm's weight is one
+    head's row order, a whole-projection norm's (OLMoE) is the projection's); in halves there is nothing to
+    permute ({}). Latent attention keeps the checkpoint's rows as they are (phantom.arch.mla rotates either
+    layout)."""
+    if cfg.kv_lora_rank or not cfg.rope_interleave or cfg.family == "llama4" or cfg.hc_mult:  # Llama 4, V4 ship pairs
+        return {}
+    per_head = cfg.qk_norm_over == "head"
+    return {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads,
+            "attention.wq.bias": cfg.n_heads, "attention.wk.bias": cfg.kv_heads,
+            "attention.q_norm.weight": 1 if per_head else cfg.n_heads,
+            "attention.k_norm.weight": 1 if per_head else cfg.kv_heads}
+
+
 def _permute_heads(w: torch.Tensor, n_heads: int, rotary: int | None, to_hf: bool) -> torch.Tensor:
     head = w.shape[0] // n_heads
     r = rotary or head

@@ -22,10 +22,9 @@ from phantom.arch.config import (
     ModelConfig,
     block_tensor_shapes,
     embed_tensor_shapes,
-    from_meta_params,
     head_tensor_shapes,
 )
-from phantom.arch.family import family, from_hf_config
+from phantom.arch.family import family, from_hf_config, from_meta_params
 from phantom.arch.quantformat import (
     SCALE_DTYPES,
     QuantFormat,

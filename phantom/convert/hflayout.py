@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from phantom.arch.config import ModelConfig, rope_rows
+from phantom.arch.config import ModelConfig
 from phantom.arch.family import family
 from phantom.arch.family_moe import FUSED_EXPERTS, MOE_FIELDS
-from phantom.arch.ops import permute_for_hf
+from phantom.arch.ops import permute_for_hf, rope_rows
 from phantom.files.tensorfile import dtype_name
 
 
@@ -88,7 +88,8 @@ def to_hf(cfg: ModelConfig, part: str | int, tensors: dict[str, torch.Tensor],
     fam, permuted = family(cfg), rope_rows(cfg)
     halves = fam.moe is not None and fam.moe.turned == "halves"  # Llama 4's (experts, in, out): gate then up
     fused_experts = fused_experts or cfg.interleaved_experts or halves  # gpt-oss's, Llama 4's have no other layout
-    hf = {name: permute_for_hf(t, permuted[name], cfg.rope_dim) if name in permuted else t
+    hf = {name: permute_for_hf(t, permuted[name], cfg.rope_dim) if name in permuted else
+          (t[..., 0].long() * 256 + t[..., 1].long()) if name.endswith(".tid2eid") else t  # its digits (config.py)
           for name, t in tensors.items()}
     out = {}
     hf_names, fused = fam.layout(cfg, fused_experts)

@@ -21,9 +21,8 @@ import torch
 from tqdm import tqdm
 
 from phantom.arch import quant
-from phantom.arch.config import rope_rows
 from phantom.arch.family import family
-from phantom.arch.ops import permute_for_hf
+from phantom.arch.ops import permute_for_hf, rope_rows
 from phantom.arch.quantformat import stored_layout
 from phantom.files.hfshards import parse_size
 from phantom.files.store import BlockStore

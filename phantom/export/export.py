@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from phantom.arch.config import ModelConfig, rope_rows
-from phantom.arch.layers import LoraLinear, TransformerBlock
-from phantom.arch.ops import permute_from_hf
+from phantom.arch.config import ModelConfig
+from phantom.arch.layers import LoraLinear, make_block
+from phantom.arch.ops import permute_from_hf, rope_rows
 from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write as atomic_write_bytes
 from phantom.data.chat import read_template
@@ -48,7 +48,7 @@ FORMATS = ("hf", "meta", "gguf", "gguf-lora")
 def adapter_loras(cfg: ModelConfig, adapter: Path) -> dict[int, dict[str, LoraLinear]]:
     """{layer: {store weight name: its LoRA (A, B in Meta's layout)}} from a PEFT adapter folder."""
     lora_cfg = for_family(read_adapter_config(adapter), cfg)
-    layers = nn.ModuleList(TransformerBlock(cfg, device="meta", layer=i) for i in range(cfg.n_layers))
+    layers = nn.ModuleList(make_block(cfg, "meta", layer=i) for i in range(cfg.n_layers))
     for i, block in enumerate(layers):
         apply_lora(block, lora_cfg, i, expert_names(cfg))
     load_adapter(layers, cfg, adapter)  # checks names and shapes; un-permutes q/k's lora_B; unstacks experts

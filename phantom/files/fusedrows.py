@@ -24,6 +24,7 @@ class RowSpec(TensorSpec):
     pick: tuple[int, int, int] | None = None  # (expert, part, parts): columns part::parts of the expert, transposed
     pick_rows: bool = False  # pick's part::parts are the expert's rows, as they are (gpt-oss's MXFP4 blocks, scales)
     halves: bool = False  # pick's part is the part-th of `parts` equal column ranges, not every parts-th (Llama 4)
+    digits: bool = False  # an integer table read as its base-256 digits on a last dim of 2 (DeepSeek-V4's tid2eid)
 
 
 def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
@@ -37,6 +38,9 @@ def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
         w = t.shape[-1] // parts
         t = t[..., p * w:(p + 1) * w] if spec.halves else t[..., p::parts]
         return (t.T if t.dim() == 2 else t).contiguous()
+    if spec.digits:  # exact in any 16-bit float, as the store keeps it
+        t = f.get_tensor(key).long()
+        return torch.stack([t // 256, t % 256], dim=-1)
     if spec.rows is None:
         return f.get_tensor(key)
     r0, r1 = spec.rows
@@ -56,6 +60,8 @@ def fused_rows(groups: dict[str, tuple[str, ...]], spec: TensorSpec, name: str, 
     interleaved "halves" (Llama 4), one after the other on out."""
     group = next((names for names in groups.values() if name in names), None)
     if group is None:
+        if not spec.dtype.is_floating_point and (*spec.shape, 2) == shapes[name]:
+            return RowSpec(spec.name, spec.dtype, shapes[name], spec.start, spec.end, digits=True)
         if spec.shape != shapes[name]:
             raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {shapes[name]}")
         return RowSpec(spec.name, spec.dtype, spec.shape, spec.start, spec.end)

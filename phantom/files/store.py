@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from phantom.arch import quant
-from phantom.arch.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes, rope_rows
-from phantom.arch.ops import permute_from_hf
+from phantom.arch.config import block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
+from phantom.arch.ops import permute_from_hf, rope_rows
 from phantom.arch.quantformat import QuantError, QuantFormat, block_layout
 from phantom.base.checksum import crc32_impl
 from phantom.files import workingcopy

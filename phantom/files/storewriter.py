@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from phantom.arch import quant
-from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes, rope_rows
+from phantom.arch.config import ModelConfig, block_tensor_shapes, embed_tensor_shapes, head_tensor_shapes
 from phantom.arch.moe import expert_ranges
-from phantom.arch.ops import permute_for_hf
+from phantom.arch.ops import permute_for_hf, rope_rows
 from phantom.arch.quantformat import QuantFormat, block_layout
 from phantom.base import fileio
 from phantom.base.fileio import atomic_write_json

@@ -11,16 +11,16 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file
 
-from phantom.arch.config import ModelConfig, rope_rows
+from phantom.arch.config import ModelConfig
 from phantom.arch.expertlora import EXPERT_MODULES, EXPERT_PARAMS, bank_wrappers, expert_banks, peft_parameter, \
     peft_wrappers, target_of
-from phantom.arch.ops import permute_for_hf, permute_from_hf
+from phantom.arch.ops import permute_for_hf, permute_from_hf, rope_rows
 from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write_json
 from phantom.files.storeformat import safe_join
 from phantom.files.tensorfile import StoreError, read_header, write_safetensors
-from phantom.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_TARGETS, GROUPS, TARGETS, LoraConfig, \
-    adapted_modules, expert_names, peft_modules
+from phantom.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_TARGETS, GROUPS, TARGETS, V4_TARGETS, \
+    LoraConfig, adapted_modules, config_module, expert_names, peft_modules
 
 def _peft_key(i: int, module: str, ab: str) -> str:
     return f"base_model.model.model.layers.{i}.{module}.lora_{ab}.weight"
@@ -64,7 +64,7 @@ def save_adapter(layers: nn.ModuleList, model_cfg: ModelConfig, lora_cfg: LoraCo
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "revision": revision,
         "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
-        "target_modules": sorted(peft_modules(model_cfg)[t][0].split(".")[1] for t in lora_cfg.targets
+        "target_modules": sorted(config_module(model_cfg, peft_modules(model_cfg)[t][0]) for t in lora_cfg.targets
                                  if t not in EXPERT_TARGETS),
         "target_parameters": [peft_parameter(t, expert_names(model_cfg).module) for t in EXPERT_TARGETS
                               if t in lora_cfg.targets] or None,
@@ -125,7 +125,8 @@ def _lora_config(cpath: Path, c) -> LoraConfig:
     if c.get("layers_pattern") not in (*NEUTRAL, "layers", ["layers"]):
         raise StoreError(f"{cpath}: layers_pattern {c['layers_pattern']!r:.60} is not supported (phantom's "
                          f"blocks are model.layers)")
-    by_hf = {v[1].split(".")[1]: k for k, v in TARGETS.items()} | {f"{g}_proj": g for g in GROUPS}
+    by_hf = {v[1].split(".")[1]: k for k, v in TARGETS.items() if k in V4_TARGETS[:2] or k not in V4_TARGETS} | \
+        {f"{g}_proj": g for g in GROUPS} | {TARGETS[k][1]: k for k in V4_TARGETS}  # DeepSeek-V4's: by path
     modules, layers = c.get("target_modules"), c.get("layers_to_transform")
     if modules is None and c.get("target_parameters"):  # peft writes [] there; null means no modules too
         modules = []

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from phantom.arch import carry as C
 from phantom.arch.config import ModelConfig
-from phantom.arch.layers import TransformerBlock, fuse_adjacent, lora_disabled
+from phantom.arch.layers import fuse_adjacent, lora_disabled, make_block
 from phantom.arch.ops import KVCache
 from phantom.stream.kvcache import block_cache
 from phantom.files.store import BlockStore
@@ -34,7 +34,7 @@ def build_layers(cfg: ModelConfig, lora: LoraConfig | None, activations: Activat
                  device: torch.device) -> nn.ModuleList:
     """The blocks both backends run: base weights as meta placeholders (frozen; a backend fills them),
     LoRA applied with its fp32 master weights on the device."""
-    layers = nn.ModuleList(TransformerBlock(cfg, device="meta", dtype=dtype, layer=i) for i in range(cfg.n_layers))
+    layers = nn.ModuleList(make_block(cfg, "meta", dtype, i) for i in range(cfg.n_layers))
     for p in layers.parameters():
         p.requires_grad_(False)
     for i, block in enumerate(layers):

@@ -42,6 +42,14 @@ TARGETS = {
     "q_b": ("attention.wq_b", "self_attn.q_b_proj"),
     "kv_a": ("attention.wkv_a", "self_attn.kv_a_proj_with_mqa"),
     "kv_b": ("attention.wkv_b", "self_attn.kv_b_proj"),
+    # DeepSeek-V4: its one key-value head, the grouped output's second projection, the compressors' series and gates
+    # (the indexer's projections get no gradient in transformers: no targets), the shared expert's linears
+    "kv": ("attention.wkv", "self_attn.kv_proj"),
+    "o_b": ("attention.wo_b", "self_attn.o_b_proj"),
+    "compressor_kv": ("attention.compressor.wkv", "self_attn.compressor.kv_proj"),
+    "compressor_gate": ("attention.compressor.wgate", "self_attn.compressor.gate_proj"),
+    **{f"shared_{t}": (f"feed_forward.shared_expert.{w}", f"mlp.shared_experts.{t}_proj")
+       for t, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))},
     # Gated DeltaNet (Qwen3.5's four input projections, Qwen3-Next's two), in linear_attention layers
     **{p: (f"attention.{p}", f"linear_attn.{p}") for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                                                             "in_proj_qkvz", "in_proj_ba", "out_proj")},
@@ -53,6 +61,12 @@ PROJECTIONS = (*GQA, "gate", "up", "down")  # every projection of such a block
 # what q, k and v mean on latent attention: the query's (second) projection, and the one that makes every head's
 # keys and values from the latent (the names of the modules themselves are targets too)
 LATENT_ALIASES = {"q": "q_b", "k": "kv_b", "v": "kv_b"}
+# DeepSeek-V4's: q its query's second projection, k and v its one key-value head, o its output's second projection
+# (the first, o_a_proj, is a grouped linear: peft 0.21's LoRA on it fails, so it is no target)
+V4_ALIASES = {"q": "q_b", "k": "kv", "v": "kv", "o": "o_b"}
+V4_ATTENTION = ("q_a", "q_b", "kv", "o_b", "compressor_kv", "compressor_gate")
+V4_SHARED = ("shared_gate", "shared_up", "shared_down")
+V4_TARGETS = ("q_a", "q_b", *V4_ATTENTION[2:], *V4_SHARED)  # adapter files name them by their path in the layer
 # a module some families' checkpoints fuse (phantom.arch.family.Family.fused) -> the targets it holds, in row order
 GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 ALL_LINEAR = ("all-linear",)
@@ -104,7 +118,9 @@ class LoraConfig:
                                           "experts gate,up,down are its experts (gate_up_proj, down_proj, as "
                                           "peft's target_parameters; experts_gate_up, experts_down: those alone) "
                                           "and Qwen2-MoE's plain MLP linears; on latent attention (DeepSeek) "
-                                          "q_a,q_b,kv_a,kv_b,o, q meaning q_b and k,v kv_b; on Gated DeltaNet "
+                                          "q_a,q_b,kv_a,kv_b,o, q meaning q_b and k,v kv_b; on DeepSeek-V4 "
+                                          "q_a,q_b,kv,o_b,compressor_kv,compressor_gate,shared_gate,shared_up,"
+                                          "shared_down, q meaning q_b, k,v kv and o o_b; on Gated DeltaNet "
                                           "layers in_proj_qkv,in_proj_z,in_proj_b,in_proj_a or in_proj_qkvz,"
                                           "in_proj_ba, and out_proj",
                                     type="csv")
@@ -169,7 +185,7 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     on Qwen2-MoE its plain linears too (gate -> mlp.gate_proj: a shared expert's, a dense layer's)."""
     if cfg.n_experts:
         plain = family(cfg).model_type in PLAIN_MLP and (cfg.shared_expert_dim or cfg.dense_layers)
-        return {**{t: (TARGETS[t][1], (t,)) for t in attention_targets(cfg)},
+        return {**{t: (TARGETS[t][1], (t,)) for t in (*attention_targets(cfg), *(V4_SHARED if cfg.hc_mult else ()))},
                 **{t: (peft_parameter(t, expert_names(cfg).module), parts) for t, parts in EXPERT_TARGETS.items()},
                 **{t: (TARGETS[t][1], (t,)) for t in (("gate", "up", "down") if plain else ())}}
     by_weight = {f"{path}.weight": t for t, (path, _) in TARGETS.items()}
@@ -182,7 +198,8 @@ def peft_modules(cfg: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
     linear = [t for t in attention_targets(cfg) if t not in GQA]  # Gated DeltaNet's, where some layers have it
     out = {}
     for t, (_, module) in TARGETS.items():
-        if t.startswith(("q_", "kv_")) or (t.startswith(("in_proj", "out_proj")) and t not in linear):
+        if t.startswith(("q_", "kv_")) or (t.startswith(("in_proj", "out_proj")) and t not in linear) or \
+                t in (*V4_ATTENTION, *V4_SHARED):
             continue
         if t in fused:
             short, module, parts = fused[t]
@@ -197,6 +214,8 @@ def attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
     where some layers are linear attention."""
     if any(cfg.linear(i) for i in range(cfg.n_layers)):
         return (*GQA, *LINEAR_TARGETS[cfg.linear_grouped])
+    if cfg.hc_mult:
+        return V4_ATTENTION if any(cfg.kind(i) != "sliding_attention" for i in range(cfg.n_layers)) else V4_ATTENTION[:4]
     if not cfg.kv_lora_rank:
         return GQA
     return ("q_a", "q_b", "kv_a", "kv_b", "o") if cfg.q_lora_rank else ("q", "kv_a", "kv_b", "o")
@@ -215,6 +234,8 @@ def auto_targets(cfg: ModelConfig) -> tuple[str, ...]:
 def latent_names(targets: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
     """targets with q, k, v read as latent attention's projections (LATENT_ALIASES) where cfg has it (q is
     q_proj itself where there is no q bottleneck); a latent projection named on a model without it refused."""
+    if cfg.hc_mult:  # DeepSeek-V4's names (V4_ALIASES)
+        return tuple(V4_ALIASES.get(t, t) for t in targets)
     latent = [t for t in targets if t.startswith(("q_", "kv_"))]
     if not cfg.kv_lora_rank:
         if latent:
@@ -244,7 +265,7 @@ def family_targets(targets: tuple[str, ...], cfg: ModelConfig, exact: bool = Fal
         targets = auto_targets(cfg)
     if tuple(targets) != ALL_LINEAR:
         targets = latent_names(tuple(t for name in targets for t in GROUPS.get(name, (name,)))
-                               if cfg.kv_lora_rank else tuple(targets), cfg)
+                               if cfg.kv_lora_rank or cfg.hc_mult else tuple(targets), cfg)
     experts = [t for t in targets if t in EXPERT_TARGETS]
     if experts and not cfg.n_experts:
         raise ValueError(f"LoRA targets {', '.join(experts)} name a mixture of experts' tensors; "
@@ -304,6 +325,13 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     return dataclasses.replace(lora, targets=targets)
 
 
+def config_module(cfg: ModelConfig, module: str) -> str:
+    """A module as adapter_config.json's target_modules names it: its own name (q_proj), or on DeepSeek-V4 its path in
+    the layer (self_attn.kv_proj), as peft matches a name's end and there kv_proj, gate_proj and q_b_proj are also
+    the compressors', the indexer's and the shared expert's."""
+    return module if cfg.hc_mult else module.split(".")[1]
+
+
 def hf_module(target: str) -> str:
     """The Hugging Face module a target (or a fused GROUPS name) is: "q" -> "self_attn.q_proj",
     "qkv" -> "self_attn.qkv_proj"."""
@@ -336,7 +364,7 @@ def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int, experts: ExpertNam
             continue
         for t in GROUPS.get(target, (target,)):
             parent_path, name = TARGETS[t][0].rsplit(".", 1)
-            parent = mlp_owner(block.get_submodule(parent_path))
+            parent = mlp_owner(submodule(block, parent_path))
             if parent is None or not hasattr(parent, name):  # a sparse layer without a shared expert; another mixer's
                 break
             base = getattr(parent, name)
@@ -349,7 +377,18 @@ def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int, experts: ExpertNam
             shared = lora.lora_A
 
 
-def mlp_owner(module: nn.Module) -> nn.Module | None:
+def submodule(block: nn.Module, path: str) -> nn.Module | None:
+    """block's module at path, or None where the block has none there (DeepSeek-V4's sliding layers: no
+    compressor)."""
+    module = block
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def mlp_owner(module: nn.Module | None) -> nn.Module | None:
     """Where a block's plain gate, up, down are: module itself, or a sparse MLP's shared expert (or None)."""
     return module.shared_expert if hasattr(module, "experts") else module
 
@@ -357,7 +396,8 @@ def mlp_owner(module: nn.Module) -> nn.Module | None:
 def in_layer(block: nn.Module, module: str) -> str:
     """A plain module's Hugging Face name in this block: a sparse layer's MLP ones are its shared expert's."""
     sparse = hasattr(getattr(block, "feed_forward", None), "experts")
-    return f"mlp.shared_expert.{module.removeprefix('mlp.')}" if sparse and module.startswith("mlp.") else module
+    plain = module.startswith("mlp.") and not module.startswith("mlp.shared_experts.")  # DeepSeek-V4's: as named
+    return f"mlp.shared_expert.{module.removeprefix('mlp.')}" if sparse and plain else module
 
 
 def lora_modules(layers: nn.ModuleList) -> dict[tuple[int, str], LoraLinear]:
@@ -366,7 +406,7 @@ def lora_modules(layers: nn.ModuleList) -> dict[tuple[int, str], LoraLinear]:
     for i, block in enumerate(layers):
         for t, (path, _) in TARGETS.items():
             parent, _, leaf = path.rpartition(".")
-            m = getattr(mlp_owner(block.get_submodule(parent)), leaf, None)
+            m = getattr(mlp_owner(submodule(block, parent)), leaf, None)
             if isinstance(m, LoraLinear):
                 out[(i, t)] = m
     return out

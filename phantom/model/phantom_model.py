@@ -15,7 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from phantom.arch import carry as C
 from phantom.arch.config import ModelConfig
+from phantom.arch.hyper import HyperHead, streams
 from phantom.arch.ops import KVCache, longest_example, packed_layout, rope_table
 from phantom.arch.moe import RouterLoss
 from phantom.base import provenance
@@ -66,7 +68,7 @@ class PhantomModel(nn.Module):
         self.store, self.device, self.dtype = store, torch.device(device), dtype
         self.lora_cfg = None if lora is None else for_family(lora, store.cfg)  # targets as the family's modules
         self.full = optim is not None
-        activations = self._check(placement, activations)
+        activations = checked(self, placement, activations)
         self.placement, self.activations = placement, activations
         self.amp = dtype != torch.float32
         # Slots hold the compute dtype: a store in another dtype is converted once per load in the
@@ -121,18 +123,11 @@ class PhantomModel(nn.Module):
         if self.cfg.tie_embeddings:  # the head is the embedding table: one tensor, one parameter
             head["output.weight"] = self.store.load_embed()["tok_embeddings.weight"]
         self.output_weight = nn.Parameter(head["output.weight"].to(self.device, dtype), requires_grad=self.full)
+        self.hc_head = HyperHead.of(self.cfg, head, self.device, dtype, self.full)  # DeepSeek-V4's mix of its streams
         self.register_buffer("rope", rope_table(self.cfg, self.cfg.max_seq_len, self.device), persistent=False)
         longrope = self.cfg.rope_scaling is not None and self.cfg.rope_scaling.rope_type == "longrope"
         self.register_buffer("rope_long", rope_table(self.cfg, self.cfg.max_seq_len, self.device, long=True)
                              if longrope else None, persistent=False)
-
-    def _check(self, placement: Placement, activations: Activations) -> Activations:
-        """Refuse what cannot work together; resolve the activation choices that depend on the run."""
-        if self.full:
-            activations = fullmode.checked(self.store, self.lora_cfg, placement, activations)
-        if activations.compile is None:  # the largest single speed-up measured on CUDA; slow to build elsewhere
-            activations = dataclasses.replace(activations, compile=self.device.type == "cuda")
-        return activations
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -159,7 +154,7 @@ class PhantomModel(nn.Module):
                                        segments)
         router = RouterLoss.attach(self.layers, self.cfg, self.device, on=self.full and targets is not None)
         with torch.autocast(**self.autocast_args()):
-            h = self.blocks(h, rope, mask=mask, lanes=lanes)
+            h = self.blocks(h, rope, mask=mask, lanes=lanes, carry=C.start(self.cfg, tokens))
             if targets is None:
                 return self.logits(h)
             if targets.shape != tokens.shape:
@@ -214,8 +209,7 @@ class PhantomModel(nn.Module):
         if not self.full:
             torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm)
             return
-        groups = [list({id(p): p for p in (self.embed_table, self.norm_weight, self.output_weight)}.values())]
-        fullmode.clip(groups + self.backend.block_groups(), max_norm, self.cfg.n_params())
+        fullmode.clip([head_parameters(self)] + self.backend.block_groups(), max_norm, self.cfg.n_params())
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the block optimizer (full mode) for the next backward."""
@@ -230,7 +224,8 @@ class PhantomModel(nn.Module):
         """Make the store hold the trained model (full mode): head, embedding, and RAM-tier blocks."""
         if self.full_ft is None:
             raise ValueError("save_full is for streamed full finetuning")
-        head = {"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach()}
+        head = {"norm.weight": self.norm_weight.detach(), "output.weight": self.output_weight.detach(),
+                **{f"hc_head.{k}": v.detach() for k, v in (self.hc_head or nn.Module()).named_parameters()}}
         fullmode.save(self.full_ft, self.store, head, self.embed_table.detach())
 
     def save_adapter(self, out: Path | str, base_model: str = "") -> Path:
@@ -277,13 +272,32 @@ class PhantomModel(nn.Module):
         ids = tokens.to(table.device, non_blocking=tokens.device.type == "cpu")  # only uploads overlap
         h = F.embedding(ids, table)  # (B, T, dim)
         h = h.to(self.device, self.weight_dtype, non_blocking=True)
-        return h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype) if self.cfg.embed_scale else h
+        h = h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype) if self.cfg.embed_scale else h
+        return streams(h, self.cfg.hc_mult)  # DeepSeek-V4's residual: hc_mult streams, each the embedding at first
 
     def blocks(self, h: torch.Tensor, rope: torch.Tensor, caches: list[KVCache] | None = None, start_pos: int = 0,
-               mask: torch.Tensor | None = None, reference: torch.Tensor | None = None, lanes: list | None = None):
+               mask: torch.Tensor | None = None, reference: torch.Tensor | None = None, lanes: list | None = None,
+               carry: C.Carry = None):
         """Every block over h; with `reference`, also over that hidden state (the same rows) with the
-        adapters off and no autograd, block by block beside h (returns both); `lanes` as forward's."""
-        return self.backend(h, rope, caches, start_pos, mask, reference, lanes)
+        adapters off and no autograd, block by block beside h (returns both); `lanes` as forward's; `carry` what the
+        first block receives (phantom.arch.carry.start). DeepSeek-V4's streams come out mixed into one (hc_head)."""
+        out = self.backend(h, rope, caches, start_pos, mask, reference, lanes, carry)
+        return out if self.hc_head is None else self.hc_head.mix(out, reference is not None)
+
+
+def checked(model: PhantomModel, placement: Placement, activations: Activations) -> Activations:
+    """Refuse what cannot work together; resolve the activation choices that depend on the run."""
+    if model.full:
+        activations = fullmode.checked(model.store, model.lora_cfg, placement, activations)
+    if activations.compile is None:  # the largest single speed-up measured on CUDA; slow to build elsewhere
+        activations = dataclasses.replace(activations, compile=model.device.type == "cuda")
+    return activations
+
+
+def head_parameters(model: PhantomModel) -> list[nn.Parameter]:
+    """The embedding's and the head's parameters (DeepSeek-V4's mix of the streams too), each once (a tied table)."""
+    head = (model.embed_table, model.norm_weight, model.output_weight, *(model.hc_head or nn.Module()).parameters())
+    return list({id(p): p for p in head}.values())
 
 
 def _head_args(model: PhantomModel, tokens: torch.Tensor, targets: torch.Tensor, what: str) -> tuple:
@@ -303,7 +317,8 @@ def _blocks_for_targets(model: PhantomModel, tokens: torch.Tensor, reference: bo
     """(hidden states, the reference's or None) of every block over tokens (autocast: the caller's)."""
     h = model.embed(tokens)
     rope = model.rope_for(tokens.shape[1])[:tokens.shape[1]]
-    out = model.blocks(h, rope, reference=h.detach() if reference else None, lanes=lanes)
+    out = model.blocks(h, rope, reference=h.detach() if reference else None, lanes=lanes,
+                       carry=C.start(model.cfg, tokens))
     return out if reference else (out, None)
 
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from phantom.arch import carry as C
+from phantom.arch.hyper import HyperBlock
 from phantom.arch.ops import KVCache
 from phantom.arch.moe import MoeFeedForward
 
@@ -29,6 +30,8 @@ def attention_half(block: nn.Module, x: torch.Tensor, rope: torch.Tensor, cache:
                    start_pos: int = 0, mask: torch.Tensor | None = None, carry: C.Carry = None) -> torch.Tensor:
     """x plus the block's attention: the hidden state its MLP sees (as TransformerBlock.forward); `carry`: the
     micro-batch's carried state (phantom.arch.carry), which the attention may add to."""
+    if isinstance(block, HyperBlock):  # DeepSeek-V4's streams after its attention: its own half
+        return block.attention_half(x, rope, cache, start_pos, mask)
     if _inner(block, cache):
         return x + checkpoint(block._attention, x, rope, mask, None, 0, carry, use_reentrant=False)
     return x + block._attention(x, rope, mask, cache, start_pos, carry)
@@ -38,9 +41,12 @@ def routed_experts(block: nn.Module, h: torch.Tensor, carry: C.Carry = None) -> 
     """The expert ids (N, k) the block's router picks for the hidden state h (no autograd)."""
     with torch.no_grad():
         ffn = block.feed_forward
-        return ffn.route(block.ffn_norm(h).reshape(-1, h.shape[-1]), **C.kwargs(ffn, carry))
+        x = block.router_input(h) if isinstance(block, HyperBlock) else block.ffn_norm(h).reshape(-1, h.shape[-1])
+        return ffn.route(x, **C.kwargs(ffn, carry))
 
 
 def mlp_half(block: nn.Module, h: torch.Tensor, cache: KVCache | None = None, carry: C.Carry = None) -> torch.Tensor:
     """h plus the block's MLP (as TransformerBlock.forward: tiled over a long row's tokens)."""
+    if isinstance(block, HyperBlock):  # DeepSeek-V4's streams after its MLP: its own half
+        return block.residual_mlp(h, carry)
     return h + block.mlp(h, carry)

@@ -1,0 +1,166 @@
+"""DeepSeek-V4 beyond the shared checks of tests/test_families.py (logits and loss streamed every way, LoRA on its
+attention, compressors and shared expert against peft, the merged export, the full step with the routers' loss
+against AdamW):
+
+- each feature of the family changes transformers' logits, so the shared checks see it;
+- LoRA on attention and the experts (peft's target_parameters) equals peft, resident and streamed with the experts
+  read routed and whole (the hashed layers' by the token ids carried to their blocks);
+- the Hub's names (DeepSeek's own) and the older config fields are read as transformers reads them;
+- what phantom does not model is refused in one line.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from family_check import V4, batch, make, prepare
+from phantom.arch.config import ConfigError
+from phantom.arch.family import config_from_hf
+from phantom.files.store import BlockStore
+from test_deepseek import differs, zero
+from test_moe_lora import assert_runs_equal_peft, expert_adapter, peft_step
+from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
+
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def permuted(suffix: str):
+    def edit(model):
+        for n, t in model.named_buffers():
+            if n.endswith(suffix):
+                t.copy_(t.roll(1, dims=0))
+    return edit
+
+
+@pytest.mark.parametrize("change,edit", [
+    (dict(hc_sinkhorn_iters=1), None),  # the streams' mixing matrix, made doubly stochastic
+    (None, zero("attn_hc.base")),  # the hyper-connections' pre, post and comb biases
+    (None, zero("hc_head.hc_base")),  # the head's mix of the streams
+    (dict(index_topk=10), None),  # the indexer picks 3 of 10 entries; 10 is every one
+    (None, zero("layers.2.self_attn.compressor.kv_proj.weight")),  # the heavily compressed entries
+    (None, zero("layers.1.self_attn.compressor.position_bias")),  # a compressor's bias per slot
+    (dict(sliding_window=8), None),
+    (None, zero("self_attn.sinks")),
+    (None, permuted("tid2eid")),  # the hashed layers' experts, by token id
+    (dict(scoring_func="sigmoid"), None),  # sqrt(softplus) scores
+    (None, zero("e_score_correction_bias")),
+    (dict(routed_scaling_factor=1.0), None),
+    (dict(swiglu_limit=100.0), None),  # the SwiGLU clamp
+    (dict(rope_theta=500.0), None),  # the sliding layers' RoPE base
+    (dict(compress_rope_theta=500.0), None),  # the compressed layers'
+    (dict(rope_parameters={**V4["rope_parameters"], "factor": 2.0}), None),  # their YaRN
+    (dict(partial_rotary_factor=0.5), None),  # RoPE over the last 8 of 32 dims of each head
+])
+def test_each_feature_changes_transformers_logits(change, edit):
+    assert differs("deepseek_v4", change, edit) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    built = {}
+
+    def get(name):
+        if name not in built:
+            model = make(name)
+            built[name] = model, prepare(model, tmp_path_factory.mktemp(name))
+        return built[name]
+    return get
+
+
+@pytest.mark.usefixtures("ram_streams")
+def test_expert_lora_equals_peft_with_experts_read_routed_and_whole(models, tmp_path):
+    """q, k, v, o (q_b_proj, kv_proj, o_b_proj) and every expert: resident and streamed from disk and RAM, experts
+    read routed (the hashed layers' by token id) and whole, within 1e-5 (logits) and 1e-4 (gradients) of peft."""
+    model, store, tokens, targets, adapter, config = expert_adapter(models, "deepseek_v4", tmp_path)
+    assert config["target_modules"] == ["self_attn.kv_proj", "self_attn.o_b_proj", "self_attn.q_b_proj"]
+    assert_runs_equal_peft(store, tokens, targets, peft_step(model, adapter, tokens, targets))
+
+
+def test_the_hub_names_are_read_as_transformers_reads_them(models, tmp_path):
+    """DeepSeek's own names (layers.N.attn.wq_a, ffn.experts.E.w1, hc_head_fn, embed, head; no model. prefix), as
+    the Hub's files hold them, give the store save_pretrained's files give."""
+    model, store = models("deepseek_v4")
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    src = store.parent / "hf"
+    tensors = load_file(str(src / "model.safetensors"))
+    assert "model.layers.1.attn.compressor.ape" in tensors  # save_pretrained writes DeepSeek's names
+    renamed = {k.removeprefix("model.").replace("hc_head.hc_", "hc_head_").replace("embed_tokens", "embed"): v
+               for k, v in tensors.items()}
+    assert {"embed.weight", "head.weight", "hc_head_fn", "layers.1.ffn.gate.tid2eid"} <= set(renamed)
+    save_file(renamed, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / name).is_file():
+            (hub / name).write_bytes((src / name).read_bytes())
+    out = prepare_from(hub, tmp_path / "store")
+    ours, theirs = BlockStore(out), BlockStore(store)
+    for i in range(ours.n_blocks):
+        a, b = ours.load_block(i), theirs.load_block(i)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(v, theirs.load_head()[k]) for k, v in ours.load_head().items())
+
+
+def prepare_from(src, out):
+    from test_convert import load_script
+    assert load_script("prepare_model").main(["--src", str(src), "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+def test_older_config_fields_are_read_as_transformers_folds_them():
+    """compress_ratios (0 / 4 / 128 per layer), compress_rate_csa / _hca, num_hash_layers and qk_rope_head_dim, as
+    DeepseekV4Config.__post_init__ folds them into layer_types, compress_rates, mlp_layer_types and the RoPE width."""
+    c = make("deepseek_v4").config.to_dict()
+    new = config_from_hf(c)
+    for key in ("layer_types", "compress_rates", "mlp_layer_types", "partial_rotary_factor"):
+        c.pop(key)
+    old = config_from_hf({**c, "compress_ratios": [0, 4, 128, 4], "compress_rate_hca": 8, "num_hash_layers": 2,
+                          "qk_rope_head_dim": 8})
+    assert old == new
+    assert (new.layer_types, new.csa_rate, new.hca_rate, new.hash_layers, new.rope_dim) == \
+        (("sliding_attention", CSA, HCA, CSA), 4, 8, (0, 1), 8)
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"n_shared_experts": 2}, "n_shared_experts"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"layer_types": ["full_attention"] * 4}, "layer_types"),
+    ({"rope_parameters": {"main": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4},
+                          "compress": {"rope_type": "default", "rope_theta": 1.6e5}}}, "rope_parameters.main"),
+    ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0},
+                          "compress": {"rope_type": "default", "rope_theta": 1.6e5}}}, "partial_rotary_factor"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+])
+def test_what_is_not_modelled_is_refused_naming_the_field(fields, named):
+    with pytest.raises(ConfigError, match=named):
+        config_from_hf({**make("deepseek_v4").config.to_dict(), **fields})
+
+
+def test_packed_rows_are_refused_in_one_line(models):
+    """A row packing several examples: V4's compressors' windows would span them (transformers has no such rows)."""
+    import phantom
+    _, store = models("deepseek_v4")
+    tokens, _ = batch()
+    segments = torch.zeros_like(tokens)
+    segments[:, 20:] = 1
+    with phantom.load(store, offload="none", lora=None) as pm, pytest.raises(ValueError, match="one example each"):
+        pm(tokens, segments=segments)
+
+
+
+def test_the_hashed_layers_tables_are_stored_exactly(models):
+    """Each token id's experts (tid2eid, int64) kept as two base-256 digits, given back exactly by the export's names;
+    no correction bias in those layers; the token ids cost 8 bytes a token of carried state."""
+    from phantom.arch import carry
+    from phantom.convert.hflayout import to_hf
+    model, store = models("deepseek_v4")
+    s = BlockStore(store)
+    assert s.cfg.hash_layers == (0, 1) and "feed_forward.gate.e_score_correction_bias" not in s.load_block(0)
+    for i in (0, 1):
+        hf = to_hf(s.cfg, i, s.load_block(i), fused_experts=True)
+        assert torch.equal(hf[f"model.layers.{i}.mlp.gate.tid2eid"], model.state_dict()[f"model.layers.{i}.mlp.gate.tid2eid"])
+    assert carry.bytes_per_token(s.cfg, 40) == 8

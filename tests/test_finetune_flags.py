@@ -168,14 +168,38 @@ def test_recompute_and_checkpoint_inner_change_what_is_kept_not_the_numbers(run)
                                                                           ("inner", inner))}
     assert kept["all"] == [0, 0] and all(k > 0 for k in kept["none"] + kept["inner"])
     assert max(kept["inner"]) < 0.5 * min(kept["none"]), kept
-    assert meta(none)["activations"] == {"recompute": "none", "compile": False, "checkpoint_inner": False}
+    assert meta(none)["activations"] == {"recompute": "none", "compile": False, "checkpoint_inner": False,
+                                         "mlp_chunk": 2048}
     assert meta(every)["activations"]["recompute"] == "all"
-    assert meta(inner)["activations"] == {"recompute": "none", "compile": False, "checkpoint_inner": True}
+    assert meta(inner)["activations"] == {"recompute": "none", "compile": False, "checkpoint_inner": True,
+                                          "mlp_chunk": 8}
     ref = trained(none)
     assert [m["loss"] for m in steps(every)] == [m["loss"] for m in steps(none)]
     assert all(torch.equal(ref[k], trained(every)[k]) for k in ref)
     for key in ("loss", "grad_norm"):
         assert per_step(inner, key) == pytest.approx(per_step(none, key), rel=1e-5)
+
+
+def test_prefetch_auto_sets_the_chunk_a_resume_keeps_it_and_an_older_checkpoint_resumes(run, monkeypatch):
+    """--prefetch auto takes the tuner's chunk of tiled compute (it chose it beside the blocks it placed), unless
+    --mlp-chunk is given; the checkpoint records it and --resume reuses it. A checkpoint written before the chunk
+    was recorded resumes with the run's own."""
+    from phantom.plan import planner
+    from phantom.train import checkpoint
+    monkeypatch.setattr(planner, "mlp_chunk", lambda *a: 16)  # as where the default does not fit
+    tuned = run("tuned", "--prefetch", "auto", "--offload", "disk")
+    assert meta(tuned)["activations"]["mlp_chunk"] == 16
+    assert meta(run("given", "--prefetch", "auto", "--offload", "disk", "--mlp-chunk", "8"))["activations"][
+        "mlp_chunk"] == 8
+    monkeypatch.setattr(planner, "mlp_chunk", lambda *a: 2048)
+    run("tuned", "--prefetch", "auto", "--offload", "disk", "--iters", "3", "--resume")
+    assert meta(tuned)["activations"]["mlp_chunk"] == 16 and meta(tuned)["step"] == 3
+    monkeypatch.setattr(checkpoint, "ACTIVATION_KEYS", ("recompute", "compile", "checkpoint_inner"))  # as before
+    old = run("old", "--mlp-chunk", "8")
+    monkeypatch.undo()
+    assert "mlp_chunk" not in meta(old)["activations"]
+    run("old", "--iters", "3", "--resume")
+    assert meta(old)["step"] == 3 and meta(old)["activations"]["mlp_chunk"] == 2048
 
 
 def test_compile_flag_compiles_the_blocks(run, monkeypatch, capsys, request):

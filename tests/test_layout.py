@@ -42,7 +42,7 @@ RANK = {  # within a package
               "storeformat": 1, "storelinks": 2, "workingcopy": 2, "storeverify": 3, "storewriter": 3, "store": 4},
     "stream": {"hostmem": 0, "trace": 0, "experts": 0, "cpukernel": 0, "adam8bit": 1, "moeblock": 0, "tiers": 1, "writeback": 1, "placement": 2, "optim": 2, "memory": 3,
                "transfer": 3, "residency": 4, "scheduler": 5, "executor": 6, "lanes": 0,
-               "kvcache": 1},
+               "kvcache": 1, "hostinputs": 1},
     "convert": {"checkpoints": 0, "visionlanguage": 0, "hflayout": 1, "convert": 1, "synthetic": 2, "quantstore": 2, "hub": 2, "requant": 2},
     "model": {"lora": 0, "adapterfiles": 1, "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3,
               "adaptermodel": 2},

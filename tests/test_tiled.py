@@ -166,23 +166,31 @@ def test_packed_rows_tile_with_their_own_positions(family_models):
         assert rel_err(g, ref) < 1e-5
 
 
-def test_a_recompute_only_backpropagated_computes_the_last_part_once():
-    """Under outputs_unused (the executor's recompute in a block's backward) the last tiled part's forward
-    computes its first chunk alone (the output's values are not used), its backward every chunk: the same
-    gradients, the chunks of the MLP run once each beside the recompute's first, not twice."""
+def test_a_recompute_only_backpropagated_computes_the_residual_part_once():
+    """A residual part (h + fn(h), the MLP) equals h + fn(h) computed at once. Under outputs_unused (the executor's
+    recompute in a block's backward) its forward computes no chunk (one token, for the output's dtype) and its
+    output holds one value, not the row; its backward every chunk: the same gradients as at once."""
     from phantom.arch.tiled import outputs_unused
     lin = torch.nn.Linear(4, 4)
     h = torch.randn(2, 10, 4, requires_grad=True)
-    grads, calls = [], []
+    g_out = torch.randn(2, 10, 4)
+    ref_out = h + torch.tanh(lin(h))
+    ref = torch.autograd.grad(ref_out, [h, lin.weight, lin.bias], g_out)
+    calls = []
 
     def fn(c, a):
-        calls.append(a)
+        calls.append((a, c.shape[1]))
         return torch.tanh(lin(c))
     for unused in (False, True):
         calls.clear()
         with outputs_unused() if unused else contextlib.nullcontext():
-            out = tiled(fn, h, 4, [lin], last=True)
-        grads.append(torch.autograd.grad(out, [h, lin.weight, lin.bias], torch.ones_like(out)))
-        assert calls == ([0] if unused else [0, 4, 8]) + [0, 4, 8]
-    for g, ref in zip(*grads):
-        assert torch.equal(g, ref)
+            out = tiled(fn, h, 4, [lin], residual=True)
+        if unused:
+            assert out.untyped_storage().nbytes() == out.element_size() and out.shape == h.shape
+        else:
+            assert rel_err(out, ref_out) < 1e-6
+        forward = [(0, 1)] if unused else [(0, 4), (4, 4), (8, 2)]
+        grads = torch.autograd.grad(out, [h, lin.weight, lin.bias], g_out)
+        assert calls == forward + [(0, 4), (4, 4), (8, 2)]
+        for g, r in zip(grads, ref):
+            assert rel_err(g, r) < 1e-6

@@ -164,7 +164,8 @@ def test_auto_placement_measures_once_then_reads_the_profile(small_store, tmp_pa
 
 def test_load_with_prefetch_auto_takes_the_tuners_placement(small_store, tmp_path, monkeypatch):
     """phantom.load(prefetch="auto") from Python: the tuner's plan for the workload given, as
-    finetune.py --prefetch auto gets it; the micro-batch and recompute stay the caller's."""
+    finetune.py --prefetch auto gets it, its chunk of tiled compute too unless one is given; the micro-batch and
+    recompute stay the caller's."""
     import phantom
     monkeypatch.setenv("PHANTOM_CACHE", str(tmp_path / "cache"))
     best = tune.auto_placement(small_store, "cpu", 4, 32, "fp32", tmp_path / "cache" / "profiles",
@@ -175,6 +176,11 @@ def test_load_with_prefetch_auto_takes_the_tuners_placement(small_store, tmp_pat
         assert model.placement.prefetch == best.prefetch and model.placement.offload == best.offload
         assert model.scheduler.layout.tiers == best.tiers
         assert model.activations.recompute == "all" and model.activations.micro_batch == 2
+        assert model.activations.mlp_chunk == best.activations.mlp_chunk == 2048  # rows of 32: the default
+    monkeypatch.setattr(planner, "mlp_chunk", lambda *a: 16)  # as where the default does not fit
+    for knobs, chunk in (({}, 16), ({"mlp_chunk": 8}, 8)):
+        with phantom.load(small_store, offload="auto", prefetch="auto", batch_size=4, seq_len=32, **knobs) as model:
+            assert model.activations.mlp_chunk == chunk and all(b.mlp_chunk == chunk for b in model.layers)
     with pytest.raises(ValueError, match="unknown option"):
         phantom.load(small_store, batch_size=4)  # only with prefetch="auto"
 

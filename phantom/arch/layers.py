@@ -203,17 +203,18 @@ class TransformerBlock(nn.Module):
             h = x + checkpoint(self._attention, x, rope, mask, None, 0, carry, use_reentrant=False)
         else:
             h = x + self._attention(x, rope, mask, cache, start_pos, carry)
-        return h + self.mlp(h, carry)
+        return self.residual_mlp(h, carry)
 
-    def mlp(self, h: torch.Tensor, carry: C.Carry = None) -> torch.Tensor:
-        """The MLP half's output for h (B, T, dim), its norms included: in chunks of mlp_chunk tokens where the
-        row is longer (tiled), else at once (checkpointed under checkpoint_inner)."""
+    def residual_mlp(self, h: torch.Tensor, carry: C.Carry = None) -> torch.Tensor:
+        """h plus the MLP half's output for h (B, T, dim), its norms included: the block's output. In chunks of
+        mlp_chunk tokens where the row is longer (tiled, the residual added inside the tiled node), else at once
+        (the MLP checkpointed under checkpoint_inner)."""
         if self.mlp_chunk and h.shape[1] > self.mlp_chunk:
             return tiled(lambda hc, a: self._mlp(hc, C.tokens(carry, a, hc.shape[1])), h, self.mlp_chunk,
-                         [self.ffn_norm, self.feed_forward, self.ffn_post_norm], last=True)
+                         [self.ffn_norm, self.feed_forward, self.ffn_post_norm], residual=True)
         if self.checkpoint_inner and torch.is_grad_enabled():
-            return checkpoint(self._mlp, h, carry, use_reentrant=False)
-        return self._mlp(h, carry)
+            return h + checkpoint(self._mlp, h, carry, use_reentrant=False)
+        return h + self._mlp(h, carry)
 
     def _attention(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
                    cache: KVCache | None = None, start_pos: int = 0, carry: C.Carry = None) -> torch.Tensor:

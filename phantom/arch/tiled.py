@@ -9,7 +9,9 @@ forward, and in its backward recomputes each chunk with a graph and backpropagat
 (Arctic Long Sequence Training's TiledMLP). The node's gradients go to its input and to the trained
 tensors it is given (LoRA's, and the weights themselves in full finetuning), summed over the chunks, so
 `torch.autograd.grad` over explicit inputs and `.backward()` into leaves both see them. The recompute
-replays the forward's random draws (dropout) and autocast. Imports torch only.
+replays the forward's random draws (dropout) and autocast. A residual part (the MLP: h + mlp(h), the block's
+output) adds its input inside the node, so the row's gradient is written once, chunk by chunk, and a recompute
+only backpropagated makes no full-length output at all. Imports torch only.
 """
 from __future__ import annotations
 
@@ -28,10 +30,10 @@ _graph_only = threading.local()  # .on: the graph being built is only backpropag
 @contextlib.contextmanager
 def outputs_unused():
     """While a block's forward is rerun only to backpropagate its output (a recompute in the backward: the graph
-    is used, the output's values are not), its last tiled part (tiled(..., last=True): the MLP, whose output
-    only joins the block's) computes its first chunk alone in its forward, the rest of its output zeros; its
-    backward recomputes every chunk as always. Not where it draws random numbers: the recompute of the next
-    micro-batch continues the same stream."""
+    is used, the output's values are not), its residual tiled part (tiled(..., residual=True): the MLP and the
+    residual, the block's output) computes nothing in its forward and returns zeros that hold no memory (one
+    value, expanded); its backward recomputes every chunk as always. Not where it draws random numbers: the
+    recompute of the next micro-batch continues the same stream."""
     before = getattr(_graph_only, "on", False)
     _graph_only.on = True
     try:
@@ -41,45 +43,52 @@ def outputs_unused():
 
 
 def tiled(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor, chunk: int | None,
-          modules: list[nn.Module], last: bool = False, tensors: tuple[torch.Tensor, ...] = ()) -> Outputs:
+          modules: list[nn.Module], residual: bool = False, tensors: tuple[torch.Tensor, ...] = ()) -> Outputs:
     """fn(h, 0) for a token-wise fn over h (B, T, ...), `chunk` tokens of each row at a time where T is longer
     (None or 0: at once): fn(h[:, a:a + chunk], a) gives the chunk's output(s), each (B, chunk, ...) (fn reads
     the rows of position tables it needs from a). `modules`: those fn computes with; their tensors that need a
     gradient (read when called: bound weights included) are the node's trained inputs, and a dropout among
     them is replayed. `tensors`: other whole tensors fn reads (the keys every chunk of queries attends to,
-    phantom.arch.dsa); those that need a gradient are inputs too. `last`: fn's output feeds only the block's
-    output (see outputs_unused)."""
+    phantom.arch.dsa); those that need a gradient are inputs too. `residual`: h + fn(h) (fn's one output, h's
+    shape), the block's output (see outputs_unused)."""
     if not chunk or h.shape[1] <= chunk:
-        return fn(h, 0)
+        return h + fn(h, 0) if residual else fn(h, 0)
     trained = [p for m in modules for p in m.parameters() if p.requires_grad] + [t for t in tensors if t.requires_grad]
     if not torch.is_grad_enabled() or not (h.requires_grad or trained):
-        return _chunked(fn, h, chunk)
+        return _chunked(fn, h, chunk, residual=residual)
     draws = any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for mod in modules for m in mod.modules())
-    skip = last and not draws and getattr(_graph_only, "on", False)
-    return _node(fn, chunk, draws, skip, h, trained)
+    skip = residual and not draws and getattr(_graph_only, "on", False)
+    return _node(fn, chunk, (draws, residual, skip), h, trained)
 
 
 @torch.compiler.disable  # a compiled block runs this part eagerly: its backward calls autograd itself
-def _node(fn, chunk: int, draws: bool, skip: bool, h: torch.Tensor, trained: list[torch.Tensor]) -> Outputs:
-    out = TiledCompute.apply(fn, (chunk, draws, skip), h, *trained)
+def _node(fn, chunk: int, how: tuple[bool, bool, bool], h: torch.Tensor, trained: list[torch.Tensor]) -> Outputs:
+    out = TiledCompute.apply(fn, (chunk, *how), h, *trained)
     return out[0] if len(out) == 1 else out
 
 
 def _chunked(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor, chunk: int, as_tuple: bool = False,
-             first_only: bool = False) -> Outputs:
+             residual: bool = False) -> Outputs:
     """fn over h's chunks of tokens, each output written into one tensor (no list of chunk outputs beside it);
-    first_only: the first chunk's, the rest zeros."""
+    residual: h + fn's output."""
     outs = None
     for a in range(0, h.shape[1], chunk):
-        ys = fn(h[:, a:a + chunk], a)
-        ys = (ys,) if isinstance(ys, torch.Tensor) else ys
+        hc = h[:, a:a + chunk]
+        ys = fn(hc, a)
+        ys = (hc + ys,) if residual else (ys,) if isinstance(ys, torch.Tensor) else ys
         if outs is None:
-            outs = [(y.new_zeros if first_only else y.new_empty)(*h.shape[:2], *y.shape[2:]) for y in ys]
+            outs = [y.new_empty(*h.shape[:2], *y.shape[2:]) for y in ys]
         for out, y in zip(outs, ys):
             out[:, a:a + chunk] = y
-        if first_only:
-            break
     return tuple(outs) if as_tuple or len(outs) > 1 else outs[0]
+
+
+def _unused_output(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor) -> torch.Tensor:
+    """Zeros of h + fn(h)'s shape and dtype, one value expanded: the output of a residual part whose values are
+    not used (outputs_unused). The dtype is read from one token (autocast or mixed dtypes may widen it)."""
+    with torch.no_grad():
+        dtype = (h[:, :1] + fn(h[:, :1], 0)).dtype
+    return torch.zeros((), dtype=dtype, device=h.device).expand(h.shape)
 
 
 class _Replay:
@@ -111,11 +120,13 @@ class TiledCompute(torch.autograd.Function):
     outputs a tuple; `trained`: the tensors fn computes with whose gradients are wanted, summed over the chunks."""
 
     @staticmethod
-    def forward(ctx, fn, how: tuple[int, bool, bool], h, *trained):
-        (ctx.chunk, draws, skip), ctx.fn, ctx.trained = how, fn, trained
+    def forward(ctx, fn, how: tuple[int, bool, bool, bool], h, *trained):
+        (ctx.chunk, draws, ctx.residual, skip), ctx.fn, ctx.trained = how, fn, trained
         ctx.replay = _Replay(h.device, draws)
         ctx.save_for_backward(h)
-        return _chunked(fn, h, ctx.chunk, as_tuple=True, first_only=skip)
+        if skip:
+            return (_unused_output(fn, h),)
+        return _chunked(fn, h, ctx.chunk, as_tuple=True, residual=ctx.residual)
 
     @staticmethod
     def backward(ctx, *grad):
@@ -131,15 +142,24 @@ class TiledCompute(torch.autograd.Function):
                 out = (out,) if isinstance(out, torch.Tensor) else out
                 # outputs no input or trained tensor reaches (k, under a LoRA on q and v alone) have no graph
                 live = [(y, g[:, a:a + ctx.chunk]) for y, g in zip(out, grad) if y.requires_grad]
-                if not live:
-                    continue
                 grads = torch.autograd.grad([y for y, _ in live], ([hc] if needs_h else []) + wanted,
-                                            [g for _, g in live], allow_unused=True)
-                if needs_h:
-                    dh[:, a:a + ctx.chunk] = grads[0]
+                                            [g for _, g in live], allow_unused=True) if live else [None] * (
+                    needs_h + len(wanted))
+                if needs_h:  # the residual's own gradient beside the chunk's
+                    _write(dh[:, a:a + ctx.chunk], grads[0], grad[0][:, a:a + ctx.chunk] if ctx.residual else None)
                 for j, g in enumerate(grads[1:] if needs_h else grads):
                     if g is not None:
                         sums[j] = g if sums[j] is None else sums[j].add_(g)
                 del out, grads
         it = iter(sums)
         return (None, None, dh, *(next(it) if need else None for need in ctx.needs_input_grad[3:]))
+
+
+def _write(rows: torch.Tensor, g: torch.Tensor | None, through: torch.Tensor | None) -> None:
+    """A chunk's input gradient into its rows: g (None: zeros), plus `through` (a residual's) where given."""
+    if g is None and through is None:
+        rows.zero_()
+    elif g is None or through is None:
+        rows.copy_(g if g is not None else through)
+    else:
+        torch.add(g, through, out=rows)

@@ -301,10 +301,16 @@ def kept_row_bytes(shape: Shape, profile: MachineProfile, chunk: int) -> float:
     whole = shape.seq_len * shape.row_bytes_per_token if tiled(shape, chunk) else shape.keep_bytes_per_row
     return whole * profile.keep_scale
 
+def inputs_on_host(shape: Shape, profile: MachineProfile, chunk: int) -> bool:
+    """Whether the recomputed blocks' inputs wait in host memory (phantom.stream.hostinputs): on CUDA, where the
+    row is tiled. On a CPU they are in host memory anyway."""
+    return profile.device == "cuda" and tiled(shape, chunk)
+
 def block_peak_bytes(shape: Shape, profile: MachineProfile, chunk: int, micro_batch: int) -> float:
     """One block's backward at its peak for a micro-batch: its graph and gradients over the whole row, or where
-    the row is tiled what stays at full length with attention's gradients, and one chunk's graph and gradients;
-    a sparse attention's chunk of queries and its recompute (their bytes are the chunk's, whatever the rows)."""
+    the row is tiled what stays at full length with attention's gradients (the MLP's input's gradient among
+    `row_bytes_per_token`), and one chunk's graph and gradients; a sparse attention's chunk of queries and its
+    recompute (their bytes are the chunk's, whatever the rows)."""
     per_token = shape.graph_bytes_per_token or shape.keep_bytes_per_row / shape.seq_len
     if tiled(shape, chunk):
         row = shape.seq_len * (shape.row_bytes_per_token + shape.row_grad_bytes_per_token) + chunk * per_token
@@ -314,12 +320,23 @@ def block_peak_bytes(shape: Shape, profile: MachineProfile, chunk: int, micro_ba
 
 def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, micro_batch: int,
                      chunk: int = 0) -> int:
-    """Saved for backward (kept graphs, or block inputs, and the state blocks carry to later ones), one micro-batch's
-    block backward at its peak (`block_peak_bytes`), the running output and its gradient; `chunk`:
-    Activations.mlp_chunk."""
-    saved = keep * rows * kept_row_bytes(shape, profile, chunk) + \
-        (shape.n_blocks - keep) * rows * shape.act_bytes_per_row + rows * shape.carry_bytes_per_row
-    return int(saved + block_peak_bytes(shape, profile, chunk, micro_batch) + 2 * rows * shape.act_bytes_per_row)
+    """Saved for backward (kept graphs, the recomputed blocks' inputs: all of them, or where they wait in host
+    memory the one block's brought back, and the state blocks carry to later ones), one micro-batch's block backward
+    at its peak (`block_peak_bytes`), and the gradient coming in, beside the block's output untiled (a tiled block's
+    residual part makes none in its recompute, phantom.arch.tiled); `chunk`: Activations.mlp_chunk."""
+    inputs = min(1, shape.n_blocks - keep) if inputs_on_host(shape, profile, chunk) else shape.n_blocks - keep
+    saved = keep * rows * kept_row_bytes(shape, profile, chunk) + inputs * rows * shape.act_bytes_per_row + \
+        rows * shape.carry_bytes_per_row
+    running = 1 if tiled(shape, chunk) else 2
+    return int(saved + block_peak_bytes(shape, profile, chunk, micro_batch) +
+               running * rows * shape.act_bytes_per_row)
+
+def host_input_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, chunk: int) -> int:
+    """Page-locked host bytes of the recomputed blocks' inputs where they wait there (`inputs_on_host`): one
+    HostBuffer each."""
+    if not inputs_on_host(shape, profile, chunk):
+        return 0
+    return (shape.n_blocks - keep) * host_buffer_bytes(rows * shape.act_bytes_per_row)
 
 def device_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], slots: int, keep: int,
                   rows: int, acts: Activations) -> int:
@@ -340,7 +357,8 @@ def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], s
     up to the next huge page, see host_buffer_bytes); on CUDA each slot has a pinned staging buffer of
     one aligned block when any streamed block is read (the disk tier). On a CPU the slots are aligned host
     buffers and everything else lives there too: the process (PROCESS_BYTES in place of FIXED_BYTES), the
-    embedding and head tables and one loss chunk (`cpu_loss_bytes`).
+    embedding and head tables and one loss chunk (`cpu_loss_bytes`). On CUDA a tiled row's recomputed block
+    inputs wait in pinned host memory (`host_input_bytes`).
     """
     held = {t: T.get(t).host_bytes(tiers.count(t), shape.block_bytes, placement.shared_ram, profile.host_is_device)
             for t in set(tiers)}  # a CPU's device tier is RAM
@@ -352,9 +370,10 @@ def host_memory(shape: Shape, profile: MachineProfile, tiers: tuple[str, ...], s
         return host_buffer_bytes(ram) + rest + held_acts + shape.head_bytes + shape.embed_bytes + \
             cpu_loss_bytes(shape) + PROCESS_BYTES, 0
     staging = slots if any(T.get(t).reads for t in tiers) else 0  # buffers of one aligned block
-    pinned = sum(b for t, b in held.items() if T.get(t).pinned) + staging * align(shape.block_bytes) \
+    inputs = host_input_bytes(shape, profile, keep, rows, acts.mlp_chunk)
+    pinned = sum(b for t, b in held.items() if T.get(t).pinned) + staging * align(shape.block_bytes) + inputs \
         if profile.device == "cuda" else 0
-    return host_buffer_bytes(ram) + staging * slot, pinned
+    return host_buffer_bytes(ram) + staging * slot + inputs, pinned
 
 def cpu_loss_bytes(shape: Shape) -> int:
     """A CPU's loss chunk at its peak (phantom.model.heads.default_loss_chunk: ~64 MB of fp32 logits): the logits

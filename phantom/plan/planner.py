@@ -14,6 +14,7 @@ from phantom.plan.costmodel import (
     device_memory,
     gib,
     held_slots,
+    host_input_bytes,
     host_memory,
     kept_blocks,
     kept_row_bytes,
@@ -101,7 +102,9 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
     mixture of experts, each streamed block's attention, norms, router and shared experts kept on the device
     where the memory left allows (`moe_base` "auto") or before resident blocks ("device");
     the RAM tier filled to the default RAM budget of the free host memory (more RAM, fewer disk
-    reads), and where every policy with it leaves the host short, smaller by what is missing; prefetch depths up to the streamed blocks; micro-batches that divide the rows (powers
+    reads), and where every policy with it that the device holds leaves the host short, smaller by what is
+    missing (a long row's block inputs on CUDA take host memory the RAM tier yields); prefetch depths up to the
+    streamed blocks; micro-batches that divide the rows (powers
     of two and the rows); the activation policies of `activation_choices`. Compile is not a candidate:
     the tuner does not measure its speed-up, and the model's default stands (on for CUDA).
     `space.budgets` cap the device tier with its slots and the RAM tier, as the scheduler would.
@@ -132,7 +135,9 @@ def search(profile: MachineProfile, shape: Shape, rows: int, space: SearchSpace 
                             if (lay.tiers, lay.bases, K, acts) not in seen:
                                 seen.add((lay.tiers, lay.bases, K, acts))
                                 out.append(predict(profile, shape, place, acts, rows, lay.tiers, margin))
-                                short.append(dict(out[-1].missing).get("host", 0))
+                                missing = dict(out[-1].missing)
+                                if set(missing) <= {"host"}:  # a smaller RAM tier fits it (not a device short)
+                                    short.append(missing.get("host", 0))
                     least = min(short, default=0)
                     n_ram = max(0, n_ram - -(-least // align(shape.block_bytes))) if least and n_ram > 0 else None
     out.sort(key=lambda c: (not c.fits, c.step_s))
@@ -192,6 +197,7 @@ def describe_plan(prediction: Prediction, shape: Shape, profile: MachineProfile,
     What `scripts/tune.py` prints and `finetune.py` logs at its start, so the two say the same thing."""
     p, place = prediction, prediction.placement
     cpu = profile.host_is_device
+    inputs = host_input_bytes(shape, profile, p.kept_blocks, p.rows, p.activations.mlp_chunk)  # CUDA, long rows
     device = "on a CPU: blocks compute in host memory" if cpu else \
         f"device {gib(p.device_bytes)} of {gib(profile.free_device_bytes)} free"
     lines = [
@@ -204,6 +210,7 @@ def describe_plan(prediction: Prediction, shape: Shape, profile: MachineProfile,
         f"placement  {p.describe()}; offload {place.offload}",
         f"memory     {device}; host {gib(p.host_bytes)} of {gib(profile.free_host_bytes)} free"
         + (f" ({gib(p.pinned_bytes)} pinned)" if p.pinned_bytes else "")
+        + (f", the recomputed blocks' inputs {gib(inputs)} of it" if inputs else "")
         + f"; disk {gib(shape.store_bytes)} for the store",
         f"traffic    per step {p.loads} block loads: {p.bytes_read / 1e9:.1f} GB read from disk, "
         f"{p.bytes_h2d / 1e9:.1f} GB host-to-device",

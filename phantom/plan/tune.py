@@ -108,6 +108,15 @@ def resolve_prefetch(prefetch: int | str | None, store_path: Path | str, device:
     return tuned_placement(store_path, device, dtype, placement, rows, seq_len)
 
 
+def tuned_chunk(best: cm.Prediction | None, activations: P.Activations, fixed: bool) -> P.Activations:
+    """activations with `prefetch="auto"`'s chunk of tiled compute (`best`: the tuner's plan, None where it chose
+    nothing): it chose the chunk beside the blocks it placed (the default where it fits, else smaller), so a run
+    takes it unless `fixed` (a flag, a run file or the checkpoint it resumes set one)."""
+    if best is None or fixed:
+        return activations
+    return dataclasses.replace(activations, mlp_chunk=best.activations.mlp_chunk)
+
+
 def format_table(candidates: list[cm.Prediction], top: int = 12, chosen: cm.Prediction | None = None) -> str:
     """The fastest `top` fitting candidates, and the chosen one if it is not among them, as a table."""
     fitting = [c for c in candidates if c.fits]

@@ -38,6 +38,7 @@ from phantom.arch.tiled import outputs_unused
 from phantom.stream.kvcache import block_cache
 from phantom.stream import lanes as L
 from phantom.stream import moeblock
+from phantom.stream.hostinputs import HostInputs, to_host
 from phantom.stream.placement import CPU_CALL_TOKENS
 from phantom.stream.scheduler import BlockScheduler
 
@@ -136,9 +137,10 @@ class StreamedBlock(torch.autograd.Function):
                 out = _pass_rows(ex, i, x, rope, mask)
                 ex.run_reference(i, weights, rope, mask)
                 ctx.experts = ex.used_experts(i)
-                ctx.save_for_backward(x, rope, mask, *params)
+                ctx.host = to_host(ex.host_inputs, x, getattr(ex.layers[i], "mlp_chunk", None))  # None: kept as is
+                ctx.save_for_backward(None if ctx.host else x, rope, mask, *params)
                 return out
-            ctx.hooks = WeightHandles(weights)
+            ctx.hooks, ctx.host = WeightHandles(weights), None
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(ctx.hooks.pack, ctx.hooks.unpack):
                 rows = [(xc.detach().requires_grad_(x.requires_grad), *rest)
                         for xc, *rest in ex.rows(x, rope, mask, ex.lanes, ex.carry)]
@@ -167,7 +169,8 @@ class StreamedBlock(torch.autograd.Function):
             if ctx.keep:
                 ctx.hooks.bind(weights)
             else:
-                chunks = list(ex.rows(*saved[:3], ctx.lanes, ctx.carry))
+                x = ex.host_inputs.take(ctx.host) if ctx.host is not None else saved[0]
+                chunks = list(ex.rows(x, *saved[1:3], ctx.lanes, ctx.carry))
             for k, gc in enumerate(ex.split_batch(grad_out, ctx.lanes)):
                 if ctx.keep:
                     xc, out = ctx.graphs[k]
@@ -189,19 +192,27 @@ class StreamedBlock(torch.autograd.Function):
             if ctx.keep:
                 ctx.hooks.bind(None)
                 ctx.graphs = None
+            elif ctx.host is not None:  # the input the backward reads next on its way to the device
+                ex.host_inputs.fetch_next(ctx.host)
             ctx.carry = None
         if ex.trains_weights:
             ex.on_block_grads(ctx.i, weight_grads)
         it = iter(param_grads)
         gparams = [next(it) if p.requires_grad else None for p in params]
-        return (torch.cat(x_grads) if needs_x else None, None, None, None, None, *gparams)
+        return (joined(x_grads) if needs_x else None, None, None, None, None, *gparams)
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The micro-batches' rows as one tensor: one micro-batch is returned as it is (no copy of a row at a time:
+    at long rows the copy is a full-length tensor beside the original)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _pass_rows(ex: "BlockExecutor", i: int, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None):
     """Block i (held) over x in micro-batches (the pass's lanes), each with its rows of the pass's carry; the carry
     the block leaves becomes the pass's."""
     rows = list(ex.rows(x, rope, mask, ex.lanes, ex.carry))
-    out = torch.cat(ex.run_rows(i, rows))
+    out = joined(ex.run_rows(i, rows))
     ex.carry = C.join([r[4] for r in rows])
     return out
 
@@ -245,6 +256,7 @@ class BlockExecutor:
         self.recompute, self.keep_budget, self.micro_batch = recompute, keep_budget, micro_batch
         self.on_block_grads = on_block_grads
         self.trains_weights = on_block_grads is not None
+        self.host_inputs = HostInputs.on(getattr(scheduler, "device", None))  # CUDA: long rows' inputs in host memory
         self.has_dropout = any(isinstance(m, nn.Dropout) for m in layers.modules())
         # compiled blocks are tried once: a backend that cannot compile them falls back to eager
         self.compile_unchecked = any(getattr(b, "_compiled_call_impl", None) is not None for b in layers)

@@ -47,6 +47,4 @@ def routed_experts(block: nn.Module, h: torch.Tensor, carry: C.Carry = None) -> 
 
 def mlp_half(block: nn.Module, h: torch.Tensor, cache: KVCache | None = None, carry: C.Carry = None) -> torch.Tensor:
     """h plus the block's MLP (as TransformerBlock.forward: tiled over a long row's tokens)."""
-    if isinstance(block, HyperBlock):  # DeepSeek-V4's streams after its MLP: its own half
-        return block.residual_mlp(h, carry)
-    return h + block.mlp(h, carry)
+    return block.residual_mlp(h, carry)

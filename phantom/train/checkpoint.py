@@ -38,7 +38,7 @@ CHECKPOINT = "checkpoint"
 RUN_KEYS = ("model", "lora", "dtype", "mode", "optim", "data", "seq_len", "batch_size", "grad_accum", "seed",
             "shuffle")
 OLD_DEFAULTS = {"optim": "adamw_torch"}  # what a checkpoint written before a key existed ran with
-ACTIVATION_KEYS = ("recompute", "compile", "checkpoint_inner")
+ACTIVATION_KEYS = ("recompute", "compile", "checkpoint_inner", "mlp_chunk")  # a checkpoint without one: the run's
 
 
 def run_identity(model, train_data, cfg) -> dict:

@@ -102,8 +102,10 @@ def load(model: str | Path, device: str | torch.device = "cpu", dtype: str | tor
     if workload is not None:
         from phantom.plan import tune
         rows, seq_len = workload
-        _, placement = tune.resolve_prefetch("auto", path, device, dtype, placement, rows,
-                                             seq_len or min(1024, store.cfg.max_seq_len))
+        best, placement = tune.resolve_prefetch("auto", path, device, dtype, placement, rows,
+                                                seq_len or min(1024, store.cfg.max_seq_len))
+        activations = tune.tuned_chunk(best, activations, "mlp_chunk" in knobs or
+                                       activations.mlp_chunk != Activations.mlp_chunk)
     return PhantomModel(store, device, dtype, placement, activations, lora, optim, trace)
 
 

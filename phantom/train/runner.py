@@ -31,12 +31,13 @@ from phantom.model.adapterfiles import read_adapter_config
 from phantom.model.lora import family_targets
 from phantom.convert.synthetic import ensure_tiny, write_synthetic
 from phantom.plan import planner
-from phantom.plan.tune import resolve_prefetch
+from phantom.plan.tune import resolve_prefetch, tuned_chunk
 from phantom.stream import placement as P
 from phantom.stream.optim import AdamWConfig
 from phantom.train import cli, preference, runcard, runfile, trackers
 from phantom.train import runconfig as rc
-from phantom.train.checkpoint import io_error_line, prepare_work_dir, resume_point, store_fingerprint, tracker_runs
+from phantom.train.checkpoint import checkpoint_activations, io_error_line, prepare_work_dir, resume_point, \
+    store_fingerprint, tracker_runs
 from phantom.train.dist import init_from_env
 from phantom.train.grpoloop import load_prompts, show_rollouts
 from phantom.train.load import load as load_phantom
@@ -136,17 +137,20 @@ def claimed_run(cfg, given, machine: Machine, path: Path, store: BlockStore):
     if cfg.output.export == "gguf":  # refused before training, not after
         gguf_module().check_supported(store)
     first = 1  # the first step this run trains (for the trackers)
+    chunk_set = "mlp_chunk" in cfg.given  # else --prefetch auto's plan sets it
     if cfg.train.resume:  # compile and recompute as the checkpoint recorded them, unless a flag says otherwise
         flags = {k: v for k, v in rc.to_args(cfg).items() if k in P.Activations.__dataclass_fields__}
         activations, first = resume_point(out, cfg.activations, flags)  # before a killed run's store opens
         cfg = dataclasses.replace(cfg, activations=activations)
+        chunk_set = chunk_set or "mlp_chunk" in checkpoint_activations(out)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=machine.dtype))
     settings = write_run_file(cfg, store, out) if main else {}
     best, placement = resolve_prefetch(cfg.prefetch, path, machine.device, machine.dtype, cfg.placement,
                                        micro_rows(cfg) * cfg.train.grad_accum, cfg.train.seq_len)
     train_cfg = cfg.train if best is None else \
         dataclasses.replace(cfg.train, check_step=functools.partial(planner.check_prediction, best))
-    cfg = dataclasses.replace(cfg, placement=placement, train=train_cfg)
+    cfg = dataclasses.replace(cfg, placement=placement, train=train_cfg,
+                              activations=tuned_chunk(best, cfg.activations, chunk_set))
     try:
         runs = tracker_runs(out) if cfg.train.resume else {}  # the trackers' runs continue too
         with trackers.Reporter(trackers.parse_names(cfg.output.report_to) if main else (), out, settings,

@@ -19,11 +19,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from phantom.base import fileio
 from phantom.files import runfolder
 from phantom.files.store import BlockStore
-from phantom.plan.tune import resolve_prefetch
+from phantom.plan.tune import resolve_prefetch, tuned_chunk
 from phantom.stream import placement as P
 from phantom.train import runconfig as rc
 from phantom.train import runner, trackers
-from phantom.train.checkpoint import resume_point, tracker_runs
+from phantom.train.checkpoint import checkpoint_activations, resume_point, tracker_runs
 from phantom.train.load import load as load_phantom
 from phantom.train.records import read_metrics
 from phantom.train.sweep import Job, train_adapters
@@ -60,17 +60,19 @@ def run_sweep(given: rc.RunConfig, machine, path: Path, store: BlockStore) -> di
 
 def claimed_sweep(top: rc.RunConfig, members: list, machine, path: Path, store: BlockStore, held) -> list[dict]:
     """The sweep inside its claimed folders: files, model, trackers, training, run cards."""
-    first = {}
+    first, chunk_set = {}, "mlp_chunk" in top.given  # else --prefetch auto's plan sets it
     if top.train.resume:  # activations as the first adapter's checkpoint recorded them
         flags = {k: v for k, v in rc.to_args(top).items() if k in P.Activations.__dataclass_fields__}
         for name, _, c in members:
             activations, first[name] = resume_point(Path(c.train.out), top.activations, flags)
+            chunk_set = chunk_set or "mlp_chunk" in checkpoint_activations(Path(c.train.out))
         top = dataclasses.replace(top, activations=activations)
     top = dataclasses.replace(top, model=dataclasses.replace(top.model, dtype=machine.dtype))
     write_sweep_file(top, store, members)
     rows = runner.micro_rows(top) * top.train.grad_accum * len(members)
     best, placement = resolve_prefetch(top.prefetch, path, machine.device, machine.dtype, top.placement, rows,
                                        top.train.seq_len)
+    top = dataclasses.replace(top, activations=tuned_chunk(best, top.activations, chunk_set))
     names = trackers.parse_names(top.output.report_to)
     jobs = []
     for name, _, c in members:

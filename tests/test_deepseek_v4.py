@@ -10,6 +10,8 @@ against AdamW):
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -164,3 +166,29 @@ def test_the_hashed_layers_tables_are_stored_exactly(models):
         hf = to_hf(s.cfg, i, s.load_block(i), fused_experts=True)
         assert torch.equal(hf[f"model.layers.{i}.mlp.gate.tid2eid"], model.state_dict()[f"model.layers.{i}.mlp.gate.tid2eid"])
     assert carry.bytes_per_token(s.cfg, 40) == 8
+
+
+def test_tune_plans_the_flash_preset_with_256g_of_host_memory(tmp_path, monkeypatch, capsys):
+    """scripts/tune.py --preset deepseek-v4-flash-284B --host-memory 256G --device-budget 24G plans its 43 blocks (a
+    profile measured on a small shape stands in for this machine's: no V4-sized block is written here)."""
+    import dataclasses
+    from phantom.arch.config import ModelConfig
+    from phantom.plan import costinputs as ci
+    from phantom.plan import profiles
+    from test_tune import script
+    small = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+    profile = dataclasses.replace(profiles.probe(small, "cpu", ci.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True),
+                                  free_device_bytes=None, free_host_bytes=256 << 30)
+    monkeypatch.setattr(profiles, "probe", lambda *a, **k: profile)
+    argv = ["--preset", "deepseek-v4-flash-284B", "--host-memory", "256G", "--device-budget", "24G", "--device", "cpu",
+            "--disk-budget", "1TB", "--json"]
+    assert script().main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and len(plan["tiers"]) == 43, plan
+
+
+def test_gguf_export_is_refused_in_one_line(models, tmp_path):
+    from phantom.export.export import export
+    _, store = models("deepseek_v4")
+    with pytest.raises(ValueError, match="GGUF export of DeepSeek-V4"):
+        export(store, tmp_path / "out.gguf", fmt="gguf", progress=False)

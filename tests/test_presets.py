@@ -25,7 +25,8 @@ FAMILY_PRESETS = ["qwen2.5-7B", "qwen2.5-72B", "qwen3-8B", "qwen3-32B", "llama3.
                   "llama3.2-3B", "gemma2-9B", "gemma2-27B", "gemma3-27B", "mistral-7B", "phi4-14B", "phi3-mini-4k",
                   "qwen3-30B-A3B", "qwen3-235B-A22B", "mixtral-8x7B", "olmoe-1B-7B", "deepseek-v3-671B", "kimi-k2-1T",
                   "glm-4.5-355B", "deepseek-v2-lite-16B", "gpt-oss-20b", "gpt-oss-120b", "minimax-m2-230B",
-                  "llama4-scout-109B", "llama4-maverick-400B", "deepseek-v3.2-671B", "glm-5-744B"]
+                  "llama4-scout-109B", "llama4-maverick-400B", "deepseek-v3.2-671B", "glm-5-744B", "deepseek-v4-flash-284B",
+                  "deepseek-v4-pro-1.6T"]
 # parameters as the model cards state them (billions)
 PUBLISHED = {"qwen2.5-7B": 7.61, "qwen2.5-72B": 72.7, "qwen3-8B": 8.2, "qwen3-32B": 32.8, "llama3.1-8B": 8.03,
              "llama3.1-70B": 70.6, "llama3.2-1B": 1.24, "llama3.2-3B": 3.21, "gemma2-9B": 9.24, "gemma2-27B": 27.2,
@@ -33,7 +34,8 @@ PUBLISHED = {"qwen2.5-7B": 7.61, "qwen2.5-72B": 72.7, "qwen3-8B": 8.2, "qwen3-32
              "deepseek-v3-671B": 671, "deepseek-v2-lite-16B": 15.7,  # without DeepSeek-V3's prediction layer
              "deepseek-v3.2-671B": 671, "glm-5-744B": 744,  # without their prediction layers, indexers included
              "gpt-oss-20b": 21, "gpt-oss-120b": 117, "minimax-m2-230B": 229,
-             "llama4-scout-109B": 108, "llama4-maverick-400B": 400}  # Llama 4: the text model (the cards' 109B, 400B hold the vision tower)
+             "llama4-scout-109B": 108, "llama4-maverick-400B": 400,
+             "deepseek-v4-flash-284B": 284}  # V4-Pro's card rounds 1.57T to 1.6T: its count is the class's alone  # Llama 4: the text model (the cards' 109B, 400B hold the vision tower)
 
 
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
@@ -41,7 +43,8 @@ def test_a_preset_round_trips_through_its_config_json(name):
     cfg = PRESETS[name]
     back = config_from_hf(json.loads(json.dumps(hf_config(cfg, torch.bfloat16))))
     assert [back.window(i) for i in range(cfg.n_layers)] == [cfg.window(i) for i in range(cfg.n_layers)]
-    same = dict(layer_types=None, multiple_of=cfg.multiple_of, ffn_dim_multiplier=cfg.ffn_dim_multiplier)
+    same = dict(layer_types=cfg.layer_types if cfg.hc_mult else None, multiple_of=cfg.multiple_of,  # V4: its kinds too
+                ffn_dim_multiplier=cfg.ffn_dim_multiplier)
     assert dataclasses.replace(back, **same) == dataclasses.replace(cfg, intermediate_size=cfg.hidden_dim, **same)
 
 

@@ -302,11 +302,10 @@ class ModelConfig:
         return self.experts_per_token * self.expert_dim + self.shared_expert_dim if self.n_experts else self.hidden_dim
 
     def n_params(self) -> int:
-        heads = 1 if self.tie_embeddings else 2
         blocks = sum(self.block_params(i) for i in range(self.n_layers)) if self.mixed_layers else \
             self.n_layers * self.block_params()
-        return blocks + heads * self.vocab_size * self.dim + self.dim + self.hc_mult * (self.hc_mult * self.dim + 1) + \
-            bool(self.hc_mult)  # DeepSeek-V4's hc_head
+        ids = len(self.hash_layers) * self.vocab_size * self.experts_per_token  # tid2eid's ids, kept as two digits each
+        return blocks - ids + sum(math.prod(s) for s in {**embed_tensor_shapes(self), **head_tensor_shapes(self)}.values())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

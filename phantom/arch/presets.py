@@ -36,6 +36,22 @@ LLAMA4 = dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, vocab_size=202048
               layer_types=("chunked_attention",) * 3 + ("full_attention",))
 
 
+def deepseek_v4(dim: int, n_layers: int, n_heads: int, n_experts: int, expert_dim: int, **fields) -> ModelConfig:
+    """DeepSeek-V4's shape: DeepseekV4Config's defaults (V4-Flash's) where `fields` leave them, its layer_types too
+    (two heavily compressed layers, then heavily compressed and compressed sparse ones in turn); three hashed layers."""
+    kinds = ["heavily_compressed_attention"] * 2 + ["compressed_sparse_attention" if i % 2 else
+                                                   "heavily_compressed_attention" for i in range(n_layers - 2)]
+    return ModelConfig(**{**dict(
+        dim=dim, n_layers=n_layers, n_heads=n_heads, vocab_size=129280, family="deepseek_v4", n_kv_heads=1,
+        explicit_head_dim=512, rotary_dim=64, norm_eps=1e-6, max_seq_len=1048576, rope_theta=160000.0,
+        local_rope_theta=10000.0, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, attn_sinks=True, index_heads=64,
+        index_head_dim=128, index_topk=512, hc_mult=4, hc_iters=20, hc_eps=1e-6, csa_rate=4, hca_rate=128,
+        sliding_window=128, layer_types=tuple(kinds), hash_layers=(0, 1, 2), n_experts=n_experts, experts_per_token=6,
+        expert_dim=expert_dim, shared_expert_dim=expert_dim, intermediate_size=expert_dim, shared_expert_gate=False,
+        router_score="sqrtsoftplus", router_bias=True, norm_topk_prob=True, routed_scale=1.5, swiglu_limit=10.0,
+        swiglu_clamped=True, router_aux_coef=0.001), **fields})
+
+
 def gated_deltanet(n_layers: int, **fields) -> dict:
     """Qwen3-Next's and Qwen3.5's layers: three Gated DeltaNet layers (16 q/k heads of 128) then one gated full
     attention (2 kv heads of 256, RoPE over a quarter of each head, base 1e7), experts with a shared one."""
@@ -206,6 +222,13 @@ PRESETS: dict[str, ModelConfig] = {
         factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_seq_len=8192), max_seq_len=10485760),
     "llama4-maverick-400B": ModelConfig(**LLAMA4, n_experts=128, dense_layers=tuple(range(0, 48, 2)),
                                         max_seq_len=1048576),
+    # deepseek-ai/DeepSeek-V4-Flash: DeepseekV4Config's defaults (its docstring's checkpoint is V4-Flash-Base);
+    # deepseek-ai/DeepSeek-V4-Pro: hidden 7168, 128 heads, 16 output groups (DeepseekV4GroupedLinear's docstring),
+    # 61 layers, 384 experts 3072 wide, q_lora_rank 1536, index_topk 1024, routed_scaling_factor 2.5 (its config
+    # as MindSpore's DeepseekV4Config documents it). Hashed experts in the first three layers; MTP layers left out.
+    "deepseek-v4-flash-284B": deepseek_v4(4096, 43, 64, 256, 2048),
+    "deepseek-v4-pro-1.6T": deepseek_v4(7168, 61, 128, 384, 3072, q_lora_rank=1536, o_groups=16, index_topk=1024,
+                                        routed_scale=2.5),
     # Gated DeltaNet among gated attention: Qwen/Qwen3.5-35B-A3B, Qwen/Qwen3.5-122B-A10B, Qwen/Qwen3.5-397B-A17B
     # (vision-language checkpoints: their text_config; the vision tower is left out), Qwen/Qwen3-Next-80B-A3B-Instruct
     "qwen3.5-35B-A3B": qwen35(40, 2048, 16, 32, 256, 8, 512),

@@ -81,6 +81,9 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
     cfg = store.cfg
     if outtype is not None and outtype not in OUTTYPES:
         raise ValueError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {outtype!r}")
+    if cfg.hc_mult:  # DeepseekV4ForCausalLM
+        raise ValueError("GGUF export of DeepSeek-V4 (hyper-connections, compressed attention) is not written; export "
+                         "--format hf and convert that with llama.cpp's convert_hf_to_gguf.py, which reads it")
     if cfg.index_topk:  # DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
         raise ValueError(f"llama.cpp's converter (the pinned llama-cpp-python's convert_hf_to_gguf.py) has no DeepSeek "
                          f"Sparse Attention: GGUF export does not cover {cfg.family}; use --format hf")

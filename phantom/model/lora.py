@@ -302,7 +302,7 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     targets = family_targets(given, cfg, lora.exact)
     asked = targets if given == ALL_LINEAR else latent_names(given, cfg)
     if mapped := [f"{a} -> {b}" for a, b in zip(given, asked) if a != b and given != ALL_LINEAR]:
-        log.info("latent attention: LoRA targets %s", ", ".join(mapped))
+        log.info("%s: LoRA targets %s", family(cfg).hf_class, ", ".join(mapped))
     wanted = [t for name in asked for t in GROUPS.get(name, (name,))]
     if cfg.n_experts and (experts := [peft_parameter(t, expert_names(cfg).module) for t in targets
                                       if t in EXPERT_PARAMS]):

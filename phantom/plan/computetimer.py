@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from phantom.arch import carry as C
+from phantom.arch.hyper import streams
 from phantom.files.directio import readinto_exact
 from phantom.files.store import BlockStore
 from phantom.model.heads import ChunkedHeadLoss
@@ -170,18 +172,20 @@ class BlockTimer:
         bytes per row; with a disk rate, how much a concurrent read slows the forward and the read."""
         model, device, weights, repeats, gen = self.model, self.device, self.weights, self.repeats, self.gen
         x = torch.randn(b, self.seq_len, model.cfg.dim, generator=gen).to(device, model.weight_dtype)
+        x = streams(x, model.cfg.hc_mult)  # DeepSeek-V4's residual: its streams; its hashed layers read token ids
+        carry = C.start(model.cfg, torch.randint(0, model.cfg.vocab_size, x.shape[:2], generator=gen).to(device))
         hooks = WeightHandles(weights)
         hooks.bind(weights)
 
         def fwd():
             with torch.no_grad(), torch.autocast(**self.amp):
-                return model.executor.run_block(0, x, self.rope)
+                return model.executor.run_block(0, x, self.rope, carry=C.split(carry, lambda t: [t], 1)[0])
 
         def fwd_grad():
             xg = x.detach().requires_grad_()
             with torch.enable_grad(), torch.autocast(**self.amp), \
                     torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                return xg, model.executor.run_block(0, xg, self.rope)
+                return xg, model.executor.run_block(0, xg, self.rope, carry=C.split(carry, lambda t: [t], 1)[0])
 
         out = fwd()
         g = torch.randn(out.shape, generator=gen).to(device, out.dtype)
@@ -204,7 +208,7 @@ class BlockTimer:
             busy = (max(1.0, t_busy / t_fwd), max(1.0, self.beside.disk_gbps / gbps_busy))
         return dict(fwd=t_fwd, fwd_grad=statistics.median(t_grad[1:]), bwd=statistics.median(t_bwd[1:]), busy=busy,
                     head=self.head_s(b) / b if with_head else None,
-                    keep=hooks.kept_bytes // len(t_grad) // b, act=out.element_size() * self.seq_len * model.cfg.dim)
+                    keep=hooks.kept_bytes // len(t_grad) // b, act=out.element_size() * out[0].numel())
 
     def head_s(self, b: int) -> float:
         """Seconds of the fused head + loss (and its backward's inputs) over b rows."""

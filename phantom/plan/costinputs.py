@@ -90,7 +90,8 @@ def keep_elems_per_token(cfg: ModelConfig) -> float:
     (~8.5 dim), SwiGLU's three hidden-wide tensors, k and v. Attention runs as SDPA (flash): no
     T x T matrix is kept. A measured profile corrects it by its `keep_scale`.
     """
-    return 8.5 * cfg.dim + 3 * cfg.token_hidden_dim + 2 * cfg.kv_heads * cfg.head_dim + 16
+    hyper = 6 * cfg.hc_mult * cfg.dim  # DeepSeek-V4's two hyper-connections: the streams, their fp32 norm, the mix
+    return 8.5 * cfg.dim + 3 * cfg.token_hidden_dim + 2 * cfg.kv_heads * cfg.head_dim + 16 + hyper
 
 def grad_elems_per_token(cfg: ModelConfig) -> float:
     """Elements per token a block's backward holds beside its graph at their peak: the gradients of two of the
@@ -148,7 +149,7 @@ def shape_of(cfg: ModelConfig, store_dtype: str = "bf16", dtype: str = "bf16", s
         # matmuls (a mixture of experts: the experts a token routes to) + causal attention (or the delta rule)
         flops_per_row=seq_len * (2 * cfg.mean_block_params(active=True) + mixer_flops(cfg, seq_len)),
         head_flops_per_row=seq_len * 4 * cfg.vocab_size * cfg.dim,  # logits and their input gradient
-        act_bytes_per_row=seq_len * cfg.dim * c,
+        act_bytes_per_row=seq_len * cfg.dim * max(1, cfg.hc_mult) * c,  # DeepSeek-V4: hc_mult streams a token
         keep_bytes_per_row=int(seq_len * c * keep_elems_per_token(cfg)),
         seq_len=seq_len,
         graph_bytes_per_token=int(c * (keep_elems_per_token(cfg) + grad_elems_per_token(cfg))),

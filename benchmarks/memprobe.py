@@ -1,6 +1,7 @@
 """Peak host RSS of one LoRA training step, in a fresh process: for memory claims in notes/.
 
     python benchmarks/memprobe.py --store STORE --seq-len 8192 [--checkpoint-inner] [--offload disk] [--mlp-chunk 0]
+        [--threads 1]
 
 Also prints the step's seconds (forward and backward, the model already open) and the CPU seconds of its
 threads (on a machine others share, the steadier figure of the two), and the cost model's predicted peak for the
@@ -42,7 +43,12 @@ def main():
     p.add_argument("--recompute", default="all", choices=RECOMPUTE, help="recompute policy")
     p.add_argument("--mlp-chunk", type=int, default=Activations.mlp_chunk,
                    help="tokens per chunk of a block's tiled compute (0: whole rows, untiled)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's threads (default: torch's own); 1 on a machine others share keeps the CPU seconds "
+                        "of many small parallel ops from counting the time a thread waits for a busy core")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = phantom.load(args.store, offload=args.offload, checkpoint_inner=args.checkpoint_inner,
                          recompute=args.recompute, mlp_chunk=args.mlp_chunk)
     x = torch.randint(0, model.cfg.vocab_size, (args.batch_size, args.seq_len + 1))

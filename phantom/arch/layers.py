@@ -20,9 +20,9 @@ from phantom.arch.deltanet import GatedDeltaNet
 from phantom.arch.hyper import HyperBlock
 from phantom.arch.mla import LatentAttention
 from phantom.arch.moe import MoeFeedForward
-from phantom.arch.tiled import tiled
+from phantom.arch.tiled import by_documents, tiled
 from phantom.arch.ops import ACTIVATIONS, KVCache, RMSNorm, apply_rope, apply_rope_halves, attend, attention_mask, \
-    chunk_mask, linear, rms_norm
+    chunk_mask, document_mask, document_spans, linear, rms_norm
 
 
 def fuse_adjacent(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -133,12 +133,25 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor | None, rope: torch.Tensor, cache: KVCache | None = None,
                 start_pos: int = 0, mask: torch.Tensor | None = None,
                 inputs: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """mask: None (causal), or (B, 1, T, T) bool for packed rows (packed_layout); `inputs`: self.inputs(x,
-        rope) computed already (tiled over the row), x then unused."""
+        """mask: None (causal); packed rows' examples (B, T) (packed_layout: each example attends alone,
+        by_documents, no T x T mask); or a (B, 1, T, S) bool mask (generation's left-padded rows). `inputs`:
+        self.inputs(x, rope) computed already (tiled over the row), x then unused."""
         q, k, v, *gate = inputs if inputs is not None else self.inputs(x, rope)
         B, T = q.shape[:2]
         gate = gate[0] if gate else None
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        if mask is not None and mask.dim() == 2:
+            sinks = [self.sinks] if self.sinks is not None and self.sinks.requires_grad else []
+            out = by_documents(self.alone, q, k, v, document_spans(mask), sinks)
+        else:
+            out = self.attend_row(q, k, v, rope, cache, start_pos, mask)
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))
+
+    def attend_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor,
+                   cache: KVCache | None, start_pos: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of whole rows (B, heads, T, D), under the layer's window or chunks and a dense mask."""
+        B, T = q.shape[0], q.shape[2]
         if cache is not None:  # queries at start_pos.. see the cached keys before them
             cache.k[:B, :, start_pos:start_pos + T] = k
             cache.v[:B, :, start_pos:start_pos + T] = v
@@ -150,10 +163,19 @@ class Attention(nn.Module):
             window = window[:, None] if window.dim() == 3 else window
         if mask is None:
             mask = window
-        elif window is not None:  # a packed row under a sliding window: both apply
+        elif window is not None:  # a left-padded row under a sliding window: both apply
             mask = mask & window
-        out = attend(q, k, v, mask, self.scale, self.softcap, self.sinks).transpose(1, 2).reshape(B, T, -1)
-        return self.wo(out if gate is None else out * torch.sigmoid(gate))
+        return attend(q, k, v, mask, self.scale, self.softcap, self.sinks)
+
+    def alone(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of one packed example's (1, heads, L, D) q, k, v, its positions from 0: what it computes alone
+        (the layer's window or chunks within it)."""
+        L = q.shape[2]
+        mask = attention_mask(L, 0, self.window, q.device)
+        if self.chunk and L > self.chunk:
+            pos = torch.arange(L, device=q.device)
+            mask = chunk_mask(pos, pos, self.chunk)
+        return attend(q, k, v, mask, self.scale, self.softcap, self.sinks)
 
 
 TILED_MIXERS = (Attention, LatentAttention)  # their inputs() tile (Gated DeltaNet runs its own chunks)
@@ -222,6 +244,8 @@ class TransformerBlock(nn.Module):
         attention takes from each token (the norm, projections, q/k norms, RoPE) in chunks too (tiled), so the
         row keeps q, k, v and not the norm's output or the projections' before RoPE."""
         att = self.attention
+        if mask is not None and mask.dim() == 2 and type(att).forward is not Attention.forward:
+            mask = document_mask(mask, x.device)  # packed rows' examples as the dense mask the other mixers take
         if self.mlp_chunk and x.shape[1] > self.mlp_chunk and cache is None and isinstance(att, TILED_MIXERS):
             # (T, ..) a table for every row, or (B, T, ..) each row's own positions (packed rows); a local base's
             # tables have one more dim (Attention.rope_index)

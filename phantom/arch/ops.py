@@ -132,13 +132,14 @@ def longest_example(segments: torch.Tensor) -> int:
 
 
 def packed_layout(table: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RoPE rows and attention mask for rows that pack several examples (segment ids (B, T), equal
-    within an example): each example's positions start at 0 and it attends only to itself, causally,
-    so a packed row computes what its examples compute alone. A batch with no packed row gets the
-    plain table and no mask (SDPA's causal kernel).
+    """RoPE rows and the examples of rows that pack several (segment ids (B, T), equal within an example): each
+    example's positions start at 0 and it attends only to itself, causally, so a packed row computes what its
+    examples compute alone. A batch with no packed row gets the plain table and no mask (SDPA's causal kernel).
 
     Returns:
-        rope (T, D/2, 2) or (B, T, D/2, 2); mask None or (B, 1, T, T) bool, True where attention is allowed.
+        rope (T, D/2, 2) or (B, T, D/2, 2); the mask: None, or (B, T) long in host memory, each token's example's
+        first position: what `document_mask` expands to the (B, 1, T, T) bool mask it stands for. Attention runs
+        each example alone from it (phantom.arch.tiled.by_documents), so no T x T mask is made at long rows.
     """
     B, T = segments.shape
     starts = torch.ones_like(segments, dtype=torch.bool)
@@ -147,9 +148,25 @@ def packed_layout(table: torch.Tensor, segments: torch.Tensor) -> tuple[torch.Te
         return table[:T], None
     idx = torch.arange(T, device=segments.device).expand(B, T)
     first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values  # (B, T) its example's start
-    rope = table[idx - first]  # (B, T, D/2, 2)
-    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
-    return rope, ((first[:, :, None] == first[:, None, :]) & causal)[:, None]
+    return table[(idx - first).to(table.device)], first.cpu()
+
+
+def document_mask(first: torch.Tensor, device=None) -> torch.Tensor:
+    """(B, 1, T, T) bool, True where a query may see a key: its own example's, at or before it; `first` (B, T) is
+    packed_layout's mask (each token's example's first position). For the mixers that take a dense mask."""
+    T = first.shape[1]
+    first = first.to(device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=first.device).tril()
+    return ((first[:, :, None] == first[:, None, :]) & causal)[:, None]
+
+
+def document_spans(first: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each example of packed rows, from packed_layout's mask `first` (B, T)."""
+    T = first.shape[1]
+    rows, begins = (first == torch.arange(T, device=first.device)).nonzero(as_tuple=True)  # row-major order
+    same_row = torch.cat([rows[1:] == rows[:-1], rows.new_zeros(1, dtype=torch.bool)])
+    ends = torch.where(same_row, torch.cat([begins[1:], begins.new_full((1,), T)]), T)
+    return list(zip(rows.tolist(), begins.tolist(), ends.tolist()))
 
 
 def permute_for_hf(w: torch.Tensor, n_heads: int, rotary: int | None = None) -> torch.Tensor:

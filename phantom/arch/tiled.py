@@ -163,3 +163,65 @@ def _write(rows: torch.Tensor, g: torch.Tensor | None, through: torch.Tensor | N
         rows.copy_(g if g is not None else through)
     else:
         torch.add(g, through, out=rows)
+
+
+def by_documents(fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 spans: list[tuple[int, int, int]], trained: list[torch.Tensor]) -> torch.Tensor:
+    """Attention of packed rows, each example alone: fn(q, k, v) (one row's (1, heads, L, D) each, positions from
+    0, causal) over each example's span (row, start, end) of q, k, v (B, heads, T, D), written into one output
+    (B, heads, T, Dv). No (T, T) mask is made: an example sees only its own keys. Under autograd one node keeps
+    q, k and v, and its backward recomputes each example's attention with a graph and backpropagates it before
+    the next (an example's attention costs its length squared, not the row's); `trained`: tensors fn computes
+    with whose gradients are wanted (attention sinks in full finetuning)."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v, *trained)):
+        return _by_spans(fn, q, k, v, spans)
+    return _documents(fn, spans, q, k, v, trained)
+
+
+@torch.compiler.disable  # a compiled block runs this part eagerly: its backward calls autograd itself
+def _documents(fn, spans, q, k, v, trained) -> torch.Tensor:
+    return DocumentAttention.apply(fn, spans, q, k, v, *trained)
+
+
+def _by_spans(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans) -> torch.Tensor:
+    out = None
+    for b, s, e in spans:
+        y = fn(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e])
+        if out is None:
+            out = y.new_empty(q.shape[0], y.shape[1], q.shape[2], y.shape[3])
+        out[b:b + 1, :, s:e] = y
+    return out
+
+
+class DocumentAttention(torch.autograd.Function):
+    """by_documents' node: keeps q, k, v; its backward recomputes each example's attention and backpropagates it."""
+
+    @staticmethod
+    def forward(ctx, fn, spans, q, k, v, *trained):
+        ctx.fn, ctx.spans, ctx.trained = fn, spans, trained
+        ctx.replay = _Replay(q.device, False)
+        ctx.save_for_backward(q, k, v)
+        return _by_spans(fn, q, k, v, spans)
+
+    @staticmethod
+    def backward(ctx, dout):
+        qkv = ctx.saved_tensors
+        needs = ctx.needs_input_grad[2:5]
+        wanted = [p for p, need in zip(ctx.trained, ctx.needs_input_grad[5:]) if need]
+        grads = [torch.zeros_like(t) if need else None for t, need in zip(qkv, needs)]
+        sums: list[torch.Tensor | None] = [None] * len(wanted)
+        with ctx.replay.replayed():
+            for b, s, e in ctx.spans:
+                parts = [t[b:b + 1, :, s:e].detach().requires_grad_(need) for t, need in zip(qkv, needs)]
+                y = ctx.fn(*parts)
+                got = torch.autograd.grad(y, [p for p, need in zip(parts, needs) if need] + wanted,
+                                          dout[b:b + 1, :, s:e], allow_unused=True)
+                it = iter(got)
+                for g, need in zip(grads, needs):
+                    if need and (gp := next(it)) is not None:
+                        g[b:b + 1, :, s:e] = gp
+                for j, gp in enumerate(it):
+                    if gp is not None:
+                        sums[j] = gp if sums[j] is None else sums[j].add_(gp)
+        it = iter(sums)
+        return (None, None, *grads, *(next(it) if need else None for need in ctx.needs_input_grad[5:]))

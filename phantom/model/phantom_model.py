@@ -148,8 +148,8 @@ class PhantomModel(nn.Module):
             self.finish_step()  # the previous step's block updates must land before blocks are read
         h = self.embed(tokens)
         rope, mask = self.rope_for(T)[:T], None
-        if segments is not None:
-            segments = segments.to(self.device)
+        if segments is not None:  # the mask: each token's example (packed_layout), in host memory
+            segments = segments.cpu()
             rope, mask = packed_layout(self.rope_for(longest_example(segments) if self.rope_long is not None else T),
                                        segments)
         router = RouterLoss.attach(self.layers, self.cfg, self.device, on=self.full and targets is not None)

@@ -44,10 +44,10 @@ def parse_args(argv=None):
     a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto")
     a("--dtype", default="auto", choices=cli.DTYPES, help="compute dtype (auto: bf16 on CUDA)")
     a("--store-dtype", default="bf16", choices=cli.STORE_DTYPES, help="the dtype a store would be prepared in")
-    a("--quantize", default=None, choices=METHODS + SHIPPED,
+    a("--quantize", default=None, choices=METHODS + SHIPPED + ("fp8-mxfp4",),
       help="plan the model stored quantized (prepare_model.py --quantize; fp8-block: an FP8 checkpoint as it "
            "ships, 128x128 tiles; int4-group, mxfp4: the routed experts as Kimi-K2-Thinking and gpt-oss ship "
-           "them), beside its --store-dtype plan")
+           "them; fp8-mxfp4: FP8 tiles with the experts in MXFP4, as DeepSeek-V4 ships), beside its --store-dtype plan")
     a("--host-memory", type=parse_bytes, default=None, help="plan for a host with this much free memory, e.g. 64G "
                                                            "(default: what is free here)")
     a("--batch-size", type=int, default=4, help="rows per block call (finetune's --batch-size)")

@@ -11,13 +11,14 @@ against AdamW):
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from family_check import V4, batch, make, prepare
-from phantom.arch.config import ConfigError
+from phantom.arch.config import ConfigError, block_tensor_shapes
 from phantom.arch.family import config_from_hf
 from phantom.files.store import BlockStore
 from test_deepseek import differs, zero
@@ -104,9 +105,10 @@ def test_the_hub_names_are_read_as_transformers_reads_them(models, tmp_path):
     assert all(torch.equal(v, theirs.load_head()[k]) for k, v in ours.load_head().items())
 
 
-def prepare_from(src, out):
+def prepare_from(src, out, link: bool = False):
     from test_convert import load_script
-    assert load_script("prepare_model").main(["--src", str(src), "--out", str(out), "--quiet"]) == 0
+    args = ["--src", str(src), "--out", str(out), "--quiet"] + (["--link"] if link else [])
+    assert load_script("prepare_model").main(args) == 0
     return out
 
 
@@ -192,3 +194,69 @@ def test_gguf_export_is_refused_in_one_line(models, tmp_path):
     _, store = models("deepseek_v4")
     with pytest.raises(ValueError, match="GGUF export of DeepSeek-V4"):
         export(store, tmp_path / "out.gguf", fmt="gguf", progress=False)
+
+
+# A DeepSeek-V4-shaped checkpoint as the Hub ships V4: widths of whole 128 x 128 FP8 tiles, every block linear weight
+# FP8 with a power-of-two (ue8m0) scale per tile (NAME.scale, e8m0), the experts FP4 (int8, two e2m1 values a byte)
+# with an e8m0 scale per 32 values, the compressors' and indexer's own projections in bf16, the tensors transformers
+# keeps in float32 (hyper-connections, sinks, position biases, norms, the correction bias) in float32, the rest bf16
+SHIPPED = dict(V4, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+               head_dim=128, q_lora_rank=128, n_routed_experts=4, o_lora_rank=128, index_head_dim=64,
+               layer_types=V4["layer_types"][:3], mlp_layer_types=V4["mlp_layer_types"][1:])
+SIXTEEN_BIT = ("compressor.wkv", "compressor.wgate", "indexer.weights_proj", "ffn.gate.weight")
+FP32 = ("hc_attn", "hc_ffn", "attn_sink", ".ape", "gate.bias", "norm.weight")
+
+
+def ship_v4(model, folder):
+    """model's weights as DeepSeek-V4 ships them (DeepSeek's names, as save_pretrained writes them), into folder."""
+    from phantom.arch.quant import quantize_fp8, quantize_mxfp4
+    from phantom.arch.quantformat import QuantFormat
+    model.save_pretrained(folder / "src")
+    out = {}
+    for k, v in load_file(str(folder / "src" / "model.safetensors")).items():
+        linear = ".layers." in k and k.endswith(".weight") and v.dim() == 2 and not any(b in k for b in SIXTEEN_BIT)
+        if linear and ".experts." in k:
+            parts = quantize_mxfp4(v.float())
+            out[k] = parts["blocks"].reshape(v.shape[0], -1).view(torch.int8)
+            out[k.removesuffix("weight") + "scale"] = parts["scales"].view(torch.float8_e8m0fnu)
+        elif linear:
+            parts = quantize_fp8(v.float(), QuantFormat("fp8-block"), pow2=True)
+            out[k], out[k.removesuffix("weight") + "scale"] = parts["fp8"], parts["scale_inv"].to(torch.float8_e8m0fnu)
+        else:
+            out[k] = v if ".layers." in k and any(f in k for f in FP32) or not v.is_floating_point() else v.bfloat16()
+    (folder / "ship").mkdir()
+    save_file(out, str(folder / "ship" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "src" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+    (folder / "ship" / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / "ship" / name).write_bytes((folder / "src" / name).read_bytes())
+    return folder / "ship"
+
+
+def test_the_shipped_fp8_and_fp4_checkpoint_streams_as_shipped(tmp_path):
+    """A V4-shaped checkpoint with FP4 experts beside FP8 blocks: read into a store as shipped (the experts' bytes
+    as MXFP4's, at most 0.30x their bf16 bytes; read in place by --link) and streamed from disk and RAM, its logits
+    equal to transformers' own dequantized load of the checkpoint (fp32) within 1e-5."""
+    import phantom
+    from family_check import hf_model, llama3_style_tokenizer_json, rel_err
+    model = hf_model("DeepseekV4Config", **SHIPPED)
+    (tmp_path / "src").mkdir()
+    llama3_style_tokenizer_json(tmp_path / "src")
+    src = ship_v4(model, tmp_path)
+    import transformers
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).float().eval()
+    tokens, _ = batch()
+    with torch.no_grad():
+        ref = ref_model(tokens).logits
+    for link in (False, True):
+        store = prepare_from(src, tmp_path / f"store-{link}", link)
+        s = BlockStore(store)
+        assert s.quant.method == "fp8-block" and s.quant.experts == "mxfp4"
+        experts = [x for x in s.blocks[1].specs if x.name.startswith("feed_forward.experts.")]
+        dense = 2 * sum(math.prod(sh) for n, sh in block_tensor_shapes(s.cfg, 1).items() if ".experts." in n)
+        assert sum(x.end - x.start for x in experts) <= 0.30 * dense
+        for offload in ("none", "disk", "ram"):
+            with phantom.load(store, offload=offload, prefetch=1, lora=None) as pm, torch.no_grad():
+                assert rel_err(pm(tokens), ref) < 1e-5, (link, offload)

@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from phantom.arch.quantformat import QuantError, QuantFormat, gate_up_part
+from phantom.arch.quantformat import QuantError, QuantFormat, gate_up_part, weight_format
 
 CHUNK = 1 << 18  # values dequantized per piece: temporaries of 1 MiB stay in L2 (a multiple of every block size;
 #                  fastest of 2^16..2^22 on the CPU of notes/bench-quant.md)
@@ -183,8 +183,8 @@ def quantize_block(fmt: QuantFormat, tensors: dict[str, torch.Tensor], dtype: to
         if not fmt.quantizes(name, tuple(t.shape)):
             out[name] = t.to(dtype)
             continue
-        t = t.to(dtype)  # quantize what a 16-bit store would have held
-        parts = QUANTIZERS[fmt.method](t, fmt)
+        t, wfmt = t.to(dtype), weight_format(fmt, name)  # quantize what a 16-bit store would have held
+        parts = QUANTIZERS[wfmt.method](t, wfmt)
         out.update({f"{name}.{k}": v for k, v in parts.items()})
     return out
 
@@ -322,6 +322,7 @@ def dequantize_mxfp4_into(parts: dict[str, torch.Tensor], out: torch.Tensor, nam
 
 def dequantize_into(fmt: QuantFormat, parts: dict[str, torch.Tensor], out: torch.Tensor,
                     name: str = "weight") -> torch.Tensor:
+    fmt = weight_format(fmt, name)  # DeepSeek-V4's experts: mxfp4 beside fp8-block
     if fmt.method == "int4-group":
         return dequantize_int4_into(fmt, parts, out, name)
     if fmt.method == "mxfp4":

@@ -55,9 +55,11 @@ class QuantFormat:
     experts_only: bool = False
     float32: tuple[str, ...] = ()
     gate_up: bool = False
+    experts: str = ""  # the routed experts' own method beside fp8-block's (DeepSeek-V4's mxfp4); "": fmt.method
 
     def __post_init__(self):
-        if self.method not in METHODS + SHIPPED:
+        if self.method not in METHODS + SHIPPED or self.experts not in ("", "mxfp4") or \
+                (self.experts and self.method != "fp8-block"):
             raise QuantError(f"unknown quantization {self.method!r}; use one of {', '.join(METHODS + SHIPPED)}")
         if self.method == "fp8-block" and (len(self.block) != 2 or min(self.block) < 1):
             raise QuantError(f"fp8-block needs a weight_block_size of two positive sizes, not {list(self.block)}")
@@ -76,12 +78,13 @@ class QuantFormat:
 
     def quantizes(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether this store keeps block tensor `name` quantized."""
-        return quantized(name, shape) and name not in self.unquantized and \
-            (not self.experts_only or name.startswith("feed_forward.experts."))
+        expert = name.startswith("feed_forward.experts.")
+        return quantized(name, shape) and (name not in self.unquantized or (expert and bool(self.experts))) and \
+            (not self.experts_only or expert)
 
     def record(self) -> dict:
         return {**self._record(), **({"float32": list(self.float32)} if self.float32 else {}),
-                **({"gate_up": True} if self.gate_up else {})}
+                **({"gate_up": True} if self.gate_up else {}), **({"experts": self.experts} if self.experts else {})}
 
     def _record(self) -> dict:
         if self.method == "fp8-block":
@@ -99,14 +102,14 @@ class QuantFormat:
     @classmethod
     def from_record(cls, rec: dict) -> "QuantFormat":
         """The format of a manifest's record (its optional "float32" names and "gate_up", see the class)."""
-        names, gate_up = rec.get("float32", []), rec.get("gate_up", False)
+        names, gate_up, experts = rec.get("float32", []), rec.get("gate_up", False), rec.get("experts", "")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or \
                 (names and rec.get("method") not in SHIPPED):
             raise QuantError(f"float32 is a list of tensor names of a shipped format, got {names!r:.80}")
         if gate_up not in (False, True) or (gate_up and rec.get("method") != "mxfp4"):
             raise QuantError(f"gate_up is true or false, and true only for mxfp4, got {gate_up!r:.20}")
-        fmt = cls._from_record({k: v for k, v in rec.items() if k not in ("float32", "gate_up")})
-        return replace(fmt, float32=tuple(names), gate_up=gate_up)
+        fmt = cls._from_record({k: v for k, v in rec.items() if k not in ("float32", "gate_up", "experts")})
+        return replace(fmt, float32=tuple(names), gate_up=gate_up, experts=experts)
 
     @classmethod
     def _from_record(cls, rec: dict) -> "QuantFormat":
@@ -156,7 +159,10 @@ def shipped_format(qc, where) -> QuantFormat:
         if qc.get(key, want[0]) not in want:  # ue8m0 (DeepSeek-V3.1): float32 scales that are powers of two
             raise QuantError(f"{where}: quantization_config.{key} {qc[key]!r} is not read; phantom reads "
                              f"{' or '.join(map(repr, want))}")
-    return QuantFormat("fp8-block", block=tuple(block))
+    if qc.get("expert_dtype", "fp8") not in ("fp8", "fp4"):
+        raise QuantError(f"{where}: quantization_config.expert_dtype {qc['expert_dtype']!r} is not read; phantom "
+                         f"reads 'fp8' or 'fp4' (DeepSeek-V4's experts, as MXFP4)")
+    return QuantFormat("fp8-block", block=tuple(block), experts="mxfp4" if qc.get("expert_dtype") == "fp4" else "")
 
 
 INT4_WEIGHTS = {"num_bits": (4,), "type": ("int",), "symmetric": (True,), "strategy": ("group",),
@@ -205,6 +211,8 @@ def as_format(quant: "str | QuantFormat | None") -> "QuantFormat | None":
     """A plan's quantization: a method name means prepare_model.py's format of it (its defaults; fp8-block:
     DeepSeek-V3's 128 x 128 tiles over every linear weight; int4-group and mxfp4: the routed experts alone, as
     Kimi-K2-Thinking and gpt-oss ship them)."""
+    if quant == "fp8-mxfp4":  # DeepSeek-V4 as shipped: FP8 tiles, the experts MXFP4 (its FP4)
+        return QuantFormat("fp8-block", experts="mxfp4")
     if isinstance(quant, str):
         return QuantFormat(quant, experts_only=quant in ("int4-group", "mxfp4"))
     return quant
@@ -220,9 +228,15 @@ def quantized(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and name not in ROUTERS
 
 
+def weight_format(fmt: QuantFormat, name: str) -> QuantFormat:
+    """The format block tensor `name` is kept in: fmt, or for a routed expert's weight its own (fmt.experts)."""
+    return replace(fmt, method=fmt.experts, experts="") if fmt.experts and name.startswith("feed_forward.experts.") \
+        else fmt
+
+
 def stored_layout(fmt: QuantFormat, name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str]]:
     """The tensors (name -> shape, dtype) a quantized weight of `shape` is stored as."""
-    n = shape[0] * shape[1]
+    fmt, n = weight_format(fmt, name), shape[0] * shape[1]
     if fmt.method == "fp8-block":
         return {f"{name}.fp8": (tuple(shape), "float8_e4m3fn"),
                 f"{name}.scale_inv": ((-(-shape[0] // fmt.block[0]), -(-shape[1] // fmt.block[1])), "float32")}

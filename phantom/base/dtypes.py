@@ -23,7 +23,8 @@ FLOATS = (ElementType("fp32", "float32", 4, "F32"), ElementType("bf16", "bfloat1
           ElementType("fp16", "float16", 2, "F16"))
 INTEGERS = (ElementType(None, "int64", 8, "I64"), ElementType(None, "int32", 4, "I32"),
             ElementType(None, "uint8", 1, "U8"), ElementType(None, "int8", 1, "I8"))
-CODES = (ElementType(None, "float8_e4m3fn", 1, "F8_E4M3"),)  # FP8 checkpoints' weights: read, never computed in
+# FP8 checkpoints' weights and DeepSeek-V4's e8m0 scales (powers of two): read, never computed in
+CODES = (ElementType(None, "float8_e4m3fn", 1, "F8_E4M3"), ElementType(None, "float8_e8m0fnu", 1, "F8_E8M0"))
 ALL = FLOATS + INTEGERS + CODES
 NAMES = tuple(f.name for f in FLOATS)  # what --dtype and a store's dtype may be
 _FLOAT_BY_NAME = {alias: f for f in FLOATS for alias in (f.name, f.torch_name)}

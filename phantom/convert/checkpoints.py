@@ -35,7 +35,8 @@ from phantom.arch.quantformat import (
     stored_layout,
 )
 from phantom.base import safejson
-from phantom.files.fusedrows import RowSpec, fused_rows, read_rows
+from phantom.files.fusedrows import RowSpec, float_scale, fp4_parts, fused_rows, gate_up_biases, read_rows, \
+    scale_key
 from phantom.files.storeformat import safe_join
 from phantom.files.tensorfile import StoreError, dtype_name, parse_stored, read_header
 
@@ -268,11 +269,12 @@ class HFCheckpoint:
         """The store format of an FP8 checkpoint, its index moved to the stored parts: each FP8 weight as
         NAME.fp8 and its `weight_scale_inv` as NAME.scale_inv, read as shipped (q/k rows too, in the halves the
         store's config says: as_shipped). The linear weights the checkpoint keeps in 16 bits (its
-        modules_to_not_convert) become the format's `unquantized`: one layout for every block."""
+        modules_to_not_convert) become the format's `unquantized`: one layout for every block (DeepSeek-V4: fp4_parts)."""
         fp8 = {}
         for (part, name), (path, spec, _) in self.index.items():
-            is_fp8 = spec.dtype == torch.float8_e4m3fn
-            if is_fp8 and (isinstance(part, str) or not quantized(name, spec.shape) or spec.rows is not None):
+            is_fp8, fp4 = spec.dtype in (torch.float8_e4m3fn, torch.int8), fmt.experts and "experts." in name  # V4: int8
+            if is_fp8 and (isinstance(part, str) or not quantized(name, spec.shape) or spec.rows is not None or
+                           (spec.dtype == torch.int8) != bool(fp4)):
                 raise ValueError(f"{path}: {spec.name} is FP8; phantom reads FP8 only in a block's linear weights, "
                                  f"each a tensor of its own")
             if isinstance(part, int) and quantized(name, spec.shape):
@@ -280,19 +282,22 @@ class HFCheckpoint:
         if mixed := sorted(n for n, kinds in fp8.items() if len(kinds) > 1):
             raise ValueError(f"{self.src}: {mixed[0]} is FP8 in some layers and 16-bit in others; a store keeps "
                              f"one layout for every block")
-        fmt = QuantFormat("fp8-block", block=fmt.block, unquantized=tuple(sorted(n for n, k in fp8.items() if k == {False})))
+        fmt = dataclasses.replace(fmt, unquantized=tuple(sorted(n for n, k in fp8.items() if k == {False})))
         for part in range(self.cfg.n_layers):
             for name, shape in part_shapes(self.cfg, part).items():
                 if not fmt.quantizes(name, shape):
                     continue
                 path, spec, start = self.index.pop((part, name))
-                key = spec.name + "_scale_inv"
+                key = scale_key(spec.name, weight_map)
                 if key not in weight_map or key not in headers[weight_map[key]][0]:
                     raise ValueError(f"{path}: {spec.name} is FP8 without its {key}; the checkpoint is incomplete")
                 scale, sstart = headers[weight_map[key]][0][key], headers[weight_map[key]][1]
                 self.scale_dtypes.add(dtype_name(scale.dtype))
-                want = stored_layout(fmt, name, shape)[f"{name}.scale_inv"][0]
-                if scale.shape != want or not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
+                if (layout := stored_layout(fmt, name, shape)).get(f"{name}.blocks"):  # FP4's bytes are MXFP4's
+                    self.index |= fp4_parts(part, name, (path, spec, start), (files[weight_map[key]], scale, sstart), layout)
+                    continue
+                want = layout[f"{name}.scale_inv"][0]
+                if scale.shape != want or not float_scale(scale):
                     raise ValueError(f"{files[weight_map[key]]}: {key} is {scale.dtype} {list(scale.shape)}, not "
                                      f"one float scale per {fmt.block[0]}x{fmt.block[1]} block ({list(want)})")
                 self.index[(part, f"{name}.fp8")] = (path, spec, start)
@@ -457,16 +462,6 @@ def float32_tensors(index: dict, dtype: torch.dtype) -> tuple[str, ...]:
         if isinstance(part, int) and not name.endswith(PART_SUFFIXES):
             kinds.setdefault(name, set()).add(spec.dtype == torch.float32 and spec.pick is None)
     return tuple(sorted(n for n, k in kinds.items() if k == {True})) if dtype.itemsize == 2 else ()
-
-
-def gate_up_biases(index: dict, fmt: QuantFormat) -> None:
-    """Index each expert's w13.bias (fmt.gate_up): its row of gate_up_proj_bias, gate's and up's values alternating,
-    one contiguous range (read in place), from the spec of its gate part (a pick of every other value)."""
-    for (part, name), (path, spec, start) in list(index.items()):
-        if (fused := gate_up_part(fmt, name)) is not None and fused[1] == 0 and name.endswith(".bias"):
-            e = spec.pick[0]
-            index[(part, fused[0])] = (path, RowSpec(spec.name, spec.dtype, (2 * spec.shape[0],), spec.start, spec.end,
-                                                     pick=(e, 0, 1)), start)
 
 
 def as_shipped(cfg: ModelConfig) -> ModelConfig:

@@ -46,6 +46,9 @@ def shipped_record(store: BlockStore) -> dict:
         what = "16-bit" if store.quant is None else f"{store.quant.method}, quantized by phantom"
         raise ValueError(f"{store.path}: --requantize writes the format a checkpoint shipped (FP8 in blocks, "
                          f"compressed-tensors INT4, MXFP4), and this store is {what}; drop --requantize")
+    if store.quant.experts:
+        raise ValueError(f"{store.path}: --requantize does not write DeepSeek-V4's FP8 beside FP4 experts; drop it "
+                         f"(the export is then 16-bit)")
     rec = store.manifest.get(RECORD)
     if not isinstance(rec, dict) or not isinstance(rec.get("quantization_config"), dict):
         raise ValueError(f"{store.path}: the store does not record its checkpoint's quantization_config (prepared "

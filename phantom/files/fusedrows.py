@@ -2,7 +2,8 @@
 tensor's rows, contiguous in the file (so a linked store reads it in place). Phi-3's qkv_proj holds q, k,
 v; transformers 5's 3-D experts hold each expert's gate and up (or down) rows, expert after expert.
 gpt-oss's experts are (experts, in, out) with gate and up alternating on out: a part is every other column of
-its expert's slice, transposed (read and copied, never linked).
+its expert's slice, transposed (read and copied, never linked); their biases' rows (gate_up_biases). DeepSeek-V4's
+FP4 experts are MXFP4's bytes under another dtype and shape (fp4_parts), its tid2eid an integer table kept as digits.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from phantom.arch.quantformat import QuantFormat, gate_up_part
 from phantom.files.tensorfile import TensorSpec
 
 
@@ -41,8 +43,9 @@ def read_rows(f, key: str, spec: RowSpec) -> torch.Tensor:
     if spec.digits:  # exact in any 16-bit float, as the store keeps it
         t = f.get_tensor(key).long()
         return torch.stack([t // 256, t % 256], dim=-1)
-    if spec.rows is None:
-        return f.get_tensor(key)
+    if spec.rows is None:  # a tensor whose bytes are another dtype's (DeepSeek-V4's FP4 int8 as MXFP4's uint8 blocks)
+        t = f.get_tensor(key)
+        return t if t.dtype == spec.dtype else t.view(spec.dtype).view(spec.shape)
     r0, r1 = spec.rows
     shape = f.get_slice(key).get_shape()
     if len(shape) == 2:
@@ -62,6 +65,8 @@ def fused_rows(groups: dict[str, tuple[str, ...]], spec: TensorSpec, name: str, 
     if group is None:
         if not spec.dtype.is_floating_point and (*spec.shape, 2) == shapes[name]:
             return RowSpec(spec.name, spec.dtype, shapes[name], spec.start, spec.end, digits=True)
+        if spec.dtype == torch.int8 and len(spec.shape) == 2 and (spec.shape[0], 2 * spec.shape[1]) == shapes[name]:
+            return RowSpec(spec.name, spec.dtype, spec.shape, spec.start, spec.end)  # two FP4 values a byte (DeepSeek-V4)
         if spec.shape != shapes[name]:
             raise ValueError(f"{path}: {spec.name} has shape {spec.shape}, config.json implies {shapes[name]}")
         return RowSpec(spec.name, spec.dtype, spec.shape, spec.start, spec.end)
@@ -93,3 +98,37 @@ def interleaved_part(group: tuple[str, ...], spec: TensorSpec, name: str, shapes
     e, p = divmod(group.index(name), parts)
     size = math.prod(want[1:]) * spec.dtype.itemsize
     return RowSpec(spec.name, spec.dtype, out, spec.start + e * size, spec.start + (e + 1) * size, pick=(e, p, parts))
+
+
+def gate_up_biases(index: dict, fmt: QuantFormat) -> None:
+    """Index each expert's w13.bias (fmt.gate_up): its row of gate_up_proj_bias, gate's and up's values alternating,
+    one contiguous range (read in place), from the spec of its gate part (a pick of every other value)."""
+    for (part, name), (path, spec, start) in list(index.items()):
+        if (fused := gate_up_part(fmt, name)) is not None and fused[1] == 0 and name.endswith(".bias"):
+            e = spec.pick[0]
+            index[(part, fused[0])] = (path, RowSpec(spec.name, spec.dtype, (2 * spec.shape[0],), spec.start, spec.end,
+                                                     pick=(e, 0, 1)), start)
+
+
+def fp4_parts(part: int, name: str, weight: tuple, scale: tuple, layout: dict) -> dict:
+    """A DeepSeek-V4 FP4 expert weight (int8 (rows, in / 2), two e2m1 values a byte, the first the low nibble) and its
+    e8m0 scales (rows, in / 32) indexed as MXFP4's NAME.blocks and NAME.scales (layout: their stored shapes): the same
+    bytes, read in place. weight and scale: (file, spec, data start)."""
+    (path, spec, start), (spath, sspec, sstart) = weight, scale
+    blocks, scales = layout[f"{name}.blocks"][0], layout[f"{name}.scales"][0]
+    if sspec.dtype != torch.float8_e8m0fnu or sspec.shape != scales:
+        raise ValueError(f"{spath}: {sspec.name} is {sspec.dtype} {list(sspec.shape)}, not e8m0 {list(scales)}")
+    return {(part, f"{name}.blocks"): (path, RowSpec(spec.name, torch.uint8, blocks, spec.start, spec.end), start),
+            (part, f"{name}.scales"): (spath, RowSpec(sspec.name, torch.uint8, scales, sspec.start, sspec.end), sstart)}
+
+
+def scale_key(name: str, weight_map: dict) -> str:
+    """An FP8 weight's scale: NAME_scale_inv (DeepSeek-V3's, transformers'), or NAME's module's `scale` (V4's)."""
+    return next((k for k in (name + "_scale_inv", name.removesuffix("weight") + "scale") if k in weight_map),
+                name + "_scale_inv")
+
+
+def float_scale(spec) -> bool:
+    """Whether spec's dtype is one an FP8 weight's scale is read in: a float of 16 bits or more, or e8m0 (a power of
+    two a byte: DeepSeek-V4's ue8m0 scales, exact in float32)."""
+    return spec.dtype == torch.float8_e8m0fnu or (spec.dtype.is_floating_point and spec.dtype.itemsize >= 2)

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from phantom.arch.config import ModelConfig
-from phantom.arch.ops import RMSNorm, apply_rope, attend, attention_mask, linear
+from phantom.arch.ops import RMSNorm, apply_rope, attend, attention_mask, document_spans, linear
 
 
 def rope_tail(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -129,12 +129,21 @@ class CompressedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache=None, start_pos: int = 0,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, dim) normed; rope (T, 2, R/2, 2): the compress table, then the main one (ops.rope_table)."""
-        if cache is not None or mask is not None:
-            raise ValueError("DeepSeek-V4's compressed attention runs whole rows of one example each: generation "
-                             "with a cache and rows packing several examples are not supported")
+        """x (B, T, dim) normed; rope (T, 2, R/2, 2): the compress table, then the main one (ops.rope_table). Rows
+        packing several examples (mask: packed_layout's each token's example's first position; rope then each row's
+        own) run each example alone, its windows and compressed entries its own, as transformers runs it alone."""
+        if cache is not None:
+            raise ValueError("DeepSeek-V4's compressed attention keeps no cache: generation is not supported")
+        if mask is None:
+            return self.example(x, rope[:x.shape[1]])
+        spans = document_spans(mask)
+        return torch.cat([torch.cat([self.example(x[r:r + 1, a:b], rope[r, a:b]) for s, a, b in spans if s == r], 1)
+                          for r in range(x.shape[0])])
+
+    def example(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """The attention of rows x (B, T, dim) of one example each; rope (T, 2, R/2, 2) from position 0."""
         B, T, _ = x.shape
-        own, compress = rope[:T].select(-3, self.table), rope[:T].select(-3, 0)
+        own, compress = rope.select(-3, self.table), rope.select(-3, 0)
         q_res = self.q_a_norm(self.wq_a(x))
         q = rope_tail(unweighted_norm(self.wq_b(q_res).view(B, T, self.n_heads, self.head_dim), self.eps), own)
         kv = rope_tail(self.kv_norm(self.wkv(x)).view(B, T, 1, self.head_dim), own).transpose(1, 2)

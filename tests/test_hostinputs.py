@@ -120,6 +120,7 @@ def test_the_cost_model_counts_the_inputs_in_host_memory_on_cuda_only_where_rows
         inputs = cfg.n_layers * vector
         assert (p.pinned_bytes >= inputs) == on_host and (p.host_bytes >= inputs) == on_host
         assert (p.device_bytes < inputs) == on_host
+        assert p.bytes_inputs == (inputs if on_host else 0)  # out after each forward, back before each backward
 
 
 @pytest.mark.cuda

@@ -67,6 +67,7 @@ class Prediction:
     kept_blocks: int
     seq_len: int
     missing: tuple[tuple[str, int], ...] = ()
+    bytes_inputs: int = 0  # block inputs copied to host memory and back, each way (CUDA, long rows; hostinputs)
 
     @property
     def fits(self) -> bool:
@@ -225,10 +226,9 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
     compute = sum(cf) + sum(cb) + head
     loads = lay.loads()
     read = sum(n for tier, n in loads.items() if T.get(tier).reads)  # loads a tier reads (disk), the rest copied
-    kept = set(lay.bases)
     saved = lambda which: sum(shape.base_bytes for i in fwd_loads + bwd_loads  # noqa: E731
-                              if i in kept and which(T.get(tiers[i]).reads))
-    transfer = sum((t_kept if i in kept else t).of(tiers[i]) for i in fwd_loads + bwd_loads)
+                              if i in lay.bases and which(T.get(tiers[i]).reads))
+    transfer = sum((t_kept if i in lay.bases else t).of(tiers[i]) for i in fwd_loads + bwd_loads)
     bound = "compute" if step <= 1.1 * compute or transfer == 0 else \
         "disk" if sum(t.read_s.get(tier, 0.0) * n for tier, n in loads.items()) >= sum(loads.values()) * t.link_s else "link"
     return Prediction(
@@ -238,6 +238,7 @@ def predict(profile: MachineProfile, shape: Shape, placement: Placement, activat
         bytes_h2d=(sum(loads.values()) - (read if profile.host_is_device else 0)) * shape.block_bytes -
         saved(lambda reads: not (reads and profile.host_is_device)),
         loads=sum(loads.values()), kept_blocks=keep, seq_len=shape.seq_len,
+        bytes_inputs=input_copy_bytes(shape, profile, keep, rows, activations.mlp_chunk),
         missing=shortfall(shape, profile, device, host, margin))
 
 def block_compute(profile: MachineProfile, shape: Shape, activations: Activations, rows: int,
@@ -330,6 +331,11 @@ def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int
     running = 1 if tiled(shape, chunk) else 2
     return int(saved + block_peak_bytes(shape, profile, chunk, micro_batch) +
                running * rows * shape.act_bytes_per_row)
+
+def input_copy_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, chunk: int) -> int:
+    """Bytes of the recomputed blocks' inputs copied to host memory and back per step, each way, where they wait
+    there (`inputs_on_host`)."""
+    return (shape.n_blocks - keep) * rows * shape.act_bytes_per_row if inputs_on_host(shape, profile, chunk) else 0
 
 def host_input_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int, chunk: int) -> int:
     """Page-locked host bytes of the recomputed blocks' inputs where they wait there (`inputs_on_host`): one

@@ -213,7 +213,9 @@ def describe_plan(prediction: Prediction, shape: Shape, profile: MachineProfile,
         + (f", the recomputed blocks' inputs {gib(inputs)} of it" if inputs else "")
         + f"; disk {gib(shape.store_bytes)} for the store",
         f"traffic    per step {p.loads} block loads: {p.bytes_read / 1e9:.1f} GB read from disk, "
-        f"{p.bytes_h2d / 1e9:.1f} GB host-to-device",
+        f"{p.bytes_h2d / 1e9:.1f} GB host-to-device"
+        + (f"; block inputs {p.bytes_inputs / 1e9:.1f} GB each way (a side stream, beside the compute: not in the "
+           f"step's time)" if p.bytes_inputs else ""),
         f"predicted  {p.step_s:.3f} s/step, {per_s(p.tokens_per_s)} tokens/s, {p.bound}-bound "
         f"(compute {p.compute_s:.3f} s, transfers {p.transfer_s:.3f} s)"]
     if not p.fits:

@@ -194,3 +194,40 @@ def test_a_recompute_only_backpropagated_computes_the_residual_part_once():
         assert calls == forward + [(0, 4), (4, 4), (8, 2)]
         for g, r in zip(grads, ref):
             assert rel_err(g, r) < 1e-6
+
+
+def test_a_given_up_gradient_takes_the_residual_parts_input_gradient():
+    """Under consumed(g) (a streamed block's backward gives up its incoming gradient) a residual part writes its
+    input's gradient into g's memory, chunk by chunk: the same values as h + fn(h) at once, and no row-sized tensor
+    beside g. Without it, or where g is expanded (its elements share memory), g is left as it was."""
+    from phantom.arch.tiled import consumed
+    lin = torch.nn.Linear(4, 4)
+    h = torch.randn(2, 10, 4, requires_grad=True)
+    g_out = torch.randn(2, 10, 4)
+    ref = torch.autograd.grad(h + torch.tanh(lin(h)), [h, lin.weight], g_out)
+    for given, g in ((False, g_out.clone()), (True, g_out.clone()), (True, g_out[:, :1].expand(2, 10, 4))):
+        before = g.clone()
+        out = tiled(lambda c, a: torch.tanh(lin(c)), h, 4, [lin], residual=True)
+        with consumed(g) if given else contextlib.nullcontext():
+            dh, dw = torch.autograd.grad(out, [h, lin.weight], g)
+        written = given and g.is_contiguous()
+        assert (dh.data_ptr() == g.data_ptr()) == written
+        assert torch.equal(g, before) != written
+        if g.is_contiguous():
+            assert rel_err(dh, ref[0]) < 1e-6 and rel_err(dw, ref[1]) < 1e-6
+
+
+def test_a_streamed_tiled_block_writes_its_input_gradient_into_the_one_coming_in(family_models, monkeypatch):
+    """Each streamed block gives up its incoming gradient (consumed): every tiled block's residual part, kept or
+    recomputed, from disk or RAM, writes the row's gradient there (the engine hands it on as it is). Resident blocks
+    (offload none) are one autograd graph with nothing given up: there the part writes a tensor of its own."""
+    import phantom.arch.tiled as T
+    real, seen = T._writable, []
+    monkeypatch.setattr(T, "_writable", lambda g, h: seen.append(real(g, h)) or seen[-1])
+    _, store = family_models("llama-tied")
+    tokens, targets = batch()
+    for offload, prefetch, recompute in RUNS:
+        seen.clear()
+        step(store, tokens, targets, ("q", "v"), offload=offload, prefetch=prefetch, recompute=recompute,
+             mlp_chunk=CHUNK)
+        assert seen and all(seen) == (offload != "none"), (offload, recompute, seen)

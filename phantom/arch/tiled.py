@@ -11,7 +11,8 @@ tensors it is given (LoRA's, and the weights themselves in full finetuning), sum
 `torch.autograd.grad` over explicit inputs and `.backward()` into leaves both see them. The recompute
 replays the forward's random draws (dropout) and autocast. A residual part (the MLP: h + mlp(h), the block's
 output) adds its input inside the node, so the row's gradient is written once, chunk by chunk, and a recompute
-only backpropagated makes no full-length output at all. Imports torch only.
+only backpropagated makes no full-length output at all; where the caller gives the block's output gradient up
+(`consumed`: a streamed block's backward), that gradient's own memory takes the row's gradient. Imports torch only.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import torch.nn as nn
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 _graph_only = threading.local()  # .on: the graph being built is only backpropagated (outputs_unused)
+_given_up: list[torch.Tensor] = []  # gradients their callers read no more (consumed), on any thread's backward
+_given_up_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -40,6 +43,31 @@ def outputs_unused():
         yield
     finally:
         _graph_only.on = before
+
+
+@contextlib.contextmanager
+def consumed(grad: torch.Tensor):
+    """While the caller backpropagates `grad` through a graph and reads it no more (a streamed block's incoming
+    gradient, phantom.stream.executor), a residual tiled part whose output it is the gradient of writes its input's
+    gradient into it, chunk by chunk (each chunk's rows are read before they are written), instead of into a tensor
+    beside it: one full-length tensor less held through the rest of the block's backward. Known by its memory
+    (address, shape, strides, dtype), as the engine hands it on, on whichever thread runs the node; one that is
+    not contiguous (an expanded gradient) is not written."""
+    with _given_up_lock:
+        _given_up.append(grad)
+    try:
+        yield
+    finally:
+        with _given_up_lock:
+            del _given_up[next(i for i, g in enumerate(_given_up) if g is grad)]
+
+
+def _writable(grad: torch.Tensor, h: torch.Tensor) -> bool:
+    """Whether grad (a residual part's output gradient) is one a caller gave up (consumed) and can take h's."""
+    key = lambda t: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)  # noqa: E731
+    with _given_up_lock:
+        given = any(key(grad) == key(g) for g in _given_up)
+    return given and grad.is_contiguous() and (grad.shape, grad.dtype, grad.device) == (h.shape, h.dtype, h.device)
 
 
 def tiled(fn: Callable[[torch.Tensor, int], Outputs], h: torch.Tensor, chunk: int | None,
@@ -134,7 +162,8 @@ class TiledCompute(torch.autograd.Function):
         needs_h = ctx.needs_input_grad[2]
         wanted = [p for p, need in zip(ctx.trained, ctx.needs_input_grad[3:]) if need]
         sums: list[torch.Tensor | None] = [None] * len(wanted)
-        dh = torch.empty_like(h) if needs_h else None  # every chunk writes its rows (hc reaches each output)
+        into_grad = needs_h and ctx.residual and _writable(grad[0], h)  # the row's gradient where the output's was
+        dh = grad[0] if into_grad else torch.empty_like(h) if needs_h else None  # every chunk writes its rows
         with ctx.replay.replayed():
             for a in range(0, h.shape[1], ctx.chunk):
                 hc = h[:, a:a + ctx.chunk].detach().requires_grad_(needs_h)
@@ -145,7 +174,9 @@ class TiledCompute(torch.autograd.Function):
                 grads = torch.autograd.grad([y for y, _ in live], ([hc] if needs_h else []) + wanted,
                                             [g for _, g in live], allow_unused=True) if live else [None] * (
                     needs_h + len(wanted))
-                if needs_h:  # the residual's own gradient beside the chunk's
+                if into_grad and grads[0] is not None:  # the residual's own gradient is already there
+                    dh[:, a:a + ctx.chunk].add_(grads[0])
+                elif needs_h and not into_grad:  # the residual's own gradient beside the chunk's
                     _write(dh[:, a:a + ctx.chunk], grads[0], grad[0][:, a:a + ctx.chunk] if ctx.residual else None)
                 for j, g in enumerate(grads[1:] if needs_h else grads):
                     if g is not None:

@@ -323,12 +323,13 @@ def activation_bytes(shape: Shape, profile: MachineProfile, keep: int, rows: int
                      chunk: int = 0) -> int:
     """Saved for backward (kept graphs, the recomputed blocks' inputs: all of them, or where they wait in host
     memory the one block's brought back, and the state blocks carry to later ones), one micro-batch's block backward
-    at its peak (`block_peak_bytes`), and the gradient coming in, beside the block's output untiled (a tiled block's
-    residual part makes none in its recompute, phantom.arch.tiled); `chunk`: Activations.mlp_chunk."""
+    at its peak (`block_peak_bytes`), and untiled the gradient coming in beside the block's output (a tiled block's
+    residual part makes no output in its recompute and writes its input's gradient into the one coming in, which
+    `row_bytes_per_token` counts: phantom.arch.tiled); `chunk`: Activations.mlp_chunk."""
     inputs = min(1, shape.n_blocks - keep) if inputs_on_host(shape, profile, chunk) else shape.n_blocks - keep
     saved = keep * rows * kept_row_bytes(shape, profile, chunk) + inputs * rows * shape.act_bytes_per_row + \
         rows * shape.carry_bytes_per_row
-    running = 1 if tiled(shape, chunk) else 2
+    running = 0 if tiled(shape, chunk) else 2  # tiled: the MLP's input's gradient is written into the one coming in
     return int(saved + block_peak_bytes(shape, profile, chunk, micro_batch) +
                running * rows * shape.act_bytes_per_row)
 

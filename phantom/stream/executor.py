@@ -34,7 +34,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from phantom.arch import carry as C
 from phantom.arch.layers import fuse_adjacent, lora_disabled
 from phantom.arch.ops import KVCache
-from phantom.arch.tiled import outputs_unused
+from phantom.arch.tiled import consumed, outputs_unused
 from phantom.stream.kvcache import block_cache
 from phantom.stream import lanes as L
 from phantom.stream import moeblock
@@ -180,7 +180,8 @@ class StreamedBlock(torch.autograd.Function):
                     with torch.enable_grad(), torch.autocast(**ctx.autocast), _drawing(lane, ctx.streams), \
                             outputs_unused():  # only its graph is used: a tiled MLP computes its chunks once
                         out = ex.run_block(ctx.i, xc, rc, mask=mc, lane=lane, carry=cc)
-                grads = torch.autograd.grad(out, ([xc] if needs_x else []) + wrt, gc, allow_unused=True)
+                with consumed(gc):  # read no more: a tiled block's residual part writes x's gradient into it
+                    grads = torch.autograd.grad(out, ([xc] if needs_x else []) + wrt, gc, allow_unused=True)
                 if needs_x:
                     x_grads.append(grads[0])
                 grads = grads[1:] if needs_x else grads

@@ -179,6 +179,7 @@ class Attention(nn.Module):
 
 
 TILED_MIXERS = (Attention, LatentAttention)  # their inputs() tile (Gated DeltaNet runs its own chunks)
+DOCUMENT_MIXERS = (Attention, LatentAttention)  # packed rows' examples attend alone in them (by_documents)
 
 
 class FeedForward(nn.Module):
@@ -244,7 +245,7 @@ class TransformerBlock(nn.Module):
         attention takes from each token (the norm, projections, q/k norms, RoPE) in chunks too (tiled), so the
         row keeps q, k, v and not the norm's output or the projections' before RoPE."""
         att = self.attention
-        if mask is not None and mask.dim() == 2 and type(att).forward is not Attention.forward:
+        if mask is not None and mask.dim() == 2 and not isinstance(att, DOCUMENT_MIXERS):
             mask = document_mask(mask, x.device)  # packed rows' examples as the dense mask the other mixers take
         if self.mlp_chunk and x.shape[1] > self.mlp_chunk and cache is None and isinstance(att, TILED_MIXERS):
             # (T, ..) a table for every row, or (B, T, ..) each row's own positions (packed rows); a local base's

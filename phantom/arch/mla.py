@@ -19,7 +19,9 @@ import torch.nn as nn
 
 from phantom.arch import dsa
 from phantom.arch.config import ModelConfig
-from phantom.arch.ops import KVCache, RMSNorm, apply_rope, apply_rope_halves, attend, attention_mask, linear
+from phantom.arch.ops import (KVCache, RMSNorm, apply_rope, apply_rope_halves, attend, attention_mask, document_mask,
+                              document_spans, linear)
+from phantom.arch.tiled import by_documents
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -75,7 +77,9 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor | None, rope: torch.Tensor, cache: KVCache | None = None,
                 start_pos: int = 0, mask: torch.Tensor | None = None,
                 inputs: tuple[torch.Tensor, ...] | None = None, carry: dict | None = None) -> torch.Tensor:
-        """mask: None (causal), or (B, 1, T, T) bool for packed rows. The cache holds each token's
+        """mask: None (causal); packed rows' examples (B, T) (packed_layout: each example attends alone, by_documents,
+        no T x T mask; the sparse path alone expands it to the dense mask); or a (B, 1, T, S) bool mask (generation's
+        left-padded rows). The cache holds each token's
         normalised latent (k) and rotated shared key (v), not the heads' keys and values. `inputs`:
         self.inputs(x, rope, indexed) computed already (tiled over the row), x then unused. `carry`: where a
         GLM-5 indexer layer leaves its top-k for the layers sharing it, and they find it."""
@@ -88,7 +92,9 @@ class LatentAttention(nn.Module):
             cache.v[:B, 0, start_pos:start_pos + T] = k_rot[:, :, 0]
             latent, k_rot = cache.k[:B, 0, :start_pos + T], cache.v[:B, 0, :start_pos + T, None]
         S = latent.shape[1]
+        packed = mask is not None and mask.dim() == 2  # packed rows' examples: each token's example's first position
         if self.sparse(S):
+            mask = document_mask(mask, q.device) if packed else mask
             if cache is not None:
                 raise ValueError(f"{S} keys in a generation's cache: DeepSeek Sparse Attention past index_topk "
                                  f"({self.index_topk}) keys needs its indexer's key cache, which is not kept; "
@@ -98,6 +104,8 @@ class LatentAttention(nn.Module):
         k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_pass, k_rot.expand(B, S, self.n_heads, self.rope_dim)], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T or S, D)
+        if packed:
+            return self.wo(by_documents(self.alone, q, k, v, document_spans(mask), []).transpose(1, 2).reshape(B, T, -1))
         window = attention_mask(T, start_pos if cache is not None else 0, self.window, q.device)
         if mask is None:
             mask = window
@@ -105,6 +113,10 @@ class LatentAttention(nn.Module):
             mask = mask & window
         out = attend(q, k, v, mask, self.scale)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def alone(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of one packed example's (1, H, L, D) q, k, v, its positions from 0, within the layer's window."""
+        return attend(q, k, v, attention_mask(q.shape[2], 0, self.window, q.device), self.scale)
 
     def attend_sparse(self, q: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, index: list,
                       mask: torch.Tensor | None, carry: dict | None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from phantom.arch.presets import PRESETS
 from phantom.arch.quantformat import QuantFormat
 from phantom.export.export import export, to_hf
 from phantom.arch.ops import rope_rows
-from phantom.model.lora import PROJECTIONS, TARGETS, V4_TARGETS, adapted_modules
+from phantom.model.lora import PARAMETER_TARGETS, PROJECTIONS, TARGETS, V4_TARGETS, adapted_modules
 from phantom.files.store import BlockStore
 from phantom.convert.quantstore import quantize_store
 from phantom.convert.synthetic import write_synthetic
@@ -201,8 +201,8 @@ CASES = {
     "deepseek_v4": Case("DeepseekV4Config", V4, "DeepseekV4ForCausalLM",
                         {"family": "deepseek_v4", "n_experts": 8, "hc_mult": 4, "hash_layers": (0, 1), "csa_rate": 4,
                          "hca_rate": 8, "rope_dim": 8, "local_rope_theta": 10000.0},
-                        **{**MOE, "lora_targets": V4_TARGETS, "adapter_modules": tuple(sorted(
-                            TARGETS[t][1] for t in V4_TARGETS))}),
+                        **{**MOE, "lora_targets": V4_TARGETS, "adapter_modules": tuple(sorted(  # o_a: a tensor
+                            TARGETS[t][1] for t in V4_TARGETS if t not in PARAMETER_TARGETS))}),
     "qwen3_next": Case("Qwen3NextConfig", LINEAR, "Qwen3NextForCausalLM",
                        {"family": "qwen3_next", "n_experts": 8, "linear_grouped": True, "rope_dim": 4},
                        **{**MOE, "runs": MOE["runs"][:3], "lora_runs": MOE["lora_runs"][:1]}),

@@ -5,6 +5,7 @@ against AdamW):
 - each feature of the family changes transformers' logits, so the shared checks see it;
 - LoRA on attention and the experts (peft's target_parameters) equals peft, resident and streamed with the experts
   read routed and whole (the hashed layers' by the token ids carried to their blocks);
+- LoRA on the grouped o_a_proj is peft's target_parameters LoRA on its weight (peft's LoRA module on it fails);
 - the Hub's names (DeepSeek's own) and the older config fields are read as transformers reads them;
 - what phantom does not model is refused in one line.
 """
@@ -13,16 +14,18 @@ from __future__ import annotations
 import json
 import math
 
+import peft
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from family_check import V4, batch, make, prepare
+import phantom
+from family_check import V4, batch, lora_grads, make, peft_step, prepare, rel_err
 from phantom.arch.config import ConfigError, block_tensor_shapes
 from phantom.arch.family import config_from_hf
 from phantom.files.store import BlockStore
 from test_deepseek import differs, zero
-from test_moe_lora import assert_runs_equal_peft, expert_adapter, peft_step
+from test_moe_lora import adapter_tensors, assert_runs_equal_peft, expert_adapter
 from test_moe_routed import ram_streams  # noqa: F401  (a fixture: the RAM tier read into slots, as on CUDA)
 
 
@@ -79,6 +82,63 @@ def test_expert_lora_equals_peft_with_experts_read_routed_and_whole(models, tmp_
     model, store, tokens, targets, adapter, config = expert_adapter(models, "deepseek_v4", tmp_path)
     assert config["target_modules"] == ["self_attn.kv_proj", "self_attn.o_b_proj", "self_attn.q_b_proj"]
     assert_runs_equal_peft(store, tokens, targets, peft_step(model, adapter, tokens, targets))
+
+
+def test_o_a_proj_lora_is_peft_target_parameters_on_its_weight(models, tmp_path):
+    """transformers' o_a_proj is a DeepseekV4GroupedLinear (its input (..., o_groups, in)): peft 0.21's LoRA module on
+    it fails in its forward; its target_parameters LoRA on the weight (W + scale B A, viewed in groups) runs. An
+    adapter get_peft_model makes so (layer 1 at rank 2 through rank_pattern) loads into phantom: logits within 1e-5
+    and every A and B gradient within 1e-4 of peft's, resident and streamed; it saves back with peft's names and
+    tensors. What peft's target_parameters LoRA cannot do (dropout, layers) and the module named as a target are
+    refused in one line."""
+    from phantom.files.tensorfile import StoreError
+    from phantom.model.adapterfiles import read_adapter_config
+    model, store = models("deepseek_v4")
+    tokens, targets = batch()
+    broken = peft.get_peft_model(make("deepseek_v4"), peft.LoraConfig(target_modules=["self_attn.o_a_proj"], r=4))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        broken(tokens)
+    pmodel = peft.get_peft_model(make("deepseek_v4"), peft.LoraConfig(
+        target_modules=[], target_parameters=["self_attn.o_a_proj.weight"], r=4, lora_alpha=8,
+        rank_pattern={"layers.1.self_attn.o_a_proj.weight": 2}))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in (p for n, p in pmodel.named_parameters() if "lora_" in n):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    pmodel.save_pretrained(tmp_path / "peft")
+    theirs = adapter_tensors(tmp_path / "peft")
+    assert theirs["base_model.model.model.layers.1.self_attn.o_a_proj.lora_A.weight"].shape == (2, 64)
+    assert theirs["base_model.model.model.layers.0.self_attn.o_a_proj.lora_B.weight"].shape == (32, 4)
+    ref_logits, ref_loss, ref_grads = peft_step(model, tmp_path / "peft", tokens, targets)
+    with torch.no_grad():
+        assert rel_err(ref_logits, model(tokens).logits) > 1e-3  # the LoRA changes the logits
+    lora = read_adapter_config(tmp_path / "peft")
+    assert lora.targets == ("o_a",)
+    for offload, prefetch in (("none", 0), ("disk", 1)):
+        with phantom.load(store, lora=lora, offload=offload, prefetch=prefetch, loss_chunk=7) as pm:
+            pm.load_adapter(tmp_path / "peft")
+            with torch.no_grad():
+                assert rel_err(pm(tokens), ref_logits) < 1e-5, offload
+            loss = pm(tokens, targets=targets)
+            loss.backward()
+            torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=0)
+            grads = lora_grads(pm)
+            assert grads.keys() == ref_grads.keys() and len(grads) == 4
+            for key, (ga, gb) in grads.items():
+                assert rel_err(ga, ref_grads[key][0]) < 1e-4 and rel_err(gb, ref_grads[key][1]) < 1e-4, key
+            pm.save_adapter(tmp_path / "back")
+    ours = adapter_tensors(tmp_path / "back")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    config = json.loads((tmp_path / "back" / "adapter_config.json").read_text())
+    assert config["target_modules"] == [] and config["target_parameters"] == ["self_attn.o_a_proj.weight"]
+    for bad, words in ((dict(dropout=0.1), "dropout"), (dict(layers=(0,)), "layers_to_transform")):
+        with pytest.raises(ValueError, match=words):
+            phantom.load(store, lora=phantom.LoraConfig(targets=("q", "o_a"), **bad))
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(
+        json.loads((tmp_path / "peft" / "adapter_config.json").read_text()) | {"target_modules": ["self_attn.o_a_proj"],
+                                                                               "target_parameters": None}))
+    with pytest.raises(StoreError, match="target_parameters self_attn.o_a_proj.weight"):
+        read_adapter_config(tmp_path / "peft")
 
 
 def test_the_hub_names_are_read_as_transformers_reads_them(models, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +22,18 @@ from phantom.arch.family import FAMILIES, config_from_hf
 from family_check import transformers
 from test_tune import script
 
+DATA = Path(__file__).parent / "data"
+# the published config.json of each (tests/data; where each came from: notes/presets-published.md)
+PUBLISHED_FILES = {"deepseek-v3.2": "deepseek-v3.2-671B", "glm-5": "glm-5-744B",
+                   "deepseek-v4-flash-base": "deepseek-v4-flash-284B", "deepseek-v4-pro": "deepseek-v4-pro-1.6T",
+                   "kimi-k2.5": "kimi-k2.5-1T"}
+
 FAMILY_PRESETS = ["qwen2.5-7B", "qwen2.5-72B", "qwen3-8B", "qwen3-32B", "llama3.1-8B", "llama3.1-70B", "llama3.2-1B",
                   "llama3.2-3B", "gemma2-9B", "gemma2-27B", "gemma3-27B", "mistral-7B", "phi4-14B", "phi3-mini-4k",
                   "qwen3-30B-A3B", "qwen3-235B-A22B", "mixtral-8x7B", "olmoe-1B-7B", "deepseek-v3-671B", "kimi-k2-1T",
                   "glm-4.5-355B", "deepseek-v2-lite-16B", "gpt-oss-20b", "gpt-oss-120b", "minimax-m2-230B",
                   "llama4-scout-109B", "llama4-maverick-400B", "deepseek-v3.2-671B", "glm-5-744B", "deepseek-v4-flash-284B",
-                  "deepseek-v4-pro-1.6T"]
+                  "deepseek-v4-pro-1.6T", "kimi-k2.5-1T"]
 # parameters as the model cards state them (billions)
 PUBLISHED = {"qwen2.5-7B": 7.61, "qwen2.5-72B": 72.7, "qwen3-8B": 8.2, "qwen3-32B": 32.8, "llama3.1-8B": 8.03,
              "llama3.1-70B": 70.6, "llama3.2-1B": 1.24, "llama3.2-3B": 3.21, "gemma2-9B": 9.24, "gemma2-27B": 27.2,
@@ -61,6 +68,48 @@ def test_the_family_class_has_the_parameters_phantom_counts(name):
     assert sum(p.numel() for p in model.parameters()) + buffers == cfg.n_params()
     if name in PUBLISHED:
         assert abs(cfg.n_params() / 1e9 - PUBLISHED[name]) < 0.01 * PUBLISHED[name]  # cards round either way
+
+
+@pytest.mark.parametrize("file,name", PUBLISHED_FILES.items())
+def test_the_presets_are_their_published_config_files_read(file, name):
+    """Every field phantom reads from the published file (V4: its compress_ratios; Kimi-K2.5: its text_config, the
+    vision tower left out, its INT4 quantization_config read as shipped) is the preset's."""
+    assert config_from_hf(json.loads((DATA / f"{file}.config.json").read_text())) == PRESETS[name]
+
+
+def test_kimi_k2_5_is_the_vision_language_class_s_text_model():
+    """Kimi_K25ForConditionalGeneration built on the meta device from the published config.json (its text_config;
+    the class's own defaults are DeepSeek-V3's text model, tied): its language model and head hold the preset's
+    parameters, and its vision tower and projector the rest."""
+    c = json.loads((DATA / "kimi-k2.5.config.json").read_text())
+    drop = ("auto_map", "quantization_config", "model_type")
+    text = {k: v for k, v in c.pop("text_config").items() if k not in drop}
+    config = transformers.Kimi_K25Config(text_config=text, **{k: v for k, v in c.items() if k not in drop})
+    with torch.device("meta"):
+        model = transformers.Kimi_K25ForConditionalGeneration(config)
+    persistent = model.state_dict().keys()  # the router correction bias: a buffer, in the checkpoint
+    lm = model.model.language_model
+    buffers = sum(b.numel() for n, b in lm.named_buffers() if f"model.language_model.{n}" in persistent)
+    counted = sum(p.numel() for p in lm.parameters()) + buffers + model.lm_head.weight.numel()
+    assert counted == PRESETS["kimi-k2.5-1T"].n_params()
+    assert sum(p.numel() for p in model.parameters()) > counted  # the vision tower, left out
+
+
+def test_tune_plans_kimi_k2_5_as_shipped(tmp_path, monkeypatch, capsys):
+    """scripts/tune.py --preset kimi-k2.5-1T --quantize int4-group plans its 61 blocks as the Hub ships them (the
+    routed experts INT4 with a bf16 scale per 32 values, the rest bf16: 0.288x the bf16 store, as Kimi-K2's), on a
+    768 GB host; a profile measured on a small shape stands in for this machine's."""
+    small = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=16, max_seq_len=64)
+    profile = dataclasses.replace(profiles.probe(small, "cpu", ci.Workload(1, 16, "fp32", "bf16"), tmp_path, quick=True),
+                                  free_device_bytes=None, free_host_bytes=768 << 30)
+    monkeypatch.setattr(profiles, "probe", lambda *a, **k: profile)
+    assert script().main(["--preset", "kimi-k2.5-1T", "--quantize", "int4-group", "--device", "cpu", "--json",
+                          "--batch-size", "1", "--seq-len", "128", "--disk-budget", "2TB"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    cfg = PRESETS["kimi-k2.5-1T"]
+    assert plan["fits"] and len(plan["tiers"]) == cfg.n_layers
+    ratio = ci.shape_of(cfg, quant="int4-group").block_bytes / ci.shape_of(cfg).block_bytes
+    assert 0.2812 < ratio < 0.29, ratio
 
 
 def test_tune_plans_qwen2_5_72b_like_the_70b(tmp_path, monkeypatch, capsys):

@@ -12,7 +12,9 @@ kind (cfg.kind):
   its own at index_head_dim, scored by ReLU(q . k) weighted per head). The choice has no gradient, so the indexer's
   weights get none, as in transformers.
 Each head's softmax has a sink logit (attend_with_sinks). The heads' outputs go through a grouped low-rank projection:
-o_groups groups of heads, each to o_lora_rank by its own rows of wo_a, then wo_b. Imports config and ops only.
+o_groups groups of heads, each to o_lora_rank by its own rows of wo_a, then wo_b. A LoRA on wo_a is peft's on the
+weight (target_parameters' W + scale B A), its rows in the same groups: each group its rows of B after the one A.
+Imports config and ops only.
 """
 from __future__ import annotations
 
@@ -158,6 +160,16 @@ class CompressedAttention(nn.Module):
             seen = torch.cat([seen.expand(B, T, T), chosen], dim=-1)[:, None]
         out = attend(q.transpose(1, 2), kv, kv, seen, self.head_dim ** -0.5, sinks=self.sinks).transpose(1, 2)
         out = rope_tail(out, own * own.new_tensor([1.0, -1.0]))  # turned back: cos, -sin
-        grouped = out.reshape(B, T, self.groups, -1)
+        return self.wo_b(self.grouped_output(out.reshape(B, T, self.groups, -1)).flatten(2))
+
+    def grouped_output(self, grouped: torch.Tensor) -> torch.Tensor:
+        """wo_a on grouped (B, T, groups, in): each group by its own rows of the weight, as transformers'
+        DeepseekV4GroupedLinear views it. With a LoRA (phantom.arch.layers.LoraLinear) the weight is peft's
+        W + scale B A, computed low-rank: the one A on every group, then each group's rows of B."""
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.wo_b(torch.einsum("btgi,gri->btgr", grouped, w).flatten(2))
+        out = torch.einsum("btgi,gri->btgr", grouped, w)
+        lora = self.wo_a
+        if getattr(lora, "lora_A", None) is None or not lora.enabled:
+            return out
+        b = lora.lora_B.view(self.groups, -1, lora.lora_B.shape[1])
+        return out + torch.einsum("btgk,grk->btgr", lora.lora_input(grouped), b) * lora.scale

@@ -21,6 +21,10 @@ DEEPSEEK_V3 = dict(intermediate_size=18432, norm_eps=1e-6, max_seq_len=163840, f
                    shared_expert_dim=2048, dense_layers=(0, 1, 2), router_groups=8, router_topk_groups=4,
                    routed_scale=2.5, **DEEPSEEK_ROUTER,
                    rope_scaling=RopeScaling(rope_type="yarn", factor=40, original_max_seq_len=4096, mscale_all_dim=1.0))
+# moonshotai/Kimi-K2-Instruct and K2.5's text model: DeepSeek-V3's architecture, 64 heads, 384 experts, one group, one
+# dense layer
+KIMI_K2 = {**DEEPSEEK_V3, "rope_theta": 50000.0, "n_experts": 384, "routed_scale": 2.827, "router_groups": 1,
+           "router_topk_groups": 1, "dense_layers": (0,)}
 GPT_OSS = dict(intermediate_size=2880, max_seq_len=131072, rope_theta=150000, family="gpt_oss", explicit_head_dim=64,
                qkv_bias=True, o_bias=True, sliding_window=128, experts_per_token=4, expert_dim=2880,
                router_aux_coef=0.9, router_score="topk_softmax", attn_sinks=True, router_logit_bias=True,
@@ -36,14 +40,18 @@ LLAMA4 = dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, vocab_size=202048
               layer_types=("chunked_attention",) * 3 + ("full_attention",))
 
 
-def deepseek_v4(dim: int, n_layers: int, n_heads: int, n_experts: int, expert_dim: int, **fields) -> ModelConfig:
-    """DeepSeek-V4's shape: DeepseekV4Config's defaults (V4-Flash's) where `fields` leave them, its layer_types too
-    (two heavily compressed layers, then heavily compressed and compressed sparse ones in turn); three hashed layers."""
-    kinds = ["heavily_compressed_attention"] * 2 + ["compressed_sparse_attention" if i % 2 else
-                                                   "heavily_compressed_attention" for i in range(n_layers - 2)]
+def deepseek_v4(dim: int, n_layers: int, n_heads: int, n_experts: int, expert_dim: int, first: str,
+                **fields) -> ModelConfig:
+    """DeepSeek-V4's shape: its config.json's values (V4-Flash's where `fields` leave them). compress_ratios as
+    published: two `first` layers (V4-Flash: sliding window alone, V4-Pro: heavily compressed), then compressed sparse
+    and heavily compressed ones in turn, compressed sparse first; three hashed layers; YaRN 16x from 65536 positions on
+    the compressed layers (compress_rope_theta)."""
+    kinds = [first] * 2 + ["heavily_compressed_attention" if i % 2 else "compressed_sparse_attention"
+                           for i in range(n_layers - 2)]
     return ModelConfig(**{**dict(
         dim=dim, n_layers=n_layers, n_heads=n_heads, vocab_size=129280, family="deepseek_v4", n_kv_heads=1,
         explicit_head_dim=512, rotary_dim=64, norm_eps=1e-6, max_seq_len=1048576, rope_theta=160000.0,
+        rope_scaling=RopeScaling(rope_type="yarn", factor=16.0, original_max_seq_len=65536),
         local_rope_theta=10000.0, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, attn_sinks=True, index_heads=64,
         index_head_dim=128, index_topk=512, hc_mult=4, hc_iters=20, hc_eps=1e-6, csa_rate=4, hca_rate=128,
         sliding_window=128, layer_types=tuple(kinds), hash_layers=(0, 1, 2), n_experts=n_experts, experts_per_token=6,
@@ -175,26 +183,31 @@ PRESETS: dict[str, ModelConfig] = {
     # deepseek-ai/DeepSeek-V2-Lite (no q bottleneck, softmax scores chosen greedily)
     "deepseek-v3-671B": ModelConfig(dim=7168, n_layers=61, n_heads=128, vocab_size=129280, **DEEPSEEK_V3),
     "kimi-k2-1T": ModelConfig(dim=7168, n_layers=61, n_heads=64, vocab_size=163840, **{
-        **DEEPSEEK_V3, "max_seq_len": 131072, "rope_theta": 50000.0, "n_experts": 384, "routed_scale": 2.827,
-        "router_groups": 1, "router_topk_groups": 1, "dense_layers": (0,),
-        "rope_scaling": RopeScaling(rope_type="yarn", factor=32.0, original_max_seq_len=4096, beta_fast=1.0,
-                                    beta_slow=1.0, mscale_all_dim=1.0)}),
+        **KIMI_K2, "max_seq_len": 131072, "rope_scaling": RopeScaling(
+            rope_type="yarn", factor=32.0, original_max_seq_len=4096, beta_fast=1.0, beta_slow=1.0,
+            mscale_all_dim=1.0)}),
+    # moonshotai/Kimi-K2.5 (Kimi_K25ForConditionalGeneration: its text_config, the vision tower left out): Kimi-K2's
+    # shapes with 262144 positions (YaRN 64x, beta_fast 32) and norm eps 1e-5; untied. Its routed experts ship as
+    # compressed-tensors INT4 in groups of 32 with bf16 scales, the rest bf16: plan it with --quantize int4-group
+    "kimi-k2.5-1T": ModelConfig(dim=7168, n_layers=61, n_heads=64, vocab_size=163840, **{
+        **KIMI_K2, "max_seq_len": 262144, "norm_eps": 1e-5, "rope_scaling": RopeScaling(
+            rope_type="yarn", factor=64.0, original_max_seq_len=4096, mscale_all_dim=1.0)}),
     "glm-4.5-355B": ModelConfig(dim=5120, n_layers=92, n_heads=96, n_kv_heads=8, vocab_size=151552,
                                 intermediate_size=12288, rope_theta=1e6, max_seq_len=131072, family="glm4_moe",
                                 explicit_head_dim=128, qkv_bias=True, qk_norm=True, rotary_dim=64, n_experts=160,
                                 experts_per_token=8, expert_dim=1536, norm_topk_prob=True, shared_expert_dim=1536,
                                 dense_layers=(0, 1, 2), routed_scale=2.5, **DEEPSEEK_ROUTER),
-    # DeepSeek Sparse Attention: deepseek-ai/DeepSeek-V3.2-Exp (DeepSeek-V3's shapes, a 64-head indexer picking 2048
-    # keys in every layer); zai-org/GLM-5 (GlmMoeDsaConfig's defaults, which its docstring names that checkpoint's:
-    # 64 heads of 192 + 64 q/k and 256 v dims, a 32-head indexer in every layer, RoPE in pairs in both)
+    # DeepSeek Sparse Attention: deepseek-ai/DeepSeek-V3.2 (DeepSeek-V3's shapes, a 64-head indexer picking 2048
+    # keys in every layer); zai-org/GLM-5 (its config.json: 64 heads of 192 + 64 q/k and 256 v dims, a 32-head
+    # indexer in every layer, RoPE in pairs in both, base 1e6)
     "deepseek-v3.2-671B": ModelConfig(dim=7168, n_layers=61, n_heads=128, vocab_size=129280, **{
         **DEEPSEEK_V3, "family": "deepseek_v32"}, index_heads=64, index_head_dim=128, index_topk=2048),
     "glm-5-744B": ModelConfig(dim=6144, n_layers=78, n_heads=64, vocab_size=154880, intermediate_size=12288,
-                              max_seq_len=202752, family="glm_moe_dsa", q_lora_rank=2048, kv_lora_rank=512,
-                              qk_nope_head_dim=192, v_head_dim=256, explicit_head_dim=256, rotary_dim=64, n_experts=256,
-                              experts_per_token=8, expert_dim=2048, norm_topk_prob=True, shared_expert_dim=2048,
-                              dense_layers=(0, 1, 2), routed_scale=2.5, **DEEPSEEK_ROUTER, index_heads=32,
-                              index_head_dim=128, index_topk=2048, index_pairs=True),
+                              max_seq_len=202752, rope_theta=1e6, family="glm_moe_dsa", q_lora_rank=2048,
+                              kv_lora_rank=512, qk_nope_head_dim=192, v_head_dim=256, explicit_head_dim=256,
+                              rotary_dim=64, n_experts=256, experts_per_token=8, expert_dim=2048, norm_topk_prob=True,
+                              shared_expert_dim=2048, dense_layers=(0, 1, 2), routed_scale=2.5, **DEEPSEEK_ROUTER,
+                              index_heads=32, index_head_dim=128, index_topk=2048, index_pairs=True),
     "deepseek-v2-lite-16B": ModelConfig(dim=2048, n_layers=27, n_heads=16, vocab_size=102400, intermediate_size=10944,
                                         norm_eps=1e-6, max_seq_len=163840, family="deepseek_v2", n_experts=64,
                                         experts_per_token=6, expert_dim=1408, shared_expert_dim=2816, dense_layers=(0,),
@@ -222,13 +235,11 @@ PRESETS: dict[str, ModelConfig] = {
         factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_seq_len=8192), max_seq_len=10485760),
     "llama4-maverick-400B": ModelConfig(**LLAMA4, n_experts=128, dense_layers=tuple(range(0, 48, 2)),
                                         max_seq_len=1048576),
-    # deepseek-ai/DeepSeek-V4-Flash: DeepseekV4Config's defaults (its docstring's checkpoint is V4-Flash-Base);
-    # deepseek-ai/DeepSeek-V4-Pro: hidden 7168, 128 heads, 16 output groups (DeepseekV4GroupedLinear's docstring),
-    # 61 layers, 384 experts 3072 wide, q_lora_rank 1536, index_topk 1024, routed_scaling_factor 2.5 (its config
-    # as MindSpore's DeepseekV4Config documents it). Hashed experts in the first three layers; MTP layers left out.
-    "deepseek-v4-flash-284B": deepseek_v4(4096, 43, 64, 256, 2048),
-    "deepseek-v4-pro-1.6T": deepseek_v4(7168, 61, 128, 384, 3072, q_lora_rank=1536, o_groups=16, index_topk=1024,
-                                        routed_scale=2.5),
+    # deepseek-ai/DeepSeek-V4-Flash(-Base) and -Pro: their config.json files (tests/data; notes/presets-published.md),
+    # compress_ratios included (transformers' default layer_types differ from both). MTP layers left out.
+    "deepseek-v4-flash-284B": deepseek_v4(4096, 43, 64, 256, 2048, "sliding_attention"),
+    "deepseek-v4-pro-1.6T": deepseek_v4(7168, 61, 128, 384, 3072, "heavily_compressed_attention", q_lora_rank=1536,
+                                        o_groups=16, index_topk=1024, routed_scale=2.5),
     # Gated DeltaNet among gated attention: Qwen/Qwen3.5-35B-A3B, Qwen/Qwen3.5-122B-A10B, Qwen/Qwen3.5-397B-A17B
     # (vision-language checkpoints: their text_config; the vision tower is left out), Qwen/Qwen3-Next-80B-A3B-Instruct
     "qwen3.5-35B-A3B": qwen35(40, 2048, 16, 32, 256, 8, 512),

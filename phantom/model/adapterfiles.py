@@ -19,8 +19,8 @@ from phantom.base import fileio, safejson
 from phantom.base.fileio import atomic_write_json
 from phantom.files.storeformat import safe_join
 from phantom.files.tensorfile import StoreError, read_header, write_safetensors
-from phantom.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_TARGETS, GROUPS, TARGETS, V4_TARGETS, \
-    LoraConfig, adapted_modules, config_module, expert_names, peft_modules
+from phantom.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_TARGETS, GROUPS, PARAMETER_TARGETS, TARGETS, \
+    V4_TARGETS, LoraConfig, adapted_modules, config_module, expert_names, peft_modules
 
 def _peft_key(i: int, module: str, ab: str) -> str:
     return f"base_model.model.model.layers.{i}.{module}.lora_{ab}.weight"
@@ -65,9 +65,10 @@ def save_adapter(layers: nn.ModuleList, model_cfg: ModelConfig, lora_cfg: LoraCo
         "revision": revision,
         "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
         "target_modules": sorted(config_module(model_cfg, peft_modules(model_cfg)[t][0]) for t in lora_cfg.targets
-                                 if t not in EXPERT_TARGETS),
-        "target_parameters": [peft_parameter(t, expert_names(model_cfg).module) for t in EXPERT_TARGETS
-                              if t in lora_cfg.targets] or None,
+                                 if t not in EXPERT_TARGETS and t not in PARAMETER_TARGETS),
+        "target_parameters": [*(peft_parameter(t, expert_names(model_cfg).module) for t in EXPERT_TARGETS
+                                if t in lora_cfg.targets),
+                              *(PARAMETER_TARGETS[t] for t in PARAMETER_TARGETS if t in lora_cfg.targets)] or None,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": None, "use_dora": False, **peft_fields(lora_cfg),
     })
@@ -126,24 +127,39 @@ def _lora_config(cpath: Path, c) -> LoraConfig:
         raise StoreError(f"{cpath}: layers_pattern {c['layers_pattern']!r:.60} is not supported (phantom's "
                          f"blocks are model.layers)")
     by_hf = {v[1].split(".")[1]: k for k, v in TARGETS.items() if k in V4_TARGETS[:2] or k not in V4_TARGETS} | \
-        {f"{g}_proj": g for g in GROUPS} | {TARGETS[k][1]: k for k in V4_TARGETS}  # DeepSeek-V4's: by path
+        {f"{g}_proj": g for g in GROUPS} | {TARGETS[k][1]: k for k in V4_TARGETS if k not in PARAMETER_TARGETS}
     modules, layers = c.get("target_modules"), c.get("layers_to_transform")
     if modules is None and c.get("target_parameters"):  # peft writes [] there; null means no modules too
         modules = []
+    grouped = {}  # a module peft adapts by its weight (PARAMETER_TARGETS), by path and by name -> that weight
+    for full in PARAMETER_TARGETS.values():
+        module = full.removesuffix(".weight")
+        grouped |= {module: full, module.rsplit(".", 1)[1]: full}
+    if isinstance(modules, list) and (named := [m for m in modules if m in grouped]):
+        raise StoreError(f"{cpath}: target_modules {named[0]}: peft 0.21's LoRA module on this grouped linear fails in "
+                         f"its forward; adapt its weight instead (target_parameters {grouped[named[0]]})")
     if not isinstance(modules, list) or any(m not in by_hf for m in modules):
         raise StoreError(f"{cpath}: target_modules {modules!r:.80} is not a list of modules phantom adapts "
                          f"({', '.join(by_hf)})")
     params = c.get("target_parameters") or []
-    if not isinstance(params, list) or any(target_of(t) is None for t in params):
-        raise StoreError(f"{cpath}: target_parameters {params!r:.80} is not a list of expert tensors phantom adapts "
-                         f"({', '.join(peft_parameter(t) for t in EXPERT_PARAMS)})")
+    if not isinstance(params, list) or any(parameter_target(t) is None for t in params):
+        raise StoreError(f"{cpath}: target_parameters {params!r:.80} is not a list of tensors phantom adapts "
+                         f"({', '.join([*(peft_parameter(t) for t in EXPERT_PARAMS), *PARAMETER_TARGETS.values()])})")
     if not isinstance(c.get("use_rslora", False), bool):
         raise StoreError(f"{cpath}: use_rslora {c['use_rslora']!r:.40} is not true or false")
     return LoraConfig(rank=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout") or 0.0,
-                      targets=tuple(by_hf[m] for m in modules) + tuple(target_of(t) for t in params),
+                      targets=tuple(by_hf[m] for m in modules) + tuple(parameter_target(t) for t in params),
                       rslora=c.get("use_rslora", False), exact=True,
                       rank_pattern=c.get("rank_pattern") or {}, alpha_pattern=c.get("alpha_pattern") or {},
                       layers=[layers] if type(layers) is int else (layers or None))
+
+
+def parameter_target(parameter) -> str | None:
+    """The target a target_parameters entry names: an expert tensor's (target_of) or o_a's ("self_attn.o_a_proj.weight",
+    or its end: peft matches an entry at the end of the parameter's name); None for anything else."""
+    found = [t for t, full in PARAMETER_TARGETS.items() if isinstance(parameter, str) and
+             (parameter == full or full.endswith(f".{parameter}") and "." in parameter)]
+    return found[0] if found else target_of(parameter)
 
 
 def check_adapter_ranks(folder: Path, cfg: LoraConfig) -> None:
@@ -155,9 +171,10 @@ def check_adapter_ranks(folder: Path, cfg: LoraConfig) -> None:
         raise FileNotFoundError(f"no LoRA weights at {wpath}")
     wrappers = {m: peft_parameter(t, module) for module in EXPERT_MODULES
                 for t, m in peft_wrappers(cfg.targets, module).items()}
+    tensors = {full.removesuffix(".weight"): full for full in PARAMETER_TARGETS.values()}  # rank and alpha keys
     for spec in read_header(wpath)[0]:
         key = _WEIGHT_KEY.fullmatch(spec.name)
-        module = wrappers.get(key[2], key[2]) if key else None
+        module = wrappers.get(key[2], tensors.get(key[2], key[2])) if key else None
         rank_alpha = cfg.module_rank(int(key[1]), module) if key and len(spec.shape) == 2 else None
         got = spec.shape[key[3] == "B"] if rank_alpha is not None else 0
         if rank_alpha is not None and (got % rank_alpha[0] if key[2] in wrappers else got != rank_alpha[0]):

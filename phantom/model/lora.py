@@ -42,9 +42,10 @@ TARGETS = {
     "q_b": ("attention.wq_b", "self_attn.q_b_proj"),
     "kv_a": ("attention.wkv_a", "self_attn.kv_a_proj_with_mqa"),
     "kv_b": ("attention.wkv_b", "self_attn.kv_b_proj"),
-    # DeepSeek-V4: its one key-value head, the grouped output's second projection, the compressors' series and gates
+    # DeepSeek-V4: its one key-value head, the grouped output's two projections, the compressors' series and gates
     # (the indexer's projections get no gradient in transformers: no targets), the shared expert's linears
     "kv": ("attention.wkv", "self_attn.kv_proj"),
+    "o_a": ("attention.wo_a", "self_attn.o_a_proj"),
     "o_b": ("attention.wo_b", "self_attn.o_b_proj"),
     "compressor_kv": ("attention.compressor.wkv", "self_attn.compressor.kv_proj"),
     "compressor_gate": ("attention.compressor.wgate", "self_attn.compressor.gate_proj"),
@@ -62,13 +63,16 @@ PROJECTIONS = (*GQA, "gate", "up", "down")  # every projection of such a block
 # keys and values from the latent (the names of the modules themselves are targets too)
 LATENT_ALIASES = {"q": "q_b", "k": "kv_b", "v": "kv_b"}
 # DeepSeek-V4's: q its query's second projection, k and v its one key-value head, o its output's second projection
-# (the first, o_a_proj, is a grouped linear: peft 0.21's LoRA on it fails, so it is no target)
 V4_ALIASES = {"q": "q_b", "k": "kv", "v": "kv", "o": "o_b"}
-V4_ATTENTION = ("q_a", "q_b", "kv", "o_b", "compressor_kv", "compressor_gate")
+V4_ATTENTION = ("q_a", "q_b", "kv", "o_a", "o_b", "compressor_kv", "compressor_gate")
 V4_SHARED = ("shared_gate", "shared_up", "shared_down")
 V4_TARGETS = ("q_a", "q_b", *V4_ATTENTION[2:], *V4_SHARED)  # adapter files name them by their path in the layer
 # a module some families' checkpoints fuse (phantom.arch.family.Family.fused) -> the targets it holds, in row order
 GROUPS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+# targets whose module peft's LoRA cannot wrap -> the weight peft adapts instead, by target_parameters (its ParamWrapper:
+# W + scale B A): DeepSeek-V4's o_a_proj is a DeepseekV4GroupedLinear, whose input is (..., groups, in), and peft
+# 0.21's LoRA module on it adds (..., groups, groups * o_lora_rank) to (..., groups, o_lora_rank) and fails
+PARAMETER_TARGETS = {"o_a": "self_attn.o_a_proj.weight"}
 ALL_LINEAR = ("all-linear",)
 AUTO = ("auto",)  # the default: q, v, and on Gated DeltaNet layers their input projection (auto_targets)
 # a mixture of experts' stacked expert tensors (peft's target_parameters) -> the targets each holds
@@ -119,8 +123,9 @@ class LoraConfig:
                                           "peft's target_parameters; experts_gate_up, experts_down: those alone) "
                                           "and Qwen2-MoE's plain MLP linears; on latent attention (DeepSeek) "
                                           "q_a,q_b,kv_a,kv_b,o, q meaning q_b and k,v kv_b; on DeepSeek-V4 "
-                                          "q_a,q_b,kv,o_b,compressor_kv,compressor_gate,shared_gate,shared_up,"
-                                          "shared_down, q meaning q_b, k,v kv and o o_b; on Gated DeltaNet "
+                                          "q_a,q_b,kv,o_a,o_b,compressor_kv,compressor_gate,shared_gate,"
+                                          "shared_up,shared_down, q meaning q_b, k,v kv and o o_b (o_a as "
+                                          "peft's target_parameters); on Gated DeltaNet "
                                           "layers in_proj_qkv,in_proj_z,in_proj_b,in_proj_a or in_proj_qkvz,"
                                           "in_proj_ba, and out_proj",
                                     type="csv")
@@ -215,7 +220,7 @@ def attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
     if any(cfg.linear(i) for i in range(cfg.n_layers)):
         return (*GQA, *LINEAR_TARGETS[cfg.linear_grouped])
     if cfg.hc_mult:
-        return V4_ATTENTION if any(cfg.kind(i) != "sliding_attention" for i in range(cfg.n_layers)) else V4_ATTENTION[:4]
+        return V4_ATTENTION if any(cfg.kind(i) != "sliding_attention" for i in range(cfg.n_layers)) else V4_ATTENTION[:5]
     if not cfg.kv_lora_rank:
         return GQA
     return ("q_a", "q_b", "kv_a", "kv_b", "o") if cfg.q_lora_rank else ("q", "kv_a", "kv_b", "o")
@@ -295,8 +300,9 @@ def family_targets(targets: tuple[str, ...], cfg: ModelConfig, exact: bool = Fal
 
 def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     """lora with its targets as family_targets names them (logged where that adds a projection). On a
-    mixture of experts the MLP targets are its experts (routers stay frozen), without what peft's
-    target_parameters LoRA cannot do: dropout, and layers (peft applies layers_to_transform to modules only)."""
+    mixture of experts the MLP targets are its experts (routers stay frozen); they and DeepSeek-V4's o_a
+    (PARAMETER_TARGETS) without what peft's target_parameters LoRA cannot do: dropout, and layers (peft applies
+    layers_to_transform to modules only)."""
     modules = peft_modules(cfg)
     given = auto_targets(cfg) if lora.targets == AUTO else lora.targets
     targets = family_targets(given, cfg, lora.exact)
@@ -304,18 +310,18 @@ def for_family(lora: LoraConfig, cfg: ModelConfig) -> LoraConfig:
     if mapped := [f"{a} -> {b}" for a, b in zip(given, asked) if a != b and given != ALL_LINEAR]:
         log.info("%s: LoRA targets %s", family(cfg).hf_class, ", ".join(mapped))
     wanted = [t for name in asked for t in GROUPS.get(name, (name,))]
-    if cfg.n_experts and (experts := [peft_parameter(t, expert_names(cfg).module) for t in targets
-                                      if t in EXPERT_PARAMS]):
+    experts = [peft_parameter(t, expert_names(cfg).module) for t in targets if t in EXPERT_PARAMS and cfg.n_experts]
+    if tensors := [*experts, *(PARAMETER_TARGETS[t] for t in targets if t in PARAMETER_TARGETS)]:
         if lora.dropout:
-            raise ValueError(f"LoRA dropout {lora.dropout:g} on {', '.join(experts)}: peft's LoRA on expert tensors "
-                             f"(target_parameters) has no dropout; use dropout 0 or attention targets only")
+            raise ValueError(f"LoRA dropout {lora.dropout:g} on {', '.join(tensors)}: peft's LoRA on a tensor "
+                             f"(target_parameters) has no dropout; use dropout 0 or leave those out of the targets")
         if lora.layers is not None:
-            raise ValueError(f"LoRA layers {list(lora.layers)} with {', '.join(experts)}: peft applies "
-                             f"layers_to_transform to target_modules only, every layer's experts would take a LoRA")
-        if cfg.dense_layers and family(cfg).model_type not in PLAIN_MLP:
-            log.info("%s: gate, up, down adapt its experts (peft's target_parameters); its dense layers' MLP stays "
-                     "frozen (peft 0.21 turns target_modules gate_proj, up_proj, down_proj into the experts' tensors "
-                     "there)", family(cfg).hf_class)
+            raise ValueError(f"LoRA layers {list(lora.layers)} with {', '.join(tensors)}: peft applies "
+                             f"layers_to_transform to target_modules only, so these would take a LoRA in every layer")
+    if experts and cfg.dense_layers and family(cfg).model_type not in PLAIN_MLP:
+        log.info("%s: gate, up, down adapt its experts (peft's target_parameters); its dense layers' MLP stays "
+                 "frozen (peft 0.21 turns target_modules gate_proj, up_proj, down_proj into the experts' tensors "
+                 "there)", family(cfg).hf_class)
     added = [t for m in targets for t in modules[m][1] if t not in wanted]
     if added:
         fused = "; ".join(f"{modules[m][0].rsplit('.', 1)[1]} holds {', '.join(modules[m][1])}"
@@ -359,7 +365,8 @@ def apply_lora(block: nn.Module, cfg: LoraConfig, layer: int, experts: ExpertNam
             if rank_alpha and sparse:  # not a dense layer among sparse ones
                 apply_expert_lora(block.feed_forward, target, *rank_alpha, cfg.rslora, gen, experts)
             continue
-        shared, rank_alpha = None, cfg.module_rank(layer, in_layer(block, hf_module(target)))
+        shared, rank_alpha = None, cfg.module_rank(layer, PARAMETER_TARGETS.get(target) or
+                                                   in_layer(block, hf_module(target)))
         if rank_alpha is None:
             continue
         for t in GROUPS.get(target, (target,)):

@@ -22,13 +22,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import phantom  # noqa: E402
+import torch  # noqa: E402
 from phantom.arch import family, presets
 from phantom.arch.quantformat import METHODS, SHIPPED  # noqa: E402
 from phantom.files.store import BlockStore  # noqa: E402
-from phantom.plan import costexperts, costfull, costsweep, optimtimer, planner, profiles, tune
+from phantom.plan import costexperts, costfull, costsweep, gpusheets, optimtimer, planner, profiles, tune
 from phantom.plan import costinputs as ci
 from phantom.plan import costmodel as cm
 from phantom.stream.adam8bit import OPTIMIZERS  # noqa: E402
+from phantom.stream.memory import free_host_bytes  # noqa: E402
 from phantom.stream.placement import Placement, offload_choices, parse_bytes  # noqa: E402
 from phantom.train import cli
 
@@ -42,6 +44,8 @@ def parse_args(argv=None):
     what.add_argument("--config", default=None, help="plan from a config.json (HF) or params.json (Meta) alone")
     a("--vocab-size", type=int, default=None, help="with a params.json that says -1: the tokenizer's vocabulary")
     a("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto")
+    a("--gpu", default=None, metavar="NAME", help="plan for this GPU without it: its rates derived from its "
+      f"datasheet, not measured (the disk measured here); one of {', '.join(gpusheets.SHEETS)}")
     a("--dtype", default="auto", choices=cli.DTYPES, help="compute dtype (auto: bf16 on CUDA)")
     a("--store-dtype", default="bf16", choices=cli.STORE_DTYPES, help="the dtype a store would be prepared in")
     a("--quantize", default=None, choices=METHODS + SHIPPED + ("fp8-mxfp4",),
@@ -88,16 +92,51 @@ def model_and_profile(args, device, dtype):
     if args.preset or args.config:
         cfg = presets.preset(args.preset) if args.preset else read_config(Path(args.config), args.vocab_size)
         work = ci.Workload(args.batch_size, args.seq_len, dtype, args.store_dtype, args.quantize)
-        profile = profiles.probe(cfg, device, work, args.profile_dir, args.quick, args.remeasure)
+        profile = datasheet_profile(args, cfg, work) if args.gpu else \
+            profiles.probe(cfg, device, work, args.profile_dir, args.quick, args.remeasure)
         disk = args.disk_budget if args.disk_budget is not None else profiles.free_disk_bytes(phantom.weights_dir())
         return args.preset or args.config, cfg, args.store_dtype, args.quantize, profile, disk
     store = BlockStore(phantom.resolve_model(args.model or "tiny"), verify="none")
     if args.quantize and profiles.store_quant(store) != args.quantize:
         raise ValueError(f"{store.path} is stored {profiles.store_quant(store) or store.manifest['dtype']}; --quantize "
                          f"plans a preset or config (prepare a {args.quantize} store to plan it)")
-    profile = profiles.profile_for(store, device, dtype, args.batch_size, args.seq_len, args.profile_dir, args.quick,
-                                   args.remeasure)
+    if args.gpu:
+        work = ci.Workload(args.batch_size, args.seq_len, dtype, store.manifest["dtype"], store.quant)
+        profile = datasheet_profile(args, store.cfg, work, store)
+    else:
+        profile = profiles.profile_for(store, device, dtype, args.batch_size, args.seq_len, args.profile_dir,
+                                       args.quick, args.remeasure)
     return str(store.path), store.cfg, store.manifest["dtype"], profiles.store_quant(store), profile, args.disk_budget
+
+
+def datasheet_profile(args, cfg, work: ci.Workload, store: BlockStore | None = None):
+    """--gpu: the card's profile from its datasheet (phantom.plan.gpusheets), with this machine's disk measured on
+    the store's blocks, or on a few synthetic blocks of a slice of the shape where there is no store."""
+    card = gpusheets.sheet(args.gpu)
+    disk = profiles.disk_rates(store) if store is not None else \
+        profiles.probe_disk(cfg, work.store_dtype, args.profile_dir)
+    return gpusheets.derive(card, cfg, work, gpusheets.DiskRates(*disk), free_host_bytes())
+
+
+def plan_device(args):
+    """The device a plan is for: --gpu's (not here: a CUDA card by its datasheet), else --device resolved."""
+    if args.gpu is None:
+        return phantom.resolve_device(args.device)
+    gpusheets.sheet(args.gpu)  # an unknown name: one line listing the known ones, before anything is measured
+    if args.device not in ("auto", "cuda"):
+        raise ValueError(f"--gpu plans a CUDA card: not with --device {args.device}")
+    if args.check or args.mode == "full":
+        raise ValueError("--gpu plans a card that is not here: --check and --mode full measure on it (run tune.py "
+                         "on the GPU)")
+    return torch.device("cuda")
+
+
+def plan_dtype(args, device) -> str:
+    """The compute dtype planned: --dtype resolved for the device; --gpu's datasheet rate is its 16-bit one."""
+    dtype = cli.resolve_dtype(args.dtype, device)
+    if args.gpu and dtype not in ("bf16", "fp16"):
+        raise ValueError(f"--gpu plans from the datasheet's 16-bit tensor rate: --dtype bf16 or fp16, not {dtype}")
+    return dtype
 
 
 def beside_16bit(args, cfg, store_dtype: str, dtype: str, profile, budgets, rows: int, best) -> str:
@@ -213,8 +252,8 @@ def run(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     try:
         check_flags(args)
-        device = phantom.resolve_device(args.device)
-        dtype = cli.resolve_dtype(args.dtype, device)
+        device = plan_device(args)
+        dtype = plan_dtype(args, device)
         name, cfg, store_dtype, quant, profile, disk = model_and_profile(args, device, dtype)
         overrides = dict(free_disk_bytes=disk, **({} if args.host_memory is None else
                                                   {"free_host_bytes": args.host_memory}))
@@ -247,6 +286,8 @@ def run(argv=None) -> int:
         print(json.dumps({"model": name, "profile": profile.to_dict(), **best.to_dict(), **extra}))
         return 0
     print(planner.describe_plan(best, shape, profile, name))
+    if args.gpu:
+        print(gpusheets.describe_derivation(gpusheets.sheet(args.gpu), profile))
     if args.seq_len > cfg.max_seq_len:
         print(f"warning    rows of {args.seq_len} tokens are longer than the model's context ({cfg.max_seq_len}): "
               f"planned as they would run; finetune.py refuses them unless the config's max_seq_len allows them")

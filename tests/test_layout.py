@@ -50,7 +50,7 @@ RANK = {  # within a package
                "export": 4},
     "plan": {"costinputs": 0, "costmodel": 1, "quickslice": 1, "costexperts": 2, "planner": 2, "computetimer": 3,
              "profiles": 4, "tune": 5, "costsweep": 2, "costgen": 2, "gentimer": 4, "costgrpo": 3, "costscore": 1,
-             "costfull": 2, "optimtimer": 3},
+             "costfull": 2, "optimtimer": 3, "gpusheets": 1},
     "train": {"trackers": 0, "dist": 0, "load": 0, "runcard": 0, "runfile": 0, "records": 0, "checkpoint": 1,
               "score": 0, "lmeval": 3, "evaltasks": 4,
               "preference": 1, "grpo": 2, "trainconfig": 3, "cli": 2, "step": 4, "runconfig": 4, "grpoloop": 5,

@@ -199,6 +199,7 @@ class MachineProfile:
     quick: bool = False
     measured_on: str = ""  # the shape the rates were measured on ("" when given by hand)
     measured_at: str = ""
+    datasheet: str = ""  # the card whose datasheet gave the rates (phantom.plan.gpusheets): not measured
 
     @property
     def host_is_device(self) -> bool:

@@ -206,7 +206,9 @@ def describe_plan(prediction: Prediction, shape: Shape, profile: MachineProfile,
         f"machine    {profile.machine} ({profile.device}); disk {profile.disk_gbps:.2f} GB/s, "
         + ("" if cpu else f"host-to-device {profile.h2d_gbps:.1f} GB/s, ")
         + f"block compute {profile.fwd_flops / 1e9:,.1f} GFLOP/s"
-        + (f" (measured on {profile.measured_on})" if profile.measured_on else " (rates given by hand)"),
+        + (f" (from the datasheet of {profile.datasheet}, not measured: run on the GPU to measure; the disk "
+           f"measured here)" if profile.datasheet else f" (measured on {profile.measured_on})"
+           if profile.measured_on else " (rates given by hand)"),
         f"placement  {p.describe()}; offload {place.offload}",
         f"memory     {device}; host {gib(p.host_bytes)} of {gib(profile.free_host_bytes)} free"
         + (f" ({gib(p.pinned_bytes)} pinned)" if p.pinned_bytes else "")

@@ -208,8 +208,7 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
     device, dtype = torch.device(device), parse_dtype(dtype)
     repeats = qs.QUICK_REPEATS if quick else 4
     t0 = time.perf_counter()
-    disk, jitter = measure_disk(store, (256 << 20) if quick else (1 << 30), 1 if quick else 3)
-    request_s = measure_disk_requests(store, disk, (256 << 20) if quick else (1 << 30), 1 if quick else 2)
+    disk, jitter, request_s = disk_rates(store, quick)
     h2d, _ = measure_link(device, store.block_nbytes, repeats)
     free_dev = free_device_bytes(device)
     shape = ci.shape_of(cfg, store.manifest["dtype"], dtype_name(dtype), seq_len, store.quant)
@@ -233,6 +232,14 @@ def measure(store: BlockStore, device: torch.device | str, dtype: torch.dtype | 
         free_device_bytes=free_dev, free_host_bytes=free_host_bytes(), quick=quick,
         measured_on=f"{shape_key(cfg, store.manifest['dtype'], store_quant(store))} x {seq_len} tokens{sliced}",
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def disk_rates(store: BlockStore, quick: bool = True) -> tuple[float, float, float | None]:
+    """The disk tier's rates on a store's blocks: cold GB/s, one read's spread, a request's seconds
+    (measure_disk, measure_disk_requests; quick: a smaller sample, one pass)."""
+    sample = (256 << 20) if quick else (1 << 30)
+    disk, jitter = measure_disk(store, sample, 1 if quick else 3)
+    return disk, jitter, measure_disk_requests(store, disk, sample, 1 if quick else 2)
 
 
 def compute_rates(c: dict, shape: ci.Shape) -> dict:
@@ -360,7 +367,10 @@ def length_bucket(seq_len: int) -> int:
 
 
 def save_profile(profile: ci.MachineProfile, path: Path) -> None:
-    """Atomic (temporary file, fsync, rename): processes measuring at once leave one whole profile."""
+    """Atomic (temporary file, fsync, rename): processes measuring at once leave one whole profile. A profile
+    derived from a datasheet (phantom.plan.gpusheets) is refused: what is saved is read back as measured."""
+    if profile.datasheet:
+        raise ValueError(f"a profile from the datasheet of {profile.datasheet} is not measured: not saved")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {"version": PROFILE_VERSION, **profile.to_dict()})
 
@@ -371,6 +381,8 @@ def load_profile(path: Path) -> ci.MachineProfile | None:
         d = safejson.load(path)
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version {d.get('version')} is not {PROFILE_VERSION}")
+        if d.get("datasheet"):
+            raise ValueError(f"it is derived from the datasheet of {d['datasheet']}, not measured")
         return ci.MachineProfile.from_dict(d)
     except FileNotFoundError:
         return None
@@ -396,16 +408,17 @@ def profile_for(store: BlockStore, device, dtype, batch_size: int, seq_len: int,
 PROBE_BLOCK_BYTES = 4 << 30  # the largest block a probe writes, dense in fp32 (it holds it so while timing it)
 
 
-def measurable(cfg) -> "object":
+def measurable(cfg, limit: int = PROBE_BLOCK_BYTES, dtype: str = "fp32") -> "object":
     """cfg with few enough experts that a block, dense in fp32 (the slot a quantized one is dequantized into),
     fits PROBE_BLOCK_BYTES (DeepSeek-V3's is 46 GB): the rates a profile keeps (bytes/s, FLOP/s, a request's
-    cost) are the same on fewer experts of that shape."""
+    cost) are the same on fewer experts of that shape. (`limit` bytes in `dtype`: another bound.)"""
     n, g = cfg.n_experts, cfg.router_groups
     least = -(-cfg.experts_per_token * g // cfg.router_topk_groups // g) * g  # the chosen groups hold k experts
-    while n - g >= least and ci.shape_of(dataclasses.replace(cfg, n_experts=n), "fp32").block_bytes > PROBE_BLOCK_BYTES:
+    while n - g >= least and ci.shape_of(dataclasses.replace(cfg, n_experts=n), dtype).block_bytes > limit:
         n -= g
     if n < cfg.n_experts:
-        log.info("measuring blocks of %d experts of this shape (%d would not fit in memory)", n, cfg.n_experts)
+        log.info("measuring blocks of %d experts of this shape (%d would make a block past %.1f GiB in %s)", n,
+                 cfg.n_experts, limit / 2**30, dtype)
     return dataclasses.replace(cfg, n_experts=n)
 
 
@@ -436,3 +449,27 @@ def probe(cfg, device, work: ci.Workload, profile_dir: Path | str | None = None,
             profile = measure(store, device, dtype, work.rows, work.seq_len, quick=quick, cfg=cfg)
         save_profile(profile, path)
     return with_free_memory(profile, device)
+
+
+DISK_PROBE_BYTES = 256 << 20  # the largest stored block probe_disk writes: reads of it run at the disk's rate
+
+
+def probe_disk(cfg, store_dtype: str = "bf16",
+               profile_dir: Path | str | None = None) -> tuple[float, float, float | None]:
+    """This machine's disk_rates for a model without weights here, where nothing else is measured (a plan for a
+    GPU from its datasheet, phantom.plan.gpusheets): PROBE_BLOCKS synthetic blocks of the narrowest even slice
+    of cfg's shape, with fewer experts, within DISK_PROBE_BYTES (16-bit: a read's rate is its bytes', whatever
+    they hold; its experts' ranges for a request's cost), written to a temporary folder beside the profiles (the
+    disk a store would use), read cold, removed."""
+    k = 1
+    while ci.shape_of(qs.slice_config(cfg, k), store_dtype).block_bytes > DISK_PROBE_BYTES and \
+            qs.can_slice(cfg, 2 * k):
+        k *= 2
+    small = measurable(qs.slice_config(cfg, k).first_layers(min(PROBE_BLOCKS, cfg.n_layers)), DISK_PROBE_BYTES,
+                       store_dtype)
+    parent = Path(profile_dir or profile_dir_default())
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="probe-disk-", dir=parent) as tmp:
+        store = BlockStore(write_synthetic(Path(tmp) / "store", small, parse_dtype(store_dtype), progress=False,
+                                           init="tiled"), verify="none")
+        return disk_rates(store, quick=True)

@@ -39,6 +39,31 @@ def test_compiled_blocks_match_eager_and_compile_once(tmp_path):
     model.close()
 
 
+def test_compiled_blocks_match_eager_under_each_vector_width(tmp_path, monkeypatch):
+    """inductor's graph cache key leaves out the vector ISA it picks from ATEN_CPU_CAPABILITY: without the width
+    named in the block's options, an AVX2 run served the graphs an AVX-512 run had cached computed a NaN loss.
+    Both widths share one cache here, the wider first (the order that gave NaN; the other wrote out of bounds)."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.utils import clear_caches, fresh_cache
+    if not {256, 512} <= {isa.bit_width() for isa in cpu_vec_isa.valid_vec_isa_list()}:
+        pytest.skip("needs a CPU with both AVX2 and AVX-512: the two vector widths a shared cache confused")
+    cfg = dataclasses.replace(SMALL, n_layers=2)
+    store = write_synthetic(tmp_path / "two", cfg, torch.float32, seed=1, progress=False)
+    tokens, _ = batch(cfg)
+    with torch.no_grad():
+        eager = phantom.load(store, offload="disk")
+        ref = eager(tokens)
+        eager.close()
+        with fresh_cache():
+            for capability in ("avx512", "avx2"):
+                monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+                torch._dynamo.reset()
+                clear_caches()  # in-memory caches only: the second width must go to the shared disk cache
+                model = phantom.load(store, offload="disk", compile=True)
+                assert max_rel_err(model(tokens), ref) <= 1e-5, capability
+                model.close()
+
+
 def test_compile_failure_falls_back_to_eager(small_store, monkeypatch, caplog):
     def broken(self, *a, **k):
         raise RuntimeError("backend exploded (injected)")

@@ -43,13 +43,25 @@ def build_layers(cfg: ModelConfig, lora: LoraConfig | None, activations: Activat
         block.checkpoint_inner = activations.checkpoint_inner
         block.mlp_chunk = activations.mlp_chunk
         if activations.compile:
-            block.compile()
+            block.compile(options=inductor_options(device))
     for name, p in layers.named_parameters():
         if "lora_" in name:
             p.data = p.data.to(device)  # fp32 master weights on the device
     if lora is not None and lora.layers is None:
         warn_unadapted(layers, lora)
     return layers
+
+
+def inductor_options(device: torch.device) -> dict:
+    """The block's torch.compile options: on a CPU, the vector width inductor picks (from ATEN_CPU_CAPABILITY,
+    else the widest the CPU has) named outright. Left implicit, it is not in inductor's graph cache key, so a
+    graph generated for AVX-512 (16 floats a vector) is served from the cache to an AVX2 run, built with AVX2
+    flags and computes garbage (NaN losses), and an AVX2 graph under AVX-512 writes past its buffers; named,
+    each width has its own cache entries. The same ISA is picked either way."""
+    if device.type != "cpu":
+        return {}
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    return {"cpp.simdlen": pick_vec_isa().bit_width()}
 
 
 def warn_unadapted(layers: nn.ModuleList, lora: LoraConfig) -> None:

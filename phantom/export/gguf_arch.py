@@ -16,9 +16,9 @@ import torch
 
 from phantom.arch.config import ModelConfig
 from phantom.arch.family_qwen35 import full_attention_interval
-from phantom.export.gguf_hparams import deepseek2_hparams, gemma2_hparams, gemma3_hparams, glm4moe_hparams, \
-    gpt_oss_hparams, llama_hparams, olmoe_hparams, phi3_hparams, qwen35moe_hparams, qwen3next_hparams, \
-    qwen_moe_hparams, text_hparams
+from phantom.export.gguf_hparams import deepseek2_hparams, dsa_hparams, gemma2_hparams, gemma3_hparams, \
+    glm4moe_hparams, glm_dsa_hparams, gpt_oss_hparams, llama_hparams, olmoe_hparams, phi3_hparams, \
+    qwen35moe_hparams, qwen3next_hparams, qwen_moe_hparams, text_hparams
 
 T = gguf.GGMLQuantizationType
 
@@ -39,7 +39,9 @@ class Arch:
     drop_head: lm_head not written (Gemma2Model: tied embeddings). renormalizes: whether llama.cpp's graph
     renormalizes the chosen experts' weights (build_moe_ffn's norm_w in its src/models/*.cpp), a mixture's
     norm_topk_prob must be that. reshape: the class's own tensor changes, (cfg, HF name, tensor) -> [(a name
-    gguf maps, tensor)], written where the converter reads the HF tensor, in that order (None: as they are)."""
+    gguf maps, tensor)], written where the converter reads the HF tensor, in that order (None: as they are).
+    name: the architecture written, where it is not gguf's name of arch (DeepSeek-V3.2's deepseek32, which gguf's
+    releases before llama.cpp's own gguf-py lack; its tensors are named as glm-dsa's, arch here)."""
 
     arch: gguf.MODEL_ARCH
     hparams: Callable = text_hparams
@@ -51,6 +53,12 @@ class Arch:
     drop_head: bool = False
     renormalizes: bool | None = None
     reshape: Callable | None = None
+    name: str | None = None
+
+    @property
+    def file_arch(self) -> str:
+        """general.architecture, the prefix of the file's hyperparameter keys."""
+        return self.name or gguf.MODEL_ARCH_NAMES[self.arch]
 
 
 def split_kv_b(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -150,6 +158,9 @@ ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, llama_hparams, permute_qk=True, v
           "phi3": Arch(gguf.MODEL_ARCH.PHI3, phi3_hparams, vocab="phi3"),
           "deepseek_v2": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", reshape=split_kv_b),
           "deepseek_v3": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", reshape=split_kv_b),
+          "deepseek_v32": Arch(gguf.MODEL_ARCH.GLM_DSA, dsa_hparams, vocab="bpe", reshape=split_kv_b,
+                               name="deepseek32"),
+          "glm_moe_dsa": Arch(gguf.MODEL_ARCH.GLM_DSA, glm_dsa_hparams, vocab="glm", reshape=split_kv_b),
           "glm4_moe": Arch(gguf.MODEL_ARCH.GLM4_MOE, glm4moe_hparams, vocab="glm"),
           "gpt_oss": Arch(gguf.MODEL_ARCH.GPT_OSS, gpt_oss_hparams, vocab="bpe", reshape=gpt_oss_split),
           "qwen3_next": Arch(gguf.MODEL_ARCH.QWEN3NEXT, qwen3next_hparams, vocab="bpe", norm_shift=True,
@@ -164,7 +175,7 @@ GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}  # llama.cpp's sliding pattern: ev
 def refusal(cfg: ModelConfig) -> str | None:
     """Why llama.cpp would compute this model otherwise than phantom (what its GGUF cannot say), or None."""
     arch = ARCHES[cfg.family]
-    name = arch.arch.name.lower()
+    name = arch.name or arch.arch.name.lower()
     scalings = ("linear", "longrope") if cfg.family == "phi3" else ("linear", "llama3") if arch.permute_qk else \
         ("linear", "yarn") if arch.reshape in (split_kv_b, gpt_oss_split) else ("linear",)
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in scalings:
@@ -173,7 +184,7 @@ def refusal(cfg: ModelConfig) -> str | None:
         return (f"llama.cpp's {name} fixes norm_topk_prob (whether the chosen experts' weights are renormalized) at "
                 f"{str(arch.renormalizes).lower()}, as the family's own configs set it, and this model sets it otherwise")
     if arch.reshape is split_kv_b:
-        return deepseek_refusal(cfg)
+        return (dsa_refusal(cfg, arch.file_arch) if cfg.index_topk else None) or deepseek_refusal(cfg, arch.file_arch)
     if cfg.family == "olmoe" and cfg.norm_eps != 1e-5:
         return f"llama.cpp's converter writes OLMoE's norm epsilon as 1e-5, and this model's is {cfg.norm_eps}"
     if cfg.family == "olmoe" and cfg.kv_heads != cfg.n_heads:
@@ -236,16 +247,17 @@ def gpt_oss_refusal(cfg: ModelConfig) -> str | None:
     return None
 
 
-def deepseek_refusal(cfg: ModelConfig) -> str | None:
+def deepseek_refusal(cfg: ModelConfig, name: str = "deepseek2") -> str | None:
     """llama.cpp's deepseek2 rotates adjacent pairs (the checkpoint's interleaved layout), scales YaRN's attention
     from mscale_all_dim alone (the published models' mscale equals it), reads a model without q_lora_rank only at
     DeepSeek-V2-Lite's depths, ranks expert groups by their two best scores (DeepSeek-V3's rule), and routes with
-    softmax unless the file says sigmoid."""
+    softmax unless the file says sigmoid (name: the file's architecture, deepseek2 or one of DeepSeek Sparse
+    Attention's)."""
     if not cfg.rope_interleave:
-        return "llama.cpp's deepseek2 rotates q/k in interleaved pairs, and this model sets rope_interleave false"
+        return f"llama.cpp's {name} rotates q/k in interleaved pairs, and this model sets rope_interleave false"
     s = cfg.rope_scaling
     if s is not None and s.rope_type == "yarn" and abs(s.attention_factor - 1.0) > 1e-6:
-        return ("llama.cpp's deepseek2 scales YaRN's attention by mscale_all_dim alone, its rotations unscaled, and "
+        return (f"llama.cpp's {name} scales YaRN's attention by mscale_all_dim alone, its rotations unscaled, and "
                 f"this model's mscale differs from its mscale_all_dim (rotations scaled by {s.attention_factor:.6g})")
     if not cfg.q_lora_rank and cfg.n_layers not in (26, 27) and (cfg.n_layers, cfg.vocab_size) != (48, 128256):
         return ("llama.cpp's deepseek2 reads a model without q_lora_rank (queries projected directly) only at "
@@ -253,6 +265,24 @@ def deepseek_refusal(cfg: ModelConfig) -> str | None:
     if cfg.family == "deepseek_v2" and 1 < cfg.router_groups and cfg.router_topk_groups < cfg.router_groups:
         return ("llama.cpp's deepseek2 ranks expert groups by their two best scores (DeepSeek-V3's rule), and this "
                 "DeepSeek-V2 model ranks them by their best (group_limited_greedy)")
+    return None
+
+
+def dsa_refusal(cfg: ModelConfig, name: str) -> str | None:
+    """llama.cpp's deepseek32 and glm-dsa (src/models/deepseek32.cpp, glm-dsa.cpp) read the indexer's queries from
+    the query latent (q_lora_rank), rotate its heads as transformers does (V3.2 in halves, GLM-5 in pairs) and turn
+    its queries and keys by a Hadamard matrix of 64 or more dims dividing their width (build_input_k_rot); glm-dsa
+    reads no YaRN log multiplier (mscale_all_dim), so its YaRN attention goes unscaled. Which layers share an
+    indexer the file says (indexer_types: phantom's HF export writes them, the converter copies them)."""
+    if not cfg.q_lora_rank:
+        return (f"llama.cpp's {name} reads the indexer's queries from the query latent (q_lora_rank), and this model "
+                f"has none")
+    if cfg.index_head_dim % 64:
+        return (f"llama.cpp's {name} turns the indexer's queries and keys by a Hadamard matrix of 64 or more dims, and "
+                f"this model's indexer heads are {cfg.index_head_dim} wide")
+    if cfg.family == "glm_moe_dsa" and cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn":
+        return (f"llama.cpp's {name} reads no YaRN log multiplier (mscale_all_dim): it scales this model's YaRN "
+                f"attention otherwise than transformers")
     return None
 
 

@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
 OUTTYPES = {"f32": (gguf.LlamaFileType.ALL_F32, T.F32), "f16": (gguf.LlamaFileType.MOSTLY_F16, T.F16),
             "bf16": (gguf.LlamaFileType.MOSTLY_BF16, T.BF16), "q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, T.Q8_0)}
-# kept in f32, as llama.cpp's quantizer keeps them: routers and the convolution of linear attention
-KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+# kept in f32, as llama.cpp's quantizer keeps them: routers, the convolution of linear attention, the DSA indexer's
+# head weights
+KEPT_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight", "indexer.proj.weight")
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,6 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
     if cfg.hc_mult:  # DeepseekV4ForCausalLM
         raise ValueError("GGUF export of DeepSeek-V4 (hyper-connections, compressed attention) is not written; export "
                          "--format hf and convert that with llama.cpp's convert_hf_to_gguf.py, which reads it")
-    if cfg.index_topk:  # DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
-        raise ValueError(f"llama.cpp's converter (the pinned llama-cpp-python's convert_hf_to_gguf.py) has no DeepSeek "
-                         f"Sparse Attention: GGUF export does not cover {cfg.family}; use --format hf")
     if cfg.family not in ARCHES:
         raise ValueError(f"GGUF export covers {', '.join(ARCHES)} models; this is a {cfg.family} model: "
                          f"use --format hf (llama.cpp's convert_hf_to_gguf.py reads it)")
@@ -179,7 +177,8 @@ def plan(cfg: ModelConfig, arch: Arch, qtype: T, embed_rows: int | None) -> list
 def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder: Path) -> gguf.Metadata:
     """general.* (gguf's Metadata from folder: its name, config.json and generation_config.json), the
     hyperparameters, then the tokenizer, as the converter orders them. The tensor infos must be in w. Raises
-    ValueError where llama.cpp would not load the vocabulary under the file's name (gguf_vocab.phi3_name_refusal)."""
+    ValueError where llama.cpp would not load the vocabulary under the file's name (gguf_vocab.phi3_name_refusal)
+    or its converter would not read it (DeepSeek-V3.2's without add_bos_token)."""
     total, shared, expert, count = w.get_total_parameter_count()
     meta = gguf.Metadata.load(None, folder, None, total)
     meta.name = meta.name or folder.name
@@ -190,7 +189,11 @@ def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder
     meta.set_gguf_meta_model(w)
     arch.hparams(w, read_json(folder / "config.json"), ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    prefix_space = read_json(folder / "tokenizer_config.json").get("add_prefix_space")
+    tokenizer_config = read_json(folder / "tokenizer_config.json")
+    if arch.name == "deepseek32" and tokenizer_config.get("add_bos_token") is not True:
+        raise ValueError("llama.cpp's converter reads DeepSeek-V3.2's vocabulary only where tokenizer_config.json says "
+                         "add_bos_token true (DeepseekV32Model asserts it), and this tokenizer's does not")
+    prefix_space = tokenizer_config.get("add_prefix_space")
     if arch.vocab == "llama" and prefix_space is not None:
         w.add_add_space_prefix(prefix_space)
     add_vocab(w, folder, cfg.vocab_size, arch.vocab)
@@ -244,7 +247,7 @@ def write_gguf(out: Path, cfg: ModelConfig, arch: Arch, parts, outtype: str, fol
     ftype, qtype = OUTTYPES[outtype]
     rows = embed_rows(cfg, arch, folder)
     planned = plan(cfg, arch, qtype, rows)
-    w = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch.arch])
+    w = gguf.GGUFWriter(path=None, arch=arch.file_arch)
     for p in planned:
         w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
     path = out / file_name(add_metadata(w, cfg, arch, ftype, folder), ftype)

@@ -51,7 +51,7 @@ def gguf_lora_tensors(store: BlockStore, arch: Arch, adapter: Path) -> list[tupl
             b = llama_permute(b, cfg.kv_heads)
         name = tmap.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
-            raise ValueError(f"{adapter / ADAPTER_WEIGHTS}: llama.cpp's {arch.arch.name.lower()} has no tensor for "
+            raise ValueError(f"{adapter / ADAPTER_WEIGHTS}: llama.cpp's {arch.file_arch} has no tensor for "
                              f"{hf_name}; merge the adapter with --format gguf")
         out += [(name + ".lora_a", a), (name + ".lora_b", b)]
     return out
@@ -77,7 +77,7 @@ def export_gguf_lora(store: BlockStore, out: Path, adapter: Path, outtype: str |
     tensors = gguf_lora_tensors(store, arch, adapter)
     outtype = outtype or default_outtype(next(t.dtype for _, t in tensors))
     ftype, qtype = OUTTYPES[outtype]
-    w = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch.arch])
+    w = gguf.GGUFWriter(path=None, arch=arch.file_arch)
     for tname, t in tensors:
         q = qtype if t.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0 else T.F16  # the converter's QuantError
         w.add_tensor(tname, gguf.quants.quantize(t.to(torch.float32).numpy(), q), raw_dtype=q)

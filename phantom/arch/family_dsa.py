@@ -63,14 +63,22 @@ def read_shared_indexers(c: dict, path) -> dict:
     return {"index_shared": tuple(i for i, t in enumerate(types) if t == "shared")}
 
 
-def v32_fields(cfg: ModelConfig) -> dict:
+def dsa_fields(cfg: ModelConfig) -> dict:
     return {**mla_fields(cfg), **deepseek_fields(cfg), "index_n_heads": cfg.index_heads,
             "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk}
 
 
+def v32_fields(cfg: ModelConfig) -> dict:
+    """DeepSeek-V3.2's fields, scoring_func and topk_method as its Hub file says them (as DeepSeek-V3's): transformers'
+    class has them fixed, but llama.cpp's converter writes the router's gating from them, without which llama.cpp's
+    deepseek32 does not load the file."""
+    return {**dsa_fields(cfg), "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+
 def glm5_fields(cfg: ModelConfig) -> dict:
-    """GLM-5's fields: DeepSeek-V3.2's, indexer_types per layer, no prediction layer (left out, as by transformers)."""
-    return {**v32_fields(cfg), "num_nextn_predict_layers": 0,
+    """GLM-5's fields: the sparse attention's, indexer_types per layer, no prediction layer (left out, as by
+    transformers)."""
+    return {**dsa_fields(cfg), "num_nextn_predict_layers": 0,
             "indexer_types": ["shared" if i in cfg.index_shared else "full" for i in range(cfg.n_layers)]}
 
 

@@ -16,7 +16,7 @@ import torch
 
 from phantom.arch.config import ModelConfig
 from phantom.arch.family_qwen35 import full_attention_interval
-from phantom.export.gguf_hparams import deepseek2_hparams, dsa_hparams, gemma2_hparams, gemma3_hparams, \
+from phantom.export.gguf_hparams import deepseek2_hparams, gemma2_hparams, gemma3_hparams, \
     glm4moe_hparams, glm_dsa_hparams, gpt_oss_hparams, llama_hparams, olmoe_hparams, phi3_hparams, \
     qwen35moe_hparams, qwen3next_hparams, qwen_moe_hparams, text_hparams
 
@@ -40,8 +40,8 @@ class Arch:
     renormalizes the chosen experts' weights (build_moe_ffn's norm_w in its src/models/*.cpp), a mixture's
     norm_topk_prob must be that. reshape: the class's own tensor changes, (cfg, HF name, tensor) -> [(a name
     gguf maps, tensor)], written where the converter reads the HF tensor, in that order (None: as they are).
-    name: the architecture written, where it is not gguf's name of arch (DeepSeek-V3.2's deepseek32, which gguf's
-    releases before llama.cpp's own gguf-py lack; its tensors are named as glm-dsa's, arch here)."""
+    name: the architecture written, where it is not gguf's name of arch (one that gguf's releases lack, its tensors
+    named as arch's)."""
 
     arch: gguf.MODEL_ARCH
     hparams: Callable = text_hparams
@@ -158,8 +158,6 @@ ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, llama_hparams, permute_qk=True, v
           "phi3": Arch(gguf.MODEL_ARCH.PHI3, phi3_hparams, vocab="phi3"),
           "deepseek_v2": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", reshape=split_kv_b),
           "deepseek_v3": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", reshape=split_kv_b),
-          "deepseek_v32": Arch(gguf.MODEL_ARCH.GLM_DSA, dsa_hparams, vocab="bpe", reshape=split_kv_b,
-                               name="deepseek32"),
           "glm_moe_dsa": Arch(gguf.MODEL_ARCH.GLM_DSA, glm_dsa_hparams, vocab="glm", reshape=split_kv_b),
           "glm4_moe": Arch(gguf.MODEL_ARCH.GLM4_MOE, glm4moe_hparams, vocab="glm"),
           "gpt_oss": Arch(gguf.MODEL_ARCH.GPT_OSS, gpt_oss_hparams, vocab="bpe", reshape=gpt_oss_split),

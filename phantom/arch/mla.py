@@ -105,13 +105,10 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_pass, k_rot.expand(B, S, self.n_heads, self.rope_dim)], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T or S, D)
         if packed:
-            return self.wo(by_documents(self.alone, q, k, v, document_spans(mask), []).transpose(1, 2).reshape(B, T, -1))
-        window = attention_mask(T, start_pos if cache is not None else 0, self.window, q.device)
-        if mask is None:
-            mask = window
-        elif window is not None:
-            mask = mask & window
-        out = attend(q, k, v, mask, self.scale)
+            out = by_documents(self.alone, q, k, v, document_spans(mask), [])
+        else:
+            window = attention_mask(T, start_pos if cache is not None else 0, self.window, q.device)
+            out = attend(q, k, v, window if mask is None else mask if window is None else mask & window, self.scale)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
     def alone(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,7 @@ class Arch:
     drop_head: lm_head not written (Gemma2Model: tied embeddings). renormalizes: whether llama.cpp's graph
     renormalizes the chosen experts' weights (build_moe_ffn's norm_w in its src/models/*.cpp), a mixture's
     norm_topk_prob must be that. reshape: the class's own tensor changes, (cfg, HF name, tensor) -> [(a name
-    gguf maps, tensor)], written where the converter reads the HF tensor, in that order (None: as they are).
-    name: the architecture written, where it is not gguf's name of arch (one that gguf's releases lack, its tensors
-    named as arch's)."""
+    gguf maps, tensor)], written where the converter reads the HF tensor, in that order (None: as they are)."""
 
     arch: gguf.MODEL_ARCH
     hparams: Callable = text_hparams
@@ -53,12 +51,11 @@ class Arch:
     drop_head: bool = False
     renormalizes: bool | None = None
     reshape: Callable | None = None
-    name: str | None = None
 
     @property
     def file_arch(self) -> str:
         """general.architecture, the prefix of the file's hyperparameter keys."""
-        return self.name or gguf.MODEL_ARCH_NAMES[self.arch]
+        return gguf.MODEL_ARCH_NAMES[self.arch]
 
 
 def split_kv_b(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -173,7 +170,7 @@ GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}  # llama.cpp's sliding pattern: ev
 def refusal(cfg: ModelConfig) -> str | None:
     """Why llama.cpp would compute this model otherwise than phantom (what its GGUF cannot say), or None."""
     arch = ARCHES[cfg.family]
-    name = arch.name or arch.arch.name.lower()
+    name = arch.arch.name.lower()
     scalings = ("linear", "longrope") if cfg.family == "phi3" else ("linear", "llama3") if arch.permute_qk else \
         ("linear", "yarn") if arch.reshape in (split_kv_b, gpt_oss_split) else ("linear",)
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in scalings:

@@ -53,6 +53,12 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 # truncate false is exported with a warning: llama.cpp rotates some dims otherwise)
 GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": True, "original_max_position_embeddings": 16}
+LLAMA4_ROPE = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+               "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+CASES_LLAMA4 = {"hidden_size": 32, "head_dim": 32, "num_hidden_layers": 4, "vocab_size": 151936, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "intermediate_size": 64, "intermediate_size_mlp": 128,
+                "interleave_moe_layer_step": 2, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                "rope_parameters": LLAMA4_ROPE}
 # Gated DeltaNet layers before a full-attention one (RoPE over a quarter of each head), 2 q/k heads serving 4 v
 # heads, 4 experts and a shared one
 NEW_SMALL = {"hidden_size": 32, "head_dim": 32}  # the newer families' cases: narrower, their vocabularies being large
@@ -112,6 +118,21 @@ CASES = {
     # alternating, YaRN
     "gpt_oss": ("GptOssConfig", {**NEW_SMALL, "vocab_size": 201088, "num_local_experts": 4, "num_experts_per_tok": 2,
                                  "sliding_window": 8, "rope_parameters": GPT_OSS_YARN}, "gptoss", "bf16", ("q8_0",)),
+    # MiniMax-M2: q/k RMSNorms over the whole projections, RoPE over half of each head (rotary_dim, the Hub's field),
+    # sigmoid routing with a correction bias, renormalized; Mixtral's expert names
+    "minimax_m2": ("MiniMaxM2Config", {**NEW_SMALL, "vocab_size": 151936, "num_local_experts": 4,
+                                       "num_experts_per_tok": 2, "rotary_dim": 16, "bos_token_id": 1, "eos_token_id": 2},
+                   "qwen3", "bf16", ("f16",)),
+    # Llama 4 as llama.cpp's llama4 fixes it: 3 RoPE layers chunked by 8192 with q/k L2 norms, then a RoPE-less one
+    # with the attention temperature (attn_scale 0.1, floor_scale 8192); every 2nd layer sparse (sigmoid of the top-k
+    # logits on the experts' input, a shared expert); Llama-3.1's RoPE scaling as Scout's (low and high factors equal)
+    "llama4": ("Llama4TextConfig", CASES_LLAMA4, "qwen3", "bf16", ("q8_0",)),
+    "llama4_vl": ("Llama4Config", CASES_LLAMA4, "qwen3", "bf16", ("q8_0",)),  # the same text model under a vision tower
+    # Kimi-K2.5: the deepseek_v3 case's text model inside Kimi_K25ForConditionalGeneration with a vision tower, under
+    # the Hub's names, class name and text_config fields (vision_language_source)
+    "kimi_k25": ("Kimi_K25Config", {**MLA, "q_lora_rank": 32, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+                                    "routed_scaling_factor": 2.5, "rope_parameters": YARN}, "deepseek_v3", "bf16",
+                 ("q8_0",)),
     "qwen3_next": ("Qwen3NextConfig", {**LINEAR, "intermediate_size": 128}, "qwen3", "bf16", ("f16",)),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", LINEAR, "qwen3", "bf16", ("bf16",)),
 }
@@ -169,16 +190,62 @@ def source_folder(folder: Path, name: str) -> int:
     return len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
 
 
+# vision-language config class: (its text model's config class, the text_config fields the Hub's files have beyond
+# what save_pretrained writes, the Hub's class name, a one-layer vision tower's config, the class's other fields)
+KIMI_VISION = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=48, num_attention_heads=2, patch_size=4,
+                   pos_emb_height=4, pos_emb_width=4)
+LLAMA4_VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                     patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+VISION_LANGUAGE = {"Kimi_K25Config": ("DeepseekV3Config", {"model_type": "kimi_k2", "scoring_func": "sigmoid",
+                                                           "topk_method": "noaux_tc"}, "KimiK25ForConditionalGeneration",
+                                      KIMI_VISION, {"projection_hidden_size": 32}),
+                   "Llama4Config": ("Llama4TextConfig", {}, "Llama4ForConditionalGeneration", LLAMA4_VISION, {})}
+
+
+def vision_language_source(src: Path, config_class: str, text_fields: dict) -> None:
+    """A tiny vision-language checkpoint in src as the Hub ships it (Kimi-K2.5's: its layers named
+    language_model.model.layers.N, its published class name and text_config fields), a one-layer vision tower
+    beside the text model."""
+    from test_deepseek import published_names
+    text_class, published, hub_class, vision, other = VISION_LANGUAGE[config_class]
+    text = {**getattr(transformers, text_class)(**text_fields).to_dict(), **published}
+    config = getattr(transformers, config_class)(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                                 **other)
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(src)
+    if config_class == "Kimi_K25Config":  # save_pretrained writes Kimi's layers as blocks.N
+        published_names(src)
+    written = json.loads((src / "config.json").read_text())
+    written["architectures"] = [hub_class]
+    written["text_config"].update(published)
+    (src / "config.json").write_text(json.dumps(written, indent=2))
+
+
+def text_config(folder: Path) -> dict:
+    """A checkpoint's config.json, or its text model's (text_config) where it is a vision-language one."""
+    config = json.loads((folder / "config.json").read_text())
+    return config.get("text_config", config)
+
+
+def causal_lm(folder: Path, **kwargs):
+    """transformers' model of a checkpoint, its vision-language class where it is one (logits of input_ids alone)."""
+    auto = transformers.AutoModelForImageTextToText if "text_config" in json.loads((folder / "config.json").read_text()) \
+        else transformers.AutoModelForCausalLM
+    return auto.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+
+
 def build(root: Path, name: str) -> tuple[Path, Path, Path]:
     """(store, adapter, merged HF export) of a case: a random tiny model and a random LoRA adapter."""
     config_class, fields, _, dtype, _ = CASES[name]
     src = root / "hf"
     src.mkdir()
     vocab = source_folder(src, name)
-    config = getattr(transformers, config_class)(**{**SMALL, "vocab_size": vocab, "tie_word_embeddings": False,
-                                                    **fields})
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    if config_class in VISION_LANGUAGE:
+        vision_language_source(src, config_class, {**SMALL, "vocab_size": vocab, "tie_word_embeddings": False, **fields})
+    else:
+        config = getattr(transformers, config_class)(**{**SMALL, "vocab_size": vocab, "tie_word_embeddings": False,
+                                                        **fields})
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(src)
     store = root / f"tiny-{name}"  # the GGUF's general.name comes from this folder's name, the HF export's from its own
     assert load_script("prepare_model").main(["--src", str(src), "--out", str(store), "--dtype", dtype,
                                               "--quiet"]) == 0
@@ -399,7 +466,7 @@ def test_float_bytes_are_gguf_quantizers_on_every_kind_of_value():
 def test_gguf_carries_the_tokenizer_and_chat_template(built, name):
     _, _, merged, ours, _ = built(name)
     fields = header(ours[CASES[name][4][0]])[0]
-    assert fields["tokenizer.ggml.tokens"] == json.loads((merged / "config.json").read_text())["vocab_size"]
+    assert fields["tokenizer.ggml.tokens"] == text_config(merged)["vocab_size"]
     kind = CASES[name][2]
     assert fields["tokenizer.ggml.model"] == ("llama" if kind == "sentencepiece" else "gpt2")
     # DeepSeek-V3's tokenizer hashes as JoyAI-LLM's (its probe ids with the BOS its post-processor adds), as in the
@@ -433,11 +500,12 @@ def rounded_through(model, outtype: str):
 
 # Files transformers' GGUF loader cannot read as the model: llama3 (it reads no rope_freqs), qwen2_moe (it makes the
 # shared expert's gate (1, 1, dim), not (1, dim)), mixtral (a `llama` file with experts: it builds a dense Llama),
-# olmoe, deepseek_v2/v3/v32, glm4_moe, glm_moe_dsa, qwen3_next and qwen3_5_moe (none of those among its architectures),
+# olmoe, deepseek_v2/v3/v32, glm4_moe, glm_moe_dsa, qwen3_next, qwen3_5_moe, llama4 (llama4_vl too) and kimi_k25's deepseek2 (none of
+# those among its architectures),
 # gpt_oss (its reader fails on the file: float() of an array); phi4's tensors are the phi3 case's kind, its 201k-token
 # vocabulary alone differs (compared byte for byte), not loaded for the time it takes
 NOT_LOADED = ("llama3", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe",
-              "glm_moe_dsa", "gpt_oss", "qwen3_next", "qwen3_5_moe", "phi4")
+              "glm_moe_dsa", "gpt_oss", "qwen3_next", "qwen3_5_moe", "phi4", "llama4", "llama4_vl", "kimi_k25")
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n not in NOT_LOADED])
@@ -445,7 +513,7 @@ def test_transformers_loads_the_gguf_with_the_merged_logits(built, name):
     """The GGUF's logits are the merged HF export's with its matrices rounded through the file's type (to
     float noise), and near the unrounded ones."""
     _, _, merged, ours, _ = built(name)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    reference = causal_lm(merged)
     tokens = torch.randint(0, reference.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         exact = reference(tokens).logits
@@ -508,6 +576,15 @@ def edited(store: Path, folder: Path, **fields) -> Path:
     return folder
 
 
+def without_scoring(store: Path, folder: Path) -> Path:
+    """A copy of a vision-language store whose checkpoint config (kept as shipped) has no text_config.scoring_func."""
+    folder = shutil.copytree(store, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["vision_language"]["config"]["text_config"]["scoring_func"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
 def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys, monkeypatch):
     from phantom.export import gguf_arch
     store, moe, gemma2, glm = built("llama")[0], built("qwen3_moe"), built("gemma2")[0], built("glm4_moe")
@@ -522,6 +599,9 @@ def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsy
               "llama.cpp reads Gemma-2's RoPE base as 10000"),
              (["--model", str(edited(moe[0], tmp_path / "q", norm_topk_prob=False)), "--format", "gguf"],
               "llama.cpp's qwen3moe fixes norm_topk_prob"),
+             # a Kimi-K2.5 checkpoint whose text_config names no scoring function (llama.cpp would route with softmax)
+             (["--model", str(without_scoring(built("kimi_k25")[0], tmp_path / "k")), "--format", "gguf"],
+              "llama.cpp's deepseek2 routes with softmax unless config.json says scoring_func sigmoid"),
              # a Phi-3 name (the folder's) on a vocabulary without <|endoftext|>: llama.cpp's loader stops on it
              (["--model", str(shutil.copytree(store, tmp_path / "tiny-phi3-llama")), "--format", "gguf"],
               "this vocabulary lacks <|endoftext|>; name the store's folder without phi3")]
@@ -574,6 +654,18 @@ def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
     for cfg, words in [(dataclasses.replace(glm5, q_lora_rank=0), "glm-dsa reads the indexer's queries from the query latent"),
                        (dataclasses.replace(glm5, index_head_dim=96), "glm-dsa turns the indexer's queries and keys"),
                        (dataclasses.replace(glm5, rope_scaling=dsv3.rope_scaling), "glm-dsa reads no YaRN log multiplier")]:
+        assert words in refusal(cfg), (words, refusal(cfg))
+    # Llama 4: llama.cpp's llama4 fixes the layers' layout (every 4th RoPE-less and unchunked), the chunk (8192), the
+    # temperature's constants, q/k norms unless there are 128 experts, the sparse layers' period; no attention biases
+    l4 = BlockStore(built("llama4")[0]).cfg
+    assert refusal(l4) is None
+    for cfg, words in [(dataclasses.replace(l4, layer_types=("chunked_attention", "full_attention")),
+                        "chunked attention on every layer but each 4th"),
+                       (dataclasses.replace(l4, attn_chunk=16), "attends in chunks of 8192 positions"),
+                       (dataclasses.replace(l4, attn_scale=0.0, floor_scale=0.0), "and this model has none"),
+                       (dataclasses.replace(l4, qk_l2=False), "this model with 4 sets use_qk_norm false"),
+                       (dataclasses.replace(l4, dense_layers=(1, 3)), "moe_layers follow no such period"),
+                       (dataclasses.replace(l4, qkv_bias=True), "loads no attention output bias")]:
         assert words in refusal(cfg), (words, refusal(cfg))
     # the published configs' YaRN (truncate false), which llama.cpp ramps between whole dims: said, not refused
     from phantom.export.gguf_arch import yarn_difference

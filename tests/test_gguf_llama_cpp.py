@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import llama_cpp_runtime, max_rel_err, need
-from test_export_gguf import TOLERANCE, build, merge, rounded_through
+from test_export_gguf import TOLERANCE, build, causal_lm, merge, rounded_through
 
 transformers = need("transformers")
 need("gguf")
@@ -24,7 +24,8 @@ CASES = {"llama": ("f32", "q8_0"), "llama3": ("f32",), "mistral": ("f32",), "qwe
          "qwen3_moe": ("q8_0",), "glm4_moe": ("f32",), "gpt_oss": ("f32",), "qwen3_next": ("f32",),
          "qwen3_5_moe": ("f32",), "phi3": ("f32",), "phi4": ("f32",), "mixtral": ("f32",), "qwen2_moe": ("f32",),
          "olmoe": ("f32",), "deepseek_v2": ("f32",), "deepseek_v3": ("f32",), "gemma2": ("f32",), "gemma3": ("f32",),
-         "glm_moe_dsa": ("f32",)}
+         "glm_moe_dsa": ("f32",), "minimax_m2": ("f32",), "llama4": ("f32",), "llama4_vl": ("f32",),
+         "kimi_k25": ("f32",)}
 F32 = 1e-4
 # llama.cpp pads its context to a multiple of 256 (llama-context.cpp) and takes Phi-3's LongRoPE long factors
 # whenever that context exceeds the original one (llama_model::get_rope_factors), 64 in the tiny case, where
@@ -33,7 +34,7 @@ LONG_PROMPT = [(7 * i + 3) % 500 for i in range(80)]
 # GLM-5's indexer picks 16 keys: a prompt of 40 tokens, past them, beside the short ones (its layers 1 and 3 reuse the
 # picks of layers 0 and 2). DeepSeek-V3.2's export is refused: llama.cpp's deepseek32 computed the converter's own file
 # of family_check's tiny V3.2 (indexer heads 64 wide) 7e-2 (with YaRN) and 1.4 (without) away from transformers
-PROMPTS_OF = {"phi3": [LONG_PROMPT], "glm_moe_dsa": PROMPTS + [LONG_PROMPT[:40]]}
+PROMPTS_OF = {"phi3": [LONG_PROMPT], "glm_moe_dsa": PROMPTS + [LONG_PROMPT[:40]], "llama4": PROMPTS + [LONG_PROMPT]}
 # llama.cpp's CPU GELU (ggml-cpu/vec.h defines GGML_GELU_FP16) rounds its input to f16 and reads the tanh GELU from
 # an f16 table, which puts Gemma-2/3's logits 3e-4 to 1.3e-3 off transformers' f32 GELU. They are compared with
 # transformers' model computing that GELU (ggml_cpu_gelu); the table's steps turn float noise before it into f16
@@ -99,7 +100,7 @@ def transformers_logits(model, tokens: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(CASES))
 def test_llama_cpp_computes_the_gguf_as_transformers_computes_the_merged_export(llama_cpp, models, name):
     _, _, merged, files = models[name]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    reference = causal_lm(merged)
     gelu = name in ("gemma2", "gemma3")
     if gelu:
         as_llama_cpp = with_ggml_cpu_gelu(copy.deepcopy(reference))

@@ -88,11 +88,22 @@ def text_weights(weight_map: dict[str, str]) -> dict[str, str]:
     return {ours + k[len(theirs):]: k for k in weight_map for theirs, ours in TEXT if k.startswith(theirs)}
 
 
+def moe_step(cfg: ModelConfig) -> int | None:
+    """interleave_moe_layer_step, where the sparse layers are every step-th (the published models'; llama.cpp's
+    converter reads the step alone), or None."""
+    sparse = [i for i in range(cfg.n_layers) if cfg.sparse(i)]
+    step = sparse[0] + 1 if sparse else 0
+    return step if sparse == list(range(step - 1, cfg.n_layers, step)) else None
+
+
 def llama4_fields(cfg: ModelConfig) -> dict:
     """The fields of an export's config.json Llama4TextConfig reads beyond the common ones."""
     types = [cfg.layer_types[i % len(cfg.layer_types)] for i in range(cfg.n_layers)]
+    sparse = [i for i in range(cfg.n_layers) if cfg.sparse(i)]
+    step = moe_step(cfg)
     return {"no_rope_layers": [int(t == "chunked_attention") for t in types], "layer_types": types,
-            "moe_layers": [i for i in range(cfg.n_layers) if cfg.sparse(i)], "intermediate_size": cfg.expert_dim,
+            "moe_layers": sparse, **({"interleave_moe_layer_step": step} if step else {}),
+            "intermediate_size": cfg.expert_dim,
             "intermediate_size_mlp": cfg.intermediate_size, "attention_chunk_size": cfg.attn_chunk,
             "use_qk_norm": cfg.qk_l2, "attn_temperature_tuning": bool(cfg.attn_scale),
             "attn_scale": cfg.attn_scale or 0.1, "floor_scale": int(cfg.floor_scale or 8192),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from phantom.arch.config import refuse
+from phantom.arch.config import ModelConfig, refuse
 from phantom.arch.familybase import ATTENTION_KEYS, BIAS_KEYS, COMMON_DEFAULTS, DENSE_MLP_KEYS, QK_NORM_KEYS, Family, \
     _read_attention_bias, _read_mistral_window
 
@@ -115,6 +115,12 @@ def read_minimax_m2(c: dict, path) -> dict:
     return {"rotary_dim": int(head * factor) if int(head * factor) != head else None}
 
 
+def minimax_m2_fields(cfg: ModelConfig) -> dict:
+    """The Hub's fields beside partial_rotary_factor: RoPE's width as rotary_dim, the router's scores as scoring_func
+    (MiniMaxM2Config reads the one, keeps the other; llama.cpp's converter needs both)."""
+    return {"rotary_dim": cfg.rotary_dim or cfg.head_dim, "scoring_func": "sigmoid"}
+
+
 MINIMAX_M2_ROUTER = {"model.layers.{}.block_sparse_moe.gate.weight": "feed_forward.gate.weight",
                      "model.layers.{}.block_sparse_moe.e_score_correction_bias":
                          "feed_forward.gate.e_score_correction_bias"}
@@ -166,5 +172,6 @@ FAMILIES = {f.name: f for f in (
                        {k: k.replace("block_sparse_moe", "mlp") for k in MINIMAX_M2_ROUTER}),
            defaults={**COMMON_DEFAULTS, "max_position_embeddings": 196608, "head_dim": 128,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 5e6}, "num_local_experts": 256,
-                     "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0}),
+                     "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0},
+           hf_fields=minimax_m2_fields),
 )}

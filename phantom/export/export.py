@@ -261,8 +261,10 @@ def hf_side_files(store: BlockStore, dtype: torch.dtype, folder: Path) -> Path:
     llama.cpp's converter reads a GGUF's metadata from, and the GGUF export reads the same way."""
     folder.mkdir(parents=True)
     write_tokenizer_files(store, folder)
-    (folder / "config.json").write_text(json.dumps(hf_config(store.cfg, dtype), indent=2) + "\n")
-    carry_token_ids(folder)
+    config = visionlanguage.checkpoint_config(store, hf_config(store.cfg, dtype), dtype, quantized=False)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if visionlanguage.record(store) is None:
+        carry_token_ids(folder)
     return folder
 
 

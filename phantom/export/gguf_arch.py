@@ -15,10 +15,11 @@ import gguf
 import torch
 
 from phantom.arch.config import ModelConfig
+from phantom.arch.family_llama4 import moe_step
 from phantom.arch.family_qwen35 import full_attention_interval
 from phantom.export.gguf_hparams import deepseek2_hparams, gemma2_hparams, gemma3_hparams, \
-    glm4moe_hparams, glm_dsa_hparams, gpt_oss_hparams, llama_hparams, olmoe_hparams, phi3_hparams, \
-    qwen35moe_hparams, qwen3next_hparams, qwen_moe_hparams, text_hparams
+    glm4moe_hparams, glm_dsa_hparams, gpt_oss_hparams, llama4_hparams, llama_hparams, minimax_m2_hparams, \
+    olmoe_hparams, phi3_hparams, qwen35moe_hparams, qwen3next_hparams, qwen_moe_hparams, text_hparams
 
 T = gguf.GGMLQuantizationType
 
@@ -140,6 +141,17 @@ def linear_attention_split(cfg: ModelConfig, name: str, t: torch.Tensor) -> list
     return [(name, t)]
 
 
+def llama4_split(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Llama4Model: the experts' (experts, in, out) weights transposed, gate_up_proj's halves (gate, then up) split."""
+    stem = name.rpartition(".")[0] + "."
+    if name.endswith("feed_forward.experts.gate_up_proj"):
+        gate, up = t.transpose(-1, -2).split(t.shape[-1] // 2, dim=-2)
+        return [(stem + "gate_proj.weight", gate), (stem + "up_proj.weight", up)]
+    if name.endswith("feed_forward.experts.down_proj"):
+        return [(name + ".weight", t.transpose(-1, -2))]
+    return [(name, t)]
+
+
 MIXTRAL_EXPERTS = ("model.layers.{}.block_sparse_moe.experts", ("w1", "w2", "w3"))
 ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, llama_hparams, permute_qk=True, vocab="llama"),
           "mistral": Arch(gguf.MODEL_ARCH.LLAMA, llama_hparams, permute_qk=True, vocab="llama"),
@@ -157,6 +169,9 @@ ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, llama_hparams, permute_qk=True, v
           "deepseek_v3": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", reshape=split_kv_b),
           "glm_moe_dsa": Arch(gguf.MODEL_ARCH.GLM_DSA, glm_dsa_hparams, vocab="glm", reshape=split_kv_b),
           "glm4_moe": Arch(gguf.MODEL_ARCH.GLM4_MOE, glm4moe_hparams, vocab="glm"),
+          "llama4": Arch(gguf.MODEL_ARCH.LLAMA4, llama4_hparams, vocab="bpe", reshape=llama4_split),
+          "minimax_m2": Arch(gguf.MODEL_ARCH.MINIMAXM2, minimax_m2_hparams, vocab="bpe", experts=MIXTRAL_EXPERTS,
+                             renormalizes=True),
           "gpt_oss": Arch(gguf.MODEL_ARCH.GPT_OSS, gpt_oss_hparams, vocab="bpe", reshape=gpt_oss_split),
           "qwen3_next": Arch(gguf.MODEL_ARCH.QWEN3NEXT, qwen3next_hparams, vocab="bpe", norm_shift=True,
                              renormalizes=True, reshape=linear_attention_split),
@@ -171,7 +186,8 @@ def refusal(cfg: ModelConfig) -> str | None:
     """Why llama.cpp would compute this model otherwise than phantom (what its GGUF cannot say), or None."""
     arch = ARCHES[cfg.family]
     name = arch.arch.name.lower()
-    scalings = ("linear", "longrope") if cfg.family == "phi3" else ("linear", "llama3") if arch.permute_qk else \
+    scalings = ("linear", "longrope") if cfg.family == "phi3" else \
+        ("linear", "llama3") if arch.permute_qk or arch.reshape is llama4_split else \
         ("linear", "yarn") if arch.reshape in (split_kv_b, gpt_oss_split) else ("linear",)
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in scalings:
         return f"GGUF export of {name} covers RoPE scaling {', '.join(scalings)}, not {cfg.rope_scaling.rope_type!r}"
@@ -189,6 +205,8 @@ def refusal(cfg: ModelConfig) -> str | None:
         return gemma_refusal(cfg)
     if cfg.family == "gpt_oss":
         return gpt_oss_refusal(cfg)
+    if cfg.family == "llama4":
+        return llama4_refusal(cfg)
     if arch.reshape is linear_attention_split and full_attention_interval(cfg) is None:
         return (f"llama.cpp's {name} makes every full_attention_interval-th layer full attention, and this model's "
                 f"layer_types follow no such period")
@@ -199,6 +217,17 @@ def refusal(cfg: ModelConfig) -> str | None:
         if abs(cfg.rope_scaling.attention_factor - want) > 1e-6 * want:
             return (f"llama.cpp's converter writes LongRoPE's attention factor as {want:.6g} (from the context "
                     f"lengths), and this model's is {cfg.rope_scaling.attention_factor}")
+    return None
+
+
+def config_refusal(cfg: ModelConfig, arch: Arch, config: dict) -> str | None:
+    """What the config.json the converter reads (a vision-language checkpoint's text_config, as shipped) leaves out:
+    llama.cpp's deepseek2 routes a file that names no scoring function with softmax, and these models score with
+    sigmoid (the Hub's files say scoring_func; transformers' save_pretrained of Kimi-K2.5 leaves it out)."""
+    if arch.hparams is deepseek2_hparams and cfg.router_score == "sigmoid" and config.get("scoring_func") != "sigmoid":
+        return ("llama.cpp's deepseek2 routes with softmax unless config.json says scoring_func sigmoid, and this "
+                "checkpoint's text_config does not (the Hub's files do); export --format hf, add it there and convert "
+                "that with llama.cpp's convert_hf_to_gguf.py")
     return None
 
 
@@ -239,6 +268,36 @@ def gpt_oss_refusal(cfg: ModelConfig) -> str | None:
         if abs(s.attention_factor - want) > 1e-6 * want:
             return (f"llama.cpp scales YaRN's attention by 0.1 ln(factor) + 1 = {want:.6g}, and this model's "
                     f"attention factor is {s.attention_factor:g}")
+    return None
+
+
+LLAMA4_CHUNK, LLAMA4_PERIOD = 8192, 4  # llama.cpp's llama4 (load_arch_hparams): fixed, as in Scout and Maverick
+
+
+def llama4_refusal(cfg: ModelConfig) -> str | None:
+    """llama.cpp's llama4 (src/models/llama4.cpp) fixes what Llama4TextConfig leaves open: every 4th layer without
+    RoPE and unchunked, the rest chunked by 8192; the temperature of the RoPE-less layers' queries at attn_scale 0.1
+    and floor_scale 8192; q/k L2 norms on the RoPE layers unless there are 128 experts; the sparse layers every
+    interleave_moe_layer_step-th (the one key the converter writes); no attention biases."""
+    if any(cfg.layer_types[i % len(cfg.layer_types)] != ("full_attention" if (i + 1) % LLAMA4_PERIOD == 0 else
+                                                         "chunked_attention") for i in range(cfg.n_layers)):
+        return (f"llama.cpp's llama4 has RoPE and chunked attention on every layer but each {LLAMA4_PERIOD}th, and "
+                f"this model's layers differ")
+    if cfg.attn_chunk != LLAMA4_CHUNK:
+        return (f"llama.cpp's llama4 attends in chunks of {LLAMA4_CHUNK} positions, and this model's "
+                f"attention_chunk_size is {cfg.attn_chunk}")
+    if (cfg.attn_scale, cfg.floor_scale) != (0.1, LLAMA4_CHUNK):
+        return ("llama.cpp's llama4 tunes the RoPE-less layers' attention temperature with attn_scale 0.1 and "
+                f"floor_scale {LLAMA4_CHUNK}, and this model " + ("has none" if not cfg.attn_scale else
+                f"has {cfg.attn_scale:g} and {cfg.floor_scale:g}"))
+    if cfg.qk_l2 != (cfg.n_experts != 128):
+        return (f"llama.cpp's llama4 L2-norms q and k on its RoPE layers exactly where there are not 128 experts, and "
+                f"this model with {cfg.n_experts} sets use_qk_norm {str(cfg.qk_l2).lower()}")
+    if moe_step(cfg) is None:
+        return ("llama.cpp's llama4 reads the sparse layers as every interleave_moe_layer_step-th, and this model's "
+                "moe_layers follow no such period")
+    if cfg.qkv_bias:
+        return "llama.cpp's llama4 loads no attention output bias, and this model sets attention_bias"
     return None
 
 

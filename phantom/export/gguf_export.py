@@ -27,8 +27,8 @@ from phantom.files.hfshards import natural_key
 from phantom.data.tokenizer import is_tiktoken_file
 from phantom.files.store import BlockStore
 from phantom.convert.checkpoints import part_shapes
-from phantom.export.gguf_arch import ARCHES, Arch, add_early_keys, embed_rows, extra_tensors, refusal, \
-    yarn_difference
+from phantom.export.gguf_arch import ARCHES, Arch, add_early_keys, config_refusal, embed_rows, extra_tensors, \
+    refusal, yarn_difference
 from phantom.export.gguf_vocab import add_vocab, phi3_name_refusal, read_json
 from phantom.convert.hflayout import to_hf
 
@@ -83,8 +83,8 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
     if outtype is not None and outtype not in OUTTYPES:
         raise ValueError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {outtype!r}")
     if cfg.hc_mult:  # DeepseekV4ForCausalLM
-        raise ValueError("GGUF export of DeepSeek-V4 (hyper-connections, compressed attention) is not written; export "
-                         "--format hf and convert that with llama.cpp's convert_hf_to_gguf.py, which reads it")
+        raise ValueError("GGUF export of DeepSeek-V4 is not written: llama.cpp's converter reads DeepSeek-V4 only as the "
+                         "Hub ships it (DeepSeek's names, FP8 beside MXFP4 experts), not a 16-bit export; use --format hf")
     if cfg.family == "deepseek_v32":
         raise ValueError("GGUF export of DeepSeek-V3.2 is refused: llama.cpp's deepseek32 computes logits 7e-2 to 1.4 "
                          "(relative) away from transformers' DeepseekV32ForCausalLM on the file its own converter writes "
@@ -190,7 +190,11 @@ def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder
     add_early_keys(w, cfg)
     w.add_type(gguf.GGUFType.MODEL)
     meta.set_gguf_meta_model(w)
-    arch.hparams(w, read_json(folder / "config.json"), ftype)
+    config = read_json(folder / "config.json")
+    config = {**config, **config.get("text_config", {})}  # a vision-language model's text model, as TextModel reads it
+    if (why := config_refusal(cfg, arch, config)) is not None:
+        raise ValueError(why)
+    arch.hparams(w, config, ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     prefix_space = read_json(folder / "tokenizer_config.json").get("add_prefix_space")
     if arch.vocab == "llama" and prefix_space is not None:

@@ -256,6 +256,23 @@ def glm4moe_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
         w.add_nextn_predict_layers(c["num_nextn_predict_layers"])
 
 
+def llama4_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
+    """Llama4Model: LlamaModel's keys with the dense layers' width as the feed-forward length (intermediate_size_mlp),
+    then the sparse layers' period and the experts' width (intermediate_size); no window where no layer chunks."""
+    llama_hparams(w, {**c, "intermediate_size": c["intermediate_size_mlp"]}, ftype)
+    w.add_interleave_moe_layer_step(c["interleave_moe_layer_step"])
+    w.add_expert_feed_forward_length(c["intermediate_size"])
+    if "layer_types" in c and all(t == "full_attention" for t in c["layer_types"]):
+        w.add_sliding_window(0)
+
+
+def minimax_m2_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
+    """MiniMaxM2Model: the base keys, the experts' width (intermediate_size), RoPE's width (rotary_dim)."""
+    text_hparams(w, c, ftype)
+    w.add_expert_feed_forward_length(c["intermediate_size"])
+    w.add_rope_dimension_count(c["rotary_dim"])
+
+
 def gpt_oss_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
     """GptOssModel: the base keys, the window, the experts' width (intermediate_size)."""
     text_hparams(w, c, ftype)

@@ -66,12 +66,12 @@ LINEAR = {**NEW_SMALL, "vocab_size": 151936, "linear_key_head_dim": 32, "linear_
           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
           "layer_types": ["linear_attention", "full_attention"]}
-# DeepSeek Sparse Attention: tests/family_check.py's tiny GLM-5 (latent attention, DeepSeekMoE and the lightning
-# indexer; its layers 1 and 3 reusing the indexer before them), without YaRN (llama.cpp's glm-dsa reads no
-# mscale_all_dim); indexer heads 64 wide (llama.cpp turns them by a Hadamard matrix of 64 dims or more); attention heads
-# narrower than q8_0's blocks
+# DeepSeek Sparse Attention: tests/family_check.py's tiny DeepSeek-V3.2 and GLM-5 (latent attention, DeepSeekMoE and the
+# lightning indexer; GLM-5's layers 1 and 3 reusing the indexer before them), V3.2 with YaRN as published (mscale equal
+# to mscale_all_dim), GLM-5 without (llama.cpp's glm-dsa reads no mscale_all_dim); indexer heads 64 wide (llama.cpp
+# turns them by a Hadamard matrix of 64 dims or more); attention heads narrower than q8_0's blocks
 DSA = {name: {**{k: v for k, v in FAMILY_CASES[name].fields.items() if k != "rope_parameters"}, "index_head_dim": 64}
-       for name in ("glm_moe_dsa",)}
+       for name in ("deepseek_v32", "glm_moe_dsa")}
 # name: (transformers config class, its fields, tokenizer, store dtype, outtypes compared with the converter)
 CASES = {
     "llama": ("LlamaConfig", {}, "sentencepiece", "fp32", ("f32", "f16", "bf16", "q8_0")),
@@ -99,6 +99,12 @@ CASES = {
                     ("q8_0",)),
     "deepseek_v2": ("DeepseekV2Config", {**MLA, "q_lora_rank": 32, "n_shared_experts": 2, "routed_scaling_factor": 1.5},
                     "deepseek_v3", "bf16", ("bf16",)),
+    # DeepSeek-V3.2: 16 indexer heads (with family_check's 4, the ReLU zeroes every head's score of some keys, and keys
+    # tied at 0 straddle the top-16 at two queries of the 40-token prompt, where torch.topk and ggml_top_k pick
+    # different ones); YaRN with mscale and mscale_all_dim 1, as published (llama.cpp takes mscale as 1 for deepseek32)
+    "deepseek_v32": ("DeepseekV32Config", {**DSA["deepseek_v32"], "index_n_heads": 16, "vocab_size": 129280,
+                                           "rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}},
+                     "deepseek_v3", "bf16", ("bf16",)),
     # (no bos_token_id, as GLM-4.5's config class: the converter takes [gMASK] as BOS where config.json names none)
     "glm_moe_dsa": ("GlmMoeDsaConfig", {**DSA["glm_moe_dsa"], "vocab_size": 151936, "bos_token_id": None}, "glm", "bf16",
                     ("f16",)),
@@ -263,20 +269,33 @@ def build(root: Path, name: str) -> tuple[Path, Path, Path]:
 
 # All conversions run in one process (DRIVER: the converters' imports, torch and transformers, made once).
 # The pinned converter is written for transformers 4.57.6 (its requirements), and two of its readings differ under
-# transformers 5, one of which each run emulates where its case needs it (its first element: what it emulates):
+# transformers 5, which each run emulates where its case needs it (its first element: what it emulates):
 # "config": it reads config.json through AutoConfig(...).to_dict(), whose dict in 4.57.6 keeps rope_scaling as
 # written; transformers 5's moves it into rope_parameters, where Phi3MiniModel does not look, and LongRoPE's factors
 # would be lost. So the phi3 cases' converter reads config.json as it is (what 4.57.6's to_dict gives for these fields).
+# "bos": DeepseekV32Model asserts the tokenizer's add_bos_token, which 4.57.6's LlamaTokenizerFast (DeepSeek's
+# tokenizer_class) reads from tokenizer_config.json; transformers 5 loads a byte-level tokenizer.json as its
+# TokenizersBackend, which drops that key (add_bos_token false), so the assertion is given the file's value (the
+# tokenizer encodes as before: its pre-tokenizer is hashed as in the deepseek_v3 case).
 DRIVER = """import json, runpy, sys
 from pathlib import Path
 folder = Path(sys.argv[1])
 sys.path[:0] = [str(folder), str(folder / "gguf-py")]
 import conversion.base as base
+import transformers
 by_transformers = base.ModelBase.__dict__["load_hparams"]
 as_written = staticmethod(lambda d, is_mistral_format=False: json.loads((Path(d) / "config.json").read_text()))
+auto_tokenizer = transformers.AutoTokenizer.from_pretrained
+
+def with_configs_bos(d, *args, **kwargs):
+    tokenizer = auto_tokenizer(d, *args, **kwargs)
+    add_bos = json.loads((Path(d) / "tokenizer_config.json").read_text()).get("add_bos_token", False)
+    object.__setattr__(tokenizer, "_add_bos_token", add_bos)  # the attribute alone (its setter remakes the post-processor)
+    return tokenizer
 
 for emulated, script, *args in json.loads(sys.argv[2]):
     base.ModelBase.load_hparams = as_written if "config" in emulated else by_transformers
+    transformers.AutoTokenizer.from_pretrained = with_configs_bos if "bos" in emulated else auto_tokenizer
     sys.argv = [str(folder / script), *args]
     print("+", *sys.argv, flush=True)
     try:
@@ -289,12 +308,13 @@ for emulated, script, *args in json.loads(sys.argv[2]):
 # converter's Qwen3-Next and Qwen3.5 classes count in unless told --no-mtp
 NO_MTP = ("qwen3_next", "qwen3_5_moe")
 CONFIG_AS_WRITTEN = ("phi3", "phi4")  # (transformers 5's to_dict also moves partial_rotary_factor into rope_parameters)
+BOS_AS_WRITTEN = ("deepseek_v32",)
 
 
 def conversions(name: str, merged: Path, out: Path, adapter: Path) -> dict[str, list]:
     """outtype -> the run of llama.cpp's convert_hf_to_gguf.py that writes merged's GGUF into out/outtype, and
     "lora" -> convert_lora_to_gguf.py's of the adapter (merged as --base) into out/lora, for DRIVER."""
-    emulated = ["config"] * (name in CONFIG_AS_WRITTEN)
+    emulated = ["config"] * (name in CONFIG_AS_WRITTEN) + ["bos"] * (name in BOS_AS_WRITTEN)
     mtp = ["--no-mtp"] if name in NO_MTP else []
     runs = {t: [emulated, "convert_hf_to_gguf.py", str(merged), "--outtype", t, *mtp] for t in CASES[name][4]}
     if lora := LORA_OUTTYPES.get(name):
@@ -504,7 +524,7 @@ def rounded_through(model, outtype: str):
 # those among its architectures),
 # gpt_oss (its reader fails on the file: float() of an array); phi4's tensors are the phi3 case's kind, its 201k-token
 # vocabulary alone differs (compared byte for byte), not loaded for the time it takes
-NOT_LOADED = ("llama3", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "glm4_moe",
+NOT_LOADED = ("llama3", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "deepseek_v32", "glm4_moe",
               "glm_moe_dsa", "gpt_oss", "qwen3_next", "qwen3_5_moe", "phi4", "llama4", "llama4_vl", "kimi_k25")
 
 
@@ -585,6 +605,15 @@ def without_scoring(store: Path, folder: Path) -> Path:
     return folder
 
 
+def without_bos(merged: Path, folder: Path) -> Path:
+    """A store prepared from a copy of the HF export merged whose tokenizer_config.json says add_bos_token false."""
+    src = shutil.copytree(merged, folder / "hf")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    assert load_script("prepare_model").main(["--src", str(src), "--out", str(folder / "store"), "--quiet"]) == 0
+    return folder / "store"
+
+
 def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsys, monkeypatch):
     from phantom.export import gguf_arch
     store, moe, gemma2, glm = built("llama")[0], built("qwen3_moe"), built("gemma2")[0], built("glm4_moe")
@@ -599,6 +628,8 @@ def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsy
               "llama.cpp reads Gemma-2's RoPE base as 10000"),
              (["--model", str(edited(moe[0], tmp_path / "q", norm_topk_prob=False)), "--format", "gguf"],
               "llama.cpp's qwen3moe fixes norm_topk_prob"),
+             (["--model", str(without_bos(built("deepseek_v32")[2], tmp_path / "v32")), "--format", "gguf"],
+              "DeepSeek-V3.2's vocabulary only where tokenizer_config.json says add_bos_token true"),
              # a Kimi-K2.5 checkpoint whose text_config names no scoring function (llama.cpp would route with softmax)
              (["--model", str(without_scoring(built("kimi_k25")[0], tmp_path / "k")), "--format", "gguf"],
               "llama.cpp's deepseek2 routes with softmax unless config.json says scoring_func sigmoid"),
@@ -649,11 +680,15 @@ def test_newer_families_refuse_what_llama_cpp_computes_otherwise(built):
         dataclasses.replace(dsv3, rope_scaling=dataclasses.replace(dsv3.rope_scaling, attention_factor=1.038)))
     # DeepSeek Sparse Attention: the indexer's queries from the query latent, its heads turned by a Hadamard matrix of
     # 64 dims or more; glm-dsa reads no YaRN log multiplier
-    glm5 = BlockStore(built("glm_moe_dsa")[0]).cfg
-    assert refusal(glm5) is None
+    v32, glm5 = (BlockStore(built(n)[0]).cfg for n in ("deepseek_v32", "glm_moe_dsa"))
+    assert refusal(v32) is None and refusal(glm5) is None
     for cfg, words in [(dataclasses.replace(glm5, q_lora_rank=0), "glm-dsa reads the indexer's queries from the query latent"),
-                       (dataclasses.replace(glm5, index_head_dim=96), "glm-dsa turns the indexer's queries and keys"),
-                       (dataclasses.replace(glm5, rope_scaling=dsv3.rope_scaling), "glm-dsa reads no YaRN log multiplier")]:
+                       (dataclasses.replace(v32, index_head_dim=96), "deepseek32 turns the indexer's queries and keys"),
+                       (dataclasses.replace(glm5, rope_scaling=v32.rope_scaling), "glm-dsa reads no YaRN log multiplier"),
+                       (dataclasses.replace(v32, rope_scaling=dataclasses.replace(v32.rope_scaling, attention_factor=1.038)),
+                        "llama.cpp's deepseek32 scales YaRN's attention by mscale_all_dim alone"),
+                       (dataclasses.replace(v32, rope_scaling=dataclasses.replace(v32.rope_scaling, mscale_all_dim=0.7)),
+                        "llama.cpp's deepseek32 takes YaRN's mscale as 1")]:
         assert words in refusal(cfg), (words, refusal(cfg))
     # Llama 4: llama.cpp's llama4 fixes the layers' layout (every 4th RoPE-less and unchunked), the chunk (8192), the
     # temperature's constants, q/k norms unless there are 128 experts, the sparse layers' period; no attention biases

@@ -24,17 +24,17 @@ CASES = {"llama": ("f32", "q8_0"), "llama3": ("f32",), "mistral": ("f32",), "qwe
          "qwen3_moe": ("q8_0",), "glm4_moe": ("f32",), "gpt_oss": ("f32",), "qwen3_next": ("f32",),
          "qwen3_5_moe": ("f32",), "phi3": ("f32",), "phi4": ("f32",), "mixtral": ("f32",), "qwen2_moe": ("f32",),
          "olmoe": ("f32",), "deepseek_v2": ("f32",), "deepseek_v3": ("f32",), "gemma2": ("f32",), "gemma3": ("f32",),
-         "glm_moe_dsa": ("f32",), "minimax_m2": ("f32",), "llama4": ("f32",), "llama4_vl": ("f32",),
-         "kimi_k25": ("f32",)}
+         "deepseek_v32": ("f32",), "glm_moe_dsa": ("f32",), "minimax_m2": ("f32",), "llama4": ("f32",),
+         "llama4_vl": ("f32",), "kimi_k25": ("f32",)}
 F32 = 1e-4
 # llama.cpp pads its context to a multiple of 256 (llama-context.cpp) and takes Phi-3's LongRoPE long factors
 # whenever that context exceeds the original one (llama_model::get_rope_factors), 64 in the tiny case, where
 # transformers takes them for a sequence past it: phi3 runs on a prompt past 64 tokens, its long factors in both
 LONG_PROMPT = [(7 * i + 3) % 500 for i in range(80)]
-# GLM-5's indexer picks 16 keys: a prompt of 40 tokens, past them, beside the short ones (its layers 1 and 3 reuse the
-# picks of layers 0 and 2). DeepSeek-V3.2's export is refused: llama.cpp's deepseek32 computed the converter's own file
-# of family_check's tiny V3.2 (indexer heads 64 wide) 7e-2 (with YaRN) and 1.4 (without) away from transformers
-PROMPTS_OF = {"phi3": [LONG_PROMPT], "glm_moe_dsa": PROMPTS + [LONG_PROMPT[:40]], "llama4": PROMPTS + [LONG_PROMPT]}
+# DeepSeek-V3.2's and GLM-5's indexers pick 16 keys: a prompt of 40 tokens, past them, beside the short ones (GLM-5's
+# layers 1 and 3 reuse the picks of layers 0 and 2)
+PROMPTS_OF = {"phi3": [LONG_PROMPT], "glm_moe_dsa": PROMPTS + [LONG_PROMPT[:40]],
+              "deepseek_v32": PROMPTS + [LONG_PROMPT[:40]], "llama4": PROMPTS + [LONG_PROMPT]}
 # llama.cpp's CPU GELU (ggml-cpu/vec.h defines GGML_GELU_FP16) rounds its input to f16 and reads the tanh GELU from
 # an f16 table, which puts Gemma-2/3's logits 3e-4 to 1.3e-3 off transformers' f32 GELU. They are compared with
 # transformers' model computing that GELU (ggml_cpu_gelu); the table's steps turn float noise before it into f16

@@ -17,7 +17,7 @@ import torch
 from phantom.arch.config import ModelConfig
 from phantom.arch.family_llama4 import moe_step
 from phantom.arch.family_qwen35 import full_attention_interval
-from phantom.export.gguf_hparams import deepseek2_hparams, gemma2_hparams, gemma3_hparams, \
+from phantom.export.gguf_hparams import deepseek2_hparams, dsa_hparams, gemma2_hparams, gemma3_hparams, \
     glm4moe_hparams, glm_dsa_hparams, gpt_oss_hparams, llama4_hparams, llama_hparams, minimax_m2_hparams, \
     olmoe_hparams, phi3_hparams, qwen35moe_hparams, qwen3next_hparams, qwen_moe_hparams, text_hparams
 
@@ -40,7 +40,9 @@ class Arch:
     drop_head: lm_head not written (Gemma2Model: tied embeddings). renormalizes: whether llama.cpp's graph
     renormalizes the chosen experts' weights (build_moe_ffn's norm_w in its src/models/*.cpp), a mixture's
     norm_topk_prob must be that. reshape: the class's own tensor changes, (cfg, HF name, tensor) -> [(a name
-    gguf maps, tensor)], written where the converter reads the HF tensor, in that order (None: as they are)."""
+    gguf maps, tensor)], written where the converter reads the HF tensor, in that order (None: as they are).
+    name: the architecture written, where it is not gguf's name of arch (DeepSeek-V3.2's deepseek32, which gguf's
+    releases before llama.cpp's own gguf-py lack; its tensors are named as glm-dsa's, arch here)."""
 
     arch: gguf.MODEL_ARCH
     hparams: Callable = text_hparams
@@ -52,11 +54,12 @@ class Arch:
     drop_head: bool = False
     renormalizes: bool | None = None
     reshape: Callable | None = None
+    name: str | None = None
 
     @property
     def file_arch(self) -> str:
         """general.architecture, the prefix of the file's hyperparameter keys."""
-        return gguf.MODEL_ARCH_NAMES[self.arch]
+        return self.name or gguf.MODEL_ARCH_NAMES[self.arch]
 
 
 def split_kv_b(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -167,6 +170,8 @@ ARCHES = {"llama": Arch(gguf.MODEL_ARCH.LLAMA, llama_hparams, permute_qk=True, v
           "phi3": Arch(gguf.MODEL_ARCH.PHI3, phi3_hparams, vocab="phi3"),
           "deepseek_v2": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", reshape=split_kv_b),
           "deepseek_v3": Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek2_hparams, vocab="bpe", reshape=split_kv_b),
+          "deepseek_v32": Arch(gguf.MODEL_ARCH.GLM_DSA, dsa_hparams, vocab="bpe", reshape=split_kv_b,
+                               name="deepseek32"),
           "glm_moe_dsa": Arch(gguf.MODEL_ARCH.GLM_DSA, glm_dsa_hparams, vocab="glm", reshape=split_kv_b),
           "glm4_moe": Arch(gguf.MODEL_ARCH.GLM4_MOE, glm4moe_hparams, vocab="glm"),
           "llama4": Arch(gguf.MODEL_ARCH.LLAMA4, llama4_hparams, vocab="bpe", reshape=llama4_split),
@@ -185,7 +190,7 @@ GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}  # llama.cpp's sliding pattern: ev
 def refusal(cfg: ModelConfig) -> str | None:
     """Why llama.cpp would compute this model otherwise than phantom (what its GGUF cannot say), or None."""
     arch = ARCHES[cfg.family]
-    name = arch.arch.name.lower()
+    name = arch.name or arch.arch.name.lower()
     scalings = ("linear", "longrope") if cfg.family == "phi3" else \
         ("linear", "llama3") if arch.permute_qk or arch.reshape is llama4_split else \
         ("linear", "yarn") if arch.reshape in (split_kv_b, gpt_oss_split) else ("linear",)
@@ -334,9 +339,14 @@ def dsa_refusal(cfg: ModelConfig, name: str) -> str | None:
     if cfg.index_head_dim % 64:
         return (f"llama.cpp's {name} turns the indexer's queries and keys by a Hadamard matrix of 64 or more dims, and "
                 f"this model's indexer heads are {cfg.index_head_dim} wide")
-    if cfg.family == "glm_moe_dsa" and cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn":
+    yarn = cfg.rope_scaling if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "yarn" else None
+    if cfg.family == "glm_moe_dsa" and yarn:
         return (f"llama.cpp's {name} reads no YaRN log multiplier (mscale_all_dim): it scales this model's YaRN "
                 f"attention otherwise than transformers")
+    if cfg.family == "deepseek_v32" and yarn and yarn.mscale_all_dim != 1.0:
+        return (f"llama.cpp's {name} takes YaRN's mscale as 1 (llama_context sets it from mscale_all_dim for deepseek2 "
+                f"alone), and this model's mscale_all_dim is {yarn.mscale_all_dim:g}, not 1 (the published DeepSeek-V3.2's "
+                f"mscale and mscale_all_dim are 1)")
     return None
 
 

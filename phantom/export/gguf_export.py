@@ -85,10 +85,6 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
     if cfg.hc_mult:  # DeepseekV4ForCausalLM
         raise ValueError("GGUF export of DeepSeek-V4 is not written: llama.cpp's converter reads DeepSeek-V4 only as the "
                          "Hub ships it (DeepSeek's names, FP8 beside MXFP4 experts), not a 16-bit export; use --format hf")
-    if cfg.family == "deepseek_v32":
-        raise ValueError("GGUF export of DeepSeek-V3.2 is refused: llama.cpp's deepseek32 computes logits 7e-2 to 1.4 "
-                         "(relative) away from transformers' DeepseekV32ForCausalLM on the file its own converter writes "
-                         "of a tiny model, for a cause not yet found; use --format hf")
     if cfg.family not in ARCHES:
         raise ValueError(f"GGUF export covers {', '.join(ARCHES)} models; this is a {cfg.family} model: "
                          f"use --format hf (llama.cpp's convert_hf_to_gguf.py reads it)")
@@ -181,7 +177,8 @@ def plan(cfg: ModelConfig, arch: Arch, qtype: T, embed_rows: int | None) -> list
 def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder: Path) -> gguf.Metadata:
     """general.* (gguf's Metadata from folder: its name, config.json and generation_config.json), the
     hyperparameters, then the tokenizer, as the converter orders them. The tensor infos must be in w. Raises
-    ValueError where llama.cpp would not load the vocabulary under the file's name (gguf_vocab.phi3_name_refusal)."""
+    ValueError where llama.cpp would not load the vocabulary under the file's name (gguf_vocab.phi3_name_refusal)
+    or its converter would not read it (DeepSeek-V3.2's without add_bos_token)."""
     total, shared, expert, count = w.get_total_parameter_count()
     meta = gguf.Metadata.load(None, folder, None, total)
     meta.name = meta.name or folder.name
@@ -196,7 +193,11 @@ def add_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, arch: Arch, ftype, folder
         raise ValueError(why)
     arch.hparams(w, config, ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    prefix_space = read_json(folder / "tokenizer_config.json").get("add_prefix_space")
+    tokenizer_config = read_json(folder / "tokenizer_config.json")
+    if arch.name == "deepseek32" and tokenizer_config.get("add_bos_token") is not True:
+        raise ValueError("llama.cpp's converter reads DeepSeek-V3.2's vocabulary only where tokenizer_config.json says "
+                         "add_bos_token true (DeepseekV32Model asserts it), and this tokenizer's does not")
+    prefix_space = tokenizer_config.get("add_prefix_space")
     if arch.vocab == "llama" and prefix_space is not None:
         w.add_add_space_prefix(prefix_space)
     add_vocab(w, folder, cfg.vocab_size, arch.vocab)

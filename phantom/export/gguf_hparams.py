@@ -189,21 +189,28 @@ def deepseek2_hparams(w: gguf.GGUFWriter, c: dict, ftype, blocks: int | None = N
         w.add_rope_scaling_yarn_log_mul(0.1 * mscale)
 
 
-def glm_dsa_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
-    """GlmMoeDsaModel (GLM-5, DeepSeek Sparse Attention): DeepseekV2Model's keys, its blocks counting the prediction
-    layers, RoPE's width again (times partial_rotary_factor, in place), then the prediction layers' count, the
-    lightning indexer's heads, width and top-k, and which layers run an indexer of their own (indexer_types)."""
+def dsa_hparams(w: gguf.GGUFWriter, c: dict, ftype, glm: bool = False) -> None:
+    """DeepseekV32Model (DeepSeek Sparse Attention): DeepseekV2Model's keys, its blocks counting the prediction
+    layers, then their count and the lightning indexer's heads, width and top-k; glm: GlmMoeDsaModel's, which
+    writes RoPE's width again (times partial_rotary_factor, in place) before them and which layers run an indexer
+    of their own (indexer_types) after."""
     deepseek2_hparams(w, c, ftype, c["num_hidden_layers"] + c.get("num_nextn_predict_layers", 0))
-    with rewriting():
-        rope = rope_parameters(c).get("partial_rotary_factor", 1.0)
-        w.add_rope_dimension_count(int(c["qk_rope_head_dim"] * rope))
+    if glm:
+        with rewriting():
+            rope = rope_parameters(c).get("partial_rotary_factor", 1.0)
+            w.add_rope_dimension_count(int(c["qk_rope_head_dim"] * rope))
     if c.get("num_nextn_predict_layers") is not None:
         w.add_nextn_predict_layers(c["num_nextn_predict_layers"])
     w.add_uint32(f"{w.arch}.attention.indexer.head_count", c["index_n_heads"])
     w.add_uint32(f"{w.arch}.attention.indexer.key_length", c["index_head_dim"])
     w.add_uint32(f"{w.arch}.attention.indexer.top_k", c["index_topk"])
-    if c.get("indexer_types") is not None:
+    if glm and c.get("indexer_types") is not None:
         w.add_array(f"{w.arch}.attention.indexer.types", [t == "full" for t in c["indexer_types"]])
+
+
+def glm_dsa_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
+    """GlmMoeDsaModel (GLM-5): dsa_hparams' GLM form."""
+    dsa_hparams(w, c, ftype, glm=True)
 
 
 def phi3_rope_dims(c: dict) -> int:

@@ -596,11 +596,17 @@ def edited(store: Path, folder: Path, **fields) -> Path:
     return folder
 
 
-def without_scoring(store: Path, folder: Path) -> Path:
-    """A copy of a vision-language store whose checkpoint config (kept as shipped) has no text_config.scoring_func."""
+def text_config_edited(store: Path, folder: Path, **fields) -> Path:
+    """A copy of a vision-language store whose checkpoint config (kept as shipped) has fields in its text_config
+    (None: left out)."""
     folder = shutil.copytree(store, folder)
     manifest = json.loads((folder / "manifest.json").read_text())
-    del manifest["vision_language"]["config"]["text_config"]["scoring_func"]
+    text = manifest["vision_language"]["config"]["text_config"]
+    for key, value in fields.items():
+        if value is None:
+            del text[key]
+        else:
+            text[key] = value
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 
@@ -631,8 +637,11 @@ def test_bad_gguf_requests_are_one_line_and_leave_nothing(built, tmp_path, capsy
              (["--model", str(without_bos(built("deepseek_v32")[2], tmp_path / "v32")), "--format", "gguf"],
               "DeepSeek-V3.2's vocabulary only where tokenizer_config.json says add_bos_token true"),
              # a Kimi-K2.5 checkpoint whose text_config names no scoring function (llama.cpp would route with softmax)
-             (["--model", str(without_scoring(built("kimi_k25")[0], tmp_path / "k")), "--format", "gguf"],
-              "llama.cpp's deepseek2 routes with softmax unless config.json says scoring_func sigmoid"),
+             (["--model", str(text_config_edited(built("kimi_k25")[0], tmp_path / "k", scoring_func=None)),
+               "--format", "gguf"], "llama.cpp's deepseek2 routes with softmax unless config.json says scoring_func"),
+             # a Llama 4 checkpoint whose config says every layer is sparse beside moe_layers of every 2nd
+             (["--model", str(text_config_edited(built("llama4_vl")[0], tmp_path / "l4", interleave_moe_layer_step=1)),
+               "--format", "gguf"], "this checkpoint's config.json says 1 where its moe_layers make it 2"),
              # a Phi-3 name (the folder's) on a vocabulary without <|endoftext|>: llama.cpp's loader stops on it
              (["--model", str(shutil.copytree(store, tmp_path / "tiny-phi3-llama")), "--format", "gguf"],
               "this vocabulary lacks <|endoftext|>; name the store's folder without phi3")]

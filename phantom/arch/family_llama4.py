@@ -99,10 +99,10 @@ def moe_step(cfg: ModelConfig) -> int | None:
 def llama4_fields(cfg: ModelConfig) -> dict:
     """The fields of an export's config.json Llama4TextConfig reads beyond the common ones."""
     types = [cfg.layer_types[i % len(cfg.layer_types)] for i in range(cfg.n_layers)]
-    sparse = [i for i in range(cfg.n_layers) if cfg.sparse(i)]
     step = moe_step(cfg)
     return {"no_rope_layers": [int(t == "chunked_attention") for t in types], "layer_types": types,
-            "moe_layers": sparse, **({"interleave_moe_layer_step": step} if step else {}),
+            "moe_layers": [i for i in range(cfg.n_layers) if cfg.sparse(i)],
+            **({"interleave_moe_layer_step": step} if step else {}),
             "intermediate_size": cfg.expert_dim,
             "intermediate_size_mlp": cfg.intermediate_size, "attention_chunk_size": cfg.attn_chunk,
             "use_qk_norm": cfg.qk_l2, "attn_temperature_tuning": bool(cfg.attn_scale),

@@ -228,11 +228,17 @@ def refusal(cfg: ModelConfig) -> str | None:
 def config_refusal(cfg: ModelConfig, arch: Arch, config: dict) -> str | None:
     """What the config.json the converter reads (a vision-language checkpoint's text_config, as shipped) leaves out:
     llama.cpp's deepseek2 routes a file that names no scoring function with softmax, and these models score with
-    sigmoid (the Hub's files say scoring_func; transformers' save_pretrained of Kimi-K2.5 leaves it out)."""
+    sigmoid (the Hub's files say scoring_func; transformers' save_pretrained of Kimi-K2.5 leaves it out); llama.cpp's
+    llama4 takes the sparse layers from interleave_moe_layer_step, which a shipped config may leave at 1 beside
+    moe_layers of another period."""
     if arch.hparams is deepseek2_hparams and cfg.router_score == "sigmoid" and config.get("scoring_func") != "sigmoid":
         return ("llama.cpp's deepseek2 routes with softmax unless config.json says scoring_func sigmoid, and this "
                 "checkpoint's text_config does not (the Hub's files do); export --format hf, add it there and convert "
                 "that with llama.cpp's convert_hf_to_gguf.py")
+    step = config.get("interleave_moe_layer_step", 1)  # Llama4TextConfig's default, which the converter reads
+    if cfg.family == "llama4" and step != moe_step(cfg):
+        return (f"llama.cpp's llama4 reads the sparse layers from interleave_moe_layer_step alone, and this "
+                f"checkpoint's config.json says {step} where its moe_layers make it {moe_step(cfg)}")
     return None
 
 
@@ -344,9 +350,9 @@ def dsa_refusal(cfg: ModelConfig, name: str) -> str | None:
         return (f"llama.cpp's {name} reads no YaRN log multiplier (mscale_all_dim): it scales this model's YaRN "
                 f"attention otherwise than transformers")
     if cfg.family == "deepseek_v32" and yarn and yarn.mscale_all_dim != 1.0:
-        return (f"llama.cpp's {name} takes YaRN's mscale as 1 (llama_context sets it from mscale_all_dim for deepseek2 "
-                f"alone), and this model's mscale_all_dim is {yarn.mscale_all_dim:g}, not 1 (the published DeepSeek-V3.2's "
-                f"mscale and mscale_all_dim are 1)")
+        return (f"llama.cpp's {name} takes YaRN's mscale as 1 (llama_context sets it from mscale_all_dim for "
+                f"deepseek2 alone), and this model's mscale_all_dim is {yarn.mscale_all_dim:g}, not 1 (the published "
+                f"DeepSeek-V3.2's mscale and mscale_all_dim are 1)")
     return None
 
 

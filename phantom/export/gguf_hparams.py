@@ -267,7 +267,7 @@ def llama4_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
     """Llama4Model: LlamaModel's keys with the dense layers' width as the feed-forward length (intermediate_size_mlp),
     then the sparse layers' period and the experts' width (intermediate_size); no window where no layer chunks."""
     llama_hparams(w, {**c, "intermediate_size": c["intermediate_size_mlp"]}, ftype)
-    w.add_interleave_moe_layer_step(c["interleave_moe_layer_step"])
+    w.add_interleave_moe_layer_step(c.get("interleave_moe_layer_step", 1))  # Llama4TextConfig's default
     w.add_expert_feed_forward_length(c["intermediate_size"])
     if "layer_types" in c and all(t == "full_attention" for t in c["layer_types"]):
         w.add_sliding_window(0)

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import phantom
-from family_check import V4, batch, lora_grads, make, peft_step, prepare, rel_err
+from family_check import V4, VOCAB, batch, lora_grads, make, peft_step, prepare, rel_err
 from phantom.arch.config import ConfigError, block_tensor_shapes
 from phantom.arch.family import config_from_hf
 from phantom.files.store import BlockStore
@@ -220,6 +220,29 @@ def test_a_packed_row_equals_its_examples_alone(models):
         with phantom.load(store, offload=offload, prefetch=1, lora=None) as pm, torch.no_grad():
             out = pm(tokens, segments=segments)
         assert rel_err(out[:, :24], refs[0]) < 1e-5 and rel_err(out[:, 24:], refs[1]) < 1e-5, offload
+
+
+def test_scoring_equals_transformers_log_probabilities(models):
+    """lm-eval's loglikelihood on token ids (phantom.train.score): requests of three lengths right-padded into one
+    micro-batch (the hashed layers routed by each row's own ids, the streams mixed by the head's hyper-connection), each
+    continuation's log-probability as transformers' logits give it, resident and streamed; generation, which needs the
+    compressors' cache, is refused in one line."""
+    import phantom
+    from phantom.model.generate import Request, generate_many
+    from phantom.train import score
+    model, store = models("deepseek_v4")
+    gen = torch.Generator().manual_seed(0)
+    requests = [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), torch.randint(0, VOCAB, (m,), generator=gen)
+                 .tolist()) for n, m in ((30, 8), (10, 5), (7, 3))]
+    with torch.no_grad():
+        want = [float(torch.log_softmax(model(torch.tensor([c + x])).logits[0, len(c) - 1:-1], -1)
+                      .gather(1, torch.tensor(x)[:, None]).sum()) for c, x in requests]
+    for offload in ("none", "disk"):
+        with phantom.load(store, offload=offload, prefetch=1, lora=None) as pm:
+            got = score.score(pm, requests, batch_size=3)
+            assert max(abs(g - w) for (g, _), w in zip(got, want)) < 1e-4, (offload, got, want)
+            with pytest.raises(ValueError, match="keeps no cache: generation is not supported"):
+                generate_many(pm, [Request(requests[0][0], 2)])
 
 
 def test_the_hashed_layers_tables_are_stored_exactly(models):

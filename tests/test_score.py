@@ -131,7 +131,7 @@ def test_repeated_and_prefix_inputs_run_once_and_score_as_alone(small_store):
     with phantom.load(small_store, offload="disk", prefetch=1, lora=None) as model:
         rows = []
         real = model.backend.run_micro_batches
-        model.backend.run_micro_batches = lambda batches: rows.extend(h.shape[0] for h, _ in batches) or real(batches)
+        model.backend.run_micro_batches = lambda batches: rows.extend(h.shape[0] for h, *_ in batches) or real(batches)
         got = S.score(model, reqs)
         assert sum(rows) == 4
         for (logp, greedy), (c, x) in zip(got, reqs):

@@ -141,12 +141,14 @@ class ResidentBlocks:
                     ref_carry = C.join(carries)
         return h if reference is None else (h, reference)
 
-    def run_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """Each (h, rope) micro-batch through every block, block by block (causal, no cache, no lanes): the
-        layer-major inference of scoring (phantom.train.score), each micro-batch its own length."""
-        hs, carries = [h for h, _ in batches], [C.start(self.store.cfg) for _ in batches]
+    def run_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each (h, rope, token ids) micro-batch through every block, block by block (causal, no cache, no lanes):
+        the layer-major inference of scoring (phantom.train.score), each micro-batch its own length; the ids start
+        its carry (DeepSeek-V4's hashed layers route by them)."""
+        hs, carries = [h for h, _, _ in batches], [C.start(self.store.cfg, ids) for _, _, ids in batches]
         for block in self.layers:
-            hs = [block(h, rope, **({} if c is None else {"carry": c})) for h, (_, rope), c in zip(hs, batches, carries)]
+            hs = [block(h, rope, **({} if c is None else {"carry": c}))
+                  for h, (_, rope, _), c in zip(hs, batches, carries)]
         return hs
 
     def block_groups(self) -> list[list[nn.Parameter]]:
@@ -213,15 +215,15 @@ class StreamedBlocks:
         carry = C.start(self.store.cfg) if carry is None else carry
         return self.executor(h, rope, trained, caches, start_pos, mask, reference, lanes, carry)
 
-    def run_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """Each (h, rope) micro-batch through every block, each block loaded once for all of them (a wave of
-        phantom.train.score reads the store once, however many requests it holds)."""
-        ex, n, hs = self.executor, len(self.layers), [h for h, _ in batches]
-        carries = [C.start(self.store.cfg) for _ in batches]  # each request's own, set in place block by block
+    def run_micro_batches(self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each (h, rope, token ids) micro-batch through every block, each block loaded once for all of them (a wave
+        of phantom.train.score reads the store once, however many requests it holds)."""
+        ex, n, hs = self.executor, len(self.layers), [h for h, _, _ in batches]
+        carries = [C.start(self.store.cfg, ids) for _, _, ids in batches]  # each one's own, set in place block by block
         self.scheduler.plan(list(range(n)), sum(h.shape[0] * h.shape[1] for h in hs))
         for i in range(n):
             with ex.block_weights(i), ex.first_pass(i):
-                hs = ex.run_rows(i, [(h, rope, None, None, c) for h, (_, rope), c in zip(hs, batches, carries)])
+                hs = ex.run_rows(i, [(h, rope, None, None, c) for h, (_, rope, _), c in zip(hs, batches, carries)])
         return hs
 
     def share(self, layers: nn.ModuleList) -> None:

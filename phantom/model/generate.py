@@ -67,7 +67,11 @@ class Completion:
 
 
 def check(model: PhantomModel, requests: list[Request]) -> None:
-    """Raises ValueError for a request no batch can run: an empty prompt, too long a sequence, bad ids."""
+    """Raises ValueError for a request no batch can run: an empty prompt, too long a sequence, bad ids; any request
+    of a model whose attention keeps no cache (DeepSeek-V4's compressed attention)."""
+    if model.cfg.hc_mult:
+        raise ValueError("DeepSeek-V4's compressed attention keeps no cache: generation is not supported (scoring, "
+                         "which needs none, is)")
     for n, r in enumerate(requests):
         if not r.prompt:
             raise ValueError(f"request {n}: the prompt is empty")

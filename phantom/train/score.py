@@ -115,6 +115,7 @@ def score(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], batch_
         for wave in plan.waves:
             batches = [plan.micro_batches[k] for k in wave]
             hs = model.backend.run_micro_batches([_embedded(model, [carriers[k] for k in rows]) for rows in batches])
+            hs = hs if model.hc_head is None else [model.hc_head(h) for h in hs]  # DeepSeek-V4's streams mixed
             for rows, h in zip(batches, hs):
                 scored = [(r, i) for r, k in enumerate(rows) for i in riders[k]]
                 for (_, i), result in zip(scored, _head(model, h, [(r, *cut[i]) for r, i in scored])):
@@ -150,11 +151,13 @@ def score_documents(model, documents: Sequence[Sequence[int]], prefix: int, batc
     return [sum(next(scores)[0] for _ in ws) for ws in windows]
 
 
-def _embedded(model, inputs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden states, rope) of a micro-batch: its rows right-padded to the first (longest) one's length."""
+def _embedded(model, inputs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden states, rope, token ids) of a micro-batch: its rows right-padded to the first (longest) one's
+    length."""
     T = len(inputs[0])
     tokens = torch.tensor([inp + [0] * (T - len(inp)) for inp in inputs])
-    return model.embed(tokens), model.rope_for(T)[:T]
+    h = model.embed(tokens)
+    return h, model.rope_for(T)[:T], tokens.to(h.device)
 
 
 def _head(model, h: torch.Tensor, rows: list[tuple[int, list[int], list[int]]]) -> list[tuple[float, bool]]:

@@ -46,7 +46,7 @@ RANK = {  # within a package
     "convert": {"checkpoints": 0, "visionlanguage": 0, "hflayout": 1, "convert": 1, "synthetic": 2, "quantstore": 2, "hub": 2, "requant": 2},
     "model": {"lora": 0, "adapterfiles": 1, "heads": 0, "backends": 1, "fullmode": 1, "phantom_model": 2, "generate": 3,
               "adaptermodel": 2},
-    "export": {"gguf_pretok": 0, "gguf_vocab": 1, "gguf_hparams": 0, "gguf_arch": 1, "gguf_export": 2, "gguf_lora": 3,
+    "export": {"gguf_pretok": 0, "gguf_vocab": 1, "gguf_hparams": 0, "gguf_arch": 1, "gguf_export": 2, "gguf_deepseek4": 3, "gguf_lora": 3,
                "export": 4},
     "plan": {"costinputs": 0, "costmodel": 1, "quickslice": 1, "costexperts": 2, "planner": 2, "computetimer": 3,
              "profiles": 4, "tune": 5, "costsweep": 2, "costgen": 2, "gentimer": 4, "costgrpo": 3, "costscore": 1,

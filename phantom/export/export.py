@@ -268,16 +268,32 @@ def hf_side_files(store: BlockStore, dtype: torch.dtype, folder: Path) -> Path:
     return folder
 
 
-def gguf_module():
-    """phantom.export.gguf_export, which needs the optional gguf package (llama.cpp's own writer)."""
+def write_gguf(tmp: Path, store: BlockStore, name: str, parts, adapter, dtype: torch.dtype, outtype: str | None,
+               progress: bool) -> None:
+    """One GGUF file and an Ollama Modelfile into tmp, named from name (the model's folder); DeepSeek-V4's in the
+    checkpoint's own types (phantom.export.gguf_deepseek4: merged in float32, its stored experts read again)."""
+    from phantom.export import gguf_export
+    with tempfile.TemporaryDirectory(prefix="phantom-gguf-") as scratch:  # named as the model: its GGUF name
+        side = hf_side_files(store, dtype, Path(scratch) / name)
+        if not store.cfg.hc_mult:
+            gguf_export.export_gguf(store, tmp, parts, dtype, outtype, side)
+            return
+        from phantom.export import gguf_deepseek4
+        path = gguf_deepseek4.write(tmp, store, merged_parts(store, Path(adapter) if adapter else None, torch.float32,
+                                                             progress), side)
+        (tmp / "Modelfile").write_text(f"FROM ./{path.name}\n")
+
+
+def gguf_module(name: str = "gguf_export"):
+    """phantom.export.gguf_export (or another GGUF module), which needs the optional gguf package (llama.cpp's own
+    writer)."""
     try:
-        from phantom.export import gguf_export
+        return importlib.import_module(f"phantom.export.{name}")
     except ImportError as e:
         if e.name != "gguf":
             raise
         raise ValueError("--format gguf needs the gguf package (llama.cpp's writer): pip install 'phantom[gguf]'") \
             from None
-    return gguf_export
 
 
 def check_format(store: BlockStore, fmt: str, adapter, options: FormatOptions) -> None:
@@ -291,7 +307,10 @@ def check_format(store: BlockStore, fmt: str, adapter, options: FormatOptions) -
         raise ValueError("--outtype is for --format gguf and gguf-lora (hf and meta take --dtype)")
     if fmt == "gguf-lora" and adapter is None:
         raise ValueError("--format gguf-lora writes the adapter alone: give --adapter")
-    if fmt.startswith("gguf"):
+    if fmt == "gguf" and store.cfg.hc_mult:  # DeepSeek-V4: the converter's file of the shipped checkpoint
+        if (why := gguf_module("gguf_deepseek4").refusal(store, outtype)) is not None:
+            raise ValueError(why)
+    elif fmt.startswith("gguf"):
         gguf_module().check_supported(store, outtype)
     visionlanguage.check_export(store, fmt, options.requantize)
     if fmt == "meta" and (fields := meta_unsupported(store.cfg)):
@@ -335,10 +354,7 @@ def export(model: Path | str, out: Path | str, adapter: Path | str | None = None
             from phantom.export.gguf_lora import export_gguf_lora
             export_gguf_lora(store, tmp, Path(adapter), options.outtype, Path(model).resolve().name)
         elif fmt == "gguf":
-            from phantom.export import gguf_export
-            with tempfile.TemporaryDirectory(prefix="phantom-gguf-") as scratch:  # named as the model: its GGUF name
-                side = hf_side_files(store, dtype, Path(scratch) / Path(model).resolve().name)
-                gguf_export.export_gguf(store, tmp, parts, dtype, options.outtype, side)
+            write_gguf(tmp, store, Path(model).resolve().name, parts, adapter, dtype, options.outtype, progress)
         elif fmt == "hf" and options.requantize:
             loras = adapter_loras(store.cfg, Path(adapter)) if adapter else {}
             requant.write_requantized(tmp, store, loras, dtype, options.max_shard_size, progress)

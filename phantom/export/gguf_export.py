@@ -83,9 +83,8 @@ def check_supported(store: BlockStore, outtype: str | None = None) -> Arch:
     if outtype is not None and outtype not in OUTTYPES:
         raise ValueError(f"--outtype must be one of {', '.join(OUTTYPES)}, not {outtype!r}")
     if cfg.hc_mult:  # DeepseekV4ForCausalLM
-        raise ValueError("GGUF export of DeepSeek-V4 is not written: llama.cpp's converter reads DeepSeek-V4 only as "
-                         "the Hub ships it (DeepSeek's names, FP8 beside MXFP4 experts), not a 16-bit export; "
-                         "use --format hf")
+        raise ValueError("a GGUF LoRA adapter of DeepSeek-V4 is not written (llama.cpp's converter writes none for "
+                         "it): export the merged model, --format gguf or hf")
     if cfg.family not in ARCHES:
         raise ValueError(f"GGUF export covers {', '.join(ARCHES)} models; this is a {cfg.family} model: "
                          f"use --format hf (llama.cpp's convert_hf_to_gguf.py reads it)")

@@ -10,7 +10,8 @@ import logging
 
 import gguf
 
-SCORING = {"sigmoid": gguf.ExpertGatingFuncType.SIGMOID, "softmax": gguf.ExpertGatingFuncType.SOFTMAX}
+# scoring_func -> llama.cpp's llama_expert_gating_func_type (sqrtsoftplus: DeepSeek-V4's, which gguf's package lacks)
+SCORING = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
 
 
 def rope_parameters(c: dict) -> dict:
@@ -90,7 +91,7 @@ def text_hparams(w: gguf.GGUFWriter, c: dict, ftype: gguf.LlamaFileType, blocks:
     score = first(c, ("score_function", "scoring_func", "score_func", "moe_router_activation",
                       "moe_router_activation_func"))
     if score is not None:
-        w.add_expert_gating_func(SCORING[score])
+        w.add_uint32(gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=w.arch), SCORING[score])
     if c.get("head_dim") is not None:
         w.add_key_length(c["head_dim"])
         w.add_value_length(c["head_dim"])

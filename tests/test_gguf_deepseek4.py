@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import llama_cpp_runtime, max_rel_err, need, real_tokenizer
+from conftest import llama_cpp, llama_cpp_runtime, max_rel_err, need, real_tokenizer
 from test_convert import load_script
 from test_deepseek_v4 import SHIPPED, prepare_from, ship_v4
 from test_export_gguf import convert, differences, header, read
@@ -66,28 +66,49 @@ def hub_v4(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(the Hub-layout checkpoint, its store, the converter's GGUF of the checkpoint)."""
+    """(the Hub-layout checkpoint, its store, the converter's GGUF of the checkpoint), and the same for a copy named
+    as DeepSeek-V4-Flash-0731 whose tokenizer has no chat template (the file then has llama.cpp's own for it)."""
     root = tmp_path_factory.mktemp("v4")
     ship = hub_v4(root)
-    store = prepare_from(ship, root / "store" / "ship")  # named as the checkpoint: the file's general.name
-    (root / "lc").mkdir()
-    convert([[[], "convert_hf_to_gguf.py", str(ship), "--outfile", str(root / "lc")]])
-    return ship, store, next((root / "lc").glob("*.gguf"))
+    bare = shutil.copytree(ship, root / "ship-0731")
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    out = {}
+    for src in (ship, bare):
+        store = prepare_from(src, root / "store" / src.name)  # named as the checkpoint: the file's general.name
+        (root / f"lc-{src.name}").mkdir()
+        out[src.name] = src, store, root / f"lc-{src.name}"
+    convert([[[], "convert_hf_to_gguf.py", str(src), "--outfile", str(lc)] for src, _, lc in out.values()])
+    return {name: (src, store, next(lc.glob("*.gguf"))) for name, (src, store, lc) in out.items()}
 
 
 def test_the_gguf_is_the_converters_file_of_the_shipped_checkpoint(built, tmp_path):
     """Every byte: the keys (V4's hyper-connection, compression and indexer keys, sqrt(softplus) scoring), the
     hashed layer's table as int32, the experts' FP4 bytes repacked into MXFP4, the FP8 weights as Q8_0, the rest in
     the checkpoint's types, in the converter's order; the file type MXFP4_MOE whatever the store's dtype."""
-    _, store, theirs = built
-    ours = merged_gguf(store, None, tmp_path / "gguf")
-    assert ours.name == theirs.name == "Ship-4x68M-MXFP4_MOE.gguf"
-    assert ours.read_bytes() == theirs.read_bytes(), differences(ours, theirs)[:8]
-    fields, tensors = header(ours)
+    for name, (_, store, theirs) in built.items():
+        ours = merged_gguf(store, None, tmp_path / name)
+        assert ours.name == theirs.name
+        assert ours.read_bytes() == theirs.read_bytes(), differences(ours, theirs)[:8]
+    _, store, theirs = built["ship"]
+    fields, tensors = header(theirs)
     kinds = {name: kind for name, _, kind in tensors}
     assert kinds["blk.0.ffn_gate_tid2eid.weight"] == "I32" and kinds["blk.1.ffn_up_exps.weight"] == "MXFP4"
     assert kinds["blk.1.attn_q_b.weight"] == "Q8_0" and kinds["token_embd.weight"] == "BF16"
     assert fields["deepseek4.expert_gating_func"] == 4 and fields["deepseek4.hash_layer_count"] == 1
+    template = json.loads((built["ship"][0] / "tokenizer_config.json").read_text())["chat_template"]
+    assert list(fields)[:2] == ["general.architecture", "tokenizer.chat_template"]
+    assert fields["tokenizer.chat_template"] == template  # the tokenizer's, in llama.cpp's template's place
+    flash = (llama_cpp() / "models" / "templates" / "deepseek-ai-DeepSeek-V4-Flash-0731.jinja").read_text()
+    assert header(built["ship-0731"][2])[0]["tokenizer.chat_template"] == flash  # a tokenizer without one
+
+
+def test_the_packaged_templates_are_llama_cpps():
+    """phantom's copies of llama.cpp's DeepSeek-V4 chat templates are the pinned release's, byte for byte."""
+    from phantom.export.gguf_deepseek4 import TEMPLATES
+    for name in ("deepseek-ai-DeepSeek-V4.jinja", "deepseek-ai-DeepSeek-V4-Flash-0731.jinja"):
+        assert (TEMPLATES / name).read_bytes() == (llama_cpp() / "models" / "templates" / name).read_bytes()
 
 
 def adapter(store: Path, folder: Path, targets: tuple[str, ...]) -> Path:
@@ -117,7 +138,7 @@ def test_an_adapter_is_merged_in_the_files_types(built, tmp_path):
     values in the attention's Q8_0 weights (within Q8_0's rounding, away from the base ones); a LoRA on the experts
     writes their merged weights quantized by transformers' MXFP4 rule."""
     from phantom.arch.quant import dequantize_mxfp4_into, quantize_mxfp4
-    _, store, _ = built
+    _, store, _ = built["ship"]
     base = {t.name: t for t in read(merged_gguf(store, None, tmp_path / "base")).tensors}
     on_attention = adapter(store, tmp_path / "a", ("q", "kv", "o"))
     m = {t.name: t for t in read(merged_gguf(store, on_attention, tmp_path / "ga")).tensors}
@@ -142,7 +163,7 @@ def test_what_llama_cpps_deepseek4_fixes_is_refused(built):
     import types
     from phantom.export.gguf_deepseek4 import refusal
     from phantom.files.store import BlockStore
-    store = BlockStore(built[1])
+    store = BlockStore(built["ship"][1])
     assert refusal(store, None) is None
     for change, words in [(dict(router_score="sigmoid"), "scores experts by sqrt(softplus)"),
                           (dict(hc_mult=2), "mixes 4 residual streams"),
@@ -155,7 +176,7 @@ def test_what_llama_cpps_deepseek4_fixes_is_refused(built):
 def test_refusals_are_one_line(built, tmp_path, capsys):
     """--outtype (the file keeps the checkpoint's types), a store of a 16-bit V4, a GGUF LoRA adapter of V4."""
     from family_check import make, prepare
-    _, store, _ = built
+    _, store, _ = built["ship"]
     sixteen = prepare(make("deepseek_v4"), tmp_path / "16")
     main = load_script("merge_lora").main
     for args, words in [(["--model", str(store), "--format", "gguf", "--outtype", "q8_0"], "drop --outtype"),
@@ -196,7 +217,7 @@ def test_llama_cpp_computes_the_file_as_transformers_computes_the_checkpoint(bui
     deepseek4 computes this model to 6.5e-6 (notes/gguf-export.md)."""
     llama_cpp = llama_cpp_runtime()
     from test_gguf_llama_cpp import llama_cpp_logits, transformers_logits
-    ship, _, theirs = built
+    ship, _, theirs = built["ship"]
     reference = transformers.AutoModelForCausalLM.from_pretrained(ship, dtype=torch.float32).float().eval()
     rounded = q8_rounded(reference)
     short, long = [1, 5, 9, 2, 17, 33, 4, 8], [(7 * i + 3) % 400 for i in range(200)]

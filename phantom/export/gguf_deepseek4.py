@@ -25,7 +25,7 @@ from phantom.arch import quant
 from phantom.files.hfshards import natural_key
 from phantom.files.store import BlockStore
 from phantom.export.gguf_export import Arch, Planned, add_metadata, file_name, write_rows
-from phantom.export.gguf_hparams import text_hparams
+from phantom.export.gguf_hparams import rewriting, text_hparams
 
 T = gguf.GGMLQuantizationType
 FTYPE = gguf.LlamaFileType.MOSTLY_MXFP4_MOE  # the converter's, whatever --outtype says
@@ -54,6 +54,9 @@ BLOCK = {"attention.sinks": ("attn.attn_sink", "attn_sinks"),
          **{f"feed_forward.shared_expert.{w}.weight": (f"ffn.shared_experts.{w}.weight", f"ffn_{p}_shexp")
             for w, p in (("w1", "gate"), ("w2", "down"), ("w3", "up"))},
          **{f"hc_{s}.{p}": (f"hc_{s}_{p}", f"hc_{s}_{p}") for s in ("attn", "ffn") for p in ("base", "fn", "scale")}}
+# llama.cpp's chat templates for DeepSeek-V4 (its models/templates, MIT: assets/llamacpp/LICENSE), which the
+# converter writes before any key but the architecture, and the tokenizer's own template then replaces in place
+TEMPLATES = Path(__file__).resolve().parent.parent / "assets" / "llamacpp"
 EXPERTS = (("w1", "ffn_gate_exps"), ("w2", "ffn_down_exps"), ("w3", "ffn_up_exps"))  # the converter's order
 TID2EID = "feed_forward.gate.tid2eid"
 EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(w[123])\.weight")
@@ -191,15 +194,24 @@ def expert_rows(store: BlockStore, i: int, merged: dict[str, torch.Tensor], w: s
     return np.stack(out)
 
 
+def default_template(name: str) -> str:
+    """llama.cpp's template the converter writes for a V4 named name: DeepSeek-V4-Flash-0731's where the name says
+    0731, else DeepSeek-V4's."""
+    template = "deepseek-ai-DeepSeek-V4-Flash-0731.jinja" if "0731" in name else "deepseek-ai-DeepSeek-V4.jinja"
+    return (TEMPLATES / template).read_text(encoding="utf-8")
+
+
 def write(out: Path, store: BlockStore, parts, side: Path) -> Path:
     """out/<Name-Size-MXFP4_MOE>.gguf from parts (("embed" | block | "head", store-named tensors merged in
     float32), as export.merged_parts yields them) and the store's stored experts; side: the HF export's config and
     tokenizer files, in a folder named as the model."""
     cfg, planned = store.cfg, plan(store)
     w = gguf.GGUFWriter(path=None, arch=ARCH.file_arch)
+    w.add_chat_template(default_template(side.name))
     for p in planned:
         w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
-    path = out / file_name(add_metadata(w, cfg, ARCH, FTYPE, side), FTYPE)
+    with rewriting():  # the tokenizer's own chat template, where it has one, in the default's place
+        path = out / file_name(add_metadata(w, cfg, ARCH, FTYPE, side), FTYPE)
     w.write_header_to_file(path)
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

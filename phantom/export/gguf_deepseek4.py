@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 
 import gguf
@@ -59,7 +58,6 @@ BLOCK = {"attention.sinks": ("attn.attn_sink", "attn_sinks"),
 TEMPLATES = Path(__file__).resolve().parent.parent / "assets" / "llamacpp"
 EXPERTS = (("w1", "ffn_gate_exps"), ("w2", "ffn_down_exps"), ("w3", "ffn_up_exps"))  # the converter's order
 TID2EID = "feed_forward.gate.tid2eid"
-EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(w[123])\.weight")
 
 
 def refusal(store: BlockStore, outtype: str | None) -> str | None:
@@ -222,21 +220,23 @@ def write(out: Path, store: BlockStore, parts, side: Path) -> Path:
     for p in planned:
         offsets[p.hf_name] = (at, p)
         at += w.ggml_pad(p.nbytes, w.data_alignment)
-    fd = os.open(path, os.O_RDWR)
+    fd, written = os.open(path, os.O_RDWR), set()
     try:
         os.truncate(fd, at)
         for part, tensors in parts:
             for name, t in tensors.items():
-                if EXPERT.fullmatch(name):
-                    continue
+                key = f"{part}:{name}"
                 if name == TID2EID:
                     ids = (t[..., 0].long() * 256 + t[..., 1].long()).to(torch.int32)  # its two base-256 digits
-                    os.pwrite(fd, ids.numpy().tobytes(), offsets[f"{part}:{name}"][0])
-                elif f"{part}:{name}" in offsets:
-                    write_rows(fd, t, *offsets[f"{part}:{name}"])
+                    os.pwrite(fd, ids.numpy().tobytes(), offsets[key][0])
+                elif key in offsets:  # (not a hashed layer's correction bias, which the converter drops)
+                    write_rows(fd, t, *offsets[key])
+                written.add(key)
             for w_, _ in EXPERTS if isinstance(part, int) else ():
                 os.pwrite(fd, expert_rows(store, part, tensors, w_).tobytes(), offsets[f"{part}:{w_}"][0])
+                written.add(f"{part}:{w_}")
             del tensors
+        assert written >= set(offsets), sorted(set(offsets) - written)  # every planned tensor has its bytes
         os.fsync(fd)
     finally:
         os.close(fd)

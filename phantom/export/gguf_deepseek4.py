@@ -23,7 +23,8 @@ import torch
 from phantom.arch import quant
 from phantom.files.hfshards import natural_key
 from phantom.files.store import BlockStore
-from phantom.export.gguf_export import Arch, Planned, add_metadata, file_name, write_rows
+from phantom.export.gguf_export import Arch, Planned, add_metadata, file_name, tensor_nbytes, write_layout, \
+    write_rows
 from phantom.export.gguf_hparams import rewriting, text_hparams
 
 T = gguf.GGMLQuantizationType
@@ -140,24 +141,21 @@ def plain_type(shape: tuple[int, ...], dtype: torch.dtype) -> T:
     return T.F32 if len(shape) < 2 or dtype == torch.float32 else T.BF16
 
 
-def nbytes(shape: tuple[int, ...], qtype: T) -> int:
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    return math.prod(shape) // block * size
-
-
 def plan(store: BlockStore) -> list[Planned]:
     """Every tensor of the file in the converter's order: the hashed layers' tables, each layer's stacked experts,
     then the rest in the natural order of the Hub's names (hf_name: the store's part and name)."""
     cfg, first, rest = store.cfg, [], []
     for i in cfg.hash_layers:
         shape = (cfg.vocab_size, cfg.experts_per_token)
-        first.append(Planned(f"{i}:{TID2EID}", f"blk.{i}.ffn_gate_tid2eid.weight", shape, T.I32, math.prod(shape) * 4))
+        first.append(Planned(f"{i}:{TID2EID}", f"blk.{i}.ffn_gate_tid2eid.weight", shape, T.I32,
+                             tensor_nbytes(shape, T.I32)))
     for i in range(cfg.n_layers):
         specs = {s.name: s for s in store.blocks[i].specs}
         for w, name in EXPERTS:
             stored = tuple(specs[f"feed_forward.experts.0.{w}.weight.blocks"].shape)  # (rows, groups, 16) bytes
             shape = (cfg.n_experts, stored[0], math.prod(stored[1:]) * 2)
-            first.append(Planned(f"{i}:{w}", f"blk.{i}.{name}.weight", shape, T.MXFP4, nbytes(shape, T.MXFP4)))
+            first.append(Planned(f"{i}:{w}", f"blk.{i}.{name}.weight", shape, T.MXFP4,
+                                 tensor_nbytes(shape, T.MXFP4)))
         for name, (hub, gg) in BLOCK.items():
             if name in specs or f"{name}.fp8" in specs:
                 shape = tuple(specs[f"{name}.fp8"].shape if f"{name}.fp8" in specs else specs[name].shape)
@@ -165,13 +163,14 @@ def plan(store: BlockStore) -> list[Planned]:
                 if name == "feed_forward.gate.e_score_correction_bias" and i in cfg.hash_layers:
                     continue  # the converter drops a hashed layer's bias (tid2eid routes it)
                 suffix = ".bias" if name.endswith("bias") else ".weight"
-                rest.append(Planned(f"{i}:{name}", f"blk.{i}.{gg}{suffix}", shape, q, nbytes(shape, q),
+                rest.append(Planned(f"{i}:{name}", f"blk.{i}.{gg}{suffix}", shape, q, tensor_nbytes(shape, q),
                                     natural_key(f"layers.{i}.{hub}")))
     for part in ("embed", "head"):
         for s in (store.embed if part == "embed" else store.head).specs:
             hub, gg = TOP[s.name]
-            q = plain_type(tuple(s.shape), s.dtype)
-            rest.append(Planned(f"{part}:{s.name}", gg, tuple(s.shape), q, nbytes(tuple(s.shape), q), natural_key(hub)))
+            shape = tuple(s.shape)
+            q = plain_type(shape, s.dtype)
+            rest.append(Planned(f"{part}:{s.name}", gg, shape, q, tensor_nbytes(shape, q), natural_key(hub)))
     return first + sorted(rest, key=lambda p: p.order)
 
 
@@ -210,16 +209,7 @@ def write(out: Path, store: BlockStore, parts, side: Path) -> Path:
         w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
     with rewriting():  # the tokenizer's own chat template, where it has one, in the default's place
         path = out / file_name(add_metadata(w, cfg, ARCH, FTYPE, side), FTYPE)
-    w.write_header_to_file(path)
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.fout[0].flush()
-    at = w.ggml_pad(w.fout[0].tell(), w.data_alignment)
-    w.close()
-    offsets = {}
-    for p in planned:
-        offsets[p.hf_name] = (at, p)
-        at += w.ggml_pad(p.nbytes, w.data_alignment)
+    offsets, at = write_layout(w, path, planned)
     fd, written = os.open(path, os.O_RDWR), set()
     try:
         os.truncate(fd, at)

@@ -166,8 +166,7 @@ def plan(cfg: ModelConfig, arch: Arch, qtype: T, embed_rows: int | None) -> list
         for hf_name, (name, t, source) in gguf_tensors(cfg, arch, part, meta, embed_rows).items():
             shape = tuple(t.shape)
             q = tensor_type(name, shape, qtype)
-            block, size = gguf.GGML_QUANT_SIZES[q]
-            out.append(Planned(hf_name, name, shape, q, math.prod(shape) // block * size,
+            out.append(Planned(hf_name, name, shape, q, tensor_nbytes(shape, q),
                                converter_order(hf_name, source, arch, cfg)))
     out.sort(key=lambda p: p.order)
     extra = [Planned("", name, tuple(t.shape), T.F32, t.numel() * 4) for name, t in extra_tensors(cfg).items()]
@@ -244,6 +243,28 @@ def write_rows(fd: int, t: torch.Tensor, offset: int, p: Planned) -> None:
     assert done == p.nbytes, (p, done)
 
 
+def write_layout(w: gguf.GGUFWriter, path: Path, planned: list[Planned]) -> tuple[dict, int]:
+    """w's header, keys and tensor infos into path; ({hf_name (or name): (data offset, Planned)}, the file's end):
+    where each tensor's bytes go, aligned as the writer aligns them."""
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.fout[0].flush()
+    at = w.ggml_pad(w.fout[0].tell(), w.data_alignment)
+    w.close()
+    offsets = {}
+    for p in planned:
+        offsets[p.hf_name or p.name] = (at, p)
+        at += w.ggml_pad(p.nbytes, w.data_alignment)
+    return offsets, at
+
+
+def tensor_nbytes(shape: tuple[int, ...], qtype: T) -> int:
+    """A tensor's bytes in qtype (whole blocks of its last dim)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return math.prod(shape) // block * size
+
+
 def write_gguf(out: Path, cfg: ModelConfig, arch: Arch, parts, outtype: str, folder: Path) -> Path:
     """Write the GGUF file into the folder out from parts ((part, Meta-named tensors), as
     export.merged_parts yields them); folder holds the HF export's config and tokenizer files, named
@@ -255,16 +276,7 @@ def write_gguf(out: Path, cfg: ModelConfig, arch: Arch, parts, outtype: str, fol
     for p in planned:
         w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
     path = out / file_name(add_metadata(w, cfg, arch, ftype, folder), ftype)
-    w.write_header_to_file(path)
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.fout[0].flush()
-    start = w.ggml_pad(w.fout[0].tell(), w.data_alignment)
-    w.close()
-    offsets, at = {}, start
-    for p in planned:
-        offsets[p.hf_name or p.name] = (at, p)
-        at += w.ggml_pad(p.nbytes, w.data_alignment)
+    offsets, at = write_layout(w, path, planned)
     fd = os.open(path, os.O_RDWR)
     try:
         os.truncate(fd, at)  # the padding between tensors: zeros, as the writer pads

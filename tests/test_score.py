@@ -137,3 +137,20 @@ def test_repeated_and_prefix_inputs_run_once_and_score_as_alone(small_store):
         for (logp, greedy), (c, x) in zip(got, reqs):
             ref_logp, ref_greedy = alone(model, c, x)
             assert logp == pytest.approx(ref_logp, abs=1e-4) and greedy == ref_greedy
+
+
+def test_a_micro_batch_carries_its_token_ids_on_the_hidden_states_device():
+    """What scoring asks of a GPU: each micro-batch's token ids (DeepSeek-V4's hashed layers route by them) on the
+    device of its hidden states, rows right-padded with 0 as the hidden states are (a fake device: meta)."""
+    class Model:
+        def embed(self, tokens):
+            return torch.empty(*tokens.shape, 8, device="meta")
+
+        def rope_for(self, n):
+            return torch.zeros(n, 2)
+    h, rope, ids = S._embedded(Model(), [[5, 6, 7], [9]])
+    assert ids.device == h.device == torch.device("meta") and ids.shape == (2, 3) and rope.shape[0] == 3
+    class OnCpu(Model):
+        def embed(self, tokens):
+            return torch.empty(*tokens.shape, 8)
+    assert S._embedded(OnCpu(), [[5, 6, 7], [9]])[2].tolist() == [[5, 6, 7], [9, 0, 0]]
